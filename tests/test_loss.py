@@ -1,0 +1,187 @@
+"""The GRPO loss against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from lora_grpo.loss import AGGREGATIONS, accumulation_scale, grpo_loss, k3_kl
+
+# Two sequences of different lengths: 3 tokens and 1 token, on-policy, beta = 0.
+# Per-token objective is −A: sequence 0 contributes −1 per token, sequence 1 +0.5.
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+ADV = torch.tensor([1.0, -0.5])
+
+
+@pytest.mark.parametrize(
+    "loss_type, kwargs, expected",
+    [
+        ("grpo", {}, (-1.0 + 0.5) / 2),  # per-sequence means −1 and 0.5, then their mean
+        ("bnpo", {}, (-3.0 + 0.5) / 4),  # token sum over the 4 tokens of the micro-batch
+        ("dapo", {"num_tokens": 8}, (-3.0 + 0.5) / 8),  # token sum over the generation batch's 8 tokens
+        ("dr_grpo", {"max_completion_length": 3}, (-3.0 + 0.5) / (2 * 3)),  # sequences × max length
+    ],
+)
+def test_loss_types_hand_computed(loss_type, kwargs, expected):
+    logp = torch.log(torch.full((2, 3), 0.5))
+    loss, _ = grpo_loss(logp, None, None, ADV, MASK, loss_type=loss_type, **kwargs)
+    assert loss.item() == pytest.approx(expected, abs=1e-7)
+
+
+def test_four_loss_types_give_four_numbers():
+    logp = torch.zeros(2, 3)
+    values = {
+        lt: grpo_loss(logp, None, None, ADV, MASK, loss_type=lt, num_tokens=8, max_completion_length=3)[0].item()
+        for lt in AGGREGATIONS
+    }
+    assert len({round(v, 6) for v in values.values()}) == 4, values
+
+
+def test_dapo_defaults_to_micro_batch_token_count():
+    logp = torch.zeros(2, 3)
+    loss, _ = grpo_loss(logp, None, None, ADV, MASK, loss_type="dapo")
+    assert loss.item() == pytest.approx(-2.5 / 4)
+
+
+def test_dr_grpo_requires_max_completion_length():
+    with pytest.raises(ValueError, match="max_completion_length"):
+        grpo_loss(torch.zeros(2, 3), None, None, ADV, MASK, loss_type="dr_grpo")
+
+
+def test_clipping_both_sides_with_clip_higher():
+    # One token per sequence; bnpo = plain mean over the five tokens.
+    eps_low, eps_high = 0.2, 0.28
+    ratios = torch.tensor([1.5, 0.5, 0.5, 1.5, 1.2])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
+    old = torch.zeros(5, 1)
+    logp = torch.log(ratios).unsqueeze(1).requires_grad_(True)
+    mask = torch.ones(5, 1)
+    loss, m = grpo_loss(logp, old, None, adv, mask, loss_type="bnpo", epsilon_low=eps_low, epsilon_high=eps_high)
+    # Token objectives −min(ρA, clip(ρ)A):
+    #   ρ=1.5, A=+1 → −min(1.5, 1.28) = −1.28  (clipped high)
+    #   ρ=0.5, A=−1 → −min(−0.5, −0.8) = 0.8   (clipped low)
+    #   ρ=0.5, A=+1 → −min(0.5, 0.8)   = −0.5  (not clipped: the pessimistic branch)
+    #   ρ=1.5, A=−1 → −min(−1.5, −1.28) = 1.5  (not clipped)
+    #   ρ=1.2, A=+1 → −1.2                    (inside the region)
+    per_token = [-1.28, 0.8, -0.5, 1.5, -1.2]
+    assert loss.item() == pytest.approx(sum(per_token) / 5, abs=1e-6)
+    loss.backward()
+    # Clipped tokens carry no gradient; the others −ρA/5 (d ρ / d logp = ρ).
+    expected_grad = torch.tensor([0.0, 0.0, -0.5, 1.5, -1.2]).unsqueeze(1) / 5
+    torch.testing.assert_close(logp.grad, expected_grad, rtol=0, atol=1e-6)
+    assert m["clip_ratio/high"] == pytest.approx(1 / 5)
+    assert m["clip_ratio/low"] == pytest.approx(1 / 5)
+    assert m["clip_ratio/region"] == pytest.approx(2 / 5)
+    assert m["ratio"] == pytest.approx(ratios.mean().item(), abs=1e-6)
+
+
+def test_k3_against_formula():
+    logp = torch.tensor([-1.0, -0.5, -2.0])
+    ref = torch.tensor([-2.0, -0.5, -1.0])
+    expected = [math.exp(-1) + 1 - 1, 0.0, math.exp(1) - 1 - 1]
+    torch.testing.assert_close(k3_kl(logp, ref), torch.tensor(expected), rtol=0, atol=1e-6)
+
+
+def test_kl_term_value_and_metric():
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-2.0, -1.0]])
+    mask = torch.ones(1, 2)
+    beta = 0.1
+    loss, m = grpo_loss(logp, None, ref, torch.zeros(1), mask, beta=beta, loss_type="bnpo")
+    k = [math.exp(-1), math.exp(1) - 2]
+    assert m["kl"] == pytest.approx(sum(k) / 2, abs=1e-6)
+    assert loss.item() == pytest.approx(beta * sum(k) / 2, abs=1e-6)
+
+
+def test_kl_ratio_correction_off_policy_value_and_on_policy_gradient():
+    ref = torch.tensor([[-2.0]])
+    old = torch.tensor([[-1.3]])
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    mask = torch.ones(1, 1)
+    # Off-policy: value is ρ·k3 with ρ = exp(−1 − (−1.3)).
+    rho, k3 = math.exp(0.3), math.exp(-1) + 1 - 1
+    loss, _ = grpo_loss(logp, old, ref, torch.zeros(1), mask, beta=1.0, loss_type="bnpo")
+    assert loss.item() == pytest.approx(rho * k3, abs=1e-6)
+    loss, _ = grpo_loss(logp, old, ref, torch.zeros(1), mask, beta=1.0, loss_type="bnpo", kl_ratio_correction=False)
+    assert loss.item() == pytest.approx(k3, abs=1e-6)
+    # On-policy: same value as plain k3, gradient gains k3 (d/dlogp of ρ·k3 at ρ = 1 is dk3 + k3).
+    grads = {}
+    for corr in (True, False):
+        lp = torch.tensor([[-1.0]], requires_grad=True)
+        loss, _ = grpo_loss(lp, None, ref, torch.zeros(1), mask, beta=1.0, loss_type="bnpo", kl_ratio_correction=corr)
+        assert loss.item() == pytest.approx(k3, abs=1e-6)
+        loss.backward()
+        grads[corr] = lp.grad.item()
+    dk3 = 1 - math.exp(-1)  # d/dlogp [exp(ref−logp) − (ref−logp) − 1]
+    assert grads[False] == pytest.approx(dk3, abs=1e-6)
+    assert grads[True] == pytest.approx(dk3 + k3, abs=1e-6)
+
+
+def test_sequence_importance_sampling_gspo():
+    # Sequence 0: log-ratios 0.1 and 0.3 → ρ = exp(0.2) on both tokens; padding token ignored.
+    old = torch.zeros(1, 3)
+    logp = torch.tensor([[0.1, 0.3, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, m = grpo_loss(
+        logp, old, None, torch.tensor([1.0]), mask, loss_type="bnpo", importance_sampling="sequence",
+        epsilon_low=0.5, epsilon_high=0.5,
+    )
+    assert loss.item() == pytest.approx(-math.exp(0.2), abs=1e-6)
+    assert m["ratio"] == pytest.approx(math.exp(0.2), abs=1e-6)
+    tok_loss, _ = grpo_loss(logp, old, None, torch.tensor([1.0]), mask, loss_type="bnpo", epsilon_low=0.5, epsilon_high=0.5)
+    assert tok_loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(0.3)) / 2, abs=1e-6)
+
+
+def test_beta_zero_accepts_no_reference_and_nonzero_requires_it():
+    loss, m = grpo_loss(torch.zeros(2, 3), None, None, ADV, MASK, beta=0.0)
+    assert m["kl"] == 0.0 and torch.isfinite(loss)
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_loss(torch.zeros(2, 3), None, None, ADV, MASK, beta=0.04)
+
+
+def test_unknown_variants_rejected():
+    with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
+        grpo_loss(torch.zeros(2, 3), None, None, ADV, MASK, loss_type="ppo")
+    with pytest.raises(ValueError, match="unknown importance_sampling"):
+        grpo_loss(torch.zeros(2, 3), None, None, ADV, MASK, importance_sampling="seq")
+
+
+@pytest.mark.parametrize("loss_type", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+@pytest.mark.parametrize("kl_ratio_correction", [True, False])
+def test_gradient_matches_finite_differences(loss_type, importance_sampling, kl_ratio_correction):
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 4
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    # Stay strictly inside the clip region so the objective is smooth where it is probed.
+    logp = (old + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 0.1).requires_grad_(True)
+    ref = old + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.float64)
+
+    def f(lp):
+        return grpo_loss(
+            lp, old, ref, adv, mask, loss_type=loss_type, beta=0.3, max_completion_length=T, num_tokens=9,
+            importance_sampling=importance_sampling, kl_ratio_correction=kl_ratio_correction,
+        )[0]
+
+    assert torch.autograd.gradcheck(f, (logp,), eps=1e-6, atol=1e-7)
+
+
+def test_accumulation_scale_makes_micro_batches_sum_to_the_full_loss():
+    g = torch.Generator().manual_seed(1)
+    B, T = 4, 5
+    logp = -torch.rand(B, T, generator=g)
+    old = logp + 0.05 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    for lt in ["grpo", "dapo", "dr_grpo"]:  # bnpo is per-micro-batch by definition
+        kw = dict(loss_type=lt, max_completion_length=T, num_tokens=mask.sum().item())
+        full = grpo_loss(logp, old, None, adv, mask, **kw)[0]
+        parts = sum(
+            grpo_loss(logp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], **kw)[0]
+            * accumulation_scale(lt, 2, B, 2)
+            for i in (0, 2)
+        )
+        assert parts.item() == pytest.approx(full.item(), abs=1e-6), lt
