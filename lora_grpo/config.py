@@ -1,0 +1,280 @@
+"""GRPOConfig: one typed dataclass, the single source of truth for a run.
+
+Every field has a one-line help (the `help` metadata). The CLI's `--set key=value` and the YAML
+recipes use the same names; `GRPOConfig.from_yaml` rejects unknown keys. Validation runs at
+construction and names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+QUANTIZATIONS = ("none", "8bit", "4bit")
+SYNC_MODES = ("exact", "factors")
+SCALES = ("group", "batch", "none")
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
+SCHEDULERS = ("constant", "linear", "cosine")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+@dataclass
+class GRPOConfig:
+    # --- model -------------------------------------------------------------------------------
+    model_name_or_path: str | None = _f(None, "hub id or local path of the base causal LM; 'toy' builds the offline toy base")
+    tokenizer_name_or_path: str | None = _f(None, "tokenizer to load (default: model_name_or_path)")
+    quantization: str = _f("none", "base model quantization: none | 8bit | 4bit (bitsandbytes; 4bit = QLoRA)")
+    bnb_4bit_quant_type: str = _f("nf4", "4-bit data type: nf4 | fp4")
+    bnb_4bit_use_double_quant: bool = _f(True, "quantize the 4-bit quantization constants too (saves ~0.4 bit/param)")
+    torch_dtype: str = _f("auto", "dtype of the unquantized weights and 4-bit compute: auto | float32 | bfloat16 | float16")
+    trust_remote_code: bool = _f(False, "allow custom model code from the hub")
+    attn_implementation: str | None = _f(None, "attention kernel (e.g. sdpa, flash_attention_2); None = transformers' default")
+    # --- policy adapter ----------------------------------------------------------------------
+    lora_r: int = _f(16, "rank of the policy LoRA adapter")
+    lora_alpha: float = _f(32, "LoRA alpha of the policy adapter (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA)")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA input (0 keeps rollout and training log-probs consistent)")
+    lora_target_modules: Any = _f("all-linear", "modules that get LoRA: 'all-linear' or a list of module names")
+    use_rslora: bool = _f(False, "rank-stabilised LoRA scaling alpha / sqrt(r)")
+    init_adapter: str | None = _f(None, "a saved peft LoRA adapter to warm-start the policy (and the initial reference)")
+    # --- reference slot and iterative GRPO ---------------------------------------------------
+    ref_rank: int | None = _f(None, "rank of the reference slot (default 2 × lora_r for 'exact', lora_r for 'factors')")
+    ref_sync_steps: int = _f(0, "sync the reference to the policy every N optimizer steps (0 = off)")
+    ref_sync_every_epoch: bool = _f(False, "sync the reference at every epoch boundary (DeepSeekMath iterative RL)")
+    ref_sync_kl: float | None = _f(None, "adaptive: sync when the step's mean KL to the reference exceeds this")
+    ref_sync_alpha: float = _f(1.0, "sync mix: ref ← alpha·policy + (1−alpha)·ref; 1 = hard copy")
+    ref_sync_mode: str = _f("exact", "exact (weight-space mix, recompressed to ref_rank) | factors (blend A and B separately; approximate)")
+    # --- data --------------------------------------------------------------------------------
+    dataset: str | None = _f(None, "training prompts: a hub dataset name or a local json/jsonl/csv/parquet file or saved dataset dir; 'toy' = the offline arithmetic task")
+    dataset_split: str = _f("train", "split of `dataset` to use")
+    eval_dataset: str | None = _f(None, "held-out prompts for evaluation (same formats as `dataset`)")
+    eval_split: str = _f("test", "split of `eval_dataset` to use")
+    prompt_column: str = _f("prompt", "column holding the prompt text (or a list of chat messages)")
+    messages_column: str = _f("messages", "column holding chat messages, rendered with the tokenizer's chat template")
+    prompt_template: str | None = _f(None, "a Python format string over the row's columns, e.g. 'Q: {question}\\nA:'")
+    system_prompt: str | None = _f(None, "system message prepended to chat prompts")
+    # --- rewards -----------------------------------------------------------------------------
+    reward_funcs: list = _f([], "reward functions: built-in names (format, accuracy, soft_overlong, length) or dotted paths 'pkg.module:fn'")
+    reward_weights: list | None = _f(None, "one weight per reward function (default all 1)")
+    # --- generation --------------------------------------------------------------------------
+    num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
+    prompts_per_step: int = _f(8, "prompts per optimizer step, each sampled num_generations times")
+    generation_batch_size: int | None = _f(None, "alternatively, sequences per step; must be divisible by num_generations")
+    max_prompt_length: int | None = _f(512, "prompts longer than this keep their last tokens (with a warning); None = no limit")
+    max_completion_length: int = _f(256, "maximum new tokens per completion")
+    temperature: float = _f(1.0, "sampling temperature (also divides the logits in the loss)")
+    top_p: float = _f(1.0, "nucleus sampling threshold (1 = off)")
+    top_k: int = _f(0, "top-k sampling (0 = off)")
+    min_p: float = _f(0.0, "min-p sampling (0 = off)")
+    repetition_penalty: float = _f(1.0, "CTRL repetition penalty (1 = off)")
+    # --- loss --------------------------------------------------------------------------------
+    beta: float = _f(0.04, "weight of the k3 KL penalty to the reference (0 = no reference forward)")
+    loss_type: str = _f("dapo", "token aggregation: grpo | bnpo | dapo | dr_grpo")
+    epsilon_low: float = _f(0.2, "lower clip: ratio ≥ 1 − epsilon_low")
+    epsilon_high: float = _f(0.28, "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025)")
+    scale_rewards: str = _f("group", "advantage scaling: group | batch | none (Dr. GRPO)")
+    importance_sampling: str = _f("token", "ratio per token, or per sequence (GSPO)")
+    kl_ratio_correction: bool = _f(True, "multiply k3 by pi/pi_old (unbiased KL gradient, DeepSeek-V3.2)")
+    mask_truncated_completions: bool = _f(False, "exclude completions without EOS from the loss")
+    num_iterations: int = _f(1, "optimizer passes over each generation batch (>1 uses old log-probs and clipping)")
+    logprob_chunk_size: int = _f(1024, "tokens per chunk through the LM head when computing log-probs")
+    # --- optimisation ------------------------------------------------------------------------
+    learning_rate: float = _f(2e-5, "peak learning rate of the policy adapter")
+    optimizer: str = _f("adamw", "adamw | adamw_8bit | paged_adamw_8bit (bitsandbytes)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.99, "AdamW beta2")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
+    lr_scheduler: str = _f("constant", "constant | linear | cosine (after warmup)")
+    warmup_steps: int = _f(0, "linear warmup steps")
+    micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the step)")
+    gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
+    max_steps: int = _f(100, "optimizer steps to run (0 = run num_epochs)")
+    num_epochs: int = _f(1, "epochs over the prompts when max_steps = 0")
+    # --- run ---------------------------------------------------------------------------------
+    output_dir: str = _f("runs/grpo", "run directory: config, metrics.jsonl, checkpoints, final adapter")
+    save_steps: int = _f(50, "checkpoint every N steps (0 = only at the end)")
+    save_total_limit: int = _f(2, "keep at most this many checkpoints")
+    resume_from_checkpoint: str | None = _f(None, "a checkpoint dir, or 'latest' in output_dir")
+    logging_steps: int = _f(1, "print metrics every N steps")
+    eval_steps: int = _f(0, "evaluate on eval_dataset every N steps (0 = only at the start and end)")
+    seed: int = _f(42, "random seed (sampling, data order, adapter init)")
+
+    # -----------------------------------------------------------------------------------------
+    def __post_init__(self):
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size % self.num_generations != 0:
+                raise ConfigError(
+                    f"generation_batch_size={self.generation_batch_size} is not divisible by "
+                    f"num_generations={self.num_generations}: each prompt's whole group must be in the batch. "
+                    "Set generation_batch_size to a multiple of num_generations, or set prompts_per_step instead."
+                )
+            self.prompts_per_step = self.generation_batch_size // self.num_generations
+        if self.ref_rank is None:
+            self.ref_rank = self.lora_r if self.ref_sync_mode == "factors" else 2 * self.lora_r
+        if isinstance(self.lora_target_modules, tuple):
+            self.lora_target_modules = list(self.lora_target_modules)
+        self.validate()
+
+    def validate(self) -> None:
+        def choice(name, options):
+            value = getattr(self, name)
+            if value not in options:
+                close = difflib.get_close_matches(str(value), options, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"{name}={value!r} is not one of {list(options)}{hint}")
+
+        def positive(name, allow_zero=False):
+            value = getattr(self, name)
+            if value < 0 or (value == 0 and not allow_zero):
+                raise ConfigError(f"{name}={value} must be {'≥ 0' if allow_zero else '> 0'}")
+
+        if not self.model_name_or_path:
+            raise ConfigError("model_name_or_path is required: a hub id, a local model dir, or 'toy'")
+        for name, options in [
+            ("quantization", QUANTIZATIONS), ("loss_type", LOSS_TYPES), ("ref_sync_mode", SYNC_MODES),
+            ("scale_rewards", SCALES), ("optimizer", OPTIMIZERS), ("lr_scheduler", SCHEDULERS),
+            ("torch_dtype", DTYPES), ("bnb_4bit_quant_type", ("nf4", "fp4")),
+            ("importance_sampling", ("token", "sequence")),
+        ]:
+            choice(name, options)
+        for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length",
+                     "micro_batch_size", "num_iterations", "logprob_chunk_size", "learning_rate", "num_epochs"]:
+            positive(name)
+        for name in ["ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
+                     "max_grad_norm", "beta", "temperature", "top_k", "min_p", "epsilon_low", "epsilon_high"]:
+            positive(name, allow_zero=True)
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"num_generations={self.num_generations}: GRPO compares completions within a group, so it needs "
+                "at least 2 per prompt (4–16 is typical)"
+            )
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be ≥ 1 or None (no limit)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.epsilon_low >= 1:
+            raise ConfigError(f"epsilon_low={self.epsilon_low} must be < 1 (the ratio's lower clip is 1 − epsilon_low)")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        # Reference slot.
+        if not 0 < self.ref_sync_alpha <= 1:
+            raise ConfigError(
+                f"ref_sync_alpha={self.ref_sync_alpha} must be in (0, 1]: 1 copies the policy, smaller values mix "
+                "ref ← alpha·policy + (1−alpha)·ref"
+            )
+        if self.ref_sync_kl is not None and self.ref_sync_kl <= 0:
+            raise ConfigError(f"ref_sync_kl={self.ref_sync_kl} must be > 0 (a KL threshold) or None")
+        if self.sync_enabled and self.beta == 0:
+            raise ConfigError(
+                "reference sync is configured (ref_sync_steps / ref_sync_every_epoch / ref_sync_kl) but beta = 0, "
+                "so no reference is used: set beta > 0 or turn the sync off"
+            )
+        if self.ref_rank < self.lora_r:
+            if self.ref_sync_alpha == 1:
+                raise ConfigError(
+                    f"ref_rank={self.ref_rank} < lora_r={self.lora_r} with ref_sync_alpha=1: a hard copy of the "
+                    "policy needs ref_rank ≥ lora_r"
+                )
+        if self.ref_sync_mode == "factors" and self.ref_rank != self.lora_r:
+            raise ConfigError(
+                f"ref_sync_mode='factors' blends A and B name by name, so ref_rank ({self.ref_rank}) must equal "
+                f"lora_r ({self.lora_r}); use ref_sync_mode='exact' for a reference slot of another rank"
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs) and self.reward_funcs:
+            raise ConfigError(
+                f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}: "
+                "give one weight per reward function"
+            )
+
+    # -----------------------------------------------------------------------------------------
+    @property
+    def sync_enabled(self) -> bool:
+        return self.ref_sync_steps > 0 or self.ref_sync_every_epoch or self.ref_sync_kl is not None
+
+    @property
+    def generation_batch(self) -> int:
+        """Sequences sampled per optimizer step (prompts_per_step × num_generations)."""
+        return self.prompts_per_step * self.num_generations
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> "GRPOConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, known, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(f"unknown key(s) in {source}: {', '.join(hints)}. `lora-grpo train --help-config` lists the fields.")
+        # YAML 1.1 reads "1e-4" as a string: strings go through the same typed parser as --set.
+        values = {k: cls.parse_value(k, v) if isinstance(v, str) else v for k, v in values.items()}
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "GRPOConfig":
+        text = Path(path).read_text()
+        values = yaml.safe_load(text) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: a recipe is a mapping of config fields to values, got {type(values).__name__}")
+        values.update(overrides or {})
+        return cls.from_dict(values, source=str(path))
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def parse_value(cls, key: str, raw: str) -> Any:
+        """Parse a `--set key=value` string with YAML rules, checked against the field's type."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise ConfigError(f"unknown config field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        expected = typing.get_type_hints(cls)[key]
+        optional = typing.get_origin(expected) in (typing.Union, types.UnionType) and type(None) in typing.get_args(expected)
+        if optional:
+            if raw.strip().lower() in ("null", "none", "~", ""):
+                return None
+            expected = next(a for a in typing.get_args(expected) if a is not type(None))
+        if expected is str:
+            return raw
+        try:
+            if expected is bool:
+                value = yaml.safe_load(raw)
+                if not isinstance(value, bool):
+                    raise ValueError
+                return value
+            if expected is int:
+                return int(raw)
+            if expected is float:
+                return float(raw)  # YAML 1.1 reads "1e-4" as a string; float() does not
+        except ValueError:
+            raise ConfigError(f"--set {key}={raw}: expected {expected.__name__}") from None
+        return yaml.safe_load(raw)

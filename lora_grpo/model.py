@@ -1,0 +1,264 @@
+"""Load the base model (none / 8-bit / 4-bit), attach the "policy" and "reference" adapters.
+
+    policy    = base + ΔW_policy      trainable
+    reference = base + ΔW_ref         frozen; changed only by reference.sync_reference
+
+Both adapters sit on the one frozen base. `reference_forward(model)` switches to the reference
+for a no-grad forward and back without changing any requires_grad flag (peft's set_adapter marks
+the adapter it activates trainable and every other one frozen; we undo that).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import GRPOConfig
+
+logger = logging.getLogger(__name__)
+
+POLICY, REFERENCE = "policy", "reference"
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def resolve_model_path(config: GRPOConfig) -> str:
+    if config.model_name_or_path == "toy":
+        from .toy import ensure_toy_base
+
+        return ensure_toy_base(seed=config.seed)
+    return config.model_name_or_path
+
+
+def quantization_config(config: GRPOConfig, dtype: torch.dtype):
+    if config.quantization == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if config.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=config.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=config.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def load_tokenizer(config: GRPOConfig, model_path: str | None = None):
+    from transformers import AutoTokenizer
+
+    path = config.tokenizer_name_or_path or model_path or resolve_model_path(config)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Completions are masked by length, so reusing EOS as padding is safe.
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_base_model(config: GRPOConfig, model_path: str | None = None, device_map=None) -> nn.Module:
+    """The frozen base causal LM, quantized as configured."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(config.torch_dtype)
+    kwargs = {}
+    if config.attn_implementation:
+        kwargs["attn_implementation"] = config.attn_implementation
+    qconfig = quantization_config(config, dtype)
+    if qconfig is not None:
+        kwargs["quantization_config"] = qconfig
+        if device_map is None and torch.cuda.is_available():
+            device_map = {"": torch.cuda.current_device()}
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path or resolve_model_path(config),
+        dtype=dtype,
+        device_map=device_map,
+        trust_remote_code=config.trust_remote_code,
+        **kwargs,
+    )
+    model.requires_grad_(False)
+    model.config.use_cache = False  # the training forward never needs a cache; rollout asks for one
+    return model
+
+
+def lora_config(config: GRPOConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.lora_target_modules,
+        use_rslora=config.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def reference_lora_config(policy_config, ref_rank: int):
+    """The reference slot: same target modules as the policy, its own rank, scaling 1, no dropout."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=ref_rank,
+        lora_alpha=ref_rank,  # scaling = 1: the slot's factors hold ΔW_ref directly
+        lora_dropout=0.0,
+        target_modules=sorted(policy_config.target_modules)
+        if isinstance(policy_config.target_modules, (set, list))
+        else policy_config.target_modules,
+        exclude_modules=policy_config.exclude_modules,
+        layers_to_transform=policy_config.layers_to_transform,
+        bias="none",
+        task_type="CAUSAL_LM",
+        init_lora_weights=True,  # B = 0; overwritten by the initial copy of the policy
+    )
+
+
+def attach_adapters(base: nn.Module, config: GRPOConfig) -> nn.Module:
+    """Wrap the base in a peft model with the trainable "policy" and frozen "reference" adapters.
+
+    The initial reference is an exact copy of the initial policy: the base itself for a fresh
+    LoRA (ΔW = 0), the warm-start adapter when `init_adapter` is given.
+    """
+    from peft import PeftModel, get_peft_model
+
+    from .reference import check_syncable, sync_reference
+
+    if config.init_adapter:
+        model = PeftModel.from_pretrained(base, config.init_adapter, adapter_name=POLICY, is_trainable=True)
+        loaded = model.peft_config[POLICY]
+        if loaded.r != config.lora_r:
+            logger.warning("init_adapter has rank %d; config lora_r=%d is ignored", loaded.r, config.lora_r)
+    else:
+        model = get_peft_model(base, lora_config(config), adapter_name=POLICY, autocast_adapter_dtype=True)
+    policy_rank = model.peft_config[POLICY].r
+    if config.ref_rank < policy_rank and (config.init_adapter or config.ref_sync_alpha == 1):
+        raise ValueError(
+            f"ref_rank={config.ref_rank} is below the policy adapter's rank {policy_rank}: the reference slot could "
+            "not hold an exact copy of the policy. Set ref_rank ≥ the policy rank (default 2 × lora_r)."
+        )
+    if config.ref_sync_mode == "factors" and config.ref_rank != policy_rank:
+        raise ValueError(
+            f"ref_sync_mode='factors' needs ref_rank == the policy rank ({policy_rank}), got {config.ref_rank}"
+        )
+    model.add_adapter(REFERENCE, reference_lora_config(model.peft_config[POLICY], config.ref_rank))
+    model.set_adapter(POLICY)
+    # Adapter weights in float32 (peft does this for the policy; do it for the slot too), so that
+    # syncs and the optimizer work at full precision whatever the base dtype.
+    for name, param in model.named_parameters():
+        if f".{REFERENCE}." in name or f".{POLICY}." in name:
+            param.data = param.data.float()
+        param.requires_grad_(f".{POLICY}." in name)
+    check_syncable(model)
+    sync_reference(model, alpha=1.0)  # the initial reference = the initial policy, exactly
+    return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    # Non-reentrant checkpointing needs no input-requires-grad hook and works on 4-bit bases.
+    kwargs = {"use_reentrant": False}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers ≥ 5.x name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def load_model(config: GRPOConfig, device_map=None):
+    """Base + both adapters, and the tokenizer: what the trainer trains. Returns (model, tokenizer)."""
+    path = resolve_model_path(config)
+    tokenizer = load_tokenizer(config, path)
+    base = load_base_model(config, path, device_map=device_map)
+    model = attach_adapters(base, config)
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model, tokenizer
+
+
+def policy_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for n, p in model.named_parameters() if f".{POLICY}." in n and p.requires_grad]
+
+
+def adapter_parameters(model: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if f".{adapter}." in n}
+
+
+@contextmanager
+def use_adapter(model: nn.Module, adapter: str):
+    """Run the block with `adapter` active, then restore the previous adapter and every requires_grad flag."""
+    previous = model.active_adapter
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    model.set_adapter(adapter)
+    try:
+        yield model
+    finally:
+        model.set_adapter(previous)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+@contextmanager
+def reference_forward(model: nn.Module):
+    """No-grad forward through the reference adapter: `with reference_forward(model): model(...)`."""
+    with use_adapter(model, REFERENCE), torch.no_grad():
+        yield model
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Move a finished directory into place so that a reader sees the old one or the new one, whole."""
+    if target.exists():
+        old = target.with_name(target.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, target)
+
+
+def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> Path:
+    """Save one adapter as a standard peft adapter dir (loadable by PeftModel.from_pretrained), atomically."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        state = get_peft_model_state_dict(model, adapter_name=adapter)
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
+        model.peft_config[adapter].save_pretrained(str(tmp))
+        (tmp / "lora_grpo.json").write_text(json.dumps({"adapter": adapter}))
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str) -> None:
+    """Load weights saved by save_adapter into the existing adapter `adapter` (for resume)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(path) / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, state, adapter_name=adapter)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"{path}: {len(unexpected)} unexpected keys for adapter {adapter!r}, e.g. {unexpected[:3]}")

@@ -1,0 +1,171 @@
+"""Syncing the reference slot to the policy: iterative GRPO for the price of the adapter tensors.
+
+Modes (alpha in (0, 1]; alpha = 1 is an exact copy in both):
+
+- "exact": ΔW_ref ← α·ΔW_policy + (1−α)·ΔW_ref in weight space. The mix is a low-rank matrix
+  L·R with L = [√α·s_p·B_p | √(1−α)·s_r·B_r] (out, k) and R = [√α·A_p ; √(1−α)·A_r] (k, in),
+  k = r_p + r_r. With L = Q_L·R_L and Rᵀ = Q_R·R_R (thin QR), L·R = Q_L·(R_L·R_Rᵀ)·Q_Rᵀ, so the
+  SVD of the small k × k core gives the SVD of the mix; the top r_ref directions are kept. The
+  relative Frobenius norm of what was dropped, √(Σ_{i>r} σ_i²) / √(Σ σ_i²), is reported.
+- "factors": A_ref ← α·A_p + (1−α)·A_ref and B_ref ← α·(s_p/s_r)·B_p + (1−α)·B_ref, name by name.
+  This is what a parameter EMA does, and it is NOT a weight-space mix: the product of blended
+  factors has cross terms α(1−α)(B_p·A_r + B_r·A_p). Cheap, approximate; never the default.
+
+Each adapter's scaling (lora_alpha / r, or / √r with rsLoRA) is folded into the factors.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .model import POLICY, REFERENCE
+
+
+def lora_layers(model: nn.Module, adapters=(POLICY, REFERENCE)) -> list[tuple[str, nn.Module]]:
+    """Every LoRA layer that carries all of `adapters`."""
+    from peft.tuners.lora import LoraLayer
+
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and all(a in module.lora_A for a in adapters)
+    ]
+
+
+def check_syncable(model: nn.Module, policy: str = POLICY, reference: str = REFERENCE) -> None:
+    """Refuse adapters that a sync would only half copy: DoRA, trained biases, modules_to_save, embeddings."""
+    from peft.tuners.lora import LoraLayer
+
+    cfg = model.peft_config[policy]
+    problems = []
+    if getattr(cfg, "use_dora", False):
+        problems.append("DoRA (use_dora=True): its magnitude vector is not part of ΔW = B·A")
+    if getattr(cfg, "bias", "none") != "none" or getattr(cfg, "lora_bias", False):
+        problems.append(f"trained biases (bias={cfg.bias!r}, lora_bias={getattr(cfg, 'lora_bias', False)})")
+    if getattr(cfg, "modules_to_save", None):
+        problems.append(f"modules_to_save={cfg.modules_to_save}: fully trained modules outside the LoRA factors")
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and policy in getattr(module, "lora_embedding_A", {}):
+            problems.append(f"an embedding LoRA at {name}")
+            break
+    if problems:
+        raise ValueError(
+            "the policy adapter cannot be synced into the reference slot exactly: "
+            + "; ".join(problems)
+            + ". Use a plain LoRA adapter (no DoRA, bias='none', no modules_to_save, linear targets only)."
+        )
+    missing = [n for n, m in lora_layers(model, (policy,)) if reference not in m.lora_A]
+    if missing:
+        raise ValueError(f"the reference slot does not cover every policy LoRA layer, e.g. {missing[:3]}")
+
+
+def _factors(module: nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    return module.lora_B[adapter].weight, module.lora_A[adapter].weight, float(module.scaling[adapter])
+
+
+def delta_weight(module: nn.Module, adapter: str) -> torch.Tensor:
+    """Dense ΔW = scaling · B · A (out, in), float32."""
+    B, A, s = _factors(module, adapter)
+    return s * (B.float() @ A.float())
+
+
+def exact_mix(B_p, A_p, s_p, B_r, A_r, s_r, alpha: float, rank: int):
+    """Weight-space mix α·s_p·B_p·A_p + (1−α)·s_r·B_r·A_r, recompressed to `rank`.
+
+    B_* (out, r_*), A_* (r_*, in). Returns (B (out, rank), A (rank, in), dropped², total²) with
+    B·A the best rank-`rank` approximation of the mix (scaling 1; divide B by s_r to store it).
+    """
+    L = torch.cat([math.sqrt(alpha) * s_p * B_p.float(), math.sqrt(1 - alpha) * s_r * B_r.float()], dim=1)
+    R = torch.cat([math.sqrt(alpha) * A_p.float(), math.sqrt(1 - alpha) * A_r.float()], dim=0)
+    q_l, r_l = torch.linalg.qr(L)  # (out, k), (k, k)
+    q_r, r_r = torch.linalg.qr(R.t())  # (in, k), (k, k)
+    u, sigma, vh = torch.linalg.svd(r_l @ r_r.t())
+    keep = min(rank, sigma.numel())
+    root = sigma[:keep].sqrt()
+    B = torch.zeros(L.shape[0], rank, dtype=L.dtype, device=L.device)
+    A = torch.zeros(rank, R.shape[1], dtype=R.dtype, device=R.device)
+    B[:, :keep] = (q_l @ u[:, :keep]) * root  # split √σ to both sides: balanced factors
+    A[:keep] = root[:, None] * (vh[:keep] @ q_r.t())
+    return B, A, sigma[keep:].square().sum(), sigma.square().sum()
+
+
+@torch.no_grad()
+def sync_reference(
+    model: nn.Module, alpha: float, mode: str = "exact", policy: str = POLICY, reference: str = REFERENCE
+) -> dict[str, float]:
+    """Move the reference slot towards the policy; returns flat metrics (sync/*).
+
+    sync/truncation_error is the relative Frobenius norm of what recompression dropped, over all
+    layers together: √(Σ dropped²) / √(Σ ‖ΔW_mix‖²) (0 for a copy, for "factors", or when the
+    mixed rank fits in the slot); sync/max_layer_error is the worst single layer's.
+    """
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha={alpha} must be in (0, 1]")
+    if mode not in ("exact", "factors"):
+        raise ValueError(f"unknown sync mode {mode!r}; choose 'exact' or 'factors'")
+    start = time.perf_counter()
+    dropped_total, energy_total, worst = 0.0, 0.0, 0.0
+    for _, module in lora_layers(model, (policy, reference)):
+        B_p, A_p, s_p = _factors(module, policy)
+        B_r, A_r, s_r = _factors(module, reference)
+        if alpha == 1.0:
+            # Exact copy in both modes: the policy's factors into the first r_p slots, zeros after.
+            r_p = A_p.shape[0]
+            if A_r.shape[0] < r_p:
+                raise ValueError(f"reference slot rank {A_r.shape[0]} < policy rank {r_p}: cannot copy exactly")
+            B_r.zero_()
+            A_r.zero_()
+            B_r[:, :r_p] = (s_p / s_r) * B_p
+            A_r[:r_p] = A_p
+        elif mode == "factors":
+            if A_r.shape != A_p.shape:
+                raise ValueError("mode 'factors' needs the reference slot's rank to equal the policy's")
+            A_r.mul_(1 - alpha).add_(alpha * A_p)
+            B_r.mul_(1 - alpha).add_((alpha * s_p / s_r) * B_p)
+        else:
+            B, A, dropped, energy = exact_mix(B_p, A_p, s_p, B_r, A_r, s_r, alpha, A_r.shape[0])
+            B_r.copy_(B / s_r)
+            A_r.copy_(A)
+            dropped_total += dropped.item()
+            energy_total += energy.item()
+            if energy > 0:
+                worst = max(worst, math.sqrt(dropped.item() / energy.item()))
+    error = math.sqrt(dropped_total / energy_total) if energy_total > 0 else 0.0
+    return {
+        "sync/alpha": float(alpha),
+        "sync/truncation_error": error,
+        "sync/max_layer_error": worst,
+        "sync/seconds": time.perf_counter() - start,
+    }
+
+
+@dataclass
+class SyncSchedule:
+    """When to sync: every N optimizer steps, at epoch boundaries, or when the KL passes a threshold."""
+
+    every_steps: int = 0
+    every_epoch: bool = False
+    kl_threshold: float | None = None
+
+    @classmethod
+    def from_config(cls, config) -> "SyncSchedule":
+        return cls(config.ref_sync_steps, config.ref_sync_every_epoch, config.ref_sync_kl)
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0 or self.every_epoch or self.kl_threshold is not None
+
+    def due(self, step: int, epoch_ended: bool = False, kl: float | None = None) -> str | None:
+        """The reason to sync after optimizer step `step` (1-based), or None."""
+        if self.every_steps > 0 and step % self.every_steps == 0:
+            return "steps"
+        if self.every_epoch and epoch_ended:
+            return "epoch"
+        if self.kl_threshold is not None and kl is not None and kl > self.kl_threshold:
+            return "kl"
+        return None
