@@ -1,0 +1,339 @@
+"""Prompt datasets: loading, rendering prompts to text, and seeded epoch batching with resume.
+
+``load_prompt_dataset`` returns a ``datasets.Dataset`` whose ``prompt`` column holds the prompt
+TEXT the policy is sampled from; every other column is kept, because columns reach the reward
+functions as keyword lists (e.g. ``answer`` for :func:`lora_grpo.rewards.answer_accuracy`).
+
+``PromptBatches`` walks that dataset in seeded, reshuffled epochs, ``prompts_per_step`` rows at a
+time, and can be checkpointed and resumed exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+
+__all__ = ["PromptBatches", "load_prompt_dataset"]
+
+# File extension -> datasets builder name.
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+def _load_source(source: Any, split: str) -> datasets.Dataset:
+    """A ``datasets.Dataset`` from any accepted source (see :func:`load_prompt_dataset`)."""
+    if isinstance(source, datasets.Dataset):
+        return source
+    if isinstance(source, datasets.DatasetDict):
+        return _pick_split(source, split, "the DatasetDict")
+    if isinstance(source, (list, tuple)):
+        if not all(isinstance(row, Mapping) for row in source):
+            raise TypeError("a list source must be a list of dicts (one per row)")
+        return datasets.Dataset.from_list([dict(row) for row in source])
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(
+            f"unsupported dataset source of type {type(source).__name__}: pass a datasets.Dataset, "
+            "a list of dicts, a .json/.jsonl/.csv/.parquet file, a save_to_disk directory or a hub name"
+        )
+    path = Path(source).expanduser()
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            return _pick_split(loaded, split, f"the dataset saved at {path}")
+        return loaded
+    suffix = path.suffix.lower()
+    if path.is_file():
+        if suffix not in _FILE_BUILDERS:
+            raise ValueError(
+                f"cannot load {path}: unknown file type {suffix!r}; supported: {sorted(_FILE_BUILDERS)}"
+            )
+        # A single file is one split; `split` does not apply to it.
+        return datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
+    if suffix in _FILE_BUILDERS or str(source).startswith((".", "/", "~")):
+        raise FileNotFoundError(f"dataset file or directory not found: {path}")
+    return datasets.load_dataset(str(source), split=split)  # a hub dataset name
+
+
+def _pick_split(dd: datasets.DatasetDict, split: str, what: str) -> datasets.Dataset:
+    if split not in dd:
+        raise ValueError(f"split {split!r} not in {what}; available splits: {list(dd)}")
+    return dd[split]
+
+
+def _template_fields(template: str) -> list[str]:
+    """Top-level field names used by a str.format template ("{question}", "{row[a]}" -> "row")."""
+    fields = []
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field:
+            fields.append(field.split(".")[0].split("[")[0])
+    return fields
+
+
+def _is_messages(value: Any) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and len(value) > 0
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
+    )
+
+
+class _Renderer:
+    """Renders one row's prompt to text; holds the options shared by every row."""
+
+    def __init__(self, tokenizer, system_prompt: str | None, use_chat_template: bool):
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.use_chat_template = use_chat_template
+        if use_chat_template:
+            self._check_tokenizer("use_chat_template=True")
+
+    def _check_tokenizer(self, why: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"{why} needs a chat template: pass tokenizer=... (one with a chat_template)")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                f"{why} needs a chat template, but the tokenizer has none (tokenizer.chat_template is None); "
+                "set one, or give the prompts as text (prompt_column / prompt_template)"
+            )
+
+    def chat(self, messages: Sequence[Mapping], where: str) -> str:
+        """System prompt (replacing a leading system message) + messages -> chat-template text."""
+        self._check_tokenizer(where)
+        messages = [dict(m) for m in messages]
+        if self.system_prompt is not None:
+            if messages and messages[0].get("role") == "system":
+                messages = messages[1:]
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def text(self, text: str, where: str) -> str:
+        """A plain-text prompt: wrapped as a user message when use_chat_template, else raw."""
+        if self.use_chat_template:
+            return self.chat([{"role": "user", "content": text}], where)
+        return text if self.system_prompt is None else f"{self.system_prompt}\n{text}"
+
+
+def load_prompt_dataset(
+    source: Any,
+    *,
+    split: str = "train",
+    prompt_column: str = "prompt",
+    messages_column: str = "messages",
+    prompt_template: str | None = None,
+    system_prompt: str | None = None,
+    tokenizer=None,
+    use_chat_template: bool = False,
+) -> datasets.Dataset:
+    """Load prompts from anywhere and render each to text in a ``prompt`` column.
+
+    Args:
+        source: a ``datasets.Dataset`` (or ``DatasetDict``: ``split`` is taken), a list of dicts, a
+            local ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet`` file (``split`` does not apply),
+            a directory written by ``save_to_disk``, or a hub dataset name (``load_dataset(name,
+            split=split)``).
+        prompt_column: column with the prompt, as text or as a list of chat messages.
+        messages_column: column with chat messages ``[{"role": ..., "content": ...}, ...]``.
+        prompt_template: a ``str.format`` template over the row's columns, e.g.
+            ``"Question: {question}\\nAnswer:"``.
+        system_prompt: prepended as a system message to chat-rendered prompts (replacing a leading
+            system message of the row), or as ``system_prompt + "\\n"`` before a text prompt.
+        tokenizer: needed for chat rendering: its ``apply_chat_template(messages, tokenize=False,
+            add_generation_prompt=True)`` makes the text.
+        use_chat_template: also wrap text prompts (from the template or the prompt column) as one
+            user message and render them with the chat template (for instruction-tuned models).
+
+    The prompt is taken by the first rule that applies:
+        1. ``prompt_template`` given: ``prompt_template.format(**row)``;
+        2. ``messages_column`` present: the chat template over the messages;
+        3. ``prompt_column`` present: its text (or, if it holds chat messages, the chat template).
+
+    Returns:
+        the dataset with ``prompt`` (str) set for every row; other columns kept unchanged (an
+        existing ``prompt`` column is replaced by the rendered text).
+
+    Raises:
+        ValueError: empty dataset; neither column present (the message lists the columns and the
+            options to set); chat rendering without a tokenizer or chat template; a row whose
+            prompt is neither text nor chat messages.
+        KeyError: a template field missing from the columns (names the field and the columns).
+    """
+    ds = _load_source(source, split)
+    if not isinstance(ds, datasets.Dataset):
+        raise TypeError(f"expected a map-style datasets.Dataset, got {type(ds).__name__}")
+    if len(ds) == 0:
+        raise ValueError(f"the prompt dataset from {_describe(source)} is empty")
+    columns = list(ds.column_names)
+    render = _Renderer(tokenizer, system_prompt, use_chat_template)
+
+    if prompt_template is not None:
+        for field in _template_fields(prompt_template):
+            if field not in columns:
+                raise KeyError(
+                    f"prompt_template uses field {field!r}, which is not a column; "
+                    f"available columns: {columns}"
+                )
+
+        def one(row: dict, i: int) -> str:
+            return render.text(prompt_template.format(**row), f"prompt_template (row {i})")
+
+    elif messages_column in columns:
+
+        def one(row: dict, i: int) -> str:
+            messages = row[messages_column]
+            if not _is_messages(messages):
+                raise ValueError(
+                    f"row {i}: column {messages_column!r} must hold a non-empty list of "
+                    f"{{'role', 'content'}} dicts, got {messages!r:.120}"
+                )
+            return render.chat(messages, f"column {messages_column!r} (chat messages, row {i})")
+
+    elif prompt_column in columns:
+
+        def one(row: dict, i: int) -> str:
+            value = row[prompt_column]
+            if isinstance(value, str):
+                return render.text(value, f"column {prompt_column!r} (row {i})")
+            if _is_messages(value):
+                return render.chat(value, f"column {prompt_column!r} (chat messages, row {i})")
+            raise ValueError(
+                f"row {i}: column {prompt_column!r} must hold text or a list of chat messages, "
+                f"got {type(value).__name__} {value!r:.120}"
+            )
+
+    else:
+        raise ValueError(
+            f"cannot find the prompts: no column {prompt_column!r} (prompt_column) or "
+            f"{messages_column!r} (messages_column) in columns {columns}; set prompt_column=..., "
+            "messages_column=..., or prompt_template='...{column}...'"
+        )
+
+    prompts: list[str] = []
+    for batch in ds.iter(batch_size=1000):
+        for row in (dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)):
+            prompts.append(one(row, len(prompts)))
+    if "prompt" not in columns:
+        return ds.add_column("prompt", prompts)
+    # Add before removing: a dataset left with no columns would also be left with no rows.
+    return ds.add_column("_rendered_prompt", prompts).remove_columns("prompt").rename_column("_rendered_prompt", "prompt")
+
+
+def _describe(source: Any) -> str:
+    return repr(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__
+
+
+# ------------------------------------------------------------------------------------ batching
+
+
+class PromptBatches:
+    """Seeded epochs of prompt batches, resumable: an infinite iterator of ``(epoch, rows)``.
+
+    Each epoch visits the rows in a fresh permutation drawn from ``(seed, epoch)`` (or in order
+    with ``shuffle=False``) and yields ``rows: dict[str, list]`` (column -> ``prompts_per_step``
+    values) batches. The last ``len(dataset) % prompts_per_step`` rows of each epoch's permutation
+    are dropped, so every step has exactly ``prompts_per_step × G`` completions; with reshuffling a
+    different remainder is dropped each epoch. The iterator never ends; the trainer stops it
+    (``max_steps``), or pass ``num_epochs``.
+
+    Position: ``(epoch, index)``, where ``index`` is the row offset of the next batch in that
+    epoch's permutation. ``state_dict()`` taken after a batch was yielded points at the next one,
+    so a run restored with ``load_state_dict`` (or built with ``start_epoch``/``start_index``)
+    yields exactly the batches an uninterrupted run would have.
+
+    >>> batches = PromptBatches(datasets.Dataset.from_dict({"prompt": list("abcde")}), 2, seed=0)
+    >>> [epoch for epoch, _ in (next(batches) for _ in range(5))]
+    [0, 0, 1, 1, 2]
+    """
+
+    def __init__(
+        self,
+        dataset: datasets.Dataset,
+        prompts_per_step: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        start_epoch: int = 0,
+        start_index: int = 0,
+        num_epochs: int | None = None,
+    ):
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        if len(dataset) < prompts_per_step:
+            raise ValueError(
+                f"the dataset has {len(dataset)} rows, fewer than one batch of prompts_per_step="
+                f"{prompts_per_step}; lower prompts_per_step or add prompts"
+            )
+        self.dataset = dataset
+        self.prompts_per_step = int(prompts_per_step)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.num_epochs = num_epochs
+        self._order_epoch: int | None = None
+        self._order: np.ndarray | None = None
+        self._set_position(start_epoch, start_index)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch, ``len(dataset) // prompts_per_step``."""
+        return len(self.dataset) // self.prompts_per_step
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def _set_position(self, epoch: int, index: int) -> None:
+        if epoch < 0 or not 0 <= index <= len(self.dataset):
+            raise ValueError(
+                f"invalid start position epoch={epoch}, index={index} for {len(self.dataset)} rows"
+            )
+        self.epoch, self.index = int(epoch), int(index)
+        if self.index + self.prompts_per_step > len(self.dataset):  # a partial batch: next epoch
+            self.epoch, self.index = self.epoch + 1, 0
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The row order of ``epoch``: a permutation seeded by ``(seed, epoch)``; shape (len(dataset),)."""
+        if self._order_epoch != epoch:
+            n = len(self.dataset)
+            self._order = (
+                np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            )
+            self._order_epoch = epoch
+        return self._order
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, list]]]:
+        return self
+
+    def __next__(self) -> tuple[int, dict[str, list]]:
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            raise StopIteration
+        epoch, start = self.epoch, self.index
+        indices = self.order(epoch)[start : start + self.prompts_per_step].tolist()
+        self._set_position(epoch, start + self.prompts_per_step)
+        return epoch, self.dataset[indices]
+
+    def state_dict(self) -> dict[str, int]:
+        """The position of the next batch, plus what must match on resume."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "num_rows": len(self.dataset),
+            "prompts_per_step": self.prompts_per_step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume at ``state``'s position. The seed and the dataset size must match (ValueError)."""
+        for key, mine in (("seed", self.seed), ("num_rows", len(self.dataset))):
+            if key in state and int(state[key]) != mine:
+                raise ValueError(
+                    f"cannot resume prompt batches: saved {key}={state[key]} but this run has {key}={mine}; "
+                    "the batches would differ from the interrupted run"
+                )
+        self._set_position(int(state["epoch"]), int(state["index"]))

@@ -1,0 +1,315 @@
+"""Rollout: sample G completions per prompt with the policy, batched and without gradients.
+
+Each distinct prompt is prefilled once; its KV cache and last-position logits are then repeated
+G times along the batch (prefix sharing), and a plain token-by-token sampling loop decodes all
+P·G sequences together until every one has emitted EOS or ``max_completion_length`` is reached.
+
+The logit transforms (repetition penalty, temperature, top-k, top-p, min-p) are small pure
+functions over a ``(N, V)`` logits tensor, applied in the order transformers' ``generate`` uses.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """One generation batch. B = num_prompts · G; rows ``[g*G:(g+1)*G]`` are prompt g's group."""
+
+    prompt_ids: Tensor  # (B, P) long, left-padded with pad_token_id
+    prompt_mask: Tensor  # (B, P) long, 1 on real prompt tokens
+    completion_ids: Tensor  # (B, T) long, pad_token_id after the first EOS
+    completion_mask: Tensor  # (B, T) long, 1 up to and including the first EOS
+    truncated: Tensor  # (B,) bool, no EOS within max_completion_length
+    prompts: list[str]  # (B,) prompt text, repeated G times, groups contiguous
+    completions: list[str]  # (B,) decoded completion text, special tokens skipped
+    # (B, T) float32: log-prob of each sampled token under the distribution it was drawn from
+    # (after penalty, temperature and filters); 0 for greedy decoding and where the mask is 0.
+    sampling_logprobs: Tensor | None = None
+
+    def to(self, device) -> Rollout:
+        moved = {
+            f.name: (v.to(device) if isinstance(v := getattr(self, f.name), Tensor) else v)
+            for f in fields(self)
+        }
+        return Rollout(**moved)
+
+    @property
+    def input_ids(self) -> Tensor:  # (B, P+T)
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:  # (B, P+T)
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    @property
+    def completion_lengths(self) -> Tensor:  # (B,) long
+        return self.completion_mask.sum(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit transforms: pure functions, (N, V) float logits in, (N, V) out. Removed tokens get -inf.
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL penalty (Keskar et al. 2019, as in transformers): for tokens already in the sequence
+    (``seen``: (N, V) bool), divide a positive logit by ``penalty`` and multiply a negative one."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_top_k(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits per row (ties with the k-th are kept); k = 0 is off."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filter (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
+    probability reaches p, i.e. drop a token when the mass strictly above it is already >= p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mass_above = probs.cumsum(-1) - probs
+    drop_sorted = mass_above >= p
+    drop_sorted[..., 0] = False  # always keep the most likely token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
+    """Min-p filter (Nguyen et al. 2024): drop tokens whose probability is below
+    ``min_p · max_prob``; min_p = 0 is off."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(-1)
+    threshold = min_p * probs.max(-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def warp_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float, min_p: float) -> Tensor:
+    """Temperature, then top-k, top-p, min-p (transformers' order). (N, V) -> (N, V) float32.
+    Use this on full-forward logits to get the exact distribution the sampler drew from."""
+    logits = logits.float() / temperature
+    logits = apply_top_k(logits, top_k)
+    logits = apply_top_p(logits, top_p)
+    return apply_min_p(logits, min_p)
+
+
+def sample_next(
+    logits: Tensor,
+    seen: Tensor | None,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    repetition_penalty: float,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """One decoding step. logits (N, V) -> (tokens (N,) long, log-probs of those tokens (N,)).
+    temperature == 0 is greedy (log-prob 0: the draw was deterministic)."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    logprobs = warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    logprobs = logprobs.log_softmax(-1)
+    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model plumbing
+
+
+def _forward_params(model) -> set[str]:
+    """Keyword names the underlying transformers model's forward accepts (peft forwards kwargs)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(base.forward).parameters)
+
+
+def _cache_of(out):
+    """The KV cache a forward returned: ``out.cache`` in transformers 5, ``past_key_values`` before."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update([config_eos] if isinstance(config_eos, int) else (config_eos or []))
+    if not ids:
+        raise ValueError("no EOS token: set tokenizer.eos_token_id or generation_config.eos_token_id")
+    return sorted(ids)
+
+
+def _tokenize_left_padded(tokenizer, prompts: list[str], max_prompt_length: int | None) -> tuple[Tensor, Tensor]:
+    """-> (ids (N, P), mask (N, P)), left-padded, each prompt cut to its last max_prompt_length tokens."""
+    # Rendered chat templates already carry their special tokens, so add none (as TRL does).
+    rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    if any(len(r) == 0 for r in rows):
+        raise ValueError("a prompt tokenized to zero tokens; there is nothing to condition on")
+    if max_prompt_length is not None:
+        n_cut = sum(len(r) > max_prompt_length for r in rows)
+        if n_cut:
+            warnings.warn(
+                f"{n_cut} of {len(rows)} prompts are longer than max_prompt_length={max_prompt_length} "
+                "tokens and were left-truncated (their first tokens dropped); raise max_prompt_length "
+                "to keep them whole.",
+                stacklevel=3,
+            )
+            rows = [r[-max_prompt_length:] for r in rows]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator) -> tuple[Tensor, Tensor]:
+    """Sample G completions for each of the n prompts in (ids, mask): (n, P) each, left-padded.
+    -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a row's first EOS."""
+    # Drop leading columns that are padding in every row of this chunk: less prefill work.
+    first = int((mask.sum(0) > 0).nonzero()[0])
+    ids, mask = ids[:, first:], mask[:, first:]
+    params = _forward_params(model)
+    cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    # Prefill the n distinct prompts once. Positions count real tokens only, so a left-padded
+    # prompt gets the same positions as it would alone (as transformers' generate does).
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **extra)
+    cache = _cache_of(out)
+    # Share the prefix: the G samples of a prompt start from the same KV cache and logits.
+    cache.batch_repeat_interleave(G)
+    logits = out.logits[:, -1].repeat_interleave(G, 0)  # (N, V), N = n·G
+    attn = mask.repeat_interleave(G, 0)
+    next_pos = mask.sum(1).repeat_interleave(G, 0)  # (N,) position of the next token
+    seen = None
+    if sampling["repetition_penalty"] != 1.0:
+        # Count real prompt tokens per vocab id (pads add 0); scatter_add is order-independent.
+        counts = torch.zeros(logits.shape, dtype=torch.long, device=logits.device)
+        seen = counts.scatter_add_(1, ids.repeat_interleave(G, 0), attn) > 0  # (N, V) bool
+    eos = torch.tensor(eos_ids, device=logits.device)
+    finished = torch.zeros(logits.size(0), dtype=torch.bool, device=logits.device)
+    tokens, logps = [], []
+    for step in range(max_new):
+        tok, logp = sample_next(logits, seen, generator=generator, **sampling)
+        tok = tok.masked_fill(finished, pad_id)  # finished rows only emit padding
+        tokens.append(tok)
+        logps.append(logp.masked_fill(finished, 0.0))
+        finished |= torch.isin(tok, eos)
+        if bool(finished.all()) or step == max_new - 1:
+            break
+        if seen is not None:
+            seen.scatter_(1, tok[:, None], True)
+        attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=attn,
+            position_ids=next_pos[:, None],
+            use_cache=True,
+            **{cache_kw: cache},
+        )
+        cache = _cache_of(out)
+        logits = out.logits[:, -1]
+        next_pos = next_pos + 1
+    return torch.stack(tokens, 1), torch.stack(logps, 1)
+
+
+def _pad_right(x: Tensor, width: int, value) -> Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.size(1)), value=value)
+
+
+def generate_rollout(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    num_generations: int,
+    max_prompt_length: int | None,
+    max_completion_length: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    generator: torch.Generator | None = None,
+    micro_batch_prompts: int | None = None,
+) -> Rollout:
+    """Sample ``num_generations`` completions for each prompt (already-rendered text).
+
+    Returns a Rollout of B = len(prompts) · num_generations rows, groups contiguous. The model
+    (a transformers causal LM or a peft wrapper of one) runs in eval mode, so LoRA dropout is off;
+    every module's training flag is restored afterwards. ``micro_batch_prompts`` caps how many
+    prompts (times G sequences) are decoded at once. ``generator`` must live on the model's device.
+    """
+    if num_generations < 1 or max_completion_length < 1:
+        raise ValueError("num_generations and max_completion_length must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1 or repetition_penalty <= 0:
+        raise ValueError("invalid sampling parameters")
+    G, pad_id = num_generations, tokenizer.pad_token_id
+    device = next(model.parameters()).device
+    sampling = dict(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
+    )
+    prompt_ids, prompt_mask = _tokenize_left_padded(tokenizer, prompts, max_prompt_length)
+    chunk = micro_batch_prompts or len(prompts)
+
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            parts = [
+                _decode_chunk(
+                    model,
+                    prompt_ids[i : i + chunk].to(device),
+                    prompt_mask[i : i + chunk].to(device),
+                    G=G,
+                    max_new=max_completion_length,
+                    eos_ids=_eos_ids(model, tokenizer),
+                    pad_id=pad_id,
+                    sampling=sampling,
+                    generator=generator,
+                )
+                for i in range(0, len(prompts), chunk)
+            ]
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+    T = max(t.size(1) for t, _ in parts)
+    completion_ids = torch.cat([_pad_right(t, T, pad_id) for t, _ in parts])
+    sampling_logprobs = torch.cat([_pad_right(lp, T, 0.0) for _, lp in parts])
+    is_eos = torch.isin(completion_ids, torch.tensor(_eos_ids(model, tokenizer), device=completion_ids.device))
+    # 1 on tokens with no EOS strictly before them: up to and including the first EOS.
+    completion_mask = ((is_eos.long().cumsum(1) - is_eos.long()) == 0).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
+    kept = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
+    return Rollout(
+        prompt_ids=prompt_ids.to(device).repeat_interleave(G, 0),
+        prompt_mask=prompt_mask.to(device).repeat_interleave(G, 0),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=~is_eos.any(1),
+        prompts=[p for p in prompts for _ in range(G)],
+        completions=tokenizer.batch_decode(kept, skip_special_tokens=True),
+        sampling_logprobs=sampling_logprobs * completion_mask,
+    )

@@ -1,0 +1,541 @@
+"""GRPOTrainer: the loop. It orchestrates the stages; the math lives in the pure modules.
+
+One optimizer step:
+
+    prompts ─► rollout (policy adapter, no grad) ─► rewards ─► advantages
+            ─► old log-probs (only if num_iterations > 1) ─► reference log-probs (reference adapter; skipped if beta = 0)
+            ─► num_iterations × [micro-batched loss + backward, clip, optimizer + LR step]
+            ─► maybe sync the reference slot ─► metrics, checkpoint
+
+Simplifications, on purpose: generation runs with the training model (no vLLM); the batch of one
+step is generated once and reused num_iterations times; gradients of several processes are
+averaged explicitly after accumulation (each process holds its own base and both adapters, and a
+prompt's whole group stays on one process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .advantages import group_advantages, zero_std_fraction
+from .config import GRPOConfig
+from .data import PromptBatches, load_prompt_dataset
+from .logprobs import sequence_log_probs
+from .loss import accumulation_scale, grpo_loss
+from .model import (
+    POLICY,
+    REFERENCE,
+    _replace_dir,
+    load_adapter_weights,
+    load_model,
+    policy_parameters,
+    reference_forward,
+    save_adapter,
+)
+from .reference import SyncSchedule, sync_reference
+from .rewards import compute_rewards, resolve_reward_funcs, reward_names
+from .rollout import Rollout, generate_rollout
+
+logger = logging.getLogger(__name__)
+Tensor = torch.Tensor
+
+
+@dataclass
+class Batch:
+    """One generation batch, ready for the loss. B = prompts × G sequences."""
+
+    input_ids: Tensor  # (B, P+T) left-padded prompt, right-padded completion
+    attention_mask: Tensor  # (B, P+T)
+    completion_mask: Tensor  # (B, T) 1 on completion tokens that count in the loss
+    advantages: Tensor  # (B,)
+    old_logp: Tensor | None = None  # (B, T), only when num_iterations > 1
+    ref_logp: Tensor | None = None  # (B, T), only when beta > 0
+
+    @property
+    def completion_length(self) -> int:
+        return self.completion_mask.shape[1]
+
+    def micro_batches(self, size: int):
+        """Slices of `size` sequences, each trimmed to the columns it really uses."""
+        P = self.input_ids.shape[1] - self.completion_length
+        for start in range(0, self.input_ids.shape[0], size):
+            rows = slice(start, start + size)
+            mask = self.attention_mask[rows]
+            first = int((mask[:, :P].sum(0) > 0).int().argmax()) if P else 0  # drop all-pad prompt columns
+            t = max(1, int(self.completion_mask[rows].sum(1).max()))  # drop all-pad completion columns
+            cols = slice(first, P + t)
+            yield {
+                "input_ids": self.input_ids[rows, cols],
+                "attention_mask": mask[:, cols],
+                "completion_mask": self.completion_mask[rows, :t],
+                "advantages": self.advantages[rows],
+                "old_logp": None if self.old_logp is None else self.old_logp[rows, :t],
+                "ref_logp": None if self.ref_logp is None else self.ref_logp[rows, :t],
+                "completion_length": t,
+            }
+
+
+class _MetricLog:
+    """metrics.jsonl in the run dir, plus a short progress line."""
+
+    def __init__(self, path: Path | None, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled and self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def build_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
+    kwargs = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    import bitsandbytes as bnb
+
+    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[config.optimizer]
+    return cls(params, **kwargs)
+
+
+def build_scheduler(optimizer, config: GRPOConfig, total_steps: int):
+    from transformers import get_scheduler
+
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[config.lr_scheduler]
+    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps)
+
+
+def _resolve_dataset(source, config: GRPOConfig, tokenizer, split: str):
+    if source is None:
+        return None
+    if isinstance(source, str) and source == "toy":
+        from .toy import toy_problems
+
+        source = toy_problems(2000 if split != "eval" else 200, seed=config.seed, split=split)
+    return load_prompt_dataset(
+        source,
+        split=config.dataset_split if split == "train" else config.eval_split,
+        prompt_column=config.prompt_column,
+        messages_column=config.messages_column,
+        prompt_template=config.prompt_template,
+        system_prompt=config.system_prompt,
+        tokenizer=tokenizer,
+    )
+
+
+class GRPOTrainer:
+    """GRPO with a LoRA policy and a reference slot on one (optionally 4-bit) base.
+
+    >>> trainer = GRPOTrainer(config, reward_funcs=[correctness], train_dataset=ds)   # doctest: +SKIP
+    >>> trainer.train()                                                               # doctest: +SKIP
+
+    `trainer.model` is the peft model with the adapters "policy" and "reference";
+    `trainer.sync_reference()` syncs the reference slot now and returns the sync's metrics.
+    """
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        reward_funcs: Sequence[Callable | str] | Callable | str | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        *,
+        model=None,
+        tokenizer=None,
+    ):
+        from accelerate import Accelerator
+
+        self.config = config
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        self._seed_everything(config.seed + self.accelerator.process_index)
+        if model is None:
+            device_map = {"": self.accelerator.device} if self.accelerator.device.type == "cuda" else None
+            model, tokenizer = load_model(config, device_map=device_map)
+        elif tokenizer is None:
+            raise ValueError("pass the tokenizer together with the model")
+        self.model, self.tokenizer = model, tokenizer
+        if next(model.parameters()).device != self.accelerator.device and not getattr(model, "is_loaded_in_4bit", False):
+            self.model.to(self.accelerator.device)
+
+        specs = reward_funcs if reward_funcs is not None else config.reward_funcs
+        self.reward_funcs = resolve_reward_funcs(specs, context={"max_completion_length": config.max_completion_length})
+        if not self.reward_funcs:
+            raise ValueError("no reward functions: pass reward_funcs=[...] or set reward_funcs in the config")
+        if config.reward_weights is not None and len(config.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(config.reward_weights)} entries for {len(self.reward_funcs)} reward functions"
+            )
+
+        train_source = train_dataset if train_dataset is not None else config.dataset
+        if train_source is None:
+            raise ValueError("no training prompts: pass train_dataset=... or set `dataset` in the config")
+        self.train_dataset = _resolve_dataset(train_source, config, tokenizer, "train")
+        eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
+        self.eval_dataset = _resolve_dataset(eval_source, config, tokenizer, "eval")
+        if self.accelerator.num_processes > 1:  # each process samples its own prompts
+            self.train_dataset = self.train_dataset.shard(self.accelerator.num_processes, self.accelerator.process_index)
+
+        self.batches = PromptBatches(self.train_dataset, config.prompts_per_step, seed=config.seed)
+        self.total_steps = config.max_steps or config.num_epochs * self.batches.steps_per_epoch
+        self.params = policy_parameters(self.model)
+        self.optimizer = build_optimizer(self.params, config)
+        self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
+        self.schedule = SyncSchedule.from_config(config)
+        self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
+            config.seed + 1000 * self.accelerator.process_index
+        )
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+        self.output_dir = Path(config.output_dir)
+        self.is_main = self.accelerator.is_main_process
+        self.log = _MetricLog(self.output_dir / "metrics.jsonl", self.is_main)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict[str, Any]:
+        """Run to total_steps; returns the run summary (also written to summary.json)."""
+        cfg = self.config
+        start = time.perf_counter()
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            cfg.to_yaml(self.output_dir / "config.yaml")
+        if cfg.resume_from_checkpoint:
+            self.load_checkpoint(cfg.resume_from_checkpoint)
+        elif self.is_main:
+            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh log
+        eval_before = self.evaluate() if self.eval_dataset is not None and self.step == 0 else {}
+        if eval_before:
+            self._print(f"eval before training: {self._fmt(eval_before)}")
+            self.log.write({"step": self.step, **eval_before})
+        while self.step < self.total_steps:
+            epoch, rows = next(self.batches)
+            epoch_ended = self.batches.epoch != epoch
+            metrics = self.training_step(rows)
+            self.step += 1
+            metrics["epoch"] = epoch
+            reason = self.schedule.due(self.step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
+            if reason:
+                metrics.update(self.sync_reference())
+                metrics["sync/event"] = 1.0
+                metrics["sync/reason"] = reason
+            if self.eval_dataset is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
+                metrics.update(self.evaluate())
+            self.history.append(metrics)
+            self.log.write({"step": self.step, **metrics})
+            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                self._print(self._progress_line(metrics))
+            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+        eval_after = self.evaluate() if self.eval_dataset is not None else {}
+        if eval_after:
+            self._print(f"eval after training: {self._fmt(eval_after)}")
+            self.log.write({"step": self.step, **eval_after})
+        self.save_checkpoint()
+        if self.is_main:
+            save_adapter(self.model, self.output_dir / "adapter", POLICY)
+        summary = self._summary(eval_before, eval_after, time.perf_counter() - start)
+        if self.is_main:
+            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def training_step(self, rows: dict[str, list]) -> dict[str, float]:
+        """One optimizer step (num_iterations passes) on one batch of prompts; returns flat metrics."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        rollout = self.generate(rows["prompt"])
+        t_gen = time.perf_counter()
+        advantages, metrics = self.score(rollout, rows)
+        mask = rollout.completion_mask.clone()
+        if cfg.mask_truncated_completions:
+            mask[rollout.truncated] = 0
+        batch = Batch(rollout.input_ids, rollout.attention_mask, mask, advantages.to(mask.device))
+        if cfg.num_iterations > 1:
+            batch.old_logp = self.log_probs(batch)
+        if cfg.beta != 0:
+            with reference_forward(self.model):
+                batch.ref_logp = self.log_probs(batch)
+        t_ref = time.perf_counter()
+        for _ in range(cfg.num_iterations):
+            metrics.update(self.optimize(batch))
+        t_end = time.perf_counter()
+        tokens = int(rollout.completion_mask.sum())
+        metrics.update({
+            "time/rollout": t_gen - t0,
+            "time/logprobs": t_ref - t_gen,
+            "time/train": t_end - t_ref,
+            "time/step": t_end - t0,
+            "tokens_per_second": tokens / (t_end - t0),
+        })
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def generate(self, prompts: list[str], num_generations: int | None = None, temperature: float | None = None) -> Rollout:
+        cfg = self.config
+        return generate_rollout(
+            self.model,
+            self.tokenizer,
+            prompts,
+            num_generations=num_generations or cfg.num_generations,
+            max_prompt_length=cfg.max_prompt_length,
+            max_completion_length=cfg.max_completion_length,
+            temperature=cfg.temperature if temperature is None else temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            min_p=cfg.min_p,
+            repetition_penalty=cfg.repetition_penalty,
+            generator=self.generator,
+        )
+
+    def rewards(self, rollout: Rollout, rows: dict[str, list], group_size: int):
+        """Rewards (B,), per-function (B, F), metrics. Dataset columns repeat for each group member."""
+        columns = {k: [v for v in values for _ in range(group_size)] for k, values in rows.items() if k != "prompt"}
+        columns["completion_lengths"] = rollout.completion_lengths.tolist()
+        columns["truncated"] = rollout.truncated.tolist()
+        return compute_rewards(
+            self.reward_funcs, rollout.prompts, rollout.completions, columns, weights=self.config.reward_weights
+        )
+
+    def score(self, rollout: Rollout, rows: dict[str, list]) -> tuple[Tensor, dict[str, float]]:
+        """Rewards → group-relative advantages (B,), with the step's reward and completion metrics."""
+        cfg = self.config
+        rewards, _, metrics = self.rewards(rollout, rows, cfg.num_generations)
+        advantages = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        lengths = rollout.completion_lengths.float()
+        metrics.update({
+            "frac_reward_zero_std": zero_std_fraction(rewards, cfg.num_generations),
+            "completion_length/mean": lengths.mean().item(),
+            "completion_length/max": lengths.max().item(),
+            "truncated_fraction": rollout.truncated.float().mean().item(),
+        })
+        return advantages, metrics
+
+    def _forward_log_probs(self, mb: dict[str, Any], return_entropy: bool = False):
+        return sequence_log_probs(
+            self.model,
+            mb["input_ids"],
+            mb["attention_mask"],
+            mb["completion_length"],
+            chunk_size=self.config.logprob_chunk_size,
+            temperature=self.config.temperature if self.config.temperature > 0 else 1.0,
+            return_entropy=return_entropy,
+        )
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch) -> Tensor:
+        """(B, T) per-token log-probs under the active adapter, in eval mode (as sampled)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_mask.device)
+            row = 0
+            for mb in batch.micro_batches(self.config.micro_batch_size):
+                logp, _ = self._forward_log_probs(mb)
+                out[row : row + logp.shape[0], : logp.shape[1]] = logp
+                row += logp.shape[0]
+            return out
+        finally:
+            self.model.train(was_training)
+
+    def optimize(self, batch: Batch) -> dict[str, float]:
+        """Accumulate the loss over micro-batches, clip, step. Returns loss metrics (token-weighted means)."""
+        cfg = self.config
+        self.model.train()
+        total_sequences = batch.input_ids.shape[0]
+        n_micro = math.ceil(total_sequences / cfg.micro_batch_size)
+        # dapo: one denominator for the whole step, across micro-batches and processes (DDP averages
+        # gradients over processes, so each process divides by the global count / world size).
+        num_tokens = batch.completion_mask.sum().float()
+        if self.accelerator.num_processes > 1:
+            num_tokens = self.accelerator.reduce(num_tokens.to(self.accelerator.device), "sum") / self.accelerator.num_processes
+        sums: dict[str, float] = {}
+        total_weight = 0.0
+        loss_total = 0.0
+        for mb in batch.micro_batches(cfg.micro_batch_size):
+            logp, entropy = self._forward_log_probs(mb, return_entropy=True)
+            loss, m = grpo_loss(
+                logp,
+                mb["old_logp"],
+                mb["ref_logp"],
+                mb["advantages"],
+                mb["completion_mask"],
+                loss_type=cfg.loss_type,
+                epsilon_low=cfg.epsilon_low,
+                epsilon_high=cfg.epsilon_high,
+                beta=cfg.beta,
+                max_completion_length=cfg.max_completion_length,
+                num_tokens=num_tokens.item(),
+                importance_sampling=cfg.importance_sampling,
+                kl_ratio_correction=cfg.kl_ratio_correction,
+            )
+            loss = loss * accumulation_scale(cfg.loss_type, mb["input_ids"].shape[0], total_sequences, n_micro)
+            loss.backward()
+            loss_total += loss.item()
+            weight = float(mb["completion_mask"].sum())
+            m["entropy"] = (entropy * mb["completion_mask"]).sum().item() / max(weight, 1.0)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+            total_weight += weight
+        if self.accelerator.num_processes > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad = self.accelerator.reduce(p.grad, "mean")
+        grad_norm = (
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+            if cfg.max_grad_norm > 0
+            else torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
+        )
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {k: v / max(total_weight, 1.0) for k, v in sums.items()}
+        metrics.update({"loss": loss_total, "grad_norm": float(grad_norm), "lr": lr})
+        return metrics
+
+    def sync_reference(self) -> dict[str, float]:
+        """Sync the reference slot to the policy now, with the configured alpha and mode."""
+        return sync_reference(self.model, self.config.ref_sync_alpha, self.config.ref_sync_mode)
+
+    @torch.no_grad()
+    def evaluate(self, dataset=None, batch_prompts: int = 64) -> dict[str, float]:
+        """Greedy completions (one per prompt) scored by the reward functions: eval/* metrics."""
+        dataset = self.eval_dataset if dataset is None else dataset
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for start in range(0, len(dataset), batch_prompts):
+            rows = dataset[start : start + batch_prompts]
+            rollout = self.generate(rows["prompt"], num_generations=1, temperature=0.0)
+            _, per_func, _ = self.rewards(rollout, rows, 1)
+            for j, name in enumerate(reward_names(self.reward_funcs)):
+                col = per_func[:, j]
+                col = col[~col.isnan()]
+                sums[name] = sums.get(name, 0.0) + col.sum().item()
+                counts[name] = counts.get(name, 0) + col.numel()
+            sums["completion_length"] = sums.get("completion_length", 0.0) + rollout.completion_lengths.sum().item()
+            counts["completion_length"] = counts.get("completion_length", 0) + len(rollout.completions)
+        return {f"eval/{k}": sums[k] / counts[k] if counts[k] else float("nan") for k in sums}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path | None:
+        """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, data position, RNG. Atomic."""
+        if not self.is_main:
+            return None
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        target = self.output_dir / f"checkpoint-{self.step}"
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=self.output_dir))
+        try:
+            save_adapter(self.model, tmp / POLICY, POLICY)
+            save_adapter(self.model, tmp / REFERENCE, REFERENCE)
+            torch.save(
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "generator": self.generator.get_state(),
+                    "torch_rng": torch.get_rng_state(),
+                    "python_rng": random.getstate(),
+                    "numpy_rng": np.random.get_state(),
+                },
+                tmp / "trainer_state.pt",
+            )
+            state = {"step": self.step, "batches": self.batches.state_dict(), "history": self.history}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+            self.config.to_yaml(tmp / "config.yaml")
+            _replace_dir(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._rotate_checkpoints()
+        return target
+
+    def _checkpoints(self) -> list[Path]:
+        found = [p for p in self.output_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+        return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+    def _rotate_checkpoints(self) -> None:
+        keep = max(1, self.config.save_total_limit)
+        for old in self._checkpoints()[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Resume from a checkpoint dir, or 'latest' in output_dir."""
+        if str(path) == "latest":
+            found = self._checkpoints()
+            if not found:
+                raise FileNotFoundError(f"resume_from_checkpoint='latest' but {self.output_dir} has no checkpoint-* dir")
+            path = found[-1]
+        path = Path(path)
+        if not (path / "trainer_state.json").exists():
+            raise FileNotFoundError(f"{path} is not a lora_grpo checkpoint (no trainer_state.json)")
+        load_adapter_weights(self.model, path / POLICY, POLICY)
+        load_adapter_weights(self.model, path / REFERENCE, REFERENCE)
+        blobs = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(blobs["optimizer"])
+        self.scheduler.load_state_dict(blobs["scheduler"])
+        self.generator.set_state(blobs["generator"])
+        torch.set_rng_state(blobs["torch_rng"])
+        random.setstate(blobs["python_rng"])
+        np.random.set_state(blobs["numpy_rng"])
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.step = state["step"]
+        self.batches.load_state_dict(state["batches"])
+        self.history = state.get("history", [])
+        self._print(f"resumed from {path} at step {self.step}")
+
+    # ------------------------------------------------------------------ reporting
+    def _summary(self, before: dict, after: dict, seconds: float) -> dict[str, Any]:
+        rewards = [m["reward/mean"] for m in self.history if "reward/mean" in m]
+        k = max(1, len(rewards) // 10)
+        summary: dict[str, Any] = {
+            "steps": self.step,
+            "seconds": round(seconds, 2),
+            # the reward curve's start and end: means over its first and last tenth
+            "reward_first": float(np.mean(rewards[:k])) if rewards else None,
+            "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
+            "syncs": sum(1 for m in self.history if m.get("sync/event")),
+        }
+        if before or after:
+            # The first reward function is the headline eval metric (accuracy on the toy task).
+            first = f"eval/{reward_names(self.reward_funcs)[0]}"
+            summary["accuracy_before"] = before.get(first)
+            summary["accuracy_after"] = after.get(first)
+            summary["eval_before"], summary["eval_after"] = before, after
+        return summary
+
+    def _print(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)
+
+    @staticmethod
+    def _fmt(metrics: dict[str, float]) -> str:
+        return " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
+
+    def _progress_line(self, m: dict[str, Any]) -> str:
+        parts = [
+            f"step {self.step}/{self.total_steps}",
+            f"reward {m.get('reward/mean', float('nan')):.3f}±{m.get('reward/std', float('nan')):.3f}",
+            f"kl {m.get('kl', 0.0):.4f}",
+            f"len {m.get('completion_length/mean', 0.0):.1f}",
+            f"zero-std {m.get('frac_reward_zero_std', 0.0):.2f}",
+            f"{m.get('time/step', 0.0):.1f}s",
+        ]
+        if m.get("sync/event"):
+            parts.append(f"sync({m['sync/reason']}, err {m['sync/truncation_error']:.1e})")
+        if "eval/" + "completion_length" in m:
+            parts.append(self._fmt({k: v for k, v in m.items() if k.startswith("eval/")}))
+        return " | ".join(parts)
+
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)

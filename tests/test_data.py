@@ -1,0 +1,230 @@
+"""Prompt dataset loading/rendering and resumable seeded batching (CPU, offline, no model)."""
+
+import json
+
+import datasets
+import pytest
+
+from lora_grpo.data import PromptBatches, load_prompt_dataset
+from lora_grpo.toy import make_tokenizer
+
+ROWS = [
+    {"question": "1+1?", "answer": "2", "level": 1},
+    {"question": "2*3?", "answer": "6", "level": 2},
+    {"question": "9-4?", "answer": "5", "level": 1},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+# ------------------------------------------------------------------------------------ sources
+
+
+def _write(tmp_path, kind, rows):
+    path = tmp_path / f"data.{kind}"
+    if kind == "json":
+        path.write_text(json.dumps(rows))
+    elif kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "csv":
+        datasets.Dataset.from_list(rows).to_csv(str(path), index=False)
+    elif kind == "parquet":
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl", "csv", "parquet"])
+def test_load_files_with_template_keeps_columns(tmp_path, kind):
+    path = _write(tmp_path, kind, ROWS)
+    ds = load_prompt_dataset(path, prompt_template="Q: {question}\nA:")
+    assert ds["prompt"] == ["Q: 1+1?\nA:", "Q: 2*3?\nA:", "Q: 9-4?\nA:"]
+    assert [str(a) for a in ds["answer"]] == ["2", "6", "5"]  # csv infers ints
+    assert ds["level"] == [1, 2, 1]
+    assert set(ds.column_names) == {"question", "answer", "level", "prompt"}
+
+
+def test_load_str_path_dataset_list_and_save_to_disk(tmp_path):
+    path = _write(tmp_path, "jsonl", ROWS)
+    assert load_prompt_dataset(str(path), prompt_column="question")["prompt"] == ["1+1?", "2*3?", "9-4?"]
+    assert load_prompt_dataset(ROWS, prompt_column="question")["prompt"][1] == "2*3?"
+    in_memory = datasets.Dataset.from_list(ROWS)
+    assert load_prompt_dataset(in_memory, prompt_column="question")["prompt"][2] == "9-4?"
+    in_memory.save_to_disk(str(tmp_path / "saved"))
+    assert load_prompt_dataset(tmp_path / "saved", prompt_column="question")["answer"] == ["2", "6", "5"]
+    datasets.DatasetDict({"train": in_memory, "test": in_memory.select([0])}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+    assert len(load_prompt_dataset(tmp_path / "dd", split="test", prompt_column="question")) == 1
+    with pytest.raises(ValueError, match=r"split 'dev'.*\['train', 'test'\]"):
+        load_prompt_dataset(tmp_path / "dd", split="dev", prompt_column="question")
+
+
+def test_load_missing_or_unknown_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_prompt_dataset(tmp_path / "missing.jsonl")
+    (tmp_path / "data.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"unknown file type '.txt'"):
+        load_prompt_dataset(tmp_path / "data.txt")
+    with pytest.raises(TypeError, match="list of dicts"):
+        load_prompt_dataset(["just text"])
+
+
+def test_prompt_column_text_and_system_prompt():
+    ds = load_prompt_dataset([{"prompt": "Say hi", "answer": "hi"}], system_prompt="Be brief.")
+    assert ds["prompt"] == ["Be brief.\nSay hi"] and ds["answer"] == ["hi"]
+
+
+# ---------------------------------------------------------------------------------- chat
+
+
+def test_messages_column_with_chat_template(tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}]
+    ds = load_prompt_dataset(rows, tokenizer=tokenizer)
+    assert ds["prompt"] == ["user: 2+2?\nassistant: "]
+    assert ds["answer"] == ["4"] and ds["messages"] == [rows[0]["messages"]]  # kept
+    ds = load_prompt_dataset(rows, tokenizer=tokenizer, system_prompt="Think.")
+    assert ds["prompt"] == ["system: Think.\nuser: 2+2?\nassistant: "]
+
+
+def test_system_prompt_replaces_a_leading_system_message(tokenizer):
+    rows = [{"messages": [{"role": "system", "content": "old"}, {"role": "user", "content": "q"}]}]
+    assert load_prompt_dataset(rows, tokenizer=tokenizer)["prompt"] == ["system: old\nuser: q\nassistant: "]
+    got = load_prompt_dataset(rows, tokenizer=tokenizer, system_prompt="new")["prompt"]
+    assert got == ["system: new\nuser: q\nassistant: "]
+
+
+def test_prompt_column_holding_messages_is_chat_rendered(tokenizer):
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "id": 7}]
+    ds = load_prompt_dataset(rows, tokenizer=tokenizer)
+    assert ds["prompt"] == ["user: hi\nassistant: "] and ds["id"] == [7]
+
+
+def test_template_wrapped_in_chat_template(tokenizer):
+    ds = load_prompt_dataset(
+        ROWS[:1],
+        prompt_template="Solve {question}",
+        tokenizer=tokenizer,
+        use_chat_template=True,
+        system_prompt="S",
+    )
+    assert ds["prompt"] == ["system: S\nuser: Solve 1+1?\nassistant: "]
+
+
+def test_template_takes_precedence_over_messages(tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "m"}], "question": "t"}]
+    assert load_prompt_dataset(rows, prompt_template="{question}!", tokenizer=tokenizer)["prompt"] == ["t!"]
+
+
+def test_chat_errors(tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "q"}]}]
+    with pytest.raises(ValueError, match="tokenizer="):
+        load_prompt_dataset(rows)
+    no_template = make_tokenizer()
+    no_template.chat_template = None
+    with pytest.raises(ValueError, match="chat_template is None"):
+        load_prompt_dataset(rows, tokenizer=no_template)
+    with pytest.raises(ValueError, match=r"row 0: column 'messages'.*role"):
+        load_prompt_dataset([{"messages": ["not a message"]}], tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"row 1: column 'prompt' must hold text"):
+        load_prompt_dataset([{"prompt": "ok"}, {"prompt": None}])
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+def test_template_missing_field_names_field_and_columns():
+    with pytest.raises(KeyError) as info:
+        load_prompt_dataset(ROWS, prompt_template="{question} ({difficulty})")
+    msg = str(info.value)
+    assert "'difficulty'" in msg and "'question'" in msg and "'answer'" in msg and "'level'" in msg
+
+
+def test_no_prompt_column_lists_columns_and_options():
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(ROWS)
+    msg = str(info.value)
+    assert "'question'" in msg and "'answer'" in msg
+    assert "prompt_column" in msg and "messages_column" in msg and "prompt_template" in msg
+
+
+def test_empty_dataset():
+    with pytest.raises(ValueError, match="empty"):
+        load_prompt_dataset(datasets.Dataset.from_dict({"prompt": []}))
+
+
+# ------------------------------------------------------------------------------- batching
+
+
+def _ds(n):
+    return datasets.Dataset.from_dict({"prompt": [f"p{i}" for i in range(n)], "i": list(range(n))})
+
+
+def _take(batches, k):
+    return [(epoch, rows["i"]) for epoch, rows in (next(batches) for _ in range(k))]
+
+
+def test_batches_deterministic_by_seed():
+    a = _take(PromptBatches(_ds(10), 3, seed=1), 9)
+    assert a == _take(PromptBatches(_ds(10), 3, seed=1), 9)
+    assert a != _take(PromptBatches(_ds(10), 3, seed=2), 9)
+
+
+def test_batches_epoch_boundaries_and_drop_last():
+    batches = PromptBatches(_ds(10), 3, seed=0)
+    assert len(batches) == batches.steps_per_epoch == 3
+    got = _take(batches, 9)
+    assert [e for e, _ in got] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for epoch in range(3):
+        rows = [i for e, r in got if e == epoch for i in r]
+        assert len(rows) == len(set(rows)) == 9  # no repeats inside an epoch; one row dropped
+        assert rows == batches.order(epoch)[:9].tolist()
+    assert batches.order(0).tolist() != batches.order(1).tolist()  # reshuffled per epoch
+
+
+def test_batches_rows_hold_every_column():
+    epoch, rows = next(PromptBatches(_ds(4), 2, shuffle=False))
+    assert epoch == 0 and rows == {"prompt": ["p0", "p1"], "i": [0, 1]}
+
+
+def test_batches_no_shuffle_and_num_epochs():
+    got = list(PromptBatches(_ds(5), 2, shuffle=False, num_epochs=2))
+    assert [(e, r["i"]) for e, r in got] == [(0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [2, 3])]
+
+
+def test_batches_exact_fit_and_too_small():
+    assert _take(PromptBatches(_ds(4), 4, shuffle=False), 2) == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]
+    with pytest.raises(ValueError, match="3 rows, fewer than one batch of prompts_per_step=4"):
+        PromptBatches(_ds(3), 4)
+
+
+@pytest.mark.parametrize("stop", [1, 3, 4, 7])
+def test_resume_equals_uninterrupted(stop):
+    uninterrupted = _take(PromptBatches(_ds(11), 3, seed=5), 10)
+    first = PromptBatches(_ds(11), 3, seed=5)
+    head = _take(first, stop)
+    state = first.state_dict()
+    resumed = PromptBatches(_ds(11), 3, seed=5)
+    resumed.load_state_dict(state)
+    assert head + _take(resumed, 10 - stop) == uninterrupted
+    # The same position given at construction.
+    rebuilt = PromptBatches(_ds(11), 3, seed=5, start_epoch=state["epoch"], start_index=state["index"])
+    assert head + _take(rebuilt, 10 - stop) == uninterrupted
+
+
+def test_state_dict_position_and_mismatch_errors():
+    batches = PromptBatches(_ds(7), 3, seed=0)
+    assert batches.state_dict() == {"epoch": 0, "index": 0, "seed": 0, "num_rows": 7, "prompts_per_step": 3}
+    _take(batches, 2)  # the 7th row is dropped: the next batch starts epoch 1
+    assert (batches.state_dict()["epoch"], batches.state_dict()["index"]) == (1, 0)
+    with pytest.raises(ValueError, match="seed=0.*seed=1"):
+        PromptBatches(_ds(7), 3, seed=1).load_state_dict(batches.state_dict())
+    with pytest.raises(ValueError, match="num_rows=7.*num_rows=8"):
+        PromptBatches(_ds(8), 3, seed=0).load_state_dict(batches.state_dict())
+
+
+def test_prompt_only_dataset_keeps_its_rows():
+    ds = load_prompt_dataset([{"prompt": "a"}, {"prompt": "b"}], system_prompt="S")
+    assert ds.column_names == ["prompt"] and ds["prompt"] == ["S\na", "S\nb"]

@@ -1,0 +1,470 @@
+"""Reward contract, built-in rewards, resolution from specs, and weighted scoring (CPU, no model)."""
+
+import functools
+import math
+import textwrap
+
+import pytest
+import torch
+
+from lora_grpo import rewards as R
+from lora_grpo.rewards import (
+    answer_accuracy,
+    compute_rewards,
+    length_penalty,
+    parse_number,
+    resolve_reward_funcs,
+    reward_name,
+    soft_overlong_penalty,
+    think_answer_format,
+)
+
+
+def _q(n):
+    return ["q"] * n
+
+
+# ----------------------------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("<think>2+2 is 4</think><answer>4</answer>", 1.0),
+        ("  <think>\nmulti\nline\n</think>\n\n<answer> 4 </answer>\n", 1.0),
+        ("<think></think><answer></answer>", 1.0),
+        ("<answer>4</answer>", 0.0),  # no think block
+        ("<think>x</think>", 0.0),  # no answer block
+        ("<answer>4</answer><think>x</think>", 0.0),  # wrong order
+        ("Sure! <think>x</think><answer>4</answer>", 0.0),  # text before
+        ("<think>x</think><answer>4</answer> done", 0.0),  # text after
+        ("<think>x</think>between<answer>4</answer>", 0.0),  # text between
+        ("<think>x</think><answer>4</answer><answer>5</answer>", 0.0),  # two answers
+        ("<think>a<think>b</think><answer>4</answer>", 0.0),  # nested tag
+    ],
+)
+def test_think_answer_format(completion, expected):
+    assert think_answer_format(["q"], [completion]) == [expected]
+
+
+def test_format_accepts_extra_kwargs_and_conversational_completions():
+    got = think_answer_format(
+        _q(2),
+        ["<think>a</think><answer>b</answer>", [{"role": "assistant", "content": "<answer>b</answer>"}]],
+        answer=["x", "y"],
+        completion_lengths=[3, 4],
+        truncated=[False, False],
+    )
+    assert got == [1.0, 0.0]
+
+
+# ----------------------------------------------------------------------------------- numbers
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("42", 42),
+        ("-7", -7),
+        ("+3", 3),
+        ("3.50", "7/2"),
+        (".5", "1/2"),
+        ("-0.25", "-1/4"),
+        ("1,234", 1234),
+        ("1,234,567.5", "2469135/2"),
+        ("3/4", "3/4"),
+        ("-3 / 4", "-3/4"),
+        ("\\frac{3}{4}", "3/4"),
+        ("-\\dfrac{1}{2}", "-1/2"),
+        ("\\boxed{12}", 12),
+        ("\\boxed{\\frac{1}{3}}", "1/3"),
+        ("$\\boxed{7}$", 7),
+        ("18.", 18),
+        ("50%", 50),
+        ("50\\%", 50),
+        ("$1,000", 1000),
+        ("1{,}000", 1000),
+    ],
+)
+def test_parse_number(text, expected):
+    from fractions import Fraction
+
+    assert parse_number(text) == Fraction(expected)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "4 apples", "1/0", "1,23", "x^2", "\\boxed{1}+\\boxed{2}"])
+def test_parse_number_rejects(text):
+    assert parse_number(text) is None
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<think>maybe 3</think><answer> 5 </answer>", "5"),
+        ("<answer>1</answer> then <answer>2</answer>", "2"),
+        ("so the result is \\boxed{\\frac{1}{2}} since 9", "\\frac{1}{2}"),
+        ("first 3, then 4.5, finally -12.", "-12"),
+        ("the ratio is 3/4", "3/4"),
+        ("we get 1,234 apples", "1,234"),
+        ("no numbers here", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert R.extract_answer(text) == expected
+
+
+# ---------------------------------------------------------------------------------- accuracy
+
+# (completion, reference, expected) that hold with and without math_verify.
+ACCURACY_CASES = [
+    ("<think>..</think><answer>42</answer>", "42", 1.0),
+    ("<think>..</think><answer>41</answer>", "42", 0.0),
+    ("<answer>1,234</answer>", "1234", 1.0),
+    ("<answer>0.75</answer>", "3/4", 1.0),
+    ("<answer>\\frac{3}{4}</answer>", "0.75", 1.0),
+    ("<answer>-5.0</answer>", "-5", 1.0),
+    ("<answer>The answer is 18.</answer>", "18", 1.0),  # sentence inside the tag: last number
+    ("I think it is 3, no, 7.", "7", 1.0),  # no tag: last number
+    ("I think it is 7, no, 3.", "7", 0.0),
+    ("so \\boxed{12} apples, 5 left", "12", 1.0),  # no tag: last \boxed wins over the last number
+    ("no answer at all", "7", 0.0),
+    ("<answer>72</answer>", "Natalia sold 48/2 = 24 clips... 48+24 = 72\n#### 72", 1.0),  # GSM8K
+]
+
+
+@pytest.fixture(params=["fallback", "math_verify"])
+def accuracy_backend(request, monkeypatch):
+    if request.param == "fallback":
+        monkeypatch.setattr(R, "_math_verify", None)
+    else:
+        monkeypatch.setattr(R, "_math_verify", pytest.importorskip("math_verify"))
+    return request.param
+
+
+@pytest.mark.parametrize("completion, reference, expected", ACCURACY_CASES)
+def test_answer_accuracy(accuracy_backend, completion, reference, expected):
+    assert answer_accuracy(["q"], [completion], answer=[reference]) == [expected]
+
+
+def test_answer_accuracy_text_answers(accuracy_backend):
+    got = answer_accuracy(
+        _q(3),
+        ["<answer> Paris </answer>", "<answer>paris.</answer>", "<answer>Lyon</answer>"],
+        answer=["Paris", "Paris", "Paris"],
+    )
+    assert got == [1.0, 1.0, 0.0]
+
+
+def test_answer_accuracy_math_verify_symbolic(monkeypatch):
+    monkeypatch.setattr(R, "_math_verify", pytest.importorskip("math_verify"))
+    got = answer_accuracy(_q(2), ["<answer>1+x^2</answer>", "<answer>x^2-1</answer>"], answer=["x^2+1"] * 2)
+    assert got == [1.0, 0.0]
+
+
+def test_answer_accuracy_none_without_reference_and_solution_column(monkeypatch):
+    monkeypatch.setattr(R, "_math_verify", None)
+    got = answer_accuracy(_q(3), ["<answer>4</answer>"] * 3, answer=["4", None, "  "])
+    assert got == [1.0, None, None]
+    assert answer_accuracy(_q(1), ["<answer>4</answer>"], solution=["#### 4"]) == [1.0]
+    with pytest.raises(ValueError, match="'answer'.*'solution'"):
+        answer_accuracy(_q(1), ["4"], question=["q"])
+
+
+# ---------------------------------------------------------------------------- length penalties
+
+
+def test_soft_overlong_penalty_three_regions():
+    # DAPO eq. 13 with Lmax = 100, Lcache = 20: free up to 80, linear to -1 at 100, -1 beyond.
+    fn = soft_overlong_penalty(max_completion_length=100, buffer_length=20)
+    lengths = [0, 79, 80, 81, 90, 95, 100, 101, 500]
+    got = fn(_q(9), [""] * 9, completion_lengths=lengths)
+    assert got == pytest.approx([0.0, 0.0, 0.0, -0.05, -0.5, -0.75, -1.0, -1.0, -1.0])
+    assert got[2] == 0.0 and got[6] == -1.0  # both boundaries exact
+    assert reward_name(fn) == "soft_overlong_penalty"
+
+
+def test_soft_overlong_penalty_validation():
+    with pytest.raises(ValueError, match="buffer_length"):
+        soft_overlong_penalty(max_completion_length=10, buffer_length=20)
+    with pytest.raises(ValueError, match="buffer_length"):
+        soft_overlong_penalty(max_completion_length=10, buffer_length=0)
+    with pytest.raises(ValueError, match="completion_lengths"):
+        soft_overlong_penalty(10, 5)(["q"], ["c"])
+
+
+def test_length_penalty():
+    fn = length_penalty(target_length=50, scale=0.5)
+    got = fn(_q(5), [""] * 5, completion_lengths=[0, 50, 51, 100, 150])
+    assert got == pytest.approx([0.0, 0.0, -0.01, -0.5, -1.0])
+    assert reward_name(fn) == "length_penalty"
+    with pytest.raises(ValueError, match="target_length"):
+        length_penalty(target_length=0)
+
+
+# ----------------------------------------------------------------------------------- resolve
+
+
+def test_resolve_builtin_names_and_aliases():
+    fmt, acc, fmt2 = resolve_reward_funcs(["format", "accuracy", "think_answer_format"])
+    assert fmt is think_answer_format and acc is answer_accuracy and fmt2 is think_answer_format
+
+
+def test_resolve_factories_with_kwargs_and_context():
+    (fn,) = resolve_reward_funcs(
+        [{"name": "soft_overlong", "kwargs": {"max_completion_length": 10, "buffer_length": 4}}]
+    )
+    assert fn(_q(2), ["", ""], completion_lengths=[6, 8]) == pytest.approx([0.0, -0.5])
+    # max_completion_length from the trainer's context; explicit kwargs win over context.
+    (fn,) = resolve_reward_funcs(
+        {"name": "soft_overlong", "kwargs": {"buffer_length": 4}},
+        context={"max_completion_length": 10, "seed": 0},
+    )
+    assert fn(["q"], [""], completion_lengths=[8]) == pytest.approx([-0.5])
+    (fn,) = resolve_reward_funcs(
+        [{"name": "length", "kwargs": {"target_length": 10}}], context={"target_length": 99}
+    )
+    assert fn(["q"], [""], completion_lengths=[20]) == [-1.0]
+
+
+def test_resolve_factory_missing_kwargs_is_clear():
+    with pytest.raises(ValueError, match=r"soft_overlong.*buffer_length"):
+        resolve_reward_funcs(["soft_overlong"], context={"max_completion_length": 10})
+
+
+def test_resolve_callables_pass_through():
+    def mine(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    assert resolve_reward_funcs([mine]) == [mine]
+    assert resolve_reward_funcs(mine) == [mine]
+
+
+def test_resolve_dotted_paths_stdlib():
+    import os.path
+
+    assert resolve_reward_funcs(["os.path:basename", "os.path.basename"]) == [os.path.basename] * 2
+
+
+def test_resolve_dotted_paths_user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod.py").write_text(
+        textwrap.dedent(
+            """
+            def brevity(prompts, completions, **kw):
+                return [-len(c) / 10 for c in completions]
+
+            def make_bonus(value):
+                def bonus(prompts, completions, **kw):
+                    return [value] * len(completions)
+                return bonus
+
+            class Exact:
+                def __init__(self, target="ok"):
+                    self.target = target
+                def __call__(self, prompts, completions, **kw):
+                    return [float(c == self.target) for c in completions]
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fns = resolve_reward_funcs(
+        [
+            "my_rewards_mod:brevity",
+            "my_rewards_mod.brevity",
+            {"name": "my_rewards_mod:make_bonus", "kwargs": {"value": 2.0}},
+            "my_rewards_mod:Exact",
+            {"name": "my_rewards_mod.Exact", "kwargs": {"target": "yes"}},
+        ]
+    )
+    outs = [fn(_q(2), ["ok", "yes"]) for fn in fns]
+    assert outs == [[-0.2, -0.3], [-0.2, -0.3], [2.0, 2.0], [1.0, 0.0], [0.0, 1.0]]
+    assert [reward_name(f) for f in fns] == ["brevity", "brevity", "bonus", "Exact", "Exact"]
+
+
+def test_resolve_errors_name_the_spec():
+    with pytest.raises(ValueError, match=r"unknown reward 'nope'.*built-in name"):
+        resolve_reward_funcs(["nope"])
+    with pytest.raises(ValueError, match=r"cannot import reward 'no_such_pkg_xyz\.mod:fn'.*accepted"):
+        resolve_reward_funcs(["no_such_pkg_xyz.mod:fn"])
+    with pytest.raises(ValueError, match=r"cannot import reward 'os\.path:no_such_fn'"):
+        resolve_reward_funcs(["os.path:no_such_fn"])
+    with pytest.raises(ValueError, match=r"os\.path\.no_such_fn"):
+        resolve_reward_funcs(["os.path.no_such_fn"])
+    with pytest.raises(ValueError, match="not valid"):
+        resolve_reward_funcs([42])
+    with pytest.raises(ValueError, match="'name'"):
+        resolve_reward_funcs([{"kwargs": {}}])
+    with pytest.raises(ValueError, match="takes no kwargs"):
+        resolve_reward_funcs([{"name": "format", "kwargs": {"x": 1}}])
+    with pytest.raises(ValueError, match="non-callable"):
+        resolve_reward_funcs(["os:sep"])
+
+
+def test_resolve_import_error_inside_user_module_is_reported(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards_mod.py").write_text("import not_installed_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="not_installed_dependency_xyz"):
+        resolve_reward_funcs(["broken_rewards_mod.fn"])
+
+
+def test_reward_name():
+    def plain(prompts, completions, **kw):
+        return []
+
+    class Scorer:
+        def __call__(self, prompts, completions, **kw):
+            return []
+
+    assert reward_name(plain) == "plain"
+    assert reward_name(functools.partial(plain, extra=1)) == "plain"
+    assert reward_name(functools.partial(functools.partial(plain), extra=1)) == "plain"
+    assert reward_name(Scorer()) == "Scorer"
+
+
+# ------------------------------------------------------------------------------ compute_rewards
+
+
+def const(*values):
+    def fn(prompts, completions, **kw):
+        return list(values)
+
+    return fn
+
+
+def named(name, fn):
+    fn.__name__ = name
+    return fn
+
+
+def test_compute_rewards_weighted_sum_and_none_handling():
+    f = named("f", const(1.0, None, 0.0, None))
+    g = named("g", const(2.0, -1.0, None, None))
+    rewards, per_func, metrics = compute_rewards([f, g], _q(4), ["a", "b", "c", "d"], {}, weights=[1.0, 0.5])
+    assert rewards.dtype == torch.float32 and rewards.shape == (4,)
+    assert per_func.dtype == torch.float32 and per_func.shape == (4, 2)
+    # Row 0: 1 + 0.5*2; row 1: None->0 + 0.5*(-1); row 2: 0 + None->0; row 3: all None -> NaN.
+    assert rewards[:3].tolist() == [2.0, -0.5, 0.0]
+    assert math.isnan(rewards[3])
+    assert torch.equal(
+        per_func.isnan(), torch.tensor([[False, False], [True, False], [False, True], [True, True]])
+    )
+    # Means leave None out (f over [1, 0], g over [2, -1]); population std.
+    assert metrics["rewards/f/mean"] == pytest.approx(0.5)
+    assert metrics["rewards/f/std"] == pytest.approx(0.5)
+    assert metrics["rewards/g/mean"] == pytest.approx(0.5)
+    assert metrics["rewards/g/std"] == pytest.approx(1.5)
+    assert metrics["reward/mean"] == pytest.approx(0.5)  # over the 3 non-NaN rewards
+    assert metrics["reward/std"] == pytest.approx(torch.tensor([2.0, -0.5, 0.0]).std(correction=0).item())
+
+
+def test_compute_rewards_default_weights_columns_and_value_types():
+    seen = {}
+
+    def spy(prompts, completions, **kw):
+        seen.update(kw)
+        return [True, 1, torch.tensor(0.5), float("nan")]  # bool, int, 0-d tensor, NaN (= None)
+
+    rewards, per_func, metrics = compute_rewards(
+        [spy, const(1.0, 1.0, 1.0, 1.0)],
+        _q(4),
+        list("abcd"),
+        {"answer": list("wxyz"), "completion_lengths": [1, 2, 3, 4], "truncated": [False] * 4},
+    )
+    assert seen == {"answer": list("wxyz"), "completion_lengths": [1, 2, 3, 4], "truncated": [False] * 4}
+    assert rewards.tolist() == [2.0, 2.0, 1.5, 1.0]
+    assert math.isnan(per_func[3, 0])
+    assert metrics["rewards/spy/mean"] == pytest.approx(2.5 / 3)
+
+
+def test_compute_rewards_all_none_function_metrics_are_nan():
+    _, _, metrics = compute_rewards(
+        [named("f", const(None, None)), named("g", const(1.0, 3.0))], _q(2), ["a", "b"]
+    )
+    assert math.isnan(metrics["rewards/f/mean"]) and math.isnan(metrics["rewards/f/std"])
+    assert metrics["rewards/g/mean"] == 2.0 and metrics["reward/mean"] == 2.0
+
+
+def test_compute_rewards_duplicate_names_get_suffixes():
+    f1, f2 = length_penalty(10), length_penalty(20)
+    _, _, metrics = compute_rewards([f1, f2], ["q"], ["c"], {"completion_lengths": [30]})
+    assert metrics["rewards/length_penalty/mean"] == -2.0
+    assert metrics["rewards/length_penalty_2/mean"] == -0.5
+
+
+def test_compute_rewards_with_builtins_end_to_end(monkeypatch):
+    monkeypatch.setattr(R, "_math_verify", None)
+    funcs = resolve_reward_funcs(
+        [
+            "format",
+            "accuracy",
+            {"name": "soft_overlong", "kwargs": {"max_completion_length": 10, "buffer_length": 5}},
+        ]
+    )
+    completions = ["<think>x</think><answer>4</answer>", "4", "<think>x</think><answer>5</answer>"]
+    columns = {
+        "answer": ["4", "4", None],
+        "completion_lengths": [5, 1, 10],
+        "truncated": [False, False, True],
+    }
+    rewards, per_func, metrics = compute_rewards(funcs, _q(3), completions, columns, weights=[0.5, 1.0, 1.0])
+    assert rewards.tolist() == [1.5, 1.0, -0.5]
+    assert metrics["rewards/answer_accuracy/mean"] == 1.0  # the None row is left out
+    assert set(metrics) == {
+        f"rewards/{n}/{s}"
+        for n in ("think_answer_format", "answer_accuracy", "soft_overlong_penalty")
+        for s in ("mean", "std")
+    } | {"reward/mean", "reward/std"}
+
+
+def test_compute_rewards_raising_function_names_function_and_sample():
+    def picky(prompts, completions, **kw):
+        return [1.0 / len(c) for c in completions]
+
+    long_prompt = "P" * 1000
+    with pytest.raises(RuntimeError) as info:
+        compute_rewards([picky], ["q0", long_prompt], ["fine", ""], {})
+    msg = str(info.value)
+    assert "'picky'" in msg and "ZeroDivisionError" in msg
+    assert "sample 1" in msg and "completion=''" in msg
+    assert "P" * 200 in msg and "P" * 201 not in msg  # sample text truncated
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_compute_rewards_raising_only_on_batch():
+    def batch_only(prompts, completions, **kw):
+        if len(completions) > 1:
+            raise RuntimeError("boom")
+        return [0.0]
+
+    with pytest.raises(RuntimeError, match=r"'batch_only'.*boom.*no single sample.*sample 0"):
+        compute_rewards([batch_only], _q(2), ["a", "b"], {})
+
+
+def test_compute_rewards_wrong_length():
+    with pytest.raises(ValueError, match=r"'short'.*returned 1 values for 3 completions"):
+        compute_rewards([named("short", const(1.0))], _q(3), ["a", "b", "c"], {})
+    with pytest.raises(ValueError, match=r"'scalar'.*list of 2"):
+        compute_rewards([named("scalar", lambda p, c, **kw: 1.0)], _q(2), ["a", "b"], {})
+
+
+@pytest.mark.parametrize("bad", ["1.0", [1.0], float("inf"), {"r": 1}])
+def test_compute_rewards_bad_value(bad):
+    f = named("weird", const(0.0, bad))
+    with pytest.raises(ValueError) as info:
+        compute_rewards([f], ["p0", "the prompt"], ["c0", "the completion"], {})
+    msg = str(info.value)
+    assert "'weird'" in msg and "index 1" in msg
+    assert "'the prompt'" in msg and "'the completion'" in msg
+
+
+def test_compute_rewards_argument_errors():
+    f = const(1.0)
+    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
+        compute_rewards([f], ["q"], ["c"], {}, weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="column 'answer' has 2 values for 1"):
+        compute_rewards([f], ["q"], ["c"], {"answer": ["a", "b"]})
+    with pytest.raises(ValueError, match="2 prompts for 1 completions"):
+        compute_rewards([f], ["q", "q"], ["c"], {})
+    with pytest.raises(ValueError, match="'completions' clashes"):
+        compute_rewards([f], ["q"], ["c"], {"completions": ["x"]})
+    with pytest.raises(ValueError, match="at least one"):
+        compute_rewards([], ["q"], ["c"], {})

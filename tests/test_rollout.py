@@ -1,0 +1,258 @@
+"""Rollout: prefix-shared sampling matches plain generation, masks/shapes, and the logit filters."""
+
+import warnings
+
+import pytest
+import torch
+
+from lora_grpo.rollout import (
+    Rollout,
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+    generate_rollout,
+    sample_next,
+    warp_logits,
+)
+from lora_grpo.toy import make_tokenizer, make_tiny_model
+
+NEG = float("-inf")
+# Different lengths, so the batch is really left-padded.
+PROMPTS = ["1+2=", "what is 12*3? ", "hi"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def tiny_model(tok, eos_scale: float):
+    """A tiny random model whose EOS row of the LM head is scaled, so EOS is emitted sometimes."""
+    model = make_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= eos_scale
+    return model.eval()
+
+
+def full_forward_logits(model, rollout: Rollout) -> torch.Tensor:
+    """No-cache forward over prompt+completion -> (B, T, V) logits that predicted each completion token."""
+    mask = rollout.attention_mask
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=rollout.input_ids, attention_mask=mask, position_ids=position_ids).logits
+    P, T = rollout.prompt_ids.size(1), rollout.completion_ids.size(1)
+    return logits[:, P - 1 : P + T - 1]
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [(1.0, 0, 1.0, 0.0), (0.7, 20, 0.9, 0.02)],
+)
+def test_sampling_logprobs_match_full_forward(tok, temperature, top_k, top_p, min_p):
+    model = tiny_model(tok, eos_scale=25.0)
+    g = torch.Generator().manual_seed(0)
+    r = generate_rollout(
+        model, tok, PROMPTS, num_generations=4, max_prompt_length=None, max_completion_length=12,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=g,
+    )
+    # The case the test relies on: some rows stopped at EOS, some ran to the limit.
+    assert r.truncated.any() and (~r.truncated).any()
+    warped = warp_logits(full_forward_logits(model, r), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    expected = warped.log_softmax(-1).gather(2, r.completion_ids[..., None]).squeeze(2)
+    m = r.completion_mask.bool()
+    torch.testing.assert_close(r.sampling_logprobs[m], expected[m], atol=1e-5, rtol=0)
+    assert (r.sampling_logprobs[~m] == 0).all()
+
+
+@pytest.mark.parametrize("repetition_penalty", [1.0, 1.5])
+def test_greedy_equals_hf_generate(tok, repetition_penalty):
+    model = tiny_model(tok, eos_scale=3.0)
+    r = generate_rollout(
+        model, tok, PROMPTS, num_generations=2, max_prompt_length=None, max_completion_length=12,
+        temperature=0.0, repetition_penalty=repetition_penalty,
+    )
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    ref = model.generate(
+        **enc, do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, repetition_penalty=repetition_penalty,
+    )[:, enc.input_ids.size(1) :]
+    ref = torch.nn.functional.pad(ref, (0, 12 - ref.size(1)), value=tok.pad_token_id)
+    ours = torch.nn.functional.pad(r.completion_ids, (0, 12 - r.completion_ids.size(1)), value=tok.pad_token_id)
+    assert torch.equal(ours, ref.repeat_interleave(2, 0))
+    assert torch.equal(r.prompt_ids, enc.input_ids.repeat_interleave(2, 0))
+    if repetition_penalty == 1.0:  # mixed case, so the comparison covers stopping too
+        assert r.truncated.any() and (~r.truncated).any()
+
+
+def test_prefix_is_prefilled_once_and_micro_batches_agree(tok):
+    model = tiny_model(tok, eos_scale=3.0)
+    calls = []
+    record = lambda mod, args, kw: calls.append(tuple(kw["input_ids"].shape))  # noqa: E731
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    kwargs = dict(num_generations=3, max_prompt_length=None, max_completion_length=6, temperature=0.0)
+    r = generate_rollout(model, tok, PROMPTS, **kwargs)
+    P = r.prompt_ids.size(1)
+    assert calls[0] == (3, P)  # the 3 distinct prompts, not 9 rows
+    assert all(c == (9, 1) for c in calls[1:])  # then one token per row per step
+    calls.clear()
+    r2 = generate_rollout(model, tok, PROMPTS, micro_batch_prompts=2, **kwargs)
+    hook.remove()
+    assert [c[0] for c in calls if c[1] > 1] == [2, 1]  # two prefills: 2 prompts, then 1
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(r, name), getattr(r2, name)), name
+    assert r.completions == r2.completions
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def test_shapes_groups_masks_and_decoding(tok):
+    model = tiny_model(tok, eos_scale=25.0)
+    G, T = 4, 12
+    r = generate_rollout(
+        model, tok, PROMPTS, num_generations=G, max_prompt_length=None, max_completion_length=T,
+        generator=torch.Generator().manual_seed(1),
+    )
+    B, P = len(PROMPTS) * G, max(len(p) for p in PROMPTS)  # char tokenizer: one token per char
+    assert r.prompt_ids.shape == r.prompt_mask.shape == (B, P)
+    assert r.completion_ids.shape == r.completion_mask.shape == (B, T)
+    assert r.input_ids.shape == r.attention_mask.shape == (B, P + T)
+    assert r.truncated.shape == (B,) and len(r.prompts) == len(r.completions) == B
+    assert r.prompts == [p for p in PROMPTS for _ in range(G)]
+    assert r.prompt_mask.sum(1).tolist() == [len(p) for p in PROMPTS for _ in range(G)]
+    # Left padding: the real prompt tokens sit at the right end of each row.
+    assert (r.prompt_ids[r.prompt_mask == 0] == tok.pad_token_id).all()
+    assert (r.prompt_mask[:, -1] == 1).all()
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    assert r.truncated.any() and (~r.truncated).any()
+    for i in range(B):
+        ids, mask = r.completion_ids[i].tolist(), r.completion_mask[i].tolist()
+        if r.truncated[i]:
+            assert eos not in ids and all(mask)
+            n = T
+        else:
+            n = ids.index(eos) + 1  # first EOS, inclusive
+            assert mask == [1] * n + [0] * (T - n)
+            assert ids[n:] == [pad] * (T - n)
+        assert r.completion_lengths[i] == n
+        text = "".join(t for t in tok.convert_ids_to_tokens(ids[:n]) if t not in ("<eos>", "<pad>"))
+        assert r.completions[i] == text
+    moved = r.to("cpu")
+    assert isinstance(moved, Rollout) and torch.equal(moved.completion_ids, r.completion_ids)
+
+
+def test_left_truncation_keeps_last_tokens_and_warns(tok):
+    model = tiny_model(tok, eos_scale=1.0)
+    prompts = ["abcdefghij", "xyz"]
+    with pytest.warns(UserWarning, match=r"1 of 2 prompts.*max_prompt_length=5"):
+        r = generate_rollout(model, tok, prompts, num_generations=2, max_prompt_length=5,
+                             max_completion_length=2, temperature=0.0)
+    assert r.prompt_ids.size(1) == 5
+    assert tok.decode(r.prompt_ids[0]) == "fghij"
+    assert r.prompt_mask[2].tolist() == [0, 0, 1, 1, 1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate_rollout(model, tok, prompts, num_generations=1, max_prompt_length=10,
+                         max_completion_length=2, temperature=0.0)
+    assert not [w for w in caught if "max_prompt_length" in str(w.message)]
+
+
+# --------------------------------------------------------------------------- pure filters
+
+
+def test_top_k():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 2.0, 2.0, 0.0]])
+    out = apply_top_k(logits, 2)
+    assert torch.equal(out[0], torch.tensor([NEG, 3.0, 2.0, NEG]))
+    assert torch.equal(apply_top_k(logits, 1)[1], torch.tensor([NEG, 2.0, 2.0, NEG]))  # ties kept
+    assert torch.equal(apply_top_k(logits, 0), logits)
+
+
+def test_top_p():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3], [0.05, 0.15, 0.3, 0.5]])
+    logits = probs.log()
+    finite = lambda x: torch.isfinite(x).tolist()  # noqa: E731
+    assert finite(apply_top_p(logits, 0.7)) == [[False, True, False, True], [False, False, True, True]]
+    assert finite(apply_top_p(logits, 0.85)) == [[True, True, False, True], [False, True, True, True]]
+    assert finite(apply_top_p(logits, 0.4)) == [[False, True, False, False], [False, False, False, True]]
+    kept = apply_top_p(logits, 0.7)
+    assert torch.equal(kept[torch.isfinite(kept)], logits[torch.isfinite(kept)])  # survivors untouched
+    assert torch.equal(apply_top_p(logits, 1.0), logits)
+
+
+def test_min_p():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert torch.isfinite(apply_min_p(logits, 0.2)).tolist() == [[True, True, True, False]]  # < 0.1 dropped
+    assert torch.isfinite(apply_min_p(logits, 0.5)).tolist() == [[True, True, False, False]]  # < 0.25 dropped
+    assert torch.equal(apply_min_p(logits, 0.0), logits)
+
+
+def test_repetition_penalty():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert torch.equal(apply_repetition_penalty(logits, seen, 2.0), torch.tensor([[1.0, -2.0, 0.5, -3.0]]))
+    assert torch.equal(apply_repetition_penalty(logits, seen, 1.0), logits)
+
+
+def test_temperature_before_top_p():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    # At T=1 the top token (0.5) is short of 0.6; at T=0.5 it has ~0.68 and stands alone.
+    assert torch.isfinite(warp_logits(logits, temperature=1.0, top_k=0, top_p=0.6, min_p=0.0)).sum() == 2
+    cold = warp_logits(logits, temperature=0.5, top_k=0, top_p=0.6, min_p=0.0)
+    assert torch.isfinite(cold).tolist() == [[True, False, False, False]]
+    assert cold[0, 0] == logits[0, 0] / 0.5
+
+
+def test_sample_next_greedy_and_distribution():
+    params = dict(top_k=0, top_p=1.0, min_p=0.0)
+    logits = torch.tensor([[2.0, 1.5]])
+    seen = torch.tensor([[True, False]])
+    tok, lp = sample_next(logits, seen, temperature=0.0, repetition_penalty=2.0, generator=None, **params)
+    assert tok.tolist() == [1] and lp.tolist() == [0.0]  # penalty flips the argmax
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    many = probs.log().expand(20000, 3)
+    g = torch.Generator().manual_seed(0)
+    tok, lp = sample_next(many, None, temperature=1.0, repetition_penalty=1.0, generator=g, **params)
+    freq = torch.bincount(tok, minlength=3).float() / tok.numel()
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+    torch.testing.assert_close(lp, probs.log()[tok])
+    g2 = torch.Generator().manual_seed(0)
+    tok2, _ = sample_next(many, None, temperature=1.0, repetition_penalty=1.0, generator=g2, **params)
+    assert torch.equal(tok, tok2)
+
+
+# --------------------------------------------------------------------------- peft + 4-bit
+
+
+def test_peft_lora_on_4bit_base(tiny_base_dir):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=bnb, device_map="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
+    # Random (non-zero) B so the adapter, and hence LoRA dropout, changes the output.
+    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.5, target_modules=["q_proj", "v_proj", "down_proj"],
+                           init_lora_weights=False, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(base, lora)
+    assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
+    enable_ckpt = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable_ckpt()  # the trainer's setting; the rollout must still use its KV cache
+    model.train()
+    model.base_model.model.model.layers[0].eval()  # a mixed state, restored exactly
+    before = {name: m.training for name, m in model.named_modules()}
+    with warnings.catch_warnings():  # the cache goes in under its current keyword, not a deprecated one
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        r = generate_rollout(model, tokenizer, PROMPTS, num_generations=2, max_prompt_length=None,
+                             max_completion_length=8, temperature=0.0)
+    assert {name: m.training for name, m in model.named_modules()} == before
+    assert r.completion_ids.shape[0] == 6
+    # Greedy tokens are the argmax of an eval-mode (dropout off) full forward at every real position.
+    model.eval()
+    logits = full_forward_logits(model, r)
+    m = r.completion_mask.bool()
+    assert torch.equal(logits.argmax(-1)[m], r.completion_ids[m])

@@ -1,0 +1,194 @@
+"""End-to-end trainer runs on a tiny random model (CPU, offline, a few steps each)."""
+
+import json
+
+import pytest
+import torch
+
+import lora_grpo.trainer as trainer_module
+from lora_grpo import GRPOConfig, GRPOTrainer
+from lora_grpo.model import POLICY, REFERENCE
+
+
+def digit_share(prompts, completions, **kwargs):
+    """Reward: share of digits in the completion (a tiny random model can move this fast)."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+PROMPTS = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(24)]
+
+
+def make_trainer(tiny_base_dir, tmp_path, **overrides):
+    kw = dict(
+        model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4, lora_alpha=8, num_generations=4,
+        prompts_per_step=2, max_completion_length=6, micro_batch_size=3, max_steps=4, beta=0.04,
+        learning_rate=5e-3, output_dir=str(tmp_path / "run"), save_steps=0, seed=0, gradient_checkpointing=True,
+    )
+    kw.update(overrides)
+    return GRPOTrainer(GRPOConfig(**kw), reward_funcs=[digit_share], train_dataset=PROMPTS)
+
+
+def adapter_state(model, adapter):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{adapter}." in n}
+
+
+def base_state(model):
+    return {n: t.detach().clone() for n, t in model.state_dict().items() if "lora_" not in n}
+
+
+def changed(a, b):
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_end_to_end_policy_moves_base_frozen_reference_synced_on_schedule(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=5, ref_sync_steps=2, ref_sync_alpha=0.5)
+    model = trainer.model
+    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {
+        id(p) for n, p in model.named_parameters() if f".{POLICY}." in n
+    }
+    base0, policy0 = base_state(model), adapter_state(model, POLICY)
+    ref_snapshots = []
+    original = trainer.training_step
+
+    def recording_step(rows):
+        ref_snapshots.append(adapter_state(model, REFERENCE))  # the reference the step trains against
+        return original(rows)
+
+    trainer.training_step = recording_step
+    summary = trainer.train()
+    ref_snapshots.append(adapter_state(model, REFERENCE))
+    # Reference changes exactly after the scheduled sync steps 2 and 4.
+    moved_after = [s for s in range(1, 6) if changed(ref_snapshots[s - 1], ref_snapshots[s])]
+    assert moved_after == [2, 4]
+    assert summary["syncs"] == 2
+    assert [m.get("sync/event", 0) for m in trainer.history] == [0, 1.0, 0, 1.0, 0]
+    assert changed(policy0, adapter_state(model, POLICY))
+    base1 = base_state(model)
+    assert all(torch.equal(base0[k], base1[k]) for k in base0)  # including the 4-bit weights
+    # The policy moved away from a reference that was the initial policy: KL > 0 after a step.
+    assert trainer.history[1]["kl"] > 0
+    # Outputs on disk.
+    run = tmp_path / "run"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
+    assert (run / "adapter" / "adapter_model.safetensors").exists()
+    assert (run / "config.yaml").exists() and (run / "summary.json").exists()
+    for key in ["reward/mean", "reward/std", "rewards/digit_share/mean", "frac_reward_zero_std",
+                "completion_length/mean", "completion_length/max", "truncated_fraction", "kl", "clip_ratio/low",
+                "clip_ratio/high", "entropy", "grad_norm", "lr", "tokens_per_second", "time/step"]:
+        assert key in lines[0], key
+    assert "sync/truncation_error" in lines[1]
+
+
+def test_beta_zero_skips_the_reference_forward(tiny_base_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_base_dir, tmp_path, beta=0.0, max_steps=1)
+    seen = []
+    real = trainer_module.grpo_loss
+    monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
+    trainer.train()
+    assert seen and all(ref is None for ref in seen)
+    assert trainer.history[0]["kl"] == 0.0
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_num_iterations_uses_old_log_probs_only_when_reusing_the_batch(tiny_base_dir, tmp_path, monkeypatch, num_iterations):
+    trainer = make_trainer(tiny_base_dir, tmp_path, num_iterations=num_iterations, max_steps=1, micro_batch_size=8)
+    calls = []
+    real = trainer_module.grpo_loss
+
+    def spy(logp, old_logp, *a, **k):
+        loss, m = real(logp, old_logp, *a, **k)
+        calls.append((old_logp, m["ratio"]))
+        return loss, m
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", spy)
+    trainer.train()
+    assert len(calls) == num_iterations
+    if num_iterations == 1:
+        assert calls[0][0] is None
+    else:
+        assert all(old is not None for old, _ in calls)
+        assert calls[0][1] == pytest.approx(1.0, abs=1e-5)  # first pass: policy == old policy
+        assert abs(calls[1][1] - 1.0) > 1e-6  # second pass: the policy moved, the ratio is off 1
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_every_loss_type_trains(tiny_base_dir, tmp_path, loss_type):
+    trainer = make_trainer(tiny_base_dir, tmp_path, loss_type=loss_type, max_steps=1, quantization="none")
+    before = adapter_state(trainer.model, POLICY)
+    trainer.train()
+    assert changed(before, adapter_state(trainer.model, POLICY))
+    assert torch.isfinite(torch.tensor(trainer.history[0]["loss"]))
+
+
+def test_micro_batching_gives_the_same_gradient_as_one_batch(tiny_base_dir, tmp_path):
+    grads = []
+    for micro in (8, 3):
+        trainer = make_trainer(tiny_base_dir, tmp_path, micro_batch_size=micro, quantization="none", max_grad_norm=0.0)
+        torch.manual_seed(0)
+        rollout = trainer.generate([PROMPTS[0]["prompt"], PROMPTS[1]["prompt"]])
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.2, 0.3, -0.1, -0.4])
+        batch = trainer_module.Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask, adv)
+        batch.ref_logp = trainer.log_probs(batch)
+        trainer.optimizer.step = lambda: None  # keep the weights; we compare gradients
+        trainer.optimizer.zero_grad = lambda set_to_none=True: None
+        trainer.optimize(batch)
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.params]))
+        rollout_ids = rollout.completion_ids
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+    assert rollout_ids.shape[0] == 8
+
+
+def test_resume_from_checkpoint_continues_exactly(tiny_base_dir, tmp_path):
+    full = make_trainer(tiny_base_dir, tmp_path / "a", max_steps=4, save_steps=2, ref_sync_steps=3, quantization="none")
+    full.train()
+    resumed = make_trainer(
+        tiny_base_dir, tmp_path / "b", max_steps=4, ref_sync_steps=3, quantization="none",
+        resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"),
+    )
+    resumed.train()
+    assert resumed.step == 4
+    for adapter in (POLICY, REFERENCE):
+        a, b = adapter_state(full.model, adapter), adapter_state(resumed.model, adapter)
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    assert [m["reward/mean"] for m in full.history] == pytest.approx([m["reward/mean"] for m in resumed.history])
+
+
+def test_checkpoints_rotate_and_leave_no_temp_dirs(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=4, save_steps=1, save_total_limit=2, quantization="none")
+    trainer.train()
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert names == ["adapter", "checkpoint-3", "checkpoint-4", "config.yaml", "metrics.jsonl", "summary.json"]
+
+
+def test_eval_and_summary(tiny_base_dir, tmp_path):
+    trainer = GRPOTrainer(
+        GRPOConfig(model_name_or_path=tiny_base_dir, num_generations=2, prompts_per_step=2, max_completion_length=4,
+                   max_steps=2, output_dir=str(tmp_path / "run"), save_steps=0, gradient_checkpointing=False),
+        reward_funcs=[digit_share], train_dataset=PROMPTS, eval_dataset=PROMPTS[:5],
+    )
+    summary = trainer.train()
+    assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
+    assert summary["reward_first"] == pytest.approx(trainer.history[0]["reward/mean"])
+    assert summary["steps"] == 2 and summary["seconds"] > 0
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["accuracy_after"] == summary["accuracy_after"]
+
+
+def test_trainer_errors(tiny_base_dir, tmp_path):
+    cfg = GRPOConfig(model_name_or_path=tiny_base_dir, output_dir=str(tmp_path), gradient_checkpointing=False)
+    with pytest.raises(ValueError, match="no reward functions"):
+        GRPOTrainer(cfg, reward_funcs=[], train_dataset=PROMPTS)
+    with pytest.raises(ValueError, match="no training prompts"):
+        GRPOTrainer(cfg, reward_funcs=[digit_share])
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        GRPOTrainer(cfg, reward_funcs=[digit_share], train_dataset=PROMPTS[:3])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_8bit"])
+def test_bitsandbytes_optimizers(tiny_base_dir, tmp_path, optimizer):
+    trainer = make_trainer(tiny_base_dir, tmp_path, optimizer=optimizer, max_steps=1, quantization="none")
+    before = adapter_state(trainer.model, POLICY)
+    trainer.train()
+    assert changed(before, adapter_state(trainer.model, POLICY))
