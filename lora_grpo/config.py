@@ -63,13 +63,16 @@ class GRPOConfig:
     ref_sync_mode: str = _f("exact", "exact (weight-space mix, recompressed to ref_rank) | factors (blend A and B separately; approximate)")
     # --- data --------------------------------------------------------------------------------
     dataset: str | None = _f(None, "training prompts: a hub dataset name or a local json/jsonl/csv/parquet file or saved dataset dir; 'toy' = the offline arithmetic task")
+    dataset_config: str | None = _f(None, "configuration name of a hub dataset that has several (gsm8k: 'main')")
     dataset_split: str = _f("train", "split of `dataset` to use")
     eval_dataset: str | None = _f(None, "held-out prompts for evaluation (same formats as `dataset`)")
     eval_split: str = _f("test", "split of `eval_dataset` to use")
+    eval_limit: int = _f(0, "evaluate on the first N eval prompts only (0 = all)")
     prompt_column: str = _f("prompt", "column holding the prompt text (or a list of chat messages)")
     messages_column: str = _f("messages", "column holding chat messages, rendered with the tokenizer's chat template")
     prompt_template: str | None = _f(None, "a Python format string over the row's columns, e.g. 'Q: {question}\\nA:'")
     system_prompt: str | None = _f(None, "system message prepended to chat prompts")
+    use_chat_template: bool = _f(False, "render text prompts as a user message through the tokenizer's chat template (instruct models)")
     # --- rewards -----------------------------------------------------------------------------
     reward_funcs: list = _f([], "reward functions: built-in names (format, accuracy, soft_overlong, length) or dotted paths 'pkg.module:fn'")
     reward_weights: list | None = _f(None, "one weight per reward function (default all 1)")
@@ -158,7 +161,7 @@ class GRPOConfig:
         for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length",
                      "micro_batch_size", "num_iterations", "logprob_chunk_size", "learning_rate", "num_epochs"]:
             positive(name)
-        for name in ["ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
+        for name in ["eval_limit", "ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
                      "max_grad_norm", "beta", "temperature", "top_k", "min_p", "epsilon_low", "epsilon_high"]:
             positive(name, allow_zero=True)
         if self.num_generations < 2:

@@ -28,7 +28,7 @@ _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 # ------------------------------------------------------------------------------------- loading
 
 
-def _load_source(source: Any, split: str) -> datasets.Dataset:
+def _load_source(source: Any, split: str, config_name: str | None = None) -> datasets.Dataset:
     """A ``datasets.Dataset`` from any accepted source (see :func:`load_prompt_dataset`)."""
     if isinstance(source, datasets.Dataset):
         return source
@@ -59,7 +59,7 @@ def _load_source(source: Any, split: str) -> datasets.Dataset:
         return datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
     if suffix in _FILE_BUILDERS or str(source).startswith((".", "/", "~")):
         raise FileNotFoundError(f"dataset file or directory not found: {path}")
-    return datasets.load_dataset(str(source), split=split)  # a hub dataset name
+    return datasets.load_dataset(str(source), config_name, split=split)  # a hub dataset name
 
 
 def _pick_split(dd: datasets.DatasetDict, split: str, what: str) -> datasets.Dataset:
@@ -132,6 +132,7 @@ def load_prompt_dataset(
     system_prompt: str | None = None,
     tokenizer=None,
     use_chat_template: bool = False,
+    config_name: str | None = None,
 ) -> datasets.Dataset:
     """Load prompts from anywhere and render each to text in a ``prompt`` column.
 
@@ -148,6 +149,7 @@ def load_prompt_dataset(
             system message of the row), or as ``system_prompt + "\\n"`` before a text prompt.
         tokenizer: needed for chat rendering: its ``apply_chat_template(messages, tokenize=False,
             add_generation_prompt=True)`` makes the text.
+        config_name: the hub dataset's configuration, for datasets that have several (gsm8k: "main").
         use_chat_template: also wrap text prompts (from the template or the prompt column) as one
             user message and render them with the chat template (for instruction-tuned models).
 
@@ -166,7 +168,7 @@ def load_prompt_dataset(
             prompt is neither text nor chat messages.
         KeyError: a template field missing from the columns (names the field and the columns).
     """
-    ds = _load_source(source, split)
+    ds = _load_source(source, split, config_name)
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"expected a map-style datasets.Dataset, got {type(ds).__name__}")
     if len(ds) == 0:

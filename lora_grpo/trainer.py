@@ -130,6 +130,8 @@ def _resolve_dataset(source, config: GRPOConfig, tokenizer, split: str):
         messages_column=config.messages_column,
         prompt_template=config.prompt_template,
         system_prompt=config.system_prompt,
+        use_chat_template=config.use_chat_template,
+        config_name=config.dataset_config,
         tokenizer=tokenizer,
     )
 
@@ -183,6 +185,8 @@ class GRPOTrainer:
         self.train_dataset = _resolve_dataset(train_source, config, tokenizer, "train")
         eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
         self.eval_dataset = _resolve_dataset(eval_source, config, tokenizer, "eval")
+        if self.eval_dataset is not None and config.eval_limit:
+            self.eval_dataset = self.eval_dataset.select(range(min(config.eval_limit, len(self.eval_dataset))))
         if self.accelerator.num_processes > 1:  # each process samples its own prompts
             self.train_dataset = self.train_dataset.shard(self.accelerator.num_processes, self.accelerator.process_index)
 
