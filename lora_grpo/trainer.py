@@ -160,7 +160,9 @@ class GRPOTrainer:
 
         self.config = config
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
-        self._seed_everything(config.seed + self.accelerator.process_index)
+        # The same seed on every process: the adapters must start identical (sampling has its own
+        # per-process generator below).
+        self._seed_everything(config.seed)
         if model is None:
             device_map = {"": self.accelerator.device} if self.accelerator.device.type == "cuda" else None
             model, tokenizer = load_model(config, device_map=device_map)
