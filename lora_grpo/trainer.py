@@ -158,6 +158,7 @@ class GRPOTrainer:
     ):
         from accelerate import Accelerator
 
+        self._created = time.perf_counter()
         self.config = config
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         # The same seed on every process: the adapters must start identical (sampling has its own
@@ -503,7 +504,8 @@ class GRPOTrainer:
         k = max(1, len(rewards) // 10)
         summary: dict[str, Any] = {
             "steps": self.step,
-            "seconds": round(seconds, 2),
+            "seconds": round(seconds, 2),  # train() itself
+            "total_seconds": round(time.perf_counter() - self._created, 2),  # plus model load (and toy pretraining)
             # the reward curve's start and end: means over its first and last tenth
             "reward_first": float(np.mean(rewards[:k])) if rewards else None,
             "reward_last": float(np.mean(rewards[-k:])) if rewards else None,

@@ -1,0 +1,191 @@
+"""The toy task and its pre-trained tiny base: data, parsing, reward, pretraining, cache, accuracy."""
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lora_grpo import toy
+
+# Pretraining settings small enough for a unit test (well under a second per run).
+TINY = dict(steps=30, batch_size=32, learning_rate=1e-2, warmup_steps=5, hidden_size=32, num_layers=1,
+            num_heads=2, num_kv_heads=1, intermediate_size=64, log_every=0)
+
+
+def _operands(prompt: str) -> tuple[int, int]:
+    a, b = prompt.rstrip("=").split("+")
+    return int(a), int(b)
+
+
+# --- task ------------------------------------------------------------------------------------
+
+
+def test_toy_problems_deterministic_by_seed():
+    a, b = toy.toy_problems(40, seed=3), toy.toy_problems(40, seed=3)
+    assert a["prompt"] == b["prompt"] and a["answer"] == b["answer"]
+    assert toy.toy_problems(40, seed=4)["prompt"] != a["prompt"]
+    assert a.column_names == ["prompt", "answer"]
+
+
+def test_toy_problems_splits_disjoint_and_answers_correct():
+    train = toy.toy_problems(8000, seed=0, split="train")
+    held = toy.toy_problems(2000, seed=0, split="eval")
+    train_set, eval_set = set(train["prompt"]), set(held["prompt"])
+    assert len(train_set) == 8000 and len(eval_set) == 2000  # every pair once: the splits are exhaustive
+    assert not train_set & eval_set
+    for row in list(train.select(range(200))) + list(held.select(range(200))):
+        a, b = _operands(row["prompt"])
+        assert row["prompt"] == toy.format_prompt(a, b) and row["answer"] == str(a + b)
+    assert len(toy.toy_problems(9000, seed=0)) == 9000  # beyond the pool: pairs repeat
+    with pytest.raises(ValueError):
+        toy.toy_problems(5, seed=0, split="test")
+
+
+def test_prompt_completion_and_carry_free_sum():
+    assert toy.format_prompt(7, 45) == "07+45="
+    assert toy.format_completion(52) == "052" and toy.format_completion(125) == "125"
+    assert toy.carry_free_sum(12, 35) == 47  # no carry: the same as the sum
+    assert toy.carry_free_sum(57, 68) == 15  # 7+8 -> 5, 5+6 -> 1, carries dropped
+    assert toy.carry_free_sum(99, 1) == 90
+    assert toy.carry_free_sum(0, 0) == 0
+
+
+# --- parsing and reward ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("52", 52), ("052", 52), (" 52\n", 52), ("52<eos><pad><pad>", 52), ("52<eos>99", 52), ("-3", -3),
+     ([{"role": "assistant", "content": "125"}], 125),
+     ("", None), ("5 2", None), ("52x", None), ("x52", None), ("<eos>52", None), ("5.2", None), ([], None)],
+)
+def test_parse_answer(text, value):
+    assert toy.parse_answer(text) == value
+
+
+def test_toy_reward():
+    prompts = ["57+68=", "57+68=", "57+68=", "12+35=", "00+00="]
+    completions = ["125", "015", "12", "047", "000"]
+    assert toy.toy_reward(prompts, completions, answer=["125", "125", "125", "47", "0"], extra=[1] * 5) == [
+        1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+# --- greedy accuracy -------------------------------------------------------------------------
+
+
+class _OracleLM(torch.nn.Module):
+    """Stands in for a causal LM: ``generate`` reads each (left-padded) prompt and appends a
+    completion, right for even sums and off by one for odd ones, padded after <eos>."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.seen_padding = []
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, do_sample):
+        assert not do_sample and not self.training
+        self.seen_padding.append((attention_mask[:, -1] == 1).all().item())  # left padding
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask):
+            a, b = _operands(self.tokenizer.decode(ids[mask.bool()]))
+            total = a + b if (a + b) % 2 == 0 else a + b + 1
+            new = self.tokenizer(toy.format_completion(total))["input_ids"] + [eos_token_id]
+            rows.append(new + [pad_token_id] * (max_new_tokens - len(new)))
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+
+
+def test_greedy_accuracy_exact_on_an_oracle():
+    tokenizer = toy.make_tokenizer()
+    model = _OracleLM(tokenizer).train()
+    ds = toy.toy_problems(30, seed=0, split="eval")
+    even = sum(int(a) % 2 == 0 for a in ds["answer"])
+    acc = toy.greedy_accuracy(model, tokenizer, ds, batch_size=8)
+    assert acc == even / len(ds)
+    assert all(model.seen_padding) and len(model.seen_padding) == 4  # 30 prompts in batches of 8
+    assert model.training and tokenizer.padding_side == "right"  # state restored
+    even_only = ds.filter(lambda row: int(row["answer"]) % 2 == 0)
+    assert toy.greedy_accuracy(model, tokenizer, even_only) == 1.0
+    assert toy.greedy_accuracy(model, tokenizer, ds.select([])) == 0.0
+
+
+def test_greedy_accuracy_on_real_and_peft_models():
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = toy.make_tokenizer()
+    ds = toy.toy_problems(20, seed=0, split="eval")
+    model = toy.make_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    assert 0.0 <= toy.greedy_accuracy(model, tokenizer, ds) <= 1.0
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    assert 0.0 <= toy.greedy_accuracy(peft_model, tokenizer, ds, batch_size=7) <= 1.0
+    # A zeroed final norm makes every logit 0: greedy emits <pad> (id 0), which parses to nothing.
+    with torch.no_grad():
+        model.model.norm.weight.zero_()  # get_peft_model wrapped it in place
+    assert toy.greedy_accuracy(peft_model, tokenizer, ds) == 0.0
+
+
+# --- pretraining and the cache ---------------------------------------------------------------
+
+
+def _record(path) -> dict:
+    return json.loads((Path(path) / "toy_pretrain.json").read_text())
+
+
+def test_pretrain_toy_base_saves_learns_and_is_deterministic(tmp_path):
+    rng = torch.get_rng_state()
+    out = toy.pretrain_toy_base(tmp_path / "a", seed=5, **TINY)
+    assert torch.equal(rng, torch.get_rng_state())  # the caller's RNG is left alone
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
+    assert model.config.num_hidden_layers == 1 and model.config.hidden_size == 32
+    losses = _record(out)["losses"]
+    assert len(losses) == TINY["steps"]
+    assert sum(losses[-5:]) < 0.6 * sum(losses[:5])
+    assert _record(out)["settings"]["seed"] == 5
+
+    again = toy.pretrain_toy_base(tmp_path / "b", seed=5, **TINY)
+    other = toy.pretrain_toy_base(tmp_path / "c", seed=6, **TINY)
+    w_a, w_b, w_c = (load_file(str(Path(p) / "model.safetensors")) for p in (out, again, other))
+    assert w_a.keys() == w_b.keys()
+    assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+    assert not all(torch.equal(w_a[k], w_c[k]) for k in w_a)
+
+
+def test_ensure_toy_base_trains_once_and_caches(tmp_path, monkeypatch):
+    calls = []
+    real = toy.pretrain_toy_base
+
+    @functools.wraps(real)
+    def counting(out_dir, **kwargs):
+        calls.append(kwargs)
+        return real(out_dir, **kwargs)
+
+    monkeypatch.setattr(toy, "pretrain_toy_base", counting)
+    first = toy.ensure_toy_base(tmp_path, seed=0, **TINY)
+    second = toy.ensure_toy_base(tmp_path, seed=0, **TINY)
+    assert first == second and len(calls) == 1
+    assert Path(first).parent == tmp_path and Path(first).name == toy.toy_base_dirname(0, **TINY)
+    assert [p.name for p in tmp_path.iterdir()] == [Path(first).name]  # no temporary dir left behind
+    AutoModelForCausalLM.from_pretrained(first)
+    AutoTokenizer.from_pretrained(first)
+
+    monkeypatch.setenv("LORA_GRPO_CACHE", str(tmp_path / "env"))
+    assert toy.default_cache_dir() == tmp_path / "env"
+
+
+def test_cache_name_encodes_every_setting():
+    base = toy.toy_base_dirname(0, **TINY)
+    assert base == toy.toy_base_dirname(0, **TINY)
+    assert base != toy.toy_base_dirname(1, **TINY)
+    assert base != toy.toy_base_dirname(0, **{**TINY, "noise": 0.5})
+    assert base != toy.toy_base_dirname(0, **{**TINY, "steps": 31})
+    assert base == toy.toy_base_dirname(0, **{**TINY, "log_every": 7})  # logging does not change weights
+    defaults = toy.toy_base_settings()
+    assert toy.toy_base_dirname() == toy.toy_base_dirname(defaults.pop("seed"), **defaults)
+    with pytest.raises(TypeError):
+        toy.toy_base_dirname(0, stepz=3)
