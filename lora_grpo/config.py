@@ -162,7 +162,7 @@ class GRPOConfig:
                      "micro_batch_size", "num_iterations", "logprob_chunk_size", "learning_rate", "num_epochs"]:
             positive(name)
         for name in ["eval_limit", "ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
-                     "max_grad_norm", "beta", "temperature", "top_k", "min_p", "epsilon_low", "epsilon_high"]:
+                     "max_grad_norm", "beta", "top_k", "min_p", "epsilon_low", "epsilon_high"]:
             positive(name, allow_zero=True)
         if self.num_generations < 2:
             raise ConfigError(
@@ -171,6 +171,11 @@ class GRPOConfig:
             )
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be ≥ 1 or None (no limit)")
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"temperature={self.temperature} must be > 0: GRPO needs varied samples within a group "
+                "(greedy groups are identical and carry no signal)"
+            )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
         if self.epsilon_low >= 1:

@@ -333,7 +333,7 @@ class GRPOTrainer:
             mb["attention_mask"],
             mb["completion_length"],
             chunk_size=self.config.logprob_chunk_size,
-            temperature=self.config.temperature if self.config.temperature > 0 else 1.0,
+            temperature=self.config.temperature,
             return_entropy=return_entropy,
         )
 

@@ -47,6 +47,7 @@ def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
         ({"beta": 0.0, "ref_sync_kl": 0.1}, "beta = 0"),
         ({"learning_rate": 0}, "learning_rate=0 must be > 0"),
         ({"top_p": 0}, "top_p"),
+        ({"temperature": 0.0}, "temperature=0.0 must be > 0"),
         ({"reward_funcs": ["a", "b"], "reward_weights": [1.0]}, "reward_weights has 1"),
         ({"max_prompt_length": 0}, "max_prompt_length"),
     ],
