@@ -187,48 +187,24 @@ def toy_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return scores
 
 
-@torch.no_grad()
-def generate_completions(
-    model, tokenizer, prompts: list[str], *, max_new_tokens: int = 4, batch_size: int = 64, **gen_kwargs
-) -> list[str]:
-    """Decoded completions (special tokens removed) for ``prompts``, left-padded and batched.
-
-    ``gen_kwargs`` go to ``model.generate`` (default: greedy). Works for a peft model too.
-    """
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    gen_kwargs.setdefault("do_sample", False)
-    out_texts = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            enc = tokenizer(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True)
-            enc = {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                **gen_kwargs,
-            )
-            new = out[:, enc["input_ids"].shape[1] :]
-            out_texts += tokenizer.batch_decode(new, skip_special_tokens=True)
-    finally:
-        tokenizer.padding_side = old_side
-        model.train(was_training)
-    return out_texts
-
-
 def greedy_accuracy(model, tokenizer, dataset, *, max_new_tokens: int = 4, batch_size: int = 64) -> float:
-    """Share in [0, 1] of ``dataset`` rows whose greedy completion parses to the "answer" column."""
+    """Share in [0, 1] of ``dataset`` rows whose greedy completion parses to the "answer" column.
+
+    Uses the trainer's own sampler (temperature 0, one completion per prompt), which is tested
+    token for token against transformers' greedy ``generate``. Works for a peft model too.
+    """
+    from .rollout import generate_rollout
+
     if len(dataset) == 0:
         return 0.0
-    completions = generate_completions(
-        model, tokenizer, list(dataset["prompt"]), max_new_tokens=max_new_tokens, batch_size=batch_size
-    )
-    scores = toy_reward(dataset["prompt"], completions, dataset["answer"])
+    scores = []
+    for start in range(0, len(dataset), batch_size):
+        rows = dataset[start : start + batch_size]
+        rollout = generate_rollout(
+            model, tokenizer, list(rows["prompt"]), num_generations=1, max_prompt_length=None,
+            max_completion_length=max_new_tokens, temperature=0.0,
+        )
+        scores += toy_reward(rollout.prompts, rollout.completions, rows["answer"])
     return sum(scores) / len(scores)
 
 

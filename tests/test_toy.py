@@ -77,39 +77,27 @@ def test_toy_reward():
 # --- greedy accuracy -------------------------------------------------------------------------
 
 
-class _OracleLM(torch.nn.Module):
-    """Stands in for a causal LM: ``generate`` reads each (left-padded) prompt and appends a
-    completion, right for even sums and off by one for odd ones, padded after <eos>."""
-
-    def __init__(self, tokenizer):
-        super().__init__()
-        self.tokenizer = tokenizer
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
-        self.seen_padding = []
-
-    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, do_sample):
-        assert not do_sample and not self.training
-        self.seen_padding.append((attention_mask[:, -1] == 1).all().item())  # left padding
-        rows = []
-        for ids, mask in zip(input_ids, attention_mask):
-            a, b = _operands(self.tokenizer.decode(ids[mask.bool()]))
-            total = a + b if (a + b) % 2 == 0 else a + b + 1
-            new = self.tokenizer(toy.format_completion(total))["input_ids"] + [eos_token_id]
-            rows.append(new + [pad_token_id] * (max_new_tokens - len(new)))
-        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+def _always_sevens(tokenizer):
+    """A real tiny causal LM whose greedy output is always "7777": a zero head with a bias on "7"."""
+    model = toy.make_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    head = torch.nn.Linear(32, len(tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[tokenizer.convert_tokens_to_ids("7")] = 5.0
+    model.lm_head = head
+    return model
 
 
-def test_greedy_accuracy_exact_on_an_oracle():
+def test_greedy_accuracy_exact_on_a_known_model():
     tokenizer = toy.make_tokenizer()
-    model = _OracleLM(tokenizer).train()
+    model = _always_sevens(tokenizer).train()
     ds = toy.toy_problems(30, seed=0, split="eval")
-    even = sum(int(a) % 2 == 0 for a in ds["answer"])
-    acc = toy.greedy_accuracy(model, tokenizer, ds, batch_size=8)
-    assert acc == even / len(ds)
-    assert all(model.seen_padding) and len(model.seen_padding) == 4  # 30 prompts in batches of 8
-    assert model.training and tokenizer.padding_side == "right"  # state restored
-    even_only = ds.filter(lambda row: int(row["answer"]) % 2 == 0)
-    assert toy.greedy_accuracy(model, tokenizer, even_only) == 1.0
+    answers = ["7777" if i % 3 == 0 else a for i, a in enumerate(ds["answer"])]  # 10 of 30 rows match
+    ds = ds.remove_columns("answer").add_column("answer", answers)
+    assert toy.greedy_accuracy(model, tokenizer, ds, batch_size=8) == pytest.approx(10 / 30)
+    assert model.training  # mode restored
+    assert toy.greedy_accuracy(model, tokenizer, ds, max_new_tokens=3) == 0.0  # "777" is not 7777
     assert toy.greedy_accuracy(model, tokenizer, ds.select([])) == 0.0
 
 
