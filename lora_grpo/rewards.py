@@ -53,6 +53,7 @@ __all__ = [
     "parse_number",
     "resolve_reward_funcs",
     "reward_name",
+    "reward_names",
     "soft_overlong_penalty",
     "think_answer_format",
 ]

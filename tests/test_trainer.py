@@ -192,3 +192,22 @@ def test_bitsandbytes_optimizers(tiny_base_dir, tmp_path, optimizer):
     before = adapter_state(trainer.model, POLICY)
     trainer.train()
     assert changed(before, adapter_state(trainer.model, POLICY))
+
+
+def test_epoch_and_kl_schedules_in_the_loop(tiny_base_dir, tmp_path):
+    # 4 prompts, 2 per step: an epoch is 2 steps, so epoch syncs land after steps 2 and 4.
+    epoch = GRPOTrainer(
+        GRPOConfig(model_name_or_path=tiny_base_dir, lora_r=4, num_generations=2, prompts_per_step=2,
+                   max_completion_length=4, max_steps=5, beta=0.04, ref_sync_every_epoch=True,
+                   learning_rate=5e-3, output_dir=str(tmp_path / "e"), save_steps=0, gradient_checkpointing=False),
+        reward_funcs=[digit_share], train_dataset=PROMPTS[:4],
+    )
+    epoch.train()
+    assert [m.get("sync/reason") for m in epoch.history] == [None, "epoch", None, "epoch", None]
+    assert [m["epoch"] for m in epoch.history] == [0, 0, 1, 1, 2]
+    # Adaptive, hard copy: a step that trains against a reference equal to the policy measures
+    # KL exactly 0 (no sync); the next one, after an update, passes the tiny threshold and syncs.
+    kl = make_trainer(tiny_base_dir, tmp_path / "k", ref_sync_kl=1e-12, max_steps=4, quantization="none")
+    kl.train()
+    assert [m["kl"] == 0.0 for m in kl.history] == [True, False, True, False]
+    assert [m.get("sync/reason") for m in kl.history] == [None, "kl", None, "kl"]

@@ -1,0 +1,250 @@
+"""Rollout speed: our prefix-shared sampler vs transformers' generate with num_return_sequences.
+
+What is measured, per setting (prompt length L, completion length T, P prompts, G samples each):
+
+- ours   `lora_grpo.rollout.generate_rollout(model, tokenizer, prompts, num_generations=G,
+          max_prompt_length=None, max_completion_length=T, temperature=1.0, generator=...)`:
+          prefills the P distinct prompts once (P·L tokens), repeats the KV cache and the last
+          logits G times, then decodes the P·G sequences together, one token per step.
+- peer   `model.generate(input_ids, attention_mask, do_sample=True, num_return_sequences=G,
+          max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0)`: expands every prompt G times
+          before the prefill (P·G·L tokens), then decodes the P·G sequences the same way.
+          top_k=0 is passed because generate's default is top_k=50 and ours samples from the full
+          distribution; with these settings generate adds no logits processor at all.
+
+Both run on the same model: the trainer's own peft model, `lora_grpo.model.attach_adapters(base,
+GRPOConfig(lora_r=16, all-linear, gradient_checkpointing=False))`, with the "policy" adapter active
+(B is zero at init, so LoRA changes no output, but every LoRA layer does its work), in eval mode,
+no gradients. Both include the same host-side work a trainer does around sampling: ours tokenizes
+the prompts and decodes the completions inside generate_rollout; the peer's timed call tokenizes
+the prompts before generate and batch-decodes the completion tokens after it.
+
+Same work for both: EOS can never be sampled, so every one of the P·G sequences gets exactly T
+tokens in both paths (checked after every timed call; the table's "tokens" column is the count).
+The tokenizer has V + 1 ids with EOS the last one (id V), and the model's vocab_size is V, so the
+LM head has no logit for EOS; generate gets eos_token_id=V and needs no min_new_tokens (which
+would add a logits processor to the peer only). Prompts are P random strings of exactly L
+non-special tokens (no padding).
+
+Columns:
+- time: median wall time (time.perf_counter) of `repeats` calls after one untimed warm-up call.
+- completions/s: P·G / time.  tokens/s: generated tokens (P·G·T) / time.
+- prefill tokens: the prompt tokens each path pushes through the model (ours P·L, peer P·G·L).
+- ours/peer: the peer's time over ours (> 1: ours is faster), in the same run.
+
+Expect a large gain where the prefill dominates (long prompts, short completions) and about 1×
+where decoding dominates (short prompts, long completions): both decode identically.
+
+Threads: the default is ONE torch thread (--threads to change it); with 2 threads on a machine
+whose 2 cores are shared with other busy processes, OpenMP threads wait at barriers for a
+descheduled sibling and timings become noise. The header prints the load average.
+
+The model is random-init, built locally from a Qwen2Config (nothing is downloaded), float32:
+hidden 512, intermediate 1408, 4 layers, 8 heads, 2 KV heads, vocab 4096, untied head; the
+tokenizer is a word-level one built here (ids: <pad>=0, <unk>=1, words 2..V−1, <eos>=V).
+
+    python benchmarks/rollout_speed.py [--settings 256x16,16x64] [--prompts 4] [--generations 8]
+                                       [--repeats 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+VOCAB = 4096  # the model's vocab; the tokenizer adds <eos> as id VOCAB
+MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False, max_position_embeddings=1024)
+LORA_R = 16
+
+
+@dataclass
+class Row:
+    setting: str
+    method: str
+    seconds: float
+    completions: int
+    tokens: int  # generated tokens, checked
+    prefill: int  # prompt tokens pushed through the model
+
+
+# ------------------------------------------------------------------ model and data
+
+
+def build_tokenizer():
+    """Word-level tokenizer: <pad>=0, <unk>=1, words "w2".."w{V-1}", <eos>=V (outside the model's vocab)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, VOCAB)}, "<eos>": VOCAB}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.padding_side = "left"
+    return tok
+
+
+def build_model(tokenizer):
+    """The trainer's model: a random-init Qwen2 base with the "policy" and "reference" adapters."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from lora_grpo.config import GRPOConfig
+    from lora_grpo.model import attach_adapters
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**MODEL, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None)
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    base.requires_grad_(False)
+    base.generation_config.eos_token_id = tokenizer.eos_token_id
+    base.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = attach_adapters(base, GRPOConfig(model_name_or_path="local", lora_r=LORA_R, gradient_checkpointing=False))
+    model.eval()
+    return model
+
+
+def make_prompts(n: int, length: int, seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (n, length), generator=g)
+    return [" ".join(f"w{i}" for i in row.tolist()) for row in ids]
+
+
+# ------------------------------------------------------------------ measurements
+
+
+def median_seconds(fn, repeats: int) -> tuple[float, object]:
+    """One untimed warm-up call, then the median of `repeats` timed calls; also the last result."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def run_ours(model, tokenizer, prompts, G, T, seed):
+    from lora_grpo.rollout import generate_rollout
+
+    g = torch.Generator().manual_seed(seed)
+    r = generate_rollout(model, tokenizer, prompts, num_generations=G, max_prompt_length=None,
+                         max_completion_length=T, temperature=1.0, generator=g)
+    return r.completion_mask.sum().item(), r.completion_ids.shape
+
+
+def run_peer(model, tokenizer, prompts, G, T):
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=True,
+                         num_return_sequences=G, max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    completion = out[:, enc["input_ids"].shape[1]:]
+    tokenizer.batch_decode(completion, skip_special_tokens=True)
+    return (completion != tokenizer.eos_token_id).sum().item(), completion.shape
+
+
+def benchmark_setting(model, tokenizer, L: int, T: int, P: int, G: int, repeats: int) -> list[Row]:
+    prompts = make_prompts(P, L, seed=L * 1000 + T)
+    assert all(len(tokenizer(p, add_special_tokens=False)["input_ids"]) == L for p in prompts)
+    setting = f"L={L}, T={T}"
+    rows = []
+    torch.manual_seed(1)
+    for method, fn, prefill in [
+        ("ours (prefix-shared)", lambda: run_ours(model, tokenizer, prompts, G, T, seed=1), P * L),
+        ("peer generate", lambda: run_peer(model, tokenizer, prompts, G, T), P * G * L),
+    ]:
+        seconds, (tokens, shape) = median_seconds(fn, repeats)
+        if tokens != P * G * T or tuple(shape) != (P * G, T):
+            raise RuntimeError(f"{method}: expected {P * G}×{T} generated tokens, got {tokens} in {tuple(shape)}")
+        rows.append(Row(setting, method, seconds, P * G, tokens, prefill))
+    return rows
+
+
+# ------------------------------------------------------------------ report
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def print_table(rows: list[Row]) -> None:
+    header = ["setting", "method", "prefill tokens", "tokens", "time (s)", "completions/s", "tokens/s", "ours/peer"]
+    peer = {r.setting: r for r in rows if r.method.startswith("peer")}
+    table = []
+    for r in rows:
+        p = peer[r.setting]
+        table.append([
+            r.setting, r.method, str(r.prefill), str(r.tokens), f"{r.seconds:.3f}", f"{r.completions / r.seconds:.1f}",
+            f"{r.tokens / r.seconds:.0f}", f"{p.seconds / r.seconds:.2f}×",
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+
+    def line(cells):  # text columns left-aligned, numbers right-aligned
+        padded = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    print(line(header))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in table:
+        print(line(row))
+
+
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    """"256x16,16x64" -> [(256, 16), (16, 64)]: prompt length x completion length, in tokens."""
+    out = []
+    for item in text.split(","):
+        L, T = item.strip().lower().split("x")
+        out.append((int(L), int(T)))
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--settings", default="256x16,16x64",
+                   help="comma-separated PROMPTxCOMPLETION lengths in tokens (default 256x16,16x64)")
+    p.add_argument("--prompts", type=int, default=4, help="distinct prompts P per call")
+    p.add_argument("--generations", type=int, default=8, help="samples G per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per method (median reported)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see the docstring)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import peft
+    import transformers
+
+    settings = parse_settings(args.settings)
+    tokenizer = build_tokenizer()
+    start = time.perf_counter()
+    model = build_model(tokenizer)
+    built = time.perf_counter() - start
+    n_params = sum(p.numel() for p in model.get_base_model().parameters() if ".lora_" not in "")
+    print(f"# torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
+          f"threads {torch.get_num_threads()}; CPU {cpu_name()} ({os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f}); model hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, "
+          f"vocab {VOCAB}, float32, lora_r {LORA_R} all-linear; P={args.prompts} prompts × G={args.generations}; "
+          f"EOS unsampleable; {args.repeats} repeats after 1 warm-up")
+    rows = []
+    for L, T in settings:
+        rows += benchmark_setting(model, tokenizer, L, T, args.prompts, args.generations, args.repeats)
+    print_table(rows)
+    print(f"# model: {n_params / 1e6:.1f} M params with both adapters, built in {built:.1f} s; "
+          f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
