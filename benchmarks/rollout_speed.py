@@ -43,7 +43,7 @@ The model is random-init, built locally from a Qwen2Config (nothing is downloade
 hidden 512, intermediate 1408, 4 layers, 8 heads, 2 KV heads, vocab 4096, untied head; the
 tokenizer is a word-level one built here (ids: <pad>=0, <unk>=1, words 2..V−1, <eos>=V).
 
-    python benchmarks/rollout_speed.py [--settings 256x16,16x64] [--prompts 4] [--generations 8]
+    python benchmarks/rollout_speed.py [--settings 256x16,128x64,16x64] [--prompts 4] [--generations 8]
                                        [--repeats 3] [--threads 1]
 """
 
@@ -54,6 +54,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -98,8 +99,8 @@ def build_model(tokenizer):
     from lora_grpo.model import attach_adapters
 
     torch.manual_seed(0)
-    config = Qwen2Config(**MODEL, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None)
+    # EOS (id V) is outside the model's vocab: set on the generation config only, where both paths read it.
+    config = Qwen2Config(**MODEL, pad_token_id=tokenizer.pad_token_id, eos_token_id=None, bos_token_id=None)
     base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     base.requires_grad_(False)
     base.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -212,8 +213,8 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", default="256x16,16x64",
-                   help="comma-separated PROMPTxCOMPLETION lengths in tokens (default 256x16,16x64)")
+    p.add_argument("--settings", default="256x16,128x64,16x64",
+                   help="comma-separated PROMPTxCOMPLETION lengths in tokens (default 256x16,128x64,16x64)")
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts P per call")
     p.add_argument("--generations", type=int, default=8, help="samples G per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method (median reported)")
@@ -224,6 +225,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices
     import peft
     import transformers
 
@@ -232,7 +234,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     model = build_model(tokenizer)
     built = time.perf_counter() - start
-    n_params = sum(p.numel() for p in model.get_base_model().parameters() if ".lora_" not in "")
+    n_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
+    n_lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
     print(f"# torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
           f"threads {torch.get_num_threads()}; CPU {cpu_name()} ({os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f}); model hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, "
@@ -242,7 +245,8 @@ def main(argv=None) -> None:
     for L, T in settings:
         rows += benchmark_setting(model, tokenizer, L, T, args.prompts, args.generations, args.repeats)
     print_table(rows)
-    print(f"# model: {n_params / 1e6:.1f} M params with both adapters, built in {built:.1f} s; "
+    print(f"# model: {n_base / 1e6:.1f} M base params + {n_lora / 1e6:.2f} M LoRA (both adapters), built in "
+          f"{built:.1f} s; "
           f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

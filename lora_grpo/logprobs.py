@@ -15,14 +15,17 @@ Tensor = torch.Tensor
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    logits = hidden @ weight.t()
-    if bias is not None:
-        logits = logits + bias
-    return logits.float() / temperature
+    # One fresh (chunk, V) float32 block; every later step works in place on it.
+    logits = (hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())).float()
+    return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 class _ChunkedLinearLogProbs(torch.autograd.Function):
-    """log_softmax(h Wᵀ + b)[target] for each row of h; saves only (N,) log-sum-exps for backward."""
+    """log_softmax(h Wᵀ + b)[target] for each row of h; saves only (N,) log-sum-exps for backward.
+
+    At most about two (chunk, V) blocks are alive at once: each chunk's logits are transformed in
+    place and dropped before the next chunk's matmul.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, want_entropy):
@@ -37,8 +40,11 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
             lse[start:end] = chunk_lse
             logp[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - chunk_lse
             if want_entropy:
+                # H = lse − Σ p·logits; vecdot avoids a (chunk, V) product temporary.
                 probs = torch.exp(logits - chunk_lse[:, None])
-                entropy[start:end] = chunk_lse - (probs * logits).sum(-1)
+                entropy[start:end] = chunk_lse - torch.linalg.vecdot(probs, logits)
+                del probs
+            del logits
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
         ctx.mark_non_differentiable(entropy)
@@ -54,9 +60,9 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            logits = _chunk_logits(h, weight, bias, ctx.temperature)
-            # d logp[target] / d logits = onehot(target) − softmax, then chain through 1/temperature.
-            g = -torch.exp(logits - lse[start:end, None])
+            # d logp[target] / d logits = onehot(target) − softmax, then chain through 1/temperature;
+            # built in place in the recomputed logits' storage.
+            g = _chunk_logits(h, weight, bias, ctx.temperature).sub_(lse[start:end, None]).exp_().neg_()
             g.scatter_add_(-1, targets[start:end, None], torch.ones_like(g[:, :1]))
             g.mul_(grad_logp[start:end, None] / ctx.temperature)
             if need_h:
@@ -65,6 +71,7 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
                 grad_w += g.t() @ h.float()
             if need_b:
                 grad_b += g.sum(0)
+            del g
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None
