@@ -52,8 +52,6 @@ header prints the load average. On the 2-core machine this was written on, one (
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -61,9 +59,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from _common import (DTYPES, MiB, add_threads_argument, environment, load_average, parse_pairs,
+                     peak_temporary_bytes, print_markdown_table)
+
 HIDDEN = 896  # Qwen2.5-0.5B
 VOCAB = 151936
-MiB = 2**20
 WARMUP_TOKENS = 64
 
 
@@ -125,22 +125,6 @@ def forward_backward(method, hidden, head, targets, w) -> None:
 # ------------------------------------------------------------------ measurements
 
 
-def peak_temporary_bytes(fn) -> int:
-    """Peak of (bytes allocated − bytes freed) by torch's CPU allocator while `fn()` runs, from 0."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:  # nbytes < 0 for a free
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def measure(method, hidden, head, targets, w, repeats: int) -> tuple[float, int]:
     """(median seconds over `repeats` passes, the first of them profiled; peak extra bytes)."""
 
@@ -194,17 +178,6 @@ def benchmark_shape(head, B: int, T: int, dtype, chunks: list[int], repeats: int
 # ------------------------------------------------------------------ report
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def print_table(rows: list[Row]) -> None:
     header = ["tokens", "method", "chunk", "time fwd+bwd (ms)", "peak extra (MiB)", "peak / block", "time vs full",
               "memory vs full"]
@@ -217,25 +190,7 @@ def print_table(rows: list[Row]) -> None:
             f"{r.peak / MiB:.1f}", f"{r.peak / (min(r.chunk or r.n, r.n) * VOCAB * 4):.2f}",
             f"{r.seconds / f.seconds:.3g}", f"{r.peak / f.peak:.3g}",
         ])
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
-
-    def line(cells):  # text columns left-aligned, numbers right-aligned
-        padded = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-        return "| " + " | ".join(padded) + " |"
-
-    print(line(header))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in table:
-        print(line(row))
-
-
-def parse_pairs(text: str) -> list[tuple[int, int]]:
-    """"2x256,8x256" -> [(2, 256), (8, 256)]: batch x length."""
-    out = []
-    for item in text.split(","):
-        B, T = item.strip().lower().split("x")
-        out.append((int(B), int(T)))
-    return out
+    print_markdown_table(header, table)
 
 
 def parse_args(argv=None):
@@ -243,22 +198,20 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default="2x256,8x256", help="comma-separated BATCHxLENGTH token shapes")
     p.add_argument("--chunks", default="256,1024,4096", help="comma-separated chunk sizes for ours")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per method (median; the first is profiled)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of hidden and head")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see the docstring)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of hidden and head")
+    add_threads_argument(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     chunks = [int(c) for c in args.chunks.split(",")]
-    shapes = parse_pairs(args.shapes)
+    shapes = parse_pairs(args.shapes)  # batch x length
 
-    print(f"# torch {torch.__version__}; threads {torch.get_num_threads()}; CPU {cpu_name()} ({os.cpu_count()} "
-          f"cores, load average {os.getloadavg()[0]:.1f}); head {HIDDEN} → {VOCAB}, {args.dtype}, frozen; "
-          f"grad for hidden only; {args.repeats} timed pass(es), the first profiled, after a {WARMUP_TOKENS}-token "
-          f"warm-up")
+    print(f"# {environment()}; head {HIDDEN} → {VOCAB}, {args.dtype}, frozen; grad for hidden only; "
+          f"{args.repeats} timed pass(es), the first profiled, after a {WARMUP_TOKENS}-token warm-up")
     start = time.perf_counter()
     head = build_head(dtype)
     warm_up(head, dtype, chunks)
@@ -269,7 +222,7 @@ def main(argv=None) -> None:
     for B, T in shapes:
         print(f"# {B}×{T} = {B * T} tokens: one float32 (N, V) logits tensor is {B * T * VOCAB * 4 / MiB:.0f} MiB; "
               f"one chunk of C tokens is C × {VOCAB * 4 / MiB:.3f} MiB")
-    print(f"# total {time.perf_counter() - start:.0f} s; load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"# total {time.perf_counter() - start:.0f} s; load average at the end {load_average():.1f}")
 
 
 if __name__ == "__main__":

@@ -50,14 +50,14 @@ tokenizer is a word-level one built here (ids: <pad>=0, <unk>=1, words 2..V−1,
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
 import time
 import warnings
 from dataclasses import dataclass
 
 import torch
+
+from _common import (add_threads_argument, environment, load_average, median_seconds, parse_pairs,
+                     print_markdown_table)
 
 VOCAB = 4096  # the model's vocab; the tokenizer adds <eos> as id VOCAB
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -119,17 +119,6 @@ def make_prompts(n: int, length: int, seed: int) -> list[str]:
 # ------------------------------------------------------------------ measurements
 
 
-def median_seconds(fn, repeats: int) -> tuple[float, object]:
-    """One untimed warm-up call, then the median of `repeats` timed calls; also the last result."""
-    result = fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def run_ours(model, tokenizer, prompts, G, T, seed):
     from lora_grpo.rollout import generate_rollout
 
@@ -169,17 +158,6 @@ def benchmark_setting(model, tokenizer, L: int, T: int, P: int, G: int, repeats:
 # ------------------------------------------------------------------ report
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def print_table(rows: list[Row]) -> None:
     header = ["setting", "method", "prefill tokens", "tokens", "time (s)", "completions/s", "tokens/s", "ours/peer"]
     peer = {r.setting: r for r in rows if r.method.startswith("peer")}
@@ -190,25 +168,7 @@ def print_table(rows: list[Row]) -> None:
             r.setting, r.method, str(r.prefill), str(r.tokens), f"{r.seconds:.3f}", f"{r.completions / r.seconds:.1f}",
             f"{r.tokens / r.seconds:.0f}", f"{p.seconds / r.seconds:.2f}×",
         ])
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
-
-    def line(cells):  # text columns left-aligned, numbers right-aligned
-        padded = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-        return "| " + " | ".join(padded) + " |"
-
-    print(line(header))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in table:
-        print(line(row))
-
-
-def parse_settings(text: str) -> list[tuple[int, int]]:
-    """"256x16,16x64" -> [(256, 16), (16, 64)]: prompt length x completion length, in tokens."""
-    out = []
-    for item in text.split(","):
-        L, T = item.strip().lower().split("x")
-        out.append((int(L), int(T)))
-    return out
+    print_markdown_table(header, table)
 
 
 def parse_args(argv=None):
@@ -218,7 +178,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts P per call")
     p.add_argument("--generations", type=int, default=8, help="samples G per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method (median reported)")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see the docstring)")
+    add_threads_argument(p)
     return p.parse_args(argv)
 
 
@@ -229,25 +189,23 @@ def main(argv=None) -> None:
     import peft
     import transformers
 
-    settings = parse_settings(args.settings)
+    settings = parse_pairs(args.settings)  # prompt length x completion length, in tokens
     tokenizer = build_tokenizer()
     start = time.perf_counter()
     model = build_model(tokenizer)
     built = time.perf_counter() - start
     n_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
     n_lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
-    print(f"# torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
-          f"threads {torch.get_num_threads()}; CPU {cpu_name()} ({os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}); model hidden {MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, "
-          f"vocab {VOCAB}, float32, lora_r {LORA_R} all-linear; P={args.prompts} prompts × G={args.generations}; "
-          f"EOS unsampleable; {args.repeats} repeats after 1 warm-up")
+    print(f"# {environment(transformers, peft)}; model hidden {MODEL['hidden_size']}, "
+          f"{MODEL['num_hidden_layers']} layers, vocab {VOCAB}, float32, lora_r {LORA_R} all-linear; "
+          f"P={args.prompts} prompts × G={args.generations}; EOS unsampleable; {args.repeats} repeats after 1 warm-up")
     rows = []
     for L, T in settings:
         rows += benchmark_setting(model, tokenizer, L, T, args.prompts, args.generations, args.repeats)
     print_table(rows)
     print(f"# model: {n_base / 1e6:.1f} M base params + {n_lora / 1e6:.2f} M LoRA (both adapters), built in "
           f"{built:.1f} s; "
-          f"load average at the end {os.getloadavg()[0]:.1f}")
+          f"load average at the end {load_average():.1f}")
 
 
 if __name__ == "__main__":

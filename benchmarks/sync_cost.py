@@ -58,19 +58,18 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import os
-import platform
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
+from _common import (DTYPES, MiB, add_threads_argument, environment, median_seconds, peak_temporary_bytes,
+                     print_markdown_table)
+
 ALPHA = 0.6  # the soft-sync mix
 LORA_R = 16
 LORA_ALPHA = 32
 POLICY_STEP = 0.1  # relative size of the random policy change between two syncs
-MiB = 2**20
 
 MODELS = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -161,37 +160,6 @@ def steady_state(model, generator) -> None:
 # ------------------------------------------------------------------ measurements
 
 
-def peak_temporary_bytes(fn) -> int:
-    """Peak of (bytes allocated − bytes freed) by torch's CPU allocator while `fn()` runs, from 0."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:  # nbytes < 0 for a free
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
-def median_seconds(fn, repeats: int, before=None) -> float:
-    """Warm up once, then the median of `repeats` timed calls; `before()` runs untimed before each call."""
-    if before:
-        before()
-    fn()
-    times = []
-    for _ in range(repeats):
-        if before:
-            before()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def checked_sync(model, alpha: float, mode: str) -> tuple[float, float]:
     """One sync, checked against the dense weight-space mix.
@@ -216,7 +184,8 @@ def measure_ours(model, name: str, method: str, alpha: float, mode: str, repeats
 
     g = torch.Generator().manual_seed(seed)
     steady_state(model, g)
-    seconds = median_seconds(lambda: sync_reference(model, alpha, mode), repeats, before=lambda: policy_step(model, g))
+    seconds, _ = median_seconds(lambda: sync_reference(model, alpha, mode), repeats,
+                                before=lambda: policy_step(model, g))
     policy_step(model, g)
     peak = peak_temporary_bytes(lambda: sync_reference(model, alpha, mode))
     policy_step(model, g)
@@ -258,10 +227,10 @@ def measure_full(base, name: str, repeats: int) -> list[Row]:
             r.copy_(p)
 
     return [  # the reference copy is freed on return
-        Row(name, f"full EMA (a={ALPHA})", median_seconds(ema, repeats), persistent, peak_temporary_bytes(ema),
+        Row(name, f"full EMA (a={ALPHA})", median_seconds(ema, repeats)[0], persistent, peak_temporary_bytes(ema),
             mix_error=0.0),
-        Row(name, "full copy (a=1)", median_seconds(hard_copy, repeats), persistent, peak_temporary_bytes(hard_copy),
-            mix_error=0.0),
+        Row(name, "full copy (a=1)", median_seconds(hard_copy, repeats)[0], persistent,
+            peak_temporary_bytes(hard_copy), mix_error=0.0),
     ]
 
 
@@ -295,17 +264,6 @@ def benchmark_model(name: str, dtype: torch.dtype, repeats: int, repeats_large: 
 # ------------------------------------------------------------------ report
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def print_table(rows: list[Row]) -> None:
     header = ["model", "method", "sync time (ms)", "persistent extra (MiB)", "peak temporary (MiB)",
               "time vs full EMA", "memory vs full EMA", "trunc. err", "err vs mix"]
@@ -322,16 +280,7 @@ def print_table(rows: list[Row]) -> None:
             f"{r.seconds / f.seconds:.3g}", f"{(r.persistent + r.peak) / (f.persistent + f.peak):.3g}",
             fmt(r.truncation_error), fmt(r.mix_error),
         ])
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
-
-    def line(cells):  # text columns left-aligned, numbers right-aligned
-        padded = [c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-        return "| " + " | ".join(padded) + " |"
-
-    print(line(header))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in table:
-        print(line(row))
+    print_markdown_table(header, table)
 
 
 def parse_args(argv=None):
@@ -340,21 +289,19 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=7, help="timed syncs per method (median reported)")
     p.add_argument("--repeats-large", type=int, default=3,
                    help=f"timed syncs for models over {LARGE / 1e6:.0f} M params")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the base weights")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (see the docstring before raising it)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of the base weights")
+    add_threads_argument(p, help="torch.set_num_threads (see the docstring before raising it)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     import peft
     import transformers
 
-    print(f"# torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}; "
-          f"threads {torch.get_num_threads()}; CPU {cpu_name()} ({os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.1f}); base dtype {args.dtype}, adapters float32; lora_r {LORA_R}, "
+    print(f"# {environment(transformers, peft)}; base dtype {args.dtype}, adapters float32; lora_r {LORA_R}, "
           f"lora_alpha {LORA_ALPHA}, all-linear; policy step {POLICY_STEP} between syncs")
     rows, notes = [], []
     for name in args.models.split(","):

@@ -1,0 +1,116 @@
+"""Helpers shared by the benchmark scripts in this folder.
+
+The scripts run as `python benchmarks/X.py`, so this folder is on sys.path and they import these
+helpers with `from _common import ...`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+MiB = 2**20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the --dtype choices
+
+
+# ------------------------------------------------------------------ setup
+
+
+def add_threads_argument(parser, help: str = "torch.set_num_threads (see the docstring)") -> None:
+    """Add --threads (default ONE torch thread; the scripts pass it to torch.set_num_threads)."""
+    parser.add_argument("--threads", type=int, default=1, help=help)
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    """"2x256,8x256" -> [(2, 256), (8, 256)]: comma-separated AxB pairs of whole numbers."""
+    out = []
+    for item in text.split(","):
+        a, b = item.strip().lower().split("x")
+        out.append((int(a), int(b)))
+    return out
+
+
+# ------------------------------------------------------------------ measurements
+
+
+def peak_temporary_bytes(fn) -> int:
+    """Peak of (bytes allocated − bytes freed) by torch's CPU allocator while `fn()` runs, from 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:  # nbytes < 0 for a free
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def median_seconds(fn, repeats: int, before=None) -> tuple[float, object]:
+    """One untimed warm-up call, then the median of `repeats` timed calls; also the last result.
+
+    `before()`, if given, runs untimed before every call (the warm-up included).
+    """
+    if before:
+        before()
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        if before:
+            before()
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+# ------------------------------------------------------------------ report
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> float:
+    """The 1-minute load average."""
+    return os.getloadavg()[0]
+
+
+def environment(*modules) -> str:
+    """Versions, threads and CPU for a header line.
+
+    "torch V[, name V ...]; threads N; CPU name (C cores, load average L)", where `modules` are
+    imported modules besides torch (e.g. transformers, peft), named with their __version__.
+    """
+    versions = ", ".join(f"{m.__name__} {m.__version__}" for m in (torch, *modules))
+    return (f"{versions}; threads {torch.get_num_threads()}; CPU {cpu_name()} ({os.cpu_count()} cores, "
+            f"load average {load_average():.1f})")
+
+
+def print_markdown_table(header: list[str], table: list[list[str]], text_columns: int = 2) -> None:
+    """Print a markdown table: the first `text_columns` columns left-aligned, the rest right-aligned."""
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+
+    def line(cells):
+        padded = [c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    print(line(header))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in table:
+        print(line(row))
