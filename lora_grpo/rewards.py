@@ -52,6 +52,7 @@ __all__ = [
     "length_penalty",
     "parse_number",
     "resolve_reward_funcs",
+    "reward_metrics",
     "reward_name",
     "reward_names",
     "soft_overlong_penalty",
@@ -610,11 +611,21 @@ def compute_rewards(
     rewards = torch.nansum(per_func * w, dim=1)  # None -> 0 in the sum
     rewards[~present.any(dim=1)] = float("nan")  # nothing applied to this row
 
+    return rewards, per_func, reward_metrics(rewards, per_func, names)
+
+
+def reward_metrics(rewards: torch.Tensor, per_func: torch.Tensor, names: Sequence[str]) -> dict[str, float]:
+    """rewards/{name}/mean|std per function over its non-None (non-NaN) values, reward/mean|std.
+
+    rewards (N,), per_func (N, F): the outputs of compute_rewards (possibly gathered from several
+    processes).
+    """
     metrics: dict[str, float] = {}
     for j, name in enumerate(names):
-        metrics.update(_mean_std(f"rewards/{name}", per_func[present[:, j], j]))
+        column = per_func[:, j]
+        metrics.update(_mean_std(f"rewards/{name}", column[~column.isnan()]))
     metrics.update(_mean_std("reward", rewards[~rewards.isnan()]))
-    return rewards, per_func, metrics
+    return metrics
 
 
 def _mean_std(prefix: str, values: torch.Tensor) -> dict[str, float]:

@@ -45,7 +45,7 @@ from .model import (
     save_adapter,
 )
 from .reference import SyncSchedule, sync_reference
-from .rewards import compute_rewards, resolve_reward_funcs, reward_names
+from .rewards import compute_rewards, resolve_reward_funcs, reward_metrics, reward_names
 from .rollout import Rollout, generate_rollout
 
 logger = logging.getLogger(__name__)
@@ -315,14 +315,21 @@ class GRPOTrainer:
     def score(self, rollout: Rollout, rows: dict[str, list]) -> tuple[Tensor, dict[str, float]]:
         """Rewards → group-relative advantages (B,), with the step's reward and completion metrics."""
         cfg = self.config
-        rewards, _, metrics = self.rewards(rollout, rows, cfg.num_generations)
+        rewards, per_func, metrics = self.rewards(rollout, rows, cfg.num_generations)
         advantages = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
         lengths = rollout.completion_lengths.float()
+        truncated = rollout.truncated.float()
+        if self.accelerator.num_processes > 1:  # metrics over every process's groups, not just this one's
+            rewards, per_func, lengths, truncated = (
+                self.accelerator.gather(t.to(self.accelerator.device)).cpu()
+                for t in (rewards, per_func, lengths, truncated)
+            )
+            metrics = reward_metrics(rewards, per_func, reward_names(self.reward_funcs))
         metrics.update({
             "frac_reward_zero_std": zero_std_fraction(rewards, cfg.num_generations),
             "completion_length/mean": lengths.mean().item(),
             "completion_length/max": lengths.max().item(),
-            "truncated_fraction": rollout.truncated.float().mean().item(),
+            "truncated_fraction": truncated.mean().item(),
         })
         return advantages, metrics
 
@@ -396,6 +403,13 @@ class GRPOTrainer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad = self.accelerator.reduce(p.grad, "mean")
+            # token-weighted loss metrics over all processes
+            keys = sorted(sums)
+            totals = self.accelerator.reduce(
+                torch.tensor([sums[k] for k in keys] + [total_weight, loss_total], device=self.accelerator.device), "sum"
+            ).tolist()
+            sums, total_weight = dict(zip(keys, totals)), totals[len(keys)]
+            loss_total = totals[-1] / self.accelerator.num_processes
         grad_norm = (
             torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
             if cfg.max_grad_norm > 0

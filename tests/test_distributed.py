@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     t.train()
     rank = t.accelerator.process_index
     sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
-    json.dump({"prompts": list(t.train_dataset["prompt"]), "sums": sums}, open(f"{out}/rank{rank}.json", "w"))
+    json.dump({"prompts": list(t.train_dataset["prompt"]), "sums": sums, "history": t.history}, open(f"{out}/rank{rank}.json", "w"))
     """
 )
 
@@ -46,6 +46,10 @@ def test_two_processes_stay_in_sync(tiny_base_dir, tmp_path):
     assert r0["sums"].keys() == r1["sums"].keys()
     for name in r0["sums"]:
         assert r0["sums"][name] == pytest.approx(r1["sums"][name], rel=1e-6, abs=1e-9), name
+    # Step metrics are gathered over both processes: every process logs the same values.
+    for h0, h1 in zip(r0["history"], r1["history"]):
+        for key in ("reward/mean", "reward/std", "kl", "completion_length/mean", "entropy", "loss"):
+            assert h0[key] == pytest.approx(h1[key], rel=1e-6, abs=1e-9), key
     policy_b = [v for k, v in r0["sums"].items() if "lora_B.policy" in k]
     ref_b = [v for k, v in r0["sums"].items() if "lora_B.reference" in k]
     assert any(v != 0 for v in policy_b) and any(v != 0 for v in ref_b)  # both adapters moved
