@@ -92,7 +92,7 @@ class GRPOConfig:
     loss_type: str = _f("dapo", "token aggregation: grpo | bnpo | dapo | dr_grpo")
     epsilon_low: float = _f(0.2, "lower clip: ratio ≥ 1 − epsilon_low")
     epsilon_high: float = _f(0.28, "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025)")
-    scale_rewards: str = _f("group", "advantage scaling: group | batch | none (Dr. GRPO)")
+    scale_rewards: str = _f("group", "advantage scaling: group | batch (std of this process's batch) | none (Dr. GRPO)")
     importance_sampling: str = _f("token", "ratio per token, or per sequence (GSPO)")
     kl_ratio_correction: bool = _f(True, "multiply k3 by pi/pi_old (unbiased KL gradient, DeepSeek-V3.2)")
     mask_truncated_completions: bool = _f(False, "exclude completions without EOS from the loss")
@@ -158,7 +158,8 @@ class GRPOConfig:
             ("importance_sampling", ("token", "sequence")),
         ]:
             choice(name, options)
-        for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length",
+        for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length", "logging_steps",
+                     "repetition_penalty",
                      "micro_batch_size", "num_iterations", "logprob_chunk_size", "learning_rate", "num_epochs"]:
             positive(name)
         for name in ["eval_limit", "ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
@@ -176,6 +177,8 @@ class GRPOConfig:
                 f"temperature={self.temperature} must be > 0: GRPO needs varied samples within a group "
                 "(greedy groups are identical and carry no signal)"
             )
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p={self.min_p} must be in [0, 1]")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
         if self.epsilon_low >= 1:

@@ -128,6 +128,29 @@ def chunked_log_probs(
     return logp, (entropy.view(batch, length) if return_entropy else None)
 
 
+class _TransformedHead(nn.Module):
+    """The LM head followed by the logit transform some CausalLM forwards apply after it."""
+
+    def __init__(self, head: nn.Module, scale: float, softcap: float | None):
+        super().__init__()
+        self.head, self.scale, self.softcap = head, scale, softcap
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        logits = self.head(hidden).float() * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _with_logit_transform(head: nn.Module, config) -> nn.Module:
+    """Match the model's own forward: Cohere's logit_scale, Granite's logits_scaling, Gemma 2/3's
+    final_logit_softcapping. Rollout samples from those logits, so the loss must use them too."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = float(getattr(text_config, "logit_scale", None) or 1.0) / float(getattr(text_config, "logits_scaling", None) or 1.0)
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    return head if scale == 1.0 and not softcap else _TransformedHead(head, scale, softcap)
+
+
 def sequence_log_probs(
     model: nn.Module,
     input_ids: Tensor,
@@ -146,6 +169,7 @@ def sequence_log_probs(
     """
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     body, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    head = _with_logit_transform(head, causal_lm.config)
     # Left padding: positions count real tokens only, as generate() does.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)

@@ -30,10 +30,33 @@ POLICY, REFERENCE = "policy", "reference"
 
 def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        # Not float16: nothing here scales the loss, and fp16 activations underflow small gradients.
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    if name == "float16":
+        logger.warning("torch_dtype=float16: there is no loss scaling; prefer bfloat16, or float32 on GPUs without bf16")
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+# Config attributes that hold dropout probabilities in transformers' model configs.
+DROPOUT_ATTRS = ("attention_dropout", "hidden_dropout", "dropout", "activation_dropout", "resid_pdrop",
+                 "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Turn the base model's dropout off for good (LoRA dropout is separate and configured).
+
+    Rollout, old and reference log-probs run in eval mode; the loss forward runs in train mode.
+    Base dropout would make those disagree: KL > 0 against an identical reference, ratios ≠ 1.
+    """
+    for attr in DROPOUT_ATTRS:
+        if isinstance(getattr(model.config, attr, None), float):
+            setattr(model.config, attr, 0.0)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        # attention layers keep their probability as a float they pass to the attention kernel
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def resolve_model_path(config: GRPOConfig) -> str:
@@ -92,6 +115,7 @@ def load_base_model(config: GRPOConfig, model_path: str | None = None, device_ma
         **kwargs,
     )
     model.requires_grad_(False)
+    disable_dropout(model)
     model.config.use_cache = False  # the training forward never needs a cache; rollout asks for one
     return model
 
@@ -139,14 +163,24 @@ def attach_adapters(base: nn.Module, config: GRPOConfig) -> nn.Module:
 
     from .reference import check_syncable, sync_reference
 
+    from peft import LoraConfig
+
+    from .reference import lora_layers
+
     if config.init_adapter:
-        model = PeftModel.from_pretrained(base, config.init_adapter, adapter_name=POLICY, is_trainable=True)
-        loaded = model.peft_config[POLICY]
-        if loaded.r != config.lora_r:
-            logger.warning("init_adapter has rank %d; config lora_r=%d is ignored", loaded.r, config.lora_r)
+        saved = LoraConfig.from_pretrained(config.init_adapter)
+        if saved.lora_dropout != config.lora_dropout:  # SFT adapters often carry 0.05–0.1
+            logger.warning("init_adapter's lora_dropout %s replaced by the config's %s", saved.lora_dropout, config.lora_dropout)
+            saved.lora_dropout = config.lora_dropout
+        model = PeftModel.from_pretrained(
+            base, config.init_adapter, adapter_name=POLICY, is_trainable=True, config=saved
+        )
+        if saved.r != config.lora_r:
+            logger.warning("init_adapter has rank %d; config lora_r=%d is ignored", saved.r, config.lora_r)
     else:
         model = get_peft_model(base, lora_config(config), adapter_name=POLICY, autocast_adapter_dtype=True)
-    policy_rank = model.peft_config[POLICY].r
+    # The largest rank of any layer (an adapter may carry a per-module rank_pattern).
+    policy_rank = max(m.lora_A[POLICY].weight.shape[0] for _, m in lora_layers(model, (POLICY,)))
     if config.ref_rank < policy_rank and (config.init_adapter or config.ref_sync_alpha == 1):
         raise ValueError(
             f"ref_rank={config.ref_rank} is below the policy adapter's rank {policy_rank}: the reference slot could "
@@ -165,7 +199,14 @@ def attach_adapters(base: nn.Module, config: GRPOConfig) -> nn.Module:
             param.data = param.data.float()
         param.requires_grad_(f".{POLICY}." in name)
     check_syncable(model)
-    sync_reference(model, alpha=1.0)  # the initial reference = the initial policy, exactly
+    if config.init_adapter:
+        sync_reference(model, alpha=1.0)  # the initial reference = the warm-start policy, exactly
+    else:
+        # A fresh policy has B = 0, so ΔW_policy = 0: an all-zero slot is its exact copy, at any ref_rank.
+        with torch.no_grad():
+            for _, m in lora_layers(model):
+                m.lora_A[REFERENCE].weight.zero_()
+                m.lora_B[REFERENCE].weight.zero_()
     return model
 
 

@@ -159,8 +159,12 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 def _tokenize_left_padded(tokenizer, prompts: list[str], max_prompt_length: int | None) -> tuple[Tensor, Tensor]:
     """-> (ids (N, P), mask (N, P)), left-padded, each prompt cut to its last max_prompt_length tokens."""
-    # Rendered chat templates already carry their special tokens, so add none (as TRL does).
+    # Rendered chat templates already carry their special tokens, so add none (as TRL does); but a
+    # plain-text prompt to a model that expects BOS (Llama, Gemma) gets one, once.
     rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("a")["input_ids"][:1] == [bos]:
+        rows = [r if r[:1] == [bos] else [bos] + r for r in rows]
     if any(len(r) == 0 for r in rows):
         raise ValueError("a prompt tokenized to zero tokens; there is nothing to condition on")
     if max_prompt_length is not None:

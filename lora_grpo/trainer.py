@@ -110,10 +110,14 @@ def build_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> tor
 
 
 def build_scheduler(optimizer, config: GRPOConfig, total_steps: int):
+    """The LR schedule over optimizer updates: num_iterations per training step."""
     from transformers import get_scheduler
 
     name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[config.lr_scheduler]
-    return get_scheduler(name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps)
+    updates = config.num_iterations
+    return get_scheduler(
+        name, optimizer, num_warmup_steps=config.warmup_steps * updates, num_training_steps=total_steps * updates
+    )
 
 
 def _resolve_dataset(source, config: GRPOConfig, tokenizer, split: str):
@@ -190,8 +194,12 @@ class GRPOTrainer:
         self.eval_dataset = _resolve_dataset(eval_source, config, tokenizer, "eval")
         if self.eval_dataset is not None and config.eval_limit:
             self.eval_dataset = self.eval_dataset.select(range(min(config.eval_limit, len(self.eval_dataset))))
-        if self.accelerator.num_processes > 1:  # each process samples its own prompts
-            self.train_dataset = self.train_dataset.shard(self.accelerator.num_processes, self.accelerator.process_index)
+        if self.accelerator.num_processes > 1:
+            # Each process samples its own prompts. Equal shards keep every process at the same step
+            # count and epoch boundaries (so collectives match and epoch syncs happen together).
+            world = self.accelerator.num_processes
+            usable = len(self.train_dataset) - len(self.train_dataset) % world
+            self.train_dataset = self.train_dataset.select(range(usable)).shard(world, self.accelerator.process_index)
 
         self.batches = PromptBatches(self.train_dataset, config.prompts_per_step, seed=config.seed)
         self.total_steps = config.max_steps or config.num_epochs * self.batches.steps_per_epoch
@@ -218,6 +226,8 @@ class GRPOTrainer:
             cfg.to_yaml(self.output_dir / "config.yaml")
         if cfg.resume_from_checkpoint:
             self.load_checkpoint(cfg.resume_from_checkpoint)
+            if self.is_main:
+                self._truncate_log(self.step)
         elif self.is_main:
             (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh log
         eval_before = self.evaluate() if self.eval_dataset is not None and self.step == 0 else {}
@@ -448,8 +458,17 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
-        """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, data position, RNG. Atomic."""
+        """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, data position, RNG. Atomic.
+
+        Called on every process: each one's sampling generator state is gathered; the main process writes.
+        """
+        from accelerate.utils import gather_object
+
+        generators = gather_object([self.generator.get_state()]) if self.accelerator.num_processes > 1 else [
+            self.generator.get_state()
+        ]
         if not self.is_main:
+            self.accelerator.wait_for_everyone()
             return None
         self.output_dir.mkdir(parents=True, exist_ok=True)
         target = self.output_dir / f"checkpoint-{self.step}"
@@ -461,7 +480,7 @@ class GRPOTrainer:
                 {
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
-                    "generator": self.generator.get_state(),
+                    "generators": generators,  # one per process
                     "torch_rng": torch.get_rng_state(),
                     "python_rng": random.getstate(),
                     "numpy_rng": np.random.get_state(),
@@ -476,6 +495,7 @@ class GRPOTrainer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._rotate_checkpoints()
+        self.accelerator.wait_for_everyone()
         return target
 
     def _checkpoints(self) -> list[Path]:
@@ -502,7 +522,13 @@ class GRPOTrainer:
         blobs = torch.load(path / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(blobs["optimizer"])
         self.scheduler.load_state_dict(blobs["scheduler"])
-        self.generator.set_state(blobs["generator"])
+        generators = blobs["generators"]
+        if len(generators) != self.accelerator.num_processes:
+            raise ValueError(
+                f"{path} was saved by {len(generators)} process(es); resume it with the same number "
+                f"(this run has {self.accelerator.num_processes})"
+            )
+        self.generator.set_state(generators[self.accelerator.process_index])
         torch.set_rng_state(blobs["torch_rng"])
         random.setstate(blobs["python_rng"])
         np.random.set_state(blobs["numpy_rng"])
@@ -511,6 +537,13 @@ class GRPOTrainer:
         self.batches.load_state_dict(state["batches"])
         self.history = state.get("history", [])
         self._print(f"resumed from {path} at step {self.step}")
+
+    def _truncate_log(self, step: int) -> None:
+        """Drop metrics.jsonl records after `step`: a resumed run logs those steps again."""
+        path = self.output_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))
 
     # ------------------------------------------------------------------ reporting
     def _summary(self, before: dict, after: dict, seconds: float) -> dict[str, Any]:
