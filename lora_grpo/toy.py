@@ -1,6 +1,9 @@
 """The offline toy task and tiny base model, used by the default recipe and the tests.
 
-Everything here is built locally: a character-level tokenizer and a small Qwen2-style causal LM.
+Everything here is built locally: a character-level tokenizer and a small Llama-style causal LM
+(the Qwen2 block without its q/k/v biases). Not a Qwen2 config on purpose: transformers 5 loads
+every qwen2 checkpoint's tokenizer as Qwen2Tokenizer (byte-level BPE), which would silently
+replace this character tokenizer when the saved model is loaded back with AutoTokenizer.
 Nothing is downloaded.
 
 The toy task is two-digit addition ("57+68=" -> "125"). ``ensure_toy_base`` pre-trains a ~0.5M
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # One token per character. "<think>" etc. are spelled out character by character.
@@ -57,10 +60,10 @@ def make_tiny_model(
     intermediate_size: int | None = None,
     max_positions: int = 256,
     seed: int = 0,
-) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2-style model sized for the tokenizer (deterministic by seed)."""
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama-style model sized for the tokenizer (deterministic by seed)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
@@ -73,7 +76,7 @@ def make_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
-    return Qwen2ForCausalLM(config)
+    return LlamaForCausalLM(config)
 
 
 def save_tiny_base(path, **model_kwargs) -> str:
@@ -98,7 +101,7 @@ def save_tiny_base(path, **model_kwargs) -> str:
 # well-separated preference, the same one on every carry problem.
 # ---------------------------------------------------------------------------------------------
 
-TOY_FORMAT_VERSION = 1  # bump when the task or the training code changes what a seed produces
+TOY_FORMAT_VERSION = 2  # bump when the task or the training code changes what a seed produces
 NUM_DIGITS = 2  # operands are 00..99, written zero-padded so every prompt has the same length
 EVAL_PERCENT = 20  # share of (a, b) pairs held out for evaluation, chosen by a hash of the pair
 

@@ -11,7 +11,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory):
-    """A tiny random Qwen2-style model and char tokenizer saved to disk, built once per session."""
+    """A tiny random Llama-style model and char tokenizer saved to disk, built once per session."""
     from lora_grpo.toy import save_tiny_base
 
     return save_tiny_base(tmp_path_factory.mktemp("tiny_base"))

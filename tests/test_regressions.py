@@ -11,7 +11,7 @@ from lora_grpo.logprobs import sequence_log_probs
 from lora_grpo.model import POLICY, REFERENCE, load_model, save_adapter
 from lora_grpo.reference import lora_layers
 from lora_grpo.rollout import _tokenize_left_padded
-from lora_grpo.toy import make_tokenizer, make_tiny_model
+from lora_grpo.toy import make_tiny_model, make_tokenizer
 
 
 def digit_share(prompts, completions, **kwargs):
@@ -129,3 +129,14 @@ def test_more_config_validation(kwargs):
 
     with pytest.raises(ConfigError, match=next(iter(kwargs))):
         GRPOConfig(model_name_or_path="m", **kwargs)
+
+
+def test_saved_tiny_base_loads_back_with_the_same_tokenizer(tiny_base_dir):
+    # transformers 5 swaps the tokenizer of any qwen2 checkpoint for Qwen2Tokenizer (byte-level BPE):
+    # spaces and letters of our character tokenizer would then encode differently.
+    from lora_grpo.model import load_tokenizer
+
+    text = "user: <think>a b</think> 12+35=\nassistant: "
+    loaded = load_tokenizer(GRPOConfig(model_name_or_path=tiny_base_dir))
+    assert loaded(text, add_special_tokens=False)["input_ids"] == make_tokenizer()(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"]) == text
