@@ -38,25 +38,25 @@ def test_lr_schedule_spans_every_update_when_the_batch_is_reused(tiny_base_dir, 
     assert lrs[-1] == pytest.approx(1e-2 / 12)
 
 
-def test_base_model_dropout_is_off(tmp_path):
+def save_base_with_attention_dropout(path, p: float) -> str:
     tokenizer = make_tokenizer()
     model = make_tiny_model(tokenizer)
-    model.config.attention_dropout = 0.5
-    model.save_pretrained(tmp_path / "drop")
-    tokenizer.save_pretrained(tmp_path / "drop")
-    peft_model, _ = load_model(GRPOConfig(model_name_or_path=str(tmp_path / "drop"), lora_r=4, gradient_checkpointing=False))
+    model.config.attention_dropout = p
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_base_model_dropout_is_off(tmp_path):
+    path = save_base_with_attention_dropout(tmp_path / "drop", 0.5)
+    peft_model, _ = load_model(GRPOConfig(model_name_or_path=path, lora_r=4, gradient_checkpointing=False))
     peft_model.train()
     x = torch.tensor([[5, 6, 7, 8, 9]])
     assert torch.equal(peft_model(input_ids=x).logits, peft_model(input_ids=x).logits)
 
 
 def test_trainer_kl_is_exactly_zero_against_an_identical_reference_with_a_dropout_config(tmp_path):
-    tokenizer = make_tokenizer()
-    model = make_tiny_model(tokenizer)
-    model.config.attention_dropout = 0.3
-    model.save_pretrained(tmp_path / "drop")
-    tokenizer.save_pretrained(tmp_path / "drop")
-    trainer = small(str(tmp_path / "drop"), tmp_path, max_steps=1)
+    trainer = small(save_base_with_attention_dropout(tmp_path / "drop", 0.3), tmp_path, max_steps=1)
     trainer.train()
     assert trainer.history[0]["kl"] == 0.0
 
