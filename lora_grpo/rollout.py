@@ -212,16 +212,23 @@ def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, ge
         counts = torch.zeros(logits.shape, dtype=torch.long, device=logits.device)
         seen = counts.scatter_add_(1, ids.repeat_interleave(G, 0), attn) > 0  # (N, V) bool
     eos = torch.tensor(eos_ids, device=logits.device)
-    finished = torch.zeros(logits.size(0), dtype=torch.bool, device=logits.device)
-    tokens, logps = [], []
+    N = logits.size(0)
+    tokens = torch.full((N, max_new), pad_id, dtype=torch.long, device=logits.device)
+    logps = torch.zeros((N, max_new), dtype=torch.float32, device=logits.device)
+    rows = torch.arange(N, device=logits.device)  # output row of each sequence still decoding
     for step in range(max_new):
         tok, logp = sample_next(logits, seen, generator=generator, **sampling)
-        tok = tok.masked_fill(finished, pad_id)  # finished rows only emit padding
-        tokens.append(tok)
-        logps.append(logp.masked_fill(finished, 0.0))
-        finished |= torch.isin(tok, eos)
-        if bool(finished.all()) or step == max_new - 1:
+        tokens[rows, step] = tok
+        logps[rows, step] = logp
+        done = torch.isin(tok, eos)
+        if bool(done.all()) or step == max_new - 1:
             break
+        if bool(done.any()):
+            # Drop finished sequences from the batch and the cache: no compute on rows that only pad.
+            keep = (~done).nonzero().squeeze(1)
+            rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
+            cache.batch_select_indices(keep)
+            seen = None if seen is None else seen[keep]
         if seen is not None:
             seen.scatter_(1, tok[:, None], True)
         attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)
@@ -235,7 +242,7 @@ def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, ge
         cache = _cache_of(out)
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
-    return torch.stack(tokens, 1), torch.stack(logps, 1)
+    return tokens[:, : step + 1], logps[:, : step + 1]
 
 
 def _pad_right(x: Tensor, width: int, value) -> Tensor:

@@ -97,7 +97,11 @@ def test_prefix_is_prefilled_once_and_micro_batches_agree(tok):
     r = generate_rollout(model, tok, PROMPTS, **kwargs)
     P = r.prompt_ids.size(1)
     assert calls[0] == (3, P)  # the 3 distinct prompts, not 9 rows
-    assert all(c == (9, 1) for c in calls[1:])  # then one token per row per step
+    # Then one token per running row per step: a row leaves the batch once it has emitted EOS, so
+    # the decode call for token t holds exactly the rows with no EOS among their first t tokens.
+    T = r.completion_ids.size(1)
+    assert calls[1:] == [(int(r.completion_mask[:, t].sum()), 1) for t in range(1, T)]
+    assert calls[-1][0] < 9  # rows really finished and were dropped
     calls.clear()
     r2 = generate_rollout(model, tok, PROMPTS, micro_batch_prompts=2, **kwargs)
     hook.remove()
