@@ -260,17 +260,27 @@ def reference_forward(model: nn.Module):
         yield model
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Move a finished directory into place so that a reader sees the old one or the new one, whole."""
-    if target.exists():
-        old = target.with_name(target.name + ".old")
-        if old.exists():
+@contextmanager
+def atomic_dir(target: str | Path):
+    """Yield a fresh temporary dir beside `target`; when the block succeeds, move it into place so
+    that a reader sees the old `target` or the new one, whole. When it fails, the temp dir goes."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            old = target.with_name(target.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(target, old)
+            os.replace(tmp, target)
             shutil.rmtree(old)
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, target)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> Path:
@@ -278,19 +288,12 @@ def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> P
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         state = get_peft_model_state_dict(model, adapter_name=adapter)
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
         model.peft_config[adapter].save_pretrained(str(tmp))
         (tmp / "lora_grpo.json").write_text(json.dumps({"adapter": adapter}))
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return Path(path)
 
 
 def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str) -> None:

@@ -20,7 +20,6 @@ import logging
 import math
 import random
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from .loss import accumulation_scale, grpo_loss
 from .model import (
     POLICY,
     REFERENCE,
-    _replace_dir,
+    atomic_dir,
     load_adapter_weights,
     load_model,
     policy_parameters,
@@ -85,18 +84,6 @@ class Batch:
                 "ref_logp": None if self.ref_logp is None else self.ref_logp[rows, :t],
                 "completion_length": t,
             }
-
-
-class _MetricLog:
-    """metrics.jsonl in the run dir, plus a short progress line."""
-
-    def __init__(self, path: Path | None, enabled: bool):
-        self.path, self.enabled = path, enabled
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled and self.path is not None:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
 
 
 def build_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
@@ -214,7 +201,6 @@ class GRPOTrainer:
         self.history: list[dict[str, float]] = []
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
-        self.log = _MetricLog(self.output_dir / "metrics.jsonl", self.is_main)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -232,8 +218,7 @@ class GRPOTrainer:
             (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh log
         eval_before = self.evaluate() if self.eval_dataset is not None and self.step == 0 else {}
         if eval_before:
-            self._print(f"eval before training: {self._fmt(eval_before)}")
-            self.log.write({"step": self.step, **eval_before})
+            self._report_eval("before", eval_before)
         while self.step < self.total_steps:
             epoch, rows = next(self.batches)
             epoch_ended = self.batches.epoch != epoch
@@ -248,15 +233,14 @@ class GRPOTrainer:
             if self.eval_dataset is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
                 metrics.update(self.evaluate())
             self.history.append(metrics)
-            self.log.write({"step": self.step, **metrics})
+            self._log({"step": self.step, **metrics})
             if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                 self._print(self._progress_line(metrics))
             if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
         eval_after = self.evaluate() if self.eval_dataset is not None else {}
         if eval_after:
-            self._print(f"eval after training: {self._fmt(eval_after)}")
-            self.log.write({"step": self.step, **eval_after})
+            self._report_eval("after", eval_after)
         self.save_checkpoint()
         if self.is_main:
             save_adapter(self.model, self.output_dir / "adapter", POLICY)
@@ -441,20 +425,16 @@ class GRPOTrainer:
     def evaluate(self, dataset=None, batch_prompts: int = 64) -> dict[str, float]:
         """Greedy completions (one per prompt) scored by the reward functions: eval/* metrics."""
         dataset = self.eval_dataset if dataset is None else dataset
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        scores, lengths = [], []
         for start in range(0, len(dataset), batch_prompts):
             rows = dataset[start : start + batch_prompts]
             rollout = self.generate(rows["prompt"], num_generations=1, temperature=0.0)
-            _, per_func, _ = self.rewards(rollout, rows, 1)
-            for j, name in enumerate(reward_names(self.reward_funcs)):
-                col = per_func[:, j]
-                col = col[~col.isnan()]
-                sums[name] = sums.get(name, 0.0) + col.sum().item()
-                counts[name] = counts.get(name, 0) + col.numel()
-            sums["completion_length"] = sums.get("completion_length", 0.0) + rollout.completion_lengths.sum().item()
-            counts["completion_length"] = counts.get("completion_length", 0) + len(rollout.completions)
-        return {f"eval/{k}": sums[k] / counts[k] if counts[k] else float("nan") for k in sums}
+            scores.append(self.rewards(rollout, rows, 1)[1])
+            lengths.append(rollout.completion_lengths.float().cpu())
+        per_func = torch.cat(scores)  # (N, F), NaN where a function returned None
+        metrics = {f"eval/{name}": per_func[:, j].nanmean().item() for j, name in enumerate(reward_names(self.reward_funcs))}
+        metrics["eval/completion_length"] = torch.cat(lengths).mean().item()
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
@@ -470,10 +450,8 @@ class GRPOTrainer:
         if not self.is_main:
             self.accelerator.wait_for_everyone()
             return None
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         target = self.output_dir / f"checkpoint-{self.step}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=self.output_dir))
-        try:
+        with atomic_dir(target) as tmp:
             save_adapter(self.model, tmp / POLICY, POLICY)
             save_adapter(self.model, tmp / REFERENCE, REFERENCE)
             torch.save(
@@ -490,10 +468,6 @@ class GRPOTrainer:
             state = {"step": self.step, "batches": self.batches.state_dict(), "history": self.history}
             (tmp / "trainer_state.json").write_text(json.dumps(state))
             self.config.to_yaml(tmp / "config.yaml")
-            _replace_dir(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         self._rotate_checkpoints()
         self.accelerator.wait_for_everyone()
         return target
@@ -566,6 +540,16 @@ class GRPOTrainer:
             summary["eval_before"], summary["eval_after"] = before, after
         return summary
 
+    def _log(self, record: dict[str, Any]) -> None:
+        """Append one record to metrics.jsonl (main process only)."""
+        if self.is_main:
+            with (self.output_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _report_eval(self, when: str, metrics: dict[str, float]) -> None:
+        self._print(f"eval {when} training: {self._fmt(metrics)}")
+        self._log({"step": self.step, **metrics})
+
     def _print(self, text: str) -> None:
         if self.is_main:
             print(text, flush=True)
@@ -585,7 +569,7 @@ class GRPOTrainer:
         ]
         if m.get("sync/event"):
             parts.append(f"sync({m['sync/reason']}, err {m['sync/truncation_error']:.1e})")
-        if "eval/" + "completion_length" in m:
+        if "eval/completion_length" in m:
             parts.append(self._fmt({k: v for k, v in m.items() if k.startswith("eval/")}))
         return " | ".join(parts)
 
