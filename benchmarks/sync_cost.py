@@ -179,7 +179,8 @@ def checked_sync(model, alpha: float, mode: str) -> tuple[float, float]:
 
 def measure_ours(model, name: str, method: str, alpha: float, mode: str, repeats: int, seed: int) -> Row:
     """Time, memory and errors of sync_reference(model, alpha, mode) in the steady state."""
-    from lora_grpo.model import REFERENCE, adapter_parameters
+    from lora_grpo.checkpoint import adapter_state_dict
+    from lora_grpo.model import REFERENCE
     from lora_grpo.reference import sync_reference
 
     g = torch.Generator().manual_seed(seed)
@@ -190,7 +191,7 @@ def measure_ours(model, name: str, method: str, alpha: float, mode: str, repeats
     peak = peak_temporary_bytes(lambda: sync_reference(model, alpha, mode))
     policy_step(model, g)
     reported, dense = checked_sync(model, alpha, mode)
-    return Row(name, method, seconds, tensor_bytes(adapter_parameters(model, REFERENCE).values()), peak,
+    return Row(name, method, seconds, tensor_bytes(adapter_state_dict(model, REFERENCE).values()), peak,
                reported if mode == "exact" and alpha < 1 else None, dense)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,14 +51,18 @@ def cmd_train(args) -> int:
 
     recipe = args.recipe or (str(DEFAULT_RECIPE) if DEFAULT_RECIPE.exists() else None)
     config = load_config(recipe, args.set)
-    print(f"lora-grpo: training {config.model_name_or_path} → {config.output_dir}" + (f" (recipe {recipe})" if recipe else ""))
+    main_process = os.environ.get("RANK", "0") == "0"  # under torchrun / accelerate launch, print once
+    if main_process:
+        print(f"lora-grpo: training {config.model_name_or_path} → {config.output_dir}" + (f" (recipe {recipe})" if recipe else ""))
     summary = GRPOTrainer(config).train()
-    print(json.dumps({k: v for k, v in summary.items() if not k.startswith("eval_")}, indent=2))
+    if main_process:
+        print(json.dumps({k: v for k, v in summary.items() if not k.startswith("eval_")}, indent=2))
     return 0
 
 
 def cmd_eval(args) -> int:
-    from .model import load_adapter_weights, POLICY
+    from .adapters import POLICY
+    from .checkpoint import load_adapter_weights
     from .trainer import GRPOTrainer
 
     config = load_config(args.recipe, args.set)
@@ -155,6 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"lora-grpo: config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        from .trainer import TrainingInterrupted
+
+        if isinstance(e, TrainingInterrupted):  # a checkpoint was written; the message said how to resume
+            return e.exit_code
+        raise
+    except (ValueError, OSError, RuntimeError, FloatingPointError) as e:
+        # lora_grpo's errors say what, where and how to fix: show that, not a traceback (unless asked).
+        if os.environ.get("LORA_GRPO_TRACEBACK"):
+            raise
+        print(f"lora-grpo: error: {e}\n(set LORA_GRPO_TRACEBACK=1 to see the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -83,10 +83,10 @@ class GRPOConfig:
     max_prompt_length: int | None = _f(512, "prompts longer than this keep their last tokens (with a warning); None = no limit")
     max_completion_length: int = _f(256, "maximum new tokens per completion")
     temperature: float = _f(1.0, "sampling temperature (also divides the logits in the loss)")
-    top_p: float = _f(1.0, "nucleus sampling threshold (1 = off)")
-    top_k: int = _f(0, "top-k sampling (0 = off)")
-    min_p: float = _f(0.0, "min-p sampling (0 = off)")
-    repetition_penalty: float = _f(1.0, "CTRL repetition penalty (1 = off)")
+    top_p: float = _f(1.0, "nucleus sampling threshold (1 = off); like every filter, not in the loss: ratio and KL use unfiltered log-probs")
+    top_k: int = _f(0, "top-k sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)")
+    min_p: float = _f(0.0, "min-p sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)")
+    repetition_penalty: float = _f(1.0, "CTRL repetition penalty (1 = off); not in the loss (ratio and KL use the unfiltered distribution)")
     # --- loss --------------------------------------------------------------------------------
     beta: float = _f(0.04, "weight of the k3 KL penalty to the reference (0 = no reference forward)")
     loss_type: str = _f("dapo", "token aggregation: grpo | bnpo | dapo | dr_grpo")
@@ -105,6 +105,7 @@ class GRPOConfig:
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.99, "AdamW beta2")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
+    max_nonfinite_updates: int = _f(5, "a NaN/inf loss or gradient skips the update; stop with an error after this many in a row")
     lr_scheduler: str = _f("constant", "constant | linear | cosine (after warmup)")
     warmup_steps: int = _f(0, "linear warmup steps")
     micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the step)")
@@ -160,7 +161,7 @@ class GRPOConfig:
             choice(name, options)
         for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length", "logging_steps",
                      "repetition_penalty",
-                     "micro_batch_size", "num_iterations", "logprob_chunk_size", "learning_rate", "num_epochs"]:
+                     "micro_batch_size", "num_iterations", "max_nonfinite_updates", "logprob_chunk_size", "learning_rate", "num_epochs"]:
             positive(name)
         for name in ["eval_limit", "ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
                      "max_grad_norm", "beta", "top_k", "min_p", "epsilon_low", "epsilon_high"]:

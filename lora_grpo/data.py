@@ -77,6 +77,19 @@ def _template_fields(template: str) -> list[str]:
     return fields
 
 
+def _check_rows(ds: datasets.Dataset, column: str, ok, expected: str, keep: str) -> None:
+    """Raise, naming the column, the rows and a filter, when rows of ``column`` fail ``ok``: at load,
+    not when a bad row comes up mid-training."""
+    bad = [i for i, value in enumerate(ds[column]) if not ok(value)]
+    if bad:
+        rows = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+        raise ValueError(
+            f"column {column!r} must hold {expected}, but {len(bad)} of {len(ds)} rows do not: rows "
+            f"[{rows}] (row {bad[0]} holds {ds[bad[0]][column]!r:.120}); filter them out before loading, "
+            f"e.g. ds = ds.filter(lambda row: {keep})"
+        )
+
+
 def _is_messages(value: Any) -> bool:
     return (
         isinstance(value, Sequence)
@@ -102,7 +115,8 @@ class _Renderer:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(
                 f"{why} needs a chat template, but the tokenizer has none (tokenizer.chat_template is None); "
-                "set one, or give the prompts as text (prompt_column / prompt_template)"
+                "set tokenizer.chat_template (a Jinja template string), or give the prompts as text "
+                "(prompt_column / prompt_template)"
             )
 
     def chat(self, messages: Sequence[Mapping], where: str) -> str:
@@ -164,8 +178,9 @@ def load_prompt_dataset(
 
     Raises:
         ValueError: empty dataset; neither column present (the message lists the columns and the
-            options to set); chat rendering without a tokenizer or chat template; a row whose
-            prompt is neither text nor chat messages.
+            options to set); chat rendering without a tokenizer or chat template; rows whose prompt
+            is None, empty, or neither text nor chat messages, or whose template field is None (the
+            message names the column, the rows and a ``ds.filter`` that drops them).
         KeyError: a template field missing from the columns (names the field and the columns).
     """
     ds = _load_source(source, split, config_name)
@@ -183,33 +198,30 @@ def load_prompt_dataset(
                     f"prompt_template uses field {field!r}, which is not a column; "
                     f"available columns: {columns}"
                 )
+            # A None would be rendered as the text "None".
+            _check_rows(ds, field, lambda v: v is not None, "a value for prompt_template in every row",
+                        f"row[{field!r}] is not None")
 
         def one(row: dict, i: int) -> str:
             return render.text(prompt_template.format(**row), f"prompt_template (row {i})")
 
     elif messages_column in columns:
+        _check_rows(ds, messages_column, _is_messages, "a non-empty list of {'role', 'content'} chat messages",
+                    f"bool(row[{messages_column!r}])")
+        render._check_tokenizer(f"column {messages_column!r} (chat messages)")
 
         def one(row: dict, i: int) -> str:
-            messages = row[messages_column]
-            if not _is_messages(messages):
-                raise ValueError(
-                    f"row {i}: column {messages_column!r} must hold a non-empty list of "
-                    f"{{'role', 'content'}} dicts, got {messages!r:.120}"
-                )
-            return render.chat(messages, f"column {messages_column!r} (chat messages, row {i})")
+            return render.chat(row[messages_column], f"column {messages_column!r} (chat messages, row {i})")
 
     elif prompt_column in columns:
+        _check_rows(ds, prompt_column, lambda v: (isinstance(v, str) and v != "") or _is_messages(v),
+                    "non-empty text or a non-empty list of chat messages", f"bool(row[{prompt_column!r}])")
 
         def one(row: dict, i: int) -> str:
             value = row[prompt_column]
             if isinstance(value, str):
                 return render.text(value, f"column {prompt_column!r} (row {i})")
-            if _is_messages(value):
-                return render.chat(value, f"column {prompt_column!r} (chat messages, row {i})")
-            raise ValueError(
-                f"row {i}: column {prompt_column!r} must hold text or a list of chat messages, "
-                f"got {type(value).__name__} {value!r:.120}"
-            )
+            return render.chat(value, f"column {prompt_column!r} (chat messages, row {i})")
 
     else:
         raise ValueError(

@@ -8,8 +8,13 @@ each chunk's logits. Peak extra memory is O(chunk_size × vocab), independent of
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+from .adapters import use_adapter
 
 Tensor = torch.Tensor
 
@@ -128,27 +133,144 @@ def chunked_log_probs(
     return logp, (entropy.view(batch, length) if return_entropy else None)
 
 
-class _TransformedHead(nn.Module):
-    """The LM head followed by the logit transform some CausalLM forwards apply after it."""
+class _LogitTransform(NamedTuple):
+    """What a CausalLM forward does around its LM head, in this order:
+    logits = head(hidden * hidden_scale)[..., :vocab_limit] * logit_scale, then cap·tanh(logits / cap)."""
 
-    def __init__(self, head: nn.Module, scale: float, softcap: float | None):
+    hidden_scale: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    vocab_limit: int | None = None
+
+
+def _text_config(causal_lm):
+    config = causal_lm.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _factor(value) -> float:
+    return 1.0 if value is None else float(value)
+
+
+def _softcap_from_config(causal_lm) -> _LogitTransform:
+    # CausalLMs read config.final_logit_softcapping; their multimodal wrappers read the text config's
+    # (get_text_config() of a text config is the config itself).
+    return _LogitTransform(softcap=getattr(_text_config(causal_lm), "final_logit_softcapping", None))
+
+
+def _minicpm(causal_lm) -> _LogitTransform:
+    # MiniCPM (remote code) and MiniCPM3: lm_head(hidden / (hidden_size / dim_model_base)).
+    config = causal_lm.config
+    base = getattr(config, "dim_model_base", None)
+    return _LogitTransform(hidden_scale=float(base) / config.hidden_size) if base else _LogitTransform()
+
+
+def _inkling(causal_lm) -> _LogitTransform:
+    # lm_head(hidden / logits_mup_width_multiplier)[..., :unpadded_vocab_size]
+    text = _text_config(causal_lm)
+    return _LogitTransform(
+        hidden_scale=1.0 / _factor(getattr(text, "logits_mup_width_multiplier", None)),
+        vocab_limit=getattr(text, "unpadded_vocab_size", None),
+    )
+
+
+# Keyed by config.model_type, each read from where that model's own forward (transformers 5.24) reads
+# it. The same attribute name means different things in different models: Granite divides by
+# logits_scaling, HyperCLOVAX multiplies by it, MiniCPM3 divides the hidden states by it; Cohere2Vision
+# and AyaVision carry a Cohere text config with a logit_scale that their forward never applies; the
+# Gemma3 multimodal wrapper does not softcap. Model types not listed get no transform; check_log_probs
+# catches a model that applies one anyway.
+_LOGIT_TRANSFORMS = {
+    # logits * logit_scale (Cohere): the module attribute, set from the config
+    **dict.fromkeys(
+        ("cohere", "cohere2", "cohere2_moe", "cohere_compass", "cohere_compass_text"),
+        lambda m: _LogitTransform(logit_scale=_factor(getattr(m, "logit_scale", None))),
+    ),
+    # logits / logits_scaling (Granite)
+    **dict.fromkeys(
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+        lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.logits_scaling)),
+    ),
+    **dict.fromkeys(
+        ("granite4_vision", "granite_docling"),
+        lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.text_config.logits_scaling)),
+    ),
+    # logits * logits_scaling (HyperCLOVAX's MuP: the opposite of Granite)
+    "hyperclovax": lambda m: _LogitTransform(logit_scale=_factor(m.config.logits_scaling)),
+    "hyperclovax_vision_v2": lambda m: _LogitTransform(logit_scale=_factor(m.config.text_config.logits_scaling)),
+    # logits * self.model.lm_head_multiplier (Falcon-H1)
+    "falcon_h1": lambda m: _LogitTransform(
+        logit_scale=_factor(getattr(m.model, "lm_head_multiplier", getattr(m.config, "lm_head_multiplier", None)))
+    ),
+    # hidden states scaled before the head
+    "minicpm": _minicpm,
+    "minicpm3": _minicpm,
+    "inkling_text": _inkling,
+    "inkling_mm_model": _inkling,
+    # cap · tanh(logits / cap)
+    **dict.fromkeys(
+        ("gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
+         "gemma4_unified_text", "vaultgemma", "nanochat", "paligemma", "beam"),
+        _softcap_from_config,
+    ),
+    "mistral_large4": lambda m: _LogitTransform(softcap=m.final_logit_softcapping),
+    "recurrent_gemma": lambda m: _LogitTransform(softcap=m.config.logits_soft_cap),
+    "xlstm": lambda m: _LogitTransform(softcap=m.config.output_logit_soft_cap),
+    **dict.fromkeys(
+        ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
+        lambda m: _LogitTransform(softcap=m.logit_softcap.softcap),
+    ),
+    # cap · tanh(logits * output_multiplier / cap)
+    **dict.fromkeys(
+        ("muse_glimmer", "muse_spark"),
+        lambda m: _LogitTransform(
+            logit_scale=_factor(m.config.text_config.output_multiplier),
+            softcap=m.config.text_config.final_logit_softcapping,
+        ),
+    ),
+}
+
+
+def _logit_transform(causal_lm: nn.Module) -> _LogitTransform:
+    rule = _LOGIT_TRANSFORMS.get(getattr(causal_lm.config, "model_type", None))
+    return rule(causal_lm) if rule is not None else _LogitTransform()
+
+
+class _TransformedHead(nn.Module):
+    """The LM head with the transform the model's forward applies around it; float32 logits."""
+
+    def __init__(self, head: nn.Module, transform: _LogitTransform):
         super().__init__()
-        self.head, self.scale, self.softcap = head, scale, softcap
+        self.head, self.transform = head, transform
 
     def forward(self, hidden: Tensor) -> Tensor:
-        logits = self.head(hidden).float() * self.scale
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        t = self.transform
+        logits = self.head(hidden * t.hidden_scale if t.hidden_scale != 1.0 else hidden).float()
+        if t.vocab_limit is not None and t.vocab_limit < logits.shape[-1]:
+            logits = logits[..., : t.vocab_limit]
+        if t.logit_scale != 1.0:
+            logits = logits * t.logit_scale
+        if t.softcap:
+            logits = torch.tanh(logits / t.softcap) * t.softcap
         return logits
 
 
-def _with_logit_transform(head: nn.Module, config) -> nn.Module:
-    """Match the model's own forward: Cohere's logit_scale, Granite's logits_scaling, Gemma 2/3's
-    final_logit_softcapping. Rollout samples from those logits, so the loss must use them too."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    scale = float(getattr(text_config, "logit_scale", None) or 1.0) / float(getattr(text_config, "logits_scaling", None) or 1.0)
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    return head if scale == 1.0 and not softcap else _TransformedHead(head, scale, softcap)
+def _with_logit_transform(head: nn.Module, causal_lm: nn.Module, temperature: float) -> tuple[nn.Module, float]:
+    """(head, temperature) whose softmax(head(h) / temperature) is the model's own sampling distribution.
+
+    Rollout samples from the model's transformed logits, so the loss must use them too. A positive
+    logit multiplier s folds into the temperature (logits·s/T = logits/(T/s)), and so does a hidden
+    multiplier before a bias-free linear head, which keeps the fast chunked path; anything else wraps
+    the head.
+    """
+    t = _logit_transform(causal_lm)
+    if t == _LogitTransform():
+        return head, temperature
+    linear_in_hidden = t.hidden_scale == 1.0 or (type(head) is nn.Linear and head.bias is None)
+    scale = t.logit_scale * t.hidden_scale
+    if not t.softcap and t.vocab_limit is None and linear_in_hidden and scale > 0:
+        return head, temperature / scale
+    return _TransformedHead(head, t), temperature
 
 
 def sequence_log_probs(
@@ -169,7 +291,7 @@ def sequence_log_probs(
     """
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     body, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
-    head = _with_logit_transform(head, causal_lm.config)
+    head, temperature = _with_logit_transform(head, causal_lm, temperature)
     # Left padding: positions count real tokens only, as generate() does.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
@@ -180,3 +302,112 @@ def sequence_log_probs(
     return chunked_log_probs(
         hidden, head, targets, chunk_size=chunk_size, temperature=temperature, return_entropy=return_entropy
     )
+
+
+# check_log_probs tolerance. Both paths run the same decoder body on the same inputs, so the hidden
+# states agree exactly; they differ only in how the LM head's output is rounded. The head rounds each
+# logit to the model's dtype in both paths, but from different matmul shapes (our chunks vs the full
+# sequence) and so possibly different accumulation orders: one unit in the last place, at most
+# eps·|z|, per logit. The model also rounds after each of its own post-head operations (a scale, a
+# softcap's divide/tanh/multiply), which we compute in float32. log p = z_target − logsumexp(z), and
+# each term moves by about that much, so the tolerance grows with the largest |logit| / temperature:
+#   atol = _ATOL_FLOOR + k · eps(dtype) · max|z|
+# float32: eps = 1.2e-7, so ≈ 1e-3 for any realistic logits — three orders of magnitude above the
+#   accumulation-order noise, far below any real transform (a missing ×4 was 0.83 nats).
+# float16 / bfloat16: k = 4 (eps = 2⁻¹⁰ / 2⁻⁷): bf16 logits up to 30 give ≈ 0.94 nats; a missing
+#   softcap of 30 there moves the top logit by 7 nats, a missing ×4 or ÷8 by far more. Measured on
+#   tiny bf16 HyperCLOVAX models (×3, rounded by the model, exact here): 0.25–0.35 · eps · max|z|,
+#   so k = 4 leaves a margin of 10 over that.
+# 4/8-bit quantized bases: k = 8 — their linear layers choose kernels (and dequantisation order) by
+#   input shape, so the head may round differently again.
+_ATOL_FLOOR = 1e-3
+_ULPS = {"float": 4.0, "quantized": 8.0}
+
+
+def _coarsest_float_dtype(model: nn.Module) -> torch.dtype:
+    # LoRA weights are float32 on a bf16 base, a 4-bit base's weights are uint8: the coarsest
+    # floating dtype among the parameters is the one the forward rounds to.
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
+
+
+def _is_quantized(causal_lm: nn.Module) -> bool:
+    return (
+        getattr(causal_lm, "hf_quantizer", None) is not None
+        or getattr(causal_lm, "is_loaded_in_4bit", False)
+        or getattr(causal_lm, "is_loaded_in_8bit", False)
+        or getattr(causal_lm.config, "quantization_config", None) is not None
+    )
+
+
+def check_log_probs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    completion_length: int | None = None,
+    adapters: tuple[str, ...] = ("policy", "reference"),
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    atol: float | None = None,
+) -> float:
+    """Check sequence_log_probs against log_softmax of the model's own logits; return the max |difference|.
+
+    The load-time guarantee behind `_LOGIT_TRANSFORMS`: a model whose forward transforms its logits
+    in a way that list does not know fails here instead of training on the wrong distribution.
+    input_ids, attention_mask (B, L): a short batch laid out as in training (left-padded prompts,
+    then completions); the last `completion_length` tokens (default L − 1) are compared wherever
+    both the token and the position predicting it are real. Runs in eval mode under no_grad, once per
+    adapter in `adapters` the (peft) model has — once as-is when it has none of them or is a plain
+    transformers model — and restores every module's train/eval mode, the active adapter and all
+    requires_grad flags. atol: None picks one from the model's dtype (see _ATOL_FLOOR).
+    Raises ValueError, naming config.model_type, when the difference exceeds the tolerance.
+    """
+    length = input_ids.shape[1]
+    completion_length = length - 1 if completion_length is None else completion_length
+    if not 0 < completion_length < length:
+        raise ValueError(f"completion_length must be in [1, {length - 1}], got {completion_length}")
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(causal_lm.config, "model_type", type(causal_lm).__name__)
+    available = set(getattr(model, "peft_config", {})) if hasattr(model, "get_base_model") else set()
+    names: list[str | None] = [name for name in adapters if name in available] or [None]
+    # Compare only where the target token is real and so is the position that predicts it.
+    real = attention_mask[:, -completion_length:].bool() & attention_mask[:, -completion_length - 1 : -1].bool()
+    if not real.any():
+        raise ValueError("check_log_probs needs at least one real completion token")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    targets = input_ids[:, -completion_length:]
+    dtype = _coarsest_float_dtype(model)
+    ulps = _ULPS["quantized" if _is_quantized(causal_lm) else "float"]
+
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    worst = 0.0
+    try:
+        for name in names:
+            with (use_adapter(model, name) if name else nullcontext()), torch.no_grad():
+                ours, _ = sequence_log_probs(
+                    model, input_ids, attention_mask, completion_length, chunk_size=chunk_size, temperature=temperature
+                )
+                out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+                logits = out.logits[:, -completion_length - 1 : -1].float() / temperature
+                theirs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                diff = (ours.float() - theirs)[real].abs().max().item()
+                largest = logits[real].abs().max().item()
+                del out, logits
+            tolerance = atol if atol is not None else _ATOL_FLOOR + ulps * torch.finfo(dtype).eps * largest
+            if not diff <= tolerance:  # NaN fails too
+                where = f" with adapter {name!r}" if name is not None else ""
+                raise ValueError(
+                    f"lora_grpo's log-probs do not match this model's own logits (model type {model_type!r}{where}): "
+                    f"max difference {diff:.4g} nats per token over {int(real.sum())} completion tokens, tolerance "
+                    f"{tolerance:.3g} for {str(dtype).removeprefix('torch.')}. The model applies a transform around its "
+                    f"LM head (a logit scale, multiplier or softcap) that lora_grpo does not know, so training would "
+                    f"optimise a different distribution from the one rollout samples; please report the model type "
+                    f"{model_type!r} to lora_grpo."
+                )
+            worst = max(worst, diff)
+    finally:
+        for module, training in modes:
+            module.training = training
+    return worst

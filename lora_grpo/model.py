@@ -10,22 +10,17 @@ the adapter it activates trainable and every other one frozen; we undo that).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from .adapters import POLICY, REFERENCE, lora_layers, policy_parameters, reference_forward, use_adapter  # noqa: F401
 from .config import GRPOConfig
+from .reference import check_syncable, sync_reference
 
 logger = logging.getLogger(__name__)
 
-POLICY, REFERENCE = "policy", "reference"
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -116,8 +111,28 @@ def load_base_model(config: GRPOConfig, model_path: str | None = None, device_ma
     )
     model.requires_grad_(False)
     disable_dropout(model)
+    keep_4bit_weights_fixed(model)
     model.config.use_cache = False  # the training forward never needs a cache; rollout asks for one
     return model
+
+
+def keep_4bit_weights_fixed(model: nn.Module) -> int:
+    """Keep every bitsandbytes 4-bit layer on its portable CPU path; returns how many were pinned.
+
+    On a CPU with AVX512-BF16, `Linear4bit.forward` repacks its weights for a CPU kernel on the
+    first no-grad eval forward (rollout): the absmax goes to bf16, and `_save_to_state_dict` later
+    unpacks and re-quantises it, lossy, so the frozen base drifts (up to 4e-4 in the dequantised
+    weights). Worse for training: the packed kernel (`gemv_4bit`) has no autograd, so after the
+    first rollout no gradient flows through the base matmuls to earlier layers (measured:
+    input.grad is None). Turning the flag off gives every CPU the same dequantise-and-matmul path,
+    exact in backward; GPUs never take the packed path.
+    """
+    pinned = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            pinned += 1
+    return pinned
 
 
 def lora_config(config: GRPOConfig):
@@ -159,13 +174,7 @@ def attach_adapters(base: nn.Module, config: GRPOConfig) -> nn.Module:
     The initial reference is an exact copy of the initial policy: the base itself for a fresh
     LoRA (ΔW = 0), the warm-start adapter when `init_adapter` is given.
     """
-    from peft import PeftModel, get_peft_model
-
-    from .reference import check_syncable, sync_reference
-
-    from peft import LoraConfig
-
-    from .reference import lora_layers
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     if config.init_adapter:
         saved = LoraConfig.from_pretrained(config.init_adapter)
@@ -229,80 +238,3 @@ def load_model(config: GRPOConfig, device_map=None):
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model, tokenizer
-
-
-def policy_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for n, p in model.named_parameters() if f".{POLICY}." in n and p.requires_grad]
-
-
-def adapter_parameters(model: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in model.named_parameters() if f".{adapter}." in n}
-
-
-@contextmanager
-def use_adapter(model: nn.Module, adapter: str):
-    """Run the block with `adapter` active, then restore the previous adapter and every requires_grad flag."""
-    previous = model.active_adapter
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    model.set_adapter(adapter)
-    try:
-        yield model
-    finally:
-        model.set_adapter(previous)
-        for p, flag in flags:
-            p.requires_grad_(flag)
-
-
-@contextmanager
-def reference_forward(model: nn.Module):
-    """No-grad forward through the reference adapter: `with reference_forward(model): model(...)`."""
-    with use_adapter(model, REFERENCE), torch.no_grad():
-        yield model
-
-
-@contextmanager
-def atomic_dir(target: str | Path):
-    """Yield a fresh temporary dir beside `target`; when the block succeeds, move it into place so
-    that a reader sees the old `target` or the new one, whole. When it fails, the temp dir goes."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        yield tmp
-        if target.exists():
-            old = target.with_name(target.name + ".old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> Path:
-    """Save one adapter as a standard peft adapter dir (loadable by PeftModel.from_pretrained), atomically."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    with atomic_dir(path) as tmp:
-        state = get_peft_model_state_dict(model, adapter_name=adapter)
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"))
-        model.peft_config[adapter].save_pretrained(str(tmp))
-        (tmp / "lora_grpo.json").write_text(json.dumps({"adapter": adapter}))
-    return Path(path)
-
-
-def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str) -> None:
-    """Load weights saved by save_adapter into the existing adapter `adapter` (for resume)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    state = load_file(str(Path(path) / "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(model, state, adapter_name=adapter)
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise ValueError(f"{path}: {len(unexpected)} unexpected keys for adapter {adapter!r}, e.g. {unexpected[:3]}")

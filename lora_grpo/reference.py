@@ -23,18 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .model import POLICY, REFERENCE
-
-
-def lora_layers(model: nn.Module, adapters=(POLICY, REFERENCE)) -> list[tuple[str, nn.Module]]:
-    """Every LoRA layer that carries all of `adapters`."""
-    from peft.tuners.lora import LoraLayer
-
-    return [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, LoraLayer) and all(a in module.lora_A for a in adapters)
-    ]
+from .adapters import POLICY, REFERENCE, lora_layers
 
 
 def check_syncable(model: nn.Module, policy: str = POLICY, reference: str = REFERENCE) -> None:

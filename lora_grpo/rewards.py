@@ -10,6 +10,11 @@ prompt's row repeated G times). The trainer also passes ``completion_lengths: li
 completion) and ``truncated: list[bool]`` (the completion hit max_completion_length without EOS), so
 a reward function should accept ``**kwargs`` for whatever it does not use.
 
+A reward function that needs a column names it as a parameter without a default (TRL style,
+``def accuracy_reward(completions, solution, **kwargs)``), or, when it reads columns from
+``**kwargs``, declares them in a ``required_columns`` attribute (see :func:`check_reward_columns`);
+the trainer then checks at start that its datasets have them.
+
 A value of None means "does not apply to this sample" (for example an accuracy reward on a row with
 no reference answer): it counts as 0 in the weighted sum and is left out of that function's mean
 metric. See :func:`compute_rewards`.
@@ -46,7 +51,9 @@ RewardFunc = Callable[..., Sequence[float | None]]
 
 __all__ = [
     "RewardFunc",
+    "TRAINER_KEYWORDS",
     "answer_accuracy",
+    "check_reward_columns",
     "compute_rewards",
     "extract_answer",
     "length_penalty",
@@ -280,6 +287,9 @@ def answer_accuracy(prompts: list[str], completions: list[str], **kwargs) -> lis
     return scores
 
 
+answer_accuracy.required_columns = (("answer", "solution"),)  # one of the two; see check_reward_columns
+
+
 # ------------------------------------------------------------------------------ length penalties
 
 
@@ -463,6 +473,62 @@ def reward_name(fn: Callable) -> str:
     return name if isinstance(name, str) else type(fn).__name__
 
 
+# ----------------------------------------------------------------------------- column check
+
+# Names the trainer itself passes to every reward function: never dataset columns.
+TRAINER_KEYWORDS = frozenset(
+    {"prompts", "completions", "completion_ids", "completion_lengths", "truncated", "trainer_state"}
+)
+
+
+def _needed_columns(fn: Callable) -> list[tuple[str, ...]]:
+    """The columns ``fn`` needs, each as a tuple of alternatives (any one will do)."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    declared = getattr(fn, "required_columns", None) or getattr(target, "required_columns", ())
+    needed = [(c,) if isinstance(c, str) else tuple(c) for c in declared]
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some C callables): check nothing more
+        return needed
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not any(p.name in TRAINER_KEYWORDS for p in positional[:2]):
+        # Positional style, fn(p, c, **kw): the first two receive prompts and completions whatever
+        # their names. Otherwise parameters are matched by name (keyword style, TRL's).
+        params = [p for p in params if p not in positional[:2]]
+    needed += [
+        (p.name,)
+        for p in params
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in TRAINER_KEYWORDS
+    ]
+    return needed
+
+
+def check_reward_columns(reward_funcs: Sequence[Callable], columns: Sequence[str], dataset_name: str) -> None:
+    """Raise ValueError, before any training, when ``dataset_name`` lacks a column a reward needs.
+
+    A reward function needs: its parameters without a default, except :data:`TRAINER_KEYWORDS` and
+    ``*args``/``**kwargs`` (``def accuracy_reward(completions, solution, **kwargs)`` needs
+    ``solution``; ``lambda p, c, **kw``, whose first two parameters are not trainer names, takes
+    them as prompts and completions); and the columns in its ``required_columns`` attribute, each
+    a name or a tuple of names of which one is enough (:func:`answer_accuracy` declares
+    ``(("answer", "solution"),)``). The message names every function, its missing columns, the
+    dataset and its columns.
+    """
+    available = set(columns) | TRAINER_KEYWORDS
+    problems = []
+    for fn, name in zip(reward_funcs, reward_names(reward_funcs), strict=True):
+        missing = [group for group in _needed_columns(fn) if not available.intersection(group)]
+        if missing:
+            what = ", ".join(" or ".join(map(repr, group)) for group in missing)
+            problems.append(f"reward function {name!r} needs column {what}")
+    if problems:
+        raise ValueError(
+            f"{dataset_name} lacks columns that reward functions need: {'; '.join(problems)}. "
+            f"{dataset_name} has columns {list(columns)}. Add or rename the column (ds.add_column / "
+            "ds.rename_column), or give the function's parameter a default if it can do without it."
+        )
+
+
 # ---------------------------------------------------------------------------------- scoring
 
 
@@ -497,16 +563,20 @@ def _find_failing_sample(fn, prompts, completions, columns) -> tuple[int, Except
 
 
 def _to_float(value: Any) -> float | None:
-    """A reward value as float; None (or NaN) gives None; non-numeric or infinite raises TypeError."""
+    """A reward value as float; None (or NaN) gives None; non-numeric or infinite raises TypeError
+    describing the value."""
     if value is None:
         return None
-    if hasattr(value, "item") and getattr(value, "shape", None) in ((), (1,), torch.Size([])):
-        value = value.item()  # 0-d / 1-element tensor or numpy scalar
+    if hasattr(value, "item") and getattr(value, "shape", None) in ((), (1,)):
+        value = value.item()  # 0-d / 1-element tensor or array, numpy scalar (np.bool_ is no Real)
     if not isinstance(value, numbers.Real):  # bool is a Real: True -> 1.0
-        raise TypeError(f"{type(value).__name__} {value!r:.60}")
-    out = float(value)
+        raise TypeError(f"a {type(value).__name__} ({value!r:.60})")
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond float range
+        out = math.inf
     if math.isinf(out):
-        raise TypeError(f"infinite value {out}")
+        raise TypeError(f"an infinite value ({value!r:.60})")
     return None if math.isnan(out) else out
 
 
@@ -526,10 +596,13 @@ def _score_one(fn, name, prompts, completions, columns, n) -> list[float | None]
         values = values.reshape(-1).tolist()
     try:
         got = len(values)
-    except TypeError:
+    except TypeError:  # a scalar, a generator, a 0-d array
+        got = None
+    if got is None or isinstance(values, (str, bytes, Mapping)):  # a str or dict is no list of rewards
         raise ValueError(
-            f"reward function {name!r} must return a list of {n} floats, got {type(values).__name__}"
-        ) from None
+            f"reward function {name!r} must return a list of {n} numbers (one per completion), "
+            f"got a {type(values).__name__} ({values!r:.60})"
+        )
     if got != n:
         raise ValueError(
             f"reward function {name!r} returned {got} values for {n} completions "
@@ -541,8 +614,9 @@ def _score_one(fn, name, prompts, completions, columns, n) -> list[float | None]
             out.append(_to_float(value))
         except TypeError as e:
             raise ValueError(
-                f"reward function {name!r} returned a bad value at index {i}: {e} "
-                f"(expected a finite float or None); {_sample(i, prompts, completions)}"
+                f"reward function {name!r} returned a bad value at index {i}: {e}; a reward must be "
+                "a finite number (float, int, bool, numpy scalar, one-element tensor), or None where "
+                f"it does not apply: convert it (float(...)) or clip it; {_sample(i, prompts, completions)}"
             ) from None
     return out
 

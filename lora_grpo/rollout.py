@@ -149,12 +149,70 @@ def _cache_of(out):
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
+    """The token ids that end a completion: the tokenizer's EOS and the generation config's."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update([config_eos] if isinstance(config_eos, int) else (config_eos or []))
     if not ids:
-        raise ValueError("no EOS token: set tokenizer.eos_token_id or generation_config.eos_token_id")
+        raise ValueError(
+            "no EOS token: the tokenizer has none (tokenizer.eos_token_id is None) and the model's "
+            "generation_config.eos_token_id is not set, so no completion could ever stop; set "
+            "tokenizer.eos_token = '<the token that ends an answer>' or "
+            "model.generation_config.eos_token_id = <its id>"
+        )
     return sorted(ids)
+
+
+def context_limit(model_or_config) -> int | None:
+    """The most tokens (prompt + completion) the model takes: its config's ``max_position_embeddings``,
+    or its text config's (multimodal models); None when it declares no such limit."""
+    config = getattr(model_or_config, "config", model_or_config)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else None
+    for cfg in (config, text_config):
+        limit = getattr(cfg, "max_position_embeddings", None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return None
+
+
+def check_context(max_prompt_length: int | None, max_completion_length: int, model_config) -> None:
+    """Raise ValueError, before any work, when prompt and completion cannot fit the model's context.
+
+    ``model_config``: the model's config (or the model). With ``max_prompt_length=None`` (no limit)
+    only the completion is checked here; each prompt is then checked when it is tokenized
+    (:func:`generate_rollout`). Nothing is checked for a model without ``max_position_embeddings``.
+    """
+    limit = context_limit(model_config)
+    if limit is None:
+        return
+    if max_prompt_length is None:
+        if max_completion_length >= limit:
+            raise ValueError(
+                f"max_completion_length={max_completion_length} leaves no room for a prompt in the "
+                f"model's context of {limit} tokens (max_position_embeddings); lower max_completion_length"
+            )
+        return
+    total = max_prompt_length + max_completion_length
+    if total > limit:
+        raise ValueError(
+            f"max_prompt_length + max_completion_length = {max_prompt_length} + {max_completion_length} "
+            f"= {total} tokens, more than the model's context of {limit} tokens (max_position_embeddings); "
+            f"lower max_prompt_length or max_completion_length so that they sum to at most {limit}"
+        )
+
+
+def _check_prompt_lengths(prompts: list[str], lengths: list[int], max_completion_length: int, limit: int) -> None:
+    too_long = [i for i, n in enumerate(lengths) if n + max_completion_length > limit]
+    if too_long:
+        i = too_long[0]
+        shown = repr(prompts[i][:80]) + ("..." if len(prompts[i]) > 80 else "")
+        raise ValueError(
+            f"{len(too_long)} of {len(prompts)} prompts do not fit the model's context of {limit} tokens "
+            f"(max_position_embeddings) with max_completion_length={max_completion_length}; the first, "
+            f"prompt {i} ({shown}), has {lengths[i]} tokens. Set max_prompt_length to at "
+            f"most {limit - max_completion_length} (long prompts are then left-truncated), filter such "
+            "prompts out of the dataset, or lower max_completion_length"
+        )
 
 
 def _tokenize_left_padded(tokenizer, prompts: list[str], max_prompt_length: int | None) -> tuple[Tensor, Tensor]:
@@ -271,17 +329,30 @@ def generate_rollout(
     (a transformers causal LM or a peft wrapper of one) runs in eval mode, so LoRA dropout is off;
     every module's training flag is restored afterwards. ``micro_batch_prompts`` caps how many
     prompts (times G sequences) are decoded at once. ``generator`` must live on the model's device.
+
+    Raises ValueError (before any model call) when the tokenizer has no pad or EOS token, or when
+    a prompt (after ``max_prompt_length`` truncation) plus ``max_completion_length`` exceeds the
+    model's context (:func:`context_limit`).
     """
     if num_generations < 1 or max_completion_length < 1:
         raise ValueError("num_generations and max_completion_length must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1 or repetition_penalty <= 0:
         raise ValueError("invalid sampling parameters")
     G, pad_id = num_generations, tokenizer.pad_token_id
+    if pad_id is None:
+        raise ValueError(
+            "the tokenizer has no pad token (tokenizer.pad_token_id is None); set one, e.g. "
+            "tokenizer.pad_token = tokenizer.eos_token (lora_grpo.model.load_tokenizer does)"
+        )
+    eos_ids = _eos_ids(model, tokenizer)
     device = next(model.parameters()).device
     sampling = dict(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
     )
     prompt_ids, prompt_mask = _tokenize_left_padded(tokenizer, prompts, max_prompt_length)
+    limit = context_limit(model)
+    if limit is not None:  # a clear error here, not an index error deep inside the model
+        _check_prompt_lengths(prompts, prompt_mask.sum(1).tolist(), max_completion_length, limit)
     chunk = micro_batch_prompts or len(prompts)
 
     modes = {m: m.training for m in model.modules()}
@@ -295,7 +366,7 @@ def generate_rollout(
                     prompt_mask[i : i + chunk].to(device),
                     G=G,
                     max_new=max_completion_length,
-                    eos_ids=_eos_ids(model, tokenizer),
+                    eos_ids=eos_ids,
                     pad_id=pad_id,
                     sampling=sampling,
                     generator=generator,
@@ -309,7 +380,7 @@ def generate_rollout(
     T = max(t.size(1) for t, _ in parts)
     completion_ids = torch.cat([_pad_right(t, T, pad_id) for t, _ in parts])
     sampling_logprobs = torch.cat([_pad_right(lp, T, 0.0) for _, lp in parts])
-    is_eos = torch.isin(completion_ids, torch.tensor(_eos_ids(model, tokenizer), device=completion_ids.device))
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
     # 1 on tokens with no EOS strictly before them: up to and including the first EOS.
     completion_mask = ((is_eos.long().cumsum(1) - is_eos.long()) == 0).long()
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)

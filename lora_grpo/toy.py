@@ -293,7 +293,16 @@ def pretrain_toy_base(
             if log_every and ((step + 1) % log_every == 0 or step == 0 or step + 1 == steps):
                 print(f"[toy pretrain] step {step + 1}/{steps} loss {loss.item():.4f} "
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
-    model.save_pretrained(out_dir)
+    # Not model.save_pretrained: under torch.distributed transformers 5 writes config and weights
+    # only on global rank 0 (even with is_main_process=True), and whoever calls this builds a
+    # whole private copy. The model is small and unsharded: one safetensors file and its config.
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    model.config.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     record = {"settings": settings, "format_version": TOY_FORMAT_VERSION, "losses": losses,
               "seconds": time.perf_counter() - t0}
@@ -326,29 +335,100 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LORA_GRPO_CACHE") or Path.home() / ".cache" / "lora_grpo")
 
 
+# What a cache entry must hold to be used; an entry missing any of them is rebuilt.
+TOY_BASE_FILES = (
+    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "toy_pretrain.json",
+)
+
+
+def toy_base_problem(path) -> str | None:
+    """Why the toy base at ``path`` is unusable ("missing config.json, model.safetensors", ...), or
+    None when it is complete: every file of ``TOY_BASE_FILES``, the current format version, and a
+    config that ``AutoConfig`` loads. Cheap: no weights are read."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.is_dir():
+        return "missing"
+    missing = [name for name in TOY_BASE_FILES if not (path / name).is_file()]
+    if missing:
+        return "missing " + ", ".join(missing)
+    try:
+        version = json.loads((path / "toy_pretrain.json").read_text()).get("format_version")
+    except (OSError, ValueError, AttributeError) as err:
+        return f"unreadable toy_pretrain.json ({err})"
+    if version != TOY_FORMAT_VERSION:
+        return f"format_version {version!r}, expected {TOY_FORMAT_VERSION}"
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - any reason config.json does not load makes the entry unusable
+        return f"config.json does not load ({type(err).__name__}: {err})"
+    return None
+
+
+def _distributed() -> bool:
+    """Whether this process is one of several under an initialised torch.distributed group."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _build_toy_base(final: Path, seed: int, overrides: dict) -> None:
+    """Build the entry ``final`` unless it is already valid: an invalid one is moved aside and
+    removed, the new one trained into a temporary dir beside it, checked, and renamed into place."""
+    problem = toy_base_problem(final)
+    if problem is None:
+        return
+    cache_dir = final.parent
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        print(f"[toy pretrain] cache entry {final} is unusable ({problem}); rebuilding it", flush=True)
+        aside = Path(tempfile.mkdtemp(prefix=f".{final.name}-invalid-", dir=cache_dir))
+        try:
+            os.replace(final, aside / final.name)  # atomic, so the rename below finds the name free
+        except FileNotFoundError:  # another process moved it first
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_dir))
+    print(f"[toy pretrain] building the toy base model in {final} (once; about a minute on CPU)", flush=True)
+    try:
+        pretrain_toy_base(tmp, seed=seed, **overrides)
+        problem = toy_base_problem(tmp)
+        if problem is not None:  # never publish an unusable entry
+            raise RuntimeError(f"the toy base built in {tmp} is unusable ({problem})")
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished first; its result is identical
+            if toy_base_problem(final) is not None:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def ensure_toy_base(cache_dir=None, seed: int = 0, **overrides) -> str:
     """Path of the pre-trained toy base (model + tokenizer), training it on first use (~1 min).
 
     Cached under ``cache_dir`` (default ``$LORA_GRPO_CACHE`` or ``~/.cache/lora_grpo``) in a
     subdirectory named by a hash of all pretraining settings and the seed (see
     ``toy_base_dirname``). Trains into a temporary directory beside it and renames it into place,
-    so a crash never leaves a half-written cache entry. ``overrides`` are ``pretrain_toy_base``
-    settings.
+    so a crash never leaves a half-written cache entry; an existing entry that is incomplete (see
+    ``toy_base_problem``) is rebuilt. ``overrides`` are ``pretrain_toy_base`` settings.
+
+    Under torch.distributed (world size > 1) every process must call this: the local main process
+    (LOCAL_RANK 0; the cache is per machine) builds while the others wait at a barrier.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = cache_dir / toy_base_dirname(seed, **overrides)
-    if (final / "toy_pretrain.json").exists():
+    if not _distributed():
+        _build_toy_base(final, seed, overrides)
         return str(final)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_dir))
-    print(f"[toy pretrain] building the toy base model in {final} (once; about a minute on CPU)", flush=True)
+    # Exactly one barrier on every rank, built or cached, so all ranks take the same collective path;
+    # the builder reaches it even when its build fails, so the others fail below instead of hanging.
+    local_main = int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) == 0
     try:
-        pretrain_toy_base(tmp, seed=seed, **overrides)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished first; its result is identical
-            if not (final / "toy_pretrain.json").exists():
-                raise
+        if local_main:
+            _build_toy_base(final, seed, overrides)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        torch.distributed.barrier()
+    if not local_main and (problem := toy_base_problem(final)) is not None:
+        raise RuntimeError(f"the local main process did not build the toy base {final} ({problem})")
     return str(final)

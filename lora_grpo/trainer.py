@@ -19,8 +19,10 @@ import json
 import logging
 import math
 import random
-import shutil
+import signal
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -28,24 +30,17 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from . import checkpoint as ckpt
+from .adapters import POLICY, policy_parameters, reference_forward
 from .advantages import group_advantages, zero_std_fraction
 from .config import GRPOConfig
 from .data import PromptBatches, load_prompt_dataset
-from .logprobs import sequence_log_probs
+from .logprobs import check_log_probs, sequence_log_probs
 from .loss import accumulation_scale, grpo_loss
-from .model import (
-    POLICY,
-    REFERENCE,
-    atomic_dir,
-    load_adapter_weights,
-    load_model,
-    policy_parameters,
-    reference_forward,
-    save_adapter,
-)
+from .model import keep_4bit_weights_fixed, load_model
 from .reference import SyncSchedule, sync_reference
-from .rewards import compute_rewards, resolve_reward_funcs, reward_metrics, reward_names
-from .rollout import Rollout, generate_rollout
+from .rewards import check_reward_columns, compute_rewards, resolve_reward_funcs, reward_metrics, reward_names
+from .rollout import Rollout, _tokenize_left_padded, check_context, generate_rollout
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -84,6 +79,55 @@ class Batch:
                 "ref_logp": None if self.ref_logp is None else self.ref_logp[rows, :t],
                 "completion_length": t,
             }
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the current step finished, a checkpoint was written, the run stopped."""
+
+    def __init__(self, message: str, signum: int, checkpoint: Path | None):
+        super().__init__(message)
+        self.signum, self.checkpoint = signum, checkpoint
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradients were NaN/inf for too many optimizer updates in a row."""
+
+
+class _StopSignals:
+    """While active, SIGINT / SIGTERM only set a flag that the loop reads between steps.
+
+    A second signal of either kind restores Python's default behaviour and raises at once, so a
+    user can always get out. Only the main thread can install handlers; elsewhere this is inert.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame):
+        if self.received is not None:  # the second one: stop now
+            self.__exit__()
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name} received: finishing the current step, then writing a checkpoint "
+              "(send it again to stop at once)", flush=True)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 def build_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
@@ -161,6 +205,8 @@ class GRPOTrainer:
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
         self.model, self.tokenizer = model, tokenizer
+        keep_4bit_weights_fixed(model)  # also for a model the caller built (see model.py)
+        check_context(config.max_prompt_length, config.max_completion_length, model)
         if next(model.parameters()).device != self.accelerator.device and not getattr(model, "is_loaded_in_4bit", False):
             self.model.to(self.accelerator.device)
 
@@ -181,6 +227,10 @@ class GRPOTrainer:
         self.eval_dataset = _resolve_dataset(eval_source, config, tokenizer, "eval")
         if self.eval_dataset is not None and config.eval_limit:
             self.eval_dataset = self.eval_dataset.select(range(min(config.eval_limit, len(self.eval_dataset))))
+        # Columns reach the reward functions (all but the rendered prompt): check before any work.
+        for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
+            if ds is not None:
+                check_reward_columns(self.reward_funcs, [c for c in ds.column_names if c != "prompt"], name)
         if self.accelerator.num_processes > 1:
             # Each process samples its own prompts. Equal shards keep every process at the same step
             # count and epoch boundaries (so collectives match and epoch syncs happen together).
@@ -199,6 +249,9 @@ class GRPOTrainer:
         )
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.nonfinite_in_a_row = 0
+        self._warn_sampling_filters()
+        self.logprob_check = self._check_log_probs()
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
 
@@ -213,37 +266,41 @@ class GRPOTrainer:
         if cfg.resume_from_checkpoint:
             self.load_checkpoint(cfg.resume_from_checkpoint)
             if self.is_main:
-                self._truncate_log(self.step)
+                ckpt.truncate_log(self.output_dir / "metrics.jsonl", self.step)
         elif self.is_main:
             (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh log
         eval_before = self.evaluate() if self.eval_dataset is not None and self.step == 0 else {}
         if eval_before:
             self._report_eval("before", eval_before)
-        while self.step < self.total_steps:
-            epoch, rows = next(self.batches)
-            epoch_ended = self.batches.epoch != epoch
-            metrics = self.training_step(rows)
-            self.step += 1
-            metrics["epoch"] = epoch
-            reason = self.schedule.due(self.step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
-            if reason:
-                metrics.update(self.sync_reference())
-                metrics["sync/event"] = 1.0
-                metrics["sync/reason"] = reason
-            if self.eval_dataset is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
-                metrics.update(self.evaluate())
-            self.history.append(metrics)
-            self._log({"step": self.step, **metrics})
-            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
-                self._print(self._progress_line(metrics))
-            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
-                self.save_checkpoint()
+        with _StopSignals() as stop:
+            while self.step < self.total_steps:
+                epoch, rows = next(self.batches)
+                epoch_ended = self.batches.epoch != epoch
+                metrics = self.training_step(rows)
+                self.step += 1
+                metrics["epoch"] = epoch
+                reason = self.schedule.due(self.step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
+                if reason:
+                    metrics.update(self.sync_reference())
+                    metrics["sync/event"] = 1.0
+                    metrics["sync/reason"] = reason
+                if self.eval_dataset is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
+                    metrics.update(self.evaluate())
+                self.history.append(metrics)
+                self._log({"step": self.step, **metrics})
+                if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                    self._print(self._progress_line(metrics))
+                signum = self._stop_requested(stop.received)
+                if signum:
+                    self._stop(signum)
+                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
+                    self.save_checkpoint()
         eval_after = self.evaluate() if self.eval_dataset is not None else {}
         if eval_after:
             self._report_eval("after", eval_after)
         self.save_checkpoint()
         if self.is_main:
-            save_adapter(self.model, self.output_dir / "adapter", POLICY)
+            self._write("the final adapter", lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY))
         summary = self._summary(eval_before, eval_after, time.perf_counter() - start)
         if self.is_main:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -410,11 +467,28 @@ class GRPOTrainer:
             else torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
         )
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        # Gradients are averaged over processes first, so every process takes the same branch.
+        finite = math.isfinite(loss_total) and math.isfinite(float(grad_norm))
+        if finite:
+            self.optimizer.step()
+            self.nonfinite_in_a_row = 0
+        else:
+            self.nonfinite_in_a_row += 1
+        self.scheduler.step()  # the schedule follows the step count, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {k: v / max(total_weight, 1.0) for k, v in sums.items()}
-        metrics.update({"loss": loss_total, "grad_norm": float(grad_norm), "lr": lr})
+        metrics.update({"loss": loss_total, "grad_norm": float(grad_norm), "lr": lr, "skipped_nonfinite": float(not finite)})
+        if not finite:
+            logger.warning("step %d: loss %s, grad norm %s: update skipped (%d in a row)",
+                           self.step + 1, loss_total, float(grad_norm), self.nonfinite_in_a_row)
+            if self.nonfinite_in_a_row >= cfg.max_nonfinite_updates:
+                raise NonFiniteError(
+                    f"the loss or gradients were NaN/inf for {self.nonfinite_in_a_row} updates in a row (up to step "
+                    f"{self.step + 1}); each was skipped, the adapters hold the last finite update. Common causes: "
+                    f"a learning rate too high (learning_rate={cfg.learning_rate}), float16 without loss scaling "
+                    f"(torch_dtype={cfg.torch_dtype!r}; use bfloat16 or float32), or a reward of extreme magnitude. "
+                    f"Resume from the last checkpoint with a lower learning_rate, or raise max_nonfinite_updates."
+                )
         return metrics
 
     def sync_reference(self) -> dict[str, float]:
@@ -438,86 +512,111 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
-        """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, data position, RNG. Atomic.
+        """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, data position, every
+        process's RNG states. Atomic (see checkpoint.py).
 
-        Called on every process: each one's sampling generator state is gathered; the main process writes.
+        Called on every process: each one's RNG states are gathered; the main process writes.
         """
         from accelerate.utils import gather_object
 
-        generators = gather_object([self.generator.get_state()]) if self.accelerator.num_processes > 1 else [
-            self.generator.get_state()
-        ]
-        if not self.is_main:
-            self.accelerator.wait_for_everyone()
-            return None
+        rng = {**ckpt.rng_state(), "sampling": self.generator.get_state()}
+        rngs = gather_object([rng]) if self.accelerator.num_processes > 1 else [rng]
         target = self.output_dir / f"checkpoint-{self.step}"
-        with atomic_dir(target) as tmp:
-            save_adapter(self.model, tmp / POLICY, POLICY)
-            save_adapter(self.model, tmp / REFERENCE, REFERENCE)
-            torch.save(
-                {
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "generators": generators,  # one per process
-                    "torch_rng": torch.get_rng_state(),
-                    "python_rng": random.getstate(),
-                    "numpy_rng": np.random.get_state(),
-                },
-                tmp / "trainer_state.pt",
+        if self.is_main:
+            blobs = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rngs}
+            state = {
+                "step": self.step,
+                "batches": self.batches.state_dict(),
+                "history": self.history,
+                "num_processes": self.accelerator.num_processes,
+                "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            }
+            self._write(
+                f"checkpoint {target.name}",
+                lambda: ckpt.save_checkpoint(target, self.model, blobs=blobs, state=state, config_yaml=self.config.to_yaml()),
             )
-            state = {"step": self.step, "batches": self.batches.state_dict(), "history": self.history}
-            (tmp / "trainer_state.json").write_text(json.dumps(state))
-            self.config.to_yaml(tmp / "config.yaml")
-        self._rotate_checkpoints()
+            ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit)
         self.accelerator.wait_for_everyone()
-        return target
+        return target if self.is_main else None
 
-    def _checkpoints(self) -> list[Path]:
-        found = [p for p in self.output_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-        return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
-
-    def _rotate_checkpoints(self) -> None:
-        keep = max(1, self.config.save_total_limit)
-        for old in self._checkpoints()[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _write(self, what: str, write: Callable[[], Any]) -> None:
+        """Run a write; an OSError (disk full, no permission) becomes one clear error. The atomic
+        write leaves the previous checkpoint or adapter as it was."""
+        try:
+            write()
+        except OSError as e:
+            kept = ckpt.list_checkpoints(self.output_dir)
+            previous = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint exists"
+            raise OSError(
+                e.errno,
+                f"could not write {what} in {self.output_dir} ({e.strerror or e}); {previous}. Free space or fix "
+                f"the permissions of output_dir, then resume with --set resume_from_checkpoint=latest",
+            ) from e
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Resume from a checkpoint dir, or 'latest' in output_dir."""
-        if str(path) == "latest":
-            found = self._checkpoints()
-            if not found:
-                raise FileNotFoundError(f"resume_from_checkpoint='latest' but {self.output_dir} has no checkpoint-* dir")
-            path = found[-1]
-        path = Path(path)
-        if not (path / "trainer_state.json").exists():
-            raise FileNotFoundError(f"{path} is not a lora_grpo checkpoint (no trainer_state.json)")
-        load_adapter_weights(self.model, path / POLICY, POLICY)
-        load_adapter_weights(self.model, path / REFERENCE, REFERENCE)
-        blobs = torch.load(path / "trainer_state.pt", weights_only=False)
+        """Resume from a checkpoint dir, or 'latest' in output_dir; clear errors for anything else."""
+        path = ckpt.resolve_checkpoint(path, self.output_dir)
+        state, blobs = ckpt.load_checkpoint_state(path)
+        ckpt.check_compatible(
+            path, self.config.to_dict(), self.accelerator.num_processes, int(state.get("num_processes", len(blobs["rng"])))
+        )
+        ckpt.load_checkpoint_adapters(self.model, path)
         self.optimizer.load_state_dict(blobs["optimizer"])
         self.scheduler.load_state_dict(blobs["scheduler"])
-        generators = blobs["generators"]
-        if len(generators) != self.accelerator.num_processes:
-            raise ValueError(
-                f"{path} was saved by {len(generators)} process(es); resume it with the same number "
-                f"(this run has {self.accelerator.num_processes})"
-            )
-        self.generator.set_state(generators[self.accelerator.process_index])
-        torch.set_rng_state(blobs["torch_rng"])
-        random.setstate(blobs["python_rng"])
-        np.random.set_state(blobs["numpy_rng"])
-        state = json.loads((path / "trainer_state.json").read_text())
+        rng = blobs["rng"][self.accelerator.process_index]  # this process's own states
+        ckpt.set_rng_state(rng)
+        self.generator.set_state(rng["sampling"])
         self.step = state["step"]
         self.batches.load_state_dict(state["batches"])
         self.history = state.get("history", [])
+        self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self._print(f"resumed from {path} at step {self.step}")
 
-    def _truncate_log(self, step: int) -> None:
-        """Drop metrics.jsonl records after `step`: a resumed run logs those steps again."""
-        path = self.output_dir / "metrics.jsonl"
-        if path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            path.write_text("".join(line + "\n" for line in kept))
+    # ------------------------------------------------------------------ stopping
+    def _stop_requested(self, local: int | None) -> int | None:
+        """The signal that stops the run, agreed by every process (any one that got one stops all)."""
+        if self.accelerator.num_processes == 1:
+            return local
+        flag = torch.tensor([local or 0], device=self.accelerator.device)
+        return int(self.accelerator.reduce(flag, "max").item()) or None
+
+    def _stop(self, signum: int) -> None:
+        """After a stop signal: write a checkpoint, then raise TrainingInterrupted with how to resume."""
+        target = self.save_checkpoint()
+        name = signal.Signals(signum).name
+        message = (
+            f"{name}: stopped after step {self.step}/{self.total_steps}; checkpoint written to {target}. "
+            f"Resume with: lora-grpo train <recipe> --set output_dir={self.output_dir} --set resume_from_checkpoint=latest"
+        )
+        self._print(message)
+        raise TrainingInterrupted(message, signum, target)
+
+    def _check_log_probs(self) -> float:
+        """Refuse a model whose own logits our chunked log-probs do not reproduce (an unknown
+        transform after its LM head): two prompts, then four of their own tokens as a completion."""
+        ids, mask = _tokenize_left_padded(self.tokenizer, list(self.train_dataset[:2]["prompt"]), 32)
+        completion = ids[:, -4:]
+        device = next(self.model.parameters()).device
+        return check_log_probs(
+            self.model,
+            torch.cat([ids, completion], 1).to(device),
+            torch.cat([mask, torch.ones_like(completion)], 1).to(device),
+            completion_length=completion.shape[1],
+            temperature=self.config.temperature,
+            chunk_size=self.config.logprob_chunk_size,
+        )
+
+    def _warn_sampling_filters(self) -> None:
+        cfg = self.config
+        filters = [f"{k}={getattr(cfg, k)}" for k, off in
+                   (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)) if getattr(cfg, k) != off]
+        if filters and (cfg.num_iterations > 1 or cfg.beta > 0):
+            warnings.warn(
+                f"sampling filters {', '.join(filters)} change the distribution completions are drawn from, but the "
+                "ratio and KL terms use the model's unfiltered log-probs (as TRL does): the importance ratio and the "
+                "KL are those of the unfiltered policy. Turn the filters off for an exact on-policy loss.",
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ reporting
     def _summary(self, before: dict, after: dict, seconds: float) -> dict[str, Any]:
@@ -531,6 +630,7 @@ class GRPOTrainer:
             "reward_first": float(np.mean(rewards[:k])) if rewards else None,
             "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
             "syncs": sum(1 for m in self.history if m.get("sync/event")),
+            "logprob_check_max_diff": self.logprob_check,  # chunked log-probs vs the model's logits, at load
         }
         if before or after:
             # The first reward function is the headline eval metric (accuracy on the toy task).

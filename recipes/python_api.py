@@ -29,6 +29,7 @@ config = GRPOConfig(
     gradient_checkpointing=False,
     num_generations=8,
     prompts_per_step=16,
+    max_prompt_length=16,
     max_completion_length=4,
     micro_batch_size=128,
     learning_rate=1e-3,

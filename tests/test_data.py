@@ -126,10 +126,51 @@ def test_chat_errors(tokenizer):
     no_template.chat_template = None
     with pytest.raises(ValueError, match="chat_template is None"):
         load_prompt_dataset(rows, tokenizer=no_template)
-    with pytest.raises(ValueError, match=r"row 0: column 'messages'.*role"):
+    with pytest.raises(ValueError, match=r"column 'messages' must hold .*'role'.*rows \[0\]"):
         load_prompt_dataset([{"messages": ["not a message"]}], tokenizer=tokenizer)
-    with pytest.raises(ValueError, match=r"row 1: column 'prompt' must hold text"):
+    with pytest.raises(ValueError, match=r"column 'prompt' must hold non-empty text.*rows \[1\]"):
         load_prompt_dataset([{"prompt": "ok"}, {"prompt": None}])
+
+
+def test_chat_dataset_without_chat_template_names_column_and_fix():
+    no_template = make_tokenizer()
+    no_template.chat_template = None
+    for rows, column in [
+        ([{"messages": [{"role": "user", "content": "q"}]}], "messages"),
+        ([{"prompt": [{"role": "user", "content": "q"}]}], "prompt"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            load_prompt_dataset(rows, tokenizer=no_template)
+        msg = str(info.value)
+        assert f"column {column!r} (chat messages" in msg
+        assert "needs a chat template, but the tokenizer has none (tokenizer.chat_template is None)" in msg
+        assert "set tokenizer.chat_template" in msg and "give the prompts as text" in msg
+
+
+@pytest.mark.parametrize(
+    "rows, column, n_bad, bad_rows",
+    [
+        ([{"prompt": "a"}, {"prompt": ""}, {"prompt": "b"}, {"prompt": None}], "prompt", 2, "[1, 3]"),
+        ([{"q": "a"}] + [{"q": None}] * 12, "q", 12, "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ...]"),
+        ([{"messages": [{"role": "user", "content": "q"}]}, {"messages": None}, {"messages": []}],
+         "messages", 2, "[1, 2]"),
+    ],
+)
+def test_empty_or_none_prompts_fail_at_load_naming_column_rows_and_fix(tokenizer, rows, column, n_bad, bad_rows):
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(rows, prompt_column="q" if column == "q" else "prompt", tokenizer=tokenizer)
+    msg = str(info.value)
+    assert f"column {column!r} must hold" in msg
+    assert f"{n_bad} of {len(rows)} rows do not: rows {bad_rows}" in msg
+    assert f"filter them out before loading, e.g. ds = ds.filter(lambda row: bool(row[{column!r}]))" in msg
+
+
+def test_none_in_a_template_field_fails_at_load():
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset([{"q": "a"}, {"q": None}], prompt_template="Q: {q}")
+    msg = str(info.value)
+    assert "column 'q' must hold a value for prompt_template in every row" in msg
+    assert "rows [1] (row 1 holds None)" in msg and "ds.filter(lambda row: row['q'] is not None)" in msg
 
 
 # ------------------------------------------------------------------------------- errors

@@ -2,12 +2,10 @@
 hold identical policy and reference adapters after training, though each sampled its own prompts."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import run_torchrun
 
 SCRIPT = textwrap.dedent(
     """
@@ -35,12 +33,7 @@ def test_two_processes_stay_in_sync(tiny_base_dir, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     # accelerate's launcher has no multi-process CPU flag; torchrun sets the same environment.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), tiny_base_dir, str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    if result.returncode != 0 and "gloo" in result.stderr.lower() and "unavailable" in result.stderr.lower():
-        pytest.skip("torch.distributed gloo backend unavailable")
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_torchrun(script, tiny_base_dir, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert set(r0["prompts"]).isdisjoint(r1["prompts"])  # each process sampled its own prompts
     assert r0["sums"].keys() == r1["sums"].keys()
@@ -53,3 +46,40 @@ def test_two_processes_stay_in_sync(tiny_base_dir, tmp_path):
     policy_b = [v for k, v in r0["sums"].items() if "lora_B.policy" in k]
     ref_b = [v for k, v in r0["sums"].items() if "lora_B.reference" in k]
     assert any(v != 0 for v in policy_b) and any(v != 0 for v in ref_b)  # both adapters moved
+
+
+RESUME_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from lora_grpo import GRPOConfig, GRPOTrainer
+
+    base, out = sys.argv[1], sys.argv[2]
+    def digit_share(prompts, completions, **kw):
+        return [sum(c.isdigit() for c in t) / max(1, len(t)) for t in completions]
+    prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(16)]
+    def run(output_dir, **kw):
+        cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, lora_dropout=0.3, num_generations=4,
+                         prompts_per_step=2, max_completion_length=5, micro_batch_size=4, max_steps=3, beta=0.04,
+                         learning_rate=1e-2, output_dir=output_dir, gradient_checkpointing=False, **kw)
+        t = GRPOTrainer(cfg, reward_funcs=[digit_share], train_dataset=prompts)
+        t.train()
+        return t
+    full = run(out + "/full", save_steps=1, save_total_limit=5)
+    resumed = run(out + "/resumed", save_steps=0, resume_from_checkpoint=out + "/full/checkpoint-1")
+    rank = full.accelerator.process_index
+    same = all(torch.equal(p, q) for (_, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()))
+    json.dump({"same": same, "loss": [[m["loss"] for m in t.history] for t in (full, resumed)]}, open(f"{out}/resume{rank}.json", "w"))
+    """
+)
+
+
+def test_two_processes_resume_exactly_with_lora_dropout(tiny_base_dir, tmp_path):
+    # LoRA dropout draws from each process's global RNG, which differ after a step: each process
+    # must get its own RNG states back, not process 0's.
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT)
+    run_torchrun(script, tiny_base_dir, tmp_path)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"resume{rank}.json").read_text())
+        assert record["same"], f"process {rank}: resumed adapters differ from the uninterrupted run"
+        assert record["loss"][0] == record["loss"][1]

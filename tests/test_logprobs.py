@@ -103,3 +103,231 @@ def test_sequence_log_probs_matches_full_model_forward(tiny_base_dir):
     ref = torch.log_softmax(logits[:, -5:-1].float(), -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logp, ref, rtol=0, atol=1e-5)
     assert entropy.shape == (2, 4) and (entropy > 0).all()
+
+
+# ---- the model's own post-head logit transforms, and the load-time check --------------------------
+
+_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+
+
+def _hyperclovax():
+    from transformers import HyperCLOVAXConfig, HyperCLOVAXForCausalLM
+
+    return HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**_TINY, logits_scaling=4.0))  # multiplies: ×4
+
+
+def _falcon_h1():
+    # On CPU the mamba mixer falls back to transformers' reference PyTorch kernels.
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    return FalconH1ForCausalLM(FalconH1Config(**_TINY, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+                                              mamba_n_groups=1, mamba_chunk_size=4, lm_head_multiplier=3.0))
+
+
+def _granite():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return GraniteForCausalLM(GraniteConfig(**_TINY, logits_scaling=4.0))  # divides: ÷4
+
+
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    model = Gemma2ForCausalLM(Gemma2Config(**_TINY, final_logit_softcapping=2.0))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # large logits, so the cap matters
+    return model
+
+
+def _cohere():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    return CohereForCausalLM(CohereConfig(**_TINY, logit_scale=0.25))
+
+
+def _minicpm3():
+    # hidden states ÷ (hidden_size / dim_model_base) = ÷4 before the head
+    from transformers import MiniCPM3Config, MiniCPM3ForCausalLM
+
+    tiny = {k: v for k, v in _TINY.items() if k != "head_dim"} | {"num_key_value_heads": 2}  # MLA: no grouping
+    return MiniCPM3ForCausalLM(MiniCPM3Config(**tiny, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=8,
+                                              qk_rope_head_dim=8, v_head_dim=16, dim_model_base=8))
+
+
+def _cohere2_vision():
+    # Its text config carries a logit_scale its forward never applies: no transform.
+    from transformers import Cohere2VisionConfig, Cohere2VisionForConditionalGeneration
+
+    return Cohere2VisionForConditionalGeneration(Cohere2VisionConfig(
+        text_config=dict(model_type="cohere2", **_TINY, logit_scale=0.25),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+    ))
+
+
+_LOGIT_TRANSFORM_MODELS = {"hyperclovax": _hyperclovax, "falcon_h1": _falcon_h1, "granite": _granite,
+                           "gemma2": _gemma2, "cohere": _cohere, "minicpm3": _minicpm3,
+                           "cohere2_vision": _cohere2_vision}
+
+
+def _batch(vocab=64, pad=0):
+    # Left-padded prompts (lengths 3 and 5) followed by completions of length 4, the first one
+    # right-padded after 3 tokens.
+    ids = torch.randint(1, vocab, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    mask[0, -1] = 0
+    return ids.masked_fill(mask == 0, pad), mask
+
+
+def _model_log_probs(model, ids, mask, completion_length, temperature=1.0):
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+    logits = logits[:, -completion_length - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, -completion_length:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("name", list(_LOGIT_TRANSFORM_MODELS))
+def test_sequence_log_probs_apply_the_models_own_logit_transform(name, temperature):
+    torch.manual_seed(0)
+    model = _LOGIT_TRANSFORM_MODELS[name]().eval()
+    assert model.config.model_type == name
+    ids, mask = _batch()
+    real = mask[:, -4:].bool()
+    logp, _ = sequence_log_probs(model, ids, mask, 4, chunk_size=3, temperature=temperature)
+    ref = _model_log_probs(model, ids, mask, 4, temperature)
+    torch.testing.assert_close(logp[real], ref[real], rtol=0, atol=1e-5)
+
+    # and the same gradients, with the transform folded into the temperature or wrapped around the head
+    params = [p for p in model.parameters() if p.requires_grad]
+    w = torch.randn(2, 4) * real
+    grads = torch.autograd.grad((logp * w).sum(), params, allow_unused=True)
+    ref_grads = torch.autograd.grad((ref * w).sum(), params, allow_unused=True)
+    for g, rg in zip(grads, ref_grads):
+        if rg is not None:
+            torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-5)
+
+
+def _tiny_llama(dtype=torch.float32, config_cls=None, model_cls=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config_cls, model_cls = config_cls or LlamaConfig, model_cls or LlamaForCausalLM
+    return model_cls(config_cls(**_TINY)).to(dtype)
+
+
+def _with_adapters(base):
+    from peft import LoraConfig, get_peft_model
+
+    def lora():  # init_lora_weights=False: random, non-zero B, so each adapter changes the logits
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+    model = get_peft_model(base, lora(), adapter_name="policy")
+    model.add_adapter("reference", lora())
+    model.set_adapter("policy")
+    for n, p in model.named_parameters():
+        p.requires_grad_(".policy." in n)
+    return model
+
+
+def test_check_log_probs_passes_for_each_adapter_and_restores_the_model():
+    from lora_grpo.logprobs import check_log_probs
+
+    torch.manual_seed(0)
+    model = _with_adapters(_tiny_llama()).train()
+    ids, mask = _batch()
+    with torch.no_grad():
+        per_adapter = {}
+        for name in ("policy", "reference"):
+            model.set_adapter(name)
+            per_adapter[name] = sequence_log_probs(model.eval(), ids, mask, 4)[0]
+        model.set_adapter("policy")
+        model.train()
+    assert (per_adapter["policy"] - per_adapter["reference"]).abs().max() > 1e-3  # the adapters matter
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+
+    diff = check_log_probs(model, ids, mask, completion_length=4)
+
+    assert isinstance(diff, float) and 0 <= diff < 1e-5
+    assert model.training and all(m.training for m in model.modules())
+    assert model.active_adapter == "policy"
+    assert flags == {n: p.requires_grad for n, p in model.named_parameters()}
+    # a plain transformers model, and adapters the model does not have, are fine too
+    assert check_log_probs(model.get_base_model(), ids, mask) < 1e-5
+    assert check_log_probs(model, ids, mask, adapters=("reference", "missing")) < 1e-5
+
+
+def test_check_log_probs_passes_for_a_known_transform():
+    from lora_grpo.logprobs import check_log_probs
+
+    torch.manual_seed(0)
+    assert check_log_probs(_hyperclovax(), *_batch(), completion_length=4, temperature=0.7) < 1e-5
+
+
+def _tripled_llama(dtype=torch.float32):
+    """A model type lora_grpo does not know, whose forward multiplies its logits by 3."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class TripledConfig(LlamaConfig):
+        model_type = "tripled_llama"
+
+    class TripledForCausalLM(LlamaForCausalLM):
+        config_class = TripledConfig
+
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 3
+            return out
+
+    return _tiny_llama(dtype, TripledConfig, TripledForCausalLM)
+
+
+def test_check_log_probs_rejects_an_unknown_logit_transform():
+    from lora_grpo.logprobs import check_log_probs
+
+    torch.manual_seed(0)
+    model = _with_adapters(_tripled_llama()).train()
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"model type 'tripled_llama'.*max difference [0-9.]+ nats.*please report"):
+        check_log_probs(model, *_batch())
+    assert model.training and model.active_adapter == "policy"
+    assert flags == {n: p.requires_grad for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="tripled_llama"):
+        check_log_probs(model.get_base_model().eval(), *_batch())
+
+
+def test_check_log_probs_tolerance_in_bfloat16():
+    from transformers import HyperCLOVAXConfig, HyperCLOVAXForCausalLM
+
+    from lora_grpo.logprobs import check_log_probs
+
+    torch.manual_seed(0)
+    ids, mask = _batch()
+    # ×3 is not exact in bf16: the model rounds its scaled logits, we scale in float32.
+    model = HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**_TINY, logits_scaling=3.0)).to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)  # logits of tens, as in real models, where bf16 rounding is coarse
+    diff = check_log_probs(model, ids, mask)
+    assert 0 < diff < 1  # rounding noise, within the bf16 tolerance
+
+    tripled = _tripled_llama(torch.bfloat16)
+    with torch.no_grad():
+        tripled.lm_head.weight.mul_(10)
+    with pytest.raises(ValueError, match="tripled_llama.*bfloat16"):
+        check_log_probs(tripled, ids, mask)
+
+
+def test_a_hidden_scale_before_an_adapter_wrapped_head():
+    # MiniCPM3 scales the hidden states before its head; with a LoRA on lm_head the head is no plain
+    # nn.Linear, so the scale cannot fold into the temperature and wraps the head instead.
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(_minicpm3(), LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False)).eval()
+    ids, mask = _batch()
+    real = mask[:, -4:].bool()
+    logp, entropy = sequence_log_probs(model, ids, mask, 4, chunk_size=3, temperature=0.7, return_entropy=True)
+    ref = _model_log_probs(model, ids, mask, 4, temperature=0.7)
+    torch.testing.assert_close(logp[real], ref[real], rtol=0, atol=1e-5)
+    assert (entropy > 0).all()

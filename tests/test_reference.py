@@ -12,9 +12,9 @@ from lora_grpo.model import (
     load_model,
     policy_parameters,
     reference_forward,
-    save_adapter,
     use_adapter,
 )
+from lora_grpo.checkpoint import save_adapter
 from lora_grpo.reference import SyncSchedule, check_syncable, delta_weight, lora_layers, sync_reference
 
 QUANT = ["none", "4bit"]

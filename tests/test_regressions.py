@@ -8,7 +8,8 @@ from tokenizers import processors
 
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.logprobs import sequence_log_probs
-from lora_grpo.model import POLICY, REFERENCE, load_model, save_adapter
+from lora_grpo.checkpoint import save_adapter
+from lora_grpo.model import POLICY, REFERENCE, load_model
 from lora_grpo.reference import lora_layers
 from lora_grpo.rollout import _tokenize_left_padded
 from lora_grpo.toy import make_tiny_model, make_tokenizer
@@ -23,7 +24,7 @@ PROMPTS = [{"prompt": f"{i}+{i % 7}="} for i in range(12)]
 
 def small(tiny_base_dir, tmp_path, **kw):
     base = dict(model_name_or_path=tiny_base_dir, lora_r=4, num_generations=2, prompts_per_step=2,
-                max_completion_length=4, max_steps=3, output_dir=str(tmp_path / "run"), save_steps=0,
+                max_prompt_length=32, max_completion_length=4, max_steps=3, output_dir=str(tmp_path / "run"), save_steps=0,
                 gradient_checkpointing=False, learning_rate=1e-2)
     base.update(kw)
     return GRPOTrainer(GRPOConfig(**base), reward_funcs=[digit_share], train_dataset=PROMPTS)

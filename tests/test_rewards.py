@@ -4,12 +4,14 @@ import functools
 import math
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
 from lora_grpo import rewards as R
 from lora_grpo.rewards import (
     answer_accuracy,
+    check_reward_columns,
     compute_rewards,
     length_penalty,
     parse_number,
@@ -468,3 +470,100 @@ def test_compute_rewards_argument_errors():
         compute_rewards([f], ["q"], ["c"], {"completions": ["x"]})
     with pytest.raises(ValueError, match="at least one"):
         compute_rewards([], ["q"], ["c"], {})
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (True, 1.0), (False, 0.0), (3, 3.0), (np.float32(0.5), 0.5), (np.int64(2), 2.0),
+        (np.bool_(True), 1.0), (np.bool_(False), 0.0), (np.float64("nan"), None),
+        (torch.tensor(0.25), 0.25), (torch.tensor([0.75]), 0.75), (torch.tensor(True), 1.0),
+        (np.array([1.5]), 1.5), (float("nan"), None),
+    ],
+)
+def test_compute_rewards_value_types(value, expected):
+    _, per_func, _ = compute_rewards([const(0.0, value)], _q(2), ["a", "b"])
+    got = per_func[1, 0].item()
+    assert math.isnan(got) if expected is None else got == expected
+
+
+@pytest.mark.parametrize(
+    "values", [torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), np.array([True, False]), torch.tensor([[1.0], [2.0]])]
+)
+def test_compute_rewards_whole_tensor_or_array_returned(values):
+    _, per_func, _ = compute_rewards([lambda p, c, **kw: values], _q(2), ["a", "b"])
+    assert per_func[:, 0].tolist() == [float(v) for v in np.asarray(values).reshape(-1)]
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ("1.0", ["a str ('1.0')", "float(...)"]),
+        (float("inf"), ["an infinite value (inf)", "clip"]),
+        (np.float32("-inf"), ["an infinite value", "clip"]),
+        (10**400, ["an infinite value"]),
+        (torch.tensor([1.0, 2.0]), ["a Tensor"]),
+    ],
+)
+def test_compute_rewards_bad_value_names_function_index_sample_and_type(bad, words):
+    with pytest.raises(ValueError) as info:
+        compute_rewards([named("weird", const(0.0, bad))], ["p0", "the prompt"], ["c0", "the completion"])
+    msg = str(info.value)
+    assert "reward function 'weird' returned a bad value at index 1" in msg
+    assert "sample 1: prompt='the prompt', completion='the completion'" in msg
+    assert all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("bad", ["ab", {"a": 1.0, "b": 2.0}, np.array(1.0), 1.0])
+def test_compute_rewards_non_list_return_value(bad):
+    with pytest.raises(ValueError) as info:
+        compute_rewards([named("whole", lambda p, c, **kw: bad)], _q(2), ["a", "b"])
+    expected = f"reward function 'whole' must return a list of 2 numbers (one per completion), got a {type(bad).__name__}"
+    assert expected in str(info.value)
+
+
+# ------------------------------------------------------------------------------ column check
+
+
+def accuracy_reward(completions, solution, **kwargs):  # TRL style: every argument by keyword
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+
+def test_check_reward_columns_names_function_columns_and_dataset():
+    with pytest.raises(ValueError) as info:
+        funcs = [think_answer_format, accuracy_reward, answer_accuracy]
+        check_reward_columns(funcs, ["prompt", "question"], "eval_dataset")
+    msg = str(info.value)
+    assert "eval_dataset lacks columns that reward functions need" in msg
+    assert "reward function 'accuracy_reward' needs column 'solution'" in msg
+    assert "reward function 'answer_accuracy' needs column 'answer' or 'solution'" in msg
+    assert "think_answer_format" not in msg
+    assert "eval_dataset has columns ['prompt', 'question']" in msg
+    assert "rename_column" in msg and "default" in msg
+    check_reward_columns([accuracy_reward, answer_accuracy], ["prompt", "solution"], "train_dataset")
+    check_reward_columns([answer_accuracy], ["prompt", "answer"], "train_dataset")
+
+
+def test_check_reward_columns_reads_positional_and_keyword_signatures():
+    def positional(p, c, answer, **kw): ...
+    def keyword_only(*, prompts, completions, completion_ids, answer, level=1, **kw): ...
+    def uses_trainer_names(prompts, completions, completion_lengths, truncated, trainer_state, completion_ids): ...
+
+    class Scorer:
+        required_columns = ("topic",)
+
+        def __call__(self, prompts, completions, **kw): ...
+
+    # Positional style: the first two parameters are prompts and completions, whatever their names.
+    check_reward_columns([lambda p, c, **kw: [], positional, uses_trainer_names], ["answer"], "train_dataset")
+    for fn, column in [
+        (positional, "answer"), (keyword_only, "answer"), (Scorer(), "topic"),
+        (functools.partial(accuracy_reward), "solution"), (soft_overlong_penalty(10, 5), None),
+    ]:
+        if column is None:
+            check_reward_columns([fn], [], "train_dataset")
+            continue
+        with pytest.raises(ValueError, match=rf"needs column '{column}'.*train_dataset has columns \['prompt'\]"):
+            check_reward_columns([fn], ["prompt"], "train_dataset")
+    # A partial that binds the column is satisfied.
+    check_reward_columns([functools.partial(accuracy_reward, solution=["x"])], [], "train_dataset")

@@ -1,6 +1,7 @@
 """Rollout: prefix-shared sampling matches plain generation, masks/shapes, and the logit filters."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from lora_grpo.rollout import (
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
+    check_context,
+    context_limit,
     generate_rollout,
     sample_next,
     warp_logits,
@@ -163,6 +166,88 @@ def test_left_truncation_keeps_last_tokens_and_warns(tok):
         generate_rollout(model, tok, prompts, num_generations=1, max_prompt_length=10,
                          max_completion_length=2, temperature=0.0)
     assert not [w for w in caught if "max_prompt_length" in str(w.message)]
+
+
+# --------------------------------------------------------------------------- input errors
+
+
+def test_check_context_names_fields_sum_limit_and_fix(tok):
+    model = make_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=256)
+    with pytest.raises(ValueError) as info:
+        check_context(200, 100, model.config)
+    msg = str(info.value)
+    assert "max_prompt_length + max_completion_length = 200 + 100 = 300 tokens" in msg
+    assert "the model's context of 256 tokens (max_position_embeddings)" in msg
+    assert "lower max_prompt_length or max_completion_length so that they sum to at most 256" in msg
+    check_context(156, 100, model.config)
+    check_context(156, 100, model)  # the model itself will do
+    check_context(None, 255, model.config)
+    with pytest.raises(ValueError, match=r"max_completion_length=256 leaves no room for a prompt.*256 tokens"):
+        check_context(None, 256, model.config)
+    # A multimodal config: the text config's limit; no limit at all: nothing to check.
+    multimodal = SimpleNamespace(get_text_config=lambda: SimpleNamespace(max_position_embeddings=64))
+    assert context_limit(multimodal) == 64
+    with pytest.raises(ValueError, match="context of 64 tokens"):
+        check_context(60, 8, multimodal)
+    assert context_limit(SimpleNamespace(max_position_embeddings=None)) is None
+    check_context(10**6, 10**6, SimpleNamespace())
+
+
+def test_prompt_longer_than_context_raises_before_the_model_runs(tok):
+    model = make_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=32)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    prompts = ["1+2=", "x" * 30, "y" * 40]
+    with pytest.raises(ValueError) as info:
+        generate_rollout(model, tok, prompts, num_generations=2, max_prompt_length=None,
+                         max_completion_length=8, temperature=0.0)
+    msg = str(info.value)
+    assert "2 of 3 prompts do not fit the model's context of 32 tokens" in msg
+    assert "max_completion_length=8" in msg
+    assert "prompt 1 ('xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'), has 30 tokens" in msg
+    assert "Set max_prompt_length to at most 24" in msg and "filter" in msg
+    assert not calls
+    with pytest.warns(UserWarning, match="left-truncated"):  # the fix works
+        r = generate_rollout(model, tok, prompts, num_generations=2, max_prompt_length=24,
+                             max_completion_length=8, temperature=0.0)
+    assert r.prompt_ids.size(1) == 24
+
+
+def test_pad_token_equal_to_eos(tok):
+    """A tokenizer without a pad token gets EOS as pad (model.load_tokenizer): the rollout is the same."""
+    model = tiny_model(tok, eos_scale=3.0)
+    pad_is_eos = make_tokenizer()
+    pad_is_eos.pad_token = pad_is_eos.eos_token
+    assert pad_is_eos.pad_token_id == pad_is_eos.eos_token_id
+    kwargs = dict(num_generations=3, max_prompt_length=None, max_completion_length=12, temperature=0.0,
+                  micro_batch_prompts=2)
+    r, r_eos = generate_rollout(model, tok, PROMPTS, **kwargs), generate_rollout(model, pad_is_eos, PROMPTS, **kwargs)
+    assert r.truncated.any() and (~r.truncated).any()
+    for name in ("prompt_mask", "completion_mask", "truncated", "sampling_logprobs"):
+        assert torch.equal(getattr(r, name), getattr(r_eos, name)), name
+    m = r.completion_mask.bool()
+    assert torch.equal(r.completion_ids[m], r_eos.completion_ids[m])
+    assert (r_eos.completion_ids[~m] == tok.eos_token_id).all()
+    assert r.completions == r_eos.completions
+
+
+def test_missing_eos_or_pad_token_says_how_to_fix(tok):
+    model = tiny_model(tok, eos_scale=3.0)
+    no_eos = make_tokenizer()
+    no_eos.eos_token = None
+    assert no_eos.eos_token_id is None
+    kwargs = dict(num_generations=1, max_prompt_length=None, max_completion_length=4, temperature=0.0)
+    generate_rollout(model, no_eos, PROMPTS, **kwargs)  # the generation config's EOS is enough
+    model.generation_config.eos_token_id = None
+    with pytest.raises(ValueError) as info:
+        generate_rollout(model, no_eos, PROMPTS, **kwargs)
+    msg = str(info.value)
+    assert "no EOS token" in msg and "tokenizer.eos_token_id is None" in msg
+    assert "set tokenizer.eos_token = " in msg and "model.generation_config.eos_token_id = " in msg
+    no_pad = make_tokenizer()
+    no_pad.pad_token = None
+    with pytest.raises(ValueError, match=r"no pad token.*tokenizer.pad_token = tokenizer.eos_token"):
+        generate_rollout(model, no_pad, PROMPTS, **kwargs)
 
 
 # --------------------------------------------------------------------------- pure filters

@@ -2,11 +2,14 @@
 
 import functools
 import json
+import os
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from conftest import run_torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_grpo import toy
@@ -164,6 +167,68 @@ def test_ensure_toy_base_trains_once_and_caches(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LORA_GRPO_CACHE", str(tmp_path / "env"))
     assert toy.default_cache_dir() == tmp_path / "env"
+
+
+def test_ensure_toy_base_rebuilds_an_incomplete_entry(tmp_path, capsys):
+    tiny = {**TINY, "steps": 3}
+    final = tmp_path / toy.toy_base_dirname(0, **tiny)
+    # What a non-zero rank used to leave under torch.distributed: tokenizer and record, no config or weights.
+    toy.make_tokenizer().save_pretrained(final)
+    (final / "toy_pretrain.json").write_text(json.dumps({"format_version": toy.TOY_FORMAT_VERSION}))
+    path = toy.ensure_toy_base(tmp_path, seed=0, **tiny)
+    out = capsys.readouterr().out
+    assert path == str(final)
+    assert "(missing config.json, model.safetensors); rebuilding it" in out, out
+    AutoModelForCausalLM.from_pretrained(path)
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]  # the bad entry and the temp dirs are gone
+    assert toy.toy_base_problem(path) is None
+    assert _record(path)["losses"]  # the rebuilt record, not the stub
+
+    record = _record(path)
+    (final / "toy_pretrain.json").write_text(json.dumps({**record, "format_version": 1}))
+    assert "format_version 1" in toy.toy_base_problem(path)
+    (final / "toy_pretrain.json").write_text(json.dumps(record))
+    (final / "config.json").write_text("{}")  # no model_type: AutoConfig cannot load it
+    assert "config.json does not load" in toy.toy_base_problem(path)
+    assert toy.toy_base_problem(tmp_path / "absent") == "missing"
+
+
+# Two processes under torch.distributed (what `torchrun` / `accelerate launch` start) ensure the toy
+# base on one empty cache; each also pretrains a private copy, which must hold config and weights on
+# every rank, not only on global rank 0.
+DIST_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch.distributed as dist
+    from lora_grpo import toy
+
+    cache, out, tiny = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    path = toy.ensure_toy_base(cache, **tiny)
+    again = toy.ensure_toy_base(cache, **tiny)  # cached: every rank still passes the same barrier
+    own = toy.pretrain_toy_base(f"{out}/own{rank}", **tiny)
+    record = {"path": path, "again": again, "own": sorted(os.listdir(own))}
+    json.dump(record, open(f"{out}/rank{rank}.json", "w"))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_ensure_toy_base_builds_once_under_torch_distributed(tmp_path):
+    script, cache = tmp_path / "worker.py", tmp_path / "cache"
+    script.write_text(DIST_SCRIPT)
+    tiny = json.dumps({**TINY, "steps": 3})
+    result = run_torchrun(script, cache, tmp_path, tiny, timeout=120)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["path"] == r1["path"] == r0["again"] == r1["again"]
+    assert result.stdout.count("[toy pretrain] building") == 1, result.stdout  # built once, by one rank
+    assert [p.name for p in cache.iterdir()] == [Path(r0["path"]).name]  # no temporary dir left behind
+    assert set(toy.TOY_BASE_FILES) <= set(os.listdir(r0["path"]))
+    AutoModelForCausalLM.from_pretrained(r0["path"])
+    AutoTokenizer.from_pretrained(r0["path"])
+    for r in (r0, r1):
+        assert {"config.json", "model.safetensors"} <= set(r["own"]), r["own"]
 
 
 def test_cache_name_encodes_every_setting():

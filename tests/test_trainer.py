@@ -211,3 +211,75 @@ def test_epoch_and_kl_schedules_in_the_loop(tiny_base_dir, tmp_path):
     kl.train()
     assert [m["kl"] == 0.0 for m in kl.history] == [True, False, True, False]
     assert [m.get("sync/reason") for m in kl.history] == [None, "kl", None, "kl"]
+
+
+def test_a_nonfinite_loss_skips_the_update_and_training_goes_on(tiny_base_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=3, save_steps=1)
+    real = trainer_module.grpo_loss
+    calls = {"n": 0}
+
+    def nan_on_second_step(*a, **k):
+        loss, m = real(*a, **k)
+        calls["n"] += 1
+        return (loss * float("nan") if trainer.step == 1 else loss), m
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", nan_on_second_step)
+    snapshots = []
+    original = trainer.training_step
+    trainer.training_step = lambda rows: snapshots.append(adapter_state(trainer.model, POLICY)) or original(rows)
+    trainer.train()
+    snapshots.append(adapter_state(trainer.model, POLICY))
+    assert [m["skipped_nonfinite"] for m in trainer.history] == [0.0, 1.0, 0.0]
+    assert not changed(snapshots[1], snapshots[2])  # step 2's update was skipped
+    assert changed(snapshots[2], snapshots[3])  # step 3 trained again
+    assert all(torch.isfinite(p).all() for p in trainer.params)
+
+
+def test_nonfinite_updates_in_a_row_stop_with_a_clear_error(tiny_base_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=5, max_nonfinite_updates=2)
+    real = trainer_module.grpo_loss
+    monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: (lambda l, m: (l * float("inf"), m))(*real(*a, **k)))
+    before = adapter_state(trainer.model, POLICY)
+    with pytest.raises(trainer_module.NonFiniteError, match=r"NaN/inf for 2 updates in a row .*learning_rate"):
+        trainer.train()
+    assert not changed(before, adapter_state(trainer.model, POLICY))
+
+
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stop_signal_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(
+    tiny_base_dir, tmp_path, signame, code, capsys
+):
+    import os
+    import signal
+
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=5, save_steps=0)
+    original = trainer.training_step
+
+    def step_then_signal(rows):
+        out = original(rows)
+        if trainer.step == 1:  # arrives during the second step
+            os.kill(os.getpid(), getattr(signal, signame))
+        return out
+
+    trainer.training_step = step_then_signal
+    handler_before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(trainer_module.TrainingInterrupted) as info:
+        trainer.train()
+    assert info.value.exit_code == code
+    assert trainer.step == 2 and len(trainer.history) == 2  # the step in flight finished
+    assert info.value.checkpoint == tmp_path / "run" / "checkpoint-2"
+    assert "resume_from_checkpoint=latest" in str(info.value) and signame in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) is handler_before  # handlers restored
+    resumed = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=5, resume_from_checkpoint="latest")
+    assert resumed.train()["steps"] == 5
+
+
+def test_sampling_filters_with_a_reference_warn_once_at_start(tiny_base_dir, tmp_path):
+    with pytest.warns(UserWarning, match=r"top_k=5.*unfiltered"):
+        make_trainer(tiny_base_dir, tmp_path, quantization="none", top_k=5)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tiny_base_dir, tmp_path, quantization="none", top_k=5, beta=0.0)  # on-policy, no KL: exact
+    assert not [w for w in caught if "unfiltered" in str(w.message)]

@@ -1,0 +1,55 @@
+"""The two adapters on the one frozen base, and switching between them.
+
+    policy    = base + ΔW_policy      adapter "policy", trainable
+    reference = base + ΔW_ref         adapter "reference" (the reference slot), frozen; changed only
+                                      by reference.sync_reference
+
+peft's `set_adapter` marks the adapter it activates trainable and every other one frozen;
+`use_adapter` switches and then restores every requires_grad flag, so a reference forward never
+leaks trainability into the slot or out of the policy. Imports only torch (peft lazily).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+POLICY, REFERENCE = "policy", "reference"
+
+
+def lora_layers(model: nn.Module, adapters=(POLICY, REFERENCE)) -> list[tuple[str, nn.Module]]:
+    """Every LoRA layer that carries all of `adapters`."""
+    from peft.tuners.lora import LoraLayer
+
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and all(a in module.lora_A for a in adapters)
+    ]
+
+
+def policy_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for n, p in model.named_parameters() if f".{POLICY}." in n and p.requires_grad]
+
+
+@contextmanager
+def use_adapter(model: nn.Module, adapter: str):
+    """Run the block with `adapter` active, then restore the previous adapter and every requires_grad flag."""
+    previous = model.active_adapter
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    model.set_adapter(adapter)
+    try:
+        yield model
+    finally:
+        model.set_adapter(previous)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+@contextmanager
+def reference_forward(model: nn.Module):
+    """No-grad forward through the reference adapter: `with reference_forward(model): model(...)`."""
+    with use_adapter(model, REFERENCE), torch.no_grad():
+        yield model

@@ -1,0 +1,302 @@
+"""File I/O of a run: atomic directories, adapters, trainer state, checkpoints and their rotation.
+
+A checkpoint is one directory, written whole or not at all (a temporary directory beside it,
+fsynced, then renamed into place):
+
+    checkpoint-{step}/
+      policy/      adapter_model.safetensors, adapter_config.json   (a plain peft adapter)
+      reference/   the same for the reference slot
+      trainer_state.pt    optimizer, LR scheduler, every process's RNG states
+      trainer_state.json  step, data position, metrics history, number of processes
+      config.yaml         the run's resolved config
+
+Adapters are written from the adapter's own parameters, never from `model.state_dict()`:
+bitsandbytes' `Linear4bit._save_to_state_dict` rewrites the frozen 4-bit weights it serialises
+(on CPUs with AVX512-BF16 it unpacks them from its CPU layout and re-quantises the absmax, a lossy
+round trip), so asking the model for its state dict changes the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .adapters import POLICY, REFERENCE
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+STATE_BLOBS = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
+# Fields that fix the adapters' shapes or meaning: a checkpoint resumes only under the same values.
+STRUCTURAL_FIELDS = ("model_name_or_path", "lora_r", "lora_alpha", "lora_target_modules", "use_rslora", "ref_rank")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used: the message names the file or field and what to do."""
+
+
+# ----------------------------------------------------------------------------- atomic writes
+def _fsync_tree(root: Path) -> None:
+    # Data first, then the directory entries: a crash after the rename never exposes empty files.
+    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextmanager
+def atomic_dir(target: str | Path):
+    """Yield a fresh temporary dir beside `target`; when the block succeeds, move it into place so
+    that a reader sees the old `target` or the new one, whole. When it fails, the temp dir goes
+    and `target` is untouched."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if target.exists():
+            old = target.with_name(target.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ----------------------------------------------------------------------------------- adapters
+def adapter_state_dict(model: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (".{adapter}." dropped), from its parameters."""
+    return {
+        name.replace(f".{adapter}.", "."): p.detach()
+        for name, p in model.named_parameters()
+        if f".{adapter}." in name
+    }
+
+
+def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> Path:
+    """Save one adapter as a standard peft adapter dir (loadable by PeftModel.from_pretrained), atomically.
+
+    Refuses to write non-finite weights: an adapter on disk is never NaN.
+    """
+    from safetensors.torch import save_file
+
+    state = adapter_state_dict(model, adapter)
+    if not state:
+        raise ValueError(f"the model has no adapter named {adapter!r}")
+    bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise FloatingPointError(
+            f"adapter {adapter!r} holds NaN/inf values ({len(bad)} tensors, e.g. {bad[0]}); not writing it to {path}"
+        )
+    with atomic_dir(path) as tmp:
+        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp / ADAPTER_WEIGHTS))
+        model.peft_config[adapter].save_pretrained(str(tmp))
+        (tmp / "lora_grpo.json").write_text(json.dumps({"adapter": adapter}))
+    return Path(path)
+
+
+def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str) -> None:
+    """Copy weights saved by save_adapter into the model's existing adapter `adapter`, in place.
+
+    Every tensor of the adapter must be in the file with the same shape; the message names the
+    first that is missing, extra or of another shape (a different lora_r or target modules).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = Path(path) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing")
+    try:
+        saved = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{file} is damaged or truncated ({e})") from None
+    params = {name.replace(f".{adapter}.", "."): p for name, p in model.named_parameters() if f".{adapter}." in name}
+    missing, extra = sorted(params.keys() - saved.keys()), sorted(saved.keys() - params.keys())
+    if missing or extra:
+        raise CheckpointError(
+            f"{file} does not fit adapter {adapter!r} of this model: "
+            + (f"{len(missing)} tensors missing (e.g. {missing[0]}) " if missing else "")
+            + (f"{len(extra)} unexpected (e.g. {extra[0]})" if extra else "")
+            + "; it was saved for other lora_target_modules or another model"
+        )
+    for key, p in params.items():
+        if saved[key].shape != p.shape:
+            raise CheckpointError(
+                f"{file}: {key} has shape {tuple(saved[key].shape)}, this model's is {tuple(p.shape)}; "
+                "it was saved with another lora_r / ref_rank"
+            )
+    with torch.no_grad():
+        for key, p in params.items():
+            p.copy_(saved[key])
+
+
+# ------------------------------------------------------------------------------------ RNG state
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: python, numpy, torch CPU and (where present) every CUDA device."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(
+    target: Path,
+    model: nn.Module,
+    *,
+    blobs: dict[str, Any],
+    state: dict[str, Any],
+    config_yaml: str,
+) -> Path:
+    """Write checkpoint dir `target` atomically. `blobs` go to trainer_state.pt (tensors: optimizer,
+    scheduler, per-process RNG), `state` to trainer_state.json (step, data position, history)."""
+    with atomic_dir(target) as tmp:
+        save_adapter(model, tmp / POLICY, POLICY)
+        save_adapter(model, tmp / REFERENCE, REFERENCE)
+        torch.save(blobs, tmp / STATE_BLOBS)
+        (tmp / STATE_JSON).write_text(json.dumps(state))
+        (tmp / "config.yaml").write_text(config_yaml)
+    return target
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """checkpoint-N dirs of a run, oldest first (temporary and .old dirs are not checkpoints)."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def rotate_checkpoints(output_dir: Path, keep: int) -> None:
+    for old in list_checkpoints(output_dir)[: -max(1, keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
+    """The checkpoint dir a `resume_from_checkpoint` value points at, checked to be complete.
+
+    'latest' is the newest checkpoint-N in output_dir. A run directory, an adapter directory, a
+    missing file or a file that is not a checkpoint's gets a CheckpointError that says what to pass.
+    """
+    if str(path) == "latest":
+        found = list_checkpoints(output_dir)
+        if not found:
+            raise CheckpointError(
+                f"resume_from_checkpoint='latest' but {output_dir} has no checkpoint-N directory; "
+                "check output_dir, or start without resume_from_checkpoint"
+            )
+        path = found[-1]
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"resume_from_checkpoint={str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"resume_from_checkpoint={str(path)!r} is a file; pass a checkpoint-N directory")
+    if (path / ADAPTER_CONFIG).exists() and not (path / STATE_JSON).exists():
+        raise CheckpointError(
+            f"{path} is an adapter, not a checkpoint (it has no optimizer or trainer state). To start a new run "
+            f"from its weights, set init_adapter={str(path)!r} instead of resume_from_checkpoint"
+        )
+    inner = list_checkpoints(path)
+    if inner and not (path / STATE_JSON).exists():
+        raise CheckpointError(
+            f"{path} is a run directory, not a checkpoint; pass one of its checkpoints (e.g. {inner[-1]}), "
+            f"or resume_from_checkpoint='latest' with output_dir={str(path)!r}"
+        )
+    required = [STATE_JSON, STATE_BLOBS, "config.yaml"] + [
+        f"{adapter}/{name}" for adapter in (POLICY, REFERENCE) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+    ]
+    missing = [name for name in required if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{path} is not a complete lora_grpo checkpoint: missing {', '.join(missing)}. "
+            + _earlier_hint(path)
+        )
+    return path
+
+
+def _earlier_hint(path: Path) -> str:
+    others = [p.name for p in list_checkpoints(path.parent) if p != path]
+    return f"Resume from another checkpoint ({', '.join(others)})." if others else "Start the run again."
+
+
+def check_compatible(path: Path, config_values: dict[str, Any], num_processes: int, saved_processes: int) -> None:
+    """Refuse a checkpoint saved with other adapter-shaping fields or another number of processes."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{path / 'config.yaml'} is damaged ({e}). " + _earlier_hint(path)) from None
+    diffs = [
+        f"{name}: checkpoint {saved.get(name)!r}, this run {config_values.get(name)!r}"
+        for name in STRUCTURAL_FIELDS
+        if name in saved and saved.get(name) != config_values.get(name)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{path} was saved under a different config ({'; '.join(diffs)}). Resume with the checkpoint's values "
+            f"(its config.yaml), or start a new run; to start from its policy weights use "
+            f"init_adapter={str(path / POLICY)!r}"
+        )
+    if saved_processes != num_processes:
+        raise CheckpointError(
+            f"{path} was saved by {saved_processes} process(es); this run has {num_processes}. Resume it with "
+            f"--nproc_per_node {saved_processes} (each process's sampling state is restored from its own slot)"
+        )
+
+
+def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(trainer_state.json, trainer_state.pt) of a resolved checkpoint, with clear errors when damaged."""
+    try:
+        state = json.loads((path / STATE_JSON).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / STATE_JSON} is damaged ({e}). " + _earlier_hint(path)) from None
+    try:
+        blobs = torch.load(path / STATE_BLOBS, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - pickle/zip errors of many kinds mean one thing here
+        raise CheckpointError(f"{path / STATE_BLOBS} is damaged or truncated ({type(e).__name__}: {e}). "
+                              + _earlier_hint(path)) from None
+    return state, blobs
+
+
+def load_checkpoint_adapters(model: nn.Module, path: Path) -> None:
+    """Both adapters of a resolved checkpoint into the model; a damaged file names the way out."""
+    for adapter in (POLICY, REFERENCE):
+        try:
+            load_adapter_weights(model, path / adapter, adapter)
+        except CheckpointError as e:
+            if "damaged" in str(e) or "missing" in str(e):
+                raise CheckpointError(f"{e}. {_earlier_hint(path)}") from None
+            raise
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop metrics.jsonl records after `step` (a resumed run logs those steps again)."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))

@@ -1,0 +1,181 @@
+"""Checkpoints: damaged, foreign or misplaced ones get a clear error; failed writes keep the previous
+checkpoint whole; resume is exact (4-bit base, LoRA dropout) and each process gets its own RNG."""
+
+import errno
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import lora_grpo.checkpoint as ckpt
+from lora_grpo.adapters import POLICY, REFERENCE
+from lora_grpo.checkpoint import CheckpointError
+
+from test_trainer import adapter_state, make_trainer
+
+
+@pytest.fixture(scope="module")
+def saved_run(tiny_base_dir, tmp_path_factory):
+    """A finished 2-step run with checkpoint-1 and checkpoint-2 (copied per test before damaging)."""
+    root = tmp_path_factory.mktemp("saved")
+    make_trainer(tiny_base_dir, root, quantization="none", max_steps=2, save_steps=1, save_total_limit=5).train()
+    return root / "run"
+
+
+def resume(tiny_base_dir, tmp_path, checkpoint, **overrides):
+    kw = dict(quantization="none", max_steps=3, resume_from_checkpoint=str(checkpoint))
+    kw.update(overrides)
+    return make_trainer(tiny_base_dir, tmp_path, **kw).train()
+
+
+@pytest.fixture
+def run_copy(saved_run, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(saved_run, target)
+    return target
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda c: (c / POLICY / ckpt.ADAPTER_WEIGHTS).write_bytes((c / POLICY / ckpt.ADAPTER_WEIGHTS).read_bytes()[:100]),
+         r"policy/adapter_model.safetensors is damaged or truncated"),
+        (lambda c: (c / ckpt.STATE_BLOBS).write_bytes(b"not a torch file"), r"trainer_state.pt is damaged"),
+        (lambda c: (c / ckpt.STATE_JSON).write_text('{"step": 2, "batc'), r"trainer_state.json is damaged"),
+        (lambda c: (c / REFERENCE / ckpt.ADAPTER_WEIGHTS).unlink(), r"missing reference/adapter_model.safetensors"),
+        (lambda c: (c / "config.yaml").unlink(), r"missing config.yaml"),
+    ],
+    ids=["truncated-adapter", "corrupt-blobs", "truncated-json", "missing-adapter", "missing-config"],
+)
+def test_a_damaged_checkpoint_names_the_file(tiny_base_dir, tmp_path, run_copy, damage, match):
+    damage(run_copy / "checkpoint-2")
+    with pytest.raises(CheckpointError, match=match) as info:
+        resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
+    if "damaged" in match or "missing" in match:
+        assert "checkpoint-1" in str(info.value)  # points at the one that is still good
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [({"lora_r": 8}, "lora_r"), ({"lora_target_modules": ["q_proj", "v_proj"]}, "lora_target_modules"),
+     ({"ref_rank": 4}, "ref_rank")],
+)
+def test_a_checkpoint_of_another_config_is_refused(tiny_base_dir, tmp_path, saved_run, overrides, field):
+    with pytest.raises(CheckpointError, match=rf"different config \({field}: checkpoint") as info:
+        resume(tiny_base_dir, tmp_path, saved_run / "checkpoint-2", **overrides)
+    assert "init_adapter=" in str(info.value)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tiny_base_dir, tmp_path, run_copy):
+    cfg = run_copy / "checkpoint-2" / "config.yaml"
+    cfg.write_text(cfg.read_text().replace(f"model_name_or_path: {tiny_base_dir}", "model_name_or_path: other/model"))
+    with pytest.raises(CheckpointError, match=r"model_name_or_path: checkpoint 'other/model'"):
+        resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
+
+
+def test_a_checkpoint_of_another_process_count_is_refused(tiny_base_dir, tmp_path, run_copy):
+    state_file = run_copy / "checkpoint-2" / ckpt.STATE_JSON
+    state = json.loads(state_file.read_text())
+    state["num_processes"] = 2
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"saved by 2 process\(es\); this run has 1.*--nproc_per_node 2"):
+        resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
+
+
+def test_shapes_that_differ_are_named(tiny_base_dir, tmp_path, run_copy):
+    # Same config text, but the tensors are of another rank: the loader names the tensor and shapes.
+    from safetensors.torch import load_file, save_file
+
+    f = run_copy / "checkpoint-2" / POLICY / ckpt.ADAPTER_WEIGHTS
+    state = load_file(str(f))
+    key = next(k for k in state if "lora_A" in k)
+    state[key] = torch.zeros(state[key].shape[0] + 1, state[key].shape[1])
+    save_file(state, str(f))
+    with pytest.raises(CheckpointError, match=rf"{key} has shape .* another lora_r"):
+        resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
+
+
+def test_resume_from_a_run_dir_or_an_adapter_says_what_to_pass(tiny_base_dir, tmp_path, saved_run):
+    with pytest.raises(CheckpointError, match=r"is a run directory, not a checkpoint.*checkpoint-2"):
+        resume(tiny_base_dir, tmp_path, saved_run)
+    with pytest.raises(CheckpointError, match=r"is an adapter, not a checkpoint.*init_adapter="):
+        resume(tiny_base_dir, tmp_path, saved_run / "adapter")
+    with pytest.raises(CheckpointError, match=r"does not exist"):
+        resume(tiny_base_dir, tmp_path, saved_run / "checkpoint-9")
+    with pytest.raises(CheckpointError, match=r"has no checkpoint-N directory"):
+        resume(tiny_base_dir, tmp_path / "empty", "latest")
+
+
+@pytest.mark.parametrize("failure", [errno.ENOSPC, errno.EACCES])
+@pytest.mark.parametrize("where", ["checkpoint", "final adapter"])
+def test_a_failed_write_keeps_the_previous_checkpoint_and_stops_clearly(
+    tiny_base_dir, tmp_path, monkeypatch, failure, where
+):
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=3, save_steps=1, save_total_limit=5)
+    real_save = ckpt.save_adapter
+    calls = {"n": 0}
+
+    def failing_save(model, path, adapter=POLICY):
+        # checkpoint-1 writes 2 adapters; fail inside checkpoint-2, or at the final adapter.
+        calls["n"] += 1
+        fail = calls["n"] == 3 if where == "checkpoint" else path.name == "adapter"
+        if fail:
+            raise OSError(failure, errno.errorcode[failure] + ": " + ("No space left on device" if failure == errno.ENOSPC else "Permission denied"))
+        return real_save(model, path, adapter)
+
+    monkeypatch.setattr(ckpt, "save_adapter", failing_save)
+    with pytest.raises(OSError, match=r"could not write .*the previous checkpoint .*checkpoint-\d is intact.*resume_from_checkpoint=latest") as info:
+        trainer.train()
+    assert info.value.errno == failure
+    run = tmp_path / "run"
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+    monkeypatch.setattr(ckpt, "save_adapter", real_save)
+    # The newest checkpoint on disk is whole: a run resumes from it and finishes.
+    summary = resume(tiny_base_dir, tmp_path, "latest", save_steps=0)
+    assert summary["steps"] == 3
+
+
+def test_resume_is_exact_with_a_4bit_base_and_lora_dropout(tiny_base_dir, tmp_path):
+    kw = dict(quantization="4bit", lora_dropout=0.2, ref_sync_steps=3, ref_sync_alpha=0.5, max_steps=4)
+    full = make_trainer(tiny_base_dir, tmp_path / "a", save_steps=2, **kw)
+    full.train()
+    resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"), **kw)
+    resumed.train()
+    for adapter in (POLICY, REFERENCE):
+        a, b = adapter_state(full.model, adapter), adapter_state(resumed.model, adapter)
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    assert [m["loss"] for m in full.history] == [m["loss"] for m in resumed.history]
+
+
+def test_rng_state_round_trips_every_generator():
+    state = ckpt.rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    ckpt.set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+def test_each_process_restores_its_own_rng_slot(tiny_base_dir, tmp_path, saved_run, monkeypatch):
+    # Process 1 of 2 must get slot 1 (its own dropout and sampling streams), not process 0's.
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none")
+    _, blobs = ckpt.load_checkpoint_state(saved_run / "checkpoint-2")
+    other = {**blobs["rng"][0], "torch": torch.manual_seed(123).get_state(), "sampling": torch.Generator().manual_seed(7).get_state()}
+    blobs["rng"] = [blobs["rng"][0], other]
+    monkeypatch.setattr(ckpt, "load_checkpoint_state", lambda path: ({"step": 2, "batches": trainer.batches.state_dict(), "num_processes": 2}, blobs))
+    monkeypatch.setattr(ckpt, "check_compatible", lambda *a: None)
+    monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self: 1))
+    trainer.load_checkpoint(saved_run / "checkpoint-2")
+    assert torch.equal(torch.get_rng_state(), other["torch"])
+    assert torch.equal(trainer.generator.get_state(), other["sampling"])
+
+
+def test_an_adapter_with_nan_is_never_written(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none")
+    with torch.no_grad():
+        trainer.params[0][0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN/inf"):
+        ckpt.save_adapter(trainer.model, tmp_path / "nan_adapter", POLICY)
+    assert not (tmp_path / "nan_adapter").exists()

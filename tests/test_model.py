@@ -1,0 +1,107 @@
+"""The frozen 4-bit base stays bit-identical on every CPU, including the bitsandbytes code path that
+CPUs with AVX512-BF16 take (forced here on any CPU, with the packed kernel stubbed)."""
+
+import copy
+
+import pytest
+import torch
+
+import bitsandbytes.functional as bnb_F
+import bitsandbytes.nn.modules as bnb_modules
+from lora_grpo.adapters import POLICY
+from lora_grpo.checkpoint import save_adapter
+from lora_grpo.config import GRPOConfig
+from lora_grpo.model import load_model
+
+from test_trainer import make_trainer
+
+
+@pytest.fixture
+def avx512bf16_cpu(monkeypatch):
+    """Make bitsandbytes believe this CPU has AVX512-BF16, as the machines where the defect showed.
+
+    Linear4bit then repacks its weights on the first no-grad eval forward and runs the packed
+    kernel; the stub computes what that kernel computes (dequantise the packed weights) and, like
+    the real op, has no autograd.
+    """
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
+
+    def packed_gemv(A, B, out=None, state=None, **kwargs):
+        with torch.no_grad():
+            qweight, qstate = bnb_F._convert_weight_packed_for_cpu_inverse(B.clone(), copy.deepcopy(state))
+            weight = bnb_F.dequantize_4bit(qweight, qstate)
+            return A @ weight.t().to(A.dtype)
+
+    monkeypatch.setattr(bnb_F, "gemv_4bit", packed_gemv)
+
+
+def frozen_4bit(model) -> dict[str, torch.Tensor]:
+    """Every 4-bit layer's stored bytes and quantisation constants, read without state_dict()."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, bnb_modules.Linear4bit):
+            qs = m.weight.quant_state
+            out[f"{name}.weight"] = m.weight.data.clone()
+            out[f"{name}.absmax"] = qs.absmax.clone()
+            if getattr(qs, "state2", None) is not None:
+                out[f"{name}.absmax2"] = qs.state2.absmax.clone()
+            out[f"{name}.packed"] = torch.tensor(bool(getattr(qs, "packing_format_for_cpu", False)))
+    assert out, "no 4-bit layers"
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    moved = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
+    assert not moved, f"frozen base changed: {moved[:4]}"
+
+
+def test_base_is_bit_identical_after_rollouts_steps_syncs_and_saves_on_the_avx512bf16_path(
+    avx512bf16_cpu, tiny_base_dir, tmp_path
+):
+    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=4, save_steps=1, ref_sync_steps=2, ref_sync_alpha=0.5)
+    before = frozen_4bit(trainer.model)
+    trainer.train()  # rollouts (eval, no grad), steps, syncs, 4 checkpoints and the final adapter
+    trainer.evaluate(trainer.train_dataset.select(range(4)))
+    assert_same(before, frozen_4bit(trainer.model))
+
+
+def test_gradients_through_the_4bit_base_survive_a_rollout(avx512bf16_cpu, tiny_base_dir, tmp_path):
+    # The packed kernel has no autograd: once a rollout had repacked the weights, no gradient
+    # reached the layers below a 4-bit matmul. The gradient must be the same before and after.
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="4bit", max_grad_norm=0.0)
+    torch.manual_seed(0)
+    for p in trainer.params:  # non-zero B everywhere, so every layer's LoRA affects the output
+        torch.nn.init.normal_(p, std=0.1)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    def policy_grads():
+        trainer.model.train()
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.model(input_ids=ids).logits.float().square().mean().backward()
+        return torch.cat([p.grad.flatten() for p in trainer.params])
+
+    before = policy_grads()
+    trainer.generate(["1+2="])  # an eval, no-grad forward: where bitsandbytes would repack
+    after = policy_grads()
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-7)
+
+
+def test_saving_an_adapter_never_serialises_the_base(tiny_base_dir, tmp_path):
+    # Even with every layer in the packed CPU layout, writing an adapter must not touch the base
+    # (Linear4bit._save_to_state_dict unpacks and re-quantises whatever state_dict() visits).
+    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4,
+                                     gradient_checkpointing=False))
+    for m in model.modules():
+        if isinstance(m, bnb_modules.Linear4bit):
+            m.weight.data, m.weight.quant_state = bnb_F._convert_weight_packed_for_cpu(m.weight.data, m.weight.quant_state)
+    before = frozen_4bit(model)
+    save_adapter(model, tmp_path / "policy", POLICY)
+    assert_same(before, frozen_4bit(model))
+
+
+def test_every_4bit_layer_is_pinned_to_the_portable_path(avx512bf16_cpu, tiny_base_dir):
+    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4,
+                                     gradient_checkpointing=False))
+    layers = [m for m in model.modules() if isinstance(m, bnb_modules.Linear4bit)]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
