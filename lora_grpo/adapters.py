@@ -31,7 +31,9 @@ def lora_layers(model: nn.Module, adapters=(POLICY, REFERENCE)) -> list[tuple[st
 
 
 def policy_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for n, p in model.named_parameters() if f".{POLICY}." in n and p.requires_grad]
+    """The trainable LoRA factors of the policy (found through the LoRA layers, not by name)."""
+    return [p for _, m in lora_layers(model, (POLICY,)) for p in (m.lora_A[POLICY].weight, m.lora_B[POLICY].weight)
+            if p.requires_grad]
 
 
 @contextmanager

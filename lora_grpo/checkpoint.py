@@ -18,7 +18,9 @@ round trip), so asking the model for its state dict changes the model.
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import random
 import shutil
@@ -31,14 +33,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from .adapters import POLICY, REFERENCE
+from .adapters import POLICY, REFERENCE, lora_layers
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 STATE_BLOBS = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 # Fields that fix the adapters' shapes or meaning: a checkpoint resumes only under the same values.
-STRUCTURAL_FIELDS = ("model_name_or_path", "lora_r", "lora_alpha", "lora_target_modules", "use_rslora", "ref_rank")
+# (Target modules are compared as the resolved sets in the adapters' configs, not as written.)
+STRUCTURAL_FIELDS = ("model_name_or_path", "lora_r", "lora_alpha", "use_rslora", "ref_rank")
 
 
 class CheckpointError(ValueError):
@@ -46,49 +51,80 @@ class CheckpointError(ValueError):
 
 
 # ----------------------------------------------------------------------------- atomic writes
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
-    # Data first, then the directory entries: a crash after the rename never exposes empty files.
+    # Files first, then the directories that name them: a crash after the rename exposes no empty file.
     for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path)
+    _fsync(root)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write through a Python file object, so that a full disk or a denied write is an OSError
+    (safetensors and torch.save report them as their own error types when they write themselves)."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextmanager
 def atomic_dir(target: str | Path):
     """Yield a fresh temporary dir beside `target`; when the block succeeds, move it into place so
     that a reader sees the old `target` or the new one, whole. When it fails, the temp dir goes
-    and `target` is untouched."""
+    and `target` is as it was (a replaced `target` is rolled back, also after a crash: see below)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    old = target.with_name(target.name + ".old")
+    if old.exists() and not target.exists():  # a crash between the two renames below: roll back
+        os.replace(old, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a run dir is as shareable as the user's umask says
     try:
         yield tmp
         _fsync_tree(tmp)
         if target.exists():
-            old = target.with_name(target.name + ".old")
             if old.exists():
                 shutil.rmtree(old)
             os.replace(target, old)
-            os.replace(tmp, target)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                os.replace(old, target)
+                raise
             shutil.rmtree(old)
         else:
             os.replace(tmp, target)
+        _fsync(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 # ----------------------------------------------------------------------------------- adapters
+def adapter_tensors(model: nn.Module, adapter: str) -> dict[str, nn.Parameter]:
+    """The adapter's parameters under peft's saved names: "{module path}.lora_A.weight" (the
+    adapter name dropped), found through the LoRA layers, not by matching names as text."""
+    out = {}
+    for name, module in lora_layers(model, (adapter,)):
+        out[f"{name}.lora_A.weight"] = module.lora_A[adapter].weight
+        out[f"{name}.lora_B.weight"] = module.lora_B[adapter].weight
+    return out
+
+
 def adapter_state_dict(model: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under peft's saved names (".{adapter}." dropped), from its parameters."""
-    return {
-        name.replace(f".{adapter}.", "."): p.detach()
-        for name, p in model.named_parameters()
-        if f".{adapter}." in name
-    }
+    return {k: p.detach() for k, p in adapter_tensors(model, adapter).items()}
 
 
 def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> Path:
@@ -96,7 +132,7 @@ def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> P
 
     Refuses to write non-finite weights: an adapter on disk is never NaN.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     state = adapter_state_dict(model, adapter)
     if not state:
@@ -107,7 +143,7 @@ def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> P
             f"adapter {adapter!r} holds NaN/inf values ({len(bad)} tensors, e.g. {bad[0]}); not writing it to {path}"
         )
     with atomic_dir(path) as tmp:
-        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp / ADAPTER_WEIGHTS))
+        write_bytes(tmp / ADAPTER_WEIGHTS, save({k: v.contiguous().cpu() for k, v in state.items()}))
         model.peft_config[adapter].save_pretrained(str(tmp))
         (tmp / "lora_grpo.json").write_text(json.dumps({"adapter": adapter}))
     return Path(path)
@@ -129,7 +165,7 @@ def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str) -> No
         saved = load_file(str(file))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{file} is damaged or truncated ({e})") from None
-    params = {name.replace(f".{adapter}.", "."): p for name, p in model.named_parameters() if f".{adapter}." in name}
+    params = adapter_tensors(model, adapter)
     missing, extra = sorted(params.keys() - saved.keys()), sorted(saved.keys() - params.keys())
     if missing or extra:
         raise CheckpointError(
@@ -180,7 +216,9 @@ def save_checkpoint(
     with atomic_dir(target) as tmp:
         save_adapter(model, tmp / POLICY, POLICY)
         save_adapter(model, tmp / REFERENCE, REFERENCE)
-        torch.save(blobs, tmp / STATE_BLOBS)
+        buffer = io.BytesIO()
+        torch.save(blobs, buffer)
+        write_bytes(tmp / STATE_BLOBS, buffer.getvalue())
         (tmp / STATE_JSON).write_text(json.dumps(state))
         (tmp / "config.yaml").write_text(config_yaml)
     return target
@@ -195,6 +233,20 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
 def rotate_checkpoints(output_dir: Path, keep: int) -> None:
     for old in list_checkpoints(output_dir)[: -max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside_later_checkpoints(output_dir: Path, step: int) -> list[Path]:
+    """On resume from step `step`: rename checkpoints of later steps (an abandoned continuation) to
+    checkpoint-N.superseded-K, so that 'latest' and rotation see this run's; nothing is deleted."""
+    moved = []
+    for path in list_checkpoints(output_dir):
+        if int(path.name.split("-", 1)[1]) > step:
+            k = 1
+            while (target := path.with_name(f"{path.name}.superseded-{k}")).exists():
+                k += 1
+            os.replace(path, target)
+            moved.append(target)
+    return moved
 
 
 def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
@@ -216,6 +268,11 @@ def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
         raise CheckpointError(f"resume_from_checkpoint={str(path)!r} does not exist")
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint={str(path)!r} is a file; pass a checkpoint-N directory")
+    if (path / ADAPTER_CONFIG).exists() and (path.parent / STATE_JSON).exists():
+        raise CheckpointError(
+            f"{path} is the {path.name} adapter inside checkpoint {path.parent}; pass the checkpoint itself: "
+            f"resume_from_checkpoint={str(path.parent)!r}"
+        )
     if (path / ADAPTER_CONFIG).exists() and not (path / STATE_JSON).exists():
         raise CheckpointError(
             f"{path} is an adapter, not a checkpoint (it has no optimizer or trainer state). To start a new run "
@@ -226,6 +283,11 @@ def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
         raise CheckpointError(
             f"{path} is a run directory, not a checkpoint; pass one of its checkpoints (e.g. {inner[-1]}), "
             f"or resume_from_checkpoint='latest' with output_dir={str(path)!r}"
+        )
+    if (path / "metrics.jsonl").exists() and not (path / STATE_JSON).exists():
+        raise CheckpointError(
+            f"{path} is a run directory without any checkpoint (save_steps=0 and the run did not finish?); "
+            "there is nothing to resume: start the run again, with save_steps > 0 to be able to resume"
         )
     required = [STATE_JSON, STATE_BLOBS, "config.yaml"] + [
         f"{adapter}/{name}" for adapter in (POLICY, REFERENCE) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
@@ -244,8 +306,25 @@ def _earlier_hint(path: Path) -> str:
     return f"Resume from another checkpoint ({', '.join(others)})." if others else "Start the run again."
 
 
-def check_compatible(path: Path, config_values: dict[str, Any], num_processes: int, saved_processes: int) -> None:
-    """Refuse a checkpoint saved with other adapter-shaping fields or another number of processes."""
+def _same_model(a: Any, b: Any) -> bool:
+    # A local path written relatively in one run and absolutely in the other is the same model.
+    if isinstance(a, str) and isinstance(b, str) and Path(a).exists() and Path(b).exists():
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b
+
+
+def _target_modules(config_file: Path) -> set[str] | None:
+    targets = json.loads(config_file.read_text()).get("target_modules")
+    return {targets} if isinstance(targets, str) else set(targets or ())
+
+
+def check_compatible(path: Path, config_values: dict[str, Any], num_processes: int, saved_processes: int,
+                     policy_targets: set[str] | None = None) -> None:
+    """Refuse a checkpoint saved with other adapter-shaping fields or another number of processes.
+
+    policy_targets: the resolved target modules of this run's policy adapter ('all-linear' and the
+    explicit list it stands for are the same thing), compared with the checkpoint's.
+    """
     import yaml
 
     try:
@@ -255,8 +334,15 @@ def check_compatible(path: Path, config_values: dict[str, Any], num_processes: i
     diffs = [
         f"{name}: checkpoint {saved.get(name)!r}, this run {config_values.get(name)!r}"
         for name in STRUCTURAL_FIELDS
-        if name in saved and saved.get(name) != config_values.get(name)
+        if name in saved and not (
+            _same_model(saved[name], config_values.get(name)) if name == "model_name_or_path"
+            else saved[name] == config_values.get(name)
+        )
     ]
+    if policy_targets is not None:
+        theirs = _target_modules(path / POLICY / ADAPTER_CONFIG)
+        if theirs != set(policy_targets):
+            diffs.append(f"lora_target_modules: checkpoint {sorted(theirs)}, this run {sorted(policy_targets)}")
     if diffs:
         raise CheckpointError(
             f"{path} was saved under a different config ({'; '.join(diffs)}). Resume with the checkpoint's values "
@@ -274,12 +360,19 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(trainer_state.json, trainer_state.pt) of a resolved checkpoint, with clear errors when damaged."""
     try:
         state = json.loads((path / STATE_JSON).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        missing = [k for k in ("step", "batches") if k not in state]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path / STATE_JSON} is damaged ({e}). " + _earlier_hint(path)) from None
     try:
         blobs = torch.load(path / STATE_BLOBS, weights_only=False)
+        missing = [k for k in ("optimizer", "scheduler", "rng") if k not in blobs]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
     except Exception as e:  # noqa: BLE001 - pickle/zip errors of many kinds mean one thing here
-        raise CheckpointError(f"{path / STATE_BLOBS} is damaged or truncated ({type(e).__name__}: {e}). "
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{path / STATE_BLOBS} is damaged or truncated ({type(e).__name__}: {first_line}). "
                               + _earlier_hint(path)) from None
     return state, blobs
 
@@ -296,7 +389,21 @@ def load_checkpoint_adapters(model: nn.Module, path: Path) -> None:
 
 
 def truncate_log(path: Path, step: int) -> None:
-    """Drop metrics.jsonl records after `step` (a resumed run logs those steps again)."""
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+    """Drop records after `step` from a JSON-lines log (a resumed run logs those steps again).
+
+    A line that does not parse (a process killed in the middle of writing it) is dropped with a warning.
+    """
+    if not path.exists():
+        return
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            logger.warning("%s line %d is not a complete record (an interrupted write?); dropped", path, number)
+            continue
+        if record_step <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))

@@ -1,14 +1,20 @@
-"""`lora-grpo train | eval | plot | merge`. The CLI builds a GRPOConfig and calls the Python API.
+"""`lora-grpo train | eval | plot | merge | recipes`. The CLI builds a GRPOConfig and calls the Python API.
 
-    lora-grpo train recipes/toy-addition.yaml --set max_steps=20 --set output_dir=runs/try
-    lora-grpo eval runs/try/adapter --recipe recipes/toy-addition.yaml
+    lora-grpo train toy-addition --set max_steps=20 --set output_dir=runs/try
+    lora-grpo eval runs/try/adapter --recipe toy-addition
     lora-grpo plot runs/try
-    lora-grpo merge runs/try/adapter --recipe recipes/toy-addition.yaml --out merged/
+    lora-grpo merge runs/try/adapter --recipe toy-addition --out merged/
+    lora-grpo recipes                  # the shipped recipes; `lora-grpo recipes NAME > my.yaml` to copy one
+
+A recipe is a YAML file's path or the name of a recipe shipped in the package (lora_grpo/recipes/).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import importlib.resources
 import json
 import os
 import sys
@@ -16,7 +22,41 @@ from pathlib import Path
 
 from .config import ConfigError, GRPOConfig
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "toy-addition.yaml"
+DEFAULT_RECIPE = "toy-addition"  # shipped in the package, so it works outside a clone too
+
+
+def shipped_recipes() -> dict:
+    """name -> package resource (a ``Traversable``) of every recipe in lora_grpo/recipes/, by name."""
+    folder = importlib.resources.files(__package__ or "lora_grpo") / "recipes"
+    found = {p.name[: -len(".yaml")]: p for p in folder.iterdir() if p.name.endswith(".yaml")}
+    return dict(sorted(found.items()))
+
+
+@contextlib.contextmanager
+def recipe_file(recipe: str):
+    """The recipe as a file path: ``recipe`` itself when that file exists, else the shipped recipe
+    of that name (".yaml" optional). ConfigError naming the shipped recipes when it is neither."""
+    if Path(recipe).is_file():
+        yield Path(recipe)
+        return
+    shipped = shipped_recipes()
+    name = recipe[: -len(".yaml")] if recipe.endswith(".yaml") and "/" not in recipe else recipe
+    if name in shipped:
+        with importlib.resources.as_file(shipped[name]) as path:  # a real file even from a zipped package
+            yield path
+        return
+    stem = Path(recipe).name.removesuffix(".yaml")
+    close = [stem] if stem in shipped else difflib.get_close_matches(stem, shipped, n=1)
+    hint = f" (did you mean the shipped recipe {close[0]!r}: `lora-grpo train {close[0]}`?)" if close else ""
+    raise ConfigError(
+        f"recipe {recipe!r} is neither a file nor a shipped recipe{hint}; shipped recipes: "
+        f"{', '.join(shipped)} (`lora-grpo recipes` lists them)"
+    )
+
+
+def recipe_summary(text: str) -> str:
+    """A recipe's first comment line, without the '#'."""
+    return next((line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")), "")
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -32,7 +72,8 @@ def _overrides(pairs: list[str]) -> dict:
 def load_config(recipe: str | None, sets: list[str]) -> GRPOConfig:
     overrides = _overrides(sets)
     if recipe:
-        return GRPOConfig.from_yaml(recipe, overrides)
+        with recipe_file(recipe) as path:
+            return GRPOConfig.from_yaml(path, overrides)
     return GRPOConfig.from_dict(overrides, source="--set")
 
 
@@ -49,14 +90,26 @@ def _help_config() -> str:
 def cmd_train(args) -> int:
     from .trainer import GRPOTrainer
 
-    recipe = args.recipe or (str(DEFAULT_RECIPE) if DEFAULT_RECIPE.exists() else None)
+    recipe = args.recipe or DEFAULT_RECIPE
     config = load_config(recipe, args.set)
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun / accelerate launch, print once
     if main_process:
-        print(f"lora-grpo: training {config.model_name_or_path} → {config.output_dir}" + (f" (recipe {recipe})" if recipe else ""))
+        print(f"lora-grpo: training {config.model_name_or_path} → {config.output_dir} (recipe {recipe})")
     summary = GRPOTrainer(config).train()
     if main_process:
         print(json.dumps({k: v for k, v in summary.items() if not k.startswith("eval_")}, indent=2))
+    return 0
+
+
+def cmd_recipes(args) -> int:
+    if args.name:  # the recipe's text, to copy and edit: lora-grpo recipes NAME > my.yaml
+        with recipe_file(args.name) as path:
+            sys.stdout.write(path.read_text())
+        return 0
+    shipped = shipped_recipes()
+    width = max(map(len, shipped))
+    for name, resource in shipped.items():
+        print(f"{name:<{width}}  {recipe_summary(resource.read_text())}")
     return 0
 
 
@@ -65,42 +118,30 @@ def cmd_eval(args) -> int:
     from .checkpoint import load_adapter_weights
     from .trainer import GRPOTrainer
 
-    config = load_config(args.recipe, args.set)
+    sets = list(args.set)
+    if args.k:  # --k 1 --k 8 or --k 1,8: the same as --set eval_pass_k=[1,8], and it wins over it
+        try:
+            ks = sorted({int(x) for arg in args.k for x in arg.split(",") if x.strip()})
+        except ValueError:
+            raise ConfigError(f"--k expects integers such as 8 or 1,8, got {' '.join(args.k)!r}") from None
+        sets.append(f"eval_pass_k={ks}")
+    config = load_config(args.recipe, sets)
     if not config.eval_dataset:
         raise ConfigError("eval needs eval_dataset in the recipe or --set eval_dataset=...")
     trainer = GRPOTrainer(config)
     if args.adapter:
         load_adapter_weights(trainer.model, args.adapter, POLICY)
-    print(json.dumps(trainer.evaluate(), indent=2))
+    metrics = trainer.evaluate()  # under torchrun / accelerate launch the processes split the prompts
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(metrics, indent=2))
     return 0
 
 
 def cmd_plot(args) -> int:
-    try:
-        import matplotlib
+    from .reporting import plot_run  # the same plot a run writes by itself
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot needs matplotlib: pip install 'lora_grpo[plot]'", file=sys.stderr)
-        return 2
-    run = Path(args.run_dir)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    keys = args.keys or ["reward/mean", "kl", "completion_length/mean", "entropy"]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True)
-    for ax, key in zip(axes if len(keys) > 1 else [axes], keys):
-        points = [(r["step"], r[key]) for r in records if key in r]
-        if points:
-            ax.plot(*zip(*points))
-        syncs = [r["step"] for r in records if r.get("sync/event")]
-        for s in syncs:
-            ax.axvline(s, color="gray", alpha=0.3, lw=0.8)
-        ax.set_ylabel(key)
-    (axes[-1] if len(keys) > 1 else axes).set_xlabel("step (gray: reference syncs)")
-    out = Path(args.out or run / "metrics.png")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    info = plot_run(args.run_dir, args.out, args.keys)
+    print(f"wrote {info.path}")
     return 0
 
 
@@ -128,16 +169,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p, recipe_positional: bool):
         if recipe_positional:
-            p.add_argument("recipe", nargs="?", help="YAML recipe (default: the offline toy recipe)")
+            p.add_argument("recipe", nargs="?",
+                           help=f"a YAML file or a shipped recipe's name (`lora-grpo recipes`; default: {DEFAULT_RECIPE})")
         else:
-            p.add_argument("--recipe", help="YAML recipe the run was trained with")
+            p.add_argument("--recipe", help="the recipe the run was trained with: a YAML file or a shipped recipe's name")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
 
     p = sub.add_parser("train", help="train with GRPO", epilog=_help_config(), formatter_class=argparse.RawDescriptionHelpFormatter)
     common(p, True)
     p.set_defaults(func=cmd_train)
-    p = sub.add_parser("eval", help="greedy eval of an adapter on eval_dataset with the recipe's rewards")
+    p = sub.add_parser("recipes", help="list the shipped recipes (train one with `lora-grpo train NAME`), or print one")
+    p.add_argument("name", nargs="?", help="print this recipe (to copy and edit: lora-grpo recipes NAME > my.yaml)")
+    p.set_defaults(func=cmd_recipes)
+    p = sub.add_parser("eval", help="greedy eval (and pass@k) of an adapter on eval_dataset with the recipe's rewards")
     p.add_argument("adapter", nargs="?", help="adapter dir (default: the fresh policy = the base model)")
+    p.add_argument("--k", action="append", default=[], metavar="K[,K...]",
+                   help="also report pass@k for these k (--k 1 --k 8, or --k 1,8): max(k) sampled completions per "
+                        "prompt, or eval_num_samples; sets eval_pass_k")
     common(p, False)
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("plot", help="plot metrics.jsonl of a run dir to PNG (needs matplotlib)")

@@ -24,6 +24,7 @@ SCALES = ("group", "batch", "none")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 SCHEDULERS = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (reporting.py maps each to its package)
 
 
 def _f(default, help: str, **kw):
@@ -62,19 +63,23 @@ class GRPOConfig:
     ref_sync_alpha: float = _f(1.0, "sync mix: ref ← alpha·policy + (1−alpha)·ref; 1 = hard copy")
     ref_sync_mode: str = _f("exact", "exact (weight-space mix, recompressed to ref_rank) | factors (blend A and B separately; approximate)")
     # --- data --------------------------------------------------------------------------------
-    dataset: str | None = _f(None, "training prompts: a hub dataset name or a local json/jsonl/csv/parquet file or saved dataset dir; 'toy' = the offline arithmetic task")
+    dataset: str | None = _f(None, "training prompts: a hub dataset name or a local json/jsonl/csv/parquet file or saved dataset dir; 'toy' / 'countdown' = offline tasks generated locally")
     dataset_config: str | None = _f(None, "configuration name of a hub dataset that has several (gsm8k: 'main')")
     dataset_split: str = _f("train", "split of `dataset` to use")
     eval_dataset: str | None = _f(None, "held-out prompts for evaluation (same formats as `dataset`)")
     eval_split: str = _f("test", "split of `eval_dataset` to use")
     eval_limit: int = _f(0, "evaluate on the first N eval prompts only (0 = all)")
+    eval_pass_k: list[int] = _f([], "also report eval/pass@k for each k, e.g. [1, 8]: eval_num_samples sampled completions per eval prompt (Chen et al. 2021's unbiased estimator), n× the greedy eval's completions; [] = greedy only")
+    eval_num_samples: int | None = _f(None, "completions sampled per eval prompt for pass@k, n ≥ every k (a larger n lowers the estimate's variance); None = max(eval_pass_k)")
+    eval_temperature: float | None = _f(None, "sampling temperature for pass@k (None = temperature; top_p, top_k, min_p, repetition_penalty as in training)")
+    eval_correct_threshold: float = _f(1.0, "pass@k counts a sampled completion correct when the first reward function gives ≥ this (toy_reward and accuracy give 1.0 for a right answer, None counts as wrong)")
     prompt_column: str = _f("prompt", "column holding the prompt text (or a list of chat messages)")
     messages_column: str = _f("messages", "column holding chat messages, rendered with the tokenizer's chat template")
     prompt_template: str | None = _f(None, "a Python format string over the row's columns, e.g. 'Q: {question}\\nA:'")
     system_prompt: str | None = _f(None, "system message prepended to chat prompts")
     use_chat_template: bool = _f(False, "render text prompts as a user message through the tokenizer's chat template (instruct models)")
     # --- rewards -----------------------------------------------------------------------------
-    reward_funcs: list = _f([], "reward functions: built-in names (format, accuracy, soft_overlong, length) or dotted paths 'pkg.module:fn'")
+    reward_funcs: list = _f([], "reward functions: built-in names (format, accuracy, countdown, soft_overlong, length) or dotted paths 'pkg.module:fn'")
     reward_weights: list | None = _f(None, "one weight per reward function (default all 1)")
     # --- generation --------------------------------------------------------------------------
     num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
@@ -120,6 +125,14 @@ class GRPOConfig:
     logging_steps: int = _f(1, "print metrics every N steps")
     eval_steps: int = _f(0, "evaluate on eval_dataset every N steps (0 = only at the start and end)")
     seed: int = _f(42, "random seed (sampling, data order, adapter init)")
+    # --- reporting (TRL / transformers names where they have them) -----------------------------
+    report_to: Any = _f("none", "experiment trackers: none | tensorboard | wandb | trackio, or a list of them (pip extras of the same names)")
+    project: str = _f("lora-grpo", "tracker project: the wandb / trackio project, TensorBoard's subdirectory of logging_dir")
+    run_name: str | None = _f(None, "run name shown by wandb / trackio (default: the name of output_dir)")
+    logging_dir: str | None = _f(None, "directory for TensorBoard events and wandb files (default: output_dir/runs)")
+    disable_tqdm: bool = _f(False, "turn off the progress bar (the logging_steps lines stay)")
+    log_completions: bool = _f(False, "append every completion with its rewards and advantage to output_dir/completions.jsonl (and tracker tables)")
+    log_completions_steps: int = _f(1, "with log_completions: log the completions of every N-th step")
 
     # -----------------------------------------------------------------------------------------
     def __post_init__(self):
@@ -166,6 +179,32 @@ class GRPOConfig:
         for name in ["eval_limit", "ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
                      "max_grad_norm", "beta", "top_k", "min_p", "epsilon_low", "epsilon_high"]:
             positive(name, allow_zero=True)
+        # Reporting.
+        trackers = [self.report_to] if isinstance(self.report_to, str) else self.report_to or []  # None = none
+        for tracker in trackers if isinstance(trackers, list) else [trackers]:
+            if tracker not in TRACKERS + ("none",):
+                close = difflib.get_close_matches(str(tracker), TRACKERS, n=1)
+                raise ConfigError(
+                    f"report_to={self.report_to!r}: expected 'none', one of {list(TRACKERS)} or a list of them"
+                    + (f" (did you mean {close[0]!r}?)" if close else "")
+                )
+        positive("log_completions_steps")
+        # Evaluation: pass@k.
+        ks = self.eval_pass_k
+        if not isinstance(ks, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks):
+            raise ConfigError(
+                f"eval_pass_k={ks!r} must be a list of integers ≥ 1, e.g. [1, 8] (--set eval_pass_k=[1,8]); [] turns pass@k off"
+            )
+        if self.eval_num_samples is not None and self.eval_num_samples < max(ks, default=1):
+            raise ConfigError(
+                f"eval_num_samples={self.eval_num_samples}: pass@k needs n ≥ k samples per prompt, here "
+                f"n ≥ {max(ks, default=1)} (max of eval_pass_k={ks}); raise it, or leave it unset (= max(eval_pass_k))"
+            )
+        if self.eval_temperature is not None and self.eval_temperature <= 0:
+            raise ConfigError(
+                f"eval_temperature={self.eval_temperature} must be > 0, or None (= temperature): pass@k needs sampled "
+                "completions; the greedy eval is reported anyway"
+            )
         if self.num_generations < 2:
             raise ConfigError(
                 f"num_generations={self.num_generations}: GRPO compares completions within a group, so it needs "

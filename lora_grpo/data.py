@@ -4,6 +4,14 @@
 TEXT the policy is sampled from; every other column is kept, because columns reach the reward
 functions as keyword lists (e.g. ``answer`` for :func:`lora_grpo.rewards.answer_accuracy`).
 
+Conversational prompts: when the prompts are chat messages (the ``messages_column``, or a
+``prompt_column`` holding message lists), the messages the policy is prompted with (the row's
+messages, with ``system_prompt`` applied) move to the column ``prompt_messages`` (None in a row
+whose prompt is text), replacing the column they were read from. The trainer passes them to the
+reward functions as ``prompts`` (TRL's conversational format), never under their column name, so
+they arrive exactly once; ``prompt`` and ``prompt_messages`` are the two columns that never reach
+a reward function as keywords.
+
 ``PromptBatches`` walks that dataset in seeded, reshuffled epochs, ``prompts_per_step`` rows at a
 time, and can be checkpointed and resumed exactly.
 """
@@ -19,7 +27,10 @@ from typing import Any
 import datasets
 import numpy as np
 
-__all__ = ["PromptBatches", "load_prompt_dataset"]
+__all__ = ["PROMPT_MESSAGES", "PromptBatches", "load_prompt_dataset"]
+
+# The column holding each row's prompt as chat messages (None for a text prompt); see the module docstring.
+PROMPT_MESSAGES = "prompt_messages"
 
 # File extension -> datasets builder name.
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -119,20 +130,25 @@ class _Renderer:
                 "(prompt_column / prompt_template)"
             )
 
-    def chat(self, messages: Sequence[Mapping], where: str) -> str:
-        """System prompt (replacing a leading system message) + messages -> chat-template text."""
-        self._check_tokenizer(where)
+    def messages(self, messages: Sequence[Mapping]) -> list[dict]:
+        """The conversation the policy is prompted with: system prompt (replacing a leading system
+        message) + messages, as new dicts."""
         messages = [dict(m) for m in messages]
         if self.system_prompt is not None:
             if messages and messages[0].get("role") == "system":
                 messages = messages[1:]
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return messages
+
+    def chat(self, messages: Sequence[Mapping], where: str) -> str:
+        """Messages (system prompt already applied, see ``messages``) -> chat-template text."""
+        self._check_tokenizer(where)
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
     def text(self, text: str, where: str) -> str:
         """A plain-text prompt: wrapped as a user message when use_chat_template, else raw."""
         if self.use_chat_template:
-            return self.chat([{"role": "user", "content": text}], where)
+            return self.chat(self.messages([{"role": "user", "content": text}]), where)
         return text if self.system_prompt is None else f"{self.system_prompt}\n{text}"
 
 
@@ -174,7 +190,11 @@ def load_prompt_dataset(
 
     Returns:
         the dataset with ``prompt`` (str) set for every row; other columns kept unchanged (an
-        existing ``prompt`` column is replaced by the rendered text).
+        existing ``prompt`` column is replaced by the rendered text). When prompts were read from
+        chat messages (rule 2, or rule 3 with messages), also ``prompt_messages``: each row's
+        messages as the policy sees them (``system_prompt`` applied; None for a text prompt),
+        replacing the column they were read from. An existing ``prompt_messages`` column is
+        always dropped (it is the loader's own).
 
     Raises:
         ValueError: empty dataset; neither column present (the message lists the columns and the
@@ -202,26 +222,28 @@ def load_prompt_dataset(
             _check_rows(ds, field, lambda v: v is not None, "a value for prompt_template in every row",
                         f"row[{field!r}] is not None")
 
-        def one(row: dict, i: int) -> str:
-            return render.text(prompt_template.format(**row), f"prompt_template (row {i})")
+        def one(row: dict, i: int) -> tuple[str, list[dict] | None]:
+            return render.text(prompt_template.format(**row), f"prompt_template (row {i})"), None
 
     elif messages_column in columns:
         _check_rows(ds, messages_column, _is_messages, "a non-empty list of {'role', 'content'} chat messages",
                     f"bool(row[{messages_column!r}])")
         render._check_tokenizer(f"column {messages_column!r} (chat messages)")
 
-        def one(row: dict, i: int) -> str:
-            return render.chat(row[messages_column], f"column {messages_column!r} (chat messages, row {i})")
+        def one(row: dict, i: int) -> tuple[str, list[dict] | None]:
+            messages = render.messages(row[messages_column])
+            return render.chat(messages, f"column {messages_column!r} (chat messages, row {i})"), messages
 
     elif prompt_column in columns:
         _check_rows(ds, prompt_column, lambda v: (isinstance(v, str) and v != "") or _is_messages(v),
                     "non-empty text or a non-empty list of chat messages", f"bool(row[{prompt_column!r}])")
 
-        def one(row: dict, i: int) -> str:
+        def one(row: dict, i: int) -> tuple[str, list[dict] | None]:
             value = row[prompt_column]
             if isinstance(value, str):
-                return render.text(value, f"column {prompt_column!r} (row {i})")
-            return render.chat(value, f"column {prompt_column!r} (chat messages, row {i})")
+                return render.text(value, f"column {prompt_column!r} (row {i})"), None
+            messages = render.messages(value)
+            return render.chat(messages, f"column {prompt_column!r} (chat messages, row {i})"), messages
 
     else:
         raise ValueError(
@@ -231,13 +253,25 @@ def load_prompt_dataset(
         )
 
     prompts: list[str] = []
+    chats: list[list[dict] | None] = []
     for batch in ds.iter(batch_size=1000):
         for row in (dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)):
-            prompts.append(one(row, len(prompts)))
-    if "prompt" not in columns:
-        return ds.add_column("prompt", prompts)
+            text, messages = one(row, len(prompts))
+            prompts.append(text)
+            chats.append(messages)
+    new = {"prompt": prompts}
+    replaced = {"prompt", PROMPT_MESSAGES}
+    if any(m is not None for m in chats):
+        new[PROMPT_MESSAGES] = chats
+        # The messages reach reward functions once, as `prompts`: not also under their column's name.
+        replaced.add(messages_column if prompt_template is None and messages_column in columns else prompt_column)
     # Add before removing: a dataset left with no columns would also be left with no rows.
-    return ds.add_column("_rendered_prompt", prompts).remove_columns("prompt").rename_column("_rendered_prompt", "prompt")
+    for name, values in new.items():
+        ds = ds.add_column(f"_new_{name}", values)
+    ds = ds.remove_columns([c for c in columns if c in replaced])
+    for name in new:
+        ds = ds.rename_column(f"_new_{name}", name)
+    return ds
 
 
 def _describe(source: Any) -> str:

@@ -391,6 +391,13 @@ def check_log_probs(
                 )
                 out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
                 logits = out.logits[:, -completion_length - 1 : -1].float() / temperature
+                if not torch.isfinite(logits[real]).all():
+                    where = f" with adapter {name!r}" if name is not None else ""
+                    raise ValueError(
+                        f"the model's own logits are NaN/inf (model type {model_type!r}{where}, dtype "
+                        f"{str(dtype).removeprefix('torch.')}): float16 overflows in many models (use "
+                        "torch_dtype bfloat16 or float32), or the adapter weights (init_adapter) hold NaN/inf"
+                    )
                 theirs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
                 diff = (ours.float() - theirs)[real].abs().max().item()
                 largest = logits[real].abs().max().item()

@@ -127,11 +127,21 @@ def keep_4bit_weights_fixed(model: nn.Module) -> int:
     input.grad is None). Turning the flag off gives every CPU the same dequantise-and-matmul path,
     exact in backward; GPUs never take the packed path.
     """
-    pinned = 0
-    for module in model.modules():
+    pinned, packed = 0, []
+    for name, module in model.named_modules():
         if getattr(module, "support_avx512bf16_for_cpu", False):
             module.support_avx512bf16_for_cpu = False
             pinned += 1
+        if getattr(getattr(getattr(module, "weight", None), "quant_state", None), "packing_format_for_cpu", False):
+            packed.append(name)
+    if packed:
+        # Undoing the repack re-quantises (lossy), and training through it would drop gradients.
+        raise ValueError(
+            f"{len(packed)} 4-bit layers (e.g. {packed[0]}) were already repacked by bitsandbytes for its CPU kernel "
+            "(a no-grad eval forward ran before the trainer got the model); backward does not pass through that "
+            "kernel. Load the model again and hand it to GRPOTrainer before running it, or let lora_grpo load it "
+            "(model_name_or_path)."
+        )
     return pinned
 
 
@@ -203,10 +213,12 @@ def attach_adapters(base: nn.Module, config: GRPOConfig) -> nn.Module:
     model.set_adapter(POLICY)
     # Adapter weights in float32 (peft does this for the policy; do it for the slot too), so that
     # syncs and the optimizer work at full precision whatever the base dtype.
-    for name, param in model.named_parameters():
-        if f".{REFERENCE}." in name or f".{POLICY}." in name:
-            param.data = param.data.float()
-        param.requires_grad_(f".{POLICY}." in name)
+    model.requires_grad_(False)
+    for _, m in lora_layers(model):
+        for adapter in (POLICY, REFERENCE):
+            for param in (m.lora_A[adapter].weight, m.lora_B[adapter].weight):
+                param.data = param.data.float()
+                param.requires_grad_(adapter == POLICY)
     check_syncable(model)
     if config.init_adapter:
         sync_reference(model, alpha=1.0)  # the initial reference = the warm-start policy, exactly

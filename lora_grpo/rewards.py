@@ -1,25 +1,54 @@
 """Reward functions: the contract, the built-ins, and weighted scoring of a rollout.
 
-The contract (the same as TRL's)::
+The contract is TRL's: every argument is passed by keyword::
 
-    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+    fn(*, prompts, completions, completion_ids, **columns) -> list[float | None]
 
-``prompts`` and ``completions`` have one entry per completion (N = prompts_per_step × G; each prompt
-is repeated for its G completions). Every dataset column arrives as a keyword list of length N (the
-prompt's row repeated G times). The trainer also passes ``completion_lengths: list[int]`` (tokens per
-completion) and ``truncated: list[bool]`` (the completion hit max_completion_length without EOS), so
-a reward function should accept ``**kwargs`` for whatever it does not use.
+so a reward function written for TRL's GRPOTrainer works unchanged, e.g.
+``def accuracy_reward(completions, solution, **kwargs)`` or ``def reward_len(completions, **kwargs)``.
+A function names the keywords it uses and takes ``**kwargs`` for the rest. Every keyword but
+``trainer_state`` is a list with one entry per completion (N = prompts_per_step × G; a prompt's
+row is repeated for its G completions, which are contiguous):
 
-A reward function that needs a column names it as a parameter without a default (TRL style,
-``def accuracy_reward(completions, solution, **kwargs)``), or, when it reads columns from
-``**kwargs``, declares them in a ``required_columns`` attribute (see :func:`check_reward_columns`);
-the trainer then checks at start that its datasets have them.
+    prompts             the prompt text; for a conversational row (its prompt came from chat
+                        messages, see :mod:`lora_grpo.data`) the message list
+                        ``[{"role": ..., "content": ...}, ...]`` (with ``system_prompt`` applied)
+    completions         the completion text; for a conversational row
+                        ``[{"role": "assistant", "content": text}]``
+    completion_ids      list[int]: the completion's token ids, up to and including EOS, no padding
+    <column>            each dataset column (``answer``, ``solution``, ...), except ``prompt`` (the
+                        rendered text; it is ``prompts`` for a text row) and ``prompt_messages``
+                        (which is ``prompts`` for a conversational row)
+    completion_lengths  int: tokens in the completion, ``len(completion_ids[i])``
+    truncated           bool: the completion hit max_completion_length without EOS
+    trainer_state       one :class:`TrainerState` for the whole batch: ``global_step`` (optimizer
+                        steps done, 0 on the first step; also ``step``), ``epoch`` (epochs done,
+                        fractional), ``max_steps``
 
-A value of None means "does not apply to this sample" (for example an accuracy reward on a row with
-no reference answer): it counts as 0 in the weighted sum and is left out of that function's mean
-metric. See :func:`compute_rewards`.
+A function that needs a dataset column names it as a parameter without a default, or, when it
+reads columns from ``**kwargs``, declares them in a ``required_columns`` attribute; the trainer
+checks at start that its datasets have them (:func:`check_reward_columns`).
 
-Built-ins (names usable from YAML via :func:`resolve_reward_funcs`):
+None means "does not apply to this sample" (an accuracy reward on a row with no reference
+answer), as in TRL: a None (or NaN) is left out of that function's mean metric, and counts as 0
+in the weighted sum (TRL's nansum). See :func:`compute_rewards`.
+
+Where we differ from TRL:
+  - we also pass ``completion_lengths`` and ``truncated`` (the length penalties below use them);
+  - ``trainer_state`` is our small frozen :class:`TrainerState`, not ``transformers.TrainerState``
+    (only ``global_step``/``step``, ``epoch`` and ``max_steps``; no ``log_history``...);
+  - a row for which every function returned None gets reward NaN and training stops with an error
+    naming it (TRL logs a warning and uses 0);
+  - ``async def`` reward functions are refused with a ValueError (TRL awaits them concurrently):
+    wrap one in a plain function that calls ``asyncio.run``;
+  - reward models (``nn.Module``) are not accepted as reward functions, and TRL's newer
+    ``log_extra`` / ``log_metric`` callables are not passed (TRL's own rewards default them to None);
+  - a function may also return a tensor or array, bools or numpy scalars; an infinite value is an
+    error;
+  - prompts from a ``messages_column`` are conversational too (TRL reads only ``prompt``).
+
+Built-ins (names usable from YAML via :func:`resolve_reward_funcs`); they read text and
+conversational completions alike:
 
     "format"         think_answer_format                           1.0 / 0.0
     "accuracy"       answer_accuracy                               1.0 / 0.0 / None
@@ -29,6 +58,7 @@ Built-ins (names usable from YAML via :func:`resolve_reward_funcs`):
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
@@ -37,10 +67,13 @@ import numbers
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 import torch
+
+from .countdown import countdown_reward
 
 try:  # optional extra: `pip install lora_grpo[math]`
     import math_verify as _math_verify
@@ -50,11 +83,13 @@ except ImportError:  # pragma: no cover - depends on the environment
 RewardFunc = Callable[..., Sequence[float | None]]
 
 __all__ = [
-    "RewardFunc",
     "TRAINER_KEYWORDS",
+    "RewardFunc",
+    "TrainerState",
     "answer_accuracy",
     "check_reward_columns",
     "compute_rewards",
+    "conversational_inputs",
     "extract_answer",
     "length_penalty",
     "parse_number",
@@ -77,11 +112,14 @@ def _text(completion: Any) -> str:
 
 
 def _lengths(kwargs: dict, who: str) -> list[int]:
+    """Tokens per completion: ``completion_lengths``, else the lengths of ``completion_ids``."""
     lengths = kwargs.get("completion_lengths")
+    if lengths is None and kwargs.get("completion_ids") is not None:
+        lengths = [len(ids) for ids in kwargs["completion_ids"]]
     if lengths is None:
         raise ValueError(
-            f"{who} needs the keyword 'completion_lengths' (tokens per completion); the trainer "
-            "passes it, a direct call must too"
+            f"{who} needs the keyword 'completion_lengths' or 'completion_ids' (tokens per "
+            "completion); the trainer passes both, a direct call must pass one"
         )
     return [int(n) for n in lengths]
 
@@ -94,15 +132,18 @@ _FORMAT_RE = re.compile(
 )
 
 
-def think_answer_format(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+def think_answer_format(completions: list, **kwargs) -> list[float]:
     """1.0 when the whole completion is ``<think>...</think> <answer>...</answer>``, else 0.0.
 
     Whitespace is allowed around and between the two blocks (and anything inside them), but no
-    other text, and neither block may contain another think/answer tag.
+    other text, and neither block may contain another think/answer tag. A conversational
+    completion (a list of messages) is read from its last message's content.
 
-    >>> think_answer_format(["q"] * 3, ["<think>2+2</think>\\n<answer>4</answer>\\n",
-    ...                                 "<answer>4</answer>", "<think>a</think><answer>4</answer>!"])
+    >>> think_answer_format(completions=["<think>2+2</think>\\n<answer>4</answer>\\n",
+    ...                                  "<answer>4</answer>", "<think>a</think><answer>4</answer>!"])
     [1.0, 0.0, 0.0]
+    >>> think_answer_format(completions=[[{"role": "assistant", "content": "<think>a</think><answer>4</answer>"}]])
+    [1.0]
     """
     return [1.0 if _FORMAT_RE.fullmatch(_text(c)) else 0.0 for c in completions]
 
@@ -242,7 +283,7 @@ def _math_verify_match(reference: str, answer: str) -> bool:
     return any(_math_verify.verify(golds[0], answer, timeout_seconds=timeout) for answer in parses(answer))
 
 
-def answer_accuracy(prompts: list[str], completions: list[str], **kwargs) -> list[float | None]:
+def answer_accuracy(completions: list, **kwargs) -> list[float | None]:
     """1.0 when the model's final answer equals the reference answer, 0.0 otherwise.
 
     The reference comes from the ``answer`` column (or ``solution`` when there is no ``answer``;
@@ -253,11 +294,14 @@ def answer_accuracy(prompts: list[str], completions: list[str], **kwargs) -> lis
     A match is any of: an exact numeric match by :func:`parse_number` ("1,234" == "1234", "0.75" ==
     "3/4" == "\\frac{3}{4}"); equal texts after removing whitespace, case and a final period; and,
     when ``math_verify`` is installed (the ``math`` extra), its ``verify`` (symbolic expressions,
-    sets, intervals...). Without math_verify, non-numeric answers are thus compared as text.
+    sets, intervals...). Without math_verify, non-numeric answers are thus compared as text. A
+    conversational completion is read from its last message's content.
 
-    >>> answer_accuracy(["q"] * 3, ["<answer>1,234</answer>", "so it is 7.", "<answer>8</answer>"],
+    >>> answer_accuracy(completions=["<answer>1,234</answer>", "so it is 7.", "<answer>8</answer>"],
     ...                 answer=["1234", "7", None])
     [1.0, 1.0, None]
+    >>> answer_accuracy(completions=[[{"role": "assistant", "content": "\\\\boxed{3/4}"}]], solution=["0.75"])
+    [1.0]
     """
     if "answer" in kwargs:
         references = kwargs["answer"]
@@ -303,10 +347,11 @@ def soft_overlong_penalty(max_completion_length: int, buffer_length: int) -> Rew
              = (Lmax - Lcache - L)/Lcache  if Lmax - Lcache < L <= Lmax   (linear from 0 to -1)
              = -1                          if L > Lmax
 
-    Uses the ``completion_lengths`` keyword the trainer passes.
+    Uses the ``completion_lengths`` keyword the trainer passes (or, when absent, the lengths of
+    ``completion_ids``, as TRL's ``get_soft_overlong_punishment`` does).
 
     >>> fn = soft_overlong_penalty(max_completion_length=100, buffer_length=20)
-    >>> fn(["q"] * 4, [""] * 4, completion_lengths=[80, 90, 100, 120])
+    >>> fn(completions=[""] * 4, completion_lengths=[80, 90, 100, 120])
     [0.0, -0.5, -1.0, -1.0]
     """
     l_max, l_cache = int(max_completion_length), int(buffer_length)
@@ -317,7 +362,7 @@ def soft_overlong_penalty(max_completion_length: int, buffer_length: int) -> Rew
         )
     start = l_max - l_cache
 
-    def soft_overlong_penalty(prompts, completions, **kwargs) -> list[float]:
+    def soft_overlong_penalty(completions, **kwargs) -> list[float]:
         lengths = _lengths(kwargs, "soft_overlong_penalty")
         return [0.0 if n <= start else (start - n) / l_cache if n <= l_max else -1.0 for n in lengths]
 
@@ -328,9 +373,10 @@ def length_penalty(target_length: int, scale: float = 1.0) -> RewardFunc:
     """A linear penalty on tokens beyond a target length: ``-scale * max(0, L - target) / target``.
 
     0 up to ``target_length`` tokens, then -scale per extra ``target_length`` tokens (unbounded
-    below, unlike :func:`soft_overlong_penalty`). Uses the ``completion_lengths`` keyword.
+    below, unlike :func:`soft_overlong_penalty`). Uses the ``completion_lengths`` keyword (or the
+    lengths of ``completion_ids``).
 
-    >>> length_penalty(target_length=50, scale=0.5)(["q"] * 3, [""] * 3, completion_lengths=[10, 50, 150])
+    >>> length_penalty(target_length=50, scale=0.5)(completions=[""] * 3, completion_lengths=[10, 50, 150])
     [0.0, 0.0, -1.0]
     """
     if target_length <= 0 or scale < 0:
@@ -338,7 +384,7 @@ def length_penalty(target_length: int, scale: float = 1.0) -> RewardFunc:
             f"length_penalty needs target_length > 0 and scale >= 0, got {target_length}, {scale}"
         )
 
-    def length_penalty(prompts, completions, **kwargs) -> list[float]:
+    def length_penalty(completions, **kwargs) -> list[float]:
         lengths = _lengths(kwargs, "length_penalty")
         return [-scale * (n - target_length) / target_length if n > target_length else 0.0 for n in lengths]
 
@@ -353,6 +399,7 @@ BUILTIN_REWARDS: dict[str, tuple[Callable, bool]] = {
     "accuracy": (answer_accuracy, False),
     "soft_overlong": (soft_overlong_penalty, True),
     "length": (length_penalty, True),
+    "countdown": (countdown_reward, False),
 }
 _ALIASES = {obj.__name__: name for name, (obj, _) in BUILTIN_REWARDS.items()}
 
@@ -462,7 +509,28 @@ def resolve_reward_funcs(specs: Any, *, context: Mapping[str, Any] | None = None
     """
     if isinstance(specs, (str, Mapping)) or callable(specs):
         specs = [specs]
-    return [_resolve_one(spec, context or {}) for spec in specs]
+    funcs = [_resolve_one(spec, context or {}) for spec in specs]
+    for fn in funcs:
+        _check_not_async(fn)
+    return funcs
+
+
+def _is_async(fn: Callable) -> bool:
+    """Whether calling ``fn`` returns a coroutine: an ``async def`` function, a partial of one, or an
+    object whose ``__call__`` is one."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
+
+
+def _check_not_async(fn: Callable) -> None:
+    if _is_async(fn):
+        raise ValueError(
+            f"reward function {reward_name(fn)!r} is an async function (async def); lora_grpo calls "
+            "reward functions synchronously (unlike TRL, which awaits them concurrently). Wrap it: "
+            f"def {reward_name(fn)}_sync(**kwargs): return asyncio.run({reward_name(fn)}(**kwargs))"
+        )
 
 
 def reward_name(fn: Callable) -> str:
@@ -479,22 +547,42 @@ def reward_name(fn: Callable) -> str:
 TRAINER_KEYWORDS = frozenset(
     {"prompts", "completions", "completion_ids", "completion_lengths", "truncated", "trainer_state"}
 )
+# Keywords holding one value for the whole batch, not one per completion.
+_BATCH_KEYWORDS = frozenset({"trainer_state"})
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The ``trainer_state`` keyword: training progress, for rewards that change over training
+    (curricula, annealed penalties). The fields of ``transformers.TrainerState`` (what TRL passes)
+    that such rewards read, with the same meaning; nothing else.
+
+    Attributes:
+        global_step: optimizer steps done before this batch was scored (0 on the first step).
+        max_steps: the optimizer steps the run will take.
+        epoch: epochs done, fractional (``global_step / steps_per_epoch``).
+    """
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+    @property
+    def step(self) -> int:
+        """Alias of ``global_step``."""
+        return self.global_step
 
 
 def _needed_columns(fn: Callable) -> list[tuple[str, ...]]:
-    """The columns ``fn`` needs, each as a tuple of alternatives (any one will do)."""
+    """The columns ``fn`` needs, each as a tuple of alternatives (any one will do): its parameters
+    without a default (every argument is passed by keyword), and its ``required_columns``."""
     target = fn.func if isinstance(fn, functools.partial) else fn
     declared = getattr(fn, "required_columns", None) or getattr(target, "required_columns", ())
     needed = [(c,) if isinstance(c, str) else tuple(c) for c in declared]
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # no signature to read (some C callables): check nothing more
         return needed
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not any(p.name in TRAINER_KEYWORDS for p in positional[:2]):
-        # Positional style, fn(p, c, **kw): the first two receive prompts and completions whatever
-        # their names. Otherwise parameters are matched by name (keyword style, TRL's).
-        params = [p for p in params if p not in positional[:2]]
     needed += [
         (p.name,)
         for p in params
@@ -503,29 +591,62 @@ def _needed_columns(fn: Callable) -> list[tuple[str, ...]]:
     return needed
 
 
-def check_reward_columns(reward_funcs: Sequence[Callable], columns: Sequence[str], dataset_name: str) -> None:
-    """Raise ValueError, before any training, when ``dataset_name`` lacks a column a reward needs.
+def _positional_only(fn: Callable) -> list[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
 
-    A reward function needs: its parameters without a default, except :data:`TRAINER_KEYWORDS` and
-    ``*args``/``**kwargs`` (``def accuracy_reward(completions, solution, **kwargs)`` needs
-    ``solution``; ``lambda p, c, **kw``, whose first two parameters are not trainer names, takes
-    them as prompts and completions); and the columns in its ``required_columns`` attribute, each
-    a name or a tuple of names of which one is enough (:func:`answer_accuracy` declares
-    ``(("answer", "solution"),)``). The message names every function, its missing columns, the
-    dataset and its columns.
+
+def _hint(name: str) -> str:
+    """' (did you mean 'completion_ids'?)' for a parameter name close to a trainer keyword."""
+    close = difflib.get_close_matches(name, sorted(TRAINER_KEYWORDS), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_reward_columns(reward_funcs: Sequence[Callable], columns: Sequence[str], dataset_name: str) -> None:
+    """Raise ValueError, before any training, when reward functions cannot take what the trainer passes.
+
+    ``columns`` are the dataset columns that reach the reward functions (all but ``prompt`` and
+    ``prompt_messages``). Every argument is passed by keyword (TRL's contract), so a function needs:
+    each parameter without a default that is not one of :data:`TRAINER_KEYWORDS` nor ``*args`` /
+    ``**kwargs`` (``def accuracy_reward(completions, solution, **kwargs)`` needs ``solution``;
+    ``lambda p, c, **kw`` needs columns ``p`` and ``c``: name them ``prompts, completions``); and
+    the columns in its ``required_columns`` attribute, each a name or a tuple of names of which one
+    is enough (:func:`answer_accuracy` declares ``(("answer", "solution"),)``). A function with
+    positional-only parameters, or a dataset column named like a trainer keyword
+    (``completions``, ``truncated``...), is an error too. The message names every function, its
+    missing columns, the dataset and its columns.
     """
+    for fn, name in zip(reward_funcs, reward_names(reward_funcs), strict=True):
+        positional = _positional_only(fn)
+        if positional:
+            raise ValueError(
+                f"reward function {name!r} has positional-only parameters {positional}, but every argument "
+                "is passed by keyword (TRL's contract): make them regular parameters (drop the '/')"
+            )
+    clashes = sorted(TRAINER_KEYWORDS.intersection(columns))
+    if clashes:
+        raise ValueError(
+            f"{dataset_name} has column(s) {clashes}, named like keywords the trainer passes to reward "
+            f"functions ({sorted(TRAINER_KEYWORDS)}); rename them (ds.rename_column)"
+        )
     available = set(columns) | TRAINER_KEYWORDS
     problems = []
     for fn, name in zip(reward_funcs, reward_names(reward_funcs), strict=True):
         missing = [group for group in _needed_columns(fn) if not available.intersection(group)]
         if missing:
-            what = ", ".join(" or ".join(map(repr, group)) for group in missing)
+            what = ", ".join(" or ".join(f"{c!r}{_hint(c)}" for c in group) for group in missing)
             problems.append(f"reward function {name!r} needs column {what}")
     if problems:
         raise ValueError(
             f"{dataset_name} lacks columns that reward functions need: {'; '.join(problems)}. "
-            f"{dataset_name} has columns {list(columns)}. Add or rename the column (ds.add_column / "
-            "ds.rename_column), or give the function's parameter a default if it can do without it."
+            f"{dataset_name} has columns {list(columns)}. Reward functions are called with every "
+            "argument by keyword (TRL's contract): prompts, completions, completion_ids, the "
+            "dataset's columns, completion_lengths, truncated, trainer_state; a parameter is matched "
+            "by its name. Add or rename the column (ds.add_column / ds.rename_column), rename the "
+            "parameter, or give it a default if the function can do without it."
         )
 
 
@@ -551,15 +672,69 @@ def reward_names(reward_funcs: Sequence[Callable]) -> list[str]:
     return names
 
 
+def conversational_inputs(
+    prompts: Sequence[str], completions: Sequence[str], prompt_messages: Sequence[list | None] | None
+) -> tuple[list, list]:
+    """``prompts`` and ``completions`` as TRL passes them to reward functions.
+
+    Where a row's prompt came from chat messages (``prompt_messages[i]`` is a message list, see
+    :mod:`lora_grpo.data`), its prompt is that list and its completion
+    ``[{"role": "assistant", "content": text}]``; elsewhere (and for ``prompt_messages=None``)
+    both stay text. All three have one entry per completion.
+
+    >>> conversational_inputs(["u: hi\\na: ", "2+2="], ["hello", "4"], [[{"role": "user", "content": "hi"}], None])
+    ([[{'role': 'user', 'content': 'hi'}], '2+2='], [[{'role': 'assistant', 'content': 'hello'}], '4'])
+    """
+    if prompt_messages is None:
+        return list(prompts), list(completions)
+    chat = [m is not None for m in prompt_messages]
+    return (
+        [m if c else p for p, m, c in zip(prompts, prompt_messages, chat, strict=True)],
+        [[{"role": "assistant", "content": t}] if c else t for t, c in zip(completions, chat, strict=True)],
+    )
+
+
+def _keywords(prompts, completions, columns, i: int | None = None) -> dict[str, Any]:
+    """The keyword set of one call: all N samples, or only sample ``i`` (batch keywords whole)."""
+    if i is None:
+        return {"prompts": prompts, "completions": completions, **columns}
+    one = slice(i, i + 1)
+    return {
+        "prompts": prompts[one],
+        "completions": completions[one],
+        **{k: v if k in _BATCH_KEYWORDS else v[one] for k, v in columns.items()},
+    }
+
+
 def _find_failing_sample(fn, prompts, completions, columns) -> tuple[int, Exception] | None:
     """Call ``fn`` one sample at a time to find the first that raises (only on the error path)."""
     for i in range(len(completions)):
-        one = {k: v[i : i + 1] for k, v in columns.items()}
         try:
-            fn(prompts[i : i + 1], completions[i : i + 1], **one)
+            fn(**_keywords(prompts, completions, columns, i))
         except Exception as e:  # noqa: BLE001 - reported to the user
             return i, e
     return None
+
+
+def _check_signature(fn, name: str, keywords: Mapping[str, Any]) -> None:
+    """ValueError, before the call, when ``fn`` cannot take the keyword set (a parameter no keyword
+    fills, or no ``**kwargs`` for the rest): the usual mistake of a positional-style function."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: let the call speak
+        return
+    try:
+        signature.bind(**keywords)
+    except TypeError as e:
+        raise ValueError(
+            f"reward function {name!r} cannot take the keywords it is called with ({e}); its "
+            f"parameters: {list(signature.parameters)}; the keywords: {sorted(keywords)}. Every "
+            "argument is passed by keyword (TRL's contract): name the parameters you use after the "
+            "keywords and end with **kwargs, e.g. def my_reward(completions, answer, **kwargs)"
+        ) from None
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _to_float(value: Any) -> float | None:
@@ -577,12 +752,16 @@ def _to_float(value: Any) -> float | None:
         out = math.inf
     if math.isinf(out):
         raise TypeError(f"an infinite value ({value!r:.60})")
+    if abs(out) > _FLOAT32_MAX:  # the reward table is float32: this would become inf there
+        raise TypeError(f"a value beyond float32's range ({value!r:.60})")
     return None if math.isnan(out) else out
 
 
 def _score_one(fn, name, prompts, completions, columns, n) -> list[float | None]:
+    keywords = _keywords(prompts, completions, columns)
+    _check_signature(fn, name, keywords)
     try:
-        values = fn(prompts, completions, **columns)
+        values = fn(**keywords)
     except Exception as e:
         found = _find_failing_sample(fn, prompts, completions, columns)
         if found is not None:
@@ -592,6 +771,14 @@ def _score_one(fn, name, prompts, completions, columns, n) -> list[float | None]
             first = _sample(0, prompts, completions)
             where = f"it fails on the batch of {n} but on no single sample; first {first}"
         raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}; {where}") from e
+    if inspect.isawaitable(values):
+        if inspect.iscoroutine(values):
+            values.close()  # never awaited: close it rather than leave a "never awaited" warning
+        _check_not_async(fn)  # the message for an async def function
+        raise ValueError(
+            f"reward function {name!r} returned an awaitable ({type(values).__name__}); reward "
+            "functions are called synchronously and must return a list of numbers"
+        )
     if isinstance(values, torch.Tensor):
         values = values.reshape(-1).tolist()
     try:
@@ -630,11 +817,16 @@ def compute_rewards(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Score N completions with F reward functions and combine them.
 
+    Every function is called with every argument by keyword (see the module docstring):
+    ``fn(prompts=prompts, completions=completions, **columns)``.
+
     Args:
         reward_funcs: F reward functions (see the module docstring for the contract).
-        prompts, completions: N texts each.
-        columns: keyword lists of length N passed to every function (dataset columns, plus the
-            trainer's ``completion_lengths`` and ``truncated``).
+        prompts, completions: N each, as passed to the functions: texts, or for conversational
+            rows message lists (see :func:`conversational_inputs`).
+        columns: the other keywords: lists of length N (dataset columns, plus the trainer's
+            ``completion_ids``, ``completion_lengths`` and ``truncated``), except
+            ``trainer_state``, passed as is.
         weights: F weights, default all 1.
 
     Returns:
@@ -650,9 +842,10 @@ def compute_rewards(
     metrics rewards/f/mean = 0.5, rewards/g/mean = -1.0 (the None is left out, not averaged as 0).
 
     Errors: a function that raises -> RuntimeError naming it and the first sample that fails on its
-    own (found by calling it per sample), chained from the original; a wrong number of values or a
-    non-numeric / infinite value -> ValueError naming the function (and the sample); len(weights) != F
-    -> ValueError.
+    own (found by calling it per sample), chained from the original; a function whose signature
+    cannot take the keywords (say ``lambda p, c: ...``), an ``async def`` function, a wrong number
+    of values or a non-numeric / infinite value -> ValueError naming the function (and the
+    sample); len(weights) != F -> ValueError.
     """
     reward_funcs = list(reward_funcs)
     n, n_funcs = len(completions), len(reward_funcs)
@@ -663,9 +856,13 @@ def compute_rewards(
         raise ValueError(
             f"got {len(prompts)} prompts for {n} completions; expected one prompt per completion"
         )
+    for fn in reward_funcs:
+        _check_not_async(fn)
     for key, values in columns.items():
         if key in ("prompts", "completions"):
-            raise ValueError(f"column name {key!r} clashes with the reward functions' positional argument")
+            raise ValueError(f"column name {key!r} clashes with the keyword {key!r} that compute_rewards passes itself")
+        if key in _BATCH_KEYWORDS:
+            continue
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
     if weights is None:

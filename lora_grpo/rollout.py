@@ -163,6 +163,18 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def check_special_tokens(model, tokenizer) -> list[int]:
+    """The EOS ids, after checking that the tokenizer can pad and completions can end (ValueError
+    saying what to set otherwise). Called at trainer start and by every rollout."""
+    eos_ids = _eos_ids(model, tokenizer)
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            "the tokenizer has no pad token (tokenizer.pad_token_id is None); set one, e.g. "
+            "tokenizer.pad_token = tokenizer.eos_token (lora_grpo.model.load_tokenizer does)"
+        )
+    return eos_ids
+
+
 def context_limit(model_or_config) -> int | None:
     """The most tokens (prompt + completion) the model takes: its config's ``max_position_embeddings``,
     or its text config's (multimodal models); None when it declares no such limit."""
@@ -199,6 +211,15 @@ def check_context(max_prompt_length: int | None, max_completion_length: int, mod
             f"= {total} tokens, more than the model's context of {limit} tokens (max_position_embeddings); "
             f"lower max_prompt_length or max_completion_length so that they sum to at most {limit}"
         )
+
+
+def check_prompts_fit(tokenizer, prompts: list[str], max_completion_length: int, model) -> None:
+    """With max_prompt_length=None (no cut): check every prompt of a dataset at start, so that a
+    long one fails before training rather than when it is first sampled, hours in."""
+    limit = context_limit(model)
+    if limit is not None and prompts:
+        _, mask = _tokenize_left_padded(tokenizer, prompts, None)
+        _check_prompt_lengths(prompts, mask.sum(1).tolist(), max_completion_length, limit)
 
 
 def _check_prompt_lengths(prompts: list[str], lengths: list[int], max_completion_length: int, limit: int) -> None:
@@ -339,12 +360,7 @@ def generate_rollout(
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1 or repetition_penalty <= 0:
         raise ValueError("invalid sampling parameters")
     G, pad_id = num_generations, tokenizer.pad_token_id
-    if pad_id is None:
-        raise ValueError(
-            "the tokenizer has no pad token (tokenizer.pad_token_id is None); set one, e.g. "
-            "tokenizer.pad_token = tokenizer.eos_token (lora_grpo.model.load_tokenizer does)"
-        )
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = check_special_tokens(model, tokenizer)
     device = next(model.parameters()).device
     sampling = dict(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty

@@ -182,7 +182,12 @@ def parse_answer(completion) -> int | None:
 
 
 def toy_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """Correctness reward: 1.0 when the completion's integer equals the "answer" column, else 0.0."""
+    """Correctness reward: 1.0 when the completion's integer equals the "answer" column, else 0.0.
+
+    The trainer calls it by keyword (TRL's contract, see lora_grpo.rewards): ``completions`` (text
+    or conversational) and the ``answer`` column; ``prompts`` is unused, and stays the first
+    parameter only so that existing positional calls (``greedy_accuracy``) keep working.
+    """
     scores = []
     for completion, truth in zip(completions, answer, strict=True):
         value = parse_answer(completion)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import signal
 import threading
@@ -34,13 +35,32 @@ from . import checkpoint as ckpt
 from .adapters import POLICY, policy_parameters, reference_forward
 from .advantages import group_advantages, zero_std_fraction
 from .config import GRPOConfig
-from .data import PromptBatches, load_prompt_dataset
+from .countdown import countdown_problems
+from .data import PROMPT_MESSAGES, PromptBatches, load_prompt_dataset
+from .evaluation import chunk_generator, count_correct, eval_chunks, eval_metrics, num_eval_samples, prompt_results
 from .logprobs import check_log_probs, sequence_log_probs
 from .loss import accumulation_scale, grpo_loss
 from .model import keep_4bit_weights_fixed, load_model
 from .reference import SyncSchedule, sync_reference
-from .rewards import check_reward_columns, compute_rewards, resolve_reward_funcs, reward_metrics, reward_names
-from .rollout import Rollout, _tokenize_left_padded, check_context, generate_rollout
+from .reporting import RunReporter, accelerator_kwargs
+from .rewards import (
+    TrainerState,
+    check_reward_columns,
+    compute_rewards,
+    conversational_inputs,
+    resolve_reward_funcs,
+    reward_metrics,
+    reward_names,
+)
+from .rollout import (
+    Rollout,
+    _tokenize_left_padded,
+    check_context,
+    check_prompts_fit,
+    check_special_tokens,
+    generate_rollout,
+)
+from .toy import toy_problems
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -115,8 +135,9 @@ class _StopSignals:
             self.__exit__()
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
         self.received = signum
-        print(f"\n{signal.Signals(signum).name} received: finishing the current step, then writing a checkpoint "
-              "(send it again to stop at once)", flush=True)
+        # os.write, not print: a handler that interrupts a print must not print (reentrant call).
+        os.write(2, f"\n{signal.Signals(signum).name} received: finishing the current step, then writing a "
+                    "checkpoint (send it again to stop at once)\n".encode())
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -126,7 +147,7 @@ class _StopSignals:
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
         self._previous = {}
 
 
@@ -151,13 +172,16 @@ def build_scheduler(optimizer, config: GRPOConfig, total_steps: int):
     )
 
 
+# Datasets generated locally, by name (nothing is downloaded): name -> (problems(n, seed, split), train rows, eval rows).
+LOCAL_DATASETS = {"toy": (toy_problems, 2000, 200), "countdown": (countdown_problems, 10_000, 500)}
+
+
 def _resolve_dataset(source, config: GRPOConfig, tokenizer, split: str):
     if source is None:
         return None
-    if isinstance(source, str) and source == "toy":
-        from .toy import toy_problems
-
-        source = toy_problems(2000 if split != "eval" else 200, seed=config.seed, split=split)
+    if isinstance(source, str) and source in LOCAL_DATASETS:
+        problems, train_rows, eval_rows = LOCAL_DATASETS[source]
+        source = problems(eval_rows if split == "eval" else train_rows, seed=config.seed, split=split)
     return load_prompt_dataset(
         source,
         split=config.dataset_split if split == "train" else config.eval_split,
@@ -195,7 +219,8 @@ class GRPOTrainer:
 
         self._created = time.perf_counter()
         self.config = config
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        # report_to's trackers; a missing tracker package fails here, before the model loads
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), **accelerator_kwargs(config))
         # The same seed on every process: the adapters must start identical (sampling has its own
         # per-process generator below).
         self._seed_everything(config.seed)
@@ -227,10 +252,14 @@ class GRPOTrainer:
         self.eval_dataset = _resolve_dataset(eval_source, config, tokenizer, "eval")
         if self.eval_dataset is not None and config.eval_limit:
             self.eval_dataset = self.eval_dataset.select(range(min(config.eval_limit, len(self.eval_dataset))))
-        # Columns reach the reward functions (all but the rendered prompt): check before any work.
+        # Columns reach the reward functions as keywords (all but the rendered prompt and the chat
+        # messages, which arrive as `prompts`; see rewards()): check before any work.
         for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
             if ds is not None:
-                check_reward_columns(self.reward_funcs, [c for c in ds.column_names if c != "prompt"], name)
+                columns = [c for c in ds.column_names if c not in ("prompt", PROMPT_MESSAGES)]
+                check_reward_columns(self.reward_funcs, columns, name)
+                if config.max_prompt_length is None:
+                    check_prompts_fit(tokenizer, list(ds["prompt"]), config.max_completion_length, model)
         if self.accelerator.num_processes > 1:
             # Each process samples its own prompts. Equal shards keep every process at the same step
             # count and epoch boundaries (so collectives match and epoch syncs happen together).
@@ -251,9 +280,12 @@ class GRPOTrainer:
         self.history: list[dict[str, float]] = []
         self.nonfinite_in_a_row = 0
         self._warn_sampling_filters()
+        check_special_tokens(self.model, self.tokenizer)
         self.logprob_check = self._check_log_probs()
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
+        self.reporter = RunReporter(config, self.accelerator, reward_names(self.reward_funcs), self.total_steps)
+        self._last_scores = None  # the last step's samples for completions.jsonl (set by score())
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -265,45 +297,45 @@ class GRPOTrainer:
             cfg.to_yaml(self.output_dir / "config.yaml")
         if cfg.resume_from_checkpoint:
             self.load_checkpoint(cfg.resume_from_checkpoint)
-            if self.is_main:
-                ckpt.truncate_log(self.output_dir / "metrics.jsonl", self.step)
-        elif self.is_main:
-            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh log
+        self.reporter.start(self.step, resumed=bool(cfg.resume_from_checkpoint))  # logs truncated or fresh; trackers
         eval_before = self.evaluate() if self.eval_dataset is not None and self.step == 0 else {}
         if eval_before:
             self._report_eval("before", eval_before)
+        # Stop signals are deferred until the end of the run, final eval and saves included.
         with _StopSignals() as stop:
-            while self.step < self.total_steps:
-                epoch, rows = next(self.batches)
-                epoch_ended = self.batches.epoch != epoch
-                metrics = self.training_step(rows)
-                self.step += 1
-                metrics["epoch"] = epoch
-                reason = self.schedule.due(self.step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
-                if reason:
-                    metrics.update(self.sync_reference())
-                    metrics["sync/event"] = 1.0
-                    metrics["sync/reason"] = reason
-                if self.eval_dataset is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
-                    metrics.update(self.evaluate())
-                self.history.append(metrics)
-                self._log({"step": self.step, **metrics})
-                if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
-                    self._print(self._progress_line(metrics))
-                signum = self._stop_requested(stop.received)
-                if signum:
-                    self._stop(signum)
-                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
-                    self.save_checkpoint()
-        eval_after = self.evaluate() if self.eval_dataset is not None else {}
-        if eval_after:
-            self._report_eval("after", eval_after)
-        self.save_checkpoint()
-        if self.is_main:
-            self._write("the final adapter", lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY))
+            with self.reporter.progress(self.step):
+                while self.step < self.total_steps:
+                    epoch, rows = next(self.batches)
+                    epoch_ended = self.batches.epoch != epoch
+                    metrics = self.training_step(rows)
+                    self.step += 1
+                    metrics["epoch"] = epoch
+                    reason = self.schedule.due(self.step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
+                    if reason:
+                        metrics.update(self.sync_reference())
+                        metrics["sync/event"] = 1.0
+                        metrics["sync/reason"] = reason
+                    if self.eval_dataset is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
+                        metrics.update(self.evaluate())
+                    self.history.append(metrics)
+                    self.reporter.log_step(self.step, metrics, self._last_scores)  # metrics, completions, trackers, bar
+                    if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                        self._print(self._progress_line(metrics))
+                    signum = self._stop_requested(stop.received)
+                    if signum:
+                        self._stop(signum)
+                    if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
+                        self.save_checkpoint()
+            eval_after = self.evaluate() if self.eval_dataset is not None else {}
+            if eval_after:
+                self._report_eval("after", eval_after)
+            self.save_checkpoint()
+            if self.is_main:
+                self._write("the final adapter", lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY))
         summary = self._summary(eval_before, eval_after, time.perf_counter() - start)
         if self.is_main:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.reporter.finish()
         return summary
 
     def training_step(self, rows: dict[str, list]) -> dict[str, float]:
@@ -323,8 +355,11 @@ class GRPOTrainer:
             with reference_forward(self.model):
                 batch.ref_logp = self.log_probs(batch)
         t_ref = time.perf_counter()
+        skipped = 0.0
         for _ in range(cfg.num_iterations):
             metrics.update(self.optimize(batch))
+            skipped += metrics["skipped_nonfinite"]
+        metrics["skipped_nonfinite"] = skipped  # of this step's num_iterations updates
         t_end = time.perf_counter()
         tokens = int(rollout.completion_mask.sum())
         metrics.update({
@@ -337,7 +372,9 @@ class GRPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------ stages
-    def generate(self, prompts: list[str], num_generations: int | None = None, temperature: float | None = None) -> Rollout:
+    def generate(self, prompts: list[str], num_generations: int | None = None, temperature: float | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """Sample with the policy; `generator` defaults to the training sampling stream."""
         cfg = self.config
         return generate_rollout(
             self.model,
@@ -351,23 +388,33 @@ class GRPOTrainer:
             top_k=cfg.top_k,
             min_p=cfg.min_p,
             repetition_penalty=cfg.repetition_penalty,
-            generator=self.generator,
+            generator=self.generator if generator is None else generator,
         )
 
     def rewards(self, rollout: Rollout, rows: dict[str, list], group_size: int):
-        """Rewards (B,), per-function (B, F), metrics. Dataset columns repeat for each group member."""
+        """Rewards (B,), per-function (B, F), metrics. Every reward function gets TRL's keywords
+        (rewards.py): dataset columns repeated for each group member; a row whose prompt was chat
+        messages gets them as its prompt and [{"role": "assistant", "content": text}] as its
+        completion; completion_ids, completion_lengths, truncated, trainer_state."""
         columns = {k: [v for v in values for _ in range(group_size)] for k, values in rows.items() if k != "prompt"}
+        prompts, completions = conversational_inputs(
+            rollout.prompts, rollout.completions, columns.pop(PROMPT_MESSAGES, None)
+        )
+        ids, mask = rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool()
+        columns["completion_ids"] = [row[keep].tolist() for row, keep in zip(ids, mask)]  # up to and including EOS
         columns["completion_lengths"] = rollout.completion_lengths.tolist()
         columns["truncated"] = rollout.truncated.tolist()
-        return compute_rewards(
-            self.reward_funcs, rollout.prompts, rollout.completions, columns, weights=self.config.reward_weights
+        columns["trainer_state"] = TrainerState(
+            global_step=self.step, max_steps=self.total_steps, epoch=self.step / self.batches.steps_per_epoch
         )
+        return compute_rewards(self.reward_funcs, prompts, completions, columns, weights=self.config.reward_weights)
 
     def score(self, rollout: Rollout, rows: dict[str, list]) -> tuple[Tensor, dict[str, float]]:
         """Rewards → group-relative advantages (B,), with the step's reward and completion metrics."""
         cfg = self.config
         rewards, per_func, metrics = self.rewards(rollout, rows, cfg.num_generations)
         advantages = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        self._last_scores = (rollout.prompts, rollout.completions, per_func, rewards, advantages)  # for log_completions
         lengths = rollout.completion_lengths.float()
         truncated = rollout.truncated.float()
         if self.accelerator.num_processes > 1:  # metrics over every process's groups, not just this one's
@@ -497,18 +544,37 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def evaluate(self, dataset=None, batch_prompts: int = 64) -> dict[str, float]:
-        """Greedy completions (one per prompt) scored by the reward functions: eval/* metrics."""
+        """eval/<reward> and eval/completion_length of one greedy completion per prompt; with
+        eval_pass_k, eval/pass@k of eval_num_samples sampled ones (correct: the first reward function
+        ≥ eval_correct_threshold). Processes split the prompts in chunks of batch_prompts and gather
+        the results: each prompt counts once, every process returns the same metrics (evaluation.py)."""
+        cfg, acc = self.config, self.accelerator
         dataset = self.eval_dataset if dataset is None else dataset
-        scores, lengths = [], []
-        for start in range(0, len(dataset), batch_prompts):
-            rows = dataset[start : start + batch_prompts]
-            rollout = self.generate(rows["prompt"], num_generations=1, temperature=0.0)
-            scores.append(self.rewards(rollout, rows, 1)[1])
-            lengths.append(rollout.completion_lengths.float().cpu())
-        per_func = torch.cat(scores)  # (N, F), NaN where a function returned None
-        metrics = {f"eval/{name}": per_func[:, j].nanmean().item() for j, name in enumerate(reward_names(self.reward_funcs))}
-        metrics["eval/completion_length"] = torch.cat(lengths).mean().item()
-        return metrics
+        n = num_eval_samples(cfg.eval_pass_k, cfg.eval_num_samples)
+        temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
+        per_decode = max(1, max(batch_prompts, cfg.generation_batch) // max(n, 1))  # prompts per sampled decode
+        results = []
+        for chunk, start, stop in eval_chunks(len(dataset), batch_prompts, acc.num_processes, acc.process_index):
+            rows = dataset[start:stop]
+            greedy = self.generate(rows["prompt"], num_generations=1, temperature=0.0)  # draws nothing
+            scores = self.rewards(greedy, rows, 1)[1]  # (m, F), NaN where a function returned None
+            correct = None
+            if n:
+                # The chunk's own generator: the training sampling stream stays untouched and the
+                # draws do not depend on the process that evaluates the chunk.
+                generator = chunk_generator(cfg.seed, chunk, acc.device)
+                first = []
+                for s in range(0, stop - start, per_decode):
+                    sub = {key: values[s : s + per_decode] for key, values in rows.items()}
+                    sampled = self.generate(sub["prompt"], num_generations=n, temperature=temperature, generator=generator)
+                    first.append(self.rewards(sampled, sub, n)[1][:, 0])
+                correct = count_correct(torch.cat(first), n, cfg.eval_correct_threshold)
+            results += prompt_results(start, scores, greedy.completion_lengths, correct)
+        if acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            results = gather_object(results)
+        return eval_metrics(results, reward_names(self.reward_funcs), cfg.eval_pass_k, n, len(dataset))
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
@@ -536,6 +602,7 @@ class GRPOTrainer:
                 lambda: ckpt.save_checkpoint(target, self.model, blobs=blobs, state=state, config_yaml=self.config.to_yaml()),
             )
             ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit)
+            self.reporter.plot()  # metrics.png so far (a failure is only a warning)
         self.accelerator.wait_for_everyone()
         return target if self.is_main else None
 
@@ -558,11 +625,13 @@ class GRPOTrainer:
         path = ckpt.resolve_checkpoint(path, self.output_dir)
         state, blobs = ckpt.load_checkpoint_state(path)
         ckpt.check_compatible(
-            path, self.config.to_dict(), self.accelerator.num_processes, int(state.get("num_processes", len(blobs["rng"])))
+            path, self.config.to_dict(), self.accelerator.num_processes, int(state.get("num_processes", len(blobs["rng"]))),
+            policy_targets=set(self.model.peft_config[POLICY].target_modules),
         )
         ckpt.load_checkpoint_adapters(self.model, path)
         self.optimizer.load_state_dict(blobs["optimizer"])
         self.scheduler.load_state_dict(blobs["scheduler"])
+        self._apply_optimizer_config()
         rng = blobs["rng"][self.accelerator.process_index]  # this process's own states
         ckpt.set_rng_state(rng)
         self.generator.set_state(rng["sampling"])
@@ -570,7 +639,23 @@ class GRPOTrainer:
         self.batches.load_state_dict(state["batches"])
         self.history = state.get("history", [])
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
+        if self.is_main:
+            for moved in ckpt.set_aside_later_checkpoints(self.output_dir, self.step):
+                self._print(f"{moved.name}: a later checkpoint of the run this one resumes, set aside (not deleted)")
         self._print(f"resumed from {path} at step {self.step}")
+
+    def _apply_optimizer_config(self) -> None:
+        """After loading optimizer and scheduler state: the config's learning rate, betas and weight
+        decay win over the saved ones (resuming with a lower learning_rate must lower it)."""
+        cfg = self.config
+        saved_lr = self.scheduler.base_lrs[0]
+        self.scheduler.base_lrs = [cfg.learning_rate for _ in self.scheduler.base_lrs]
+        factors = [f(self.scheduler.last_epoch) for f in self.scheduler.lr_lambdas]
+        for group, factor in zip(self.optimizer.param_groups, factors):
+            group.update(lr=cfg.learning_rate * factor, initial_lr=cfg.learning_rate,
+                         betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+        if saved_lr != cfg.learning_rate:
+            self._print(f"learning_rate {saved_lr:g} in the checkpoint, {cfg.learning_rate:g} in this config: using {cfg.learning_rate:g}")
 
     # ------------------------------------------------------------------ stopping
     def _stop_requested(self, local: int | None) -> int | None:
@@ -578,7 +663,8 @@ class GRPOTrainer:
         if self.accelerator.num_processes == 1:
             return local
         flag = torch.tensor([local or 0], device=self.accelerator.device)
-        return int(self.accelerator.reduce(flag, "max").item()) or None
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # a sum would invent signals
+        return int(flag.item()) or None
 
     def _stop(self, signum: int) -> None:
         """After a stop signal: write a checkpoint, then raise TrainingInterrupted with how to resume."""
@@ -594,7 +680,8 @@ class GRPOTrainer:
     def _check_log_probs(self) -> float:
         """Refuse a model whose own logits our chunked log-probs do not reproduce (an unknown
         transform after its LM head): two prompts, then four of their own tokens as a completion."""
-        ids, mask = _tokenize_left_padded(self.tokenizer, list(self.train_dataset[:2]["prompt"]), 32)
+        ids, mask = _tokenize_left_padded(self.tokenizer, list(self.train_dataset[:2]["prompt"]), None)
+        ids, mask = ids[:, -32:], mask[:, -32:]  # the prompts' ends (left-padded rows) are enough
         completion = ids[:, -4:]
         device = next(self.model.parameters()).device
         return check_log_probs(
@@ -641,18 +728,15 @@ class GRPOTrainer:
         return summary
 
     def _log(self, record: dict[str, Any]) -> None:
-        """Append one record to metrics.jsonl (main process only)."""
-        if self.is_main:
-            with (self.output_dir / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(record) + "\n")
+        """Append one record to metrics.jsonl and the trackers (main process only)."""
+        self.reporter.log(record)
 
     def _report_eval(self, when: str, metrics: dict[str, float]) -> None:
         self._print(f"eval {when} training: {self._fmt(metrics)}")
         self._log({"step": self.step, **metrics})
 
     def _print(self, text: str) -> None:
-        if self.is_main:
-            print(text, flush=True)
+        self.reporter.print(text)  # through the progress bar (tqdm.write), main process only
 
     @staticmethod
     def _fmt(metrics: dict[str, float]) -> str:

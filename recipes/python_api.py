@@ -3,19 +3,22 @@
     python recipes/python_api.py
 
 Same run as recipes/toy-addition.yaml, written as code: the config is one dataclass, reward
-functions are plain Python callables following fn(prompts, completions, **columns) -> list[float | None].
+functions are plain Python callables with TRL's contract: every argument by keyword (prompts,
+completions, completion_ids, the dataset's columns, completion_lengths, truncated, trainer_state),
+so a function names what it uses, takes **kwargs for the rest, and returns list[float | None].
+A reward function written for TRL works unchanged.
 """
 
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.toy import parse_answer, toy_problems
 
 
-def correct_sum(prompts, completions, answer, **kwargs):
+def correct_sum(completions, answer, **kwargs):
     """1 when the completion is the right sum; `answer` is the dataset column, one per completion."""
     return [float(parse_answer(c) == int(a)) for c, a in zip(completions, answer)]
 
 
-def three_digits(prompts, completions, **kwargs):
+def three_digits(completions, **kwargs):
     """A small format reward: the toy answers are written with exactly three digits."""
     return [float(len(c.strip()) == 3 and c.strip().isdigit()) for c in completions]
 

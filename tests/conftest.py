@@ -29,3 +29,20 @@ def run_torchrun(script, *args, nproc: int = 2, timeout: int = 300):
         pytest.skip("torch.distributed gloo backend unavailable")
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def write_recipe(tmp_path, base_dir, rows: int = 8, **fields) -> "os.PathLike":
+    """A recipe YAML for the tiny model over `rows` local "i+1" questions (answer column), with `fields` on top."""
+    import json
+
+    import yaml
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(rows)))
+    recipe = dict(model_name_or_path=str(base_dir), dataset=str(data), eval_dataset=str(data),
+                  prompt_template="Q: {question} A:", reward_funcs=["accuracy"], num_generations=2, prompts_per_step=2,
+                  max_completion_length=4, gradient_checkpointing=False, lora_r=4, output_dir=str(tmp_path / "run"))
+    recipe.update(fields)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path

@@ -165,7 +165,7 @@ def test_each_process_restores_its_own_rng_slot(tiny_base_dir, tmp_path, saved_r
     other = {**blobs["rng"][0], "torch": torch.manual_seed(123).get_state(), "sampling": torch.Generator().manual_seed(7).get_state()}
     blobs["rng"] = [blobs["rng"][0], other]
     monkeypatch.setattr(ckpt, "load_checkpoint_state", lambda path: ({"step": 2, "batches": trainer.batches.state_dict(), "num_processes": 2}, blobs))
-    monkeypatch.setattr(ckpt, "check_compatible", lambda *a: None)
+    monkeypatch.setattr(ckpt, "check_compatible", lambda *a, **k: None)
     monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self: 1))
     trainer.load_checkpoint(saved_run / "checkpoint-2")
     assert torch.equal(torch.get_rng_state(), other["torch"])
@@ -179,3 +179,122 @@ def test_an_adapter_with_nan_is_never_written(tiny_base_dir, tmp_path):
     with pytest.raises(FloatingPointError, match="NaN/inf"):
         ckpt.save_adapter(trainer.model, tmp_path / "nan_adapter", POLICY)
     assert not (tmp_path / "nan_adapter").exists()
+
+
+def test_a_real_full_disk_gives_the_clear_error(tiny_base_dir, tmp_path):
+    # Not a simulated OSError: a small tmpfs that holds checkpoint-1 but not checkpoint-2.
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        trainer = make_trainer(tiny_base_dir, mount, quantization="none", max_steps=3, save_steps=1, save_total_limit=5)
+        with pytest.raises(OSError, match=r"could not write checkpoint checkpoint-\d.*No space left.*is intact") as info:
+            trainer.train()
+        assert info.value.errno == errno.ENOSPC
+        kept = ckpt.list_checkpoints(mount / "run")
+        assert kept and not [p for p in (mount / "run").iterdir() if p.name.startswith(".")]
+        ckpt.load_checkpoint_state(ckpt.resolve_checkpoint("latest", mount / "run"))  # whole and loadable
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_resume_takes_the_configs_learning_rate(tiny_base_dir, tmp_path, saved_run):
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", learning_rate=1e-4)
+    trainer.load_checkpoint(saved_run / "checkpoint-2")
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [1e-4]
+    assert trainer.scheduler.base_lrs == [1e-4]
+
+
+def test_resuming_an_earlier_checkpoint_sets_later_ones_aside(tiny_base_dir, tmp_path, run_copy):
+    # Resume from checkpoint-1 of a run that went on to checkpoint-2: rotation must keep this run's
+    # new checkpoints, and 'latest' must mean this run's.
+    resume(tiny_base_dir, run_copy.parent, run_copy / "checkpoint-1", output_dir=str(run_copy), max_steps=3,
+           save_steps=1, save_total_limit=2)
+    names = sorted(p.name for p in run_copy.iterdir() if p.name.startswith("checkpoint"))
+    assert names == ["checkpoint-2", "checkpoint-2.superseded-1", "checkpoint-3"]
+
+
+def test_atomic_dir_rolls_back_a_failed_replace_and_recovers_after_a_crash(tmp_path, monkeypatch):
+    target = tmp_path / "adapter"
+    target.mkdir()
+    (target / "v").write_text("1")
+    real_replace = ckpt.os.replace
+
+    def replace(src, dst):
+        if str(src).startswith(str(tmp_path / ".adapter.")):  # the new dir into place
+            raise OSError(errno.EIO, "I/O error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    with pytest.raises(OSError):
+        with ckpt.atomic_dir(target) as tmp:
+            (tmp / "v").write_text("2")
+    assert (target / "v").read_text() == "1" and not (tmp_path / "adapter.old").exists()
+    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    # A crash between the two renames leaves only adapter.old: the next write restores it first.
+    real_replace(target, tmp_path / "adapter.old")
+    with ckpt.atomic_dir(target) as tmp:
+        assert (target / "v").read_text() == "1"
+        (tmp / "v").write_text("3")
+    assert (target / "v").read_text() == "3" and not (tmp_path / "adapter.old").exists()
+
+
+def test_a_half_written_log_line_is_dropped_on_resume(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rew')
+    ckpt.truncate_log(log, 3)
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+
+
+def test_target_modules_compare_as_resolved_sets(tiny_base_dir, tmp_path, saved_run):
+    # The saved run used 'all-linear'; the same modules written out (in another order) are the same run.
+    import json as _json
+
+    written = sorted(_json.loads((saved_run / "checkpoint-2" / POLICY / ckpt.ADAPTER_CONFIG).read_text())["target_modules"])
+    summary = resume(tiny_base_dir, tmp_path, saved_run / "checkpoint-2", lora_target_modules=written[::-1])
+    assert summary["steps"] == 3
+
+
+def test_misplaced_paths_inside_a_run_say_what_to_pass(tiny_base_dir, tmp_path, saved_run, run_copy):
+    with pytest.raises(CheckpointError, match=r"is the policy adapter inside checkpoint .*checkpoint-2; pass the checkpoint"):
+        ckpt.resolve_checkpoint(saved_run / "checkpoint-2" / POLICY, saved_run)
+    with pytest.raises(CheckpointError, match=r"is a file; pass a checkpoint-N directory"):
+        ckpt.resolve_checkpoint(saved_run / "checkpoint-2" / ckpt.STATE_BLOBS, saved_run)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text("")
+    with pytest.raises(CheckpointError, match=r"run directory without any checkpoint"):
+        ckpt.resolve_checkpoint(bare, bare)
+    (run_copy / "checkpoint-2" / ckpt.STATE_JSON).write_text('{"step": 2}')
+    with pytest.raises(CheckpointError, match=r"trainer_state.json is damaged \(no batches\)"):
+        ckpt.load_checkpoint_state(run_copy / "checkpoint-2")
+
+
+def test_saved_adapter_keys_match_peft_when_a_module_is_named_policy(tmp_path):
+    # Key names come from the LoRA layers, not from matching ".policy." in parameter names.
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.policy = torch.nn.Sequential(torch.nn.Linear(4, 4))
+            self.norm = torch.nn.LayerNorm(4)
+
+        def forward(self, x):
+            return self.norm(self.policy(x))
+
+    torch.manual_seed(0)
+    model = get_peft_model(Net(), LoraConfig(r=2, target_modules=["policy.0"], init_lora_weights=False), adapter_name=POLICY)
+    ckpt.save_adapter(model, tmp_path / "a", POLICY)
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "a" / ckpt.ADAPTER_WEIGHTS)))
+    assert keys == {"base_model.model.policy.0.lora_A.weight", "base_model.model.policy.0.lora_B.weight"}
+    torch.manual_seed(0)
+    fresh = Net()
+    loaded = PeftModel.from_pretrained(fresh, str(tmp_path / "a"))
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(loaded(x), model(x))

@@ -2,26 +2,16 @@ import json
 
 import pytest
 import torch
+from conftest import write_recipe
 
-from lora_grpo.cli import main
+from lora_grpo.cli import load_config, main, shipped_recipes
+from lora_grpo.config import ConfigError, GRPOConfig
 
 
 @pytest.fixture
 def recipe(tiny_base_dir, tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(8)))
-    path = tmp_path / "recipe.yaml"
-    path.write_text(
-        f"model_name_or_path: {tiny_base_dir}\n"
-        f"dataset: {data}\n"
-        f"eval_dataset: {data}\n"
-        "prompt_template: 'Q: {question} A:'\n"
-        "reward_funcs:\n  - accuracy\n  - name: length\n    kwargs: {target_length: 2}\n"
-        "num_generations: 2\nprompts_per_step: 2\nmax_completion_length: 4\nmax_steps: 2\nsave_steps: 0\n"
-        "gradient_checkpointing: false\nlora_r: 4\nlearning_rate: 1e-3\n"
-        f"output_dir: {tmp_path / 'run'}\n"
-    )
-    return path
+    return write_recipe(tmp_path, tiny_base_dir, reward_funcs=["accuracy", {"name": "length", "kwargs": {"target_length": 2}}],
+                        max_steps=2, save_steps=0, learning_rate=1e-3)
 
 
 def test_train_from_recipe_with_overrides(recipe, tmp_path, capsys):
@@ -68,3 +58,53 @@ def test_plot_and_merge(recipe, tmp_path, tiny_base_dir):
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(run / "adapter"))
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=x).logits, peft(input_ids=x).logits, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ recipes: files or shipped names
+
+
+def test_a_recipe_is_a_file_or_a_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the clone: no recipes/ directory here
+    shipped = GRPOConfig.from_yaml(shipped_recipes()["toy-addition"])
+    assert load_config("toy-addition", []) == shipped
+    assert load_config("toy-addition.yaml", ["max_steps=3"]).max_steps == 3
+    (tmp_path / "toy-addition.yaml").write_text("model_name_or_path: mine\n")  # a file of that name wins
+    assert load_config("toy-addition.yaml", []).model_name_or_path == "mine"
+    with pytest.raises(ConfigError, match="did you mean the shipped recipe 'toy-addition'"):
+        load_config("recipes/toy-addition.yaml", [])
+    with pytest.raises(ConfigError, match="shipped recipes: .*smollm2-360m-countdown-qlora"):
+        load_config("no-such-recipe", [])
+
+
+def test_unknown_recipe_exits_2_naming_the_shipped_ones(capsys):
+    assert main(["train", "toy-additon"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean the shipped recipe 'toy-addition'" in err and "lora-grpo recipes" in err
+
+
+def test_train_without_a_recipe_runs_the_shipped_toy_recipe(tiny_base_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    sets = [f"model_name_or_path={tiny_base_dir}", "max_steps=1", "eval_limit=4", f"output_dir={run}"]
+    assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 0
+    assert "(recipe toy-addition)" in capsys.readouterr().out
+    saved = (run / "config.yaml").read_text()
+    assert "dataset: toy" in saved and "lora_grpo.toy:toy_reward" in saved
+    assert json.loads((run / "summary.json").read_text())["steps"] == 1
+
+
+def test_recipes_lists_each_shipped_recipe_with_its_first_comment_line(capsys):
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shipped = shipped_recipes()
+    assert [line.split()[0] for line in lines] == list(shipped)
+    for line, (name, resource) in zip(lines, shipped.items()):
+        first_comment = resource.read_text().splitlines()[0].lstrip("# ")
+        assert line.split(None, 1)[1] == first_comment, name
+
+
+def test_recipes_name_prints_the_recipe_to_copy(capsys):
+    assert main(["recipes", "smollm2-360m-countdown-qlora"]) == 0
+    text = capsys.readouterr().out
+    assert text == shipped_recipes()["smollm2-360m-countdown-qlora"].read_text()
+    assert main(["recipes", "nope"]) == 2

@@ -5,7 +5,7 @@ import json
 import datasets
 import pytest
 
-from lora_grpo.data import PromptBatches, load_prompt_dataset
+from lora_grpo.data import PROMPT_MESSAGES, PromptBatches, load_prompt_dataset
 from lora_grpo.toy import make_tokenizer
 
 ROWS = [
@@ -84,9 +84,30 @@ def test_messages_column_with_chat_template(tokenizer):
     rows = [{"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}]
     ds = load_prompt_dataset(rows, tokenizer=tokenizer)
     assert ds["prompt"] == ["user: 2+2?\nassistant: "]
-    assert ds["answer"] == ["4"] and ds["messages"] == [rows[0]["messages"]]  # kept
+    # The messages move to prompt_messages (they reach reward functions once, as `prompts`).
+    assert ds["answer"] == ["4"] and ds[PROMPT_MESSAGES] == [rows[0]["messages"]]
+    assert sorted(ds.column_names) == ["answer", "prompt", "prompt_messages"]
     ds = load_prompt_dataset(rows, tokenizer=tokenizer, system_prompt="Think.")
     assert ds["prompt"] == ["system: Think.\nuser: 2+2?\nassistant: "]
+    assert ds[PROMPT_MESSAGES] == [[{"role": "system", "content": "Think."}, *rows[0]["messages"]]]  # as prompted
+
+
+def test_prompt_messages_only_for_chat_prompts(tokenizer):
+    chat = [{"role": "system", "content": "old"}, {"role": "user", "content": "hi"}]
+    ds = load_prompt_dataset([{"prompt": chat, "id": 7}], tokenizer=tokenizer, system_prompt="new")
+    assert ds.column_names == ["id", "prompt", "prompt_messages"]
+    assert ds[0] == {"id": 7, "prompt": "system: new\nuser: hi\nassistant: ",
+                     "prompt_messages": [{"role": "system", "content": "new"}, chat[1]]}
+    # A messages column that is not the prompt's source (the template wins) stays a plain column.
+    rows = [{"messages": chat, "question": "t"}]
+    ds = load_prompt_dataset(rows, prompt_template="{question}!", tokenizer=tokenizer)
+    assert sorted(ds.column_names) == ["messages", "prompt", "question"] and ds["messages"] == [chat]
+    # Text prompts (even wrapped by use_chat_template) are not conversational; a stale column goes.
+    ds = load_prompt_dataset([{"prompt": "q", PROMPT_MESSAGES: "stale"}], tokenizer=tokenizer, use_chat_template=True)
+    assert ds.column_names == ["prompt"] and ds["prompt"] == ["user: q\nassistant: "]
+    # A chat prompt_column other than "prompt" is consumed too.
+    ds = load_prompt_dataset([{"conv": chat[1:], "a": 1}], prompt_column="conv", tokenizer=tokenizer)
+    assert sorted(ds.column_names) == ["a", "prompt", "prompt_messages"] and ds[PROMPT_MESSAGES] == [chat[1:]]
 
 
 def test_system_prompt_replaces_a_leading_system_message(tokenizer):

@@ -331,3 +331,18 @@ def test_a_hidden_scale_before_an_adapter_wrapped_head():
     ref = _model_log_probs(model, ids, mask, 4, temperature=0.7)
     torch.testing.assert_close(logp[real], ref[real], rtol=0, atol=1e-5)
     assert (entropy > 0).all()
+
+
+def test_check_log_probs_names_nan_logits_as_such():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_grpo.logprobs import check_log_probs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    ids = torch.randint(0, 40, (1, 6))
+    with pytest.raises(ValueError, match=r"own logits are NaN/inf .*torch_dtype bfloat16 or float32"):
+        check_log_probs(model, ids, torch.ones_like(ids))

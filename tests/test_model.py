@@ -105,3 +105,33 @@ def test_every_4bit_layer_is_pinned_to_the_portable_path(avx512bf16_cpu, tiny_ba
                                      gradient_checkpointing=False))
     layers = [m for m in model.modules() if isinstance(m, bnb_modules.Linear4bit)]
     assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+
+
+def test_a_model_repacked_before_the_trainer_got_it_is_refused(tiny_base_dir, tmp_path):
+    from lora_grpo.model import keep_4bit_weights_fixed
+
+    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4,
+                                     gradient_checkpointing=False))
+    layer = next(m for m in model.modules() if isinstance(m, bnb_modules.Linear4bit))
+    layer.weight.data, layer.weight.quant_state = bnb_F._convert_weight_packed_for_cpu(layer.weight.data, layer.weight.quant_state)
+    with pytest.raises(ValueError, match=r"already repacked by bitsandbytes.*Load the model again"):
+        keep_4bit_weights_fixed(model)
+
+
+@pytest.mark.parametrize("drop", ["pad", "pad_and_eos"])
+def test_a_tokenizer_that_cannot_pad_or_stop_is_refused_at_start(tiny_base_dir, tmp_path, drop):
+    from lora_grpo import GRPOTrainer
+    from lora_grpo.model import load_tokenizer
+
+    config = GRPOConfig(model_name_or_path=tiny_base_dir, lora_r=4, num_generations=2, prompts_per_step=2,
+                        max_prompt_length=32, max_completion_length=4, output_dir=str(tmp_path), gradient_checkpointing=False)
+    model, _ = load_model(config)
+    tokenizer = load_tokenizer(config)
+    tokenizer.pad_token = None
+    if drop == "pad_and_eos":
+        tokenizer.eos_token = None
+        model.generation_config.eos_token_id = None
+    match = r"no pad token.*tokenizer.pad_token = tokenizer.eos_token" if drop == "pad" else r"no EOS token.*set tokenizer.eos_token"
+    with pytest.raises(ValueError, match=match):
+        GRPOTrainer(config, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                    train_dataset=[{"prompt": "1+2="}] * 4, model=model, tokenizer=tokenizer)

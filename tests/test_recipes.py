@@ -1,33 +1,55 @@
-"""Every GPU recipe parses and runs one step with its own settings, on a tiny local model and a
-GSM8K-shaped local file in place of the hub model and dataset (nothing is downloaded)."""
+"""Every shipped GPU recipe parses and runs one step with its own settings, on a tiny local model and a
+local stand-in for its dataset in place of the hub model and dataset (nothing is downloaded)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from lora_grpo.cli import main
+from lora_grpo.cli import main, recipe_file, recipe_summary, shipped_recipes
 from lora_grpo.config import GRPOConfig
 
-RECIPES = sorted(p for p in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml") if "toy" not in p.name)
+SHIPPED = shipped_recipes()
+GPU_RECIPES = [name for name in SHIPPED if "toy" not in name]  # the toy recipe: test_main_job, test_package
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_recipe_runs_one_step_offline(recipe, tiny_base_dir, tmp_path):
-    config = GRPOConfig.from_yaml(recipe)
-    assert config.quantization == "4bit" and config.beta > 0 and config.sync_enabled
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(
+def _gsm8k(path: Path) -> None:
+    path.write_text("".join(
         json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}) + "\n"
         for i in range(8)
     ))
+
+
+def _countdown(path: Path) -> None:
+    from lora_grpo.countdown import countdown_problems
+
+    countdown_problems(8, seed=0).to_json(str(path))
+
+
+# A recipe's `dataset` -> a writer of a small local file with the same columns.
+LOCAL_STAND_INS = {"openai/gsm8k": _gsm8k, "countdown": _countdown}
+
+
+def test_the_shipped_recipes():
+    assert set(SHIPPED) >= {"toy-addition", "qwen2.5-0.5b-gsm8k-qlora", "qwen2.5-1.5b-gsm8k-24gb",
+                            "smollm2-360m-countdown-qlora"}
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_recipe_runs_one_step_offline(name, tiny_base_dir, tmp_path):
+    with recipe_file(name) as path:
+        config = GRPOConfig.from_yaml(path)
+    assert config.quantization == "4bit" and config.beta > 0 and config.sync_enabled
+    assert config.dataset in LOCAL_STAND_INS, f"add a local stand-in for {config.dataset!r} to LOCAL_STAND_INS"
+    data = tmp_path / "data.jsonl"
+    LOCAL_STAND_INS[config.dataset](data)
     overrides = {
         "model_name_or_path": tiny_base_dir, "dataset": str(data), "dataset_config": "null",
         "eval_dataset": str(data), "eval_limit": 3, "num_generations": 2, "prompts_per_step": 2,
         "max_completion_length": 4, "micro_batch_size": 4, "max_steps": 1, "num_epochs": 1,
         "output_dir": str(tmp_path / "run"), "torch_dtype": "float32",
     }
-    args = ["train", str(recipe)]
+    args = ["train", name]
     for key, value in overrides.items():
         args += ["--set", f"{key}={value}"]
     assert main(args) == 0
@@ -35,3 +57,21 @@ def test_recipe_runs_one_step_offline(recipe, tiny_base_dir, tmp_path):
     assert summary["steps"] == 1 and "accuracy_after" in summary
     saved = GRPOConfig.from_yaml(tmp_path / "run" / "config.yaml")
     assert saved.use_chat_template == config.use_chat_template and saved.reward_funcs == config.reward_funcs
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_recipe_header_says_what_how_and_how_much_memory(name):
+    text = SHIPPED[name].read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert len(recipe_summary(text)) > 20, "the first comment line is the recipe's summary in `lora-grpo recipes`"
+    assert "GPU memory" in header
+    assert f"lora-grpo train {name}" in header
+
+
+def test_the_clones_recipes_directory_links_to_the_shipped_recipes():
+    """recipes/NAME.yaml in a clone (the paths of older commands) are links to lora_grpo/recipes/: one copy."""
+    root = Path(__file__).resolve().parent.parent
+    for name, resource in SHIPPED.items():
+        link = root / "recipes" / f"{name}.yaml"
+        assert link.is_symlink() and link.resolve() == Path(str(resource)).resolve(), link
+    assert sorted(p.stem for p in (root / "recipes").glob("*.yaml")) == list(SHIPPED)

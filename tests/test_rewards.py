@@ -46,13 +46,13 @@ def _q(n):
     ],
 )
 def test_think_answer_format(completion, expected):
-    assert think_answer_format(["q"], [completion]) == [expected]
+    assert think_answer_format(completions=[completion]) == [expected]
 
 
 def test_format_accepts_extra_kwargs_and_conversational_completions():
     got = think_answer_format(
-        _q(2),
-        ["<think>a</think><answer>b</answer>", [{"role": "assistant", "content": "<answer>b</answer>"}]],
+        prompts=_q(2),
+        completions=["<think>a</think><answer>b</answer>", [{"role": "assistant", "content": "<answer>b</answer>"}]],
         answer=["x", "y"],
         completion_lengths=[3, 4],
         truncated=[False, False],
@@ -145,13 +145,12 @@ def accuracy_backend(request, monkeypatch):
 
 @pytest.mark.parametrize("completion, reference, expected", ACCURACY_CASES)
 def test_answer_accuracy(accuracy_backend, completion, reference, expected):
-    assert answer_accuracy(["q"], [completion], answer=[reference]) == [expected]
+    assert answer_accuracy(completions=[completion], answer=[reference]) == [expected]
 
 
 def test_answer_accuracy_text_answers(accuracy_backend):
     got = answer_accuracy(
-        _q(3),
-        ["<answer> Paris </answer>", "<answer>paris.</answer>", "<answer>Lyon</answer>"],
+        completions=["<answer> Paris </answer>", "<answer>paris.</answer>", "<answer>Lyon</answer>"],
         answer=["Paris", "Paris", "Paris"],
     )
     assert got == [1.0, 1.0, 0.0]
@@ -159,17 +158,17 @@ def test_answer_accuracy_text_answers(accuracy_backend):
 
 def test_answer_accuracy_math_verify_symbolic(monkeypatch):
     monkeypatch.setattr(R, "_math_verify", pytest.importorskip("math_verify"))
-    got = answer_accuracy(_q(2), ["<answer>1+x^2</answer>", "<answer>x^2-1</answer>"], answer=["x^2+1"] * 2)
+    got = answer_accuracy(completions=["<answer>1+x^2</answer>", "<answer>x^2-1</answer>"], answer=["x^2+1"] * 2)
     assert got == [1.0, 0.0]
 
 
 def test_answer_accuracy_none_without_reference_and_solution_column(monkeypatch):
     monkeypatch.setattr(R, "_math_verify", None)
-    got = answer_accuracy(_q(3), ["<answer>4</answer>"] * 3, answer=["4", None, "  "])
+    got = answer_accuracy(completions=["<answer>4</answer>"] * 3, answer=["4", None, "  "])
     assert got == [1.0, None, None]
-    assert answer_accuracy(_q(1), ["<answer>4</answer>"], solution=["#### 4"]) == [1.0]
+    assert answer_accuracy(completions=[[{"role": "assistant", "content": "<answer>4</answer>"}]], solution=["#### 4"]) == [1.0]
     with pytest.raises(ValueError, match="'answer'.*'solution'"):
-        answer_accuracy(_q(1), ["4"], question=["q"])
+        answer_accuracy(completions=["4"], question=["q"])
 
 
 # ---------------------------------------------------------------------------- length penalties
@@ -179,7 +178,7 @@ def test_soft_overlong_penalty_three_regions():
     # DAPO eq. 13 with Lmax = 100, Lcache = 20: free up to 80, linear to -1 at 100, -1 beyond.
     fn = soft_overlong_penalty(max_completion_length=100, buffer_length=20)
     lengths = [0, 79, 80, 81, 90, 95, 100, 101, 500]
-    got = fn(_q(9), [""] * 9, completion_lengths=lengths)
+    got = fn(completions=[""] * 9, completion_lengths=lengths)
     assert got == pytest.approx([0.0, 0.0, 0.0, -0.05, -0.5, -0.75, -1.0, -1.0, -1.0])
     assert got[2] == 0.0 and got[6] == -1.0  # both boundaries exact
     assert reward_name(fn) == "soft_overlong_penalty"
@@ -191,12 +190,14 @@ def test_soft_overlong_penalty_validation():
     with pytest.raises(ValueError, match="buffer_length"):
         soft_overlong_penalty(max_completion_length=10, buffer_length=0)
     with pytest.raises(ValueError, match="completion_lengths"):
-        soft_overlong_penalty(10, 5)(["q"], ["c"])
+        soft_overlong_penalty(10, 5)(completions=["c"])
+    # Without completion_lengths, the lengths of completion_ids (as TRL's soft overlong punishment).
+    assert soft_overlong_penalty(10, 5)(completions=["a", "b"], completion_ids=[[1] * 5, [1] * 10]) == [0.0, -1.0]
 
 
 def test_length_penalty():
     fn = length_penalty(target_length=50, scale=0.5)
-    got = fn(_q(5), [""] * 5, completion_lengths=[0, 50, 51, 100, 150])
+    got = fn(completions=[""] * 5, completion_lengths=[0, 50, 51, 100, 150])
     assert got == pytest.approx([0.0, 0.0, -0.01, -0.5, -1.0])
     assert reward_name(fn) == "length_penalty"
     with pytest.raises(ValueError, match="target_length"):
@@ -215,17 +216,17 @@ def test_resolve_factories_with_kwargs_and_context():
     (fn,) = resolve_reward_funcs(
         [{"name": "soft_overlong", "kwargs": {"max_completion_length": 10, "buffer_length": 4}}]
     )
-    assert fn(_q(2), ["", ""], completion_lengths=[6, 8]) == pytest.approx([0.0, -0.5])
+    assert fn(completions=["", ""], completion_lengths=[6, 8]) == pytest.approx([0.0, -0.5])
     # max_completion_length from the trainer's context; explicit kwargs win over context.
     (fn,) = resolve_reward_funcs(
         {"name": "soft_overlong", "kwargs": {"buffer_length": 4}},
         context={"max_completion_length": 10, "seed": 0},
     )
-    assert fn(["q"], [""], completion_lengths=[8]) == pytest.approx([-0.5])
+    assert fn(completions=[""], completion_lengths=[8]) == pytest.approx([-0.5])
     (fn,) = resolve_reward_funcs(
         [{"name": "length", "kwargs": {"target_length": 10}}], context={"target_length": 99}
     )
-    assert fn(["q"], [""], completion_lengths=[20]) == [-1.0]
+    assert fn(completions=[""], completion_lengths=[20]) == [-1.0]
 
 
 def test_resolve_factory_missing_kwargs_is_clear():
@@ -277,7 +278,7 @@ def test_resolve_dotted_paths_user_module(tmp_path, monkeypatch):
             {"name": "my_rewards_mod.Exact", "kwargs": {"target": "yes"}},
         ]
     )
-    outs = [fn(_q(2), ["ok", "yes"]) for fn in fns]
+    outs = [fn(prompts=_q(2), completions=["ok", "yes"]) for fn in fns]
     assert outs == [[-0.2, -0.3], [-0.2, -0.3], [2.0, 2.0], [1.0, 0.0], [0.0, 1.0]]
     assert [reward_name(f) for f in fns] == ["brevity", "brevity", "bonus", "Exact", "Exact"]
 
@@ -445,7 +446,7 @@ def test_compute_rewards_wrong_length():
     with pytest.raises(ValueError, match=r"'short'.*returned 1 values for 3 completions"):
         compute_rewards([named("short", const(1.0))], _q(3), ["a", "b", "c"], {})
     with pytest.raises(ValueError, match=r"'scalar'.*list of 2"):
-        compute_rewards([named("scalar", lambda p, c, **kw: 1.0)], _q(2), ["a", "b"], {})
+        compute_rewards([named("scalar", lambda **kw: 1.0)], _q(2), ["a", "b"], {})
 
 
 @pytest.mark.parametrize("bad", ["1.0", [1.0], float("inf"), {"r": 1}])
@@ -491,7 +492,7 @@ def test_compute_rewards_value_types(value, expected):
     "values", [torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), np.array([True, False]), torch.tensor([[1.0], [2.0]])]
 )
 def test_compute_rewards_whole_tensor_or_array_returned(values):
-    _, per_func, _ = compute_rewards([lambda p, c, **kw: values], _q(2), ["a", "b"])
+    _, per_func, _ = compute_rewards([lambda **kw: values], _q(2), ["a", "b"])
     assert per_func[:, 0].tolist() == [float(v) for v in np.asarray(values).reshape(-1)]
 
 
@@ -502,6 +503,7 @@ def test_compute_rewards_whole_tensor_or_array_returned(values):
         (float("inf"), ["an infinite value (inf)", "clip"]),
         (np.float32("-inf"), ["an infinite value", "clip"]),
         (10**400, ["an infinite value"]),
+        (1e39, ["beyond float32"]),
         (torch.tensor([1.0, 2.0]), ["a Tensor"]),
     ],
 )
@@ -517,7 +519,7 @@ def test_compute_rewards_bad_value_names_function_index_sample_and_type(bad, wor
 @pytest.mark.parametrize("bad", ["ab", {"a": 1.0, "b": 2.0}, np.array(1.0), 1.0])
 def test_compute_rewards_non_list_return_value(bad):
     with pytest.raises(ValueError) as info:
-        compute_rewards([named("whole", lambda p, c, **kw: bad)], _q(2), ["a", "b"])
+        compute_rewards([named("whole", lambda **kw: bad)], _q(2), ["a", "b"])
     expected = f"reward function 'whole' must return a list of 2 numbers (one per completion), got a {type(bad).__name__}"
     assert expected in str(info.value)
 
@@ -544,20 +546,19 @@ def test_check_reward_columns_names_function_columns_and_dataset():
     check_reward_columns([answer_accuracy], ["prompt", "answer"], "train_dataset")
 
 
-def test_check_reward_columns_reads_positional_and_keyword_signatures():
-    def positional(p, c, answer, **kw): ...
+def test_check_reward_columns_matches_every_parameter_by_name():
     def keyword_only(*, prompts, completions, completion_ids, answer, level=1, **kw): ...
     def uses_trainer_names(prompts, completions, completion_lengths, truncated, trainer_state, completion_ids): ...
+    def old_positional_style(p, c, answer, **kw): ...  # the first two are not prompts/completions any more
 
     class Scorer:
         required_columns = ("topic",)
 
-        def __call__(self, prompts, completions, **kw): ...
+        def __call__(self, completions, **kw): ...
 
-    # Positional style: the first two parameters are prompts and completions, whatever their names.
-    check_reward_columns([lambda p, c, **kw: [], positional, uses_trainer_names], ["answer"], "train_dataset")
+    check_reward_columns([uses_trainer_names, lambda **kw: [], accuracy_reward], ["solution"], "train_dataset")
     for fn, column in [
-        (positional, "answer"), (keyword_only, "answer"), (Scorer(), "topic"),
+        (keyword_only, "answer"), (Scorer(), "topic"), (old_positional_style, "p"),
         (functools.partial(accuracy_reward), "solution"), (soft_overlong_penalty(10, 5), None),
     ]:
         if column is None:
@@ -565,5 +566,110 @@ def test_check_reward_columns_reads_positional_and_keyword_signatures():
             continue
         with pytest.raises(ValueError, match=rf"needs column '{column}'.*train_dataset has columns \['prompt'\]"):
             check_reward_columns([fn], ["prompt"], "train_dataset")
-    # A partial that binds the column is satisfied.
+    with pytest.raises(ValueError) as info:
+        check_reward_columns([old_positional_style], ["answer"], "train_dataset")
+    msg = str(info.value)
+    assert "needs column 'p', 'c'" in msg and "every argument by keyword" in msg and "rename the parameter" in msg
+
+
+def test_check_reward_columns_hints_and_clashes():
+    def docs_typo(completions_ids, **kwargs): ...  # TRL's docs example spells it so; the trainer passes completion_ids
+
+    with pytest.raises(ValueError, match=r"needs column 'completions_ids' \(did you mean 'completion_ids'\?\)"):
+        check_reward_columns([docs_typo], ["answer"], "train_dataset")
+    with pytest.raises(ValueError, match=r"positional-only parameters \['completions'\]"):
+        check_reward_columns([lambda completions, /, **kw: []], [], "train_dataset")
+    with pytest.raises(ValueError, match=r"column\(s\) \['truncated'\], named like keywords the trainer passes"):
+        check_reward_columns([accuracy_reward], ["solution", "truncated"], "eval_dataset")
     check_reward_columns([functools.partial(accuracy_reward, solution=["x"])], [], "train_dataset")
+
+
+# --------------------------------------------------------------------------- keyword contract
+
+
+def test_compute_rewards_calls_every_function_by_keyword_only():
+    seen = []
+
+    def keyword_only(*, prompts, completions, **kw):
+        seen.append((prompts, completions, sorted(kw)))
+        return [1.0] * len(completions)
+
+    def trl_accuracy(completions, solution, **kwargs):  # positionally this got "multiple values for solution"
+        return [float(c == s) for c, s in zip(completions, solution)]
+
+    def reward_len(completions, **kwargs):  # positionally, completions received the prompts
+        return [float(len(c)) for c in completions]
+
+    columns = {"solution": ["a", "x"], "completion_ids": [[1], [2, 3]], "trainer_state": "state"}
+    _, per_func, _ = compute_rewards([keyword_only, trl_accuracy, reward_len], ["p0", "p1"], ["a", "bb"], columns)
+    assert seen == [(["p0", "p1"], ["a", "bb"], ["completion_ids", "solution", "trainer_state"])]
+    assert per_func.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 2.0]]
+
+
+def test_compute_rewards_passes_trainer_state_whole_also_per_sample():
+    states = []
+
+    def picky(completions, trainer_state, **kw):
+        states.append(trainer_state)
+        return [1.0 / len(c) for c in completions]
+
+    state = R.TrainerState(global_step=3, max_steps=10, epoch=0.75)
+    assert state.step == 3
+    with pytest.raises(RuntimeError, match=r"'picky'.*ZeroDivisionError.*sample 1"):
+        compute_rewards([picky], _q(2), ["ok", ""], {"trainer_state": state, "answer": ["1", "2"]})
+    assert states == [state] * 3  # the batch call, then one call per sample: never sliced
+
+
+def test_compute_rewards_signature_that_cannot_take_the_keywords():
+    def old_style(p, c, **kw):
+        return [0.0] * len(c)
+
+    def no_kwargs(completions):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError) as info:
+        compute_rewards([old_style], _q(1), ["c"], {"answer": ["4"]})
+    msg = str(info.value)
+    assert "reward function 'old_style' cannot take the keywords" in msg and "missing a required argument: 'p'" in msg
+    assert "['p', 'c', 'kw']" in msg and "['answer', 'completions', 'prompts']" in msg
+    assert "every argument is passed by keyword" in msg.lower() and "**kwargs" in msg
+    with pytest.raises(ValueError, match=r"'no_kwargs' cannot take the keywords.*unexpected keyword argument 'prompts'"):
+        compute_rewards([no_kwargs], _q(1), ["c"])
+
+
+def test_async_reward_functions_are_refused_clearly():
+    async def judge(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    class AsyncScorer:
+        async def __call__(self, completions, **kwargs):
+            return [1.0] * len(completions)
+
+    for fn in (judge, functools.partial(judge), AsyncScorer()):
+        with pytest.raises(ValueError, match=r"async function \(async def\).*asyncio\.run"):
+            resolve_reward_funcs([fn])
+        with pytest.raises(ValueError, match="async function"):
+            compute_rewards([fn], _q(1), ["c"])
+
+    def returns_coroutine(completions, **kwargs):
+        return judge(completions=completions)
+
+    with pytest.raises(ValueError, match=r"'returns_coroutine' returned an awaitable \(coroutine\)"):
+        compute_rewards([returns_coroutine], _q(1), ["c"])
+
+
+def test_conversational_inputs_per_row():
+    msgs = [{"role": "user", "content": "hi"}]
+    prompts, completions = R.conversational_inputs(["u: hi\na: ", "2+2="], ["hello", "4"], [msgs, None])
+    assert prompts == [msgs, "2+2="]
+    assert completions == [[{"role": "assistant", "content": "hello"}], "4"]
+    assert R.conversational_inputs(["p"], ["c"], None) == (["p"], ["c"])
+
+
+def test_builtins_read_text_and_conversational_completions_alike(monkeypatch):
+    monkeypatch.setattr(R, "_math_verify", None)
+    text = ["<think>x</think><answer>4</answer>", "<answer>5</answer>"]
+    chat = [[{"role": "assistant", "content": t}] for t in text]
+    for completions in (text, chat):
+        assert think_answer_format(completions=completions) == [1.0, 0.0]
+        assert answer_accuracy(completions=completions, answer=["4", "4"]) == [1.0, 0.0]

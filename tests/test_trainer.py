@@ -159,7 +159,7 @@ def test_checkpoints_rotate_and_leave_no_temp_dirs(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=4, save_steps=1, save_total_limit=2, quantization="none")
     trainer.train()
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
-    assert names == ["adapter", "checkpoint-3", "checkpoint-4", "config.yaml", "metrics.jsonl", "summary.json"]
+    assert names == ["adapter", "checkpoint-3", "checkpoint-4", "config.yaml", "metrics.jsonl", "metrics.png", "summary.json"]
 
 
 def test_eval_and_summary(tiny_base_dir, tmp_path):
@@ -283,3 +283,12 @@ def test_sampling_filters_with_a_reference_warn_once_at_start(tiny_base_dir, tmp
         warnings.simplefilter("always")
         make_trainer(tiny_base_dir, tmp_path, quantization="none", top_k=5, beta=0.0)  # on-policy, no KL: exact
     assert not [w for w in caught if "unfiltered" in str(w.message)]
+
+
+def test_with_no_prompt_limit_a_prompt_over_the_context_fails_at_start(tiny_base_dir, tmp_path):
+    # max_prompt_length=None cuts nothing: every prompt is checked before training, not when sampled.
+    long_prompt = {"prompt": "1+2=" * 300, "answer": "3"}  # 1200 tokens, context 1024
+    with pytest.raises(ValueError, match=r"1 of 25 prompts do not fit the model's context of 1024 tokens.*prompt 24"):
+        GRPOTrainer(GRPOConfig(model_name_or_path=tiny_base_dir, max_prompt_length=None, max_completion_length=4,
+                               num_generations=2, prompts_per_step=2, output_dir=str(tmp_path), gradient_checkpointing=False),
+                    reward_funcs=[digit_share], train_dataset=PROMPTS + [long_prompt])

@@ -1,0 +1,162 @@
+"""Evaluation: greedy scores and pass@k over held-out prompts, split across processes.
+
+    eval prompts ─► chunks of `batch_prompts` prompts; process p takes chunks p, p + world, ...
+                 ─► greedy completion per prompt → every reward function   (eval/<reward>, eval/completion_length)
+                 ─► with eval_pass_k: n sampled completions per prompt → c = how many the first
+                    reward function scores ≥ eval_correct_threshold       (eval/pass@k)
+                 ─► gather every process's per-prompt results, check each prompt came once → metrics
+
+The chunk, not the process, is the unit of work: a chunk's completions depend only on its prompts
+(their padding) and on its own sampling generator, seeded from (seed, chunk index). So the metrics
+do not depend on the number of processes, every process returns the same ones, and
+`lora-grpo eval` of a saved adapter reproduces the trainer's final eval. The eval generators are
+fresh each time and never the trainer's: evaluating leaves the training sampling stream untouched
+(greedy decoding draws nothing).
+
+pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained
+on Code", §2.1), in the product form of their reference implementation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------------- pass@k
+
+
+def _pass_at_k_one(n: int, c: int, k: int) -> float:
+    if not 0 <= c <= n:
+        raise ValueError(f"num_correct={c} must be between 0 and num_samples={n}")
+    if n < k:
+        raise ValueError(
+            f"pass@{k} needs at least k={k} samples per problem, got num_samples={n}: sample n ≥ k "
+            "completions per prompt (eval_num_samples) or lower k"
+        )
+    if n - c < k:  # every k-subset of the n samples holds a correct one
+        return 1.0
+    # C(n−c, k) / C(n, k) = ∏_{i=n−c+1}^{n} (1 − k/i): no huge binomials, no cancellation.
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def pass_at_k(num_samples, num_correct, k: int):
+    """pass@k per problem: the probability that at least one of k completions drawn without
+    replacement from the problem's n samples is correct (Chen et al. 2021, §2.1, unbiased):
+
+        pass@k = 1 − C(n−c, k) / C(n, k) = 1 − ∏_{i=n−c+1}^{n} (1 − k/i)
+
+    ``num_samples`` (n) and ``num_correct`` (c): ints, or array-likes of one entry per problem
+    (a scalar n is shared by every problem). Returns a float for scalars, else a float64 array
+    shaped like ``num_correct``. n − c < k gives 1; c = 0 gives 0.
+
+    Raises ValueError when k < 1, n < k, or c is outside [0, n].
+
+    >>> round(pass_at_k(5, 2, 1), 12), round(pass_at_k(5, 2, 2), 12)   # 2/5; 1 − C(3,2)/C(5,2)
+    (0.4, 0.7)
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k={k!r} must be an integer ≥ 1")
+    n, c = np.broadcast_arrays(np.asarray(num_samples), np.asarray(num_correct))
+    out = np.array([_pass_at_k_one(int(ni), int(ci), int(k)) for ni, ci in zip(n.ravel(), c.ravel())], dtype=np.float64)
+    return float(out[0]) if n.ndim == 0 else out.reshape(n.shape)
+
+
+def mean_pass_at_k(num_samples, num_correct, k: int) -> float:
+    """The mean of :func:`pass_at_k` over problems (the reported pass@k); NaN for no problems."""
+    values = np.atleast_1d(pass_at_k(num_samples, num_correct, k))
+    return float(values.mean()) if values.size else math.nan
+
+
+def num_eval_samples(pass_k: Sequence[int], num_samples: int | None) -> int:
+    """Completions to sample per eval prompt: ``num_samples``, else max(pass_k); 0 when pass@k is off."""
+    if not pass_k:
+        return 0
+    n = max(pass_k) if num_samples is None else num_samples
+    if n < max(pass_k):
+        raise ValueError(f"pass@{max(pass_k)} needs at least {max(pass_k)} samples per prompt, got {n}")
+    return n
+
+
+def count_correct(first_reward: Tensor, num_samples: int, threshold: float) -> Tensor:
+    """(m·n,) first-reward values, prompt-major (a prompt's n samples contiguous, as a Rollout's
+    groups) -> (m,) long, how many of each prompt's samples are correct (value ≥ threshold; a None,
+    stored as NaN, is not correct)."""
+    return (first_reward.reshape(-1, num_samples) >= threshold).sum(1)
+
+
+# ----------------------------------------------------------------------- splitting the work
+
+
+def eval_chunks(num_prompts: int, batch_prompts: int, num_processes: int = 1, process_index: int = 0):
+    """This process's chunks as (chunk index, start, stop): chunk i covers prompts
+    [i·batch_prompts, (i+1)·batch_prompts) and goes to process i mod num_processes. The chunks of
+    all processes cover every prompt exactly once, whatever the sizes; a process may get none."""
+    if batch_prompts < 1:
+        raise ValueError(f"batch_prompts={batch_prompts} must be ≥ 1")
+    starts = range(0, num_prompts, batch_prompts)
+    return [
+        (i, start, min(start + batch_prompts, num_prompts))
+        for i, start in enumerate(starts)
+        if i % num_processes == process_index
+    ]
+
+
+def chunk_generator(seed: int, chunk: int, device) -> torch.Generator:
+    """The sampling generator of one eval chunk: a function of (seed, chunk) only, never of the
+    process, the step or the trainer's own sampling state."""
+    state = np.random.SeedSequence([seed % 2**32, chunk, 0x6576616C]).generate_state(1)[0]  # 0x6576616C = "eval"
+    return torch.Generator(device=device).manual_seed(int(state))
+
+
+# ---------------------------------------------------------------------------------- results
+
+
+@dataclass
+class PromptResult:
+    """One eval prompt's outcome: plain Python values, so gather_object can move it between processes."""
+
+    index: int  # position in the eval dataset
+    scores: tuple[float, ...]  # (F,) greedy completion's reward per function; NaN where it returned None
+    length: int  # greedy completion's tokens
+    num_correct: int | None = None  # correct sampled completions (of n); None without pass@k
+
+
+def prompt_results(start: int, scores: Tensor, lengths: Tensor, num_correct: Tensor | None) -> list[PromptResult]:
+    """A chunk's results: scores (m, F), lengths (m,), num_correct (m,) or None; prompt i is start + i."""
+    scores, lengths = scores.cpu().tolist(), lengths.cpu().tolist()
+    correct = [None] * len(lengths) if num_correct is None else num_correct.cpu().tolist()
+    return [
+        PromptResult(start + i, tuple(s), int(n), c)
+        for i, (s, n, c) in enumerate(zip(scores, lengths, correct, strict=True))
+    ]
+
+
+def eval_metrics(
+    results: Sequence[PromptResult], names: Sequence[str], pass_k: Sequence[int], num_samples: int, num_prompts: int
+) -> dict[str, float]:
+    """Every process's results -> eval/<name> (mean over prompts where the function applied; NaN
+    where it never did), eval/completion_length (greedy), eval/pass@k for each k in ``pass_k``.
+
+    Raises RuntimeError unless the results hold each of the ``num_prompts`` prompts exactly once.
+    """
+    results = sorted(results, key=lambda r: r.index)
+    if [r.index for r in results] != list(range(num_prompts)):
+        raise RuntimeError(
+            f"eval gathered {len(results)} results for {num_prompts} prompts; every prompt must be "
+            "evaluated exactly once (this is a bug in lora_grpo's eval sharding)"
+        )
+    if not results:
+        raise ValueError("the eval dataset has no prompts")
+    scores = torch.tensor([r.scores for r in results], dtype=torch.float64)  # (N, F)
+    metrics = {f"eval/{name}": scores[:, j].nanmean().item() for j, name in enumerate(names)}
+    metrics["eval/completion_length"] = float(np.mean([r.length for r in results]))
+    for k in sorted(set(pass_k)):
+        metrics[f"eval/pass@{k}"] = mean_pass_at_k(num_samples, [r.num_correct for r in results], k)
+    return metrics

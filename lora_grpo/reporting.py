@@ -1,0 +1,430 @@
+"""What a run reports, in one place: the progress bar, metrics.jsonl, completions.jsonl, the
+experiment trackers and metrics.png.
+
+The trainer makes one `RunReporter` and calls it; every method is a no-op on processes other than
+the main one (except `log_step`, whose completion records are gathered from every process, so all
+processes call it). Trackers go through accelerate's tracker API (`Accelerator(log_with=...)`,
+`init_trackers`, `log`); TensorBoard, W&B and trackio are optional extras:
+
+    pip install 'lora_grpo[tensorboard]'   # or [wandb], [trackio]
+
+Nothing here may stop a run that trains well: a plot that fails is a warning. A tracker package
+that is missing is an error, but at trainer start (`accelerator_kwargs`), before any work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import math
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from tqdm.auto import tqdm
+
+from . import checkpoint as ckpt
+from .config import TRACKERS, ConfigError
+
+if TYPE_CHECKING:  # typing only: the trainer owns both
+    from accelerate import Accelerator
+
+    from .config import GRPOConfig
+
+# tracker → (importable modules, any one of which is enough; the pip extra that installs one)
+TRACKER_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),  # accelerate writes with either
+    "wandb": (("wandb",), "wandb"),
+    "trackio": (("trackio",), "trackio"),
+}
+assert tuple(TRACKER_PACKAGES) == TRACKERS
+
+METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
+PLOT_FILE = "metrics.png"
+
+
+# ----------------------------------------------------------------------------- trackers
+def json_line(record: dict[str, Any]) -> str:
+    """One JSON line; NaN/inf become null (bare NaN is not JSON, and other tools refuse it)."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
+def tracker_names(report_to: str | Sequence[str] | None) -> list[str]:
+    """`report_to` as a list without 'none' and repeats: 'none' → [], 'wandb' → ['wandb']."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    return [n for i, n in enumerate(names) if n != "none" and n not in names[:i]]
+
+
+def require_tracker_packages(names: Iterable[str]) -> None:
+    """Import each tracker's package; a missing one is a ConfigError naming the pip extra.
+
+    accelerate itself only logs a debug line and drops a tracker whose package is missing, so a
+    run would train for hours without the dashboard it was asked for.
+    """
+    names = list(names)
+    for name in names:
+        modules, extra = TRACKER_PACKAGES[name]
+        errors = []
+        for module in modules:
+            try:
+                importlib.import_module(module)
+                break
+            except ImportError as e:
+                errors.append(e)
+        else:
+            raise ConfigError(
+                f"report_to includes {name!r} but its package is not installed ({errors[0]}): "
+                f"pip install 'lora_grpo[{extra}]', or remove {name!r} from report_to"
+            )
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    for name in names:
+        if name not in LOGGER_TYPE_TO_CLASS:
+            import accelerate
+
+            raise ConfigError(
+                f"report_to includes {name!r} but accelerate {accelerate.__version__} has no {name} tracker: "
+                "pip install -U accelerate"
+            )
+
+
+def logging_dir(config: GRPOConfig) -> Path:
+    return Path(config.logging_dir) if config.logging_dir else Path(config.output_dir) / "runs"
+
+
+def accelerator_kwargs(config: GRPOConfig) -> dict[str, Any]:
+    """Keyword arguments of the trainer's `Accelerator` for `config.report_to` ({} for none).
+
+    Checks the tracker packages first, so a missing one fails at trainer start.
+    """
+    names = tracker_names(config.report_to)
+    if not names:
+        return {}
+    require_tracker_packages(names)
+    from accelerate.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(project_dir=config.output_dir, logging_dir=str(logging_dir(config)))
+    return {"log_with": names, "project_config": project}
+
+
+def flat_config(config: GRPOConfig) -> dict[str, Any]:
+    """The config as tracker hyperparameters: scalars as they are, lists and dicts as JSON text
+    (TensorBoard's hparams take only numbers, strings and booleans)."""
+    return {
+        k: v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v)
+        for k, v in config.to_dict().items()
+    }
+
+
+def numbers_only(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a metrics record (strings such as sync/reason are left out)."""
+    return {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+
+
+# ----------------------------------------------------------------------------- completions
+def completion_records(
+    step: int,
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    names: Sequence[str],
+    per_func,
+    rewards,
+    advantages,
+    synced: bool,
+) -> list[dict[str, Any]]:
+    """One JSON-ready record per completion: step, prompt, completion, each reward function's value
+    (None where it returned None), the weighted reward, the advantage and whether the reference
+    was synced after this step. per_func: (B, F); rewards, advantages: (B,)."""
+    per_func = per_func.float().cpu().tolist()
+    rewards = rewards.float().cpu().tolist()
+    advantages = advantages.float().cpu().tolist()
+
+    def clean(x: float) -> float | None:
+        return None if math.isnan(x) else x
+
+    records = []
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        record = {"step": step, "prompt": prompt, "completion": completion}
+        record.update({name: clean(v) for name, v in zip(names, per_func[i])})
+        record.update({"reward": clean(rewards[i]), "advantage": advantages[i], "sync": synced})
+        records.append(record)
+    return records
+
+
+def _cell(value: Any) -> Any:
+    return value if value is None or isinstance(value, (bool, int, float, str)) else json.dumps(value)
+
+
+def _markdown_table(records: list[dict[str, Any]]) -> str:
+    columns = list(records[0])
+
+    def fmt(v):
+        text = f"{v:.4g}" if isinstance(v, float) else str(_cell(v))
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in records]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- plot
+PANELS: tuple[tuple[str, Any], ...] = (
+    # (title, which metrics: a predicate on the key)
+    ("reward", lambda k: k == "reward/mean" or (k.startswith("rewards/") and k.endswith("/mean"))),
+    ("eval", lambda k: k.startswith("eval/") and k != "eval/completion_length"),
+    ("KL to reference", lambda k: k == "kl"),
+    ("completion length", lambda k: k == "completion_length/mean"),
+    ("entropy", lambda k: k == "entropy"),
+)
+
+
+@dataclass
+class PlotInfo:
+    """What a plot drew: its file, each panel's metrics, and the steps marked as reference syncs."""
+
+    path: Path | None
+    panels: dict[str, list[str]] = field(default_factory=dict)
+    sync_steps: list[int] = field(default_factory=list)
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def metrics_figure(records: list[dict[str, Any]], keys: Sequence[str] | None = None):
+    """(matplotlib Figure, PlotInfo) of a run's metrics records: reward (total and per function),
+    eval metrics, KL, completion length and entropy over steps (or one panel per key of `keys`),
+    with a vertical line at each reference sync. Panels without data are left out."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from matplotlib.ticker import MaxNLocator
+
+    present = list(dict.fromkeys(k for r in records for k in r if isinstance(r.get(k), (int, float))))
+    if keys:
+        panels = {key: [key] for key in keys}
+    else:
+        panels = {title: sorted((k for k in present if wanted(k)), key=lambda k: k != "reward/mean") for title, wanted in PANELS}
+    panels = {t: ks for t, ks in panels.items() if any(k in present for k in ks)}
+    if not panels:
+        raise ValueError(f"no metrics to plot among {len(records)} records" + (f" for keys {list(keys)}" if keys else ""))
+    syncs = [r["step"] for r in records if r.get("sync/event")]
+    fig = Figure(figsize=(7.5, 2.3 * len(panels)))
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, ks) in zip(axes, panels.items()):
+        for key in ks:
+            points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            sparse = key.startswith("eval/") or len(points) < 3
+            total = key == "reward/mean" and len(ks) > 1  # the weighted sum, over its parts
+            ax.plot(*zip(*points), marker="o" if sparse else None, ms=3, label=key,
+                    **({"color": "black", "lw": 1.8} if total else {"lw": 1.1}))
+        for i, s in enumerate(syncs):
+            ax.axvline(s, color="gray", alpha=0.4, lw=0.8, ls="--", label="reference sync" if i == 0 else None)
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.2)
+        if len(ks) > 1 or (syncs and ax is axes[0]):
+            ax.legend(fontsize=7, loc="best")
+    axes[-1].set_xlabel("step" + (" (dashed: reference syncs)" if syncs else ""))
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    return fig, PlotInfo(None, panels, syncs)
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None, keys: Sequence[str] | None = None) -> PlotInfo:
+    """Plot RUN_DIR/metrics.jsonl to `out` (default RUN_DIR/metrics.png); written atomically."""
+    run_dir = Path(run_dir)
+    source = run_dir / METRICS_FILE
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist: give the output_dir of a run")
+    fig, info = metrics_figure(read_records(source), keys)
+    out = Path(out) if out else run_dir / PLOT_FILE
+    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, out)  # a reader never sees half a PNG
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write (disk full) leaves nothing behind
+    info.path = out
+    return info
+
+
+# ----------------------------------------------------------------------------- the reporter
+class RunReporter:
+    """Progress bar + metrics.jsonl + completions.jsonl + trackers + metrics.png for one run.
+
+    Lifecycle, as the trainer calls it:
+
+        reporter.start(step, resumed)         # logs truncated (resume) or removed, trackers started
+        with reporter.progress(step):         # the bar
+            ... reporter.log_step(step, metrics, samples)   # every step
+        reporter.log(record); reporter.plot() # eval records; at checkpoints
+        reporter.finish()                     # plot, trackers closed
+    """
+
+    def __init__(self, config: GRPOConfig, accelerator: Accelerator, reward_names: Sequence[str], total_steps: int):
+        self.config = config
+        self.accelerator = accelerator
+        self.reward_names = list(reward_names)
+        self.total_steps = total_steps
+        self.is_main = accelerator.is_main_process
+        self.output_dir = Path(config.output_dir)
+        self.trackers = tracker_names(config.report_to)
+        self.bar = None
+        self._started = False
+        self._plotted_records = -1
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.output_dir / METRICS_FILE
+
+    @property
+    def completions_path(self) -> Path:
+        return self.output_dir / COMPLETIONS_FILE
+
+    # ------------------------------------------------------------------ run start / end
+    def start(self, step: int, resumed: bool) -> None:
+        """Before the first record: a resumed run drops records after `step` (it logs those steps
+        again), a fresh one starts fresh logs; the trackers start with the config."""
+        if not self.is_main:
+            return
+        for path in (self.metrics_path, self.completions_path):
+            if resumed:
+                ckpt.truncate_log(path, step)
+            else:
+                path.unlink(missing_ok=True)
+        if self.trackers:
+            self._end_trackers()  # a second train() on the same trainer
+            cfg = self.config
+            run_name = cfg.run_name or self.output_dir.resolve().name
+            init_kwargs: dict[str, dict[str, Any]] = {
+                "wandb": {"name": run_name},
+                "trackio": {"name": run_name},
+                # A resumed run hides the events it logs again (TensorBoard's purge_step).
+                "tensorboard": {"purge_step": step + 1} if step else {},
+            }
+            if "WANDB_DIR" not in os.environ and "wandb" in self.trackers:
+                wandb_dir = logging_dir(cfg)
+                wandb_dir.mkdir(parents=True, exist_ok=True)
+                init_kwargs["wandb"]["dir"] = str(wandb_dir)
+            self.accelerator.init_trackers(cfg.project, config=flat_config(cfg), init_kwargs=init_kwargs)
+            self._started = True
+
+    def finish(self) -> None:
+        """The final plot; trackers closed. (Not accelerator.end_training(): that also destroys the
+        process group, which the caller may still need after train().)"""
+        if self.is_main:
+            self.plot()
+            self._end_trackers()
+
+    def _end_trackers(self) -> None:
+        if self._started:
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+            self.accelerator.trackers = []
+            self._started = False
+
+    @contextlib.contextmanager
+    def progress(self, step: int):
+        """The bar over the run's steps, on the main process. Shown also when stderr is not a
+        terminal (a log file gets its updates), as transformers' Trainer does; disable_tqdm turns it
+        off. If training raises (a stop signal, NaNs), the plot is written and the trackers closed."""
+        self.bar = tqdm(
+            total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+            disable=self.config.disable_tqdm or not self.is_main, file=sys.stderr,
+        )
+        try:
+            yield self.bar
+        except BaseException:
+            if self.is_main:
+                self.bar.close()
+                self.finish()
+            raise
+        finally:
+            self.bar.close()
+            self.bar = None
+
+    # ------------------------------------------------------------------ per step
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one record ({"step": ..., **metrics}) to metrics.jsonl and send its numbers to
+        the trackers (main process only)."""
+        if not self.is_main:
+            return
+        with self.metrics_path.open("a") as f:
+            f.write(json_line(record))
+        if self._started:
+            self.accelerator.log(numbers_only(record), step=record["step"])
+
+    def log_step(self, step: int, metrics: dict[str, Any], samples: tuple | None = None) -> None:
+        """A training step's record, its completions when due, and the bar. Call on every process.
+
+        samples: (prompts (B,), completions (B,), per_func (B, F), rewards (B,), advantages (B,))
+        of this process, as the trainer's score() stashes them; None skips the completions."""
+        self.log({"step": step, **metrics})
+        cfg = self.config
+        if cfg.log_completions and samples is not None and step % cfg.log_completions_steps == 0:
+            prompts, completions, per_func, rewards, advantages = samples
+            records = completion_records(
+                step, prompts, completions, self.reward_names, per_func, rewards, advantages,
+                synced=bool(metrics.get("sync/event")),
+            )
+            if self.accelerator.num_processes > 1:
+                from accelerate.utils import gather_object
+
+                records = gather_object(records)  # a collective: every process is here
+            self.log_completions(step, records)
+        if self.bar is not None:
+            self.bar.set_postfix({  # a dict keeps this order (keyword arguments get sorted)
+                "reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
+                "kl": f"{metrics.get('kl', 0.0):.3g}",
+                "step_time": f"{metrics.get('time/step', 0.0):.1f}s",
+            }, refresh=False)
+            self.bar.update(1)
+
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Append the records to completions.jsonl (the whole history) and send them as a table to
+        the trackers that take tables (wandb, trackio; TensorBoard gets a markdown text)."""
+        if not self.is_main or not records:
+            return
+        with self.completions_path.open("a") as f:
+            f.writelines(json_line(r) for r in records)
+        if not self._started:
+            return
+        columns = list(records[0])
+        rows = [[_cell(r.get(c)) for c in columns] for r in records]
+        for name in self.trackers:
+            tracker = self.accelerator.get_tracker(name)
+            if name == "wandb":
+                import wandb
+
+                tracker.log({"completions": wandb.Table(columns=columns, data=rows)}, step=step)
+            elif name == "trackio" and hasattr(trackio := importlib.import_module("trackio"), "Table"):
+                tracker.log({"completions": trackio.Table(columns=columns, data=rows)}, step=step)
+            elif name == "tensorboard":
+                tracker.log({"completions": _markdown_table(records)}, step=step)
+
+    def print(self, text: str) -> None:
+        """A line on stdout that does not break the bar (main process only)."""
+        if self.is_main:
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
+
+    # ------------------------------------------------------------------ plot
+    def plot(self) -> PlotInfo | None:
+        """metrics.png from metrics.jsonl (main process; skipped when nothing new was logged). A
+        failure is a warning: a plot never stops a run."""
+        if not self.is_main or not self.metrics_path.exists():
+            return None
+        try:
+            records = read_records(self.metrics_path)
+            if len(records) == self._plotted_records:
+                return None
+            info = plot_run(self.output_dir)
+            self._plotted_records = len(records)
+            return info
+        except Exception as e:  # noqa: BLE001 - any failure of the plot is only a warning
+            warnings.warn(f"could not plot {self.output_dir / PLOT_FILE}: {type(e).__name__}: {e}", stacklevel=2)
+            return None
