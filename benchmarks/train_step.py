@@ -96,7 +96,7 @@ def run(path: str, quantization: str, args) -> dict[str, float | str]:
         return statistics.median(m[key] for m in steps)
 
     result = {
-        "step": med("time/step"), "rollout": med("time/rollout"), "logprobs": med("time/logprobs"),
+        "step": med("time/step"), "rollout": med("time/rollout"), "log_probs": med("time/log_probs"),
         "train": med("time/train"), "tokens/s": med("tokens_per_second"), "sync_ms": sync_ms,
         "sync_err": sync["sync/truncation_error"], "peak_mib": peak,
     }
@@ -138,11 +138,11 @@ def main() -> None:
         mem_ratio = f"{r['peak_mib'] / peer['peak_mib']:.2f}" if peer and r["peak_mib"] else "-"
         table.append([
             f"{q} base" + (" (peer)" if q == "none" else ""), f"{r['step']:.2f}", f"{r['rollout']:.2f}",
-            f"{r['logprobs']:.2f}", f"{r['train']:.2f}", f"{r['tokens/s']:.0f}", f"{r['sync_ms']:.1f}",
+            f"{r['log_probs']:.2f}", f"{r['train']:.2f}", f"{r['tokens/s']:.0f}", f"{r['sync_ms']:.1f}",
             f"{r['sync_err']:.1e}", "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}", ratio, mem_ratio,
         ])
     print_markdown_table(
-        ["base", "step s", "rollout s", "logprobs s", "train s", "tokens/s", "sync ms", "sync err", "peak MiB",
+        ["base", "step s", "rollout s", "log-probs s", "train s", "tokens/s", "sync ms", "sync err", "peak MiB",
          "step vs peer", "memory vs peer"],
         table,
         text_columns=1,

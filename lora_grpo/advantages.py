@@ -10,10 +10,12 @@ rows [g·G, (g+1)·G) belong to prompt g. Worked example, G = 4, scale "group":
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 EPS = 1e-4
-SCALES = ("group", "batch", "none")
 
 
 def _check(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -34,25 +36,46 @@ def _check(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size)
 
 
+def _scale_group(centered: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    std = groups.std(dim=1, keepdim=True) if groups.shape[1] > 1 else torch.zeros_like(groups[:, :1])
+    return centered / (std + EPS)
+
+
+def _scale_batch(centered: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    std = groups.std() if groups.numel() > 1 else groups.new_zeros(())
+    return centered / (std + EPS)
+
+
+def _scale_none(centered: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    return centered
+
+
+@dataclass(frozen=True)
+class AdvantageScale:
+    """One scale_rewards option: what the centred rewards are divided by."""
+
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (centered (P, G), rewards (P, G)) → (P, G)
+    help: str
+
+
+SCALES: dict[str, AdvantageScale] = {
+    "group": AdvantageScale(_scale_group, "divide by the group's std (unbiased)"),
+    "batch": AdvantageScale(_scale_batch, "divide by the std of the whole batch (this process's)"),
+    "none": AdvantageScale(_scale_none, "do not divide (Dr. GRPO, Liu et al. 2025)"),
+}
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
     """A_i = (r_i − mean_group(r)) / (std + 1e-4), (N,) → (N,).
 
-    scale: "group" divides by the group's std (unbiased), "batch" by the std of the whole batch,
-    "none" does not divide (Dr. GRPO, Liu et al. 2025). A group whose rewards are all equal gets
-    exactly 0 in every scale.
+    scale: a key of SCALES. "group" divides by the group's std (unbiased), "batch" by the std of
+    the whole batch, "none" does not divide (Dr. GRPO, Liu et al. 2025). A group whose rewards are
+    all equal gets exactly 0 in every scale.
     """
     if scale not in SCALES:
-        raise ValueError(f"unknown advantage scale {scale!r}; choose one of {SCALES}")
+        raise ValueError(f"unknown advantage scale {scale!r}; choose one of {list(SCALES)}")
     groups = _check(rewards, group_size).float()
-    centered = groups - groups.mean(dim=1, keepdim=True)
-    if scale == "group":
-        std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups[:, :1])
-        advantages = centered / (std + EPS)
-    elif scale == "batch":
-        std = groups.std() if groups.numel() > 1 else groups.new_zeros(())
-        advantages = centered / (std + EPS)
-    else:
-        advantages = centered
+    advantages = SCALES[scale].apply(groups - groups.mean(dim=1, keepdim=True), groups)
     # mean() of equal floats need not return the value bit-exactly, so force the zero.
     constant = (groups == groups[:, :1]).all(dim=1, keepdim=True)
     return torch.where(constant, torch.zeros_like(advantages), advantages).flatten()

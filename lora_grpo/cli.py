@@ -78,12 +78,7 @@ def load_config(recipe: str | None, sets: list[str]) -> GRPOConfig:
 
 
 def _help_config() -> str:
-    import dataclasses
-
-    lines = []
-    for f in dataclasses.fields(GRPOConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name:<28} {f.metadata.get('help', '')} [default: {default!r}]")
+    lines = [f"  {name:<28} {text}" for name, text in GRPOConfig.field_help().items()]
     return "config fields (recipe keys and --set names):\n" + "\n".join(lines)
 
 
@@ -98,7 +93,18 @@ def cmd_train(args) -> int:
     summary = GRPOTrainer(config).train()
     if main_process:
         print(json.dumps({k: v for k, v in summary.items() if not k.startswith("eval_")}, indent=2))
+    _end_processes()
     return 0
+
+
+def _end_processes() -> None:
+    """Under torchrun / accelerate launch: leave the process group before exiting (a gloo group
+    still up at interpreter exit can abort a process that has finished its work)."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def cmd_recipes(args) -> int:

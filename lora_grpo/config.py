@@ -11,20 +11,32 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+# The names of the options; what each one does lives in its module's table, which this module
+# cannot import (it loads before torch): loss.LOSS_TYPES, loss.IMPORTANCE_SAMPLING,
+# advantages.SCALES, reference.SYNC_MODES. tests/test_config.py checks that the names agree.
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-QUANTIZATIONS = ("none", "8bit", "4bit")
-SYNC_MODES = ("exact", "factors")
+IMPORTANCE_SAMPLING = ("token", "sequence")
 SCALES = ("group", "batch", "none")
+SYNC_MODES = ("exact", "factors")
+QUANTIZATIONS = ("none", "8bit", "4bit")
+QUANT_TYPES_4BIT = ("nf4", "fp4")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 SCHEDULERS = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (reporting.py maps each to its package)
+
+CHOICES = {  # field → its options: validate() checks the value, and each field's help names every option
+    "quantization": QUANTIZATIONS, "loss_type": LOSS_TYPES, "ref_sync_mode": SYNC_MODES, "scale_rewards": SCALES,
+    "optimizer": OPTIMIZERS, "lr_scheduler": SCHEDULERS, "torch_dtype": DTYPES,
+    "bnb_4bit_quant_type": QUANT_TYPES_4BIT, "importance_sampling": IMPORTANCE_SAMPLING,
+}
 
 
 def _f(default, help: str, **kw):
@@ -98,7 +110,7 @@ class GRPOConfig:
     epsilon_low: float = _f(0.2, "lower clip: ratio ≥ 1 − epsilon_low")
     epsilon_high: float = _f(0.28, "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025)")
     scale_rewards: str = _f("group", "advantage scaling: group | batch (std of this process's batch) | none (Dr. GRPO)")
-    importance_sampling: str = _f("token", "ratio per token, or per sequence (GSPO)")
+    importance_sampling: str = _f("token", "importance ratio: token (one per token) | sequence (one length-normalised ratio per sequence, GSPO)")
     kl_ratio_correction: bool = _f(True, "multiply k3 by pi/pi_old (unbiased KL gradient, DeepSeek-V3.2)")
     mask_truncated_completions: bool = _f(False, "exclude completions without EOS from the loss")
     num_iterations: int = _f(1, "optimizer passes over each generation batch (>1 uses old log-probs and clipping)")
@@ -149,6 +161,18 @@ class GRPOConfig:
         if isinstance(self.lora_target_modules, tuple):
             self.lora_target_modules = list(self.lora_target_modules)
         self.validate()
+        self._warn_about_sampling_filters()
+
+    def _warn_about_sampling_filters(self) -> None:
+        filters = [f"{k}={getattr(self, k)}" for k, off in
+                   (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)) if getattr(self, k) != off]
+        if filters and (self.num_iterations > 1 or self.beta > 0):
+            warnings.warn(
+                f"sampling filters {', '.join(filters)} change the distribution completions are drawn from, but the "
+                "ratio and KL terms use the model's unfiltered log-probs (as TRL does): the importance ratio and the "
+                "KL are those of the unfiltered policy. Turn the filters off for an exact on-policy loss.",
+                stacklevel=4,
+            )
 
     def validate(self) -> None:
         def choice(name, options):
@@ -165,12 +189,7 @@ class GRPOConfig:
 
         if not self.model_name_or_path:
             raise ConfigError("model_name_or_path is required: a hub id, a local model dir, or 'toy'")
-        for name, options in [
-            ("quantization", QUANTIZATIONS), ("loss_type", LOSS_TYPES), ("ref_sync_mode", SYNC_MODES),
-            ("scale_rewards", SCALES), ("optimizer", OPTIMIZERS), ("lr_scheduler", SCHEDULERS),
-            ("torch_dtype", DTYPES), ("bnb_4bit_quant_type", ("nf4", "fp4")),
-            ("importance_sampling", ("token", "sequence")),
-        ]:
+        for name, options in CHOICES.items():
             choice(name, options)
         for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length", "logging_steps",
                      "repetition_penalty",
@@ -249,11 +268,6 @@ class GRPOConfig:
                 f"ref_sync_mode='factors' blends A and B name by name, so ref_rank ({self.ref_rank}) must equal "
                 f"lora_r ({self.lora_r}); use ref_sync_mode='exact' for a reference slot of another rank"
             )
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs) and self.reward_funcs:
-            raise ConfigError(
-                f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}: "
-                "give one weight per reward function"
-            )
 
     # -----------------------------------------------------------------------------------------
     @property
@@ -267,7 +281,11 @@ class GRPOConfig:
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
-        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+        """name → its one-line help with the default, e.g. 'rank of the policy LoRA adapter [default: 16]'."""
+        def default(f):
+            return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+        return {f.name: f"{f.metadata.get('help', '')} [default: {default(f)!r}]" for f in dataclasses.fields(cls)}
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -27,7 +27,10 @@ from typing import Any
 import datasets
 import numpy as np
 
-__all__ = ["PROMPT_MESSAGES", "PromptBatches", "load_prompt_dataset"]
+from .countdown import countdown_problems
+from .toy import toy_problems
+
+__all__ = ["PROMPT_MESSAGES", "PromptBatches", "load_prompt_dataset", "resolve_dataset"]
 
 # The column holding each row's prompt as chat messages (None for a text prompt); see the module docstring.
 PROMPT_MESSAGES = "prompt_messages"
@@ -385,3 +388,28 @@ class PromptBatches:
                     "the batches would differ from the interrupted run"
                 )
         self._set_position(int(state["epoch"]), int(state["index"]))
+
+
+# ------------------------------------------------------------------------------- from a config
+# Datasets generated locally, by name (nothing is downloaded): name -> (problems(n, seed, split), train rows, eval rows).
+LOCAL_DATASETS = {"toy": (toy_problems, 2000, 200), "countdown": (countdown_problems, 10_000, 500)}
+
+
+def resolve_dataset(source, config, tokenizer, split: str) -> datasets.Dataset | None:
+    """The train or eval prompts a config names (or `source` as given), loaded and rendered; None stays None."""
+    if source is None:
+        return None
+    if isinstance(source, str) and source in LOCAL_DATASETS:
+        problems, train_rows, eval_rows = LOCAL_DATASETS[source]
+        source = problems(eval_rows if split == "eval" else train_rows, seed=config.seed, split=split)
+    return load_prompt_dataset(
+        source,
+        split=config.dataset_split if split == "train" else config.eval_split,
+        prompt_column=config.prompt_column,
+        messages_column=config.messages_column,
+        prompt_template=config.prompt_template,
+        system_prompt=config.system_prompt,
+        use_chat_template=config.use_chat_template,
+        config_name=config.dataset_config,
+        tokenizer=tokenizer,
+    )

@@ -14,13 +14,15 @@ With kl_ratio_correction the k3 term is multiplied by the per-token ratio π_θ/
 KL(π_θ ‖ π_ref), which k3 alone is not once the batch is off-policy. On-policy ρ = 1, so the
 value is unchanged; the gradient is not (k3·∇ρ is added).
 
-Aggregation over the (B, T) token grid (mask 1 on tokens that count) is a table of functions,
-one per loss_type; see AGGREGATIONS.
+Each loss_type is one record in LOSS_TYPES (its aggregation over the (B, T) token grid, mask 1
+on tokens that count, and its gradient-accumulation scale); each importance_sampling level is one
+record in IMPORTANCE_SAMPLING. config.py names the same keys (a test checks they agree).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -62,28 +64,39 @@ def _agg_dr_grpo(x, mask, *, num_tokens, max_completion_length):
     return _masked_sum(x, mask) / (x.shape[0] * max_completion_length)
 
 
-Aggregation = Callable[..., Tensor]
-AGGREGATIONS: dict[str, Aggregation] = {
-    "grpo": _agg_grpo,
-    "bnpo": _agg_bnpo,
-    "dapo": _agg_dapo,
-    "dr_grpo": _agg_dr_grpo,
+# Accumulation scales, (micro_sequences, total_sequences, num_micro_batches) → the factor that
+# makes the sum of a step's micro-batch losses equal the loss of the whole step.
+def _scale_one(micro_sequences: int, total_sequences: int, num_micro_batches: int) -> float:
+    return 1.0  # already normalised by the step's token count
+
+
+def _scale_per_micro_batch(micro_sequences: int, total_sequences: int, num_micro_batches: int) -> float:
+    return 1.0 / num_micro_batches  # a mean per micro-batch: average the micro-batches
+
+
+def _scale_sequence_share(micro_sequences: int, total_sequences: int, num_micro_batches: int) -> float:
+    return micro_sequences / total_sequences  # an average over sequences: weight by the share of sequences
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One loss_type: how it aggregates the token grid and how its micro-batch losses add up."""
+
+    aggregate: Callable[..., Tensor]  # (per_token (B, T), mask (B, T), *, num_tokens, max_completion_length) → ()
+    accumulation_scale: Callable[[int, int, int], float]  # (micro_sequences, total_sequences, num_micro_batches)
+    help: str
+
+
+LOSS_TYPES: dict[str, LossType] = {
+    "grpo": LossType(_agg_grpo, _scale_sequence_share, "mean over each sequence's tokens, then over sequences"),
+    "bnpo": LossType(_agg_bnpo, _scale_per_micro_batch, "mean over the micro-batch's tokens"),
+    "dapo": LossType(_agg_dapo, _scale_one, "sum over tokens / the step's token count (DAPO token-level loss)"),
+    "dr_grpo": LossType(_agg_dr_grpo, _scale_sequence_share, "sum over tokens / (sequences × max_completion_length)"),
 }
 
 
-def accumulation_scale(loss_type: str, micro_sequences: int, total_sequences: int, num_micro_batches: int) -> float:
-    """Factor that makes the sum of micro-batch losses equal the loss of the whole step.
-
-    dapo is already normalised by the step's token count; grpo and dr_grpo average over the
-    micro-batch's sequences (so weight by its share of sequences); bnpo averages per micro-batch.
-    """
-    if loss_type == "dapo":
-        return 1.0
-    if loss_type == "bnpo":
-        return 1.0 / num_micro_batches
-    if loss_type in ("grpo", "dr_grpo"):
-        return micro_sequences / total_sequences
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {sorted(AGGREGATIONS)}")
+def _token_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    return log_ratio
 
 
 def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
@@ -92,10 +105,30 @@ def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
     return per_seq.expand_as(log_ratio)
 
 
-IMPORTANCE_SAMPLING: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "token": lambda log_ratio, mask: log_ratio,
-    "sequence": _sequence_log_ratio,
+@dataclass(frozen=True)
+class ImportanceSampling:
+    """One importance_sampling level: the log-ratio the clipped ratio is built from."""
+
+    log_ratio: Callable[[Tensor, Tensor], Tensor]  # (token log-ratio (B, T), mask (B, T)) → (B, T)
+    help: str
+
+
+IMPORTANCE_SAMPLING: dict[str, ImportanceSampling] = {
+    "token": ImportanceSampling(_token_log_ratio, "one ratio per token"),
+    "sequence": ImportanceSampling(_sequence_log_ratio, "one length-normalised ratio per sequence (GSPO)"),
 }
+
+
+def _variant(table: dict, kind: str, name: str):
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; choose one of {sorted(table)}")
+    return table[name]
+
+
+def accumulation_scale(loss_type: str, micro_sequences: int, total_sequences: int, num_micro_batches: int) -> float:
+    """Factor that makes the sum of micro-batch losses equal the loss of the whole step (LOSS_TYPES)."""
+    scale = _variant(LOSS_TYPES, "loss_type", loss_type).accumulation_scale
+    return scale(micro_sequences, total_sequences, num_micro_batches)
 
 
 def grpo_loss(
@@ -120,19 +153,15 @@ def grpo_loss(
     (on-policy: logp.detach()). ref_logp (B, T) or None (only when beta == 0). advantages (B,).
     mask (B, T): 1 on completion tokens that count. Returns (scalar loss, metrics of plain floats).
     """
-    if loss_type not in AGGREGATIONS:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {sorted(AGGREGATIONS)}")
-    if importance_sampling not in IMPORTANCE_SAMPLING:
-        raise ValueError(
-            f"unknown importance_sampling {importance_sampling!r}; choose one of {sorted(IMPORTANCE_SAMPLING)}"
-        )
+    aggregate = _variant(LOSS_TYPES, "loss_type", loss_type).aggregate
+    ratio_log = _variant(IMPORTANCE_SAMPLING, "importance_sampling", importance_sampling).log_ratio
     if beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp (reference log-probs); pass them or set beta = 0")
     mask = mask.to(logp.dtype)
     if old_logp is None:
         old_logp = logp.detach()
     token_log_ratio = logp - old_logp
-    ratio = torch.exp(IMPORTANCE_SAMPLING[importance_sampling](token_log_ratio, mask))
+    ratio = torch.exp(ratio_log(token_log_ratio, mask))
     adv = advantages.to(logp.dtype).unsqueeze(1)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
@@ -143,7 +172,6 @@ def grpo_loss(
         kl_term = kl * torch.exp(token_log_ratio) if kl_ratio_correction else kl
         per_token = per_token + beta * kl_term
 
-    aggregate = AGGREGATIONS[loss_type]
     loss = aggregate(per_token, mask, num_tokens=num_tokens, max_completion_length=max_completion_length)
 
     with torch.no_grad():

@@ -11,13 +11,15 @@ Modes (alpha in (0, 1]; alpha = 1 is an exact copy in both):
   This is what a parameter EMA does, and it is NOT a weight-space mix: the product of blended
   factors has cross terms α(1−α)(B_p·A_r + B_r·A_p). Cheap, approximate; never the default.
 
-Each adapter's scaling (lora_alpha / r, or / √r with rsLoRA) is folded into the factors.
+Each adapter's scaling (lora_alpha / r, or / √r with rsLoRA) is folded into the factors. Each
+mode is one record in SYNC_MODES; config.py names the same keys (a test checks they agree).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,12 +108,17 @@ def _blend_factors(B_p, A_p, s_p, B_r, A_r, s_r, alpha: float) -> None:
     B_r.mul_(1 - alpha).add_(B_p, alpha=alpha * s_p / s_r)
 
 
-def _exact_sync(pairs, alpha: float):
-    """Exact mix, layer by layer; returns (dropped² per layer, total² per layer) as 1-D tensors.
+Pairs = list[tuple[tuple, tuple]]  # [((B_p, A_p, s_p), (B_r, A_r, s_r)), ...]: one per LoRA layer
+
+
+def _sync_exact(pairs: Pairs, alpha: float) -> tuple[float, float]:
+    """Exact mix, layer by layer; returns (truncation_error, max_layer_error).
 
     (Batching layers of one shape into one QR/SVD call measured slower on CPU and held 250 MB of
     temporaries on a 0.5B model; one layer at a time keeps the peak at one layer's factors.)
     """
+    if not pairs:
+        return 0.0, 0.0
     dropped, energy = [], []
     for (B_p, A_p, s_p), (B_r, A_r, s_r) in pairs:
         B, A, d, e = exact_mix(B_p, A_p, s_p, B_r, A_r, s_r, alpha, A_r.shape[0])
@@ -119,7 +126,32 @@ def _exact_sync(pairs, alpha: float):
         A_r.copy_(A)
         dropped.append(d)
         energy.append(e)
-    return torch.stack(dropped), torch.stack(energy)  # one host sync for all layers, not one per layer
+    dropped, energy = torch.stack(dropped), torch.stack(energy)  # one host sync for all layers, not one per layer
+    if energy.sum() == 0:
+        return 0.0, 0.0
+    error = (dropped.sum() / energy.sum()).sqrt().item()
+    worst = (dropped / energy.clamp(min=torch.finfo(energy.dtype).tiny)).sqrt().max().item()
+    return error, worst
+
+
+def _sync_factors(pairs: Pairs, alpha: float) -> tuple[float, float]:
+    for p, r in pairs:
+        _blend_factors(*p, *r, alpha)
+    return 0.0, 0.0  # approximate by design; nothing is truncated
+
+
+@dataclass(frozen=True)
+class SyncMode:
+    """One ref_sync_mode: how a soft sync (0 < alpha < 1) moves the reference slot towards the policy."""
+
+    blend: Callable[[Pairs, float], tuple[float, float]]  # (pairs, alpha) → (truncation_error, max_layer_error)
+    help: str
+
+
+SYNC_MODES: dict[str, SyncMode] = {
+    "exact": SyncMode(_sync_exact, "weight-space mix α·ΔW_policy + (1−α)·ΔW_ref, recompressed to the slot's rank"),
+    "factors": SyncMode(_sync_factors, "blend A and B name by name, like a parameter EMA (approximate)"),
+}
 
 
 @torch.no_grad()
@@ -134,22 +166,16 @@ def sync_reference(
     """
     if not 0 < alpha <= 1:
         raise ValueError(f"alpha={alpha} must be in (0, 1]")
-    if mode not in ("exact", "factors"):
-        raise ValueError(f"unknown sync mode {mode!r}; choose 'exact' or 'factors'")
+    if mode not in SYNC_MODES:
+        raise ValueError(f"unknown sync mode {mode!r}; choose one of {list(SYNC_MODES)}")
     start = time.perf_counter()
     pairs = [(_factors(m, policy), _factors(m, reference)) for _, m in lora_layers(model, (policy, reference))]
     error = worst = 0.0
-    if alpha == 1.0:  # an exact copy in both modes
+    if alpha == 1.0:  # an exact copy in every mode
         for p, r in pairs:
             _copy(*p, *r)
-    elif mode == "factors":
-        for p, r in pairs:
-            _blend_factors(*p, *r, alpha)
-    elif pairs:
-        dropped, energy = _exact_sync(pairs, alpha)
-        if energy.sum() > 0:
-            error = (dropped.sum() / energy.sum()).sqrt().item()
-            worst = (dropped / energy.clamp(min=torch.finfo(energy.dtype).tiny)).sqrt().max().item()
+    else:
+        error, worst = SYNC_MODES[mode].blend(pairs, alpha)
     return {
         "sync/alpha": float(alpha),
         "sync/truncation_error": error,
@@ -160,7 +186,10 @@ def sync_reference(
 
 @dataclass
 class SyncSchedule:
-    """When to sync: every N optimizer steps, at epoch boundaries, or when the KL passes a threshold."""
+    """When to sync: every N optimizer steps, at epoch boundaries, or when the KL passes a threshold.
+
+    Whether any sync is configured at all is GRPOConfig.sync_enabled (one source of truth).
+    """
 
     every_steps: int = 0
     every_epoch: bool = False
@@ -169,10 +198,6 @@ class SyncSchedule:
     @classmethod
     def from_config(cls, config) -> "SyncSchedule":
         return cls(config.ref_sync_steps, config.ref_sync_every_epoch, config.ref_sync_kl)
-
-    @property
-    def enabled(self) -> bool:
-        return self.every_steps > 0 or self.every_epoch or self.kl_threshold is not None
 
     def due(self, step: int, epoch_ended: bool = False, kl: float | None = None) -> str | None:
         """The reason to sync after optimizer step `step` (1-based), or None."""

@@ -362,7 +362,7 @@ class RunReporter:
         """A training step's record, its completions when due, and the bar. Call on every process.
 
         samples: (prompts (B,), completions (B,), per_func (B, F), rewards (B,), advantages (B,))
-        of this process, as the trainer's score() stashes them; None skips the completions."""
+        of this process, as the trainer's advantages() stashes them; None skips the completions."""
         self.log({"step": step, **metrics})
         cfg = self.config
         if cfg.log_completions and samples is not None and step % cfg.log_completions_steps == 0:

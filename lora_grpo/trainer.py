@@ -18,12 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import signal
-import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -35,17 +32,19 @@ from . import checkpoint as ckpt
 from .adapters import POLICY, policy_parameters, reference_forward
 from .advantages import group_advantages, zero_std_fraction
 from .config import GRPOConfig
-from .countdown import countdown_problems
-from .data import PROMPT_MESSAGES, PromptBatches, load_prompt_dataset
+from .data import PROMPT_MESSAGES, PromptBatches, resolve_dataset
 from .evaluation import chunk_generator, count_correct, eval_chunks, eval_metrics, num_eval_samples, prompt_results
 from .logprobs import check_log_probs, sequence_log_probs
 from .loss import accumulation_scale, grpo_loss
 from .model import keep_4bit_weights_fixed, load_model
+from .optim import apply_config as apply_optimizer_config
+from .optim import average_gradients, build_optimizer, build_scheduler
 from .reference import SyncSchedule, sync_reference
 from .reporting import RunReporter, accelerator_kwargs
 from .rewards import (
     TrainerState,
     check_reward_columns,
+    check_reward_weights,
     compute_rewards,
     conversational_inputs,
     resolve_reward_funcs,
@@ -60,7 +59,7 @@ from .rollout import (
     check_special_tokens,
     generate_rollout,
 )
-from .toy import toy_problems
+from .stopping import NonFiniteError, StopSignals, TrainingInterrupted, agreed_signal
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -101,100 +100,6 @@ class Batch:
             }
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived: the current step finished, a checkpoint was written, the run stopped."""
-
-    def __init__(self, message: str, signum: int, checkpoint: Path | None):
-        super().__init__(message)
-        self.signum, self.checkpoint = signum, checkpoint
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-
-
-class NonFiniteError(FloatingPointError):
-    """The loss or the gradients were NaN/inf for too many optimizer updates in a row."""
-
-
-class _StopSignals:
-    """While active, SIGINT / SIGTERM only set a flag that the loop reads between steps.
-
-    A second signal of either kind restores Python's default behaviour and raises at once, so a
-    user can always get out. Only the main thread can install handlers; elsewhere this is inert.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum, frame):
-        if self.received is not None:  # the second one: stop now
-            self.__exit__()
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
-        self.received = signum
-        # os.write, not print: a handler that interrupts a print must not print (reentrant call).
-        os.write(2, f"\n{signal.Signals(signum).name} received: finishing the current step, then writing a "
-                    "checkpoint (send it again to stop at once)\n".encode())
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
-        self._previous = {}
-
-
-def build_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
-    kwargs = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
-    import bitsandbytes as bnb
-
-    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[config.optimizer]
-    return cls(params, **kwargs)
-
-
-def build_scheduler(optimizer, config: GRPOConfig, total_steps: int):
-    """The LR schedule over optimizer updates: num_iterations per training step."""
-    from transformers import get_scheduler
-
-    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[config.lr_scheduler]
-    updates = config.num_iterations
-    return get_scheduler(
-        name, optimizer, num_warmup_steps=config.warmup_steps * updates, num_training_steps=total_steps * updates
-    )
-
-
-# Datasets generated locally, by name (nothing is downloaded): name -> (problems(n, seed, split), train rows, eval rows).
-LOCAL_DATASETS = {"toy": (toy_problems, 2000, 200), "countdown": (countdown_problems, 10_000, 500)}
-
-
-def _resolve_dataset(source, config: GRPOConfig, tokenizer, split: str):
-    if source is None:
-        return None
-    if isinstance(source, str) and source in LOCAL_DATASETS:
-        problems, train_rows, eval_rows = LOCAL_DATASETS[source]
-        source = problems(eval_rows if split == "eval" else train_rows, seed=config.seed, split=split)
-    return load_prompt_dataset(
-        source,
-        split=config.dataset_split if split == "train" else config.eval_split,
-        prompt_column=config.prompt_column,
-        messages_column=config.messages_column,
-        prompt_template=config.prompt_template,
-        system_prompt=config.system_prompt,
-        use_chat_template=config.use_chat_template,
-        config_name=config.dataset_config,
-        tokenizer=tokenizer,
-    )
-
-
 class GRPOTrainer:
     """GRPO with a LoRA policy and a reference slot on one (optionally 4-bit) base.
 
@@ -221,6 +126,13 @@ class GRPOTrainer:
         self.config = config
         # report_to's trackers; a missing tracker package fails here, before the model loads
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), **accelerator_kwargs(config))
+        # Reward functions first: a wrong one fails before the model loads.
+        specs = reward_funcs if reward_funcs is not None else config.reward_funcs
+        self.reward_funcs = resolve_reward_funcs(specs, context={"max_completion_length": config.max_completion_length})
+        if not self.reward_funcs:
+            raise ValueError("no reward functions: pass reward_funcs=[...] or set reward_funcs in the config")
+        check_reward_weights(config.reward_weights, len(self.reward_funcs))
+
         # The same seed on every process: the adapters must start identical (sampling has its own
         # per-process generator below).
         self._seed_everything(config.seed)
@@ -235,21 +147,12 @@ class GRPOTrainer:
         if next(model.parameters()).device != self.accelerator.device and not getattr(model, "is_loaded_in_4bit", False):
             self.model.to(self.accelerator.device)
 
-        specs = reward_funcs if reward_funcs is not None else config.reward_funcs
-        self.reward_funcs = resolve_reward_funcs(specs, context={"max_completion_length": config.max_completion_length})
-        if not self.reward_funcs:
-            raise ValueError("no reward functions: pass reward_funcs=[...] or set reward_funcs in the config")
-        if config.reward_weights is not None and len(config.reward_weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"reward_weights has {len(config.reward_weights)} entries for {len(self.reward_funcs)} reward functions"
-            )
-
         train_source = train_dataset if train_dataset is not None else config.dataset
         if train_source is None:
             raise ValueError("no training prompts: pass train_dataset=... or set `dataset` in the config")
-        self.train_dataset = _resolve_dataset(train_source, config, tokenizer, "train")
+        self.train_dataset = resolve_dataset(train_source, config, tokenizer, "train")
         eval_source = eval_dataset if eval_dataset is not None else config.eval_dataset
-        self.eval_dataset = _resolve_dataset(eval_source, config, tokenizer, "eval")
+        self.eval_dataset = resolve_dataset(eval_source, config, tokenizer, "eval")
         if self.eval_dataset is not None and config.eval_limit:
             self.eval_dataset = self.eval_dataset.select(range(min(config.eval_limit, len(self.eval_dataset))))
         # Columns reach the reward functions as keywords (all but the rendered prompt and the chat
@@ -271,21 +174,25 @@ class GRPOTrainer:
         self.total_steps = config.max_steps or config.num_epochs * self.batches.steps_per_epoch
         self.params = policy_parameters(self.model)
         self.optimizer = build_optimizer(self.params, config)
+        self.loss_settings = dict(  # grpo_loss's settings, built once
+            loss_type=config.loss_type, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+            beta=config.beta, max_completion_length=config.max_completion_length,
+            importance_sampling=config.importance_sampling, kl_ratio_correction=config.kl_ratio_correction,
+        )
         self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
-        self.schedule = SyncSchedule.from_config(config)
+        self.sync_schedule = SyncSchedule.from_config(config)
         self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
             config.seed + 1000 * self.accelerator.process_index
         )
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.nonfinite_in_a_row = 0
-        self._warn_sampling_filters()
         check_special_tokens(self.model, self.tokenizer)
-        self.logprob_check = self._check_log_probs()
+        self.log_prob_check = self._check_log_probs()
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
         self.reporter = RunReporter(config, self.accelerator, reward_names(self.reward_funcs), self.total_steps)
-        self._last_scores = None  # the last step's samples for completions.jsonl (set by score())
+        self._last_samples = None  # the last step's samples for completions.jsonl (set by advantages())
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -302,7 +209,7 @@ class GRPOTrainer:
         if eval_before:
             self._report_eval("before", eval_before)
         # Stop signals are deferred until the end of the run, final eval and saves included.
-        with _StopSignals() as stop:
+        with StopSignals() as stop:
             with self.reporter.progress(self.step):
                 while self.step < self.total_steps:
                     epoch, rows = next(self.batches)
@@ -310,7 +217,7 @@ class GRPOTrainer:
                     metrics = self.training_step(rows)
                     self.step += 1
                     metrics["epoch"] = epoch
-                    reason = self.schedule.due(self.step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
+                    reason = self.sync_schedule.due(self.step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
                     if reason:
                         metrics.update(self.sync_reference())
                         metrics["sync/event"] = 1.0
@@ -318,10 +225,10 @@ class GRPOTrainer:
                     if self.eval_dataset is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
                         metrics.update(self.evaluate())
                     self.history.append(metrics)
-                    self.reporter.log_step(self.step, metrics, self._last_scores)  # metrics, completions, trackers, bar
+                    self.reporter.log_step(self.step, metrics, self._last_samples)  # metrics, completions, trackers, bar
                     if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
                         self._print(self._progress_line(metrics))
-                    signum = self._stop_requested(stop.received)
+                    signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
                     if signum:
                         self._stop(signum)
                     if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
@@ -344,7 +251,7 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         rollout = self.generate(rows["prompt"])
         t_gen = time.perf_counter()
-        advantages, metrics = self.score(rollout, rows)
+        advantages, metrics = self.advantages(rollout, rows)
         mask = rollout.completion_mask.clone()
         if cfg.mask_truncated_completions:
             mask[rollout.truncated] = 0
@@ -364,7 +271,7 @@ class GRPOTrainer:
         tokens = int(rollout.completion_mask.sum())
         metrics.update({
             "time/rollout": t_gen - t0,
-            "time/logprobs": t_ref - t_gen,
+            "time/log_probs": t_ref - t_gen,
             "time/train": t_end - t_ref,
             "time/step": t_end - t0,
             "tokens_per_second": tokens / (t_end - t0),
@@ -409,12 +316,12 @@ class GRPOTrainer:
         )
         return compute_rewards(self.reward_funcs, prompts, completions, columns, weights=self.config.reward_weights)
 
-    def score(self, rollout: Rollout, rows: dict[str, list]) -> tuple[Tensor, dict[str, float]]:
+    def advantages(self, rollout: Rollout, rows: dict[str, list]) -> tuple[Tensor, dict[str, float]]:
         """Rewards → group-relative advantages (B,), with the step's reward and completion metrics."""
         cfg = self.config
         rewards, per_func, metrics = self.rewards(rollout, rows, cfg.num_generations)
         advantages = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
-        self._last_scores = (rollout.prompts, rollout.completions, per_func, rewards, advantages)  # for log_completions
+        self._last_samples = (rollout.prompts, rollout.completions, per_func, rewards, advantages)  # for log_completions
         lengths = rollout.completion_lengths.float()
         truncated = rollout.truncated.float()
         if self.accelerator.num_processes > 1:  # metrics over every process's groups, not just this one's
@@ -459,84 +366,66 @@ class GRPOTrainer:
             self.model.train(was_training)
 
     def optimize(self, batch: Batch) -> dict[str, float]:
-        """Accumulate the loss over micro-batches, clip, step. Returns loss metrics (token-weighted means)."""
-        cfg = self.config
+        """One optimizer update on the batch: accumulate → average → clip → step.
+        Returns the loss metrics (token-weighted means over the step), loss, grad_norm, lr."""
+        cfg, acc = self.config, self.accelerator
         self.model.train()
-        total_sequences = batch.input_ids.shape[0]
-        n_micro = math.ceil(total_sequences / cfg.micro_batch_size)
-        # dapo: one denominator for the whole step, across micro-batches and processes (DDP averages
-        # gradients over processes, so each process divides by the global count / world size).
-        num_tokens = batch.completion_mask.sum().float()
-        if self.accelerator.num_processes > 1:
-            num_tokens = self.accelerator.reduce(num_tokens.to(self.accelerator.device), "sum") / self.accelerator.num_processes
+        n_seq = batch.input_ids.shape[0]
+        n_micro = math.ceil(n_seq / cfg.micro_batch_size)
+        # dapo's denominator: the step's tokens over every process, divided by the number of
+        # processes because their gradients are averaged.
+        num_tokens = self._sum_over_processes({"t": batch.completion_mask.sum().item()})["t"] / acc.num_processes
         sums: dict[str, float] = {}
-        total_weight = 0.0
-        loss_total = 0.0
         for mb in batch.micro_batches(cfg.micro_batch_size):
             logp, entropy = self._forward_log_probs(mb, return_entropy=True)
-            loss, m = grpo_loss(
-                logp,
-                mb["old_logp"],
-                mb["ref_logp"],
-                mb["advantages"],
-                mb["completion_mask"],
-                loss_type=cfg.loss_type,
-                epsilon_low=cfg.epsilon_low,
-                epsilon_high=cfg.epsilon_high,
-                beta=cfg.beta,
-                max_completion_length=cfg.max_completion_length,
-                num_tokens=num_tokens.item(),
-                importance_sampling=cfg.importance_sampling,
-                kl_ratio_correction=cfg.kl_ratio_correction,
-            )
-            loss = loss * accumulation_scale(cfg.loss_type, mb["input_ids"].shape[0], total_sequences, n_micro)
+            loss, m = grpo_loss(logp, mb["old_logp"], mb["ref_logp"], mb["advantages"], mb["completion_mask"],
+                                num_tokens=num_tokens, **self.loss_settings)
+            loss = loss * accumulation_scale(cfg.loss_type, mb["input_ids"].shape[0], n_seq, n_micro)
             loss.backward()
-            loss_total += loss.item()
             weight = float(mb["completion_mask"].sum())
             m["entropy"] = (entropy * mb["completion_mask"]).sum().item() / max(weight, 1.0)
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v * weight
-            total_weight += weight
-        if self.accelerator.num_processes > 1:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad = self.accelerator.reduce(p.grad, "mean")
-            # token-weighted loss metrics over all processes
-            keys = sorted(sums)
-            totals = self.accelerator.reduce(
-                torch.tensor([sums[k] for k in keys] + [total_weight, loss_total], device=self.accelerator.device), "sum"
-            ).tolist()
-            sums, total_weight = dict(zip(keys, totals)), totals[len(keys)]
-            loss_total = totals[-1] / self.accelerator.num_processes
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-            if cfg.max_grad_norm > 0
-            else torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
-        )
+            for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss.item())]:
+                sums[k] = sums.get(k, 0.0) + v
+        if acc.num_processes > 1:
+            average_gradients(self.params, acc)
+            sums = self._sum_over_processes(sums)
+        loss_total, tokens = sums.pop("loss") / acc.num_processes, max(sums.pop("tokens"), 1.0)
+        # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
         lr = self.scheduler.get_last_lr()[0]
-        # Gradients are averaged over processes first, so every process takes the same branch.
-        finite = math.isfinite(loss_total) and math.isfinite(float(grad_norm))
+        skipped = self._step_unless_nonfinite(loss_total, grad_norm)
+        return {**{k: v / tokens for k, v in sums.items()}, "loss": loss_total, "grad_norm": grad_norm, "lr": lr,
+                "skipped_nonfinite": float(skipped)}
+
+    def _sum_over_processes(self, values: dict[str, float]) -> dict[str, float]:
+        if self.accelerator.num_processes == 1:
+            return values
+        keys = sorted(values)
+        totals = self.accelerator.reduce(torch.tensor([values[k] for k in keys], device=self.accelerator.device), "sum")
+        return dict(zip(keys, totals.tolist()))
+
+    def _step_unless_nonfinite(self, loss: float, grad_norm: float) -> bool:
+        """Step the optimizer, or skip a NaN/inf update (every process decides alike: the values are
+        already averaged). Too many skips in a row end the run. Returns whether it skipped."""
+        cfg = self.config
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
-            self.nonfinite_in_a_row = 0
-        else:
-            self.nonfinite_in_a_row += 1
+        self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
         self.scheduler.step()  # the schedule follows the step count, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {k: v / max(total_weight, 1.0) for k, v in sums.items()}
-        metrics.update({"loss": loss_total, "grad_norm": float(grad_norm), "lr": lr, "skipped_nonfinite": float(not finite)})
         if not finite:
             logger.warning("step %d: loss %s, grad norm %s: update skipped (%d in a row)",
-                           self.step + 1, loss_total, float(grad_norm), self.nonfinite_in_a_row)
-            if self.nonfinite_in_a_row >= cfg.max_nonfinite_updates:
-                raise NonFiniteError(
-                    f"the loss or gradients were NaN/inf for {self.nonfinite_in_a_row} updates in a row (up to step "
-                    f"{self.step + 1}); each was skipped, the adapters hold the last finite update. Common causes: "
-                    f"a learning rate too high (learning_rate={cfg.learning_rate}), float16 without loss scaling "
-                    f"(torch_dtype={cfg.torch_dtype!r}; use bfloat16 or float32), or a reward of extreme magnitude. "
-                    f"Resume from the last checkpoint with a lower learning_rate, or raise max_nonfinite_updates."
-                )
-        return metrics
+                           self.step + 1, loss, grad_norm, self.nonfinite_in_a_row)
+        if self.nonfinite_in_a_row >= cfg.max_nonfinite_updates:
+            raise NonFiniteError(
+                f"the loss or gradients were NaN/inf for {self.nonfinite_in_a_row} updates in a row (up to step "
+                f"{self.step + 1}); each was skipped, the adapters hold the last finite update. Common causes: "
+                f"a learning rate too high (learning_rate={cfg.learning_rate}), float16 without loss scaling "
+                f"(torch_dtype={cfg.torch_dtype!r}; use bfloat16 or float32), or a reward of extreme magnitude. "
+                f"Resume from the last checkpoint with a lower learning_rate, or raise max_nonfinite_updates."
+            )
+        return not finite
 
     def sync_reference(self) -> dict[str, float]:
         """Sync the reference slot to the policy now, with the configured alpha and mode."""
@@ -631,7 +520,10 @@ class GRPOTrainer:
         ckpt.load_checkpoint_adapters(self.model, path)
         self.optimizer.load_state_dict(blobs["optimizer"])
         self.scheduler.load_state_dict(blobs["scheduler"])
-        self._apply_optimizer_config()
+        saved_lr = apply_optimizer_config(self.optimizer, self.scheduler, self.config)
+        if saved_lr != self.config.learning_rate:
+            self._print(f"learning_rate {saved_lr:g} in the checkpoint, {self.config.learning_rate:g} in this config: "
+                        f"using {self.config.learning_rate:g}")
         rng = blobs["rng"][self.accelerator.process_index]  # this process's own states
         ckpt.set_rng_state(rng)
         self.generator.set_state(rng["sampling"])
@@ -643,28 +535,6 @@ class GRPOTrainer:
             for moved in ckpt.set_aside_later_checkpoints(self.output_dir, self.step):
                 self._print(f"{moved.name}: a later checkpoint of the run this one resumes, set aside (not deleted)")
         self._print(f"resumed from {path} at step {self.step}")
-
-    def _apply_optimizer_config(self) -> None:
-        """After loading optimizer and scheduler state: the config's learning rate, betas and weight
-        decay win over the saved ones (resuming with a lower learning_rate must lower it)."""
-        cfg = self.config
-        saved_lr = self.scheduler.base_lrs[0]
-        self.scheduler.base_lrs = [cfg.learning_rate for _ in self.scheduler.base_lrs]
-        factors = [f(self.scheduler.last_epoch) for f in self.scheduler.lr_lambdas]
-        for group, factor in zip(self.optimizer.param_groups, factors):
-            group.update(lr=cfg.learning_rate * factor, initial_lr=cfg.learning_rate,
-                         betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-        if saved_lr != cfg.learning_rate:
-            self._print(f"learning_rate {saved_lr:g} in the checkpoint, {cfg.learning_rate:g} in this config: using {cfg.learning_rate:g}")
-
-    # ------------------------------------------------------------------ stopping
-    def _stop_requested(self, local: int | None) -> int | None:
-        """The signal that stops the run, agreed by every process (any one that got one stops all)."""
-        if self.accelerator.num_processes == 1:
-            return local
-        flag = torch.tensor([local or 0], device=self.accelerator.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # a sum would invent signals
-        return int(flag.item()) or None
 
     def _stop(self, signum: int) -> None:
         """After a stop signal: write a checkpoint, then raise TrainingInterrupted with how to resume."""
@@ -693,18 +563,6 @@ class GRPOTrainer:
             chunk_size=self.config.logprob_chunk_size,
         )
 
-    def _warn_sampling_filters(self) -> None:
-        cfg = self.config
-        filters = [f"{k}={getattr(cfg, k)}" for k, off in
-                   (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)) if getattr(cfg, k) != off]
-        if filters and (cfg.num_iterations > 1 or cfg.beta > 0):
-            warnings.warn(
-                f"sampling filters {', '.join(filters)} change the distribution completions are drawn from, but the "
-                "ratio and KL terms use the model's unfiltered log-probs (as TRL does): the importance ratio and the "
-                "KL are those of the unfiltered policy. Turn the filters off for an exact on-policy loss.",
-                stacklevel=3,
-            )
-
     # ------------------------------------------------------------------ reporting
     def _summary(self, before: dict, after: dict, seconds: float) -> dict[str, Any]:
         rewards = [m["reward/mean"] for m in self.history if "reward/mean" in m]
@@ -717,7 +575,7 @@ class GRPOTrainer:
             "reward_first": float(np.mean(rewards[:k])) if rewards else None,
             "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
             "syncs": sum(1 for m in self.history if m.get("sync/event")),
-            "logprob_check_max_diff": self.logprob_check,  # chunked log-probs vs the model's logits, at load
+            "log_prob_check_max_diff": self.log_prob_check,  # chunked log-probs vs the model's logits, at load
         }
         if before or after:
             # The first reward function is the headline eval metric (accuracy on the toy task).

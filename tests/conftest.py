@@ -1,3 +1,6 @@
+"""What every test file shares: the tiny base model, the tiny GRPO run and its helpers, torchrun and
+recipe helpers. Test files import the helpers (`from conftest import make_trainer`), never each other."""
+
 import os
 
 import pytest
@@ -19,12 +22,16 @@ def tiny_base_dir(tmp_path_factory):
 
 def run_torchrun(script, *args, nproc: int = 2, timeout: int = 300):
     """Run `script` under torchrun on CPU (gloo; what `accelerate launch` sets up on GPUs); skip the
-    test where gloo is unavailable, fail with the processes' stderr when the run fails."""
+    test where gloo is unavailable, fail with the processes' stderr when the run fails. The script can
+    import this file's helpers (`from conftest import digit_share`): tests/ is on its PYTHONPATH."""
     import subprocess
     import sys
 
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(script), *map(str, args)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if result.returncode != 0 and "gloo" in result.stderr.lower() and "unavailable" in result.stderr.lower():
         pytest.skip("torch.distributed gloo backend unavailable")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -46,3 +53,85 @@ def write_recipe(tmp_path, base_dir, rows: int = 8, **fields) -> "os.PathLike":
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny GRPO run most tests train, and what they read back from it.
+# ---------------------------------------------------------------------------------------------
+
+
+def digit_share(prompts, completions, **kwargs):
+    """Reward: share of digits in the completion (a tiny random model can move this fast)."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+def has_digit(prompts, completions, **kwargs):
+    """0/1: a completion with a digit in it (the tiny random model sometimes writes one)."""
+    return [float(any(ch.isdigit() for ch in text)) for text in completions]
+
+
+PROMPTS = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(24)]
+
+# make_trainer's settings: 4 QLoRA steps of 2 prompts × 4 completions of at most 6 tokens.
+TINY_RUN = dict(
+    quantization="4bit", lora_r=4, lora_alpha=8, num_generations=4, prompts_per_step=2, max_completion_length=6,
+    micro_batch_size=3, max_steps=4, beta=0.04, learning_rate=5e-3, save_steps=0, seed=0, gradient_checkpointing=True,
+)
+# The plainer run some regression tests were found with, as overrides of TINY_RUN (no max_steps: each
+# test sets its own): no quantization, 2 completions of 4 tokens, 12 prompts without answers;
+# lora_alpha, micro_batch_size and seed at the config's defaults.
+SMALL_RUN = dict(
+    quantization="none", lora_alpha=32, num_generations=2, max_prompt_length=32, max_completion_length=4,
+    micro_batch_size=8, seed=42, gradient_checkpointing=False, learning_rate=1e-2,
+    train_dataset=[{"prompt": row["prompt"]} for row in PROMPTS[:12]],
+)
+
+
+def make_trainer(base_dir, out_dir, *, reward_funcs=(digit_share,), train_dataset=PROMPTS, eval_dataset=None,
+                 **overrides):
+    """A GRPOTrainer of TINY_RUN on the model at `base_dir`, writing to `out_dir`/run; `overrides` replace
+    config fields (TINY_RUN's or any other)."""
+    from lora_grpo import GRPOConfig, GRPOTrainer
+
+    fields = {**TINY_RUN, "model_name_or_path": base_dir, "output_dir": os.path.join(out_dir, "run"), **overrides}
+    config = GRPOConfig(**fields)
+    return GRPOTrainer(config, reward_funcs=list(reward_funcs), train_dataset=train_dataset, eval_dataset=eval_dataset)
+
+
+def adapter_state(model, adapter: str) -> dict[str, torch.Tensor]:
+    """A copy of one adapter's parameters (POLICY or REFERENCE)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{adapter}." in n}
+
+
+def base_state(model) -> dict[str, torch.Tensor]:
+    """A copy of everything in the state dict but the LoRA weights (the 4-bit bytes included)."""
+    return {n: t.detach().clone() for n, t in model.state_dict().items() if "lora_" not in n}
+
+
+def changed(a: dict, b: dict) -> bool:
+    """Whether any tensor of two snapshots with the same keys differs."""
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def frozen_4bit(model) -> dict[str, torch.Tensor]:
+    """Every 4-bit layer's stored bytes and quantisation constants, read without state_dict()."""
+    import bitsandbytes.nn.modules as bnb_modules
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, bnb_modules.Linear4bit):
+            qs = m.weight.quant_state
+            out[f"{name}.weight"] = m.weight.data.clone()
+            out[f"{name}.absmax"] = qs.absmax.clone()
+            if getattr(qs, "state2", None) is not None:
+                out[f"{name}.absmax2"] = qs.state2.absmax.clone()
+            out[f"{name}.packed"] = torch.tensor(bool(getattr(qs, "packing_format_for_cpu", False)))
+    assert out, "no 4-bit layers"
+    return out
+
+
+def assert_same_4bit(a: dict, b: dict) -> None:
+    """Two frozen_4bit snapshots are bit-identical."""
+    assert a.keys() == b.keys()
+    moved = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
+    assert not moved, f"frozen base changed: {moved[:4]}"

@@ -14,7 +14,7 @@ import lora_grpo.checkpoint as ckpt
 from lora_grpo.adapters import POLICY, REFERENCE
 from lora_grpo.checkpoint import CheckpointError
 
-from test_trainer import adapter_state, make_trainer
+from conftest import SMALL_RUN, adapter_state, make_trainer
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +247,17 @@ def test_a_half_written_log_line_is_dropped_on_resume(tmp_path):
     log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rew')
     ckpt.truncate_log(log, 3)
     assert log.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+
+
+# Failed before the fix it guards (code review): a resumed run appended its steps to the interrupted
+# run's log, so steps 3 and 4 were logged twice.
+def test_resume_rewrites_the_metrics_log_from_the_checkpoint(tiny_base_dir, tmp_path):
+    make_trainer(tiny_base_dir, tmp_path, **SMALL_RUN, max_steps=4, save_steps=2, save_total_limit=5).train()
+    run = tmp_path / "run"
+    make_trainer(tiny_base_dir, tmp_path, **SMALL_RUN, max_steps=4,
+                 resume_from_checkpoint=str(run / "checkpoint-2")).train()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
 
 
 def test_target_modules_compare_as_resolved_sets(tiny_base_dir, tmp_path, saved_run):

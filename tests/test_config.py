@@ -1,8 +1,12 @@
 import dataclasses
+import re
+import subprocess
+import sys
 
 import pytest
 
-from lora_grpo.config import ConfigError, GRPOConfig
+from lora_grpo import config as config_module
+from lora_grpo.config import CHOICES, ConfigError, GRPOConfig
 
 BASE = dict(model_name_or_path="some/model")
 
@@ -48,7 +52,6 @@ def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
         ({"learning_rate": 0}, "learning_rate=0 must be > 0"),
         ({"top_p": 0}, "top_p"),
         ({"temperature": 0.0}, "temperature=0.0 must be > 0"),
-        ({"reward_funcs": ["a", "b"], "reward_weights": [1.0]}, "reward_weights has 1"),
         ({"max_prompt_length": 0}, "max_prompt_length"),
     ],
 )
@@ -78,3 +81,52 @@ def test_parse_value_types():
         p("lora_r", "eight")
     with pytest.raises(ConfigError, match="did you mean 'lora_r'"):
         p("lora_rank", "8")
+
+
+def test_config_names_the_options_of_the_math_tables():
+    # config.py cannot import the tables (it loads before torch), so it names their keys; they must agree.
+    from lora_grpo import advantages, loss, reference
+
+    tables = {
+        "LOSS_TYPES": loss.LOSS_TYPES, "IMPORTANCE_SAMPLING": loss.IMPORTANCE_SAMPLING,
+        "SCALES": advantages.SCALES, "SYNC_MODES": reference.SYNC_MODES,
+    }
+    for name, table in tables.items():
+        assert getattr(config_module, name) == tuple(table), name
+        assert all(record.help for record in table.values()), name
+    assert CHOICES["loss_type"] is config_module.LOSS_TYPES
+    assert CHOICES["importance_sampling"] is config_module.IMPORTANCE_SAMPLING
+    assert CHOICES["scale_rewards"] is config_module.SCALES
+    assert CHOICES["ref_sync_mode"] is config_module.SYNC_MODES
+
+
+@pytest.mark.parametrize("field", sorted(CHOICES))
+def test_help_names_every_option(field):
+    help_text = {f.name: f.metadata["help"] for f in dataclasses.fields(GRPOConfig)}[field]
+    words = set(re.findall(r"[\w.-]+", help_text))
+    assert set(CHOICES[field]) <= words, (field, help_text)
+    with pytest.raises(ConfigError, match=f"{field}='nope' is not one of"):
+        GRPOConfig(**BASE, **{field: "nope"})
+
+
+def test_field_help_carries_the_default():
+    helps = GRPOConfig.field_help()
+    assert list(helps) == [f.name for f in dataclasses.fields(GRPOConfig)]
+    assert helps["lora_r"] == "rank of the policy LoRA adapter [default: 16]"
+    assert helps["reward_funcs"].endswith("[default: []]")
+
+
+def _fresh_import(modules: str, absent: tuple[str, ...]) -> None:
+    check = f"import sys, {modules}; loaded = [m for m in {absent!r} if m in sys.modules]; assert not loaded, loaded"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_config_imports_without_torch():
+    # The CLI parses the config (and prints --help) before anything loads torch.
+    _fresh_import("lora_grpo.config", ("torch",))
+
+
+def test_math_modules_import_without_yaml_or_transformers():
+    _fresh_import("lora_grpo.loss, lora_grpo.advantages, lora_grpo.logprobs, lora_grpo.reference",
+                  ("yaml", "transformers"))

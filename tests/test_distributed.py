@@ -12,9 +12,9 @@ SCRIPT = textwrap.dedent(
     import json, sys, torch
     from lora_grpo import GRPOConfig, GRPOTrainer
 
+    from conftest import digit_share
+
     base, out = sys.argv[1], sys.argv[2]
-    def digit_share(prompts, completions, **kw):
-        return [sum(c.isdigit() for c in t) / max(1, len(t)) for t in completions]
     prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(16)]
     cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, num_generations=4,
                      prompts_per_step=2, max_completion_length=5, micro_batch_size=4, max_steps=2,
@@ -25,6 +25,8 @@ SCRIPT = textwrap.dedent(
     rank = t.accelerator.process_index
     sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
     json.dump({"prompts": list(t.train_dataset["prompt"]), "sums": sums, "history": t.history}, open(f"{out}/rank{rank}.json", "w"))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a clean exit: gloo aborts otherwise, now and then
     """
 )
 
@@ -53,9 +55,9 @@ RESUME_SCRIPT = textwrap.dedent(
     import json, sys, torch
     from lora_grpo import GRPOConfig, GRPOTrainer
 
+    from conftest import digit_share
+
     base, out = sys.argv[1], sys.argv[2]
-    def digit_share(prompts, completions, **kw):
-        return [sum(c.isdigit() for c in t) / max(1, len(t)) for t in completions]
     prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(16)]
     def run(output_dir, **kw):
         cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, lora_dropout=0.3, num_generations=4,
@@ -69,6 +71,8 @@ RESUME_SCRIPT = textwrap.dedent(
     rank = full.accelerator.process_index
     same = all(torch.equal(p, q) for (_, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()))
     json.dump({"same": same, "loss": [[m["loss"] for m in t.history] for t in (full, resumed)]}, open(f"{out}/resume{rank}.json", "w"))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a clean exit: gloo aborts otherwise, now and then
     """
 )
 

@@ -8,10 +8,8 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import run_torchrun, write_recipe
-from test_trainer import PROMPTS, adapter_state, digit_share
 
-from lora_grpo import GRPOConfig, GRPOTrainer
+from lora_grpo import GRPOConfig
 from lora_grpo.cli import main
 from lora_grpo.config import ConfigError
 from lora_grpo.evaluation import (
@@ -23,6 +21,8 @@ from lora_grpo.evaluation import (
     pass_at_k,
 )
 from lora_grpo.model import POLICY, REFERENCE
+
+from conftest import PROMPTS, adapter_state, digit_share, has_digit, make_trainer, run_torchrun, write_recipe
 
 
 def exact_pass_at_k(n, c, k):
@@ -148,27 +148,18 @@ def test_cli_eval_k(recipe, capsys):
 # ---------------------------------------------------------------------------------- evaluate()
 
 
-def has_digit(prompts, completions, **kwargs):
-    """0/1: a completion with a digit in it (the tiny random model sometimes writes one)."""
-    return [float(any(ch.isdigit() for ch in text)) for text in completions]
-
-
 def always_right(prompts, completions, **kwargs):
     return [1.0] * len(completions)
 
 
-def eval_trainer(tiny_base_dir, tmp_path, reward_funcs, **overrides):
-    kw = dict(
-        model_name_or_path=tiny_base_dir, quantization="none", lora_r=4, lora_alpha=8, num_generations=4,
-        prompts_per_step=2, max_completion_length=6, micro_batch_size=8, max_steps=3, beta=0.04,
-        learning_rate=5e-3, output_dir=str(tmp_path / "run"), save_steps=0, seed=0, gradient_checkpointing=False,
-    )
-    kw.update(overrides)
-    return GRPOTrainer(GRPOConfig(**kw), reward_funcs=reward_funcs, train_dataset=PROMPTS, eval_dataset=PROMPTS[:7])
+# make_trainer's run, without quantization, in one micro-batch, 3 steps; 7 eval prompts.
+EVAL_RUN = dict(quantization="none", micro_batch_size=8, max_steps=3, gradient_checkpointing=False,
+                eval_dataset=PROMPTS[:7])
 
 
 def test_evaluate_reports_pass_at_k_beside_greedy(tiny_base_dir, tmp_path):
-    trainer = eval_trainer(tiny_base_dir, tmp_path, [has_digit, digit_share], eval_pass_k=[4, 1, 2], eval_num_samples=6)
+    trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN, reward_funcs=[has_digit, digit_share],
+                           eval_pass_k=[4, 1, 2], eval_num_samples=6)
     generator_state = trainer.generator.get_state()
     metrics = trainer.evaluate(batch_prompts=3)
     assert list(metrics) == ["eval/has_digit", "eval/digit_share", "eval/completion_length",
@@ -185,12 +176,13 @@ def test_evaluate_reports_pass_at_k_beside_greedy(tiny_base_dir, tmp_path):
 
 
 def test_a_reward_that_is_always_right_gives_pass_at_k_one(tiny_base_dir, tmp_path):
-    trainer = eval_trainer(tiny_base_dir, tmp_path, [always_right], eval_pass_k=[1, 3])
+    trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN, reward_funcs=[always_right], eval_pass_k=[1, 3])
     metrics = trainer.evaluate()
     assert metrics["eval/always_right"] == 1.0
     assert metrics["eval/pass@1"] == 1.0 and metrics["eval/pass@3"] == 1.0
     # A threshold above every value: nothing is correct.
-    trainer = eval_trainer(tiny_base_dir, tmp_path, [always_right], eval_pass_k=[1, 3], eval_correct_threshold=1.5)
+    trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN, reward_funcs=[always_right], eval_pass_k=[1, 3],
+                           eval_correct_threshold=1.5)
     assert trainer.evaluate()["eval/pass@3"] == 0.0
 
 
@@ -199,9 +191,7 @@ def test_eval_during_training_leaves_the_training_trajectory_unchanged(tiny_base
     nothing from the training sampler or the global RNGs."""
     runs = []
     for name, extra in (("plain", {}), ("evaluated", dict(eval_steps=1, eval_pass_k=[1, 2], eval_temperature=1.3))):
-        trainer = eval_trainer(
-            tiny_base_dir, tmp_path / name, [digit_share], ref_sync_steps=2, lora_dropout=0.1, **extra
-        )
+        trainer = make_trainer(tiny_base_dir, tmp_path / name, **EVAL_RUN, ref_sync_steps=2, lora_dropout=0.1, **extra)
         if not extra:
             trainer.eval_dataset = None  # no eval at all, not even before and after
         trainer.train()
@@ -221,9 +211,9 @@ SHARDED = textwrap.dedent(
     import json, sys, torch
     from lora_grpo import GRPOConfig, GRPOTrainer
 
+    from conftest import has_digit
+
     base, out = sys.argv[1], sys.argv[2]
-    def has_digit(prompts, completions, **kw):
-        return [float(any(ch.isdigit() for ch in t)) for t in completions]
     def weight(prompts, completions, weight, **kw):  # each prompt's own value: the mean shows double counts
         return [float(w) for w in weight]
     prompts = [{"prompt": f"{i}+{i % 3}=", "weight": 10 ** i} for i in range(5)]
@@ -238,6 +228,8 @@ SHARDED = textwrap.dedent(
     metrics = t.evaluate(batch_prompts=2)  # chunks [0:2] [2:4] [4:5]: process 0 gets two, process 1 one
     world, rank = t.accelerator.num_processes, t.accelerator.process_index
     json.dump(metrics, open(f"{out}/eval-{world}-{rank}.json", "w"))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a clean exit: gloo aborts otherwise, now and then
     """
 )
 

@@ -346,3 +346,22 @@ def test_check_log_probs_names_nan_logits_as_such():
     ids = torch.randint(0, 40, (1, 6))
     with pytest.raises(ValueError, match=r"own logits are NaN/inf .*torch_dtype bfloat16 or float32"):
         check_log_probs(model, ids, torch.ones_like(ids))
+
+
+# Failed before the fix it guards (code review): log-probs ignored the model's own logit transform
+# (here Gemma-2's final logit softcapping).
+def test_log_probs_apply_the_models_logit_softcapping():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, final_logit_softcapping=2.0, max_position_embeddings=64)
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # large logits, so the cap matters
+    ids = torch.randint(0, 50, (2, 8))
+    mask = torch.ones_like(ids)
+    logp, _ = sequence_log_probs(model, ids, mask, 4, chunk_size=3)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1).logits
+    ref = torch.log_softmax(logits[:, -5:-1].float(), -1).gather(-1, ids[:, -4:, None]).squeeze(-1)
+    torch.testing.assert_close(logp, ref, rtol=0, atol=1e-5)

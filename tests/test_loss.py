@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lora_grpo.loss import AGGREGATIONS, accumulation_scale, grpo_loss, k3_kl
+from lora_grpo.loss import LOSS_TYPES, accumulation_scale, grpo_loss, k3_kl
 
 # Two sequences of different lengths: 3 tokens and 1 token, on-policy, beta = 0.
 # Per-token objective is −A: sequence 0 contributes −1 per token, sequence 1 +0.5.
@@ -32,7 +32,7 @@ def test_four_loss_types_give_four_numbers():
     logp = torch.zeros(2, 3)
     values = {
         lt: grpo_loss(logp, None, None, ADV, MASK, loss_type=lt, num_tokens=8, max_completion_length=3)[0].item()
-        for lt in AGGREGATIONS
+        for lt in LOSS_TYPES
     }
     assert len({round(v, 6) for v in values.values()}) == 4, values
 
@@ -146,7 +146,7 @@ def test_unknown_variants_rejected():
         grpo_loss(torch.zeros(2, 3), None, None, ADV, MASK, importance_sampling="seq")
 
 
-@pytest.mark.parametrize("loss_type", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 @pytest.mark.parametrize("kl_ratio_correction", [True, False])
 def test_gradient_matches_finite_differences(loss_type, importance_sampling, kl_ratio_correction):
@@ -185,3 +185,11 @@ def test_accumulation_scale_makes_micro_batches_sum_to_the_full_loss():
             for i in (0, 2)
         )
         assert parts.item() == pytest.approx(full.item(), abs=1e-6), lt
+
+
+def test_accumulation_scale_is_each_loss_types_own():
+    # A step of 5 sequences in 3 micro-batches; this micro-batch holds 1 of them.
+    scales = {lt: accumulation_scale(lt, 1, 5, 3) for lt in LOSS_TYPES}
+    assert scales == {"grpo": 1 / 5, "bnpo": 1 / 3, "dapo": 1.0, "dr_grpo": 1 / 5}
+    with pytest.raises(ValueError, match=r"unknown loss_type 'ppo'; choose one of \['bnpo', 'dapo', 'dr_grpo', 'grpo'\]"):
+        accumulation_scale("ppo", 1, 5, 3)

@@ -1,5 +1,7 @@
-"""The frozen 4-bit base stays bit-identical on every CPU, including the bitsandbytes code path that
-CPUs with AVX512-BF16 take (forced here on any CPU, with the packed kernel stubbed)."""
+"""Loading the model: the frozen 4-bit base stays bit-identical on every CPU, including the bitsandbytes
+code path that CPUs with AVX512-BF16 take (forced here on any CPU, with the packed kernel stubbed); the
+base's dropout is off; a warm-start adapter takes the config's dropout; tokenizers that cannot pad or stop
+are refused."""
 
 import copy
 
@@ -12,8 +14,10 @@ from lora_grpo.adapters import POLICY
 from lora_grpo.checkpoint import save_adapter
 from lora_grpo.config import GRPOConfig
 from lora_grpo.model import load_model
+from lora_grpo.reference import lora_layers
+from lora_grpo.toy import make_tiny_model, make_tokenizer
 
-from test_trainer import make_trainer
+from conftest import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer
 
 
 @pytest.fixture
@@ -35,27 +39,6 @@ def avx512bf16_cpu(monkeypatch):
     monkeypatch.setattr(bnb_F, "gemv_4bit", packed_gemv)
 
 
-def frozen_4bit(model) -> dict[str, torch.Tensor]:
-    """Every 4-bit layer's stored bytes and quantisation constants, read without state_dict()."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, bnb_modules.Linear4bit):
-            qs = m.weight.quant_state
-            out[f"{name}.weight"] = m.weight.data.clone()
-            out[f"{name}.absmax"] = qs.absmax.clone()
-            if getattr(qs, "state2", None) is not None:
-                out[f"{name}.absmax2"] = qs.state2.absmax.clone()
-            out[f"{name}.packed"] = torch.tensor(bool(getattr(qs, "packing_format_for_cpu", False)))
-    assert out, "no 4-bit layers"
-    return out
-
-
-def assert_same(a, b):
-    assert a.keys() == b.keys()
-    moved = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
-    assert not moved, f"frozen base changed: {moved[:4]}"
-
-
 def test_base_is_bit_identical_after_rollouts_steps_syncs_and_saves_on_the_avx512bf16_path(
     avx512bf16_cpu, tiny_base_dir, tmp_path
 ):
@@ -63,7 +46,7 @@ def test_base_is_bit_identical_after_rollouts_steps_syncs_and_saves_on_the_avx51
     before = frozen_4bit(trainer.model)
     trainer.train()  # rollouts (eval, no grad), steps, syncs, 4 checkpoints and the final adapter
     trainer.evaluate(trainer.train_dataset.select(range(4)))
-    assert_same(before, frozen_4bit(trainer.model))
+    assert_same_4bit(before, frozen_4bit(trainer.model))
 
 
 def test_gradients_through_the_4bit_base_survive_a_rollout(avx512bf16_cpu, tiny_base_dir, tmp_path):
@@ -97,7 +80,7 @@ def test_saving_an_adapter_never_serialises_the_base(tiny_base_dir, tmp_path):
             m.weight.data, m.weight.quant_state = bnb_F._convert_weight_packed_for_cpu(m.weight.data, m.weight.quant_state)
     before = frozen_4bit(model)
     save_adapter(model, tmp_path / "policy", POLICY)
-    assert_same(before, frozen_4bit(model))
+    assert_same_4bit(before, frozen_4bit(model))
 
 
 def test_every_4bit_layer_is_pinned_to_the_portable_path(avx512bf16_cpu, tiny_base_dir):
@@ -135,3 +118,45 @@ def test_a_tokenizer_that_cannot_pad_or_stop_is_refused_at_start(tiny_base_dir, 
     with pytest.raises(ValueError, match=match):
         GRPOTrainer(config, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                     train_dataset=[{"prompt": "1+2="}] * 4, model=model, tokenizer=tokenizer)
+
+
+def save_base_with_attention_dropout(path, p: float) -> str:
+    tokenizer = make_tokenizer()
+    model = make_tiny_model(tokenizer)
+    model.config.attention_dropout = p
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# Failed before the fix it guards (code review): the base's own dropout stayed on, so the train-mode
+# loss forward disagreed with the eval-mode rollout and reference log-probs.
+def test_base_model_dropout_is_off(tmp_path):
+    path = save_base_with_attention_dropout(tmp_path / "drop", 0.5)
+    peft_model, _ = load_model(GRPOConfig(model_name_or_path=path, lora_r=4, gradient_checkpointing=False))
+    peft_model.train()
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.equal(peft_model(input_ids=x).logits, peft_model(input_ids=x).logits)
+
+
+# Failed before the fix it guards (code review): with the base's dropout on, the KL against an
+# identical reference was > 0.
+def test_trainer_kl_is_exactly_zero_against_an_identical_reference_with_a_dropout_config(tmp_path):
+    trainer = make_trainer(save_base_with_attention_dropout(tmp_path / "drop", 0.3), tmp_path, **SMALL_RUN, max_steps=1)
+    trainer.train()
+    assert trainer.history[0]["kl"] == 0.0
+
+
+# Failed before the fix it guards (code review): init_adapter kept the saved adapter's lora_dropout
+# (SFT adapters often carry 0.05-0.1) instead of the config's.
+def test_init_adapter_takes_the_configs_dropout(tiny_base_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    sft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir),
+                         LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear"), adapter_name=POLICY)
+    save_adapter(sft, tmp_path / "sft", POLICY)
+    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, lora_r=4, init_adapter=str(tmp_path / "sft"),
+                                     gradient_checkpointing=False))
+    dropouts = [m.lora_dropout[POLICY] for _, m in lora_layers(model)]
+    assert dropouts and all(not isinstance(d, torch.nn.Dropout) or d.p == 0.0 for d in dropouts)

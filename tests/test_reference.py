@@ -285,4 +285,17 @@ def test_schedule():
     assert SyncSchedule(every_epoch=True).due(5) is None
     kl = SyncSchedule(kl_threshold=0.1)
     assert kl.due(1, kl=0.05) is None and kl.due(1, kl=0.2) == "kl"
-    assert not SyncSchedule().enabled
+    # Whether a sync is configured is GRPOConfig.sync_enabled; a schedule built from a config without one never fires.
+    off = GRPOConfig(model_name_or_path="x")
+    assert not off.sync_enabled and SyncSchedule.from_config(off) == SyncSchedule()
+    assert all(SyncSchedule().due(k, epoch_ended=True, kl=1e9) is None for k in range(1, 10))
+
+
+# Failed before the fix it guards (code review): the initial reference was copied from the policy by
+# a sync, which a slot of lower rank than the policy could not take; a fresh policy's ΔW is 0.
+def test_a_reference_slot_smaller_than_the_policy_builds_for_soft_syncs(tiny_base_dir):
+    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, lora_r=8, ref_rank=4, ref_sync_alpha=0.5,
+                                     gradient_checkpointing=False))
+    for _, m in lora_layers(model):
+        assert m.lora_A[REFERENCE].weight.shape[0] == 4
+        assert not m.lora_B[REFERENCE].weight.any()  # ΔW_ref = 0 = ΔW_policy of a fresh LoRA

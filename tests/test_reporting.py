@@ -1,8 +1,7 @@
 """Run reporting: progress bar, trackers (TensorBoard read back; wandb and trackio offline),
-completions.jsonl, metrics.png. CPU, offline, the tiny model of test_trainer."""
+completions.jsonl, metrics.png. CPU, offline, conftest's tiny run."""
 
 import contextlib
-import dataclasses
 import glob
 import io
 import json
@@ -21,7 +20,8 @@ import pytest
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.config import ConfigError
 from lora_grpo.reporting import RunReporter, metrics_figure, numbers_only, plot_run, require_tracker_packages
-from test_trainer import PROMPTS, digit_share, make_trainer
+
+from conftest import PROMPTS, digit_share, make_trainer, run_torchrun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WEIGHTS = [1.0, 0.5]
@@ -33,12 +33,8 @@ def answer_start(completions, answer, **kwargs):
     return [None if len(a) < 2 else float(a[0] in c) for c, a in zip(completions, answer)]
 
 
-def make_two_reward_trainer(tiny_base_dir, tmp_path, **overrides):
-    """make_trainer's tiny run with two weighted reward functions, one of which returns None."""
-    first = make_trainer(tiny_base_dir, tmp_path, **overrides)
-    config = dataclasses.replace(first.config, reward_weights=WEIGHTS)
-    return GRPOTrainer(config, reward_funcs=[digit_share, answer_start], train_dataset=PROMPTS,
-                       model=first.model, tokenizer=first.tokenizer)
+# make_trainer's tiny run with two weighted reward functions, one of which returns None.
+TWO_REWARDS = dict(reward_funcs=[digit_share, answer_start], reward_weights=WEIGHTS)
 
 
 def run_captured(trainer):
@@ -57,8 +53,8 @@ def tb_run(tiny_base_dir, tmp_path_factory):
     """3 steps: TensorBoard, completions every step, a sync after step 2, checkpoints at 2 and 3."""
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed (pip install 'lora_grpo[test]')")
     tmp = tmp_path_factory.mktemp("tb_run")
-    trainer = make_two_reward_trainer(
-        tiny_base_dir, tmp, max_steps=3, report_to="tensorboard", log_completions=True,
+    trainer = make_trainer(
+        tiny_base_dir, tmp, **TWO_REWARDS, max_steps=3, report_to="tensorboard", log_completions=True,
         ref_sync_steps=2, save_steps=2, **FAST,
     )
     run = Path(trainer.config.output_dir)
@@ -160,8 +156,8 @@ def test_completions_have_every_field_with_the_right_values(tb_run):
 def test_resume_truncates_completions_like_metrics(tb_run, tiny_base_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(tb_run.run, run)
-    trainer = make_two_reward_trainer(
-        tiny_base_dir, tmp_path, max_steps=3, log_completions=True, ref_sync_steps=2, save_steps=2,
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, **TWO_REWARDS, max_steps=3, log_completions=True, ref_sync_steps=2, save_steps=2,
         resume_from_checkpoint=str(run / "checkpoint-2"), disable_tqdm=True, **FAST,
     )
     run_captured(trainer)
@@ -354,22 +350,23 @@ TWO_PROCESS_SCRIPT = """
 import sys
 from lora_grpo import GRPOConfig, GRPOTrainer
 
+from conftest import digit_share
+
 base, out = sys.argv[1], sys.argv[2]
-def digit_share(prompts, completions, **kw):
-    return [sum(c.isdigit() for c in t) / max(1, len(t)) for t in completions]
 prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(16)]
 cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, num_generations=4, prompts_per_step=2,
                  max_completion_length=5, micro_batch_size=4, max_steps=2, beta=0.04, ref_sync_steps=1,
                  output_dir=out + "/run", save_steps=0, gradient_checkpointing=False, log_completions=True,
                  report_to="tensorboard")
 GRPOTrainer(cfg, reward_funcs=[digit_share], train_dataset=prompts).train()
+import torch
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()  # a clean exit: gloo aborts otherwise, now and then
 """
 
 
 def test_two_processes_one_bar_one_log_and_every_completion(tiny_base_dir, tmp_path):
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed (pip install 'lora_grpo[test]')")
-    from conftest import run_torchrun
-
     script = tmp_path / "train.py"
     script.write_text(TWO_PROCESS_SCRIPT)
     result = run_torchrun(script, tiny_base_dir, tmp_path)

@@ -1,6 +1,8 @@
 """Reward contract, built-in rewards, resolution from specs, and weighted scoring (CPU, no model)."""
 
+import ast
 import functools
+import inspect
 import math
 import textwrap
 
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from lora_grpo import reward_builtins, reward_specs
 from lora_grpo import rewards as R
 from lora_grpo.rewards import (
     answer_accuracy,
@@ -137,9 +140,9 @@ ACCURACY_CASES = [
 @pytest.fixture(params=["fallback", "math_verify"])
 def accuracy_backend(request, monkeypatch):
     if request.param == "fallback":
-        monkeypatch.setattr(R, "_math_verify", None)
+        monkeypatch.setattr(reward_builtins, "_math_verify", None)
     else:
-        monkeypatch.setattr(R, "_math_verify", pytest.importorskip("math_verify"))
+        monkeypatch.setattr(reward_builtins, "_math_verify", pytest.importorskip("math_verify"))
     return request.param
 
 
@@ -157,13 +160,13 @@ def test_answer_accuracy_text_answers(accuracy_backend):
 
 
 def test_answer_accuracy_math_verify_symbolic(monkeypatch):
-    monkeypatch.setattr(R, "_math_verify", pytest.importorskip("math_verify"))
+    monkeypatch.setattr(reward_builtins, "_math_verify", pytest.importorskip("math_verify"))
     got = answer_accuracy(completions=["<answer>1+x^2</answer>", "<answer>x^2-1</answer>"], answer=["x^2+1"] * 2)
     assert got == [1.0, 0.0]
 
 
 def test_answer_accuracy_none_without_reference_and_solution_column(monkeypatch):
-    monkeypatch.setattr(R, "_math_verify", None)
+    monkeypatch.setattr(reward_builtins, "_math_verify", None)
     got = answer_accuracy(completions=["<answer>4</answer>"] * 3, answer=["4", None, "  "])
     assert got == [1.0, None, None]
     assert answer_accuracy(completions=[[{"role": "assistant", "content": "<answer>4</answer>"}]], solution=["#### 4"]) == [1.0]
@@ -394,7 +397,7 @@ def test_compute_rewards_duplicate_names_get_suffixes():
 
 
 def test_compute_rewards_with_builtins_end_to_end(monkeypatch):
-    monkeypatch.setattr(R, "_math_verify", None)
+    monkeypatch.setattr(reward_builtins, "_math_verify", None)
     funcs = resolve_reward_funcs(
         [
             "format",
@@ -461,7 +464,7 @@ def test_compute_rewards_bad_value(bad):
 
 def test_compute_rewards_argument_errors():
     f = const(1.0)
-    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
+    with pytest.raises(ValueError, match="reward_weights has 2 entries for 1 reward functions"):
         compute_rewards([f], ["q"], ["c"], {}, weights=[1.0, 2.0])
     with pytest.raises(ValueError, match="column 'answer' has 2 values for 1"):
         compute_rewards([f], ["q"], ["c"], {"answer": ["a", "b"]})
@@ -667,9 +670,21 @@ def test_conversational_inputs_per_row():
 
 
 def test_builtins_read_text_and_conversational_completions_alike(monkeypatch):
-    monkeypatch.setattr(R, "_math_verify", None)
+    monkeypatch.setattr(reward_builtins, "_math_verify", None)
     text = ["<think>x</think><answer>4</answer>", "<answer>5</answer>"]
     chat = [[{"role": "assistant", "content": t}] for t in text]
     for completions in (text, chat):
         assert think_answer_format(completions=completions) == [1.0, 0.0]
         assert answer_accuracy(completions=completions, answer=["4", "4"]) == [1.0, 0.0]
+
+
+def test_split_modules_reexport_the_same_objects_and_import_downwards():
+    # rewards.py re-exports the built-ins and the resolution; the lower modules never import it
+    # (no import cycle), and reward_builtins imports nothing from the package.
+    for mod in (reward_builtins, reward_specs):
+        for name in mod.__all__:
+            assert getattr(R, name) is getattr(mod, name), name
+    for mod, allowed in ((reward_builtins, set()), (reward_specs, {"countdown", "reward_builtins"})):
+        tree = ast.parse(inspect.getsource(mod))
+        local = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0}
+        assert local <= allowed, (mod.__name__, local)

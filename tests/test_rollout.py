@@ -5,9 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tokenizers import processors
 
 from lora_grpo.rollout import (
     Rollout,
+    _tokenize_left_padded,
     apply_min_p,
     apply_repetition_penalty,
     apply_top_k,
@@ -22,7 +24,7 @@ from lora_grpo.toy import make_tokenizer, make_tiny_model
 
 NEG = float("-inf")
 # Different lengths, so the batch is really left-padded.
-PROMPTS = ["1+2=", "what is 12*3? ", "hi"]
+RAGGED_PROMPTS = ["1+2=", "what is 12*3? ", "hi"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def test_sampling_logprobs_match_full_forward(tok, temperature, top_k, top_p, mi
     model = tiny_model(tok, eos_scale=25.0)
     g = torch.Generator().manual_seed(0)
     r = generate_rollout(
-        model, tok, PROMPTS, num_generations=4, max_prompt_length=None, max_completion_length=12,
+        model, tok, RAGGED_PROMPTS, num_generations=4, max_prompt_length=None, max_completion_length=12,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=g,
     )
     # The case the test relies on: some rows stopped at EOS, some ran to the limit.
@@ -75,10 +77,10 @@ def test_sampling_logprobs_match_full_forward(tok, temperature, top_k, top_p, mi
 def test_greedy_equals_hf_generate(tok, repetition_penalty):
     model = tiny_model(tok, eos_scale=3.0)
     r = generate_rollout(
-        model, tok, PROMPTS, num_generations=2, max_prompt_length=None, max_completion_length=12,
+        model, tok, RAGGED_PROMPTS, num_generations=2, max_prompt_length=None, max_completion_length=12,
         temperature=0.0, repetition_penalty=repetition_penalty,
     )
-    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    enc = tok(RAGGED_PROMPTS, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     ref = model.generate(
         **enc, do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, repetition_penalty=repetition_penalty,
@@ -97,7 +99,7 @@ def test_prefix_is_prefilled_once_and_micro_batches_agree(tok):
     record = lambda mod, args, kw: calls.append(tuple(kw["input_ids"].shape))  # noqa: E731
     hook = model.register_forward_pre_hook(record, with_kwargs=True)
     kwargs = dict(num_generations=3, max_prompt_length=None, max_completion_length=6, temperature=0.0)
-    r = generate_rollout(model, tok, PROMPTS, **kwargs)
+    r = generate_rollout(model, tok, RAGGED_PROMPTS, **kwargs)
     P = r.prompt_ids.size(1)
     assert calls[0] == (3, P)  # the 3 distinct prompts, not 9 rows
     # Then one token per running row per step: a row leaves the batch once it has emitted EOS, so
@@ -106,7 +108,7 @@ def test_prefix_is_prefilled_once_and_micro_batches_agree(tok):
     assert calls[1:] == [(int(r.completion_mask[:, t].sum()), 1) for t in range(1, T)]
     assert calls[-1][0] < 9  # rows really finished and were dropped
     calls.clear()
-    r2 = generate_rollout(model, tok, PROMPTS, micro_batch_prompts=2, **kwargs)
+    r2 = generate_rollout(model, tok, RAGGED_PROMPTS, micro_batch_prompts=2, **kwargs)
     hook.remove()
     assert [c[0] for c in calls if c[1] > 1] == [2, 1]  # two prefills: 2 prompts, then 1
     for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
@@ -121,16 +123,16 @@ def test_shapes_groups_masks_and_decoding(tok):
     model = tiny_model(tok, eos_scale=25.0)
     G, T = 4, 12
     r = generate_rollout(
-        model, tok, PROMPTS, num_generations=G, max_prompt_length=None, max_completion_length=T,
+        model, tok, RAGGED_PROMPTS, num_generations=G, max_prompt_length=None, max_completion_length=T,
         generator=torch.Generator().manual_seed(1),
     )
-    B, P = len(PROMPTS) * G, max(len(p) for p in PROMPTS)  # char tokenizer: one token per char
+    B, P = len(RAGGED_PROMPTS) * G, max(len(p) for p in RAGGED_PROMPTS)  # char tokenizer: one token per char
     assert r.prompt_ids.shape == r.prompt_mask.shape == (B, P)
     assert r.completion_ids.shape == r.completion_mask.shape == (B, T)
     assert r.input_ids.shape == r.attention_mask.shape == (B, P + T)
     assert r.truncated.shape == (B,) and len(r.prompts) == len(r.completions) == B
-    assert r.prompts == [p for p in PROMPTS for _ in range(G)]
-    assert r.prompt_mask.sum(1).tolist() == [len(p) for p in PROMPTS for _ in range(G)]
+    assert r.prompts == [p for p in RAGGED_PROMPTS for _ in range(G)]
+    assert r.prompt_mask.sum(1).tolist() == [len(p) for p in RAGGED_PROMPTS for _ in range(G)]
     # Left padding: the real prompt tokens sit at the right end of each row.
     assert (r.prompt_ids[r.prompt_mask == 0] == tok.pad_token_id).all()
     assert (r.prompt_mask[:, -1] == 1).all()
@@ -221,7 +223,7 @@ def test_pad_token_equal_to_eos(tok):
     assert pad_is_eos.pad_token_id == pad_is_eos.eos_token_id
     kwargs = dict(num_generations=3, max_prompt_length=None, max_completion_length=12, temperature=0.0,
                   micro_batch_prompts=2)
-    r, r_eos = generate_rollout(model, tok, PROMPTS, **kwargs), generate_rollout(model, pad_is_eos, PROMPTS, **kwargs)
+    r, r_eos = generate_rollout(model, tok, RAGGED_PROMPTS, **kwargs), generate_rollout(model, pad_is_eos, RAGGED_PROMPTS, **kwargs)
     assert r.truncated.any() and (~r.truncated).any()
     for name in ("prompt_mask", "completion_mask", "truncated", "sampling_logprobs"):
         assert torch.equal(getattr(r, name), getattr(r_eos, name)), name
@@ -237,17 +239,35 @@ def test_missing_eos_or_pad_token_says_how_to_fix(tok):
     no_eos.eos_token = None
     assert no_eos.eos_token_id is None
     kwargs = dict(num_generations=1, max_prompt_length=None, max_completion_length=4, temperature=0.0)
-    generate_rollout(model, no_eos, PROMPTS, **kwargs)  # the generation config's EOS is enough
+    generate_rollout(model, no_eos, RAGGED_PROMPTS, **kwargs)  # the generation config's EOS is enough
     model.generation_config.eos_token_id = None
     with pytest.raises(ValueError) as info:
-        generate_rollout(model, no_eos, PROMPTS, **kwargs)
+        generate_rollout(model, no_eos, RAGGED_PROMPTS, **kwargs)
     msg = str(info.value)
     assert "no EOS token" in msg and "tokenizer.eos_token_id is None" in msg
     assert "set tokenizer.eos_token = " in msg and "model.generation_config.eos_token_id = " in msg
     no_pad = make_tokenizer()
     no_pad.pad_token = None
     with pytest.raises(ValueError, match=r"no pad token.*tokenizer.pad_token = tokenizer.eos_token"):
-        generate_rollout(model, no_pad, PROMPTS, **kwargs)
+        generate_rollout(model, no_pad, RAGGED_PROMPTS, **kwargs)
+
+
+# Failed before the fix it guards (code review): plain-text prompts reached models that expect BOS
+# (Llama, Gemma) without one.
+def test_plain_prompts_get_bos_once_when_the_tokenizer_uses_one():
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    assert tokenizer("a")["input_ids"][0] == bos
+    ids, mask = _tokenize_left_padded(tokenizer, ["ab", "<s>cd"], None)
+    assert ids[0].tolist()[-3:] == [bos] + tokenizer("ab", add_special_tokens=False)["input_ids"]
+    assert (ids[1] == bos).sum() == 1  # already there: not doubled
+    plain = make_tokenizer()  # no BOS: nothing added
+    ids, _ = _tokenize_left_padded(plain, ["ab"], None)
+    assert ids[0].tolist() == plain("ab")["input_ids"]
 
 
 # --------------------------------------------------------------------------- pure filters
@@ -336,7 +356,7 @@ def test_peft_lora_on_4bit_base(tiny_base_dir):
     before = {name: m.training for name, m in model.named_modules()}
     with warnings.catch_warnings():  # the cache goes in under its current keyword, not a deprecated one
         warnings.filterwarnings("error", message=".*past_key_values.*")
-        r = generate_rollout(model, tokenizer, PROMPTS, num_generations=2, max_prompt_length=None,
+        r = generate_rollout(model, tokenizer, RAGGED_PROMPTS, num_generations=2, max_prompt_length=None,
                              max_completion_length=8, temperature=0.0)
     assert {name: m.training for name, m in model.named_modules()} == before
     assert r.completion_ids.shape[0] == 6

@@ -242,3 +242,16 @@ def test_cache_name_encodes_every_setting():
     assert toy.toy_base_dirname() == toy.toy_base_dirname(defaults.pop("seed"), **defaults)
     with pytest.raises(TypeError):
         toy.toy_base_dirname(0, stepz=3)
+
+
+# Failed before the fix it guards: the tiny base was a qwen2 model, and transformers 5 swaps the
+# tokenizer of any qwen2 checkpoint for Qwen2Tokenizer (byte-level BPE): spaces and letters of our
+# character tokenizer would then encode differently.
+def test_saved_tiny_base_loads_back_with_the_same_tokenizer(tiny_base_dir):
+    from lora_grpo.config import GRPOConfig
+    from lora_grpo.model import load_tokenizer
+
+    text = "user: <think>a b</think> 12+35=\nassistant: "
+    loaded = load_tokenizer(GRPOConfig(model_name_or_path=tiny_base_dir))
+    assert loaded(text, add_special_tokens=False)["input_ids"] == toy.make_tokenizer()(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"]) == text

@@ -7,37 +7,10 @@ import torch
 
 import lora_grpo.trainer as trainer_module
 from lora_grpo import GRPOConfig, GRPOTrainer
+from lora_grpo.config import ConfigError
 from lora_grpo.model import POLICY, REFERENCE
 
-
-def digit_share(prompts, completions, **kwargs):
-    """Reward: share of digits in the completion (a tiny random model can move this fast)."""
-    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
-
-
-PROMPTS = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(24)]
-
-
-def make_trainer(tiny_base_dir, tmp_path, **overrides):
-    kw = dict(
-        model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4, lora_alpha=8, num_generations=4,
-        prompts_per_step=2, max_completion_length=6, micro_batch_size=3, max_steps=4, beta=0.04,
-        learning_rate=5e-3, output_dir=str(tmp_path / "run"), save_steps=0, seed=0, gradient_checkpointing=True,
-    )
-    kw.update(overrides)
-    return GRPOTrainer(GRPOConfig(**kw), reward_funcs=[digit_share], train_dataset=PROMPTS)
-
-
-def adapter_state(model, adapter):
-    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{adapter}." in n}
-
-
-def base_state(model):
-    return {n: t.detach().clone() for n, t in model.state_dict().items() if "lora_" not in n}
-
-
-def changed(a, b):
-    return any(not torch.equal(a[k], b[k]) for k in a)
+from conftest import PROMPTS, SMALL_RUN, adapter_state, base_state, changed, digit_share, make_trainer
 
 
 def test_end_to_end_policy_moves_base_frozen_reference_synced_on_schedule(tiny_base_dir, tmp_path):
@@ -155,6 +128,17 @@ def test_resume_from_checkpoint_continues_exactly(tiny_base_dir, tmp_path):
     assert [m["reward/mean"] for m in full.history] == pytest.approx([m["reward/mean"] for m in resumed.history])
 
 
+# Failed before the fix it guards (code review): the schedule ran over steps, not updates, so with
+# num_iterations=3 the lr reached 0 a third of the way through the run.
+def test_lr_schedule_spans_every_update_when_the_batch_is_reused(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path, **SMALL_RUN, num_iterations=3, max_steps=4, lr_scheduler="linear")
+    trainer.train()
+    lrs = [m["lr"] for m in trainer.history]  # lr of each step's last update
+    assert all(lr > 0 for lr in lrs)
+    # 12 updates in all, linear to 0: the last step's last update runs at lr·1/12.
+    assert lrs[-1] == pytest.approx(1e-2 / 12)
+
+
 def test_checkpoints_rotate_and_leave_no_temp_dirs(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=4, save_steps=1, save_total_limit=2, quantization="none")
     trainer.train()
@@ -184,6 +168,14 @@ def test_trainer_errors(tiny_base_dir, tmp_path):
         GRPOTrainer(cfg, reward_funcs=[digit_share])
     with pytest.raises(ValueError, match="fewer than one batch"):
         GRPOTrainer(cfg, reward_funcs=[digit_share], train_dataset=PROMPTS[:3])
+
+
+# Failed before the fix it guards (code review): these values were accepted. (Config validation:
+# its home is test_config.py.)
+@pytest.mark.parametrize("kwargs", [{"logging_steps": 0}, {"min_p": 1.5}, {"repetition_penalty": 0.0}])
+def test_more_config_validation(kwargs):
+    with pytest.raises(ConfigError, match=next(iter(kwargs))):
+        GRPOConfig(model_name_or_path="m", **kwargs)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_8bit"])
