@@ -187,6 +187,7 @@ class GRPOTrainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.nonfinite_in_a_row = 0
+        self.reference_is_policy = True  # the initial reference is an exact copy of the initial policy
         check_special_tokens(self.model, self.tokenizer)
         self.log_prob_check = self._check_log_probs()
         self.output_dir = Path(config.output_dir)
@@ -258,9 +259,12 @@ class GRPOTrainer:
         batch = Batch(rollout.input_ids, rollout.attention_mask, mask, advantages.to(mask.device))
         if cfg.num_iterations > 1:
             batch.old_logp = self.log_probs(batch)
-        if cfg.beta != 0:
+        # A reference slot that provably equals the policy (a fresh or warm-started run before its
+        # first update, right after a hard sync) costs no forward: optimize() uses the policy's own.
+        if cfg.beta != 0 and not self.reference_is_policy:
             with reference_forward(self.model):
                 batch.ref_logp = self.log_probs(batch)
+        metrics["reference_reused_policy"] = float(cfg.beta != 0 and self.reference_is_policy)
         t_ref = time.perf_counter()
         skipped = 0.0
         for _ in range(cfg.num_iterations):
@@ -378,7 +382,10 @@ class GRPOTrainer:
         sums: dict[str, float] = {}
         for mb in batch.micro_batches(cfg.micro_batch_size):
             logp, entropy = self._forward_log_probs(mb, return_entropy=True)
-            loss, m = grpo_loss(logp, mb["old_logp"], mb["ref_logp"], mb["advantages"], mb["completion_mask"],
+            ref = mb["ref_logp"]
+            if ref is None and cfg.beta != 0:  # the reference equals the policy this step (training_step)
+                ref = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
+            loss, m = grpo_loss(logp, mb["old_logp"], ref, mb["advantages"], mb["completion_mask"],
                                 num_tokens=num_tokens, **self.loss_settings)
             loss = loss * accumulation_scale(cfg.loss_type, mb["input_ids"].shape[0], n_seq, n_micro)
             loss.backward()
@@ -411,6 +418,7 @@ class GRPOTrainer:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
+            self.reference_is_policy = False
         self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
         self.scheduler.step()  # the schedule follows the step count, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
@@ -429,7 +437,9 @@ class GRPOTrainer:
 
     def sync_reference(self) -> dict[str, float]:
         """Sync the reference slot to the policy now, with the configured alpha and mode."""
-        return sync_reference(self.model, self.config.ref_sync_alpha, self.config.ref_sync_mode)
+        metrics = sync_reference(self.model, self.config.ref_sync_alpha, self.config.ref_sync_mode)
+        self.reference_is_policy = self.config.ref_sync_alpha == 1.0  # a hard sync is an exact copy
+        return metrics
 
     @torch.no_grad()
     def evaluate(self, dataset=None, batch_prompts: int = 64) -> dict[str, float]:
@@ -485,6 +495,7 @@ class GRPOTrainer:
                 "history": self.history,
                 "num_processes": self.accelerator.num_processes,
                 "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                "reference_is_policy": self.reference_is_policy,
             }
             self._write(
                 f"checkpoint {target.name}",
@@ -531,6 +542,7 @@ class GRPOTrainer:
         self.batches.load_state_dict(state["batches"])
         self.history = state.get("history", [])
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
+        self.reference_is_policy = state.get("reference_is_policy", False)  # unknown: run the reference forward
         if self.is_main:
             for moved in ckpt.set_aside_later_checkpoints(self.output_dir, self.step):
                 self._print(f"{moved.name}: a later checkpoint of the run this one resumes, set aside (not deleted)")

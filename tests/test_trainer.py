@@ -284,3 +284,36 @@ def test_with_no_prompt_limit_a_prompt_over_the_context_fails_at_start(tiny_base
         GRPOTrainer(GRPOConfig(model_name_or_path=tiny_base_dir, max_prompt_length=None, max_completion_length=4,
                                num_generations=2, prompts_per_step=2, output_dir=str(tmp_path), gradient_checkpointing=False),
                     reward_funcs=[digit_share], train_dataset=PROMPTS + [long_prompt])
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_a_reference_equal_to_the_policy_costs_no_forward(tiny_base_dir, tmp_path, monkeypatch, num_iterations):
+    # Hard sync after every step: the reference always equals the policy, so no step runs the
+    # reference forward; the result equals a run that does run it.
+    kw = dict(quantization="none", max_steps=3, ref_sync_steps=1, ref_sync_alpha=1.0, num_iterations=num_iterations)
+    calls = []
+    real = trainer_module.reference_forward
+    monkeypatch.setattr(trainer_module, "reference_forward", lambda model: calls.append(1) or real(model))
+    reused = make_trainer(tiny_base_dir, tmp_path / "a", **kw)
+    reused.train()
+    assert calls == [] and [m["reference_reused_policy"] for m in reused.history] == [1.0] * 3
+    if num_iterations == 1:  # on-policy: the KL to a reference equal to the policy is exactly 0
+        assert all(m["kl"] == 0.0 for m in reused.history)
+    forward = make_trainer(tiny_base_dir, tmp_path / "b", **kw)
+    original = forward.training_step
+
+    def always_forward(rows):
+        forward.reference_is_policy = False
+        return original(rows)
+
+    forward.training_step = always_forward
+    forward.train()
+    assert len(calls) == 3
+    for k, v in adapter_state(reused.model, POLICY).items():
+        torch.testing.assert_close(v, adapter_state(forward.model, POLICY)[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_soft_sync_runs_the_reference_forward_after_the_first_update(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=3, ref_sync_steps=1, ref_sync_alpha=0.5)
+    trainer.train()
+    assert [m["reference_reused_policy"] for m in trainer.history] == [1.0, 0.0, 0.0]
