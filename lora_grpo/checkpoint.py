@@ -149,22 +149,23 @@ def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> P
     return Path(path)
 
 
-def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str) -> None:
+def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str, *, damaged_hint: str = "") -> None:
     """Copy weights saved by save_adapter into the model's existing adapter `adapter`, in place.
 
     Every tensor of the adapter must be in the file with the same shape; the message names the
     first that is missing, extra or of another shape (a different lora_r or target modules).
+    `damaged_hint` ends the message when the file is missing or unreadable (what to do instead).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     file = Path(path) / ADAPTER_WEIGHTS
     if not file.is_file():
-        raise CheckpointError(f"{file} is missing")
+        raise CheckpointError(f"{file} is missing{damaged_hint}")
     try:
         saved = load_file(str(file))
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{file} is damaged or truncated ({e})") from None
+        raise CheckpointError(f"{file} is damaged or truncated ({e}){damaged_hint}") from None
     params = adapter_tensors(model, adapter)
     missing, extra = sorted(params.keys() - saved.keys()), sorted(saved.keys() - params.keys())
     if missing or extra:
@@ -224,10 +225,16 @@ def save_checkpoint(
     return target
 
 
+def _step_of(path: Path) -> int | None:
+    """N of a checkpoint-N dir; None for anything else (temporary, .old, .superseded-K dirs)."""
+    suffix = path.name.split("-", 1)[1]
+    return int(suffix) if suffix.isdigit() else None
+
+
 def list_checkpoints(output_dir: Path) -> list[Path]:
-    """checkpoint-N dirs of a run, oldest first (temporary and .old dirs are not checkpoints)."""
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+    """checkpoint-N dirs of a run, oldest first."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and _step_of(p) is not None]
+    return sorted(found, key=_step_of)
 
 
 def rotate_checkpoints(output_dir: Path, keep: int) -> None:
@@ -240,7 +247,7 @@ def set_aside_later_checkpoints(output_dir: Path, step: int) -> list[Path]:
     checkpoint-N.superseded-K, so that 'latest' and rotation see this run's; nothing is deleted."""
     moved = []
     for path in list_checkpoints(output_dir):
-        if int(path.name.split("-", 1)[1]) > step:
+        if _step_of(path) > step:
             k = 1
             while (target := path.with_name(f"{path.name}.superseded-{k}")).exists():
                 k += 1
@@ -313,7 +320,7 @@ def _same_model(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _target_modules(config_file: Path) -> set[str] | None:
+def _target_modules(config_file: Path) -> set[str]:
     targets = json.loads(config_file.read_text()).get("target_modules")
     return {targets} if isinstance(targets, str) else set(targets or ())
 
@@ -380,12 +387,7 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def load_checkpoint_adapters(model: nn.Module, path: Path) -> None:
     """Both adapters of a resolved checkpoint into the model; a damaged file names the way out."""
     for adapter in (POLICY, REFERENCE):
-        try:
-            load_adapter_weights(model, path / adapter, adapter)
-        except CheckpointError as e:
-            if "damaged" in str(e) or "missing" in str(e):
-                raise CheckpointError(f"{e}. {_earlier_hint(path)}") from None
-            raise
+        load_adapter_weights(model, path / adapter, adapter, damaged_hint=f". {_earlier_hint(path)}")
 
 
 def truncate_log(path: Path, step: int) -> None:

@@ -240,8 +240,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, keys: Sequence[
     source = run_dir / METRICS_FILE
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist: give the output_dir of a run")
-    fig, info = metrics_figure(read_records(source), keys)
-    out = Path(out) if out else run_dir / PLOT_FILE
+    return plot_records(read_records(source), Path(out) if out else run_dir / PLOT_FILE, keys)
+
+
+def plot_records(records: list[dict[str, Any]], out: Path, keys: Sequence[str] | None = None) -> PlotInfo:
+    """metrics_figure of the records, saved to `out` atomically."""
+    fig, info = metrics_figure(records, keys)
     tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
     try:
         fig.savefig(tmp, dpi=110)
@@ -422,7 +426,7 @@ class RunReporter:
             records = read_records(self.metrics_path)
             if len(records) == self._plotted_records:
                 return None
-            info = plot_run(self.output_dir)
+            info = plot_records(records, self.output_dir / PLOT_FILE)
             self._plotted_records = len(records)
             return info
         except Exception as e:  # noqa: BLE001 - any failure of the plot is only a warning

@@ -597,13 +597,9 @@ class GRPOTrainer:
             summary["eval_before"], summary["eval_after"] = before, after
         return summary
 
-    def _log(self, record: dict[str, Any]) -> None:
-        """Append one record to metrics.jsonl and the trackers (main process only)."""
-        self.reporter.log(record)
-
     def _report_eval(self, when: str, metrics: dict[str, float]) -> None:
         self._print(f"eval {when} training: {self._fmt(metrics)}")
-        self._log({"step": self.step, **metrics})
+        self.reporter.log({"step": self.step, **metrics})
 
     def _print(self, text: str) -> None:
         self.reporter.print(text)  # through the progress bar (tqdm.write), main process only

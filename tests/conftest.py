@@ -20,17 +20,31 @@ def tiny_base_dir(tmp_path_factory):
     return save_tiny_base(tmp_path_factory.mktemp("tiny_base"), max_positions=1024)  # room for the GPU recipes' lengths
 
 
-def run_torchrun(script, *args, nproc: int = 2, timeout: int = 300):
-    """Run `script` under torchrun on CPU (gloo; what `accelerate launch` sets up on GPUs); skip the
-    test where gloo is unavailable, fail with the processes' stderr when the run fails. The script can
-    import this file's helpers (`from conftest import digit_share`): tests/ is on its PYTHONPATH."""
+# Appended to every torchrun script: leave the process group before exiting (a gloo group still up
+# at interpreter exit aborts a finished process now and then: "terminate called without an active exception").
+_CLEAN_EXIT = """
+import torch as _torch
+if _torch.distributed.is_initialized():
+    _torch.distributed.destroy_process_group()
+"""
+
+
+def run_torchrun(source: str, workdir, *args, nproc: int = 2, timeout: int = 300):
+    """Write `source` (a Python script, dedented, with the clean exit above appended) to workdir and
+    run it under torchrun on CPU (gloo; what `accelerate launch` sets up on GPUs); skip the test where
+    gloo is unavailable, fail with the processes' stderr when the run fails. The script can import
+    this file's helpers (`from conftest import digit_share`): tests/ is on its PYTHONPATH."""
     import subprocess
     import sys
+    import textwrap
 
+    script = os.path.join(str(workdir), "torchrun_script.py")
+    with open(script, "w") as f:
+        f.write(textwrap.dedent(source) + _CLEAN_EXIT)
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(script), *map(str, args)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), script, *map(str, args)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if result.returncode != 0 and "gloo" in result.stderr.lower() and "unavailable" in result.stderr.lower():
         pytest.skip("torch.distributed gloo backend unavailable")

@@ -7,15 +7,19 @@ import textwrap
 import pytest
 from conftest import run_torchrun
 
-SCRIPT = textwrap.dedent(
+# What both scripts start with: the tiny base and an output dir from the command line, 16 prompts.
+PRELUDE = """
+import json, sys, torch
+from lora_grpo import GRPOConfig, GRPOTrainer
+
+from conftest import digit_share
+
+base, out = sys.argv[1], sys.argv[2]
+prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(16)]
+"""
+
+SCRIPT = PRELUDE + textwrap.dedent(
     """
-    import json, sys, torch
-    from lora_grpo import GRPOConfig, GRPOTrainer
-
-    from conftest import digit_share
-
-    base, out = sys.argv[1], sys.argv[2]
-    prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(16)]
     cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, num_generations=4,
                      prompts_per_step=2, max_completion_length=5, micro_batch_size=4, max_steps=2,
                      beta=0.04, ref_sync_steps=1, ref_sync_alpha=0.5, learning_rate=1e-2,
@@ -25,17 +29,13 @@ SCRIPT = textwrap.dedent(
     rank = t.accelerator.process_index
     sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
     json.dump({"prompts": list(t.train_dataset["prompt"]), "sums": sums, "history": t.history}, open(f"{out}/rank{rank}.json", "w"))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # a clean exit: gloo aborts otherwise, now and then
     """
 )
 
 
 def test_two_processes_stay_in_sync(tiny_base_dir, tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
     # accelerate's launcher has no multi-process CPU flag; torchrun sets the same environment.
-    run_torchrun(script, tiny_base_dir, tmp_path)
+    run_torchrun(SCRIPT, tmp_path, tiny_base_dir, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert set(r0["prompts"]).isdisjoint(r1["prompts"])  # each process sampled its own prompts
     assert r0["sums"].keys() == r1["sums"].keys()
@@ -50,15 +50,8 @@ def test_two_processes_stay_in_sync(tiny_base_dir, tmp_path):
     assert any(v != 0 for v in policy_b) and any(v != 0 for v in ref_b)  # both adapters moved
 
 
-RESUME_SCRIPT = textwrap.dedent(
+RESUME_SCRIPT = PRELUDE + textwrap.dedent(
     """
-    import json, sys, torch
-    from lora_grpo import GRPOConfig, GRPOTrainer
-
-    from conftest import digit_share
-
-    base, out = sys.argv[1], sys.argv[2]
-    prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(16)]
     def run(output_dir, **kw):
         cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, lora_dropout=0.3, num_generations=4,
                          prompts_per_step=2, max_completion_length=5, micro_batch_size=4, max_steps=3, beta=0.04,
@@ -71,8 +64,6 @@ RESUME_SCRIPT = textwrap.dedent(
     rank = full.accelerator.process_index
     same = all(torch.equal(p, q) for (_, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()))
     json.dump({"same": same, "loss": [[m["loss"] for m in t.history] for t in (full, resumed)]}, open(f"{out}/resume{rank}.json", "w"))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # a clean exit: gloo aborts otherwise, now and then
     """
 )
 
@@ -80,9 +71,7 @@ RESUME_SCRIPT = textwrap.dedent(
 def test_two_processes_resume_exactly_with_lora_dropout(tiny_base_dir, tmp_path):
     # LoRA dropout draws from each process's global RNG, which differ after a step: each process
     # must get its own RNG states back, not process 0's.
-    script = tmp_path / "resume.py"
-    script.write_text(RESUME_SCRIPT)
-    run_torchrun(script, tiny_base_dir, tmp_path)
+    run_torchrun(RESUME_SCRIPT, tmp_path, tiny_base_dir, tmp_path)
     for rank in (0, 1):
         record = json.loads((tmp_path / f"resume{rank}.json").read_text())
         assert record["same"], f"process {rank}: resumed adapters differ from the uninterrupted run"

@@ -216,10 +216,9 @@ DIST_SCRIPT = textwrap.dedent(
 
 
 def test_ensure_toy_base_builds_once_under_torch_distributed(tmp_path):
-    script, cache = tmp_path / "worker.py", tmp_path / "cache"
-    script.write_text(DIST_SCRIPT)
+    cache = tmp_path / "cache"
     tiny = json.dumps({**TINY, "steps": 3})
-    result = run_torchrun(script, cache, tmp_path, tiny, timeout=120)
+    result = run_torchrun(DIST_SCRIPT, tmp_path, cache, tmp_path, tiny, timeout=120)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["path"] == r1["path"] == r0["again"] == r1["again"]
     assert result.stdout.count("[toy pretrain] building") == 1, result.stdout  # built once, by one rank
