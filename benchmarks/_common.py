@@ -16,6 +16,20 @@ import torch
 MiB = 2**20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the --dtype choices
 
+# Qwen2 shapes of the whole-step benchmarks (train_step, vs_trl, limit). "qwen2.5-0.5b" is
+# Qwen2.5-0.5B (its 151,936-token vocabulary: for a GPU); "qwen2.5-0.5b-cpu" is the same body with
+# a vocabulary of 8,192, so that a step fits a CPU run.
+QWEN2_SHAPES = {
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True),  # 0.09 M parameters
+    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False),  # 20 M
+    "qwen2.5-0.5b-cpu": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                             num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=True),  # 365 M
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),  # 494 M
+}
+
 
 # ------------------------------------------------------------------ setup
 
@@ -32,6 +46,37 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
         a, b = item.strip().lower().split("x")
         out.append((int(a), int(b)))
     return out
+
+
+def build_qwen2(shape: str, path, dtype: torch.dtype = torch.float32) -> None:
+    """Save a random-init Qwen2 of QWEN2_SHAPES[shape] (seed 0) to `path`, and a word-level tokenizer
+    over its vocabulary ("t0" pad, "t1" EOS, "t2" unknown, ...) to `path`/tokenizer.
+
+    The tokenizer lives beside the model, not with it: transformers 5 reads a qwen2 checkpoint
+    dir's tokenizer as Qwen2Tokenizer, which would not load this vocabulary.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    spec = QWEN2_SHAPES[shape]
+    backend = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(spec["vocab_size"])}, unk_token="t2"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t1", unk_token="t2")
+    torch.manual_seed(0)
+    config = Qwen2Config(max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None, **spec)
+    Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
+    tokenizer.save_pretrained(f"{path}/tokenizer")
+
+
+def token_prompts(vocab_size: int, length: int, count: int = 64) -> list[dict[str, str]]:
+    """`count` prompts of `length` pseudo-random tokens of build_qwen2's vocabulary (none special)."""
+    return [{"prompt": " ".join(f"t{3 + (i * 7919 + j * 104729) % (vocab_size - 3)}" for j in range(length))}
+            for i in range(count)]
+
+
+def even_token_share(prompts, completions, **kwargs):
+    """A cheap reward with variance inside groups: the share of even-numbered tokens in a completion."""
+    return [sum(int(t[1:]) % 2 == 0 for t in c.split()) / max(1, len(c.split())) for c in completions]
 
 
 # ------------------------------------------------------------------ measurements

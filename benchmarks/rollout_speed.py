@@ -1,4 +1,4 @@
-"""Rollout speed: our prefix-shared sampler vs transformers' generate with num_return_sequences.
+"""Rollout speed: our prefix-shared sampler (eager, static-cache, compiled) vs transformers' generate.
 
 What is measured, per setting (prompt length L, completion length T, P prompts, G samples each):
 
@@ -6,6 +6,10 @@ What is measured, per setting (prompt length L, completion length T, P prompts, 
           max_prompt_length=None, max_completion_length=T, temperature=1.0, generator=...)`:
           prefills the P distinct prompts once (P·L tokens), repeats the KV cache and the last
           logits G times, then decodes the P·G sequences together, one token per step.
+          Three samplers (`decode_mode`, all drawing the same tokens): "eager" (a growing KV cache,
+          finished rows leave the batch), "static" (the KV copied into a fixed-size static cache,
+          fixed shapes every step, not compiled) and "compiled" ("static" with the one-token
+          forward under torch.compile: inductor on CPU, CUDA graphs on CUDA; lora_grpo/fast_decode.py).
 - peer   `model.generate(input_ids, attention_mask, do_sample=True, num_return_sequences=G,
           max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0)`: expands every prompt G times
           before the prefill (P·G·L tokens), then decodes the P·G sequences the same way.
@@ -27,10 +31,14 @@ would add a logits processor to the peer only). Prompts are P random strings of 
 non-special tokens (no padding).
 
 Columns:
-- time: median wall time (time.perf_counter) of `repeats` calls after one untimed warm-up call.
+- time: median wall time (time.perf_counter) of `repeats` calls after two warm-up calls.
 - completions/s: P·G / time.  tokens/s: generated tokens (P·G·T) / time.
 - prefill tokens: the prompt tokens each path pushes through the model (ours P·L, peer P·G·L).
 - ours/peer: the peer's time over ours (> 1: ours is faster), in the same run.
+- first call (s): the first warm-up call's time; for "compiled" it includes compiling the step
+  for this setting's shape (one graph per batch size and bucketed cache length), so
+  first call − time ≈ the one-time compile cost. The "compiled" row of the first setting also pays
+  dynamo's and inductor's own start-up.
 
 Expect a large gain where the prefill dominates (long prompts, short completions) and about 1×
 where decoding dominates (short prompts, long completions): both decode identically.
@@ -44,12 +52,13 @@ hidden 512, intermediate 1408, 4 layers, 8 heads, 2 KV heads, vocab 4096, untied
 tokenizer is a word-level one built here (ids: <pad>=0, <unk>=1, words 2..V−1, <eos>=V).
 
     python benchmarks/rollout_speed.py [--settings 256x16,128x64,16x64] [--prompts 4] [--generations 8]
-                                       [--repeats 3] [--threads 1]
+                                       [--repeats 3] [--threads 1] [--decoders eager,static,compiled]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 import warnings
 from dataclasses import dataclass
@@ -73,6 +82,7 @@ class Row:
     completions: int
     tokens: int  # generated tokens, checked
     prefill: int  # prompt tokens pushed through the model
+    first: float  # seconds of the first warm-up call (compiling included)
 
 
 # ------------------------------------------------------------------ model and data
@@ -119,12 +129,12 @@ def make_prompts(n: int, length: int, seed: int) -> list[str]:
 # ------------------------------------------------------------------ measurements
 
 
-def run_ours(model, tokenizer, prompts, G, T, seed):
+def run_ours(model, tokenizer, prompts, G, T, seed, decode_mode="eager"):
     from lora_grpo.rollout import generate_rollout
 
     g = torch.Generator().manual_seed(seed)
     r = generate_rollout(model, tokenizer, prompts, num_generations=G, max_prompt_length=None,
-                         max_completion_length=T, temperature=1.0, generator=g)
+                         max_completion_length=T, temperature=1.0, generator=g, decode_mode=decode_mode)
     return r.completion_mask.sum().item(), r.completion_ids.shape
 
 
@@ -138,20 +148,23 @@ def run_peer(model, tokenizer, prompts, G, T):
     return (completion != tokenizer.eos_token_id).sum().item(), completion.shape
 
 
-def benchmark_setting(model, tokenizer, L: int, T: int, P: int, G: int, repeats: int) -> list[Row]:
+def benchmark_setting(model, tokenizer, L: int, T: int, P: int, G: int, repeats: int, decoders) -> list[Row]:
     prompts = make_prompts(P, L, seed=L * 1000 + T)
     assert all(len(tokenizer(p, add_special_tokens=False)["input_ids"]) == L for p in prompts)
     setting = f"L={L}, T={T}"
     rows = []
     torch.manual_seed(1)
-    for method, fn, prefill in [
-        ("ours (prefix-shared)", lambda: run_ours(model, tokenizer, prompts, G, T, seed=1), P * L),
-        ("peer generate", lambda: run_peer(model, tokenizer, prompts, G, T), P * G * L),
-    ]:
-        seconds, (tokens, shape) = median_seconds(fn, repeats)
+    methods = [(f"ours, {mode}", functools.partial(run_ours, model, tokenizer, prompts, G, T, 1, mode), P * L)
+               for mode in decoders]
+    methods.append(("peer generate", lambda: run_peer(model, tokenizer, prompts, G, T), P * G * L))
+    for method, fn, prefill in methods:
+        start = time.perf_counter()
+        fn()
+        first = time.perf_counter() - start
+        seconds, (tokens, shape) = median_seconds(fn, repeats)  # (its own warm-up call is a second one)
         if tokens != P * G * T or tuple(shape) != (P * G, T):
             raise RuntimeError(f"{method}: expected {P * G}×{T} generated tokens, got {tokens} in {tuple(shape)}")
-        rows.append(Row(setting, method, seconds, P * G, tokens, prefill))
+        rows.append(Row(setting, method, seconds, P * G, tokens, prefill, first))
     return rows
 
 
@@ -159,14 +172,15 @@ def benchmark_setting(model, tokenizer, L: int, T: int, P: int, G: int, repeats:
 
 
 def print_table(rows: list[Row]) -> None:
-    header = ["setting", "method", "prefill tokens", "tokens", "time (s)", "completions/s", "tokens/s", "ours/peer"]
+    header = ["setting", "method", "prefill tokens", "tokens", "time (s)", "completions/s", "tokens/s", "ours/peer",
+              "first call (s)"]
     peer = {r.setting: r for r in rows if r.method.startswith("peer")}
     table = []
     for r in rows:
         p = peer[r.setting]
         table.append([
             r.setting, r.method, str(r.prefill), str(r.tokens), f"{r.seconds:.3f}", f"{r.completions / r.seconds:.1f}",
-            f"{r.tokens / r.seconds:.0f}", f"{p.seconds / r.seconds:.2f}×",
+            f"{r.tokens / r.seconds:.0f}", f"{p.seconds / r.seconds:.2f}×", f"{r.first:.1f}",
         ])
     print_markdown_table(header, table)
 
@@ -178,6 +192,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts P per call")
     p.add_argument("--generations", type=int, default=8, help="samples G per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method (median reported)")
+    p.add_argument("--decoders", default="eager,static,compiled",
+                   help="comma-separated decode_mode values of our sampler to measure (default eager,static,compiled)")
     add_threads_argument(p)
     return p.parse_args(argv)
 
@@ -198,10 +214,11 @@ def main(argv=None) -> None:
     n_lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
     print(f"# {environment(transformers, peft)}; model hidden {MODEL['hidden_size']}, "
           f"{MODEL['num_hidden_layers']} layers, vocab {VOCAB}, float32, lora_r {LORA_R} all-linear; "
-          f"P={args.prompts} prompts × G={args.generations}; EOS unsampleable; {args.repeats} repeats after 1 warm-up")
+          f"P={args.prompts} prompts × G={args.generations}; EOS unsampleable; {args.repeats} repeats after 2 warm-ups")
     rows = []
     for L, T in settings:
-        rows += benchmark_setting(model, tokenizer, L, T, args.prompts, args.generations, args.repeats)
+        rows += benchmark_setting(model, tokenizer, L, T, args.prompts, args.generations, args.repeats,
+                                  args.decoders.split(","))
     print_table(rows)
     print(f"# model: {n_base / 1e6:.1f} M base params + {n_lora / 1e6:.2f} M LoRA (both adapters), built in "
           f"{built:.1f} s; "

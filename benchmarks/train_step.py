@@ -4,17 +4,20 @@ Prepared for a GPU session (4-bit CUDA kernels, throughput and peak GPU memory m
 there); it also runs on CPU with --shape tiny to check that it works.
 
 What is measured, per quantization ("4bit" = ours as the recipes run it, "none" = the peer: the same
-trainer on an unquantized base), on a random-init model built locally from a Qwen2Config (nothing is
-downloaded; "qwen2.5-0.5b" is Qwen2.5-0.5B's shape with its 151,936-token vocabulary):
+trainer on an unquantized base), on a random-init Qwen2 built locally (_common.build_qwen2, nothing is downloaded;
+"qwen2.5-0.5b" is Qwen2.5-0.5B's shape with its 151,936-token vocabulary):
 
 - step seconds: median of `time/step` over the measured steps (after --warmup steps), split into
   rollout / log-probs (reference, and old when num_iterations > 1) / train;
 - tokens/s: completion tokens sampled per second of step;
 - sync ms: the exact weight-space sync of the reference slot, timed on its own after the steps;
-- peak memory: torch.cuda.max_memory_allocated over the measured steps (GPU only; "-" on CPU).
+- peak memory: torch.cuda.max_memory_allocated over the measured steps (GPU only; "-" on CPU);
+- what `micro_batch_size: auto` and `gradient_checkpointing: auto` chose (the start-up memory
+  probe, memory.py) and how long the probe took; the warm-up steps' seconds, which include
+  compiling the decode step when the sampler is compiled (`decode_mode`: auto = compiled on CUDA).
 
-A random model never samples EOS on purpose, so every completion runs to max_completion_length:
-the step does the same amount of work in both columns. The reward is a cheap function of the
+A random model samples EOS with probability about 1/vocab per token, so nearly every completion
+runs to max_completion_length: the step does about the same work in both columns. The reward is a cheap function of the
 completion text, so reward time is negligible.
 
     python benchmarks/train_step.py --shape qwen2.5-0.5b --steps 5          # on a GPU
@@ -29,59 +32,30 @@ import tempfile
 import time
 
 import torch
-from _common import MiB, add_threads_argument, environment, print_markdown_table
-
-SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-}
-
-
-def build_base(shape: str, path: str) -> None:
-    """Random-init Qwen2 of `shape` and a word-level tokenizer over its whole vocabulary, saved to `path`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    spec = dict(SHAPES[shape])
-    vocab = {f"t{i}": i for i in range(spec["vocab_size"])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t2"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t1", unk_token="t2")
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, **spec))
-    with torch.no_grad():  # make EOS unsampleable: every completion has the full length
-        model.lm_head.weight[1].zero_()
-        model.get_input_embeddings().weight[1].zero_()
-    model.to(torch.bfloat16 if torch.cuda.is_available() else torch.float32).save_pretrained(path)
-    # Beside the model, not with it: transformers 5 replaces the tokenizer of a qwen2 checkpoint dir
-    # by Qwen2Tokenizer, which would not read this word-level vocabulary.
-    tokenizer.save_pretrained(f"{path}/tokenizer")
-
-
-def token_count_reward(prompts, completions, **kwargs):
-    """A cheap reward with variance inside groups: how many even-numbered tokens a completion has."""
-    return [sum(int(t[1:]) % 2 == 0 for t in c.split()) / max(1, len(c.split())) for c in completions]
-
+from _common import QWEN2_SHAPES, MiB, add_threads_argument, build_qwen2, environment, even_token_share, print_markdown_table, token_prompts
 
 def run(path: str, quantization: str, args) -> dict[str, float | str]:
     from lora_grpo import GRPOConfig, GRPOTrainer
     from lora_grpo.reference import sync_reference
 
-    prompts = [{"prompt": " ".join(f"t{3 + (i * 7 + j) % 500}" for j in range(args.prompt_length))} for i in range(64)]
+    prompts = token_prompts(QWEN2_SHAPES[args.shape]["vocab_size"], args.prompt_length)
     config = GRPOConfig(
         model_name_or_path=path, tokenizer_name_or_path=f"{path}/tokenizer", quantization=quantization, lora_r=16, lora_alpha=32, num_generations=args.generations,
         prompts_per_step=args.prompts, max_prompt_length=None, max_completion_length=args.completion_length,
         micro_batch_size=args.micro_batch, beta=0.04, ref_sync_steps=0, learning_rate=1e-5,
         max_steps=args.warmup + args.steps, save_steps=0, logging_steps=1000, output_dir=tempfile.mkdtemp(),
-        gradient_checkpointing=True,
+        gradient_checkpointing=args.gradient_checkpointing, decode_mode=args.decode_mode,
     )
-    trainer = GRPOTrainer(config, reward_funcs=[token_count_reward], train_dataset=prompts)
+    start = time.perf_counter()
+    trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=prompts)
+    plan = trainer.memory_plan  # what micro_batch_size / gradient_checkpointing "auto" chose (memory.py)
+    built = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    for _ in range(args.warmup):
+    start = time.perf_counter()
+    for _ in range(args.warmup):  # the first rollout compiles the decode step (decode_mode compiled / auto on CUDA)
         trainer.training_step(next(trainer.batches)[1])
+    warmup = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     steps = [trainer.training_step(next(trainer.batches)[1]) for _ in range(args.steps)]
@@ -98,7 +72,10 @@ def run(path: str, quantization: str, args) -> dict[str, float | str]:
     result = {
         "step": med("time/step"), "rollout": med("time/rollout"), "log_probs": med("time/log_probs"),
         "train": med("time/train"), "tokens/s": med("tokens_per_second"), "sync_ms": sync_ms,
-        "sync_err": sync["sync/truncation_error"], "peak_mib": peak,
+        "sync_err": sync["sync/truncation_error"], "peak_mib": peak, "warmup_s": warmup, "build_s": built,
+        "micro_batch": trainer.micro_batch_size, "checkpointing": "on" if trainer.gradient_checkpointing else "off",
+        "probe_s": plan.seconds if plan is not None else None,
+        "decode": config.decode_mode,
     }
     del trainer
     if torch.cuda.is_available():
@@ -108,17 +85,21 @@ def run(path: str, quantization: str, args) -> dict[str, float | str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    parser.add_argument("--shape", choices=sorted(QWEN2_SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="G")
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--completion-length", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", default="auto", help="micro_batch_size: auto (the default) or an int")
+    parser.add_argument("--gradient-checkpointing", default="auto", help="auto (the default) | true | false")
+    parser.add_argument("--decode-mode", default="auto", help="auto (compiled on CUDA) | eager | static | compiled")
     parser.add_argument("--quantizations", default="4bit,none")
     add_threads_argument(parser)
     args = parser.parse_args()
+    args.micro_batch = args.micro_batch if args.micro_batch == "auto" else int(args.micro_batch)
+    args.gradient_checkpointing = {"true": True, "false": False}.get(args.gradient_checkpointing, args.gradient_checkpointing)
     torch.set_num_threads(args.threads)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     import bitsandbytes
@@ -127,9 +108,9 @@ def main() -> None:
 
     print(f"# {environment(transformers, peft, bitsandbytes)}; device {device}; shape {args.shape}; "
           f"{args.prompts} prompts × G={args.generations}, prompt {args.prompt_length}, completion "
-          f"{args.completion_length} tokens, micro-batch {args.micro_batch}; median of {args.steps} steps after {args.warmup}")
+          f"{args.completion_length} tokens, micro-batch {args.micro_batch}, gradient checkpointing {args.gradient_checkpointing}, decode {args.decode_mode}; median of {args.steps} steps after {args.warmup}")
     with tempfile.TemporaryDirectory() as path:
-        build_base(args.shape, path)
+        build_qwen2(args.shape, path, torch.bfloat16 if torch.cuda.is_available() else torch.float32)
         results = {q: run(path, q, args) for q in args.quantizations.split(",")}
     peer = results.get("none")
     table = []
@@ -140,10 +121,12 @@ def main() -> None:
             f"{q} base" + (" (peer)" if q == "none" else ""), f"{r['step']:.2f}", f"{r['rollout']:.2f}",
             f"{r['log_probs']:.2f}", f"{r['train']:.2f}", f"{r['tokens/s']:.0f}", f"{r['sync_ms']:.1f}",
             f"{r['sync_err']:.1e}", "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}", ratio, mem_ratio,
+            f"{r['micro_batch']} / {r['checkpointing']}", "-" if r["probe_s"] is None else f"{r['probe_s']:.1f}",
+            f"{r['warmup_s']:.1f}",
         ])
     print_markdown_table(
         ["base", "step s", "rollout s", "log-probs s", "train s", "tokens/s", "sync ms", "sync err", "peak MiB",
-         "step vs peer", "memory vs peer"],
+         "step vs peer", "memory vs peer", "micro-batch / recompute", "probe s", f"first {args.warmup} step(s) s"],
         table,
         text_columns=1,
     )

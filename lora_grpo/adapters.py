@@ -3,6 +3,8 @@
     policy    = base + ΔW_policy      adapter "policy", trainable
     reference = base + ΔW_ref         adapter "reference" (the reference slot), frozen; changed only
                                       by reference.sync_reference
+    start     = base (+ ΔW_init)      adapters off, or adapter "base" (a frozen copy of the warm-start
+                                      adapter) when the run started from init_adapter: base_forward
 
 peft's `set_adapter` marks the adapter it activates trainable and every other one frozen;
 `use_adapter` switches and then restores every requires_grad flag, so a reference forward never
@@ -17,6 +19,9 @@ import torch
 from torch import nn
 
 POLICY, REFERENCE = "policy", "reference"
+# A frozen copy of the warm-start adapter (model.attach_base_slot): the model a run that started from
+# init_adapter started from. Fresh runs have none: their starting point is the base, adapters off.
+BASE = "base"
 
 
 def lora_layers(model: nn.Module, adapters=(POLICY, REFERENCE)) -> list[tuple[str, nn.Module]]:
@@ -55,3 +60,22 @@ def reference_forward(model: nn.Module):
     """No-grad forward through the reference adapter: `with reference_forward(model): model(...)`."""
     with use_adapter(model, REFERENCE), torch.no_grad():
         yield model
+
+
+@contextmanager
+def base_forward(model: nn.Module):
+    """No-grad forward through the model the run started from: the "base" slot (a frozen copy of the
+    warm-start adapter) when the model has one, else the base with every adapter disabled (peft's
+    `disable_adapter`). Every requires_grad flag is restored afterwards (peft's re-enable marks the
+    active adapter trainable)."""
+    if BASE in getattr(model, "peft_config", {}):
+        with use_adapter(model, BASE), torch.no_grad():
+            yield model
+        return
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        with model.disable_adapter(), torch.no_grad():
+            yield model
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)

@@ -31,11 +31,12 @@ OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 SCHEDULERS = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (reporting.py maps each to its package)
+DECODE_MODES = ("auto", "eager", "static", "compiled")  # the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
 
 CHOICES = {  # field → its options: validate() checks the value, and each field's help names every option
     "quantization": QUANTIZATIONS, "loss_type": LOSS_TYPES, "ref_sync_mode": SYNC_MODES, "scale_rewards": SCALES,
     "optimizer": OPTIMIZERS, "lr_scheduler": SCHEDULERS, "torch_dtype": DTYPES,
-    "bnb_4bit_quant_type": QUANT_TYPES_4BIT, "importance_sampling": IMPORTANCE_SAMPLING,
+    "bnb_4bit_quant_type": QUANT_TYPES_4BIT, "importance_sampling": IMPORTANCE_SAMPLING, "decode_mode": DECODE_MODES,
 }
 
 
@@ -74,6 +75,11 @@ class GRPOConfig:
     ref_sync_kl: float | None = _f(None, "adaptive: sync when the step's mean KL to the reference exceeds this")
     ref_sync_alpha: float = _f(1.0, "sync mix: ref ← alpha·policy + (1−alpha)·ref; 1 = hard copy")
     ref_sync_mode: str = _f("exact", "exact (weight-space mix, recompressed to ref_rank) | factors (blend A and B separately; approximate)")
+    ref_sync_on_plateau: bool = _f(False, "also sync when the greedy eval score of the first reward function has not beaten its best by more than ref_sync_plateau_min_delta for ref_sync_plateau_patience evals (ProRL, Liu et al. 2025); needs eval_dataset and eval_steps")
+    ref_sync_plateau_patience: int = _f(2, "with ref_sync_on_plateau: evals in a row without improvement that trigger a sync (the count restarts after it)")
+    ref_sync_plateau_min_delta: float = _f(0.01, "with ref_sync_on_plateau: the smallest rise over the best eval score so far that counts as an improvement")
+    ref_sync_reset_optimizer: bool = _f(False, "at each sync also reset the optimizer's moments and step counts (ProRL's reference reset, Liu et al. 2025 §2.3.1)")
+    ref_sync_restart_warmup: bool = _f(False, "at each sync restart the linear LR warmup of warmup_steps (the LR multiplier becomes warmup(step − last sync) × schedule(step))")
     # --- data --------------------------------------------------------------------------------
     dataset: str | None = _f(None, "training prompts: a hub dataset name or a local json/jsonl/csv/parquet file or saved dataset dir; 'toy' / 'countdown' = offline tasks generated locally")
     dataset_config: str | None = _f(None, "configuration name of a hub dataset that has several (gsm8k: 'main')")
@@ -84,6 +90,7 @@ class GRPOConfig:
     eval_pass_k: list[int] = _f([], "also report eval/pass@k for each k, e.g. [1, 8]: eval_num_samples sampled completions per eval prompt (Chen et al. 2021's unbiased estimator), n× the greedy eval's completions; [] = greedy only")
     eval_num_samples: int | None = _f(None, "completions sampled per eval prompt for pass@k, n ≥ every k (a larger n lowers the estimate's variance); None = max(eval_pass_k)")
     eval_temperature: float | None = _f(None, "sampling temperature for pass@k (None = temperature; top_p, top_k, min_p, repetition_penalty as in training)")
+    eval_kl_to_base: bool = _f(True, "report eval/kl_to_base, the k3 KL per token of the policy to the model the run started from (base, or init_adapter), on sampled completions: pass@k's when drawn at the training temperature, else one more per eval prompt")
     eval_correct_threshold: float = _f(1.0, "pass@k counts a sampled completion correct when the first reward function gives ≥ this (toy_reward and accuracy give 1.0 for a right answer, None counts as wrong)")
     prompt_column: str = _f("prompt", "column holding the prompt text (or a list of chat messages)")
     messages_column: str = _f("messages", "column holding chat messages, rendered with the tokenizer's chat template")
@@ -104,6 +111,7 @@ class GRPOConfig:
     top_k: int = _f(0, "top-k sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)")
     min_p: float = _f(0.0, "min-p sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)")
     repetition_penalty: float = _f(1.0, "CTRL repetition penalty (1 = off); not in the loss (ratio and KL use the unfiltered distribution)")
+    decode_mode: str = _f("auto", "sampler: auto (compiled on CUDA, eager on CPU) | eager | static (fixed-shape KV cache) | compiled (static + torch.compile, CUDA graphs on GPU; eager if compiling fails); all draw the same tokens")
     # --- loss --------------------------------------------------------------------------------
     beta: float = _f(0.04, "weight of the k3 KL penalty to the reference (0 = no reference forward)")
     loss_type: str = _f("dapo", "token aggregation: grpo | bnpo | dapo | dr_grpo")
@@ -125,8 +133,9 @@ class GRPOConfig:
     max_nonfinite_updates: int = _f(5, "a NaN/inf loss or gradient skips the update; stop with an error after this many in a row")
     lr_scheduler: str = _f("constant", "constant | linear | cosine (after warmup)")
     warmup_steps: int = _f(0, "linear warmup steps")
-    micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the step)")
-    gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
+    micro_batch_size: int | str = _f("auto", "sequences per forward/backward (gradient accumulation over the step); 'auto' = the largest that fits memory_budget, measured once at start (memory.py)")
+    gradient_checkpointing: bool | str = _f("auto", "recompute activations in backward to save memory: true | false | auto (on only when the start-up memory probe needs it)")
+    memory_budget: float = _f(0.9, "share of free GPU memory (on CPU: of available RAM) that the 'auto' sizes and the start-up preflight may plan for, in (0, 1]")
     max_steps: int = _f(100, "optimizer steps to run (0 = run num_epochs)")
     num_epochs: int = _f(1, "epochs over the prompts when max_steps = 0")
     # --- run ---------------------------------------------------------------------------------
@@ -193,7 +202,7 @@ class GRPOConfig:
             choice(name, options)
         for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length", "logging_steps",
                      "repetition_penalty",
-                     "micro_batch_size", "num_iterations", "max_nonfinite_updates", "logprob_chunk_size", "learning_rate", "num_epochs"]:
+                     "num_iterations", "max_nonfinite_updates", "logprob_chunk_size", "learning_rate", "num_epochs"]:
             positive(name)
         for name in ["eval_limit", "ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
                      "max_grad_norm", "beta", "top_k", "min_p", "epsilon_low", "epsilon_high"]:
@@ -208,6 +217,19 @@ class GRPOConfig:
                     + (f" (did you mean {close[0]!r}?)" if close else "")
                 )
         positive("log_completions_steps")
+        # Memory: 'auto' sizes (memory.py).
+        mbs = self.micro_batch_size
+        if mbs != "auto" and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+            raise ConfigError(
+                f"micro_batch_size={mbs!r} must be an integer ≥ 1 or 'auto' (the largest that fits memory_budget)"
+            )
+        if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto"):
+            raise ConfigError(f"gradient_checkpointing={self.gradient_checkpointing!r} must be true, false or 'auto'")
+        if not 0 < self.memory_budget <= 1:
+            raise ConfigError(
+                f"memory_budget={self.memory_budget} must be in (0, 1]: the share of free GPU memory (available RAM "
+                "on CPU) that the 'auto' micro_batch_size may plan for"
+            )
         # Evaluation: pass@k.
         ks = self.eval_pass_k
         if not isinstance(ks, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks):
@@ -254,9 +276,28 @@ class GRPOConfig:
             raise ConfigError(f"ref_sync_kl={self.ref_sync_kl} must be > 0 (a KL threshold) or None")
         if self.sync_enabled and self.beta == 0:
             raise ConfigError(
-                "reference sync is configured (ref_sync_steps / ref_sync_every_epoch / ref_sync_kl) but beta = 0, "
-                "so no reference is used: set beta > 0 or turn the sync off"
+                "reference sync is configured (ref_sync_steps / ref_sync_every_epoch / ref_sync_kl / ref_sync_on_plateau) "
+                "but beta = 0, so no reference is used: set beta > 0 or turn the sync off"
             )
+        for name in ("ref_sync_reset_optimizer", "ref_sync_restart_warmup"):
+            if getattr(self, name) and not self.sync_enabled:
+                raise ConfigError(
+                    f"{name}=true acts at each reference sync, but no sync is configured: set ref_sync_steps, "
+                    "ref_sync_every_epoch, ref_sync_kl or ref_sync_on_plateau, or turn it off"
+                )
+        if self.ref_sync_restart_warmup and self.warmup_steps == 0:
+            raise ConfigError("ref_sync_restart_warmup=true restarts a warmup of warmup_steps steps, but warmup_steps=0: "
+                              "set warmup_steps > 0 (e.g. 5), or turn it off")
+        if self.ref_sync_on_plateau:
+            if self.eval_steps == 0:
+                raise ConfigError(
+                    "ref_sync_on_plateau=true watches the eval score during training, but eval_steps=0 evaluates only "
+                    "before and after it: set eval_steps > 0 (and an eval_dataset)"
+                )
+            if isinstance(self.ref_sync_plateau_patience, bool) or self.ref_sync_plateau_patience < 1:
+                raise ConfigError(f"ref_sync_plateau_patience={self.ref_sync_plateau_patience} must be an integer ≥ 1 (evals)")
+            if not self.ref_sync_plateau_min_delta >= 0:
+                raise ConfigError(f"ref_sync_plateau_min_delta={self.ref_sync_plateau_min_delta} must be ≥ 0")
         if self.ref_rank < self.lora_r:
             if self.ref_sync_alpha == 1:
                 raise ConfigError(
@@ -272,7 +313,7 @@ class GRPOConfig:
     # -----------------------------------------------------------------------------------------
     @property
     def sync_enabled(self) -> bool:
-        return self.ref_sync_steps > 0 or self.ref_sync_every_epoch or self.ref_sync_kl is not None
+        return self.ref_sync_steps > 0 or self.ref_sync_every_epoch or self.ref_sync_kl is not None or self.ref_sync_on_plateau
 
     @property
     def generation_batch(self) -> int:

@@ -4,6 +4,9 @@
                  ─► greedy completion per prompt → every reward function   (eval/<reward>, eval/completion_length)
                  ─► with eval_pass_k: n sampled completions per prompt → c = how many the first
                     reward function scores ≥ eval_correct_threshold       (eval/pass@k)
+                 ─► sampled completions (the pass@k ones when drawn at the training temperature,
+                    else one per prompt) → k3 KL of the policy to the base, summed per prompt
+                                                                          (eval/kl_to_base)
                  ─► gather every process's per-prompt results, check each prompt came once → metrics
 
 The chunk, not the process, is the unit of work: a chunk's completions depend only on its prompts
@@ -15,6 +18,17 @@ fresh each time and never the trainer's: evaluating leaves the training sampling
 
 pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained
 on Code", §2.1), in the product form of their reference implementation.
+
+eval/kl_to_base is KL(π_θ ‖ π_start) per completion token: π_start is the model the run started
+from (the base with adapters off, or the warm-start adapter; adapters.base_forward). Estimator:
+k3 = exp(log π_start − log π_θ) − (log π_start − log π_θ) − 1 per token (Schulman 2020,
+"Approximating KL Divergence"), on completions sampled from π_θ at the training temperature, with
+both log-probs at that temperature: the estimator and the distributions of the training `kl`
+metric, so the two are on one scale. k3 is unbiased for each token's KL given its prefix and never
+negative, so an unchanged policy gives exactly 0. The mean is over every completion token of the
+eval (Σ k3 / Σ tokens, gathered per prompt), not over prompts. Greedy completions are not samples
+from π_θ, so they are not used. Unlike the training `kl`, which measures the distance to the
+current reference and restarts at every sync, this one is never reset.
 """
 
 from __future__ import annotations
@@ -108,10 +122,12 @@ def eval_chunks(num_prompts: int, batch_prompts: int, num_processes: int = 1, pr
     ]
 
 
-def chunk_generator(seed: int, chunk: int, device) -> torch.Generator:
+def chunk_generator(seed: int, chunk: int, device, stream: int = 0) -> torch.Generator:
     """The sampling generator of one eval chunk: a function of (seed, chunk) only, never of the
-    process, the step or the trainer's own sampling state."""
-    state = np.random.SeedSequence([seed % 2**32, chunk, 0x6576616C]).generate_state(1)[0]  # 0x6576616C = "eval"
+    process, the step or the trainer's own sampling state. `stream` > 0 gives independent ones
+    for other uses of the same chunk (1: the kl_to_base samples when pass@k's cannot serve)."""
+    entropy = [seed % 2**32, chunk, 0x6576616C] + ([stream] if stream else [])  # 0x6576616C = "eval"
+    state = np.random.SeedSequence(entropy).generate_state(1)[0]
     return torch.Generator(device=device).manual_seed(int(state))
 
 
@@ -126,15 +142,20 @@ class PromptResult:
     scores: tuple[float, ...]  # (F,) greedy completion's reward per function; NaN where it returned None
     length: int  # greedy completion's tokens
     num_correct: int | None = None  # correct sampled completions (of n); None without pass@k
+    kl_sum: float | None = None  # Σ k3 KL to the base over its sampled completions' tokens
+    kl_tokens: int | None = None  # the number of those tokens
 
 
-def prompt_results(start: int, scores: Tensor, lengths: Tensor, num_correct: Tensor | None) -> list[PromptResult]:
-    """A chunk's results: scores (m, F), lengths (m,), num_correct (m,) or None; prompt i is start + i."""
+def prompt_results(start: int, scores: Tensor, lengths: Tensor, num_correct: Tensor | None,
+                   kl: Tensor | None = None) -> list[PromptResult]:
+    """A chunk's results: scores (m, F), lengths (m,), num_correct (m,) or None, kl (m, 2) of
+    (Σ k3, tokens) or None; prompt i is start + i."""
     scores, lengths = scores.cpu().tolist(), lengths.cpu().tolist()
     correct = [None] * len(lengths) if num_correct is None else num_correct.cpu().tolist()
+    kls = [(None, None)] * len(lengths) if kl is None else [(s, int(t)) for s, t in kl.cpu().tolist()]
     return [
-        PromptResult(start + i, tuple(s), int(n), c)
-        for i, (s, n, c) in enumerate(zip(scores, lengths, correct, strict=True))
+        PromptResult(start + i, tuple(s), int(n), c, *k)
+        for i, (s, n, c, k) in enumerate(zip(scores, lengths, correct, kls, strict=True))
     ]
 
 
@@ -142,7 +163,8 @@ def eval_metrics(
     results: Sequence[PromptResult], names: Sequence[str], pass_k: Sequence[int], num_samples: int, num_prompts: int
 ) -> dict[str, float]:
     """Every process's results -> eval/<name> (mean over prompts where the function applied; NaN
-    where it never did), eval/completion_length (greedy), eval/pass@k for each k in ``pass_k``.
+    where it never did), eval/completion_length (greedy), eval/pass@k for each k in ``pass_k``,
+    eval/kl_to_base (Σ k3 / Σ tokens over every prompt, summed in prompt order) when the results carry it.
 
     Raises RuntimeError unless the results hold each of the ``num_prompts`` prompts exactly once.
     """
@@ -159,4 +181,7 @@ def eval_metrics(
     metrics["eval/completion_length"] = float(np.mean([r.length for r in results]))
     for k in sorted(set(pass_k)):
         metrics[f"eval/pass@{k}"] = mean_pass_at_k(num_samples, [r.num_correct for r in results], k)
+    if all(r.kl_sum is not None for r in results):
+        tokens = sum(r.kl_tokens for r in results)
+        metrics["eval/kl_to_base"] = math.fsum(r.kl_sum for r in results) / tokens if tokens else math.nan
     return metrics

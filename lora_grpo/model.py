@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from .adapters import POLICY, REFERENCE, lora_layers, policy_parameters, reference_forward, use_adapter  # noqa: F401
+from .adapters import BASE, POLICY, REFERENCE, lora_layers, policy_parameters, reference_forward, use_adapter  # noqa: F401
 from .config import GRPOConfig
 from .reference import check_syncable, sync_reference
 
@@ -222,6 +222,7 @@ def attach_adapters(base: nn.Module, config: GRPOConfig) -> nn.Module:
     check_syncable(model)
     if config.init_adapter:
         sync_reference(model, alpha=1.0)  # the initial reference = the warm-start policy, exactly
+        attach_base_slot(model)  # what eval/kl_to_base measures from
     else:
         # A fresh policy has B = 0, so ΔW_policy = 0: an all-zero slot is its exact copy, at any ref_rank.
         with torch.no_grad():
@@ -229,6 +230,29 @@ def attach_adapters(base: nn.Module, config: GRPOConfig) -> nn.Module:
                 m.lora_A[REFERENCE].weight.zero_()
                 m.lora_B[REFERENCE].weight.zero_()
     return model
+
+
+def attach_base_slot(model: nn.Module) -> None:
+    """A third, frozen adapter "base": a copy of the policy as it is now (the warm-start adapter),
+    with the policy's own config and scaling, so its forward is bit-identical to the initial
+    policy's. eval/kl_to_base measures from it (adapters.base_forward). The reference slot cannot
+    serve (syncs move it), and the policy tensors cannot be swapped out and back around a forward
+    without risking the trained ones; one adapter's worth of memory (a few MB) buys neither risk.
+    Not saved in checkpoints: a resumed run rebuilds it from init_adapter."""
+    import copy
+
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    slot = copy.deepcopy(model.peft_config[POLICY])
+    slot.lora_dropout = 0.0  # eval forwards only (dropout is off in eval mode anyway)
+    model.add_adapter(BASE, slot)
+    model.set_adapter(POLICY)
+    for p, flag in flags:
+        p.requires_grad_(flag)
+    with torch.no_grad():
+        for _, m in lora_layers(model, (POLICY, BASE)):
+            for factors in (m.lora_A, m.lora_B):
+                factors[BASE].weight.data = factors[POLICY].weight.detach().clone()
+                factors[BASE].weight.requires_grad_(False)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -241,12 +265,24 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def disable_gradient_checkpointing(model: nn.Module) -> None:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "activation_checkpointing_disable"):  # transformers ≥ 5.x name
+        base.activation_checkpointing_disable()
+    else:
+        base.gradient_checkpointing_disable()
+
+
+def set_gradient_checkpointing(model: nn.Module, on: bool) -> None:
+    (enable_gradient_checkpointing if on else disable_gradient_checkpointing)(model)
+
+
 def load_model(config: GRPOConfig, device_map=None):
     """Base + both adapters, and the tokenizer: what the trainer trains. Returns (model, tokenizer)."""
     path = resolve_model_path(config)
     tokenizer = load_tokenizer(config, path)
     base = load_base_model(config, path, device_map=device_map)
     model = attach_adapters(base, config)
-    if config.gradient_checkpointing:
+    if config.gradient_checkpointing is True:  # 'auto' is decided by the trainer's memory probe (memory.py)
         enable_gradient_checkpointing(model)
     return model, tokenizer

@@ -18,15 +18,72 @@ def build_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> tor
     return cls(params, **kwargs)
 
 
-def build_scheduler(optimizer, config: GRPOConfig, total_steps: int):
-    """The LR schedule over optimizer updates: num_iterations per training step."""
+def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter's optimizer state back to what its first step creates: moments and step
+    counts zero (ProRL's optimizer reset at a reference reset, Liu et al. 2025 §2.3.1).
+
+    In place, not `state.clear()`: bitsandbytes' paged optimizers keep their state in paged buffers
+    that their page manager never frees, so re-creating the state would leak them at every reset.
+    Zeros are exactly what torch's AdamW and bitsandbytes' 8-bit AdamW (blockwise absmax included)
+    initialise; bitsandbytes' `qmap*` entries are the shared quantization maps, constants, kept.
+    """
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key.startswith("qmap"):
+                continue
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                state[key] = type(value)(0)
+
+
+class WarmupRestarts:
+    """ref_sync_restart_warmup: the LR multiplier of update u becomes schedule(u) · warmup(u − u_sync),
+    u_sync the update count at the last sync, warmup(k) = min(1, k / warmup updates): the schedule's
+    own linear ramp (transformers'; 0 on the first update after the sync). Before any sync it is 1.
+
+    `restart_update` is the run's state: the trainer stores it in checkpoints (the scheduler's
+    state_dict leaves out plain functions such as the wrapped multipliers)."""
+
+    def __init__(self, warmup_updates: int):
+        self.warmup_updates = warmup_updates
+        self.restart_update: int | None = None
+
+    def factor(self, update: int) -> float:
+        if self.restart_update is None:
+            return 1.0
+        return min(1.0, (update - self.restart_update) / max(1, self.warmup_updates))
+
+    def restart(self, optimizer, scheduler) -> None:
+        """Restart the warmup at the scheduler's current update, and apply the new LR right away."""
+        self.restart_update = scheduler.last_epoch
+        refresh_lr(optimizer, scheduler)
+
+
+def refresh_lr(optimizer, scheduler) -> None:
+    """Set each group's LR (and the scheduler's last LR) from the multipliers at the current update."""
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (torch keeps no public setter)
+
+
+def build_scheduler(optimizer, config: GRPOConfig, total_steps: int, restarts: WarmupRestarts | None = None):
+    """The LR schedule over optimizer updates: num_iterations per training step; with `restarts`,
+    multiplied by its restarted warmup (WarmupRestarts)."""
     from transformers import get_scheduler
 
     name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[config.lr_scheduler]
     updates = config.num_iterations
-    return get_scheduler(
+    scheduler = get_scheduler(
         name, optimizer, num_warmup_steps=config.warmup_steps * updates, num_training_steps=total_steps * updates
     )
+    if restarts is not None:
+        def restarted(schedule):
+            return lambda update: schedule(update) * restarts.factor(update)
+
+        scheduler.lr_lambdas = [restarted(f) for f in scheduler.lr_lambdas]
+    return scheduler
 
 
 def apply_config(optimizer, scheduler, config: GRPOConfig) -> float:

@@ -186,25 +186,66 @@ def sync_reference(
 
 @dataclass
 class SyncSchedule:
-    """When to sync: every N optimizer steps, at epoch boundaries, or when the KL passes a threshold.
+    """When to sync: every N optimizer steps, at epoch boundaries, when the KL passes a threshold, or
+    when the eval score stalls (plateau; ProRL's trigger, Liu et al. 2025).
 
-    Whether any sync is configured at all is GRPOConfig.sync_enabled (one source of truth).
+    Whether any sync is configured at all is GRPOConfig.sync_enabled (one source of truth). The
+    plateau trigger keeps state (the best eval score so far and how many evals in a row have not
+    beaten it by min_delta): `observe_eval` feeds it each eval, `synced` restarts the count after a
+    sync that the plateau made due, and `state_dict` / `load_state_dict` carry it in checkpoints.
     """
 
     every_steps: int = 0
     every_epoch: bool = False
     kl_threshold: float | None = None
+    plateau_patience: int = 0  # 0 = no plateau trigger
+    plateau_min_delta: float = 0.0
+    best_eval: float | None = None  # plateau state: the best score seen
+    evals_without_improvement: int = 0  # plateau state: evals since it was set
 
     @classmethod
     def from_config(cls, config) -> "SyncSchedule":
-        return cls(config.ref_sync_steps, config.ref_sync_every_epoch, config.ref_sync_kl)
+        patience = config.ref_sync_plateau_patience if config.ref_sync_on_plateau else 0
+        return cls(config.ref_sync_steps, config.ref_sync_every_epoch, config.ref_sync_kl, patience,
+                   config.ref_sync_plateau_min_delta if patience else 0.0)
+
+    def observe_eval(self, score: float) -> None:
+        """One eval's score (higher is better). It improves when it beats the best by more than
+        min_delta (the first finite score sets the best); a NaN score never improves."""
+        if not self.plateau_patience:
+            return
+        if math.isfinite(score) and (self.best_eval is None or score > self.best_eval + self.plateau_min_delta):
+            self.best_eval, self.evals_without_improvement = score, 0
+        else:
+            self.evals_without_improvement += 1  # as Keras' EarlyStopping: a smaller rise leaves the best as it was
+
+    @property
+    def plateau_due(self) -> bool:
+        return self.plateau_patience > 0 and self.evals_without_improvement >= self.plateau_patience
+
+    def synced(self) -> None:
+        """After any sync: a plateau that was due is consumed (its count restarts; the best stays)."""
+        if self.plateau_due:
+            self.evals_without_improvement = 0
+
+    def state_dict(self) -> dict:
+        return {"best_eval": self.best_eval, "evals_without_improvement": self.evals_without_improvement}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_eval = state.get("best_eval")
+        self.evals_without_improvement = int(state.get("evals_without_improvement", 0))
 
     def due(self, step: int, epoch_ended: bool = False, kl: float | None = None) -> str | None:
-        """The reason to sync after optimizer step `step` (1-based), or None."""
-        if self.every_steps > 0 and step % self.every_steps == 0:
-            return "steps"
-        if self.every_epoch and epoch_ended:
-            return "epoch"
-        if self.kl_threshold is not None and kl is not None and kl > self.kl_threshold:
-            return "kl"
-        return None
+        """The reason to sync after optimizer step `step` (1-based), or None: every trigger that
+        fires, in the order steps, epoch, kl, plateau, joined by '+' (e.g. 'steps+plateau')."""
+        fired = [
+            reason
+            for reason, fires in (
+                ("steps", self.every_steps > 0 and step % self.every_steps == 0),
+                ("epoch", self.every_epoch and epoch_ended),
+                ("kl", self.kl_threshold is not None and kl is not None and kl > self.kl_threshold),
+                ("plateau", self.plateau_due),
+            )
+            if fires
+        ]
+        return "+".join(fired) or None

@@ -177,8 +177,9 @@ def _markdown_table(records: list[dict[str, Any]]) -> str:
 PANELS: tuple[tuple[str, Any], ...] = (
     # (title, which metrics: a predicate on the key)
     ("reward", lambda k: k == "reward/mean" or (k.startswith("rewards/") and k.endswith("/mean"))),
-    ("eval", lambda k: k.startswith("eval/") and k != "eval/completion_length"),
+    ("eval", lambda k: k.startswith("eval/") and k not in ("eval/completion_length", "eval/kl_to_base")),
     ("KL to reference", lambda k: k == "kl"),
+    ("KL to base", lambda k: k == "eval/kl_to_base"),  # never reset by a sync, unlike the one above
     ("completion length", lambda k: k == "completion_length/mean"),
     ("entropy", lambda k: k == "entropy"),
 )
@@ -199,7 +200,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
 
 def metrics_figure(records: list[dict[str, Any]], keys: Sequence[str] | None = None):
     """(matplotlib Figure, PlotInfo) of a run's metrics records: reward (total and per function),
-    eval metrics, KL, completion length and entropy over steps (or one panel per key of `keys`),
+    eval metrics, KL to the reference, KL to the base (eval), completion length and entropy over steps (or one panel per key of `keys`),
     with a vertical line at each reference sync. Panels without data are left out."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
     from matplotlib.ticker import MaxNLocator

@@ -3,6 +3,8 @@
 Each distinct prompt is prefilled once; its KV cache and last-position logits are then repeated
 G times along the batch (prefix sharing), and a plain token-by-token sampling loop decodes all
 P·G sequences together until every one has emitted EOS or ``max_completion_length`` is reached.
+That loop runs eagerly (finished rows leave the batch) or, for torch.compile and CUDA graphs, with
+fixed shapes over a static KV cache (:mod:`lora_grpo.fast_decode`); both draw the same tokens.
 
 The logit transforms (repetition penalty, temperature, top-k, top-p, min-p) are small pure
 functions over a ``(N, V)`` logits tensor, applied in the order transformers' ``generate`` uses.
@@ -10,12 +12,15 @@ functions over a ``(N, V)`` logits tensor, applied in the order transformers' ``
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
+
+from .fast_decode import StaticDecoder, resolve_decode_mode
 
 
 @dataclass
@@ -265,18 +270,16 @@ def _tokenize_left_padded(tokenizer, prompts: list[str], max_prompt_length: int 
     return ids, mask
 
 
-def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator) -> tuple[Tensor, Tensor]:
-    """Sample G completions for each of the n prompts in (ids, mask): (n, P) each, left-padded.
-    -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a row's first EOS."""
+def _prefill(model, ids, mask, *, G, sampling):
+    """Prefill the n distinct prompts of (ids, mask), (n, P) each, once; repeat for their G samples.
+    -> (KV cache of N = n·G rows, last logits (N, V), padding mask (N, P'), next position (N,),
+    seen-token mask (N, V) bool or None), P' <= P after dropping columns that only pad."""
     # Drop leading columns that are padding in every row of this chunk: less prefill work.
     first = int((mask.sum(0) > 0).nonzero()[0])
     ids, mask = ids[:, first:], mask[:, first:]
-    params = _forward_params(model)
-    cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-
-    # Prefill the n distinct prompts once. Positions count real tokens only, so a left-padded
-    # prompt gets the same positions as it would alone (as transformers' generate does).
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(model) else {}
+    # Positions count real tokens only, so a left-padded prompt gets the same positions as it
+    # would alone (as transformers' generate does).
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **extra)
     cache = _cache_of(out)
@@ -290,6 +293,15 @@ def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, ge
         # Count real prompt tokens per vocab id (pads add 0); scatter_add is order-independent.
         counts = torch.zeros(logits.shape, dtype=torch.long, device=logits.device)
         seen = counts.scatter_add_(1, ids.repeat_interleave(G, 0), attn) > 0  # (N, V) bool
+    return cache, logits, attn, next_pos, seen
+
+
+def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator) -> tuple[Tensor, Tensor]:
+    """The eager sampler. Sample G completions for each of the n prompts in (ids, mask): (n, P)
+    each, left-padded. -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a
+    row's first EOS."""
+    cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"  # renamed in transformers 5
+    cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
     eos = torch.tensor(eos_ids, device=logits.device)
     N = logits.size(0)
     tokens = torch.full((N, max_new), pad_id, dtype=torch.long, device=logits.device)
@@ -324,6 +336,43 @@ def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, ge
     return tokens[:, : step + 1], logps[:, : step + 1]
 
 
+def _decode_chunk_static(
+    model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator, compiled
+) -> tuple[Tensor, Tensor]:
+    """The fixed-shape sampler (:mod:`lora_grpo.fast_decode`): same arguments and result as
+    :func:`_decode_chunk`, and the same tokens under the same generator. All N rows run every step
+    (finished ones feed pad, their outputs unused), but each draw is made on the logits of the
+    rows still decoding, in the eager sampler's order, so the random stream is consumed alike."""
+    cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
+    decoder = StaticDecoder(model, cache, attn, max_new, compiled=compiled)
+    del cache  # its KV now lives in the decoder's static cache
+    eos = torch.tensor(eos_ids, device=logits.device)
+    N = logits.size(0)
+    tokens = torch.full((N, max_new), pad_id, dtype=torch.long, device=logits.device)
+    logps = torch.zeros((N, max_new), dtype=torch.float32, device=logits.device)
+    rows = torch.arange(N, device=logits.device)  # output row of each sequence still decoding
+    for step in range(max_new):
+        live = rows.numel() < N  # index only once a row has finished (a copy per step otherwise)
+        tok, logp = sample_next(
+            logits[rows] if live else logits, None if seen is None else (seen[rows] if live else seen),
+            generator=generator, **sampling,
+        )
+        tokens[rows, step] = tok
+        logps[rows, step] = logp
+        done = torch.isin(tok, eos)
+        if bool(done.all()) or step == max_new - 1:
+            break
+        if bool(done.any()):
+            rows, tok = rows[~done], tok[~done]
+        if seen is not None:
+            seen[rows, tok] = True
+        feed = torch.full((N,), pad_id, dtype=torch.long, device=logits.device)
+        feed[rows] = tok
+        logits = decoder.step(feed, next_pos)
+        next_pos = next_pos + 1
+    return tokens[:, : step + 1], logps[:, : step + 1]
+
+
 def _pad_right(x: Tensor, width: int, value) -> Tensor:
     return torch.nn.functional.pad(x, (0, width - x.size(1)), value=value)
 
@@ -343,6 +392,7 @@ def generate_rollout(
     repetition_penalty: float = 1.0,
     generator: torch.Generator | None = None,
     micro_batch_prompts: int | None = None,
+    decode_mode: str = "eager",
 ) -> Rollout:
     """Sample ``num_generations`` completions for each prompt (already-rendered text).
 
@@ -350,6 +400,12 @@ def generate_rollout(
     (a transformers causal LM or a peft wrapper of one) runs in eval mode, so LoRA dropout is off;
     every module's training flag is restored afterwards. ``micro_batch_prompts`` caps how many
     prompts (times G sequences) are decoded at once. ``generator`` must live on the model's device.
+
+    ``decode_mode`` picks the sampler, all drawing the same tokens from the same generator:
+    "eager" (a growing KV cache; finished rows leave the batch), "static" (a fixed-shape static
+    cache, :mod:`lora_grpo.fast_decode`), "compiled" ("static" with the step under torch.compile:
+    CUDA graphs on CUDA), or "auto" ("compiled" on CUDA, "eager" elsewhere). A model that cannot
+    decode statically or compile is sampled eagerly, with one logged line saying why.
 
     Raises ValueError (before any model call) when the tokenizer has no pad or EOS token, or when
     a prompt (after ``max_prompt_length`` truncation) plus ``max_completion_length`` exceeds the
@@ -370,13 +426,15 @@ def generate_rollout(
     if limit is not None:  # a clear error here, not an index error deep inside the model
         _check_prompt_lengths(prompts, prompt_mask.sum(1).tolist(), max_completion_length, limit)
     chunk = micro_batch_prompts or len(prompts)
+    mode = resolve_decode_mode(decode_mode, model, device)
+    decode = _decode_chunk if mode == "eager" else functools.partial(_decode_chunk_static, compiled=mode == "compiled")
 
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
             parts = [
-                _decode_chunk(
+                decode(
                     model,
                     prompt_ids[i : i + chunk].to(device),
                     prompt_mask[i : i + chunk].to(device),

@@ -29,16 +29,26 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
-from .adapters import POLICY, policy_parameters, reference_forward
+from .adapters import POLICY, base_forward, policy_parameters, reference_forward
 from .advantages import group_advantages, zero_std_fraction
-from .config import GRPOConfig
+from .config import ConfigError, GRPOConfig
 from .data import PROMPT_MESSAGES, PromptBatches, resolve_dataset
 from .evaluation import chunk_generator, count_correct, eval_chunks, eval_metrics, num_eval_samples, prompt_results
 from .logprobs import check_log_probs, sequence_log_probs
-from .loss import accumulation_scale, grpo_loss
-from .model import keep_4bit_weights_fixed, load_model
+from .loss import accumulation_scale, grpo_loss, k3_kl
+from .memory import (
+    MiB,
+    MemoryPlan,
+    available_bytes,
+    longest_prompt,
+    optimizer_state_bytes,
+    plan_memory,
+    rollout_bytes,
+    worst_case_micro_batch,
+)
+from .model import keep_4bit_weights_fixed, load_model, set_gradient_checkpointing
 from .optim import apply_config as apply_optimizer_config
-from .optim import average_gradients, build_optimizer, build_scheduler
+from .optim import WarmupRestarts, average_gradients, build_optimizer, build_scheduler, reset_optimizer_state
 from .reference import SyncSchedule, sync_reference
 from .reporting import RunReporter, accelerator_kwargs
 from .rewards import (
@@ -106,7 +116,8 @@ class GRPOTrainer:
     >>> trainer = GRPOTrainer(config, reward_funcs=[correctness], train_dataset=ds)   # doctest: +SKIP
     >>> trainer.train()                                                               # doctest: +SKIP
 
-    `trainer.model` is the peft model with the adapters "policy" and "reference";
+    `trainer.model` is the peft model with the adapters "policy" and "reference" (and "base", a
+    frozen copy of init_adapter, in a warm-started run: what eval/kl_to_base measures from);
     `trainer.sync_reference()` syncs the reference slot now and returns the sync's metrics.
     """
 
@@ -179,8 +190,14 @@ class GRPOTrainer:
             beta=config.beta, max_completion_length=config.max_completion_length,
             importance_sampling=config.importance_sampling, kl_ratio_correction=config.kl_ratio_correction,
         )
-        self.scheduler = build_scheduler(self.optimizer, config, self.total_steps)
+        # ref_sync_restart_warmup: the warmup restarts at each sync (its state goes into checkpoints)
+        self.warmup_restarts = (WarmupRestarts(config.warmup_steps * config.num_iterations)
+                                if config.ref_sync_restart_warmup else None)
+        self.scheduler = build_scheduler(self.optimizer, config, self.total_steps, self.warmup_restarts)
         self.sync_schedule = SyncSchedule.from_config(config)
+        if config.ref_sync_on_plateau and self.eval_dataset is None:
+            raise ConfigError("ref_sync_on_plateau=true watches the eval score, but there are no eval prompts: set "
+                              "eval_dataset (or pass eval_dataset=...), or turn it off")
         self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
             config.seed + 1000 * self.accelerator.process_index
         )
@@ -194,6 +211,11 @@ class GRPOTrainer:
         self.is_main = self.accelerator.is_main_process
         self.reporter = RunReporter(config, self.accelerator, reward_names(self.reward_funcs), self.total_steps)
         self._last_samples = None  # the last step's samples for completions.jsonl (set by advantages())
+        # micro_batch_size / gradient_checkpointing 'auto', and the memory preflight: before any rollout.
+        self.memory_plan = self._plan_memory()
+        plan = self.memory_plan
+        self.micro_batch_size = config.micro_batch_size if plan is None else plan.micro_batch_size
+        self.gradient_checkpointing = config.gradient_checkpointing if plan is None else plan.gradient_checkpointing
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -206,9 +228,12 @@ class GRPOTrainer:
         if cfg.resume_from_checkpoint:
             self.load_checkpoint(cfg.resume_from_checkpoint)
         self.reporter.start(self.step, resumed=bool(cfg.resume_from_checkpoint))  # logs truncated or fresh; trackers
+        if self.memory_plan is not None:  # what 'auto' chose (the probe ran in __init__, before any rollout)
+            self._print(self.memory_plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
         eval_before = self.evaluate() if self.eval_dataset is not None and self.step == 0 else {}
         if eval_before:
             self._report_eval("before", eval_before)
+            self._observe_eval(eval_before)
         # Stop signals are deferred until the end of the run, final eval and saves included.
         with StopSignals() as stop:
             with self.reporter.progress(self.step):
@@ -218,13 +243,18 @@ class GRPOTrainer:
                     metrics = self.training_step(rows)
                     self.step += 1
                     metrics["epoch"] = epoch
+                    # Eval before the sync decision, so that the plateau trigger reads this step's eval.
+                    # For every other trigger the order is free: eval reads only the policy and the
+                    # start (base_forward), a sync writes only the reference slot and the optimizer.
+                    if self.eval_dataset is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
+                        evaluated = self.evaluate()
+                        metrics.update(evaluated)
+                        self._observe_eval(evaluated)
                     reason = self.sync_schedule.due(self.step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
                     if reason:
                         metrics.update(self.sync_reference())
                         metrics["sync/event"] = 1.0
                         metrics["sync/reason"] = reason
-                    if self.eval_dataset is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps:
-                        metrics.update(self.evaluate())
                     self.history.append(metrics)
                     self.reporter.log_step(self.step, metrics, self._last_samples)  # metrics, completions, trackers, bar
                     if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
@@ -300,6 +330,7 @@ class GRPOTrainer:
             min_p=cfg.min_p,
             repetition_penalty=cfg.repetition_penalty,
             generator=self.generator if generator is None else generator,
+            decode_mode=cfg.decode_mode,
         )
 
     def rewards(self, rollout: Rollout, rows: dict[str, list], group_size: int):
@@ -361,7 +392,7 @@ class GRPOTrainer:
         try:
             out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_mask.device)
             row = 0
-            for mb in batch.micro_batches(self.config.micro_batch_size):
+            for mb in batch.micro_batches(self.micro_batch_size):
                 logp, _ = self._forward_log_probs(mb)
                 out[row : row + logp.shape[0], : logp.shape[1]] = logp
                 row += logp.shape[0]
@@ -375,23 +406,14 @@ class GRPOTrainer:
         cfg, acc = self.config, self.accelerator
         self.model.train()
         n_seq = batch.input_ids.shape[0]
-        n_micro = math.ceil(n_seq / cfg.micro_batch_size)
+        n_micro = math.ceil(n_seq / self.micro_batch_size)
         # dapo's denominator: the step's tokens over every process, divided by the number of
         # processes because their gradients are averaged.
         num_tokens = self._sum_over_processes({"t": batch.completion_mask.sum().item()})["t"] / acc.num_processes
         sums: dict[str, float] = {}
-        for mb in batch.micro_batches(cfg.micro_batch_size):
-            logp, entropy = self._forward_log_probs(mb, return_entropy=True)
-            ref = mb["ref_logp"]
-            if ref is None and cfg.beta != 0:  # the reference equals the policy this step (training_step)
-                ref = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
-            loss, m = grpo_loss(logp, mb["old_logp"], ref, mb["advantages"], mb["completion_mask"],
-                                num_tokens=num_tokens, **self.loss_settings)
-            loss = loss * accumulation_scale(cfg.loss_type, mb["input_ids"].shape[0], n_seq, n_micro)
-            loss.backward()
-            weight = float(mb["completion_mask"].sum())
-            m["entropy"] = (entropy * mb["completion_mask"]).sum().item() / max(weight, 1.0)
-            for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss.item())]:
+        for mb in batch.micro_batches(self.micro_batch_size):
+            m, weight, loss = self._accumulate(mb, num_tokens, n_seq, n_micro)
+            for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss)]:
                 sums[k] = sums.get(k, 0.0) + v
         if acc.num_processes > 1:
             average_gradients(self.params, acc)
@@ -403,6 +425,83 @@ class GRPOTrainer:
         skipped = self._step_unless_nonfinite(loss_total, grad_norm)
         return {**{k: v / tokens for k, v in sums.items()}, "loss": loss_total, "grad_norm": grad_norm, "lr": lr,
                 "skipped_nonfinite": float(skipped)}
+
+    def _accumulate(self, mb: dict[str, Any], num_tokens: float, n_seq: int, n_micro: int) -> tuple[dict[str, float], float, float]:
+        """Forward, loss and backward of one micro-batch (gradients add up in .grad); returns
+        (loss metrics, the micro-batch's loss tokens, its scaled loss). The memory probe runs it too."""
+        cfg = self.config
+        logp, entropy = self._forward_log_probs(mb, return_entropy=True)
+        ref = mb["ref_logp"]
+        if ref is None and cfg.beta != 0:  # the reference equals the policy this step (training_step)
+            ref = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
+        loss, m = grpo_loss(logp, mb["old_logp"], ref, mb["advantages"], mb["completion_mask"],
+                            num_tokens=num_tokens, **self.loss_settings)
+        loss = loss * accumulation_scale(cfg.loss_type, mb["input_ids"].shape[0], n_seq, n_micro)
+        loss.backward()
+        weight = float(mb["completion_mask"].sum())
+        m["entropy"] = (entropy * mb["completion_mask"]).sum().item() / max(weight, 1.0)
+        return m, weight, loss.item()
+
+    def _plan_memory(self) -> MemoryPlan | None:
+        """micro_batch_size / gradient_checkpointing 'auto' and the memory preflight (memory.py): one
+        worst-case probe of the real loss path, no optimizer step, gradients dropped, RNG states
+        restored. None when both are fixed in the config (then nothing is probed, as before)."""
+        cfg, device = self.config, self.accelerator.device
+        if cfg.micro_batch_size != "auto" and cfg.gradient_checkpointing != "auto":
+            return None
+        prompt = longest_prompt(self.tokenizer, list(self.train_dataset["prompt"]), cfg.max_prompt_length)
+        tokens = (prompt, cfg.max_completion_length)
+        embeddings = self.model.get_input_embeddings().weight
+        vocab = embeddings.shape[0]
+        available = available_bytes(device)
+        if self.accelerator.num_processes > 1:  # plan for the tightest process
+            least = torch.tensor([available[0]], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+            available = (float(least.item()), available[1])
+        size_hint = (f"To fit: lower max_completion_length (now {cfg.max_completion_length}) or max_prompt_length (now "
+                     f"{cfg.max_prompt_length}); ")
+        rng, was_training = ckpt.rng_state(), self.model.training
+        try:
+            plan = plan_memory(
+                lambda m, train: self._probe_pass(m, train, tokens), lambda on: set_gradient_checkpointing(self.model, on),
+                batch=cfg.generation_batch, micro_batch_size=cfg.micro_batch_size,
+                gradient_checkpointing=cfg.gradient_checkpointing, budget_fraction=cfg.memory_budget,
+                available=available, optimizer=optimizer_state_bytes(self.params, cfg.optimizer),
+                rollout=rollout_bytes(self.model.config, cfg.generation_batch, sum(tokens), embeddings.dtype, vocab),
+                tokens=tokens, device=device,
+                fix_hint=size_hint + ("" if cfg.quantization == "4bit" else "quantization=4bit (frees the weights' memory); ")
+                + f"a smaller lora_r (now {cfg.lora_r}) or logprob_chunk_size (now {cfg.logprob_chunk_size}: the LM head's "
+                f"float32 logits are chunk × vocab {vocab}); a smaller model; or free memory / raise memory_budget.",
+                rollout_hint=f"Lower prompts_per_step (now {cfg.prompts_per_step}) or num_generations (now "
+                f"{cfg.num_generations}); " + size_hint + "a smaller model; or free memory / raise memory_budget.",
+            )
+        finally:
+            ckpt.set_rng_state(rng)
+            self.model.train(was_training)
+        if self.accelerator.num_processes > 1:  # every process the same sizes (CPU measurements vary a little)
+            from accelerate.utils import broadcast_object_list
+
+            chosen = broadcast_object_list([(plan.micro_batch_size, plan.gradient_checkpointing)])[0]
+            plan.micro_batch_size, plan.gradient_checkpointing = chosen
+            set_gradient_checkpointing(self.model, chosen[1])
+        return plan
+
+    def _probe_pass(self, m: int, train: bool, tokens: tuple[int, int]) -> None:
+        """One worst-case micro-batch of m sequences of tokens = (prompt, completion): the loss path
+        of optimize() with backward (train), or log_probs()'s no-grad forward. The gradients are
+        dropped, no optimizer step; the caller restores the RNG states and the training flag."""
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        mb = worst_case_micro_batch(m, *tokens, vocab, self.accelerator.device, old_logp=self.config.num_iterations > 1)
+        self.model.train(train)
+        if not train:
+            with torch.no_grad():
+                self._forward_log_probs(mb)
+            return
+        try:
+            self._accumulate(mb, float(m * tokens[1]), m, 1)
+        finally:
+            for p in self.params:
+                p.grad = None
 
     def _sum_over_processes(self, values: dict[str, float]) -> dict[str, float]:
         if self.accelerator.num_processes == 1:
@@ -436,28 +535,47 @@ class GRPOTrainer:
         return not finite
 
     def sync_reference(self) -> dict[str, float]:
-        """Sync the reference slot to the policy now, with the configured alpha and mode."""
-        metrics = sync_reference(self.model, self.config.ref_sync_alpha, self.config.ref_sync_mode)
-        self.reference_is_policy = self.config.ref_sync_alpha == 1.0  # a hard sync is an exact copy
+        """Sync the reference slot to the policy now, with the configured alpha and mode; with
+        ref_sync_reset_optimizer / ref_sync_restart_warmup also reset the optimizer's state / restart
+        the LR warmup (ProRL, Liu et al. 2025 §2.3.1). A plateau that was due is consumed."""
+        cfg = self.config
+        metrics = sync_reference(self.model, cfg.ref_sync_alpha, cfg.ref_sync_mode)
+        self.reference_is_policy = cfg.ref_sync_alpha == 1.0  # a hard sync is an exact copy
+        if cfg.ref_sync_reset_optimizer:
+            reset_optimizer_state(self.optimizer)
+            metrics["sync/optimizer_reset"] = 1.0
+        if self.warmup_restarts is not None:
+            self.warmup_restarts.restart(self.optimizer, self.scheduler)
+            metrics["sync/warmup_restart"] = 1.0
+        self.sync_schedule.synced()
         return metrics
+
+    def _observe_eval(self, metrics: dict[str, float]) -> None:
+        """The plateau trigger's input: the first reward function's greedy eval score (the
+        summary's accuracy)."""
+        self.sync_schedule.observe_eval(metrics[f"eval/{reward_names(self.reward_funcs)[0]}"])
 
     @torch.no_grad()
     def evaluate(self, dataset=None, batch_prompts: int = 64) -> dict[str, float]:
         """eval/<reward> and eval/completion_length of one greedy completion per prompt; with
         eval_pass_k, eval/pass@k of eval_num_samples sampled ones (correct: the first reward function
-        ≥ eval_correct_threshold). Processes split the prompts in chunks of batch_prompts and gather
-        the results: each prompt counts once, every process returns the same metrics (evaluation.py)."""
+        ≥ eval_correct_threshold); with eval_kl_to_base, eval/kl_to_base: the k3 KL per token of the
+        policy to the model the run started from, on completions sampled at the training temperature
+        (pass@k's when they are, else one more per prompt; evaluation.py). Processes split the prompts
+        in chunks of batch_prompts and gather the results: each prompt counts once, every process
+        returns the same metrics (evaluation.py)."""
         cfg, acc = self.config, self.accelerator
         dataset = self.eval_dataset if dataset is None else dataset
         n = num_eval_samples(cfg.eval_pass_k, cfg.eval_num_samples)
         temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
         per_decode = max(1, max(batch_prompts, cfg.generation_batch) // max(n, 1))  # prompts per sampled decode
+        kl_on_pass_k = cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature  # samples of the policy itself
         results = []
         for chunk, start, stop in eval_chunks(len(dataset), batch_prompts, acc.num_processes, acc.process_index):
             rows = dataset[start:stop]
             greedy = self.generate(rows["prompt"], num_generations=1, temperature=0.0)  # draws nothing
             scores = self.rewards(greedy, rows, 1)[1]  # (m, F), NaN where a function returned None
-            correct = None
+            correct, kl = None, []
             if n:
                 # The chunk's own generator: the training sampling stream stays untouched and the
                 # draws do not depend on the process that evaluates the chunk.
@@ -467,13 +585,40 @@ class GRPOTrainer:
                     sub = {key: values[s : s + per_decode] for key, values in rows.items()}
                     sampled = self.generate(sub["prompt"], num_generations=n, temperature=temperature, generator=generator)
                     first.append(self.rewards(sampled, sub, n)[1][:, 0])
+                    if kl_on_pass_k:
+                        kl.append(self._kl_to_base(sampled, n))
                 correct = count_correct(torch.cat(first), n, cfg.eval_correct_threshold)
-            results += prompt_results(start, scores, greedy.completion_lengths, correct)
+            if cfg.eval_kl_to_base and not kl_on_pass_k:  # one sample per prompt, from the chunk's second stream
+                generator = chunk_generator(cfg.seed, chunk, acc.device, stream=1)
+                sampled = self.generate(rows["prompt"], num_generations=1, temperature=cfg.temperature, generator=generator)
+                kl.append(self._kl_to_base(sampled, 1))
+            results += prompt_results(start, scores, greedy.completion_lengths, correct, torch.cat(kl) if kl else None)
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 
             results = gather_object(results)
         return eval_metrics(results, reward_names(self.reward_funcs), cfg.eval_pass_k, n, len(dataset))
+
+    @torch.no_grad()
+    def _kl_to_base(self, rollout: Rollout, group_size: int) -> Tensor:
+        """(m, 2) per prompt of the rollout: Σ k3 KL(policy ‖ start) over its group_size sampled
+        completions' tokens, and their number (evaluation.py gives the estimator). One forward per
+        rollout under each model, in eval mode, not split by micro_batch_size: the sums must not depend
+        on the process or its memory plan (a CPU matmul may round a row differently in another batch
+        shape); the decode that sampled the rollout held a larger KV cache for the same sequences."""
+        mb = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+              "completion_length": rollout.completion_ids.shape[1]}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logp, _ = self._forward_log_probs(mb)
+            with base_forward(self.model):
+                start, _ = self._forward_log_probs(mb)
+        finally:
+            self.model.train(was_training)
+        mask = rollout.completion_mask.to(device=logp.device, dtype=torch.float32)
+        k3 = k3_kl(logp.float(), start.float()) * mask
+        return torch.stack([k3.sum(1), mask.sum(1)], 1).reshape(-1, group_size, 2).sum(1)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
@@ -496,6 +641,11 @@ class GRPOTrainer:
                 "num_processes": self.accelerator.num_processes,
                 "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "reference_is_policy": self.reference_is_policy,
+                "sync_schedule": self.sync_schedule.state_dict(),  # the plateau trigger's best score and count
+                "warmup_restart_update": None if self.warmup_restarts is None else self.warmup_restarts.restart_update,
+                # the sizes in use ('auto' resolved): a resumed 'auto' run keeps them when they still fit
+                "micro_batch_size": self.micro_batch_size,
+                "gradient_checkpointing": self.gradient_checkpointing,
             }
             self._write(
                 f"checkpoint {target.name}",
@@ -531,6 +681,8 @@ class GRPOTrainer:
         ckpt.load_checkpoint_adapters(self.model, path)
         self.optimizer.load_state_dict(blobs["optimizer"])
         self.scheduler.load_state_dict(blobs["scheduler"])
+        if self.warmup_restarts is not None:  # before apply_config, which evaluates the LR multipliers
+            self.warmup_restarts.restart_update = state.get("warmup_restart_update")
         saved_lr = apply_optimizer_config(self.optimizer, self.scheduler, self.config)
         if saved_lr != self.config.learning_rate:
             self._print(f"learning_rate {saved_lr:g} in the checkpoint, {self.config.learning_rate:g} in this config: "
@@ -543,10 +695,31 @@ class GRPOTrainer:
         self.history = state.get("history", [])
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.reference_is_policy = state.get("reference_is_policy", False)  # unknown: run the reference forward
+        self.sync_schedule.load_state_dict(state.get("sync_schedule", {}))
+        self._resume_sizes(state)
         if self.is_main:
             for moved in ckpt.set_aside_later_checkpoints(self.output_dir, self.step):
                 self._print(f"{moved.name}: a later checkpoint of the run this one resumes, set aside (not deleted)")
         self._print(f"resumed from {path} at step {self.step}")
+
+    def _resume_sizes(self, state: dict[str, Any]) -> None:
+        """An 'auto' run resumes with the checkpoint's sizes when the probe found them to fit (the
+        same accumulation order: an exact resume); otherwise it keeps this start's."""
+        plan, saved = self.memory_plan, (state.get("micro_batch_size"), state.get("gradient_checkpointing"))
+        if plan is None or saved == (self.micro_batch_size, self.gradient_checkpointing) or None in saved:
+            return
+        if not plan.fits(*saved):
+            self._print(f"the checkpoint ran micro_batch_size {saved[0]}, gradient_checkpointing {saved[1]}; that does "
+                        f"not fit now: using {self.micro_batch_size}, {self.gradient_checkpointing}")
+            return
+        size_auto, ckpt_auto = self.config.micro_batch_size == "auto", self.config.gradient_checkpointing == "auto"
+        self.micro_batch_size = saved[0] if size_auto else self.micro_batch_size
+        if ckpt_auto and saved[1] != self.gradient_checkpointing:
+            self.gradient_checkpointing = saved[1]
+            set_gradient_checkpointing(self.model, saved[1])
+        plan.micro_batch_size, plan.gradient_checkpointing = self.micro_batch_size, self.gradient_checkpointing
+        self._print(f"resumed with the checkpoint's micro_batch_size {self.micro_batch_size}, gradient_checkpointing "
+                    f"{'on' if self.gradient_checkpointing else 'off'}")
 
     def _stop(self, signum: int) -> None:
         """After a stop signal: write a checkpoint, then raise TrainingInterrupted with how to resume."""
@@ -588,12 +761,21 @@ class GRPOTrainer:
             "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
             "syncs": sum(1 for m in self.history if m.get("sync/event")),
             "log_prob_check_max_diff": self.log_prob_check,  # chunked log-probs vs the model's logits, at load
+            "micro_batch_size": self.micro_batch_size,  # 'auto' resolved
+            "gradient_checkpointing": self.gradient_checkpointing,
         }
+        if self.memory_plan is not None:
+            plan = self.memory_plan
+            summary["memory"] = {"peak_mib": round(plan.need / MiB, 1), "budget_mib": round(plan.budget / MiB, 1),
+                                 "rollout_mib": round(plan.rollout / MiB, 1), "probe_seconds": round(plan.seconds, 2)}
         if before or after:
             # The first reward function is the headline eval metric (accuracy on the toy task).
             first = f"eval/{reward_names(self.reward_funcs)[0]}"
             summary["accuracy_before"] = before.get(first)
             summary["accuracy_after"] = after.get(first)
+            # KL per token of the policy to the model the run started from (0 before a fresh run)
+            summary["kl_to_base_before"] = before.get("eval/kl_to_base")
+            summary["kl_to_base_after"] = after.get("eval/kl_to_base")
             summary["eval_before"], summary["eval_after"] = before, after
         return summary
 

@@ -132,7 +132,7 @@ def test_cli_eval_k(recipe, capsys):
     assert main(["eval", "--recipe", str(recipe), "--k", "1,2", "--k", "4", "--k", "2"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert sorted(metrics) == [
-        "eval/answer_accuracy", "eval/completion_length", "eval/pass@1", "eval/pass@2", "eval/pass@4"
+        "eval/answer_accuracy", "eval/completion_length", "eval/kl_to_base", "eval/pass@1", "eval/pass@2", "eval/pass@4"
     ]
     assert all(0 <= metrics[f"eval/pass@{k}"] <= 1 for k in (1, 2, 4))
     assert main(["eval", "--recipe", str(recipe)]) == 0  # no --k: greedy only, as before
@@ -163,7 +163,7 @@ def test_evaluate_reports_pass_at_k_beside_greedy(tiny_base_dir, tmp_path):
     generator_state = trainer.generator.get_state()
     metrics = trainer.evaluate(batch_prompts=3)
     assert list(metrics) == ["eval/has_digit", "eval/digit_share", "eval/completion_length",
-                             "eval/pass@1", "eval/pass@2", "eval/pass@4"]
+                             "eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/kl_to_base"]
     assert all(0 <= metrics[k] <= 1 for k in metrics if k != "eval/completion_length")
     assert 1 <= metrics["eval/completion_length"] <= 6
     assert metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= metrics["eval/pass@4"]

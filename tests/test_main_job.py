@@ -18,3 +18,5 @@ def test_toy_recipe_learns(tmp_path, monkeypatch):
     assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.15, summary
     assert summary["reward_last"] > summary["reward_first"]
     assert summary["syncs"] >= 1
+    # micro_batch_size / gradient_checkpointing 'auto': the whole 128-sequence step in one pass, no recompute
+    assert (summary["micro_batch_size"], summary["gradient_checkpointing"]) == (128, False), summary

@@ -1,0 +1,222 @@
+"""Fast decode: a static KV cache and a compiled one-token forward for the rollout's decode loop.
+
+The eager sampler (:func:`lora_grpo.rollout.generate_rollout` with ``decode_mode="eager"``) grows a
+dynamic KV cache by one column per token and drops finished rows from the batch, so every step has
+new shapes: fine for PyTorch eager, but ``torch.compile`` would recompile every step and CUDA
+graphs need one shape and fixed buffer addresses. Here the prefix-shared prefill's KV is copied into a transformers
+``StaticCache`` of fixed size (N = n·G rows, L slots), and each step runs all N rows at slot ``t``:
+finished rows keep decoding a pad token whose output the sampler ignores.
+
+This module only owns the model side (the cache and the forward); sampling stays in rollout.py,
+outside the compiled function, so the generator draws exactly what the eager sampler draws.
+
+What is kept per model (as an attribute, so it lives and dies with the model): the compiled
+forward (torch.compile caches one graph per shape; see :func:`cache_length` for why shapes are
+few), the last static caches (reused so CUDA graphs see the same buffer addresses on every
+rollout), and, once compilation has failed, why (logged once; every later rollout is eager).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+# Keep the caches of this many (rows, slots) shapes: a training rollout and an eval rollout.
+_KEPT_CACHES = 2
+_STATE_ATTR = "_lora_grpo_fast_decode"
+# The samplers generate_rollout offers (config.DECODE_MODES repeats the names; config imports no torch).
+DECODE_MODES = ("auto", "eager", "static", "compiled")
+
+
+def cache_length(needed: int) -> int:
+    """Slots of the static cache for ``needed`` = prompt width + max new tokens: the next power of
+    two, at least 64. Prompt widths change from batch to batch, and every new cache length is a new
+    graph to compile (tens of seconds; past torch's recompile limit, 8 by default, dynamo runs the
+    step uncompiled); buckets keep them to a handful, at the price of attention over at most 2× the
+    slots (masked, so the result is unchanged)."""
+    return max(64, 1 << (needed - 1).bit_length())
+
+
+class _ModelState:
+    """What one model keeps across rollouts (see the module docstring)."""
+
+    def __init__(self):
+        self.compiled = None  # the compiled forward, built on first use
+        self.caches: OrderedDict[tuple, object] = OrderedDict()  # (N, L, dtype, device) → StaticCache
+        self.failed: str | None = None  # why fast decoding is off for this model (see unavailable)
+
+
+def _state(model) -> _ModelState:
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is None:
+        state = _ModelState()
+        # A plain attribute (not a module or a parameter): not in state_dict, not moved by .to().
+        object.__setattr__(model, _STATE_ATTR, state)
+    return state
+
+
+def unavailable(model) -> str | None:
+    """Why fast decoding is off for this model (compiling failed once, or the model's cache is not
+    one static decoding supports), or None."""
+    state = model.__dict__.get(_STATE_ATTR)
+    return None if state is None else state.failed
+
+
+def _give_up(model, reason: str) -> None:
+    """Turn fast decoding off for this model, saying why in one logged line (once: later rollouts
+    see ``unavailable(model)`` and go eager without a word)."""
+    _state(model).failed = reason
+    logger.warning("fast decoding is unavailable (%s); rollouts use the eager sampler from now on", reason)
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else 'no message'}"
+
+
+def _unsupported(model) -> str | None:
+    """Why this model cannot decode with a static cache, checked on its config before any work."""
+    try:
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+    except ImportError as e:
+        return f"this transformers has no StaticCache ({e})"
+    try:
+        cache = StaticCache(config=_transformers_model(model).config, max_cache_len=1)
+    except Exception as e:  # older transformers (another signature), configs it cannot read
+        return f"no static cache for this model ({_reason(e)})"
+    kinds = sorted({type(layer).__name__ for layer in cache.layers})
+    if kinds != [StaticLayer.__name__] or not hasattr(cache.layers[0], "cumulative_length"):
+        return f"the model's static cache has {kinds} layers; static decoding supports plain full attention only"
+    return None
+
+
+def resolve_decode_mode(mode: str, model, device: torch.device) -> str:
+    """The sampler to run for ``mode`` (one of DECODE_MODES): "eager", "static" or "compiled".
+
+    "auto" compiles on CUDA only, where CUDA graphs remove the per-kernel launch cost that
+    dominates decoding small batches. On a CPU, inductor takes 15-30 s per shape to compile and its
+    step was no faster than the eager one (benchmarks/rollout_speed.py), so the eager sampler, which
+    also drops finished rows, wins. A model static decoding cannot serve, or whose compilation
+    failed before, gets "eager".
+    """
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode_mode={mode!r} is not one of {list(DECODE_MODES)}")
+    if mode == "auto":
+        mode = "compiled" if device.type == "cuda" else "eager"
+    if mode == "eager":
+        return mode
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is None:  # the first fast rollout of this model: can it decode with a static cache?
+        reason = _unsupported(model)
+        state = _state(model)
+        if reason is not None:
+            _give_up(model, reason)
+    return "eager" if state.failed else mode
+
+
+def _transformers_model(model):
+    """The transformers model under a peft wrapper. The LoRA layers live inside it, so calling it
+    directly runs the active adapter just as the peft wrapper's forward does, without the wrapper's
+    Python-side hooks (a cleaner graph for dynamo)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _one_token_forward(model):
+    """model's forward for one token per row → the next-token logits (N, V); the function that is
+    compiled (a closure, so the compiled graph holds no chunk's cache or mask)."""
+    params = set(inspect.signature(model.forward).parameters)
+    cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    def forward(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=True, **{cache_kw: cache}, **extra)
+        return out.logits[:, -1]
+
+    return forward
+
+
+class StaticDecoder:
+    """Fixed-shape decoding for one chunk: N rows, a static cache of L slots, one slot per step.
+
+    ``compiled=True`` runs the forward through ``torch.compile`` (CUDA graphs on CUDA, inductor
+    elsewhere); when compiling fails the step is redone uncompiled, the reason is logged once, and
+    :func:`resolve_decode_mode` sends every later rollout of the model to the eager sampler.
+    """
+
+    def __init__(self, model, prefill_cache, attention_mask: Tensor, max_new: int, *, compiled: bool):
+        """``prefill_cache``: the eager prefill's dynamic cache, already repeated to N rows;
+        ``attention_mask`` (N, P): its padding mask. Call only for a model that
+        :func:`resolve_decode_mode` let through (its cache is plain full attention)."""
+        self.owner = model
+        self.model = _transformers_model(model)
+        self.state = _state(model)
+        self.forward = _one_token_forward(self.model)
+        N, P = attention_mask.shape
+        self.slot = P  # the cache slot the next token is written to, the same for every row
+        L = cache_length(P + max_new)
+        self.cache = self._static_cache(prefill_cache, N, L)
+        self.attn = torch.zeros((N, L), dtype=attention_mask.dtype, device=attention_mask.device)
+        self.attn[:, :P] = attention_mask
+        self.compiled = self._compiled() if compiled and self.state.failed is None else None
+
+    # ------------------------------------------------------------------ setup
+    def _static_cache(self, prefill_cache, N: int, L: int):
+        from transformers import StaticCache
+
+        layers = prefill_cache.layers
+        first = layers[0].keys
+        key = (N, L, first.dtype, first.device)
+        cache = self.state.caches.pop(key, None)
+        if cache is None:
+            cache = StaticCache(config=self.model.config, max_cache_len=L)
+        else:
+            cache.reset()  # same buffers (same addresses for CUDA graphs), zeroed, slot 0
+        self.state.caches[key] = cache  # most recently used last
+        while len(self.state.caches) > _KEPT_CACHES:
+            self.state.caches.popitem(last=False)
+        for i, layer in enumerate(layers):  # slots [0, P) ← the prompt's keys and values
+            cache.update(layer.keys, layer.values, i)
+        return cache
+
+    def _compiled(self):
+        if self.state.compiled is None:
+            cuda = self.attn.device.type == "cuda"
+            try:
+                # "reduce-overhead" = inductor + CUDA graphs: one graph launch per token instead of
+                # hundreds of small kernels, the whole point on a GPU. dynamic=False: one graph per
+                # (N, L); cache_length keeps those few.
+                self.state.compiled = torch.compile(self.forward, mode="reduce-overhead" if cuda else None, dynamic=False)
+            except Exception as e:  # torch.compile refused outright (unsupported Python, no backend)
+                _give_up(self.owner, f"torch.compile failed: {_reason(e)}")
+                return None
+        return self.state.compiled
+
+    # ------------------------------------------------------------------ decoding
+    @torch.no_grad()
+    def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Feed one token per row (N,) at ``positions`` (N,) → next-token logits (N, V)."""
+        self.attn[:, self.slot] = 1
+        args = (tokens[:, None], self.attn, positions[:, None], self.cache)
+        logits = None
+        if self.compiled is not None:
+            try:
+                if self.attn.device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+                logits = self.compiled(*args).clone()  # a CUDA graph reuses its output buffer
+            except Exception as e:  # compiling failed (no C++ compiler, an op dynamo cannot trace, ...)
+                _give_up(self.owner, f"compiling the decode step failed: {_reason(e)}")
+                self.compiled = None
+                for layer in self.cache.layers:  # undo a partial write, if the failure came mid-run
+                    layer.cumulative_length.fill_(self.slot)
+        if logits is None:
+            logits = self.forward(*args)  # a genuine error (not compilation's) raises here again
+        self.slot += 1
+        return logits

@@ -1,0 +1,221 @@
+"""Fast decode: the static-cache sampler, compiled or not, draws the eager sampler's tokens and
+log-probs from the same generator; compilation failures fall back to eager with one message."""
+
+import logging
+
+import pytest
+import torch
+
+from lora_grpo import config as config_module
+from lora_grpo import fast_decode
+from lora_grpo import rollout as rollout_module
+from lora_grpo.adapters import POLICY, REFERENCE, lora_layers, use_adapter
+from lora_grpo.config import ConfigError, GRPOConfig
+from lora_grpo.model import attach_adapters, keep_4bit_weights_fixed
+from lora_grpo.rollout import generate_rollout
+from lora_grpo.toy import make_tiny_model, make_tokenizer
+
+# Ragged (left-padded) prompts; with the model below, sampling ends some rows at EOS within the
+# limit and not others, at temperature 1 and greedily alike.
+PROMPTS = ["1+2=", "what is 12*3? ", "hi", "7"]
+SAMPLING = {  # name → generate_rollout sampling arguments
+    "temperature 1": {"temperature": 1.0},
+    "greedy": {"temperature": 0.0},
+    "filters + repetition penalty": {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.3},
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def lora_model(tok, *, seed: int = 0):
+    """A tiny Llama with the trainer's "policy" and "reference" adapters, both with random non-zero
+    B (so each adapter changes the output), EOS boosted so that some completions end early."""
+    base = make_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=seed)
+    with torch.no_grad():
+        base.lm_head.weight[tok.eos_token_id] *= 12
+    model = attach_adapters(base, GRPOConfig(model_name_or_path="tiny", lora_r=4, lora_alpha=8,
+                                             gradient_checkpointing=False))
+    randomize_lora(model, seed)
+    return model
+
+
+def randomize_lora(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, m in lora_layers(model):
+            for adapter in (POLICY, REFERENCE):
+                m.lora_B[adapter].weight.normal_(0, 0.1, generator=g)
+
+
+def rollout(model, tok, mode: str, *, G: int = 3, max_new: int = 10, micro_batch_prompts=None, **sampling):
+    return generate_rollout(model, tok, PROMPTS, num_generations=G, max_prompt_length=None, max_completion_length=max_new,
+                            generator=torch.Generator().manual_seed(0), micro_batch_prompts=micro_batch_prompts,
+                            decode_mode=mode, **sampling)
+
+
+def assert_same_rollout(got, expected) -> None:
+    assert torch.equal(got.completion_ids, expected.completion_ids)
+    assert torch.equal(got.completion_mask, expected.completion_mask)
+    assert torch.equal(got.truncated, expected.truncated)
+    # float32 rounding: the static cache attends over more (masked) slots, another summation order
+    torch.testing.assert_close(got.sampling_logprobs, expected.sampling_logprobs, atol=1e-5, rtol=1e-5)
+    assert got.completions == expected.completions
+
+
+def compile_count() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING), ids=list(SAMPLING))
+def test_static_cache_sampler_matches_eager(tok, sampling):
+    model = lora_model(tok)
+    eager = rollout(model, tok, "eager", **SAMPLING[sampling])
+    # What makes the comparison mean something: rows that stop early next to rows that run on.
+    assert eager.truncated.any() and (~eager.truncated).any()
+    assert_same_rollout(rollout(model, tok, "static", **SAMPLING[sampling]), eager)
+    # Chunks of different sizes (3 prompts, then 1): two static caches, the same draws.
+    assert_same_rollout(rollout(model, tok, "static", micro_batch_prompts=3, **SAMPLING[sampling]),
+                        rollout(model, tok, "eager", micro_batch_prompts=3, **SAMPLING[sampling]))
+
+
+def test_compiled_sampler_matches_eager_and_compiles_once(tok):
+    """One compile (about 10-20 s on 2 CPU cores) serves every rollout of the same shape, also after
+    the policy's weights changed and the adapters were switched back and forth, as in training."""
+    torch._dynamo.reset()
+    model = lora_model(tok)
+    eager = {name: rollout(model, tok, "eager", **SAMPLING[name]) for name in ("temperature 1", "greedy")}
+    for name, expected in eager.items():
+        assert_same_rollout(rollout(model, tok, "compiled", **SAMPLING[name]), expected)
+    compiled = compile_count()
+    assert compiled >= 1 and fast_decode.unavailable(model) is None
+    randomize_lora(model, seed=1)  # an optimizer step, in place
+    with use_adapter(model, REFERENCE):  # a reference forward between rollouts
+        pass
+    after_step = rollout(model, tok, "eager", **SAMPLING["temperature 1"])
+    assert not torch.equal(after_step.sampling_logprobs, eager["temperature 1"].sampling_logprobs)
+    assert_same_rollout(rollout(model, tok, "compiled", **SAMPLING["temperature 1"]), after_step)
+    assert compile_count() == compiled, "a later rollout recompiled"
+
+
+# --------------------------------------------------------------------------- fallback
+
+
+def test_compile_refused_falls_back_to_eager_with_one_message(tok, monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("torch.compile is not supported on this Python")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    model = lora_model(tok)
+    eager = rollout(model, tok, "eager")
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.fast_decode"):
+        first = rollout(model, tok, "compiled")
+        second = rollout(model, tok, "compiled")
+    assert_same_rollout(first, eager)
+    assert_same_rollout(second, eager)
+    messages = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.fast_decode"]
+    assert len(messages) == 1, messages
+    assert "torch.compile is not supported on this Python" in messages[0] and "eager sampler" in messages[0]
+    assert "torch.compile is not supported" in fast_decode.unavailable(model)
+
+
+def test_failure_while_compiling_finishes_the_rollout_then_goes_eager(tok, monkeypatch, caplog):
+    """torch.compile is lazy: a missing C++ compiler or an untraceable op shows at the first call,
+    mid-rollout. That rollout finishes uncompiled, with the same tokens; later ones are eager."""
+    calls = []
+
+    def lazy_failure(fn, **kwargs):
+        def compiled(*args):
+            calls.append(1)
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+        return compiled
+
+    static_chunks = []
+
+    class CountingDecoder(fast_decode.StaticDecoder):
+        def __init__(self, *args, **kwargs):
+            static_chunks.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", lazy_failure)
+    monkeypatch.setattr(rollout_module, "StaticDecoder", CountingDecoder)
+    model = lora_model(tok)
+    eager = rollout(model, tok, "eager")
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.fast_decode"):
+        assert_same_rollout(rollout(model, tok, "compiled"), eager)
+        assert_same_rollout(rollout(model, tok, "compiled"), eager)
+    assert len(calls) == 1 and len(static_chunks) == 1  # tried once; the second rollout was eager
+    messages = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.fast_decode"]
+    assert len(messages) == 1 and "No working C++ compiler" in messages[0], messages
+
+
+def test_sliding_window_model_is_refused_with_one_message(tok, caplog):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=4,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    model = MistralForCausalLM(config).eval()
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.fast_decode"):
+        got = rollout(model, tok, "static", max_new=6)
+        rollout(model, tok, "static", max_new=6)
+    assert_same_rollout(got, rollout(model, tok, "eager", max_new=6))
+    messages = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.fast_decode"]
+    assert len(messages) == 1 and "full attention only" in messages[0], messages
+
+
+def test_static_sampler_on_a_4bit_base(tiny_base_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=bnb, device_map="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
+    keep_4bit_weights_fixed(base)  # as the trainer does: the same 4-bit kernel on every CPU, in both samplers
+    model = attach_adapters(base, GRPOConfig(model_name_or_path="tiny", lora_r=4, lora_alpha=8,
+                                             gradient_checkpointing=False))
+    randomize_lora(model, seed=0)
+    assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
+    assert_same_rollout(rollout(model, tokenizer, "static", G=2, max_new=6),
+                        rollout(model, tokenizer, "eager", G=2, max_new=6))
+
+
+# --------------------------------------------------------------------------- modes and config
+
+
+def test_auto_compiles_on_cuda_only_and_modes_are_checked(tok):
+    model = lora_model(tok)
+    assert fast_decode.resolve_decode_mode("auto", model, torch.device("cpu")) == "eager"
+    assert fast_decode.resolve_decode_mode("auto", model, torch.device("cuda")) == "compiled"
+    assert fast_decode.resolve_decode_mode("static", model, torch.device("cpu")) == "static"
+    with pytest.raises(ValueError, match="decode_mode='fast'"):
+        rollout(model, tok, "fast")
+
+
+def test_config_decode_mode():
+    assert config_module.DECODE_MODES == fast_decode.DECODE_MODES
+    assert GRPOConfig(model_name_or_path="tiny").decode_mode == "auto"
+    assert GRPOConfig(model_name_or_path="tiny", decode_mode="compiled").decode_mode == "compiled"
+    with pytest.raises(ConfigError, match="did you mean 'compiled'"):
+        GRPOConfig(model_name_or_path="tiny", decode_mode="compile")
+
+
+def test_cache_length_buckets():
+    assert [fast_decode.cache_length(n) for n in (1, 64, 65, 128, 129, 700)] == [64, 64, 128, 128, 256, 1024]
+
+
+def test_trainer_passes_decode_mode_to_the_rollout(tiny_base_dir, tmp_path, monkeypatch):
+    from conftest import make_trainer
+
+    from lora_grpo import trainer as trainer_module
+
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", decode_mode="static")
+    passed = {}
+    monkeypatch.setattr(trainer_module, "generate_rollout", lambda *args, **kwargs: passed.update(kwargs))
+    trainer.generate(["1+1="])
+    assert passed["decode_mode"] == "static"

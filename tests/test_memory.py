@@ -1,0 +1,308 @@
+"""micro_batch_size / gradient_checkpointing 'auto' and the memory preflight (lora_grpo/memory.py).
+
+The search and the checkpointing rule are tested with made-up byte counts; the trainer tests run
+the real probe on the tiny model. Where a test needs exact, repeatable numbers it measures the
+bytes autograd saves for backward (saved_bytes below) instead of the process's resident set,
+which moves by a few MiB between runs.
+"""
+
+import collections
+import math
+
+import pytest
+import torch
+from conftest import adapter_state, make_trainer
+
+from lora_grpo import GRPOConfig
+from lora_grpo import memory
+from lora_grpo.adapters import POLICY, REFERENCE
+from lora_grpo.config import ConfigError
+from lora_grpo.memory import MemoryBudgetError, largest_fitting, plan_memory
+
+MiB = 2**20
+AUTO = dict(micro_batch_size="auto", gradient_checkpointing="auto")
+
+
+def saved_bytes(fn, device):
+    """Bytes of the distinct storages autograd saves for backward while fn runs: deterministic,
+    and lower with checkpointing (its own hooks take the checkpointed layers' tensors)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return float(sum(storages.values()))
+
+
+def is_checkpointing(model) -> bool:
+    return model.get_base_model().is_activation_checkpointing
+
+
+# ------------------------------------------------------------------------------ config
+def test_config_accepts_auto_and_integers_and_names_bad_values(tmp_path):
+    cfg = GRPOConfig(model_name_or_path="toy")
+    assert (cfg.micro_batch_size, cfg.gradient_checkpointing, cfg.memory_budget) == ("auto", "auto", 0.9)
+    p = GRPOConfig.parse_value
+    assert p("micro_batch_size", "auto") == "auto" and p("micro_batch_size", "16") == 16
+    assert p("gradient_checkpointing", "auto") == "auto" and p("gradient_checkpointing", "true") is True
+    assert GRPOConfig(model_name_or_path="toy", micro_batch_size=4, gradient_checkpointing=False).micro_batch_size == 4
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: toy\nmicro_batch_size: auto\ngradient_checkpointing: auto\n")
+    assert GRPOConfig.from_yaml(recipe, {"micro_batch_size": GRPOConfig.parse_value("micro_batch_size", "32")}).micro_batch_size == 32
+    for field, bad in [("micro_batch_size", 0), ("micro_batch_size", "big"), ("micro_batch_size", 2.5),
+                       ("micro_batch_size", True), ("gradient_checkpointing", "sometimes"), ("gradient_checkpointing", 1),
+                       ("memory_budget", 0.0), ("memory_budget", 1.5)]:
+        with pytest.raises(ConfigError, match=field):
+            GRPOConfig(model_name_or_path="toy", **{field: bad})
+    with pytest.raises(ConfigError, match="'auto'"):
+        GRPOConfig(model_name_or_path="toy", micro_batch_size=GRPOConfig.parse_value("micro_batch_size", "autoo"))
+
+
+# ------------------------------------------------------------------------------ measuring
+def test_budget_is_free_gpu_memory_plus_torch_cache_or_available_ram(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000 * MiB, 8000 * MiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 300 * MiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 100 * MiB)
+    assert memory.available_bytes(torch.device("cuda", 0)) == (1200 * MiB, "free GPU memory")
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: collections.namedtuple("vm", "available")(5000 * MiB))
+    assert memory.available_bytes(torch.device("cpu")) == (5000 * MiB, "available RAM")
+
+
+def test_measure_peak_on_cpu_sees_a_freed_allocation():
+    def work():
+        x = torch.ones(64 * MiB // 4)  # 64 MiB, touched, then freed
+        del x
+
+    peak = memory.measure_peak(work, torch.device("cpu"))
+    assert 60 * MiB < peak < 100 * MiB
+
+
+def test_measure_peak_on_cuda_reads_the_allocator_and_turns_oom_into_inf(monkeypatch):
+    allocated = {"now": 100, "peak": 100}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: allocated.update(peak=allocated["now"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def work():
+        allocated["peak"] = 900
+
+    assert memory.measure_peak(work, torch.device("cuda", 0)) == 800
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert memory.measure_peak(oom, torch.device("cuda", 0)) == math.inf
+
+
+# ------------------------------------------------------------------------------ search and rule
+@pytest.mark.parametrize("fixed,per_seq,room,limit,expected", [
+    (10, 3, 1000, 128, 128),  # all fit
+    (10, 3, 100, 128, 30),  # 10 + 3·30 = 100
+    (10, 3, 12, 128, 0),  # not even one
+    (10, 3, 15, 128, 1),
+    (0, 7, 70, 64, 10),
+])
+def test_secant_search_finds_the_largest_fitting_size_measuring_it(fixed, per_seq, room, limit, expected):
+    m, points = largest_fitting(lambda m: fixed + per_seq * m, limit, room)
+    assert m == expected
+    assert len(points) <= memory.MAX_PROBES
+    if m:
+        assert m in points  # the chosen size was run, not extrapolated
+
+
+def test_secant_search_survives_noise_and_out_of_memory():
+    noisy = {1: 5.0, 2: 3.0}  # a smaller second measurement (CPU noise): the search goes up ×8 per try
+
+    m, points = largest_fitting(lambda m: noisy.get(m, 2.0 * m), 128, 1000)
+    assert m == 128 and sorted(points) == [1, 2, 16, 128]
+    m, points = largest_fitting(lambda m: math.inf if m > 20 else 10.0 * m, 64, 10_000)  # OOM above 20: bisect
+    assert 16 <= m <= 20 and all(points[k] == math.inf for k in points if k > m)
+
+
+def fake_probe(off_per_seq, on_per_seq, fixed=0.0):
+    """run_pass / set_checkpointing / measure_peak stand-ins: bytes = fixed + per_seq(mode) · m."""
+    state = {"on": False, "m": 0, "calls": []}
+
+    def run_pass(m, train):
+        state["m"] = m
+        state["calls"].append((m, train, state["on"]))
+
+    def measure(fn, device):
+        fn()
+        per_seq = on_per_seq if state["on"] else off_per_seq
+        return fixed + per_seq * state["m"] * (1.0 if state["calls"][-1][1] else 0.5)
+
+    return state, run_pass, (lambda on: state.update(on=on)), measure
+
+
+def plan(monkeypatch, off, on, room, *, batch=64, tokens=(10, 20), rollout=0.0, optimizer=0.0, **kw):
+    state, run_pass, set_ckpt, measure = fake_probe(off, on)
+    monkeypatch.setattr(memory, "measure_peak", measure)
+    settings = dict(micro_batch_size="auto", gradient_checkpointing="auto", budget_fraction=1.0) | kw
+    result = plan_memory(run_pass, set_ckpt, batch=batch, available=(room, "test memory"), optimizer=optimizer,
+                         rollout=rollout, tokens=tokens, fix_hint="FIX", rollout_hint="ROLLOUT", device=torch.device("cpu"),
+                         **settings)
+    assert state["on"] == result.gradient_checkpointing  # the model is left in the chosen mode
+    return result, state
+
+
+def test_checkpointing_rule(monkeypatch):
+    # Everything fits without recompute: off, the whole batch, and recompute never probed.
+    p, state = plan(monkeypatch, off=10, on=4, room=1000)
+    assert (p.micro_batch_size, p.gradient_checkpointing) == (64, False)
+    assert not any(on for *_, on in state["calls"])
+    # 10 sequences fit without recompute, 25 with it; 10 × 30 tokens is a short pass: recompute on.
+    p, _ = plan(monkeypatch, off=10, on=4, room=100)
+    assert (p.micro_batch_size, p.gradient_checkpointing) == (25, True)
+    assert p.largest == {False: 10, True: 25}
+    # The same with 1000-token sequences: a pass of 10 sequences keeps the device busy: off.
+    p, _ = plan(monkeypatch, off=10, on=4, room=100, tokens=(500, 500))
+    assert (p.micro_batch_size, p.gradient_checkpointing) == (10, False)
+    # Only recompute fits one sequence.
+    p, _ = plan(monkeypatch, off=200, on=40, room=100)
+    assert (p.micro_batch_size, p.gradient_checkpointing) == (2, True)
+    # Fixed checkpointing: searched in that mode only.
+    p, _ = plan(monkeypatch, off=10, on=4, room=100, gradient_checkpointing=False)
+    assert (p.micro_batch_size, p.gradient_checkpointing) == (10, False)
+    # A fixed size with auto checkpointing: recompute only because that size needs it.
+    p, _ = plan(monkeypatch, off=10, on=4, room=100, micro_batch_size=16)
+    assert (p.micro_batch_size, p.gradient_checkpointing) == (16, True)
+    p, _ = plan(monkeypatch, off=10, on=4, room=100, micro_batch_size=8)
+    assert (p.micro_batch_size, p.gradient_checkpointing) == (8, False)
+    assert p.fits(8, False) and p.fits(8, True) and not p.fits(9, False)
+
+
+def test_preflight_names_the_numbers_and_the_fix(monkeypatch):
+    with pytest.raises(MemoryBudgetError) as e:
+        plan(monkeypatch, off=300 * MiB, on=200 * MiB, room=100 * MiB, optimizer=10 * MiB)
+    text = str(e.value)
+    assert "one sequence of 30 tokens (10 prompt + 20 completion)" in text
+    assert "~200 MiB" in text and "+ 10 MiB optimizer states" in text and "budget 100 MiB" in text
+    assert "checkpointing on" in text and text.endswith("FIX")
+    with pytest.raises(MemoryBudgetError, match="Turn gradient_checkpointing on"):
+        plan(monkeypatch, off=300 * MiB, on=1, room=100 * MiB, gradient_checkpointing=False)
+    with pytest.raises(MemoryBudgetError, match="micro_batch_size=32 sequences.*Lower micro_batch_size, or set it to auto"):
+        plan(monkeypatch, off=10 * MiB, on=5 * MiB, room=100 * MiB, micro_batch_size=32)
+    with pytest.raises(MemoryBudgetError, match=r"rollout decodes 64 sequences.*~150 MiB.*ROLLOUT"):
+        plan(monkeypatch, off=1, on=1, room=100 * MiB, rollout=150 * MiB)
+
+
+# ------------------------------------------------------------------------------ the trainer
+def test_auto_picks_the_whole_batch_when_memory_is_ample(tiny_base_dir, tmp_path, capsys):
+    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=1, **AUTO)
+    assert (trainer.micro_batch_size, trainer.gradient_checkpointing) == (8, False)  # 2 prompts × 4
+    assert not is_checkpointing(trainer.model)
+    plan = trainer.memory_plan
+    assert 0 < plan.need < plan.budget and plan.tokens[1] == 6 and plan.seconds > 0
+    summary = trainer.train()
+    assert "micro_batch_size auto → 8" in capsys.readouterr().out
+    assert summary["micro_batch_size"] == 8 and summary["gradient_checkpointing"] is False
+    assert summary["memory"]["budget_mib"] > 0
+
+
+def test_fixed_sizes_are_not_probed(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path)  # TINY_RUN: micro_batch_size 3, checkpointing on
+    assert trainer.memory_plan is None and trainer.micro_batch_size == 3 and is_checkpointing(trainer.model)
+
+
+def tight_budget(trainer, monkeypatch, size: int):
+    """An available-memory stand-in under which `size` sequences fit with recompute and size + 1 do
+    not, nor `size` without it (saved-for-backward bytes of the real worst-case pass)."""
+    from lora_grpo.model import set_gradient_checkpointing
+
+    tokens = trainer.memory_plan.tokens
+
+    def measured(m, on):
+        set_gradient_checkpointing(trainer.model, on)
+        return saved_bytes(lambda: trainer._probe_pass(m, True, tokens), None)
+
+    on_fit, on_miss, off = measured(size, True), measured(size + 1, True), measured(size, False)
+    room = (on_fit + on_miss) / 2
+    assert off > room and trainer.memory_plan.rollout < room  # what the test relies on
+    optimizer = memory.optimizer_state_bytes(trainer.params, "adamw")
+    monkeypatch.setattr("lora_grpo.trainer.available_bytes", lambda device: (room + optimizer, "test RAM"))
+
+
+def test_a_small_budget_gives_a_smaller_micro_batch_with_checkpointing(tiny_base_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "measure_peak", saved_bytes)
+    probe = make_trainer(tiny_base_dir, tmp_path / "a", memory_budget=1.0, **AUTO)
+    assert probe.micro_batch_size == 8
+    tight_budget(probe, monkeypatch, 6)
+    trainer = make_trainer(tiny_base_dir, tmp_path / "b", memory_budget=1.0, max_steps=1, **AUTO)
+    assert (trainer.micro_batch_size, trainer.gradient_checkpointing) == (6, True)
+    assert is_checkpointing(trainer.model)
+    assert trainer.memory_plan.largest[True] == 6 and (trainer.memory_plan.largest[False] or 0) < 6
+    assert trainer.train()["micro_batch_size"] == 6
+
+
+def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp_path, monkeypatch):
+    from lora_grpo.model import set_gradient_checkpointing
+
+    monkeypatch.setattr(memory, "measure_peak", saved_bytes)
+    kw = dict(memory_budget=1.0, num_generations=2, prompts_per_step=1, **AUTO)  # a small rollout: one sequence is the limit
+    probe = make_trainer(tiny_base_dir, tmp_path / "a", **kw)
+    tokens, rollout = probe.memory_plan.tokens, probe.memory_plan.rollout
+    set_gradient_checkpointing(probe.model, True)
+    one = saved_bytes(lambda: probe._probe_pass(1, True, tokens), None)  # with recompute, the least it can need
+    assert rollout * 1.01 < one  # what the test relies on
+    optimizer = memory.optimizer_state_bytes(probe.params, "adamw")
+    monkeypatch.setattr("lora_grpo.trainer.available_bytes", lambda device: (rollout * 1.01 + optimizer, "test RAM"))
+
+    def no_rollout(*args, **kwargs):
+        raise AssertionError("a rollout ran before the preflight")
+
+    monkeypatch.setattr("lora_grpo.trainer.generate_rollout", no_rollout)
+    with pytest.raises(MemoryBudgetError) as e:
+        make_trainer(tiny_base_dir, tmp_path / "b", **kw)
+    text = str(e.value)
+    assert f"one sequence of {sum(tokens)} tokens ({tokens[0]} prompt + 6 completion) needs ~" in text
+    assert "gradient checkpointing on" in text and "MiB test RAM" in text
+    for fix in ["max_completion_length (now 6)", "lora_r (now 4)", "logprob_chunk_size", "a smaller model", "memory_budget"]:
+        assert fix in text
+    monkeypatch.setattr("lora_grpo.trainer.available_bytes", lambda device: (1.0, "test RAM"))
+    with pytest.raises(MemoryBudgetError, match=r"rollout decodes 2 sequences.*prompts_per_step \(now 1\)"):
+        make_trainer(tiny_base_dir, tmp_path / "c", **kw)
+
+
+def test_the_probe_leaves_adapters_rng_and_gradients_as_they_were(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path / "a", max_steps=1, quantization="none", **AUTO)
+    before = {a: adapter_state(trainer.model, a) for a in (POLICY, REFERENCE)}
+    rng = torch.get_rng_state()
+    trainer._plan_memory()
+    assert torch.equal(torch.get_rng_state(), rng)
+    for a in (POLICY, REFERENCE):
+        after = adapter_state(trainer.model, a)
+        assert all(torch.equal(before[a][k], after[k]) for k in after)
+    assert all(p.grad is None for p in trainer.params) and not trainer.optimizer.state
+    # One step with 'auto' is the step with the sizes it chose, written out, from the same seed.
+    trainer.train()
+    fixed = make_trainer(tiny_base_dir, tmp_path / "b", max_steps=1, quantization="none",
+                         micro_batch_size=trainer.micro_batch_size, gradient_checkpointing=trainer.gradient_checkpointing)
+    fixed.train()
+    for a in (POLICY, REFERENCE):
+        x, y = adapter_state(trainer.model, a), adapter_state(fixed.model, a)
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    assert [m["loss"] for m in trainer.history] == [m["loss"] for m in fixed.history]
+
+
+def test_resume_with_auto_is_exact_and_keeps_the_checkpoints_sizes(tiny_base_dir, tmp_path, monkeypatch):
+    kw = dict(max_steps=3, quantization="none", **AUTO)
+    full = make_trainer(tiny_base_dir, tmp_path / "a", save_steps=2, **kw)
+    full.train()
+    resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"), **kw)
+    resumed.train()
+    for a in (POLICY, REFERENCE):
+        x, y = adapter_state(full.model, a), adapter_state(resumed.model, a)
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    # A start that would choose other sizes takes the checkpoint's when they fit.
+    other = make_trainer(tiny_base_dir, tmp_path / "c", **kw)
+    other.micro_batch_size = 2
+    other.load_checkpoint(tmp_path / "a" / "run" / "checkpoint-2")
+    assert other.micro_batch_size == full.micro_batch_size == 8
