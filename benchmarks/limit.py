@@ -8,7 +8,10 @@
    median over --steps steps after --warmup) on a random-init Qwen2 of that shape
    (_common.build_qwen2), with the same settings as vs_trl.py by default.
 
-Each stage then reports GFLOP, seconds, GFLOP/s and its fraction of the limit.
+Each stage then reports GFLOP, seconds, GFLOP/s and its fraction of the matmul peak, and its
+floor: the larger of FLOPs / peak and weight bytes read / the measured memory read bandwidth.
+Decoding a few sequences is bound by reads, not FLOPs: each token step reads every weight once.
+"floor / seconds" is how close the stage runs to what the machine allows (100% = at the limit).
 
 FLOPs counted (useful work, multiply-add = 2 FLOPs; d = head dim, c = positions attended):
 - per token through the body: 2·(parameters of the linear layers) + 2·r·(in + out) per LoRA
@@ -59,7 +62,28 @@ def matmul_peak(shapes: list[tuple[int, int, int]], repeats: int = 5) -> tuple[f
     return best
 
 
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of reading a float32 tensor of `gib` GiB from memory (torch.sum), median of `repeats`."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
 # ------------------------------------------------------------------ the work
+
+
+def weight_bytes(spec: dict, base: str) -> float:
+    """Bytes of the weights one forward reads: the linear layers (4-bit: half a byte per weight
+    plus the absmax) and the LM head (kept in float32 by the 4-bit load too)."""
+    H, I, L, V = spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"], spec["vocab_size"]
+    d = H // spec["num_attention_heads"]
+    linear = L * (2 * H * spec["num_attention_heads"] * d + 2 * H * spec["num_key_value_heads"] * d + 3 * H * I)
+    return linear * (4 if base == "fp32" else 0.5 + 4 / 64) + 4 * H * V
 
 
 def step_flops(spec: dict, *, prompts: int, G: int, P: int, T: float, lora_r: int, ref_rank: int,
@@ -151,6 +175,7 @@ def main() -> None:
     B, S = args.prompts * args.generations, args.prompt_length + args.completion_length
     H, I = spec["hidden_size"], spec["intermediate_size"]
     peak, peak_shape = matmul_peak([(2048, 2048, 2048), (B * S, H, I), (B * S, I, H), (B * S, H, H)])
+    bandwidth = read_bandwidth()
     with tempfile.TemporaryDirectory() as path:
         build_qwen2(args.shape, path)
         times = measure_step(path, args)
@@ -162,16 +187,24 @@ def main() -> None:
           f"completion {times['completion_length']:.1f} tokens (mean), LoRA r {args.lora_r}, reference rank "
           f"{times['ref_rank']}, micro-batch {times['micro_batch']}, gradient checkpointing {times['gradient_checkpointing']}; "
           f"median of {args.steps} steps after {args.warmup}")
-    print(f"# limit: float32 matmul peak {peak:.1f} GFLOP/s (torch.mm {peak_shape[0]}×{peak_shape[1]} @ "
-          f"{peak_shape[1]}×{peak_shape[2]}, {args.threads} threads)")
-    rows, total_flops, total_seconds = [], 0.0, 0.0
+    print(f"# limits: float32 matmul peak {peak:.1f} GFLOP/s (torch.mm {peak_shape[0]}×{peak_shape[1]} @ "
+          f"{peak_shape[1]}×{peak_shape[2]}, {args.threads} threads); memory read bandwidth {bandwidth:.1f} GB/s")
+    # Decoding reads every weight once per token step: its floor is the larger of compute and reads.
+    passes = {"rollout": 1 + round(times["completion_length"]), "reference log-probs": 1, "train": 2 + recompute}
+    weights = weight_bytes(spec, args.base)
+    rows, total_flops, total_floor = [], 0.0, 0.0
     for stage, f in flops.items():
         seconds = times[stage]
-        total_flops, total_seconds = total_flops + f, total_seconds + seconds
-        rows.append([stage, f"{f / 1e9:.1f}", f"{seconds:.3f}", f"{f / seconds / 1e9:.1f}", f"{100 * f / seconds / 1e9 / peak:.0f}%"])
-    rows.append(["whole step (with rewards)", f"{total_flops / 1e9:.1f}", f"{times['step']:.3f}",
-                 f"{total_flops / times['step'] / 1e9:.1f}", f"{100 * total_flops / times['step'] / 1e9 / peak:.0f}%"])
-    print_markdown_table(["stage", "GFLOP", "seconds", "GFLOP/s", "of peak"], rows, text_columns=1)
+        floor = max(f / (peak * 1e9), passes[stage] * weights / (bandwidth * 1e9))
+        total_flops, total_floor = total_flops + f, total_floor + floor
+        rows.append([stage, f"{f / 1e9:.1f}", f"{passes[stage] * weights / 1e9:.2f}", f"{seconds:.3f}",
+                     f"{f / seconds / 1e9:.1f}", f"{100 * f / seconds / 1e9 / peak:.0f}%", f"{floor:.3f}",
+                     f"{100 * floor / seconds:.0f}%"])
+    rows.append(["whole step (with rewards)", f"{total_flops / 1e9:.1f}", "", f"{times['step']:.3f}",
+                 f"{total_flops / times['step'] / 1e9:.1f}", f"{100 * total_flops / times['step'] / 1e9 / peak:.0f}%",
+                 f"{total_floor:.3f}", f"{100 * total_floor / times['step']:.0f}%"])
+    print_markdown_table(["stage", "GFLOP", "weights read GB", "seconds", "GFLOP/s", "of matmul peak",
+                          "floor s", "floor / seconds"], rows, text_columns=1)
 
 
 if __name__ == "__main__":
