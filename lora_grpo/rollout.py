@@ -296,12 +296,13 @@ def _prefill(model, ids, mask, *, G, sampling):
     return cache, logits, attn, next_pos, seen
 
 
-def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator) -> tuple[Tensor, Tensor]:
-    """The eager sampler. Sample G completions for each of the n prompts in (ids, mask): (n, P)
-    each, left-padded. -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a
-    row's first EOS."""
-    cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"  # renamed in transformers 5
-    cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
+def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling, generator) -> tuple[Tensor, Tensor]:
+    """The sampling loop both samplers share. ``logits`` (N, V): the first token's; ``seen``: the
+    repetition-penalty mask (N, V) or None. Each step draws one token per row still decoding, then
+    asks ``advance(keep, tok)`` for the next logits of the rows left: ``keep`` indexes the rows that
+    did not just finish (None when none did), ``tok`` their tokens. The draws depend only on these
+    logits and the generator, so samplers that compute them differently draw the same tokens.
+    -> (tokens (N, T), log-probs (N, T)) with T <= max_new; pad_id after a row's first EOS."""
     eos = torch.tensor(eos_ids, device=logits.device)
     N = logits.size(0)
     tokens = torch.full((N, max_new), pad_id, dtype=torch.long, device=logits.device)
@@ -314,26 +315,38 @@ def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, ge
         done = torch.isin(tok, eos)
         if bool(done.all()) or step == max_new - 1:
             break
+        keep = None
         if bool(done.any()):
-            # Drop finished sequences from the batch and the cache: no compute on rows that only pad.
             keep = (~done).nonzero().squeeze(1)
-            rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
-            cache.batch_select_indices(keep)
+            rows, tok = rows[keep], tok[keep]
             seen = None if seen is None else seen[keep]
         if seen is not None:
             seen.scatter_(1, tok[:, None], True)
-        attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)
-        out = model(
-            input_ids=tok[:, None],
-            attention_mask=attn,
-            position_ids=next_pos[:, None],
-            use_cache=True,
-            **{cache_kw: cache},
-        )
-        cache = _cache_of(out)
-        logits = out.logits[:, -1]
-        next_pos = next_pos + 1
+        logits = advance(keep, tok)
     return tokens[:, : step + 1], logps[:, : step + 1]
+
+
+def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator) -> tuple[Tensor, Tensor]:
+    """The eager sampler. Sample G completions for each of the n prompts in (ids, mask): (n, P)
+    each, left-padded. -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a
+    row's first EOS."""
+    cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"  # renamed in transformers 5
+    cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
+
+    def advance(keep, tok):
+        nonlocal cache, attn, next_pos
+        if keep is not None:
+            # Drop finished sequences from the batch and the cache: no compute on rows that only pad.
+            attn, next_pos = attn[keep], next_pos[keep]
+            cache.batch_select_indices(keep)
+        attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None], use_cache=True,
+                    **{cache_kw: cache})
+        cache, next_pos = _cache_of(out), next_pos + 1
+        return out.logits[:, -1]
+
+    return _sample_tokens(logits, seen, advance, max_new=max_new, eos_ids=eos_ids, pad_id=pad_id, sampling=sampling,
+                          generator=generator)
 
 
 def _decode_chunk_static(
@@ -341,36 +354,26 @@ def _decode_chunk_static(
 ) -> tuple[Tensor, Tensor]:
     """The fixed-shape sampler (:mod:`lora_grpo.fast_decode`): same arguments and result as
     :func:`_decode_chunk`, and the same tokens under the same generator. All N rows run every step
-    (finished ones feed pad, their outputs unused), but each draw is made on the logits of the
-    rows still decoding, in the eager sampler's order, so the random stream is consumed alike."""
+    (finished ones feed pad, their outputs unused); the draws see only the rows still decoding, as
+    in the eager sampler (:func:`_sample_tokens`)."""
     cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
     decoder = StaticDecoder(model, cache, attn, max_new, compiled=compiled)
     del cache  # its KV now lives in the decoder's static cache
-    eos = torch.tensor(eos_ids, device=logits.device)
     N = logits.size(0)
-    tokens = torch.full((N, max_new), pad_id, dtype=torch.long, device=logits.device)
-    logps = torch.zeros((N, max_new), dtype=torch.float32, device=logits.device)
-    rows = torch.arange(N, device=logits.device)  # output row of each sequence still decoding
-    for step in range(max_new):
-        live = rows.numel() < N  # index only once a row has finished (a copy per step otherwise)
-        tok, logp = sample_next(
-            logits[rows] if live else logits, None if seen is None else (seen[rows] if live else seen),
-            generator=generator, **sampling,
-        )
-        tokens[rows, step] = tok
-        logps[rows, step] = logp
-        done = torch.isin(tok, eos)
-        if bool(done.all()) or step == max_new - 1:
-            break
-        if bool(done.any()):
-            rows, tok = rows[~done], tok[~done]
-        if seen is not None:
-            seen[rows, tok] = True
-        feed = torch.full((N,), pad_id, dtype=torch.long, device=logits.device)
+    rows = torch.arange(N, device=logits.device)  # cache row of each sequence still decoding
+
+    def advance(keep, tok):
+        nonlocal rows, next_pos
+        if keep is not None:
+            rows = rows[keep]
+        feed = torch.full((N,), pad_id, dtype=torch.long, device=tok.device)
         feed[rows] = tok
-        logits = decoder.step(feed, next_pos)
+        out = decoder.step(feed, next_pos)
         next_pos = next_pos + 1
-    return tokens[:, : step + 1], logps[:, : step + 1]
+        return out if rows.numel() == N else out[rows]  # index only once a row has finished
+
+    return _sample_tokens(logits, seen, advance, max_new=max_new, eos_ids=eos_ids, pad_id=pad_id, sampling=sampling,
+                          generator=generator)
 
 
 def _pad_right(x: Tensor, width: int, value) -> Tensor:
