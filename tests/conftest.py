@@ -117,6 +117,16 @@ def adapter_state(model, adapter: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if f".{adapter}." in n}
 
 
+def assert_same_adapters(model_a, model_b) -> None:
+    """Both adapters of the two models are bit-equal, tensor by tensor (exact resume, no side effects)."""
+    from lora_grpo.adapters import POLICY, REFERENCE
+
+    for adapter in (POLICY, REFERENCE):
+        a, b = adapter_state(model_a, adapter), adapter_state(model_b, adapter)
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{adapter}: {k}"
+
+
 def base_state(model) -> dict[str, torch.Tensor]:
     """A copy of everything in the state dict but the LoRA weights (the 4-bit bytes included)."""
     return {n: t.detach().clone() for n, t in model.state_dict().items() if "lora_" not in n}

@@ -14,7 +14,7 @@ import lora_grpo.checkpoint as ckpt
 from lora_grpo.adapters import POLICY, REFERENCE
 from lora_grpo.checkpoint import CheckpointError
 
-from conftest import SMALL_RUN, adapter_state, make_trainer
+from conftest import SMALL_RUN, assert_same_adapters, make_trainer
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +144,7 @@ def test_resume_is_exact_with_a_4bit_base_and_lora_dropout(tiny_base_dir, tmp_pa
     full.train()
     resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"), **kw)
     resumed.train()
-    for adapter in (POLICY, REFERENCE):
-        a, b = adapter_state(full.model, adapter), adapter_state(resumed.model, adapter)
-        for k in a:
-            assert torch.equal(a[k], b[k]), k
+    assert_same_adapters(full.model, resumed.model)
     assert [m["loss"] for m in full.history] == [m["loss"] for m in resumed.history]
 
 

@@ -20,9 +20,8 @@ from lora_grpo.evaluation import (
     mean_pass_at_k,
     pass_at_k,
 )
-from lora_grpo.model import POLICY, REFERENCE
 
-from conftest import PROMPTS, adapter_state, digit_share, has_digit, make_trainer, run_torchrun, write_recipe
+from conftest import PROMPTS, assert_same_adapters, digit_share, has_digit, make_trainer, run_torchrun, write_recipe
 
 
 def exact_pass_at_k(n, c, k):
@@ -198,9 +197,7 @@ def test_eval_during_training_leaves_the_training_trajectory_unchanged(tiny_base
         runs.append(trainer)
     plain, evaluated = runs
     assert "eval/pass@2" in evaluated.history[0] and "eval/pass@2" not in plain.history[0]
-    for adapter in (POLICY, REFERENCE):
-        a, b = adapter_state(plain.model, adapter), adapter_state(evaluated.model, adapter)
-        assert all(torch.equal(a[k], b[k]) for k in a), adapter
+    assert_same_adapters(plain.model, evaluated.model)
     assert [m["reward/mean"] for m in plain.history] == [m["reward/mean"] for m in evaluated.history]
 
 

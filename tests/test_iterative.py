@@ -15,7 +15,7 @@ from lora_grpo.optim import WarmupRestarts, build_optimizer, build_scheduler, re
 from lora_grpo.reference import SyncSchedule
 from lora_grpo.reporting import metrics_figure
 
-from conftest import PROMPTS, adapter_state, make_trainer
+from conftest import PROMPTS, adapter_state, assert_same_adapters, make_trainer
 
 # make_trainer's run without quantization, in one micro-batch; 6 eval prompts.
 PLAIN = dict(quantization="none", micro_batch_size=8, gradient_checkpointing=False, eval_dataset=PROMPTS[:6])
@@ -213,9 +213,7 @@ def test_resume_is_exact_with_resets_restarts_and_the_plateau_trigger(tiny_base_
     assert [m.get("sync/reason") for m in full.history] == [None, "plateau", "steps", "plateau", None]
     resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-3"), **kw)
     resumed.train()
-    for adapter in (POLICY, REFERENCE):
-        a, b = adapter_state(full.model, adapter), adapter_state(resumed.model, adapter)
-        assert all(torch.equal(a[k], b[k]) for k in a), adapter
+    assert_same_adapters(full.model, resumed.model)
     assert [m["lr"] for m in full.history] == [m["lr"] for m in resumed.history]
     assert [m.get("sync/reason") for m in resumed.history] == [m.get("sync/reason") for m in full.history]
     assert resumed.sync_schedule.state_dict() == full.sync_schedule.state_dict()

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import adapter_state, make_trainer
+from conftest import adapter_state, assert_same_adapters, make_trainer
 
 from lora_grpo import GRPOConfig
 from lora_grpo import memory
@@ -286,9 +286,7 @@ def test_the_probe_leaves_adapters_rng_and_gradients_as_they_were(tiny_base_dir,
     fixed = make_trainer(tiny_base_dir, tmp_path / "b", max_steps=1, quantization="none",
                          micro_batch_size=trainer.micro_batch_size, gradient_checkpointing=trainer.gradient_checkpointing)
     fixed.train()
-    for a in (POLICY, REFERENCE):
-        x, y = adapter_state(trainer.model, a), adapter_state(fixed.model, a)
-        assert all(torch.equal(x[k], y[k]) for k in x)
+    assert_same_adapters(trainer.model, fixed.model)
     assert [m["loss"] for m in trainer.history] == [m["loss"] for m in fixed.history]
 
 
@@ -298,9 +296,7 @@ def test_resume_with_auto_is_exact_and_keeps_the_checkpoints_sizes(tiny_base_dir
     full.train()
     resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"), **kw)
     resumed.train()
-    for a in (POLICY, REFERENCE):
-        x, y = adapter_state(full.model, a), adapter_state(resumed.model, a)
-        assert all(torch.equal(x[k], y[k]) for k in x)
+    assert_same_adapters(full.model, resumed.model)
     # A start that would choose other sizes takes the checkpoint's when they fit.
     other = make_trainer(tiny_base_dir, tmp_path / "c", **kw)
     other.micro_batch_size = 2
