@@ -92,10 +92,10 @@ def apply_config(optimizer, scheduler, config: GRPOConfig) -> float:
     Returns the saved learning rate."""
     saved_lr = scheduler.base_lrs[0]
     scheduler.base_lrs = [config.learning_rate for _ in scheduler.base_lrs]
-    factors = [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]
-    for group, factor in zip(optimizer.param_groups, factors):
-        group.update(lr=config.learning_rate * factor, initial_lr=config.learning_rate,
-                     betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
+    for group in optimizer.param_groups:
+        group.update(initial_lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                     weight_decay=config.weight_decay)
+    refresh_lr(optimizer, scheduler)  # the new learning rate × the multiplier at the current update
     return saved_lr
 
 
