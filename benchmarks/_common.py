@@ -79,6 +79,21 @@ def even_token_share(prompts, completions, **kwargs):
     return [sum(int(t[1:]) % 2 == 0 for t in c.split()) / max(1, len(c.split())) for c in completions]
 
 
+def grpo_steps(trainer, n: int) -> list[tuple[dict, float]]:
+    """n steps of a lora_grpo trainer as train() runs them (the step, then a sync when the schedule
+    says so), without its reporting: [(the step's metrics, seconds of the step and its sync)]."""
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        _, rows = next(trainer.batches)
+        metrics = trainer.training_step(rows)
+        trainer.step += 1
+        if trainer.sync_schedule.due(trainer.step, epoch_ended=False, kl=metrics.get("kl")):
+            trainer.sync_reference()
+        out.append((metrics, time.perf_counter() - start))
+    return out
+
+
 # ------------------------------------------------------------------ measurements
 
 

@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN2_SHAPES, build_qwen2, environment, even_token_share, print_markdown_table, token_prompts
+from _common import (QWEN2_SHAPES, build_qwen2, environment, even_token_share, grpo_steps, print_markdown_table,
+                     token_prompts)
 
 # ------------------------------------------------------------------ the limit
 
@@ -132,14 +133,8 @@ def measure_step(path: str, args) -> dict[str, float]:
     )
     vocab = QWEN2_SHAPES[args.shape]["vocab_size"]
     trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=token_prompts(vocab, args.prompt_length))
-    steps = []
-    for _ in range(args.warmup + args.steps):
-        _, rows = next(trainer.batches)
-        steps.append(trainer.training_step(rows))
-        trainer.step += 1
-        if trainer.sync_schedule.due(trainer.step, epoch_ended=False, kl=steps[-1].get("kl")):
-            trainer.sync_reference()  # keeps the reference slot apart from the policy: its forward runs
-    measured = steps[args.warmup:]
+    # The soft syncs keep the reference slot apart from the policy: its forward runs.
+    measured = [metrics for metrics, _ in grpo_steps(trainer, args.warmup + args.steps)[args.warmup:]]
     med = lambda key: statistics.median(m[key] for m in measured)  # noqa: E731
     return {
         "rollout": med("time/rollout"), "reference log-probs": med("time/log_probs"), "train": med("time/train"),

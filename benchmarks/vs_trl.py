@@ -51,7 +51,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import QWEN2_SHAPES, build_qwen2, environment, even_token_share, print_markdown_table, token_prompts
+from _common import (QWEN2_SHAPES, build_qwen2, environment, even_token_share, grpo_steps, print_markdown_table,
+                     token_prompts)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 G, SEQUENCES, LORA_R, BETA, LR = 4, 8, 8, 0.04, 1e-5
@@ -87,16 +88,9 @@ def run_ours(args) -> dict:
     trainer = GRPOTrainer(config, reward_funcs=[even_token_share],
                           train_dataset=token_prompts(QWEN2_SHAPES[args.shape]["vocab_size"], args.prompt_length))
     loaded_rss = rss_mib()
-    times, tokens = [], []
-    for _ in range(args.warmup + args.steps):  # what train() does per step, without its reporting
-        start = time.perf_counter()
-        _, rows = next(trainer.batches)
-        metrics = trainer.training_step(rows)
-        trainer.step += 1
-        if trainer.sync_schedule.due(trainer.step, epoch_ended=False, kl=metrics.get("kl")):
-            trainer.sync_reference()
-        times.append(time.perf_counter() - start)
-        tokens.append(metrics["completion_length/mean"] * SEQUENCES)
+    steps = grpo_steps(trainer, args.warmup + args.steps)
+    times = [seconds for _, seconds in steps]
+    tokens = [metrics["completion_length/mean"] * SEQUENCES for metrics, _ in steps]
     # What auto resolved to, at start (memory.py).
     return measured(times, tokens, args, loaded_rss, micro_batch=str(getattr(trainer, "micro_batch_size", config.micro_batch_size)))
 
