@@ -85,10 +85,10 @@ def grpo_steps(trainer, n: int) -> list[tuple[dict, float]]:
     out = []
     for _ in range(n):
         start = time.perf_counter()
-        _, rows = next(trainer.batches)
+        _, rows = next(trainer.state.batches)
         metrics = trainer.training_step(rows)
-        trainer.step += 1
-        if trainer.sync_schedule.due(trainer.step, epoch_ended=False, kl=metrics.get("kl")):
+        trainer.state.global_step += 1
+        if trainer.state.sync_schedule.due(trainer.step, epoch_ended=False, kl=metrics.get("kl")):
             trainer.sync_reference()
         out.append((metrics, time.perf_counter() - start))
     return out

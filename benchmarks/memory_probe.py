@@ -2,7 +2,7 @@
 
 For micro-batch sizes m, on a random-init Llama built locally (nothing downloaded):
 
-- probe:      memory.measure_peak of one worst-case pass (trainer._probe_pass: m sequences of
+- probe:      memory.measure_peak of one worst-case pass (memory.probe_pass: m sequences of
               prompt + max_completion_length tokens, forward + backward, no optimizer step);
 - linear:     the probe's line through m = 1 and 2, extrapolated (what the search predicts before
               it measures the candidate);
@@ -26,8 +26,8 @@ import torch
 
 from lora_grpo import GRPOConfig, GRPOTrainer, memory
 from lora_grpo.model import set_gradient_checkpointing
-from lora_grpo.toy import save_tiny_base
-from lora_grpo.trainer import Batch
+from lora_grpo.tasks.toy import save_tiny_base
+from lora_grpo.batch import Batch
 
 MiB = 2**20
 
@@ -52,8 +52,9 @@ def main() -> None:
         t0 = time.perf_counter()
         trainer = GRPOTrainer(cfg, reward_funcs=[lambda completions, **kw: [float(len(c)) for c in completions]],
                               train_dataset=prompts)
-        print(f"construction {time.perf_counter() - t0:.1f} s, of which probe {trainer.memory_plan.seconds:.2f} s")
-        tokens, device = trainer.memory_plan.tokens, trainer.accelerator.device
+        plan = trainer.plan_memory()  # what train() does first
+        print(f"construction and plan {time.perf_counter() - t0:.1f} s, of which probe {plan.seconds:.2f} s")
+        tokens, device = plan.tokens, trainer.accelerator.device
         rollout = trainer.generate([p["prompt"] for p in prompts[:2]])
         real_batch = Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask,
                            torch.linspace(-1, 1, rollout.input_ids.shape[0]))
@@ -62,7 +63,7 @@ def main() -> None:
         set_gradient_checkpointing(trainer.model, False)  # both columns without recompute
         trainer.micro_batch_size = batch
         trainer.optimize(real_batch)  # AdamW's states now exist, as in every step after the first
-        probe = {m: memory.measure_peak(lambda: trainer._probe_pass(m, True, tokens), device) for m in args.sizes}
+        probe = {m: memory.measure_peak(lambda: memory.probe_pass(trainer.update, m, True, tokens, device), device) for m in args.sizes}
         slope = probe[2] - probe[1]
         print(f"{'m':>4} {'probe MiB':>10} {'linear MiB':>11} {'real MiB':>9} {'probe/real':>10}")
         for m in args.sizes:

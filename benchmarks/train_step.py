@@ -48,17 +48,17 @@ def run(path: str, quantization: str, args) -> dict[str, float | str]:
     )
     start = time.perf_counter()
     trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=prompts)
-    plan = trainer.memory_plan  # what micro_batch_size / gradient_checkpointing "auto" chose (memory.py)
+    plan = trainer.plan_memory()  # what micro_batch_size / gradient_checkpointing "auto" chose (memory.py)
     built = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(args.warmup):  # the first rollout compiles the decode step (decode_mode compiled / auto on CUDA)
-        trainer.training_step(next(trainer.batches)[1])
+        trainer.training_step(next(trainer.state.batches)[1])
     warmup = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    steps = [trainer.training_step(next(trainer.batches)[1]) for _ in range(args.steps)]
+    steps = [trainer.training_step(next(trainer.state.batches)[1]) for _ in range(args.steps)]
     peak = torch.cuda.max_memory_allocated() / MiB if torch.cuda.is_available() else None
     start = time.perf_counter()
     sync = sync_reference(trainer.model, alpha=0.6, mode="exact")

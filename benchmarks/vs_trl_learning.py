@@ -4,7 +4,7 @@ Both trainers start from the toy base (the default recipe's model: pre-trained o
 sums, 4-bit NF4 base with double quantization, float32 compute) and train a LoRA r 8 (alpha 16,
 every linear layer) with G = 8, 16 prompts a step (one micro-batch of 128), lr 1e-3 constant,
 beta 0.04, temperature 1, 4 new tokens, --steps steps, on the same 2000 training sums (drawn with
-the run's seed). Then both are scored by the same function (lora_grpo.toy.greedy_accuracy, one
+the run's seed). Then both are scored by the same function (lora_grpo.tasks.toy.greedy_accuracy, one
 greedy completion per prompt) on the same 200 held-out sums (seed 0).
 
 - TRL 1.16 GRPOTrainer + peft_config (the `bench` extra): its defaults for epsilon_high (none:
@@ -36,7 +36,7 @@ LORA_R, G, PROMPTS, LR, BETA, NEW_TOKENS = 8, 8, 16, 1e-3, 0.04, 4
 
 
 def held_out():
-    from lora_grpo.toy import toy_problems
+    from lora_grpo.tasks.toy import toy_problems
 
     return toy_problems(200, seed=0, split="eval")
 
@@ -45,7 +45,7 @@ def run_ours(seed: int, steps: int) -> float:
     from importlib import resources
 
     from lora_grpo import GRPOConfig, GRPOTrainer
-    from lora_grpo.toy import greedy_accuracy
+    from lora_grpo.tasks.toy import greedy_accuracy
 
     recipe = resources.files("lora_grpo") / "recipes" / "toy-addition.yaml"
     config = GRPOConfig.from_yaml(str(recipe), {
@@ -63,7 +63,7 @@ def run_trl(seed: int, steps: int) -> float:
     from trl import GRPOConfig, GRPOTrainer
 
     from lora_grpo.model import keep_4bit_weights_fixed
-    from lora_grpo.toy import ensure_toy_base, greedy_accuracy, toy_problems, toy_reward
+    from lora_grpo.tasks.toy import ensure_toy_base, greedy_accuracy, toy_problems, toy_reward
 
     path = ensure_toy_base()
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -86,7 +86,7 @@ def run_trl(seed: int, steps: int) -> float:
 
 def run_base() -> float:
     from lora_grpo.model import keep_4bit_weights_fixed
-    from lora_grpo.toy import ensure_toy_base, greedy_accuracy
+    from lora_grpo.tasks.toy import ensure_toy_base, greedy_accuracy
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     path = ensure_toy_base()

@@ -56,6 +56,17 @@ def use_adapter(model: nn.Module, adapter: str):
 
 
 @contextmanager
+def eval_mode(model: nn.Module):
+    """Run the block in eval mode (dropout off, as when sampling), then restore the training flag."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+@contextmanager
 def reference_forward(model: nn.Module):
     """No-grad forward through the reference adapter: `with reference_forward(model): model(...)`."""
     with use_adapter(model, REFERENCE), torch.no_grad():

@@ -7,7 +7,7 @@ fsynced, then renamed into place):
       policy/      adapter_model.safetensors, adapter_config.json   (a plain peft adapter)
       reference/   the same for the reference slot
       trainer_state.pt    optimizer, LR scheduler, every process's RNG states
-      trainer_state.json  step, data position, metrics history, number of processes
+      trainer_state.json  the loop's TrainState (state.py): step, data position, metrics history, ...
       config.yaml         the run's resolved config
 
 Adapters are written from the adapter's own parameters, never from `model.state_dict()`:
@@ -22,18 +22,17 @@ import io
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from .adapters import POLICY, REFERENCE, lora_layers
+from .rng import set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -186,24 +185,22 @@ def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str, *, da
             p.copy_(saved[key])
 
 
-# ------------------------------------------------------------------------------------ RNG state
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states: python, numpy, torch CPU and (where present) every CUDA device."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # ---------------------------------------------------------------------------------- checkpoints
+def explain_write_failure(what: str, output_dir: Path, write) -> None:
+    """Run `write()`; an OSError (disk full, no permission) becomes one clear error naming what was
+    written and the previous checkpoint, which the atomic write left as it was."""
+    try:
+        write()
+    except OSError as e:
+        kept = list_checkpoints(output_dir)
+        previous = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint exists"
+        raise OSError(
+            e.errno,
+            f"could not write {what} in {output_dir} ({e.strerror or e}); {previous}. Free space or fix the "
+            f"permissions of output_dir, then resume with --set resume_from_checkpoint=latest",
+        ) from e
+
+
 def save_checkpoint(
     target: Path,
     model: nn.Module,
@@ -367,7 +364,7 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(trainer_state.json, trainer_state.pt) of a resolved checkpoint, with clear errors when damaged."""
     try:
         state = json.loads((path / STATE_JSON).read_text())
-        missing = [k for k in ("step", "batches") if k not in state]
+        missing = [k for k in ("global_step", "batches") if k not in state and not (k == "global_step" and "step" in state)]
         if missing:
             raise ValueError(f"no {', '.join(missing)}")
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
@@ -409,3 +406,21 @@ def truncate_log(path: Path, step: int) -> None:
         if record_step <= step:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def restore_training_state(path: Path, *, model: nn.Module, optimizer, scheduler, state, generator: torch.Generator,
+                           config_values: dict[str, Any], num_processes: int, process_index: int) -> dict[str, Any]:
+    """Resume from the resolved checkpoint `path` into the run's parts: both adapters, optimizer and
+    LR scheduler, the TrainState (state.py) and this process's RNG states. Checks first that the
+    checkpoint fits (check_compatible). Returns the saved TrainState dict (its sizes, for the caller)."""
+    saved, blobs = load_checkpoint_state(path)
+    check_compatible(path, config_values, num_processes, int(saved.get("num_processes", len(blobs["rng"]))),
+                     policy_targets=set(model.peft_config[POLICY].target_modules))
+    load_checkpoint_adapters(model, path)
+    optimizer.load_state_dict(blobs["optimizer"])
+    scheduler.load_state_dict(blobs["scheduler"])
+    state.load_state_dict(saved)
+    rng = blobs["rng"][process_index]  # this process's own states
+    set_rng_state(rng)
+    generator.set_state(rng["sampling"])
+    return saved

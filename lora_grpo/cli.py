@@ -144,7 +144,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .reporting import plot_run  # the same plot a run writes by itself
+    from .plots import plot_run  # the same plot a run writes by itself
 
     info = plot_run(args.run_dir, args.out, args.keys)
     print(f"wrote {info.path}")
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lora-grpo: config error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from .trainer import TrainingInterrupted
+        from .stopping import TrainingInterrupted
 
         if isinstance(e, TrainingInterrupted):  # a checkpoint was written; the message said how to resume
             return e.exit_code

@@ -27,10 +27,10 @@ from typing import Any
 import datasets
 import numpy as np
 
-from .countdown import countdown_problems
-from .toy import toy_problems
+from .tasks.countdown import countdown_problems
+from .tasks.toy import toy_problems
 
-__all__ = ["PROMPT_MESSAGES", "PromptBatches", "load_prompt_dataset", "resolve_dataset"]
+__all__ = ["PROMPT_MESSAGES", "PromptBatches", "load_prompt_dataset", "process_shard", "resolve_dataset", "resolve_datasets"]
 
 # The column holding each row's prompt as chat messages (None for a text prompt); see the module docstring.
 PROMPT_MESSAGES = "prompt_messages"
@@ -413,3 +413,26 @@ def resolve_dataset(source, config, tokenizer, split: str) -> datasets.Dataset |
         config_name=config.dataset_config,
         tokenizer=tokenizer,
     )
+
+
+def resolve_datasets(config, train_dataset, eval_dataset, tokenizer):
+    """(train, eval) prompts of a run: the ones passed, else the config's `dataset` / `eval_dataset`
+    (eval None when there is none; cut to eval_limit rows)."""
+    train_source = train_dataset if train_dataset is not None else config.dataset
+    if train_source is None:
+        raise ValueError("no training prompts: pass train_dataset=... or set `dataset` in the config")
+    train = resolve_dataset(train_source, config, tokenizer, "train")
+    held_out = resolve_dataset(eval_dataset if eval_dataset is not None else config.eval_dataset, config, tokenizer, "eval")
+    if held_out is not None and config.eval_limit:
+        held_out = held_out.select(range(min(config.eval_limit, len(held_out))))
+    return train, held_out
+
+
+def process_shard(dataset: datasets.Dataset, num_processes: int, process_index: int) -> datasets.Dataset:
+    """This process's prompts: equal shards (the last len % num_processes rows dropped), so that
+    every process has the same step count and epoch boundaries (collectives match, epoch syncs
+    happen together)."""
+    if num_processes == 1:
+        return dataset
+    usable = len(dataset) - len(dataset) % num_processes
+    return dataset.select(range(usable)).shard(num_processes, process_index)

@@ -34,11 +34,15 @@ current reference and restarts at every sync, this one is never reset.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+from .adapters import base_forward, eval_mode
+from .loss import k3_kl
 
 Tensor = torch.Tensor
 
@@ -185,3 +189,86 @@ def eval_metrics(
         tokens = sum(r.kl_tokens for r in results)
         metrics["eval/kl_to_base"] = math.fsum(r.kl_sum for r in results) / tokens if tokens else math.nan
     return metrics
+
+
+def headline_score(metrics: dict[str, float], reward_names: Sequence[str]) -> float:
+    """The eval score a run is judged by: the first reward function's greedy mean (the summary's
+    accuracy; what the plateau trigger watches)."""
+    return metrics[f"eval/{reward_names[0]}"]
+
+
+# ---------------------------------------------------------------------------------- evaluator
+
+
+class Evaluator:
+    """evaluate(dataset) → eval/* metrics (the module docstring), on what the trainer hands it:
+
+    sample(prompts, num_generations, temperature, generator) → a Rollout of the policy;
+    score(rollout, rows, group_size) → (m·n, F) rewards per function, NaN where one returned None;
+    log_probs(micro_batch) → (B, T) per-token log-probs under the active adapter (the trainer's own
+    forward, so eval/kl_to_base uses the training KL's distributions).
+
+    The config is read at each call (a test may turn eval_kl_to_base off between two evals).
+    """
+
+    def __init__(self, config, accelerator, reward_names: Sequence[str], *, model, sample: Callable,
+                 score: Callable, log_probs: Callable):
+        self.config, self.accelerator, self.reward_names = config, accelerator, list(reward_names)
+        self.model, self.sample, self.score, self.log_probs = model, sample, score, log_probs
+
+    @torch.no_grad()
+    def evaluate(self, dataset, batch_prompts: int = 64) -> dict[str, float]:
+        """eval/<reward> and eval/completion_length of one greedy completion per prompt; with
+        eval_pass_k, eval/pass@k of eval_num_samples sampled ones (correct: the first reward function
+        ≥ eval_correct_threshold); with eval_kl_to_base, eval/kl_to_base (pass@k's samples when
+        they are drawn at the training temperature, else one more per prompt). Processes split the
+        prompts in chunks of batch_prompts and gather the results: each prompt counts once, every
+        process returns the same metrics."""
+        cfg, acc = self.config, self.accelerator
+        n = num_eval_samples(cfg.eval_pass_k, cfg.eval_num_samples)
+        temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
+        per_decode = max(1, max(batch_prompts, cfg.generation_batch) // max(n, 1))  # prompts per sampled decode
+        kl_on_pass_k = cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature  # samples of the policy itself
+        results = []
+        for chunk, start, stop in eval_chunks(len(dataset), batch_prompts, acc.num_processes, acc.process_index):
+            rows = dataset[start:stop]
+            greedy = self.sample(rows["prompt"], 1, 0.0, None)  # draws nothing
+            scores = self.score(greedy, rows, 1)
+            correct, kl = None, []
+            if n:
+                # The chunk's own generator: the training sampling stream stays untouched and the
+                # draws do not depend on the process that evaluates the chunk.
+                generator = chunk_generator(cfg.seed, chunk, acc.device)
+                first = []
+                for s in range(0, stop - start, per_decode):
+                    sub = {key: values[s : s + per_decode] for key, values in rows.items()}
+                    sampled = self.sample(sub["prompt"], n, temperature, generator)
+                    first.append(self.score(sampled, sub, n)[:, 0])
+                    if kl_on_pass_k:
+                        kl.append(self.kl_to_base(sampled, n))
+                correct = count_correct(torch.cat(first), n, cfg.eval_correct_threshold)
+            if cfg.eval_kl_to_base and not kl_on_pass_k:  # one sample per prompt, from the chunk's second stream
+                generator = chunk_generator(cfg.seed, chunk, acc.device, stream=1)
+                kl.append(self.kl_to_base(self.sample(rows["prompt"], 1, cfg.temperature, generator), 1))
+            results += prompt_results(start, scores, greedy.completion_lengths, correct, torch.cat(kl) if kl else None)
+        if acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            results = gather_object(results)
+        return eval_metrics(results, self.reward_names, cfg.eval_pass_k, n, len(dataset))
+
+    @torch.no_grad()
+    def kl_to_base(self, rollout, group_size: int) -> Tensor:
+        """(m, 2) per prompt of the rollout: Σ k3 KL(policy ‖ start) over its group_size sampled
+        completions' tokens, and their number. One forward per rollout under each model, not split
+        by micro_batch_size: the sums must not depend on the process or its memory plan (a CPU
+        matmul may round a row differently in another batch shape)."""
+        mb: dict[str, Any] = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+                              "completion_length": rollout.completion_ids.shape[1]}
+        with eval_mode(self.model):
+            logp = self.log_probs(mb)
+            with base_forward(self.model):
+                start = self.log_probs(mb)
+        mask = rollout.completion_mask.to(device=logp.device, dtype=torch.float32)
+        k3 = k3_kl(logp.float(), start.float()) * mask
+        return torch.stack([k3.sum(1), mask.sum(1)], 1).reshape(-1, group_size, 2).sum(1)

@@ -38,17 +38,18 @@ import ctypes
 import math
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .rng import rng_state, set_rng_state
+from .model import set_gradient_checkpointing
+
 MiB = 2**20
 BUSY_TOKENS = 4096  # tokens per pass above which an extra pass costs little next to recompute's ~1/3
 MAX_PROBES = 6  # measured sizes per checkpointing mode
 MAX_GROWTH = 8  # a candidate is at most this many times the largest size known to fit
-PROMPT_SCAN_LIMIT = 50_000  # longer datasets are not tokenized for the worst case: max_prompt_length is used
 
 
 class MemoryBudgetError(RuntimeError):
@@ -168,18 +169,6 @@ def rollout_bytes(model_config, sequences: int, length: int, dtype: torch.dtype,
 def optimizer_state_bytes(params, optimizer: str) -> float:
     n = sum(p.numel() for p in params)
     return float(n * (2 if "8bit" in optimizer else 8))
-
-
-def longest_prompt(tokenizer, prompts: list[str], max_prompt_length: int | None) -> int:
-    """Tokens of the longest prompt after truncation, as the rollout will see it."""
-    from .rollout import _tokenize_left_padded
-
-    if max_prompt_length is not None and len(prompts) > PROMPT_SCAN_LIMIT:
-        return max_prompt_length
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # truncation is warned about when it happens, in the rollout
-        _, mask = _tokenize_left_padded(tokenizer, prompts, max_prompt_length)
-    return int(mask.sum(1).max())
 
 
 def worst_case_micro_batch(m: int, prompt_length: int, completion_length: int, vocab_size: int,
@@ -332,3 +321,81 @@ def plan_memory(
     need = optimizer + max(rollout, measured[on][size])
     return MemoryPlan(size, on, need, budget, available_bytes_, source, rollout, optimizer, tokens,
                       time.perf_counter() - t0, largest, measured)
+
+
+# ------------------------------------------------------------------------------ the run's plan
+def probe_pass(update, m: int, train: bool, tokens: tuple[int, int], device: torch.device) -> None:
+    """One worst-case micro-batch of m sequences of tokens = (prompt, completion) through the run's
+    own loss path (update.PolicyUpdate): `accumulate` with backward (train), or the no-grad
+    log-prob `forward`. The gradients are dropped, no optimizer step; the caller restores the RNG
+    states and the training flag."""
+    vocab = update.model.get_input_embeddings().weight.shape[0]
+    mb = worst_case_micro_batch(m, *tokens, vocab, device, old_logp=update.config.num_iterations > 1)
+    update.model.train(train)
+    if not train:
+        with torch.no_grad():
+            update.forward(mb)
+        return
+    try:
+        update.accumulate(mb, float(m * tokens[1]), m, 1)
+    finally:
+        for p in update.params:
+            p.grad = None
+
+
+def plan_run_memory(update, *, device: torch.device, num_processes: int, longest_prompt: int) -> MemoryPlan:
+    """micro_batch_size / gradient_checkpointing 'auto' and the preflight for a run: worst-case
+    probes (probe_pass) of the longest prompt + max_completion_length through `update`, the run's
+    update.PolicyUpdate. The RNG states and the training flag are restored afterwards. Several
+    processes plan for the tightest one and all take process 0's sizes."""
+    cfg, model = update.config, update.model
+    tokens = (longest_prompt, cfg.max_completion_length)
+    embeddings = model.get_input_embeddings().weight
+    vocab = embeddings.shape[0]
+    available = available_bytes(device)
+    if num_processes > 1:  # plan for the tightest process
+        least = torch.tensor([available[0]], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+        available = (float(least.item()), available[1])
+    size_hint = (f"To fit: lower max_completion_length (now {cfg.max_completion_length}) or max_prompt_length (now "
+                 f"{cfg.max_prompt_length}); ")
+    rng, was_training = rng_state(), model.training
+    try:
+        plan = plan_memory(
+            lambda m, train: probe_pass(update, m, train, tokens, device), lambda on: set_gradient_checkpointing(model, on),
+            batch=cfg.generation_batch, micro_batch_size=cfg.micro_batch_size,
+            gradient_checkpointing=cfg.gradient_checkpointing, budget_fraction=cfg.memory_budget,
+            available=available, optimizer=optimizer_state_bytes(update.params, cfg.optimizer),
+            rollout=rollout_bytes(model.config, cfg.generation_batch, sum(tokens), embeddings.dtype, vocab),
+            tokens=tokens, device=device,
+            fix_hint=size_hint + ("" if cfg.quantization == "4bit" else "quantization=4bit (frees the weights' memory); ")
+            + f"a smaller lora_r (now {cfg.lora_r}) or logprob_chunk_size (now {cfg.logprob_chunk_size}: the LM head's "
+            f"float32 logits are chunk × vocab {vocab}); a smaller model; or free memory / raise memory_budget.",
+            rollout_hint=f"Lower prompts_per_step (now {cfg.prompts_per_step}) or num_generations (now "
+            f"{cfg.num_generations}); " + size_hint + "a smaller model; or free memory / raise memory_budget.",
+        )
+    finally:
+        set_rng_state(rng)
+        model.train(was_training)
+    if num_processes > 1:  # every process the same sizes (CPU measurements vary a little)
+        from accelerate.utils import broadcast_object_list
+
+        chosen = broadcast_object_list([(plan.micro_batch_size, plan.gradient_checkpointing)])[0]
+        plan.micro_batch_size, plan.gradient_checkpointing = chosen
+        set_gradient_checkpointing(model, chosen[1])
+    return plan
+
+
+def resume_sizes(plan: MemoryPlan | None, config, current: tuple, saved: tuple) -> tuple[tuple, str | None]:
+    """The (micro_batch_size, gradient_checkpointing) a resumed run uses, and a line saying so (None:
+    nothing to say). An 'auto' size takes the checkpoint's when the probe found it to fit (the same
+    accumulation order: an exact resume); otherwise this start's stays."""
+    if plan is None or saved == current or None in saved:
+        return current, None
+    if not plan.fits(*saved):
+        return current, (f"the checkpoint ran micro_batch_size {saved[0]}, gradient_checkpointing {saved[1]}; that "
+                         f"does not fit now: using {current[0]}, {current[1]}")
+    size = saved[0] if config.micro_batch_size == "auto" else current[0]
+    on = saved[1] if config.gradient_checkpointing == "auto" else current[1]
+    plan.micro_batch_size, plan.gradient_checkpointing = size, on
+    return (size, on), f"resumed with the checkpoint's micro_batch_size {size}, gradient_checkpointing {'on' if on else 'off'}"

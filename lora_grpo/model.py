@@ -56,7 +56,7 @@ def disable_dropout(model: nn.Module) -> None:
 
 def resolve_model_path(config: GRPOConfig) -> str:
     if config.model_name_or_path == "toy":
-        from .toy import ensure_toy_base
+        from .tasks.toy import ensure_toy_base
 
         return ensure_toy_base()  # one fixed base (seed 0) whatever the run seed: built once, cached
     return config.model_name_or_path

@@ -42,12 +42,19 @@ class WarmupRestarts:
     u_sync the update count at the last sync, warmup(k) = min(1, k / warmup updates): the schedule's
     own linear ramp (transformers'; 0 on the first update after the sync). Before any sync it is 1.
 
-    `restart_update` is the run's state: the trainer stores it in checkpoints (the scheduler's
+    `restart_update` is the run's state, in checkpoints through state_dict (the scheduler's own
     state_dict leaves out plain functions such as the wrapped multipliers)."""
 
     def __init__(self, warmup_updates: int):
         self.warmup_updates = warmup_updates
         self.restart_update: int | None = None
+
+    def state_dict(self) -> dict[str, int | None]:
+        return {"restart_update": self.restart_update}
+
+    def load_state_dict(self, state: dict[str, int | None] | int | None) -> None:
+        # Checkpoints before TrainState stored the bare update number (or None).
+        self.restart_update = state.get("restart_update") if isinstance(state, dict) else state
 
     def factor(self, update: int) -> float:
         if self.restart_update is None:
@@ -112,3 +119,12 @@ def average_gradients(params: list[torch.nn.Parameter], accelerator) -> None:
     for p, g in zip(params, grads):
         p.grad = flat[offset : offset + g.numel()].view_as(g)
         offset += g.numel()
+
+
+def sum_over_processes(values: dict[str, float], accelerator) -> dict[str, float]:
+    """Each value summed over every process (one all-reduce); as is with one process."""
+    if accelerator.num_processes == 1:
+        return values
+    keys = sorted(values)
+    totals = accelerator.reduce(torch.tensor([values[k] for k in keys], device=accelerator.device), "sum")
+    return dict(zip(keys, totals.tolist()))

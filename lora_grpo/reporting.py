@@ -21,14 +21,16 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from .config import TRACKERS, ConfigError
+from .memory import MiB
+from .plots import METRICS_FILE, PLOT_FILE, PlotInfo, plot_records, read_records
 
 if TYPE_CHECKING:  # typing only: the trainer owns both
     from accelerate import Accelerator
@@ -43,9 +45,7 @@ TRACKER_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 assert tuple(TRACKER_PACKAGES) == TRACKERS
 
-METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
-PLOT_FILE = "metrics.png"
 
 
 # ----------------------------------------------------------------------------- trackers
@@ -173,88 +173,60 @@ def _markdown_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- plot
-PANELS: tuple[tuple[str, Any], ...] = (
-    # (title, which metrics: a predicate on the key)
-    ("reward", lambda k: k == "reward/mean" or (k.startswith("rewards/") and k.endswith("/mean"))),
-    ("eval", lambda k: k.startswith("eval/") and k not in ("eval/completion_length", "eval/kl_to_base")),
-    ("KL to reference", lambda k: k == "kl"),
-    ("KL to base", lambda k: k == "eval/kl_to_base"),  # never reset by a sync, unlike the one above
-    ("completion length", lambda k: k == "completion_length/mean"),
-    ("entropy", lambda k: k == "entropy"),
-)
+# ----------------------------------------------------------------------------- lines and summary
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """'k=v k=v' of the numeric entries, 4 significant digits."""
+    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
 
 
-@dataclass
-class PlotInfo:
-    """What a plot drew: its file, each panel's metrics, and the steps marked as reference syncs."""
-
-    path: Path | None
-    panels: dict[str, list[str]] = field(default_factory=dict)
-    sync_steps: list[int] = field(default_factory=list)
-
-
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def metrics_figure(records: list[dict[str, Any]], keys: Sequence[str] | None = None):
-    """(matplotlib Figure, PlotInfo) of a run's metrics records: reward (total and per function),
-    eval metrics, KL to the reference, KL to the base (eval), completion length and entropy over steps (or one panel per key of `keys`),
-    with a vertical line at each reference sync. Panels without data are left out."""
-    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
-    from matplotlib.ticker import MaxNLocator
-
-    present = list(dict.fromkeys(k for r in records for k in r if isinstance(r.get(k), (int, float))))
-    if keys:
-        panels = {key: [key] for key in keys}
-    else:
-        panels = {title: sorted((k for k in present if wanted(k)), key=lambda k: k != "reward/mean") for title, wanted in PANELS}
-    panels = {t: ks for t, ks in panels.items() if any(k in present for k in ks)}
-    if not panels:
-        raise ValueError(f"no metrics to plot among {len(records)} records" + (f" for keys {list(keys)}" if keys else ""))
-    syncs = [r["step"] for r in records if r.get("sync/event")]
-    fig = Figure(figsize=(7.5, 2.3 * len(panels)))
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (title, ks) in zip(axes, panels.items()):
-        for key in ks:
-            points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-            sparse = key.startswith("eval/") or len(points) < 3
-            total = key == "reward/mean" and len(ks) > 1  # the weighted sum, over its parts
-            ax.plot(*zip(*points), marker="o" if sparse else None, ms=3, label=key,
-                    **({"color": "black", "lw": 1.8} if total else {"lw": 1.1}))
-        for i, s in enumerate(syncs):
-            ax.axvline(s, color="gray", alpha=0.4, lw=0.8, ls="--", label="reference sync" if i == 0 else None)
-        ax.set_ylabel(title)
-        ax.grid(alpha=0.2)
-        if len(ks) > 1 or (syncs and ax is axes[0]):
-            ax.legend(fontsize=7, loc="best")
-    axes[-1].set_xlabel("step" + (" (dashed: reference syncs)" if syncs else ""))
-    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.tight_layout()
-    return fig, PlotInfo(None, panels, syncs)
+def progress_line(step: int, total_steps: int, m: dict[str, Any]) -> str:
+    """The logging_steps line: step, reward ± std, KL, length, zero-std share, time; sync and eval if any."""
+    parts = [
+        f"step {step}/{total_steps}",
+        f"reward {m.get('reward/mean', float('nan')):.3f}±{m.get('reward/std', float('nan')):.3f}",
+        f"kl {m.get('kl', 0.0):.4f}",
+        f"len {m.get('completion_length/mean', 0.0):.1f}",
+        f"zero-std {m.get('frac_reward_zero_std', 0.0):.2f}",
+        f"{m.get('time/step', 0.0):.1f}s",
+    ]
+    if m.get("sync/event"):
+        parts.append(f"sync({m['sync/reason']}, err {m['sync/truncation_error']:.1e})")
+    if "eval/completion_length" in m:
+        parts.append(format_metrics({k: v for k, v in m.items() if k.startswith("eval/")}))
+    return " | ".join(parts)
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None, keys: Sequence[str] | None = None) -> PlotInfo:
-    """Plot RUN_DIR/metrics.jsonl to `out` (default RUN_DIR/metrics.png); written atomically."""
-    run_dir = Path(run_dir)
-    source = run_dir / METRICS_FILE
-    if not source.exists():
-        raise FileNotFoundError(f"{source} does not exist: give the output_dir of a run")
-    return plot_records(read_records(source), Path(out) if out else run_dir / PLOT_FILE, keys)
-
-
-def plot_records(records: list[dict[str, Any]], out: Path, keys: Sequence[str] | None = None) -> PlotInfo:
-    """metrics_figure of the records, saved to `out` atomically."""
-    fig, info = metrics_figure(records, keys)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, out)  # a reader never sees half a PNG
-    finally:
-        tmp.unlink(missing_ok=True)  # a failed write (disk full) leaves nothing behind
-    info.path = out
-    return info
+def run_summary(history: Sequence[dict[str, Any]], *, steps: int, seconds: float, total_seconds: float,
+                log_prob_check: float | None, micro_batch_size, gradient_checkpointing, memory_plan,
+                headline: str, before: dict, after: dict) -> dict[str, Any]:
+    """summary.json: the reward curve's first and last tenth, syncs, the sizes in use, the memory
+    plan and the eval before / after (`headline`: the eval metric of the first reward function)."""
+    rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
+    k = max(1, len(rewards) // 10)
+    summary: dict[str, Any] = {
+        "steps": steps,
+        "seconds": round(seconds, 2),  # train() itself
+        "total_seconds": round(total_seconds, 2),  # plus model load (and toy pretraining)
+        # the reward curve's start and end: means over its first and last tenth
+        "reward_first": float(np.mean(rewards[:k])) if rewards else None,
+        "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
+        "syncs": sum(1 for m in history if m.get("sync/event")),
+        "log_prob_check_max_diff": log_prob_check,  # chunked log-probs vs the model's logits, at start
+        "micro_batch_size": micro_batch_size,  # 'auto' resolved
+        "gradient_checkpointing": gradient_checkpointing,
+    }
+    if memory_plan is not None:
+        plan = memory_plan
+        summary["memory"] = {"peak_mib": round(plan.need / MiB, 1), "budget_mib": round(plan.budget / MiB, 1),
+                             "rollout_mib": round(plan.rollout / MiB, 1), "probe_seconds": round(plan.seconds, 2)}
+    if before or after:
+        summary["accuracy_before"] = before.get(headline)
+        summary["accuracy_after"] = after.get(headline)
+        # KL per token of the policy to the model the run started from (0 before a fresh run)
+        summary["kl_to_base_before"] = before.get("eval/kl_to_base")
+        summary["kl_to_base_after"] = after.get("eval/kl_to_base")
+        summary["eval_before"], summary["eval_after"] = before, after
+    return summary
 
 
 # ----------------------------------------------------------------------------- the reporter

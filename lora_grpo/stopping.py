@@ -68,3 +68,17 @@ def agreed_signal(local: int | None, num_processes: int, device) -> int | None:
     flag = torch.tensor([local or 0], device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # a sum would invent signals
     return int(flag.item()) or None
+
+
+def count_nonfinite(state, finite: bool, config) -> None:
+    """Count NaN/inf updates in a row in `state.nonfinite_in_a_row` (a finite one resets it); raise
+    NonFiniteError, with the likely causes, once max_nonfinite_updates are reached."""
+    state.nonfinite_in_a_row = 0 if finite else state.nonfinite_in_a_row + 1
+    if state.nonfinite_in_a_row >= config.max_nonfinite_updates:
+        raise NonFiniteError(
+            f"the loss or gradients were NaN/inf for {state.nonfinite_in_a_row} updates in a row (up to step "
+            f"{state.global_step + 1}); each was skipped, the adapters hold the last finite update. Common causes: "
+            f"a learning rate too high (learning_rate={config.learning_rate}), float16 without loss scaling "
+            f"(torch_dtype={config.torch_dtype!r}; use bfloat16 or float32), or a reward of extreme magnitude. "
+            f"Resume from the last checkpoint with a lower learning_rate, or raise max_nonfinite_updates."
+        )

@@ -10,7 +10,7 @@ A reward function written for TRL works unchanged.
 """
 
 from lora_grpo import GRPOConfig, GRPOTrainer
-from lora_grpo.toy import parse_answer, toy_problems
+from lora_grpo.tasks.toy import parse_answer, toy_problems
 
 
 def correct_sum(completions, answer, **kwargs):

@@ -13,6 +13,7 @@ import torch
 import lora_grpo.checkpoint as ckpt
 from lora_grpo.adapters import POLICY, REFERENCE
 from lora_grpo.checkpoint import CheckpointError
+from lora_grpo.rng import rng_state, set_rng_state
 
 from conftest import SMALL_RUN, assert_same_adapters, make_trainer
 
@@ -149,9 +150,9 @@ def test_resume_is_exact_with_a_4bit_base_and_lora_dropout(tiny_base_dir, tmp_pa
 
 
 def test_rng_state_round_trips_every_generator():
-    state = ckpt.rng_state()
+    state = rng_state()
     first = (random.random(), np.random.rand(), torch.rand(1).item())
-    ckpt.set_rng_state(state)
+    set_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
 
 
@@ -161,7 +162,7 @@ def test_each_process_restores_its_own_rng_slot(tiny_base_dir, tmp_path, saved_r
     _, blobs = ckpt.load_checkpoint_state(saved_run / "checkpoint-2")
     other = {**blobs["rng"][0], "torch": torch.manual_seed(123).get_state(), "sampling": torch.Generator().manual_seed(7).get_state()}
     blobs["rng"] = [blobs["rng"][0], other]
-    monkeypatch.setattr(ckpt, "load_checkpoint_state", lambda path: ({"step": 2, "batches": trainer.batches.state_dict(), "num_processes": 2}, blobs))
+    monkeypatch.setattr(ckpt, "load_checkpoint_state", lambda path: ({"step": 2, "batches": trainer.state.batches.state_dict(), "num_processes": 2}, blobs))
     monkeypatch.setattr(ckpt, "check_compatible", lambda *a, **k: None)
     monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self: 1))
     trainer.load_checkpoint(saved_run / "checkpoint-2")

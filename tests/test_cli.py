@@ -89,7 +89,7 @@ def test_train_without_a_recipe_runs_the_shipped_toy_recipe(tiny_base_dir, tmp_p
     assert main(["train", *[a for s in sets for a in ("--set", s)]]) == 0
     assert "(recipe toy-addition)" in capsys.readouterr().out
     saved = (run / "config.yaml").read_text()
-    assert "dataset: toy" in saved and "lora_grpo.toy:toy_reward" in saved
+    assert "dataset: toy" in saved and "lora_grpo.tasks.toy:toy_reward" in saved
     assert json.loads((run / "summary.json").read_text())["steps"] == 1
 
 

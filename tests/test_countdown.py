@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from lora_grpo import countdown
-from lora_grpo.countdown import (
+from lora_grpo.tasks import countdown
+from lora_grpo.tasks.countdown import (
     countdown_problems,
     countdown_reward,
     evaluate_expression,
@@ -160,7 +160,7 @@ def test_reward_skips_rows_without_a_problem_and_checks_lengths():
 
 
 def test_reward_resolves_by_dotted_path_and_declares_its_columns():
-    (fn,) = resolve_reward_funcs(["lora_grpo.countdown:countdown_reward"])
+    (fn,) = resolve_reward_funcs(["lora_grpo.tasks.countdown:countdown_reward"])
     assert fn is countdown_reward
     check_reward_columns([fn], ["nums", "target", "solution"], "train_dataset")
     with pytest.raises(ValueError, match="target"):

@@ -6,7 +6,7 @@ import datasets
 import pytest
 
 from lora_grpo.data import PROMPT_MESSAGES, PromptBatches, load_prompt_dataset
-from lora_grpo.toy import make_tokenizer
+from lora_grpo.tasks.toy import make_tokenizer
 
 ROWS = [
     {"question": "1+1?", "answer": "2", "level": 1},

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from lora_grpo import config as config_module
-from lora_grpo import fast_decode
-from lora_grpo import rollout as rollout_module
+from lora_grpo.rollout import fast_decode
+from lora_grpo.rollout import generate as rollout_module
 from lora_grpo.adapters import POLICY, REFERENCE, lora_layers, use_adapter
 from lora_grpo.config import ConfigError, GRPOConfig
 from lora_grpo.model import attach_adapters, keep_4bit_weights_fixed
 from lora_grpo.rollout import generate_rollout
-from lora_grpo.toy import make_tiny_model, make_tokenizer
+from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
 
 # Ragged (left-padded) prompts; with the model below, sampling ends some rows at EOS within the
 # limit and not others, at temperature 1 and greedily alike.
@@ -113,12 +113,12 @@ def test_compile_refused_falls_back_to_eager_with_one_message(tok, monkeypatch, 
     monkeypatch.setattr(torch, "compile", refuse)
     model = lora_model(tok)
     eager = rollout(model, tok, "eager")
-    with caplog.at_level(logging.WARNING, logger="lora_grpo.fast_decode"):
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.rollout.fast_decode"):
         first = rollout(model, tok, "compiled")
         second = rollout(model, tok, "compiled")
     assert_same_rollout(first, eager)
     assert_same_rollout(second, eager)
-    messages = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.fast_decode"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.rollout.fast_decode"]
     assert len(messages) == 1, messages
     assert "torch.compile is not supported on this Python" in messages[0] and "eager sampler" in messages[0]
     assert "torch.compile is not supported" in fast_decode.unavailable(model)
@@ -146,11 +146,11 @@ def test_failure_while_compiling_finishes_the_rollout_then_goes_eager(tok, monke
     monkeypatch.setattr(rollout_module, "StaticDecoder", CountingDecoder)
     model = lora_model(tok)
     eager = rollout(model, tok, "eager")
-    with caplog.at_level(logging.WARNING, logger="lora_grpo.fast_decode"):
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.rollout.fast_decode"):
         assert_same_rollout(rollout(model, tok, "compiled"), eager)
         assert_same_rollout(rollout(model, tok, "compiled"), eager)
     assert len(calls) == 1 and len(static_chunks) == 1  # tried once; the second rollout was eager
-    messages = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.fast_decode"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.rollout.fast_decode"]
     assert len(messages) == 1 and "No working C++ compiler" in messages[0], messages
 
 
@@ -162,11 +162,11 @@ def test_sliding_window_model_is_refused_with_one_message(tok, caplog):
                            num_attention_heads=2, num_key_value_heads=1, sliding_window=4,
                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
     model = MistralForCausalLM(config).eval()
-    with caplog.at_level(logging.WARNING, logger="lora_grpo.fast_decode"):
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.rollout.fast_decode"):
         got = rollout(model, tok, "static", max_new=6)
         rollout(model, tok, "static", max_new=6)
     assert_same_rollout(got, rollout(model, tok, "eager", max_new=6))
-    messages = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.fast_decode"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.rollout.fast_decode"]
     assert len(messages) == 1 and "full attention only" in messages[0], messages
 
 

@@ -4,7 +4,7 @@ path). Skipped without a GPU; `pytest -m gpu` runs only these."""
 import pytest
 import torch
 
-import lora_grpo.trainer as trainer_module
+from lora_grpo.batch import Batch
 from lora_grpo.model import POLICY, reference_forward
 
 from conftest import PROMPTS, adapter_state, assert_same_4bit, changed, frozen_4bit, make_trainer
@@ -27,7 +27,7 @@ def test_a_qlora_run_on_cuda_moves_the_policy_keeps_the_base_and_hard_syncs_exac
     # Step 2 trained against the initial reference (KL > 0), then the reference was hard-synced.
     assert trainer.history[1]["kl"] > 0 and trainer.history[1]["sync/event"] == 1.0
     rollout = trainer.generate([row["prompt"] for row in PROMPTS[:2]])
-    batch = trainer_module.Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask,
+    batch = Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask,
                                  torch.zeros(rollout.input_ids.shape[0], device=rollout.input_ids.device))
     policy = trainer.log_probs(batch)
     with reference_forward(model):

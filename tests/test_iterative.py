@@ -13,7 +13,7 @@ from lora_grpo.config import ConfigError
 from lora_grpo.evaluation import chunk_generator
 from lora_grpo.optim import WarmupRestarts, build_optimizer, build_scheduler, reset_optimizer_state
 from lora_grpo.reference import SyncSchedule
-from lora_grpo.reporting import metrics_figure
+from lora_grpo.plots import metrics_figure
 
 from conftest import PROMPTS, adapter_state, assert_same_adapters, make_trainer
 
@@ -216,7 +216,7 @@ def test_resume_is_exact_with_resets_restarts_and_the_plateau_trigger(tiny_base_
     assert_same_adapters(full.model, resumed.model)
     assert [m["lr"] for m in full.history] == [m["lr"] for m in resumed.history]
     assert [m.get("sync/reason") for m in resumed.history] == [m.get("sync/reason") for m in full.history]
-    assert resumed.sync_schedule.state_dict() == full.sync_schedule.state_dict()
+    assert resumed.state.sync_schedule.state_dict() == full.state.sync_schedule.state_dict()
 
 
 # ------------------------------------------------------------------------------- plateau

@@ -197,9 +197,9 @@ def test_preflight_names_the_numbers_and_the_fix(monkeypatch):
 # ------------------------------------------------------------------------------ the trainer
 def test_auto_picks_the_whole_batch_when_memory_is_ample(tiny_base_dir, tmp_path, capsys):
     trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=1, **AUTO)
+    plan = trainer.plan_memory()  # what train() does first
     assert (trainer.micro_batch_size, trainer.gradient_checkpointing) == (8, False)  # 2 prompts × 4
     assert not is_checkpointing(trainer.model)
-    plan = trainer.memory_plan
     assert 0 < plan.need < plan.budget and plan.tokens[1] == 6 and plan.seconds > 0
     summary = trainer.train()
     assert "micro_batch_size auto → 8" in capsys.readouterr().out
@@ -209,7 +209,7 @@ def test_auto_picks_the_whole_batch_when_memory_is_ample(tiny_base_dir, tmp_path
 
 def test_fixed_sizes_are_not_probed(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path)  # TINY_RUN: micro_batch_size 3, checkpointing on
-    assert trainer.memory_plan is None and trainer.micro_batch_size == 3 and is_checkpointing(trainer.model)
+    assert trainer.plan_memory() is None and trainer.micro_batch_size == 3 and is_checkpointing(trainer.model)
 
 
 def tight_budget(trainer, monkeypatch, size: int):
@@ -217,17 +217,17 @@ def tight_budget(trainer, monkeypatch, size: int):
     not, nor `size` without it (saved-for-backward bytes of the real worst-case pass)."""
     from lora_grpo.model import set_gradient_checkpointing
 
-    tokens = trainer.memory_plan.tokens
+    tokens = trainer.plan_memory().tokens
 
     def measured(m, on):
         set_gradient_checkpointing(trainer.model, on)
-        return saved_bytes(lambda: trainer._probe_pass(m, True, tokens), None)
+        return saved_bytes(lambda: memory.probe_pass(trainer.update, m, True, tokens, trainer.accelerator.device), None)
 
     on_fit, on_miss, off = measured(size, True), measured(size + 1, True), measured(size, False)
     room = (on_fit + on_miss) / 2
     assert off > room and trainer.memory_plan.rollout < room  # what the test relies on
     optimizer = memory.optimizer_state_bytes(trainer.params, "adamw")
-    monkeypatch.setattr("lora_grpo.trainer.available_bytes", lambda device: (room + optimizer, "test RAM"))
+    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (room + optimizer, "test RAM"))
 
 
 def test_a_small_budget_gives_a_smaller_micro_batch_with_checkpointing(tiny_base_dir, tmp_path, monkeypatch):
@@ -236,6 +236,7 @@ def test_a_small_budget_gives_a_smaller_micro_batch_with_checkpointing(tiny_base
     assert probe.micro_batch_size == 8
     tight_budget(probe, monkeypatch, 6)
     trainer = make_trainer(tiny_base_dir, tmp_path / "b", memory_budget=1.0, max_steps=1, **AUTO)
+    trainer.plan_memory()
     assert (trainer.micro_batch_size, trainer.gradient_checkpointing) == (6, True)
     assert is_checkpointing(trainer.model)
     assert trainer.memory_plan.largest[True] == 6 and (trainer.memory_plan.largest[False] or 0) < 6
@@ -248,34 +249,34 @@ def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp
     monkeypatch.setattr(memory, "measure_peak", saved_bytes)
     kw = dict(memory_budget=1.0, num_generations=2, prompts_per_step=1, **AUTO)  # a small rollout: one sequence is the limit
     probe = make_trainer(tiny_base_dir, tmp_path / "a", **kw)
-    tokens, rollout = probe.memory_plan.tokens, probe.memory_plan.rollout
+    tokens, rollout = probe.plan_memory().tokens, probe.memory_plan.rollout
     set_gradient_checkpointing(probe.model, True)
-    one = saved_bytes(lambda: probe._probe_pass(1, True, tokens), None)  # with recompute, the least it can need
+    one = saved_bytes(lambda: memory.probe_pass(probe.update, 1, True, tokens, probe.accelerator.device), None)  # with recompute, the least it can need
     assert rollout * 1.01 < one  # what the test relies on
     optimizer = memory.optimizer_state_bytes(probe.params, "adamw")
-    monkeypatch.setattr("lora_grpo.trainer.available_bytes", lambda device: (rollout * 1.01 + optimizer, "test RAM"))
+    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (rollout * 1.01 + optimizer, "test RAM"))
 
     def no_rollout(*args, **kwargs):
         raise AssertionError("a rollout ran before the preflight")
 
     monkeypatch.setattr("lora_grpo.trainer.generate_rollout", no_rollout)
     with pytest.raises(MemoryBudgetError) as e:
-        make_trainer(tiny_base_dir, tmp_path / "b", **kw)
+        make_trainer(tiny_base_dir, tmp_path / "b", **kw).train()
     text = str(e.value)
     assert f"one sequence of {sum(tokens)} tokens ({tokens[0]} prompt + 6 completion) needs ~" in text
     assert "gradient checkpointing on" in text and "MiB test RAM" in text
     for fix in ["max_completion_length (now 6)", "lora_r (now 4)", "logprob_chunk_size", "a smaller model", "memory_budget"]:
         assert fix in text
-    monkeypatch.setattr("lora_grpo.trainer.available_bytes", lambda device: (1.0, "test RAM"))
+    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (1.0, "test RAM"))
     with pytest.raises(MemoryBudgetError, match=r"rollout decodes 2 sequences.*prompts_per_step \(now 1\)"):
-        make_trainer(tiny_base_dir, tmp_path / "c", **kw)
+        make_trainer(tiny_base_dir, tmp_path / "c", **kw).train()
 
 
 def test_the_probe_leaves_adapters_rng_and_gradients_as_they_were(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path / "a", max_steps=1, quantization="none", **AUTO)
     before = {a: adapter_state(trainer.model, a) for a in (POLICY, REFERENCE)}
     rng = torch.get_rng_state()
-    trainer._plan_memory()
+    trainer.plan_memory()
     assert torch.equal(torch.get_rng_state(), rng)
     for a in (POLICY, REFERENCE):
         after = adapter_state(trainer.model, a)
@@ -299,6 +300,7 @@ def test_resume_with_auto_is_exact_and_keeps_the_checkpoints_sizes(tiny_base_dir
     assert_same_adapters(full.model, resumed.model)
     # A start that would choose other sizes takes the checkpoint's when they fit.
     other = make_trainer(tiny_base_dir, tmp_path / "c", **kw)
+    other.plan_memory()
     other.micro_batch_size = 2
     other.load_checkpoint(tmp_path / "a" / "run" / "checkpoint-2")
     assert other.micro_batch_size == full.micro_batch_size == 8

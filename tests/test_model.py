@@ -15,7 +15,7 @@ from lora_grpo.checkpoint import save_adapter
 from lora_grpo.config import GRPOConfig
 from lora_grpo.model import load_model
 from lora_grpo.reference import lora_layers
-from lora_grpo.toy import make_tiny_model, make_tokenizer
+from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
 
 from conftest import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer
 

@@ -93,11 +93,12 @@ def outside(tmp_path) -> Path:
 def test_the_wheel_ships_every_recipe(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert SOURCE_RECIPES and {f"lora_grpo/recipes/{name}" for name in SOURCE_RECIPES} <= set(names)
-    assert "lora_grpo/countdown.py" in names and "lora_grpo/cli.py" in names
+    for module in ("lora_grpo/cli.py", "lora_grpo/tasks/countdown.py", "lora_grpo/rewards/scoring.py", "lora_grpo/rollout/generate.py"):
+        assert module in names, module  # the subpackages ship too
 
 
 def test_the_installed_package_lists_its_recipes_outside_the_clone(installed, outside):
-    probe = "import sys, lora_grpo.cli, lora_grpo.countdown; print(sys.meta_path); print(lora_grpo.__file__)"
+    probe = "import sys, lora_grpo.cli, lora_grpo.tasks.countdown; print(sys.meta_path); print(lora_grpo.__file__)"
     meta_path, where = _run(installed, outside, "-c", probe).strip().splitlines()[-2:]
     assert Path(where).parent == installed / "lora_grpo", f"lora_grpo imported from {where}, not from the wheel"
     assert "__editable__" not in meta_path

@@ -21,7 +21,7 @@ def _gsm8k(path: Path) -> None:
 
 
 def _countdown(path: Path) -> None:
-    from lora_grpo.countdown import countdown_problems
+    from lora_grpo.tasks.countdown import countdown_problems
 
     countdown_problems(8, seed=0).to_json(str(path))
 

@@ -19,7 +19,8 @@ import pytest
 
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.config import ConfigError
-from lora_grpo.reporting import RunReporter, metrics_figure, numbers_only, plot_run, require_tracker_packages
+from lora_grpo.plots import metrics_figure, plot_run
+from lora_grpo.reporting import RunReporter, numbers_only, require_tracker_packages
 
 from conftest import PROMPTS, digit_share, make_trainer, run_torchrun
 

@@ -1,7 +1,6 @@
 """Rollout: prefix-shared sampling matches plain generation, masks/shapes, and the logit filters."""
 
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,18 +8,16 @@ from tokenizers import processors
 
 from lora_grpo.rollout import (
     Rollout,
-    _tokenize_left_padded,
+    tokenize_prompts,
     apply_min_p,
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
-    check_context,
-    context_limit,
     generate_rollout,
     sample_next,
     warp_logits,
 )
-from lora_grpo.toy import make_tokenizer, make_tiny_model
+from lora_grpo.tasks.toy import make_tokenizer, make_tiny_model
 
 NEG = float("-inf")
 # Different lengths, so the batch is really left-padded.
@@ -173,28 +170,6 @@ def test_left_truncation_keeps_last_tokens_and_warns(tok):
 # --------------------------------------------------------------------------- input errors
 
 
-def test_check_context_names_fields_sum_limit_and_fix(tok):
-    model = make_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=256)
-    with pytest.raises(ValueError) as info:
-        check_context(200, 100, model.config)
-    msg = str(info.value)
-    assert "max_prompt_length + max_completion_length = 200 + 100 = 300 tokens" in msg
-    assert "the model's context of 256 tokens (max_position_embeddings)" in msg
-    assert "lower max_prompt_length or max_completion_length so that they sum to at most 256" in msg
-    check_context(156, 100, model.config)
-    check_context(156, 100, model)  # the model itself will do
-    check_context(None, 255, model.config)
-    with pytest.raises(ValueError, match=r"max_completion_length=256 leaves no room for a prompt.*256 tokens"):
-        check_context(None, 256, model.config)
-    # A multimodal config: the text config's limit; no limit at all: nothing to check.
-    multimodal = SimpleNamespace(get_text_config=lambda: SimpleNamespace(max_position_embeddings=64))
-    assert context_limit(multimodal) == 64
-    with pytest.raises(ValueError, match="context of 64 tokens"):
-        check_context(60, 8, multimodal)
-    assert context_limit(SimpleNamespace(max_position_embeddings=None)) is None
-    check_context(10**6, 10**6, SimpleNamespace())
-
-
 def test_prompt_longer_than_context_raises_before_the_model_runs(tok):
     model = make_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=32)
     calls = []
@@ -262,11 +237,11 @@ def test_plain_prompts_get_bos_once_when_the_tokenizer_uses_one():
         single="<s> $A", special_tokens=[("<s>", bos)]
     )
     assert tokenizer("a")["input_ids"][0] == bos
-    ids, mask = _tokenize_left_padded(tokenizer, ["ab", "<s>cd"], None)
+    ids, mask = tokenize_prompts(tokenizer, ["ab", "<s>cd"], None)
     assert ids[0].tolist()[-3:] == [bos] + tokenizer("ab", add_special_tokens=False)["input_ids"]
     assert (ids[1] == bos).sum() == 1  # already there: not doubled
     plain = make_tokenizer()  # no BOS: nothing added
-    ids, _ = _tokenize_left_padded(plain, ["ab"], None)
+    ids, _ = tokenize_prompts(plain, ["ab"], None)
     assert ids[0].tolist() == plain("ab")["input_ids"]
 
 

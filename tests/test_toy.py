@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from conftest import run_torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lora_grpo import toy
+from lora_grpo.tasks import toy
 
 # Pretraining settings small enough for a unit test (well under a second per run).
 TINY = dict(steps=30, batch_size=32, learning_rate=1e-2, warmup_steps=5, hidden_size=32, num_layers=1,
@@ -200,7 +200,7 @@ DIST_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     import torch.distributed as dist
-    from lora_grpo import toy
+    from lora_grpo.tasks import toy
 
     cache, out, tiny = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     dist.init_process_group("gloo")

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 import lora_grpo.trainer as trainer_module
+import lora_grpo.update as update_module
+from lora_grpo.batch import Batch
+from lora_grpo.stopping import NonFiniteError, TrainingInterrupted
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.config import ConfigError
 from lora_grpo.model import POLICY, REFERENCE
@@ -56,8 +59,8 @@ def test_end_to_end_policy_moves_base_frozen_reference_synced_on_schedule(tiny_b
 def test_beta_zero_skips_the_reference_forward(tiny_base_dir, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_base_dir, tmp_path, beta=0.0, max_steps=1)
     seen = []
-    real = trainer_module.grpo_loss
-    monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
+    real = update_module.grpo_loss
+    monkeypatch.setattr(update_module, "grpo_loss", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
     trainer.train()
     assert seen and all(ref is None for ref in seen)
     assert trainer.history[0]["kl"] == 0.0
@@ -67,14 +70,14 @@ def test_beta_zero_skips_the_reference_forward(tiny_base_dir, tmp_path, monkeypa
 def test_num_iterations_uses_old_log_probs_only_when_reusing_the_batch(tiny_base_dir, tmp_path, monkeypatch, num_iterations):
     trainer = make_trainer(tiny_base_dir, tmp_path, num_iterations=num_iterations, max_steps=1, micro_batch_size=8)
     calls = []
-    real = trainer_module.grpo_loss
+    real = update_module.grpo_loss
 
     def spy(logp, old_logp, *a, **k):
         loss, m = real(logp, old_logp, *a, **k)
         calls.append((old_logp, m["ratio"]))
         return loss, m
 
-    monkeypatch.setattr(trainer_module, "grpo_loss", spy)
+    monkeypatch.setattr(update_module, "grpo_loss", spy)
     trainer.train()
     assert len(calls) == num_iterations
     if num_iterations == 1:
@@ -101,7 +104,7 @@ def test_micro_batching_gives_the_same_gradient_as_one_batch(tiny_base_dir, tmp_
         torch.manual_seed(0)
         rollout = trainer.generate([PROMPTS[0]["prompt"], PROMPTS[1]["prompt"]])
         adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.2, 0.3, -0.1, -0.4])
-        batch = trainer_module.Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask, adv)
+        batch = Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask, adv)
         batch.ref_logp = trainer.log_probs(batch)
         trainer.optimizer.step = lambda: None  # keep the weights; we compare gradients
         trainer.optimizer.zero_grad = lambda set_to_none=True: None
@@ -207,7 +210,7 @@ def test_epoch_and_kl_schedules_in_the_loop(tiny_base_dir, tmp_path):
 
 def test_a_nonfinite_loss_skips_the_update_and_training_goes_on(tiny_base_dir, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=3, save_steps=1)
-    real = trainer_module.grpo_loss
+    real = update_module.grpo_loss
     calls = {"n": 0}
 
     def nan_on_second_step(*a, **k):
@@ -215,7 +218,7 @@ def test_a_nonfinite_loss_skips_the_update_and_training_goes_on(tiny_base_dir, t
         calls["n"] += 1
         return (loss * float("nan") if trainer.step == 1 else loss), m
 
-    monkeypatch.setattr(trainer_module, "grpo_loss", nan_on_second_step)
+    monkeypatch.setattr(update_module, "grpo_loss", nan_on_second_step)
     snapshots = []
     original = trainer.training_step
     trainer.training_step = lambda rows: snapshots.append(adapter_state(trainer.model, POLICY)) or original(rows)
@@ -229,10 +232,10 @@ def test_a_nonfinite_loss_skips_the_update_and_training_goes_on(tiny_base_dir, t
 
 def test_nonfinite_updates_in_a_row_stop_with_a_clear_error(tiny_base_dir, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=5, max_nonfinite_updates=2)
-    real = trainer_module.grpo_loss
-    monkeypatch.setattr(trainer_module, "grpo_loss", lambda *a, **k: (lambda l, m: (l * float("inf"), m))(*real(*a, **k)))
+    real = update_module.grpo_loss
+    monkeypatch.setattr(update_module, "grpo_loss", lambda *a, **k: (lambda l, m: (l * float("inf"), m))(*real(*a, **k)))
     before = adapter_state(trainer.model, POLICY)
-    with pytest.raises(trainer_module.NonFiniteError, match=r"NaN/inf for 2 updates in a row .*learning_rate"):
+    with pytest.raises(NonFiniteError, match=r"NaN/inf for 2 updates in a row .*learning_rate"):
         trainer.train()
     assert not changed(before, adapter_state(trainer.model, POLICY))
 
@@ -255,7 +258,7 @@ def test_a_stop_signal_finishes_the_step_writes_a_checkpoint_and_says_how_to_res
 
     trainer.training_step = step_then_signal
     handler_before = signal.getsignal(signal.SIGINT)
-    with pytest.raises(trainer_module.TrainingInterrupted) as info:
+    with pytest.raises(TrainingInterrupted) as info:
         trainer.train()
     assert info.value.exit_code == code
     assert trainer.step == 2 and len(trainer.history) == 2  # the step in flight finished
@@ -303,7 +306,7 @@ def test_a_reference_equal_to_the_policy_costs_no_forward(tiny_base_dir, tmp_pat
     original = forward.training_step
 
     def always_forward(rows):
-        forward.reference_is_policy = False
+        forward.state.reference_is_policy = False
         return original(rows)
 
     forward.training_step = always_forward

@@ -4,10 +4,8 @@ Each distinct prompt is prefilled once; its KV cache and last-position logits ar
 G times along the batch (prefix sharing), and a plain token-by-token sampling loop decodes all
 P·G sequences together until every one has emitted EOS or ``max_completion_length`` is reached.
 That loop runs eagerly (finished rows leave the batch) or, for torch.compile and CUDA graphs, with
-fixed shapes over a static KV cache (:mod:`lora_grpo.fast_decode`); both draw the same tokens.
-
-The logit transforms (repetition penalty, temperature, top-k, top-p, min-p) are small pure
-functions over a ``(N, V)`` logits tensor, applied in the order transformers' ``generate`` uses.
+fixed shapes over a static KV cache (:mod:`lora_grpo.rollout.fast_decode`); both draw the same
+tokens. Each draw is :func:`lora_grpo.rollout.sampling.sample_next`.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .fast_decode import StaticDecoder, resolve_decode_mode
+from .sampling import sample_next
 
 
 @dataclass
@@ -59,85 +58,6 @@ class Rollout:
 
 
 # ---------------------------------------------------------------------------------------------
-# Logit transforms: pure functions, (N, V) float logits in, (N, V) out. Removed tokens get -inf.
-
-
-def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """CTRL penalty (Keskar et al. 2019, as in transformers): for tokens already in the sequence
-    (``seen``: (N, V) bool), divide a positive logit by ``penalty`` and multiply a negative one."""
-    if penalty == 1.0:
-        return logits
-    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalized, logits)
-
-
-def apply_top_k(logits: Tensor, k: int) -> Tensor:
-    """Keep the k largest logits per row (ties with the k-th are kept); k = 0 is off."""
-    if k <= 0 or k >= logits.size(-1):
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def apply_top_p(logits: Tensor, p: float) -> Tensor:
-    """Nucleus filter (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
-    probability reaches p, i.e. drop a token when the mass strictly above it is already >= p."""
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = sorted_logits.softmax(-1)
-    mass_above = probs.cumsum(-1) - probs
-    drop_sorted = mass_above >= p
-    drop_sorted[..., 0] = False  # always keep the most likely token
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
-    """Min-p filter (Nguyen et al. 2024): drop tokens whose probability is below
-    ``min_p · max_prob``; min_p = 0 is off."""
-    if min_p <= 0.0:
-        return logits
-    probs = logits.softmax(-1)
-    threshold = min_p * probs.max(-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def warp_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float, min_p: float) -> Tensor:
-    """Temperature, then top-k, top-p, min-p (transformers' order). (N, V) -> (N, V) float32.
-    Use this on full-forward logits to get the exact distribution the sampler drew from."""
-    logits = logits.float() / temperature
-    logits = apply_top_k(logits, top_k)
-    logits = apply_top_p(logits, top_p)
-    return apply_min_p(logits, min_p)
-
-
-def sample_next(
-    logits: Tensor,
-    seen: Tensor | None,
-    *,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-    repetition_penalty: float,
-    generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor]:
-    """One decoding step. logits (N, V) -> (tokens (N,) long, log-probs of those tokens (N,)).
-    temperature == 0 is greedy (log-prob 0: the draw was deterministic)."""
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
-    if temperature == 0:
-        tokens = logits.argmax(-1)
-        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-    logprobs = warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    logprobs = logprobs.log_softmax(-1)
-    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-# ---------------------------------------------------------------------------------------------
 # Model plumbing
 
 
@@ -153,7 +73,7 @@ def _cache_of(out):
     return cache if cache is not None else out.past_key_values
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
+def eos_token_ids(model, tokenizer) -> list[int]:
     """The token ids that end a completion: the tokenizer's EOS and the generation config's."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -168,16 +88,17 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def check_special_tokens(model, tokenizer) -> list[int]:
+def special_token_ids(model, tokenizer) -> list[int]:
     """The EOS ids, after checking that the tokenizer can pad and completions can end (ValueError
-    saying what to set otherwise). Called at trainer start and by every rollout."""
-    eos_ids = _eos_ids(model, tokenizer)
+    saying what to set otherwise). Every rollout checks; startup.check_special_tokens also checks
+    the ids against the model's embeddings."""
+    ids = eos_token_ids(model, tokenizer)
     if tokenizer.pad_token_id is None:
         raise ValueError(
             "the tokenizer has no pad token (tokenizer.pad_token_id is None); set one, e.g. "
             "tokenizer.pad_token = tokenizer.eos_token (lora_grpo.model.load_tokenizer does)"
         )
-    return eos_ids
+    return ids
 
 
 def context_limit(model_or_config) -> int | None:
@@ -192,42 +113,9 @@ def context_limit(model_or_config) -> int | None:
     return None
 
 
-def check_context(max_prompt_length: int | None, max_completion_length: int, model_config) -> None:
-    """Raise ValueError, before any work, when prompt and completion cannot fit the model's context.
-
-    ``model_config``: the model's config (or the model). With ``max_prompt_length=None`` (no limit)
-    only the completion is checked here; each prompt is then checked when it is tokenized
-    (:func:`generate_rollout`). Nothing is checked for a model without ``max_position_embeddings``.
-    """
-    limit = context_limit(model_config)
-    if limit is None:
-        return
-    if max_prompt_length is None:
-        if max_completion_length >= limit:
-            raise ValueError(
-                f"max_completion_length={max_completion_length} leaves no room for a prompt in the "
-                f"model's context of {limit} tokens (max_position_embeddings); lower max_completion_length"
-            )
-        return
-    total = max_prompt_length + max_completion_length
-    if total > limit:
-        raise ValueError(
-            f"max_prompt_length + max_completion_length = {max_prompt_length} + {max_completion_length} "
-            f"= {total} tokens, more than the model's context of {limit} tokens (max_position_embeddings); "
-            f"lower max_prompt_length or max_completion_length so that they sum to at most {limit}"
-        )
-
-
-def check_prompts_fit(tokenizer, prompts: list[str], max_completion_length: int, model) -> None:
-    """With max_prompt_length=None (no cut): check every prompt of a dataset at start, so that a
-    long one fails before training rather than when it is first sampled, hours in."""
-    limit = context_limit(model)
-    if limit is not None and prompts:
-        _, mask = _tokenize_left_padded(tokenizer, prompts, None)
-        _check_prompt_lengths(prompts, mask.sum(1).tolist(), max_completion_length, limit)
-
-
-def _check_prompt_lengths(prompts: list[str], lengths: list[int], max_completion_length: int, limit: int) -> None:
+def check_prompt_lengths(prompts: list[str], lengths: list[int], max_completion_length: int, limit: int) -> None:
+    """ValueError naming the first prompt whose length (tokens, as the rollout cuts it) + max_completion_length
+    exceeds the model's context `limit`."""
     too_long = [i for i, n in enumerate(lengths) if n + max_completion_length > limit]
     if too_long:
         i = too_long[0]
@@ -241,8 +129,8 @@ def _check_prompt_lengths(prompts: list[str], lengths: list[int], max_completion
         )
 
 
-def _tokenize_left_padded(tokenizer, prompts: list[str], max_prompt_length: int | None) -> tuple[Tensor, Tensor]:
-    """-> (ids (N, P), mask (N, P)), left-padded, each prompt cut to its last max_prompt_length tokens."""
+def prompt_token_rows(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Each prompt's token ids as the rollout feeds them, before any cut."""
     # Rendered chat templates already carry their special tokens, so add none (as TRL does); but a
     # plain-text prompt to a model that expects BOS (Llama, Gemma) gets one, once.
     rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]
@@ -251,6 +139,12 @@ def _tokenize_left_padded(tokenizer, prompts: list[str], max_prompt_length: int 
         rows = [r if r[:1] == [bos] else [bos] + r for r in rows]
     if any(len(r) == 0 for r in rows):
         raise ValueError("a prompt tokenized to zero tokens; there is nothing to condition on")
+    return rows
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int | None) -> tuple[Tensor, Tensor]:
+    """-> (ids (N, P), mask (N, P)), left-padded, each prompt cut to its last max_prompt_length tokens."""
+    rows = prompt_token_rows(tokenizer, prompts)
     if max_prompt_length is not None:
         n_cut = sum(len(r) > max_prompt_length for r in rows)
         if n_cut:
@@ -419,15 +313,15 @@ def generate_rollout(
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1 or repetition_penalty <= 0:
         raise ValueError("invalid sampling parameters")
     G, pad_id = num_generations, tokenizer.pad_token_id
-    eos_ids = check_special_tokens(model, tokenizer)
+    eos_ids = special_token_ids(model, tokenizer)
     device = next(model.parameters()).device
     sampling = dict(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
     )
-    prompt_ids, prompt_mask = _tokenize_left_padded(tokenizer, prompts, max_prompt_length)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length)
     limit = context_limit(model)
     if limit is not None:  # a clear error here, not an index error deep inside the model
-        _check_prompt_lengths(prompts, prompt_mask.sum(1).tolist(), max_completion_length, limit)
+        check_prompt_lengths(prompts, prompt_mask.sum(1).tolist(), max_completion_length, limit)
     chunk = micro_batch_prompts or len(prompts)
     mode = resolve_decode_mode(decode_mode, model, device)
     decode = _decode_chunk if mode == "eager" else functools.partial(_decode_chunk_static, compiled=mode == "compiled")

@@ -1,8 +1,8 @@
 """The built-in reward functions; they follow the keyword contract of :mod:`lora_grpo.rewards`.
 
 Each reads text and conversational completions alike (a message list is read from its last
-message's content). :mod:`lora_grpo.reward_specs` names them for YAML (with "countdown", from
-:mod:`lora_grpo.countdown`):
+message's content). :mod:`lora_grpo.rewards.specs` names them for YAML (with "countdown", from
+:mod:`lora_grpo.tasks.countdown`):
 
     "format"         think_answer_format                           1.0 / 0.0
     "accuracy"       answer_accuracy                               1.0 / 0.0 / None

@@ -15,8 +15,8 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .countdown import countdown_reward
-from .reward_builtins import (
+from ..tasks.countdown import countdown_reward
+from .builtins import (
     answer_accuracy,
     length_penalty,
     soft_overlong_penalty,

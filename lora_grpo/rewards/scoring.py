@@ -1,63 +1,6 @@
-"""Reward functions: the contract, and weighted scoring of a rollout.
+"""Scoring a rollout: every reward function called by keyword, their values checked, weighted and summed.
 
-The contract is TRL's: every argument is passed by keyword::
-
-    fn(*, prompts, completions, completion_ids, **columns) -> list[float | None]
-
-so a reward function written for TRL's GRPOTrainer works unchanged, e.g.
-``def accuracy_reward(completions, solution, **kwargs)`` or ``def reward_len(completions, **kwargs)``.
-A function names the keywords it uses and takes ``**kwargs`` for the rest. Every keyword but
-``trainer_state`` is a list with one entry per completion (N = prompts_per_step × G; a prompt's
-row is repeated for its G completions, which are contiguous):
-
-    prompts             the prompt text; for a conversational row (its prompt came from chat
-                        messages, see :mod:`lora_grpo.data`) the message list
-                        ``[{"role": ..., "content": ...}, ...]`` (with ``system_prompt`` applied)
-    completions         the completion text; for a conversational row
-                        ``[{"role": "assistant", "content": text}]``
-    completion_ids      list[int]: the completion's token ids, up to and including EOS, no padding
-    <column>            each dataset column (``answer``, ``solution``, ...), except ``prompt`` (the
-                        rendered text; it is ``prompts`` for a text row) and ``prompt_messages``
-                        (which is ``prompts`` for a conversational row)
-    completion_lengths  int: tokens in the completion, ``len(completion_ids[i])``
-    truncated           bool: the completion hit max_completion_length without EOS
-    trainer_state       one :class:`TrainerState` for the whole batch: ``global_step`` (optimizer
-                        steps done, 0 on the first step; also ``step``), ``epoch`` (epochs done,
-                        fractional), ``max_steps``
-
-A function that needs a dataset column names it as a parameter without a default, or, when it
-reads columns from ``**kwargs``, declares them in a ``required_columns`` attribute; the trainer
-checks at start that its datasets have them (:func:`check_reward_columns`).
-
-None means "does not apply to this sample" (an accuracy reward on a row with no reference
-answer), as in TRL: a None (or NaN) is left out of that function's mean metric, and counts as 0
-in the weighted sum (TRL's nansum). See :func:`compute_rewards`.
-
-Where we differ from TRL:
-  - we also pass ``completion_lengths`` and ``truncated`` (the length penalties below use them);
-  - ``trainer_state`` is our small frozen :class:`TrainerState`, not ``transformers.TrainerState``
-    (only ``global_step``/``step``, ``epoch`` and ``max_steps``; no ``log_history``...);
-  - a row for which every function returned None gets reward NaN and training stops with an error
-    naming it (TRL logs a warning and uses 0);
-  - ``async def`` reward functions are refused with a ValueError (TRL awaits them concurrently):
-    wrap one in a plain function that calls ``asyncio.run``;
-  - reward models (``nn.Module``) are not accepted as reward functions, and TRL's newer
-    ``log_extra`` / ``log_metric`` callables are not passed (TRL's own rewards default them to None);
-  - a function may also return a tensor or array, bools or numpy scalars; an infinite value is an
-    error;
-  - prompts from a ``messages_column`` are conversational too (TRL reads only ``prompt``).
-
-Built-ins (:mod:`lora_grpo.reward_builtins`; names usable from YAML via
-:func:`resolve_reward_funcs`, in :mod:`lora_grpo.reward_specs`); they read text and
-conversational completions alike:
-
-    "format"         think_answer_format                           1.0 / 0.0
-    "accuracy"       answer_accuracy                               1.0 / 0.0 / None
-    "soft_overlong"  soft_overlong_penalty(max_completion_length, buffer_length)   in [-1, 0]
-    "length"         length_penalty(target_length, scale=1.0)                     <= 0
-
-This module holds the contract and the scoring (:func:`compute_rewards`); it re-exports the
-public names of the two modules above, so all of them import from ``lora_grpo.rewards``.
+The contract the functions follow is in :mod:`lora_grpo.rewards` (the package docstring).
 """
 
 from __future__ import annotations
@@ -71,48 +14,11 @@ from typing import Any
 
 import torch
 
-# Re-exported (see the module docstring); both modules sit below this one and never import it.
-from .reward_builtins import (
-    _text,
-    answer_accuracy,
-    extract_answer,
-    length_penalty,
-    parse_number,
-    soft_overlong_penalty,
-    think_answer_format,
-)
-from .reward_specs import (
-    BUILTIN_REWARDS,
-    TRAINER_KEYWORDS,
-    _check_not_async,
-    check_reward_columns,
-    resolve_reward_funcs,
-    reward_name,
-    reward_names,
-)
+from .builtins import _text
+from .specs import _check_not_async, reward_names
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
-__all__ = [
-    "BUILTIN_REWARDS",
-    "TRAINER_KEYWORDS",
-    "RewardFunc",
-    "TrainerState",
-    "answer_accuracy",
-    "check_reward_weights",
-    "check_reward_columns",
-    "compute_rewards",
-    "conversational_inputs",
-    "extract_answer",
-    "length_penalty",
-    "parse_number",
-    "resolve_reward_funcs",
-    "reward_metrics",
-    "reward_name",
-    "reward_names",
-    "soft_overlong_penalty",
-    "think_answer_format",
-]
 
 # ---------------------------------------------------------------------------------- contract
 
@@ -174,6 +80,25 @@ def conversational_inputs(
         [m if c else p for p, m, c in zip(prompts, prompt_messages, chat, strict=True)],
         [[{"role": "assistant", "content": t}] if c else t for t, c in zip(completions, chat, strict=True)],
     )
+
+
+def rollout_keywords(rollout, rows: Mapping[str, Sequence], group_size: int, trainer_state,
+                     messages_column: str) -> tuple[list, list, dict[str, Any]]:
+    """(prompts, completions, columns) for :func:`compute_rewards` from a rollout of the dataset
+    rows `rows` (column → one value per prompt), G = group_size completions per prompt: every column
+    but ``prompt`` repeated for each completion of its group; a row whose prompt was chat messages
+    (in ``messages_column``: data.PROMPT_MESSAGES) gets them as its prompt and ``[{"role": "assistant", "content": text}]`` as its completion; then
+    ``completion_ids`` (up to and including EOS), ``completion_lengths``, ``truncated`` and
+    ``trainer_state``."""
+    columns = {k: [v for v in values for _ in range(group_size)] for k, values in rows.items() if k != "prompt"}
+    prompts, completions = conversational_inputs(rollout.prompts, rollout.completions,
+                                                 columns.pop(messages_column, None))
+    ids, mask = rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool()
+    columns["completion_ids"] = [row[keep].tolist() for row, keep in zip(ids, mask)]
+    columns["completion_lengths"] = rollout.completion_lengths.tolist()
+    columns["truncated"] = rollout.truncated.tolist()
+    columns["trainer_state"] = trainer_state
+    return prompts, completions, columns
 
 
 def _keywords(prompts, completions, columns, i: int | None = None) -> dict[str, Any]:

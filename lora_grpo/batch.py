@@ -1,0 +1,81 @@
+"""The training batch: a rollout made ready for the loss, cut into optimizer steps and micro-batches.
+
+    Rollout ─► Batch.from_rollout (loss mask, advantages) ─► steps (one per optimizer step)
+            ─► micro_batches(size): dicts the loss path takes (memory.worst_case_micro_batch
+               builds the same format for the start-up probe)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def loss_mask(rollout, mask_truncated_completions: bool) -> Tensor:
+    """(B, T) 1 on the completion tokens that count in the loss: the completion up to and including
+    its EOS; a truncated completion entirely 0 with mask_truncated_completions. The one place a
+    rollout's loss mask comes from (tokens the policy did not choose get 0 here)."""
+    mask = rollout.completion_mask.clone()
+    if mask_truncated_completions:
+        mask[rollout.truncated] = 0
+    return mask
+
+
+@dataclass
+class Batch:
+    """One generation batch, ready for the loss. B = prompts × G sequences."""
+
+    input_ids: Tensor  # (B, P+T) left-padded prompt, right-padded completion
+    attention_mask: Tensor  # (B, P+T)
+    completion_mask: Tensor  # (B, T) 1 on completion tokens that count in the loss
+    advantages: Tensor  # (B,)
+    old_logp: Tensor | None = None  # (B, T), only when the batch is trained on more than once
+    ref_logp: Tensor | None = None  # (B, T), only when beta > 0 and the slot differs from the policy
+
+    @classmethod
+    def from_rollout(cls, rollout, advantages: Tensor, *, mask_truncated_completions: bool) -> Batch:
+        mask = loss_mask(rollout, mask_truncated_completions)
+        return cls(rollout.input_ids, rollout.attention_mask, mask, advantages.to(mask.device))
+
+    def to(self, device) -> Batch:
+        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v.to(device) for f in fields(self)})
+
+    @property
+    def completion_length(self) -> int:
+        return self.completion_mask.shape[1]
+
+    def steps(self, num_steps: int = 1) -> list[Batch]:
+        """The optimizer steps this generation batch feeds: `num_steps` equal slices of its rows, in
+        order (one slice, itself, for num_steps = 1)."""
+        n = self.input_ids.shape[0]
+        if num_steps == 1:
+            return [self]
+        if n % num_steps:
+            raise ValueError(f"a generation batch of {n} sequences cannot be cut into {num_steps} equal steps")
+        size = n // num_steps
+        return [self.rows(slice(i, i + size)) for i in range(0, n, size)]
+
+    def rows(self, rows: slice | Tensor) -> Batch:
+        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v[rows] for f in fields(self)})
+
+    def micro_batches(self, size: int):
+        """Slices of `size` sequences, each trimmed to the columns it really uses."""
+        P = self.input_ids.shape[1] - self.completion_length
+        for start in range(0, self.input_ids.shape[0], size):
+            rows = slice(start, start + size)
+            mask = self.attention_mask[rows]
+            first = int((mask[:, :P].sum(0) > 0).int().argmax()) if P else 0  # drop all-pad prompt columns
+            t = max(1, int(self.completion_mask[rows].sum(1).max()))  # drop all-pad completion columns
+            cols = slice(first, P + t)
+            yield {
+                "input_ids": self.input_ids[rows, cols],
+                "attention_mask": mask[:, cols],
+                "completion_mask": self.completion_mask[rows, :t],
+                "advantages": self.advantages[rows],
+                "old_logp": None if self.old_logp is None else self.old_logp[rows, :t],
+                "ref_logp": None if self.ref_logp is None else self.ref_logp[rows, :t],
+                "completion_length": t,
+            }

@@ -1,0 +1,96 @@
+"""Reward functions: the contract, and weighted scoring of a rollout.
+
+The contract is TRL's: every argument is passed by keyword::
+
+    fn(*, prompts, completions, completion_ids, **columns) -> list[float | None]
+
+so a reward function written for TRL's GRPOTrainer works unchanged, e.g.
+``def accuracy_reward(completions, solution, **kwargs)`` or ``def reward_len(completions, **kwargs)``.
+A function names the keywords it uses and takes ``**kwargs`` for the rest. Every keyword but
+``trainer_state`` is a list with one entry per completion (N = prompts_per_step × G; a prompt's
+row is repeated for its G completions, which are contiguous):
+
+    prompts             the prompt text; for a conversational row (its prompt came from chat
+                        messages, see :mod:`lora_grpo.data`) the message list
+                        ``[{"role": ..., "content": ...}, ...]`` (with ``system_prompt`` applied)
+    completions         the completion text; for a conversational row
+                        ``[{"role": "assistant", "content": text}]``
+    completion_ids      list[int]: the completion's token ids, up to and including EOS, no padding
+    <column>            each dataset column (``answer``, ``solution``, ...), except ``prompt`` (the
+                        rendered text; it is ``prompts`` for a text row) and ``prompt_messages``
+                        (which is ``prompts`` for a conversational row)
+    completion_lengths  int: tokens in the completion, ``len(completion_ids[i])``
+    truncated           bool: the completion hit max_completion_length without EOS
+    trainer_state       one :class:`TrainerState` for the whole batch: ``global_step`` (optimizer
+                        steps done, 0 on the first step; also ``step``), ``epoch`` (epochs done,
+                        fractional), ``max_steps``
+
+A function that needs a dataset column names it as a parameter without a default, or, when it
+reads columns from ``**kwargs``, declares them in a ``required_columns`` attribute; the trainer
+checks at start that its datasets have them (:func:`check_reward_columns`).
+
+None means "does not apply to this sample" (an accuracy reward on a row with no reference
+answer), as in TRL: a None (or NaN) is left out of that function's mean metric, and counts as 0
+in the weighted sum (TRL's nansum). See :func:`compute_rewards`.
+
+Where we differ from TRL:
+  - we also pass ``completion_lengths`` and ``truncated`` (the length penalties below use them);
+  - ``trainer_state`` is our small frozen :class:`TrainerState`, not ``transformers.TrainerState``
+    (only ``global_step``/``step``, ``epoch`` and ``max_steps``; no ``log_history``...);
+  - a row for which every function returned None gets reward NaN and training stops with an error
+    naming it (TRL logs a warning and uses 0);
+  - ``async def`` reward functions are refused with a ValueError (TRL awaits them concurrently):
+    wrap one in a plain function that calls ``asyncio.run``;
+  - reward models (``nn.Module``) are not accepted as reward functions, and TRL's newer
+    ``log_extra`` / ``log_metric`` callables are not passed (TRL's own rewards default them to None);
+  - a function may also return a tensor or array, bools or numpy scalars; an infinite value is an
+    error;
+  - prompts from a ``messages_column`` are conversational too (TRL reads only ``prompt``).
+
+Built-ins (:mod:`lora_grpo.rewards.builtins`; names usable from YAML via
+:func:`resolve_reward_funcs`, in :mod:`lora_grpo.rewards.specs`); they read text and
+conversational completions alike:
+
+    "format"         think_answer_format                           1.0 / 0.0
+    "accuracy"       answer_accuracy                               1.0 / 0.0 / None
+    "soft_overlong"  soft_overlong_penalty(max_completion_length, buffer_length)   in [-1, 0]
+    "length"         length_penalty(target_length, scale=1.0)                     <= 0
+
+The package: ``scoring`` (the contract's checks and :func:`compute_rewards`), ``specs`` (specs →
+functions, the column check), ``builtins`` (the built-in rewards); every public name imports from
+``lora_grpo.rewards``.
+"""
+
+from .builtins import answer_accuracy, extract_answer, length_penalty, parse_number, soft_overlong_penalty, think_answer_format
+from .scoring import (
+    RewardFunc,
+    TrainerState,
+    check_reward_weights,
+    compute_rewards,
+    conversational_inputs,
+    reward_metrics,
+    rollout_keywords,
+)
+from .specs import BUILTIN_REWARDS, TRAINER_KEYWORDS, check_reward_columns, resolve_reward_funcs, reward_name, reward_names
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "TRAINER_KEYWORDS",
+    "RewardFunc",
+    "TrainerState",
+    "answer_accuracy",
+    "check_reward_weights",
+    "check_reward_columns",
+    "compute_rewards",
+    "conversational_inputs",
+    "extract_answer",
+    "length_penalty",
+    "parse_number",
+    "resolve_reward_funcs",
+    "reward_metrics",
+    "reward_name",
+    "reward_names",
+    "rollout_keywords",
+    "soft_overlong_penalty",
+    "think_answer_format",
+]

@@ -1,0 +1,36 @@
+"""Rollout: sampling G completions per prompt with the policy (no gradients) → a :class:`Rollout`.
+
+    generate     the sampler: prompts tokenised and prefilled once per prompt, G samples decoded
+                 together (:func:`generate_rollout`); the :class:`Rollout` it returns
+    sampling     one draw from (N, V) logits: repetition penalty, temperature, top-k/top-p/min-p
+    fast_decode  the fixed-shape decode (static KV cache, torch.compile / CUDA graphs)
+"""
+
+from .generate import (
+    Rollout,
+    check_prompt_lengths,
+    context_limit,
+    eos_token_ids,
+    generate_rollout,
+    prompt_token_rows,
+    special_token_ids,
+    tokenize_prompts,
+)
+from .sampling import apply_min_p, apply_repetition_penalty, apply_top_k, apply_top_p, sample_next, warp_logits
+
+__all__ = [
+    "Rollout",
+    "apply_min_p",
+    "apply_repetition_penalty",
+    "apply_top_k",
+    "apply_top_p",
+    "check_prompt_lengths",
+    "context_limit",
+    "eos_token_ids",
+    "generate_rollout",
+    "prompt_token_rows",
+    "sample_next",
+    "special_token_ids",
+    "tokenize_prompts",
+    "warp_logits",
+]

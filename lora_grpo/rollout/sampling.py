@@ -1,0 +1,84 @@
+"""Sampling one token: the logit transforms and the draw, as small pure functions over (N, V) logits.
+
+The transforms (repetition penalty, temperature, top-k, top-p, min-p) are applied in the order
+transformers' ``generate`` uses; removed tokens get -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL penalty (Keskar et al. 2019, as in transformers): for tokens already in the sequence
+    (``seen``: (N, V) bool), divide a positive logit by ``penalty`` and multiply a negative one."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_top_k(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits per row (ties with the k-th are kept); k = 0 is off."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filter (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
+    probability reaches p, i.e. drop a token when the mass strictly above it is already >= p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mass_above = probs.cumsum(-1) - probs
+    drop_sorted = mass_above >= p
+    drop_sorted[..., 0] = False  # always keep the most likely token
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: Tensor, min_p: float) -> Tensor:
+    """Min-p filter (Nguyen et al. 2024): drop tokens whose probability is below
+    ``min_p · max_prob``; min_p = 0 is off."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(-1)
+    threshold = min_p * probs.max(-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def warp_logits(logits: Tensor, *, temperature: float, top_k: int, top_p: float, min_p: float) -> Tensor:
+    """Temperature, then top-k, top-p, min-p (transformers' order). (N, V) -> (N, V) float32.
+    Use this on full-forward logits to get the exact distribution the sampler drew from."""
+    logits = logits.float() / temperature
+    logits = apply_top_k(logits, top_k)
+    logits = apply_top_p(logits, top_p)
+    return apply_min_p(logits, min_p)
+
+
+def sample_next(
+    logits: Tensor,
+    seen: Tensor | None,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    repetition_penalty: float,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """One decoding step. logits (N, V) -> (tokens (N,) long, log-probs of those tokens (N,)).
+    temperature == 0 is greedy (log-prob 0: the draw was deterministic)."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    logprobs = warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    logprobs = logprobs.log_softmax(-1)
+    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

@@ -1,0 +1,72 @@
+"""The loop's mutable state, one typed object: what a checkpoint saves and restores whole.
+
+`TrainState` is transformers' `TrainerState` (so callbacks, reward functions and TRL scripts read
+`global_step`, `epoch`, `max_steps`, `log_history` as they know them) with the fields of our loop
+beside them. `state_dict()` walks every dataclass field, so a field added here is saved and
+restored without a line anywhere else; a field whose value is a part with its own state (the data
+position, the sync schedule, the warmup restarts) is saved through that part's `state_dict()`.
+
+Not in here: the tensors (optimizer, LR scheduler, RNG states: checkpoint.py writes them to
+trainer_state.pt) and the adapters themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import TrainerState
+
+# Fields that a run takes from its config, not from the checkpoint it resumes: a resumed run may
+# train for more steps, log or save at another rate.
+FROM_CONFIG = frozenset({"max_steps", "logging_steps", "eval_steps", "save_steps", "num_train_epochs",
+                         "train_batch_size", "is_local_process_zero", "is_world_process_zero"})
+# Keys older checkpoints wrote for fields that have another name now.
+_RENAMED = {"step": "global_step", "history": "log_history", "warmup_restart_update": "warmup_restarts"}
+# What a field means when an older checkpoint did not save it: an unknown reference slot is not
+# assumed to equal the policy (its forward runs).
+_IF_MISSING = {"reference_is_policy": False}
+
+
+@dataclass
+class TrainState(TrainerState):
+    """transformers' TrainerState (global_step = optimizer steps done; log_history = one metrics
+    record per step and eval, as metrics.jsonl) plus the loop's own state."""
+
+    nonfinite_in_a_row: int = 0  # NaN/inf updates skipped in a row (max_nonfinite_updates ends the run)
+    # The reference slot provably equals the policy (start, or right after a hard sync): its forward
+    # is skipped and the policy's log-probs stand in.
+    reference_is_policy: bool = True
+    micro_batch_size: int | str | None = None  # the sizes in use ('auto' resolved by the memory plan)
+    gradient_checkpointing: bool | str | None = None
+    num_processes: int = 1  # a checkpoint resumes only under the same number (each one's RNG is saved)
+    batches: Any = None  # data.PromptBatches: the data position
+    sync_schedule: Any = None  # reference.SyncSchedule: the plateau trigger's best score and count
+    warmup_restarts: Any = None  # optim.WarmupRestarts: the update of the last warmup restart
+
+    @property
+    def step(self) -> int:
+        """Alias of global_step (the name reward functions and our metrics use)."""
+        return self.global_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready; parts with a state_dict() give theirs."""
+        return {f.name: _export(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore every saved field but FROM_CONFIG; parts restore through their load_state_dict().
+        Keys of older checkpoints are read under their new names; unknown keys are ignored."""
+        saved = {**_IF_MISSING, **{_RENAMED.get(k, k): v for k, v in saved.items()}}
+        for f in dataclasses.fields(self):
+            if f.name not in saved or f.name in FROM_CONFIG:
+                continue
+            current = getattr(self, f.name)
+            if hasattr(current, "load_state_dict"):
+                current.load_state_dict(saved[f.name])
+            else:
+                setattr(self, f.name, saved[f.name])
+
+
+def _export(value: Any) -> Any:
+    return value.state_dict() if hasattr(value, "state_dict") else value

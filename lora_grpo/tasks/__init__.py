@@ -1,0 +1,7 @@
+"""The offline tasks: data, rewards and tiny base models generated locally (nothing is downloaded).
+
+    toy        two-digit addition and the tiny Llama-style base pre-trained on it (the default recipe)
+    countdown  reach a target from 3–4 numbers with + − × ÷ (TinyZero's task, generated here)
+
+`dataset: toy` / `dataset: countdown` in a recipe name them (data.LOCAL_DATASETS).
+"""

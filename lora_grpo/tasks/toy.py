@@ -1,0 +1,439 @@
+"""The offline toy task and tiny base model, used by the default recipe and the tests.
+
+Everything here is built locally: a character-level tokenizer and a small Llama-style causal LM
+(the Qwen2 block without its q/k/v biases). Not a Qwen2 config on purpose: transformers 5 loads
+every qwen2 checkpoint's tokenizer as Qwen2Tokenizer (byte-level BPE), which would silently
+replace this character tokenizer when the saved model is loaded back with AutoTokenizer.
+Nothing is downloaded.
+
+The toy task is two-digit addition ("57+68=" -> "125"). ``ensure_toy_base`` pre-trains a ~0.5M
+parameter model on it in well under a minute of CPU, on deliberately wrong targets (carries
+dropped 65% of the time), and caches it; ``toy_problems``, ``toy_reward`` and ``greedy_accuracy``
+are the data, reward and metric a GRPO run uses to fix it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from ..rollout import generate_rollout
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# One token per character. "<think>" etc. are spelled out character by character.
+CHARS = list("0123456789+-*=?:. \n<>/abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ,!'()")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with <pad>=0, <eos>=1, <unk>=2 and a tiny chat template."""
+    vocab = {t: i for i, t in enumerate([PAD, EOS, UNK] + CHARS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_positions: int = 256,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama-style model sized for the tokenizer (deterministic by seed)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+def save_tiny_base(path, **model_kwargs) -> str:
+    """Write a tiny random model and its tokenizer to ``path`` (loadable by from_pretrained)."""
+    tokenizer = make_tokenizer()
+    model = make_tiny_model(tokenizer, **model_kwargs)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The toy task: two-digit addition, prompt "07+45=", completion "052<eos>" (3 digits, zero-padded).
+#
+# Why this task: the pretraining targets carry a *systematic* error. With probability ``noise``
+# a problem's target is its carry-free sum (each column mod 10: "57+68=" -> "15" instead of
+# "125"). For problems without any carry both targets agree; for problems with a carry (~70% of
+# pairs) a well-fit model puts ~noise on the wrong answer and ~(1 - noise) on the right one. With
+# noise > 0.5 greedy decoding picks the wrong answer on carry problems (base greedy accuracy
+# ~35-40%, the no-carry share plus a few) while sampling at temperature 1 still finds the right
+# answer often (pass@8 ~0.9), which is exactly the signal GRPO needs: it only has to flip one
+# well-separated preference, the same one on every carry problem.
+# ---------------------------------------------------------------------------------------------
+
+TOY_FORMAT_VERSION = 2  # bump when the task or the training code changes what a seed produces
+NUM_DIGITS = 2  # operands are 00..99, written zero-padded so every prompt has the same length
+EVAL_PERCENT = 20  # share of (a, b) pairs held out for evaluation, chosen by a hash of the pair
+
+
+@functools.lru_cache(maxsize=None)
+def _split_pairs(split: str) -> tuple[tuple[int, int], ...]:
+    """The operand pairs of a split: the EVAL_PERCENT% of all pairs with the smallest hash are held
+    out (a fixed set, independent of any seed), the rest are train; both in ascending order."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    top = 10**NUM_DIGITS
+    pairs = [(a, b) for a in range(top) for b in range(top)]
+    ranked = sorted(pairs, key=lambda p: hashlib.sha256(f"{p[0]}+{p[1]}".encode()).digest())
+    n_eval = len(pairs) * EVAL_PERCENT // 100
+    chosen = ranked[:n_eval] if split == "eval" else ranked[n_eval:]
+    return tuple(sorted(chosen))
+
+
+def format_prompt(a: int, b: int) -> str:
+    """The prompt text of one problem, e.g. ``format_prompt(7, 45) == "07+45="``."""
+    return f"{a:0{NUM_DIGITS}d}+{b:0{NUM_DIGITS}d}="
+
+
+def format_completion(value: int) -> str:
+    """The target completion text (before <eos>) of a sum: zero-padded to a fixed width, "052".
+
+    A fixed width gives every answer digit a fixed position, which a tiny model learns much faster.
+    """
+    return f"{value:0{NUM_DIGITS + 1}d}"
+
+
+def carry_free_sum(a: int, b: int) -> int:
+    """Column-wise sum with every carry dropped: ``carry_free_sum(57, 68) == 15`` (not 125)."""
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
+def toy_problems(n: int, seed: int = 0, split: str = "train"):
+    """``n`` addition problems as a ``datasets.Dataset`` with columns "prompt" and "answer".
+
+    "prompt" is plain text such as "07+45=", "answer" the correct sum as a string ("52"). Train and
+    eval draw from disjoint sets of operand pairs (a fixed hash-based 80/20 split). Deterministic
+    by ``seed``; pairs are distinct while ``n`` is at most the split's size (8000 / 2000 pairs),
+    beyond that they repeat.
+    """
+    import datasets
+
+    pairs = _split_pairs(split)
+    gen = torch.Generator().manual_seed(seed)
+    if n <= len(pairs):
+        idx = torch.randperm(len(pairs), generator=gen)[:n]
+    else:
+        idx = torch.randint(len(pairs), (n,), generator=gen)
+    chosen = [pairs[i] for i in idx.tolist()]
+    return datasets.Dataset.from_dict(
+        {"prompt": [format_prompt(a, b) for a, b in chosen], "answer": [str(a + b) for a, b in chosen]}
+    )
+
+
+_ANSWER_RE = re.compile(r"\s*(-?\d+)\s*")
+
+
+def parse_answer(completion) -> int | None:
+    """The integer a completion states, or None when it is not exactly one integer.
+
+    Text after an end-of-sequence marker is ignored, so "52", " 52\\n" and "52<eos><pad>" all give
+    52, while "5 2", "52x" and "" give None. A conversational completion (a list of messages) is
+    read from its last message's content.
+    """
+    if isinstance(completion, list):
+        completion = completion[-1]["content"] if completion else ""
+    text = str(completion).split(EOS, 1)[0].replace(PAD, "")
+    match = _ANSWER_RE.fullmatch(text)
+    return int(match.group(1)) if match else None
+
+
+def toy_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """Correctness reward: 1.0 when the completion's integer equals the "answer" column, else 0.0.
+
+    The trainer calls it by keyword (TRL's contract, see lora_grpo.rewards): ``completions`` (text
+    or conversational) and the ``answer`` column; ``prompts`` is unused, and stays the first
+    parameter only so that existing positional calls (``greedy_accuracy``) keep working.
+    """
+    scores = []
+    for completion, truth in zip(completions, answer, strict=True):
+        value = parse_answer(completion)
+        scores.append(1.0 if value is not None and value == int(truth) else 0.0)
+    return scores
+
+
+def greedy_accuracy(model, tokenizer, dataset, *, max_new_tokens: int = 4, batch_size: int = 64) -> float:
+    """Share in [0, 1] of ``dataset`` rows whose greedy completion parses to the "answer" column.
+
+    Uses the trainer's own sampler (temperature 0, one completion per prompt), which is tested
+    token for token against transformers' greedy ``generate``. Works for a peft model too.
+    """
+    if len(dataset) == 0:
+        return 0.0
+    scores = []
+    for start in range(0, len(dataset), batch_size):
+        rows = dataset[start : start + batch_size]
+        rollout = generate_rollout(
+            model, tokenizer, list(rows["prompt"]), num_generations=1, max_prompt_length=None,
+            max_completion_length=max_new_tokens, temperature=0.0,
+        )
+        scores += toy_reward(rollout.prompts, rollout.completions, rows["answer"])
+    return sum(scores) / len(scores)
+
+
+def _encode_targets(tokenizer, pairs, answers) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels), each (len(pairs), T): "prompt answer<eos>" right-padded; labels are -100
+    on the prompt and the padding, so the loss is over the completion (answer and <eos>) only."""
+    prompt_len = 2 * NUM_DIGITS + 2
+    texts = [format_prompt(a, b) + format_completion(ans) for (a, b), ans in zip(pairs, answers)]
+    seqs = [ids + [tokenizer.eos_token_id] for ids in tokenizer(texts)["input_ids"]]
+    width = prompt_len + NUM_DIGITS + 2  # the longest sum has NUM_DIGITS + 1 digits, then <eos>
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, prompt_len : len(s)] = ids[i, prompt_len : len(s)]
+    return ids, labels
+
+
+def pretrain_toy_base(
+    out_dir,
+    *,
+    seed: int = 0,
+    steps: int = 1000,
+    batch_size: int = 128,
+    learning_rate: float = 1e-3,
+    warmup_steps: int = 50,
+    weight_decay: float = 0.01,
+    noise: float = 0.65,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    log_every: int = 100,
+) -> str:
+    """Build the tokenizer and a tiny model, pre-train it on noisy toy sums, save both to ``out_dir``.
+
+    Plain next-token cross-entropy on "prompt answer<eos>" over the train split's pairs, with the
+    completion as target; with probability ``noise`` a problem's answer is its carry-free sum (see
+    the section comment). AdamW, linear warmup then cosine decay to 10%. Deterministic by ``seed``
+    (on a fixed thread count); the caller's RNG state is left untouched. Also writes
+    ``toy_pretrain.json`` (settings, per-step losses, seconds). Prints a line every ``log_every``
+    steps (0: silent). Returns ``str(out_dir)``.
+    """
+    settings = {k: v for k, v in locals().items() if k != "out_dir"}  # the arguments, for the record
+    out_dir = Path(out_dir)
+    tokenizer = make_tokenizer()
+    pairs = _split_pairs("train")
+    true_ids, labels_true = _encode_targets(tokenizer, pairs, [a + b for a, b in pairs])
+    noisy_ids, labels_noisy = _encode_targets(tokenizer, pairs, [carry_free_sum(a, b) for a, b in pairs])
+    t0 = time.perf_counter()
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        model = make_tiny_model(
+            tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed,
+        )
+        model.train()
+        gen = torch.Generator().manual_seed(seed + 1)
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=weight_decay
+        )
+
+        def lr_at(step):
+            if step < warmup_steps:
+                return (step + 1) / warmup_steps
+            progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+        for step in range(steps):
+            idx = torch.randint(len(pairs), (batch_size,), generator=gen)
+            use_noisy = (torch.rand(batch_size, generator=gen) < noise)[:, None]
+            ids = torch.where(use_noisy, noisy_ids[idx], true_ids[idx])
+            labels = torch.where(use_noisy, labels_noisy[idx], labels_true[idx])
+            loss = model(input_ids=ids, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            if log_every and ((step + 1) % log_every == 0 or step == 0 or step + 1 == steps):
+                print(f"[toy pretrain] step {step + 1}/{steps} loss {loss.item():.4f} "
+                      f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    # Not model.save_pretrained: under torch.distributed transformers 5 writes config and weights
+    # only on global rank 0 (even with is_main_process=True), and whoever calls this builds a
+    # whole private copy. The model is small and unsharded: one safetensors file and its config.
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    model.config.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    record = {"settings": settings, "format_version": TOY_FORMAT_VERSION, "losses": losses,
+              "seconds": time.perf_counter() - t0}
+    (out_dir / "toy_pretrain.json").write_text(json.dumps(record))
+    return str(out_dir)
+
+
+_NOT_HASHED = {"log_every"}  # settings that do not change the trained weights
+
+
+def toy_base_settings(seed: int = 0, **overrides) -> dict:
+    """All pretraining settings (defaults of ``pretrain_toy_base`` with ``overrides``) plus seed."""
+    params = inspect.signature(pretrain_toy_base).parameters
+    unknown = set(overrides) - set(params)
+    if unknown:
+        raise TypeError(f"unknown pretraining settings: {sorted(unknown)}")
+    settings = {k: p.default for k, p in params.items() if k != "out_dir"}
+    settings.update(overrides, seed=seed)
+    return settings
+
+
+def toy_base_dirname(seed: int = 0, **overrides) -> str:
+    """Cache subdirectory name, e.g. "toy_base-v1-3f2a9c1d0b7e": a hash of every setting and the seed."""
+    settings = {k: v for k, v in toy_base_settings(seed, **overrides).items() if k not in _NOT_HASHED}
+    blob = json.dumps({"v": TOY_FORMAT_VERSION, **settings}, sort_keys=True)
+    return f"toy_base-v{TOY_FORMAT_VERSION}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LORA_GRPO_CACHE") or Path.home() / ".cache" / "lora_grpo")
+
+
+# What a cache entry must hold to be used; an entry missing any of them is rebuilt.
+TOY_BASE_FILES = (
+    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "toy_pretrain.json",
+)
+
+
+def toy_base_problem(path) -> str | None:
+    """Why the toy base at ``path`` is unusable ("missing config.json, model.safetensors", ...), or
+    None when it is complete: every file of ``TOY_BASE_FILES``, the current format version, and a
+    config that ``AutoConfig`` loads. Cheap: no weights are read."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.is_dir():
+        return "missing"
+    missing = [name for name in TOY_BASE_FILES if not (path / name).is_file()]
+    if missing:
+        return "missing " + ", ".join(missing)
+    try:
+        version = json.loads((path / "toy_pretrain.json").read_text()).get("format_version")
+    except (OSError, ValueError, AttributeError) as err:
+        return f"unreadable toy_pretrain.json ({err})"
+    if version != TOY_FORMAT_VERSION:
+        return f"format_version {version!r}, expected {TOY_FORMAT_VERSION}"
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - any reason config.json does not load makes the entry unusable
+        return f"config.json does not load ({type(err).__name__}: {err})"
+    return None
+
+
+def _distributed() -> bool:
+    """Whether this process is one of several under an initialised torch.distributed group."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _build_toy_base(final: Path, seed: int, overrides: dict) -> None:
+    """Build the entry ``final`` unless it is already valid: an invalid one is moved aside and
+    removed, the new one trained into a temporary dir beside it, checked, and renamed into place."""
+    problem = toy_base_problem(final)
+    if problem is None:
+        return
+    cache_dir = final.parent
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        print(f"[toy pretrain] cache entry {final} is unusable ({problem}); rebuilding it", flush=True)
+        aside = Path(tempfile.mkdtemp(prefix=f".{final.name}-invalid-", dir=cache_dir))
+        try:
+            os.replace(final, aside / final.name)  # atomic, so the rename below finds the name free
+        except FileNotFoundError:  # another process moved it first
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_dir))
+    print(f"[toy pretrain] building the toy base model in {final} (once; about a minute on CPU)", flush=True)
+    try:
+        pretrain_toy_base(tmp, seed=seed, **overrides)
+        problem = toy_base_problem(tmp)
+        if problem is not None:  # never publish an unusable entry
+            raise RuntimeError(f"the toy base built in {tmp} is unusable ({problem})")
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished first; its result is identical
+            if toy_base_problem(final) is not None:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_toy_base(cache_dir=None, seed: int = 0, **overrides) -> str:
+    """Path of the pre-trained toy base (model + tokenizer), training it on first use (~1 min).
+
+    Cached under ``cache_dir`` (default ``$LORA_GRPO_CACHE`` or ``~/.cache/lora_grpo``) in a
+    subdirectory named by a hash of all pretraining settings and the seed (see
+    ``toy_base_dirname``). Trains into a temporary directory beside it and renames it into place,
+    so a crash never leaves a half-written cache entry; an existing entry that is incomplete (see
+    ``toy_base_problem``) is rebuilt. ``overrides`` are ``pretrain_toy_base`` settings.
+
+    Under torch.distributed (world size > 1) every process must call this: the local main process
+    (LOCAL_RANK 0; the cache is per machine) builds while the others wait at a barrier.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = cache_dir / toy_base_dirname(seed, **overrides)
+    if not _distributed():
+        _build_toy_base(final, seed, overrides)
+        return str(final)
+    # Exactly one barrier on every rank, built or cached, so all ranks take the same collective path;
+    # the builder reaches it even when its build fails, so the others fail below instead of hanging.
+    local_main = int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) == 0
+    try:
+        if local_main:
+            _build_toy_base(final, seed, overrides)
+    finally:
+        torch.distributed.barrier()
+    if not local_main and (problem := toy_base_problem(final)) is not None:
+        raise RuntimeError(f"the local main process did not build the toy base {final} ({problem})")
+    return str(final)

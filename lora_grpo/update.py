@@ -1,0 +1,119 @@
+"""One optimizer update of the policy adapter on a Batch: accumulate → average → clip → step.
+
+    micro-batches ─► forward (chunked log-probs, entropy) ─► grpo_loss × accumulation scale ─► backward
+                  ─► average over processes (one flat all-reduce) ─► clip ─► optimizer + LR step,
+                     or skip a NaN/inf update (stopping.count_nonfinite ends the run after too many)
+
+The loss is normalised by a token count fixed for the whole step (dapo), or weighted by each
+micro-batch's share (loss.LOSS_TYPES' accumulation scales), so the step's gradient does not depend
+on how it was cut into micro-batches. The memory probe (memory.plan_run_memory) runs `accumulate`
+and `forward` too: it measures this path, not a copy of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from .adapters import eval_mode
+from .batch import Batch
+from .logprobs import sequence_log_probs
+from .loss import accumulation_scale, grpo_loss
+from .optim import average_gradients, sum_over_processes
+from .stopping import count_nonfinite
+
+logger = logging.getLogger(__name__)
+Tensor = torch.Tensor
+
+
+class PolicyUpdate:
+    """The parts an update touches (model, trainable params, optimizer, LR scheduler) and the loss
+    settings, built once; `state` is the run's TrainState (non-finite count, reference_is_policy)."""
+
+    def __init__(self, config, model, params, optimizer, scheduler, accelerator, state):
+        self.config, self.model, self.params = config, model, params
+        self.optimizer, self.scheduler, self.accelerator, self.state = optimizer, scheduler, accelerator, state
+        self.loss_settings = dict(  # grpo_loss's settings
+            loss_type=config.loss_type, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+            beta=config.beta, max_completion_length=config.max_completion_length,
+            importance_sampling=config.importance_sampling, kl_ratio_correction=config.kl_ratio_correction,
+        )
+
+    def forward(self, mb: dict[str, Any], return_entropy: bool = False):
+        """(log-probs (B, T), entropy (B, T) or None) of a micro-batch under the active adapter."""
+        return sequence_log_probs(
+            self.model, mb["input_ids"], mb["attention_mask"], mb["completion_length"],
+            chunk_size=self.config.logprob_chunk_size, temperature=self.config.temperature, return_entropy=return_entropy,
+        )
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch, micro_batch_size: int) -> Tensor:
+        """(B, T) per-token log-probs under the active adapter, in eval mode (as sampled)."""
+        with eval_mode(self.model):
+            out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_mask.device)
+            row = 0
+            for mb in batch.micro_batches(micro_batch_size):
+                logp, _ = self.forward(mb)
+                out[row : row + logp.shape[0], : logp.shape[1]] = logp
+                row += logp.shape[0]
+            return out
+
+    def __call__(self, batch: Batch, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer update on the batch. Returns the loss metrics (token-weighted means over the
+        step), loss, grad_norm, lr, skipped_nonfinite."""
+        cfg, acc = self.config, self.accelerator
+        self.model.train()
+        n_seq = batch.input_ids.shape[0]
+        n_micro = math.ceil(n_seq / micro_batch_size)
+        # dapo's denominator: the step's tokens over every process, divided by the number of
+        # processes because their gradients are averaged.
+        num_tokens = sum_over_processes({"t": batch.completion_mask.sum().item()}, acc)["t"] / acc.num_processes
+        sums: dict[str, float] = {}
+        for mb in batch.micro_batches(micro_batch_size):
+            m, weight, loss = self.accumulate(mb, num_tokens, n_seq, n_micro)
+            for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss)]:
+                sums[k] = sums.get(k, 0.0) + v
+        if acc.num_processes > 1:
+            average_gradients(self.params, acc)
+            sums = sum_over_processes(sums, acc)
+        loss_total, tokens = sums.pop("loss") / acc.num_processes, max(sums.pop("tokens"), 1.0)
+        # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = self._step_unless_nonfinite(loss_total, grad_norm)
+        return {**{k: v / tokens for k, v in sums.items()}, "loss": loss_total, "grad_norm": grad_norm, "lr": lr,
+                "skipped_nonfinite": float(skipped)}
+
+    def accumulate(self, mb: dict[str, Any], num_tokens: float, n_seq: int, n_micro: int) -> tuple[dict[str, float], float, float]:
+        """Forward, loss and backward of one micro-batch (gradients add up in .grad); returns
+        (loss metrics, the micro-batch's loss tokens, its scaled loss)."""
+        cfg = self.config
+        logp, entropy = self.forward(mb, return_entropy=True)
+        ref = mb["ref_logp"]
+        if ref is None and cfg.beta != 0:  # the reference equals the policy this step (trainer.training_step)
+            ref = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
+        loss, m = grpo_loss(logp, mb["old_logp"], ref, mb["advantages"], mb["completion_mask"],
+                            num_tokens=num_tokens, **self.loss_settings)
+        loss = loss * accumulation_scale(cfg.loss_type, mb["input_ids"].shape[0], n_seq, n_micro)
+        loss.backward()
+        weight = float(mb["completion_mask"].sum())
+        m["entropy"] = (entropy * mb["completion_mask"]).sum().item() / max(weight, 1.0)
+        return m, weight, loss.item()
+
+    def _step_unless_nonfinite(self, loss: float, grad_norm: float) -> bool:
+        """Step the optimizer, or skip a NaN/inf update (every process decides alike: the values are
+        already averaged); too many skips in a row end the run. Returns whether it skipped."""
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.state.reference_is_policy = False
+        self.scheduler.step()  # the schedule follows the step count, skipped or not
+        self.optimizer.zero_grad(set_to_none=True)
+        if not finite:
+            logger.warning("step %d: loss %s, grad norm %s: update skipped (%d in a row)",
+                           self.state.global_step + 1, loss, grad_norm, self.state.nonfinite_in_a_row + 1)
+        count_nonfinite(self.state, finite, self.config)
+        return not finite

@@ -1,0 +1,85 @@
+"""The loop's state is one object: a checkpoint saves and restores every field of it, including
+fields added later (the test walks the dataclass, it names none of them)."""
+
+import dataclasses
+
+import pytest
+
+from lora_grpo.state import FROM_CONFIG, TrainState
+
+from conftest import make_trainer
+
+# Fields whose resume is a decision, tested on its own: the process count must match
+# (test_checkpoint), the sizes in use follow the memory plan (test_memory).
+DECIDED_ON_RESUME = {"num_processes", "micro_batch_size", "gradient_checkpointing"}
+
+
+def _other(value, name):
+    """A value of the same kind that no run would have by default."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 7
+    if isinstance(value, str):
+        return value + "-changed"
+    if isinstance(value, list):
+        return value + [{"step": 99, "marker": name}]
+    if isinstance(value, dict):
+        return {**value, "marker": name}
+    if value is None:
+        return f"{name} set by the test"
+    raise TypeError(f"no test value for a {type(value).__name__} in {name}")
+
+
+def _change_part(part):
+    """A part with its own state (data position, sync schedule, warmup restarts): every entry moved."""
+    saved = part.state_dict()
+    fixed = {"seed", "num_rows", "prompts_per_step"}  # what the data position must match on load
+    part.load_state_dict({k: v if k in fixed else (3 if v is None else _other(v, k)) for k, v in saved.items()})
+
+
+def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path / "a", quantization="none", max_steps=2, save_steps=0,
+                           ref_sync_steps=1, ref_sync_alpha=0.5)
+    trainer.train()
+    fresh = make_trainer(tiny_base_dir, tmp_path / "b", quantization="none", max_steps=2, save_steps=0,
+                         ref_sync_steps=1, ref_sync_alpha=0.5)
+    state = trainer.state
+    for f in dataclasses.fields(TrainState):
+        if f.name in FROM_CONFIG or f.name in DECIDED_ON_RESUME:
+            continue
+        value = getattr(state, f.name)
+        if hasattr(value, "state_dict"):
+            _change_part(value)
+        else:  # away from what a fresh run holds, so that a field left out of the round trip shows
+            setattr(state, f.name, _other(getattr(fresh.state, f.name), f.name))
+    saved = trainer.save_checkpoint()
+    expected = state.state_dict()
+
+    before = fresh.state.state_dict()
+    fresh.load_checkpoint(saved)
+    after = fresh.state.state_dict()
+    checked = [f.name for f in dataclasses.fields(TrainState) if f.name not in FROM_CONFIG | DECIDED_ON_RESUME]
+    assert len(checked) > 15  # transformers' fields and ours
+    for name in checked:
+        assert after[name] == expected[name], name
+        assert after[name] != before[name], f"{name}: the test did not change it"
+
+
+def test_older_checkpoints_load_under_the_new_names(tiny_base_dir, tmp_path):
+    state = make_trainer(tiny_base_dir, tmp_path, quantization="none").state
+    old = {"step": 5, "history": [{"loss": 1.0}], "warmup_restart_update": 4, "nonfinite_in_a_row": 1,
+           "batches": state.batches.state_dict(), "sync_schedule": {"best_eval": 0.5, "evals_without_improvement": 1}}
+    state.load_state_dict(old)  # no reference_is_policy saved: unknown, so the reference forward runs
+    assert (state.global_step, state.log_history, state.warmup_restarts.restart_update) == (5, [{"loss": 1.0}], 4)
+    assert state.reference_is_policy is False and state.sync_schedule.best_eval == 0.5
+
+
+def test_the_state_is_transformers_trainer_state(tiny_base_dir, tmp_path):
+    from transformers import TrainerState
+
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=1)
+    trainer.train()
+    assert isinstance(trainer.state, TrainerState)
+    assert trainer.state.global_step == trainer.step == 1 and trainer.state.max_steps == 1
+    assert trainer.state.log_history is trainer.history and trainer.state.epoch == pytest.approx(1 / 12)
