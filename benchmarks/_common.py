@@ -88,7 +88,7 @@ def grpo_steps(trainer, n: int) -> list[tuple[dict, float]]:
         _, rows = next(trainer.state.batches)
         metrics = trainer.training_step(rows)
         trainer.state.global_step += 1
-        if trainer.state.sync_schedule.due(trainer.step, epoch_ended=False, kl=metrics.get("kl")):
+        if trainer.state.sync_schedule.due(trainer.state.global_step, epoch_ended=False, kl=metrics.get("kl")):
             trainer.sync_reference()
         out.append((metrics, time.perf_counter() - start))
     return out

@@ -68,9 +68,9 @@ def run_one(schedule: str, seed: int, args) -> dict:
     summary = trainer.train()
     seconds = time.perf_counter() - start
     curve = [(0, summary["eval_before"][ACCURACY], summary["eval_before"].get(DRIFT, 0.0))]
-    curve += [(i + 1, m[ACCURACY], m[DRIFT]) for i, m in enumerate(trainer.history) if ACCURACY in m]
-    curve.append((trainer.step, summary["eval_after"][ACCURACY], summary["eval_after"][DRIFT]))
-    last = trainer.history[-10:]
+    curve += [(i + 1, m[ACCURACY], m[DRIFT]) for i, m in enumerate(trainer.state.log_history) if ACCURACY in m]
+    curve.append((trainer.state.global_step, summary["eval_after"][ACCURACY], summary["eval_after"][DRIFT]))
+    last = trainer.state.log_history[-10:]
     penalty = [config.beta * m.get("kl", 0.0) for m in last]
     return {
         "schedule": schedule, "seed": seed, "curve": curve, "accuracy": summary["accuracy_after"],

@@ -6,10 +6,16 @@ rows [g·G, (g+1)·G) belong to prompt g. Worked example, G = 4, scale "group":
     rewards  = [1, 0, 0, 1,   1, 1, 1, 1]
     group 0: mean 0.5, std 0.5774 (unbiased) → A = [0.866, -0.866, -0.866, 0.866]
     group 1: all equal                         → A = [0, 0, 0, 0]   (exactly 0, never NaN)
+
+With several reward functions, MULTI_OBJECTIVE_AGGREGATIONS (TRL's multi_objective_aggregation)
+says how their (N, F) table becomes one advantage per completion: "sum_then_normalize" weights and
+sums the functions, then normalises as above; "normalize_then_sum" is GDPO (arXiv 2601.05242):
+each function is normalised within its group first, then the weighted sum over the batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,3 +91,83 @@ def zero_std_fraction(rewards: torch.Tensor, group_size: int) -> float:
     """Fraction of groups whose rewards are all equal (they carry no learning signal)."""
     groups = _check(rewards, group_size)
     return (groups == groups[:, :1]).all(dim=1).float().mean().item()
+
+
+def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    # the unbiased std of the non-NaN values along dim (kept); NaN where fewer than two (TRL's nanstd).
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = torch.nanmean((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim=dim, keepdim=True)
+    return torch.where(count > 1, var * count / (count - 1), torch.full_like(var, math.nan)).sqrt()
+
+
+def _weighted_sum(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    # a None (NaN) counts as 0 (TRL's nansum); a row that every function skipped stays NaN.
+    total = (per_func * weights).nansum(dim=1)
+    return torch.where(torch.isnan(per_func).all(dim=1), torch.full_like(total, float("nan")), total)
+
+
+def _sum_then_normalize(per_func, weights, group_size, scale):
+    return group_advantages(_weighted_sum(per_func, weights), group_size, scale)
+
+
+def _normalize_then_sum(per_func, weights, group_size, scale):
+    # GDPO as TRL 1.16 has it: each function's rewards normalised within the group (unbiased std
+    # over its non-None values, + 1e-4), weighted and summed (None → 0), then the sum normalised
+    # over the whole batch. scale_rewards plays no part, as in TRL.
+    _check(_weighted_sum(per_func, weights), group_size)  # a row that no function scored is an error
+    groups = per_func.view(-1, group_size, per_func.shape[1])
+    centered = groups - torch.nanmean(groups, dim=1, keepdim=True)
+    std = _nanstd(groups, dim=1) if group_size > 1 else torch.zeros_like(centered[:, :1])
+    normalized = centered / (std + EPS)
+    # a function constant over its group's scored rows carries no signal: exactly 0 (as group_advantages)
+    highest = groups.nan_to_num(nan=-math.inf).amax(dim=1, keepdim=True)
+    lowest = groups.nan_to_num(nan=math.inf).amin(dim=1, keepdim=True)
+    normalized = torch.where(highest == lowest, torch.zeros_like(normalized), normalized)
+    total = (normalized.reshape(-1, per_func.shape[1]) * weights).nansum(dim=1)
+    std_total = total.std() if total.numel() > 1 else total.new_zeros(())
+    out = (total - total.mean()) / (std_total + EPS)
+    return torch.where((total == total[0]).all(), torch.zeros_like(out), out)
+
+
+@dataclass(frozen=True)
+class MultiObjective:
+    """One multi_objective_aggregation: (N, F) rewards per function → (N,) advantages."""
+
+    apply: Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor]  # (per_func, weights (F,), G, scale)
+    help: str
+
+
+MULTI_OBJECTIVE_AGGREGATIONS: dict[str, MultiObjective] = {
+    "sum_then_normalize": MultiObjective(_sum_then_normalize, "weighted sum of the functions, then scale_rewards"),
+    "normalize_then_sum": MultiObjective(
+        _normalize_then_sum, "each function normalised in its group, weighted sum normalised over the batch (GDPO)"
+    ),
+}
+
+
+def multi_objective_advantages(
+    per_func: torch.Tensor,
+    weights: torch.Tensor | list[float] | None,
+    group_size: int,
+    scale: str = "group",
+    aggregation: str = "sum_then_normalize",
+) -> torch.Tensor:
+    """Advantages (N,) from the (N, F) table of F reward functions' scores (NaN where one returned None).
+
+    weights: F weights (None: all 1). scale: a key of SCALES (used by "sum_then_normalize" only, as
+    TRL). aggregation: a key of MULTI_OBJECTIVE_AGGREGATIONS. A row no function scored is an error.
+    """
+    if aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(
+            f"unknown multi_objective_aggregation {aggregation!r}; choose one of {list(MULTI_OBJECTIVE_AGGREGATIONS)}"
+        )
+    if scale not in SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; choose one of {list(SCALES)}")
+    if per_func.ndim != 2:
+        raise ValueError(f"per_func must be 2-D (N, F), got shape {tuple(per_func.shape)}")
+    per_func = per_func.float()
+    n_funcs = per_func.shape[1]
+    w = torch.ones(n_funcs) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
+    if w.shape != (n_funcs,):
+        raise ValueError(f"{w.numel()} reward weights for {n_funcs} reward functions; give one weight per function")
+    return MULTI_OBJECTIVE_AGGREGATIONS[aggregation].apply(per_func, w.to(per_func.device), group_size, scale)

@@ -16,9 +16,15 @@ Tensor = torch.Tensor
 
 def loss_mask(rollout, mask_truncated_completions: bool) -> Tensor:
     """(B, T) 1 on the completion tokens that count in the loss: the completion up to and including
-    its EOS; a truncated completion entirely 0 with mask_truncated_completions. The one place a
-    rollout's loss mask comes from (tokens the policy did not choose get 0 here)."""
+    its EOS, but not the tokens tool replies put in it (a rollout's ``tool_mask``: context the
+    policy reads, not actions it took); a truncated completion entirely 0 with
+    mask_truncated_completions. The one place a rollout's loss mask comes from (tokens the policy
+    did not choose get 0 here), so the loss, the KL, the entropy and the clip metrics all skip them.
+    With tools the mask can have holes: 1s after 0s."""
     mask = rollout.completion_mask.clone()
+    tool_mask = getattr(rollout, "tool_mask", None)
+    if tool_mask is not None:
+        mask = mask * tool_mask.to(mask.dtype)
     if mask_truncated_completions:
         mask[rollout.truncated] = 0
     return mask
@@ -68,7 +74,9 @@ class Batch:
             rows = slice(start, start + size)
             mask = self.attention_mask[rows]
             first = int((mask[:, :P].sum(0) > 0).int().argmax()) if P else 0  # drop all-pad prompt columns
-            t = max(1, int(self.completion_mask[rows].sum(1).max()))  # drop all-pad completion columns
+            # Drop the columns after the last loss token (a tool reply's 0s can sit before it).
+            used = self.completion_mask[rows].any(0).nonzero()
+            t = int(used[-1]) + 1 if used.numel() else 1
             cols = slice(first, P + t)
             yield {
                 "input_ids": self.input_ids[rows, cols],

@@ -10,6 +10,10 @@ fsynced, then renamed into place):
       trainer_state.json  the loop's TrainState (state.py): step, data position, metrics history, ...
       config.yaml         the run's resolved config
 
+trainer_state.pt is read with weights_only=True: only tensors and plain values (optimizer, scheduler,
+rng.py's states) unpickle, anything else is refused, so a checkpoint from elsewhere cannot run code.
+It is read onto the CPU; each optimizer state goes to its parameter's device (no process on cuda:0).
+
 Adapters are written from the adapter's own parameters, never from `model.state_dict()`:
 bitsandbytes' `Linear4bit._save_to_state_dict` rewrites the frozen 4-bit weights it serialises
 (on CPUs with AVX512-BF16 it unpacks them from its CPU layout and re-quantises the absmax, a lossy
@@ -22,6 +26,8 @@ import io
 import json
 import logging
 import os
+import pickle
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -32,7 +38,8 @@ import torch
 from torch import nn
 
 from .adapters import POLICY, REFERENCE, lora_layers
-from .rng import set_rng_state
+from .device import optimizer_state_on_devices
+from .rng import legacy_numpy_globals, restore_sampling, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,7 @@ STATE_JSON = "trainer_state.json"
 # Fields that fix the adapters' shapes or meaning: a checkpoint resumes only under the same values.
 # (Target modules are compared as the resolved sets in the adapters' configs, not as written.)
 STRUCTURAL_FIELDS = ("model_name_or_path", "lora_r", "lora_alpha", "use_rslora", "ref_rank")
+
 
 
 class CheckpointError(ValueError):
@@ -370,11 +378,21 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path / STATE_JSON} is damaged ({e}). " + _earlier_hint(path)) from None
     try:
-        blobs = torch.load(path / STATE_BLOBS, weights_only=False)
+        with torch.serialization.safe_globals(legacy_numpy_globals()):
+            # CPU first: RNG states must be CPU byte tensors; optimizer states move in restore_training_state.
+            blobs = torch.load(path / STATE_BLOBS, map_location="cpu", weights_only=True)
         missing = [k for k in ("optimizer", "scheduler", "rng") if k not in blobs]
         if missing:
             raise ValueError(f"no {', '.join(missing)}")
     except Exception as e:  # noqa: BLE001 - pickle/zip errors of many kinds mean one thing here
+        # A refused global is an object a checkpoint never holds; other weights-only errors (an unknown
+        # opcode) are what random bytes give: a damaged file, below.
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
+        if found:
+            raise CheckpointError(
+                f"{path / STATE_BLOBS} holds a reference to {found.group(1)}, which a lora_grpo checkpoint never "
+                "contains: refused, not loaded (unpickling it could run code). It was written by something else, or "
+                "altered; resume only from checkpoints you trust. " + _earlier_hint(path)) from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"{path / STATE_BLOBS} is damaged or truncated ({type(e).__name__}: {first_line}). "
                               + _earlier_hint(path)) from None
@@ -417,10 +435,14 @@ def restore_training_state(path: Path, *, model: nn.Module, optimizer, scheduler
     check_compatible(path, config_values, num_processes, int(saved.get("num_processes", len(blobs["rng"]))),
                      policy_targets=set(model.peft_config[POLICY].target_modules))
     load_checkpoint_adapters(model, path)
-    optimizer.load_state_dict(blobs["optimizer"])
+    optimizer.load_state_dict(optimizer_state_on_devices(blobs["optimizer"], optimizer))
     scheduler.load_state_dict(blobs["scheduler"])
     state.load_state_dict(saved)
     rng = blobs["rng"][process_index]  # this process's own states
     set_rng_state(rng)
-    generator.set_state(rng["sampling"])
+    line = restore_sampling(generator, rng["sampling"], seed=int(config_values.get("seed", 0)),
+                            process_index=process_index, step=int(saved.get("global_step", saved.get("step", 0))))
+    if line:
+        logger.warning("%s: %s", path, line)
     return saved
+

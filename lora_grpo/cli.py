@@ -1,10 +1,11 @@
-"""`lora-grpo train | eval | plot | merge | recipes`. The CLI builds a GRPOConfig and calls the Python API.
+"""`lora-grpo train | eval | plot | merge | recipes | trl`. The CLI builds a GRPOConfig and calls the Python API.
 
     lora-grpo train toy-addition --set max_steps=20 --set output_dir=runs/try
     lora-grpo eval runs/try/adapter --recipe toy-addition
     lora-grpo plot runs/try
     lora-grpo merge runs/try/adapter --recipe toy-addition --out merged/
     lora-grpo recipes                  # the shipped recipes; `lora-grpo recipes NAME > my.yaml` to copy one
+    lora-grpo trl --config grpo.yaml   # a TRL GRPO recipe (what `trl grpo --config` takes), via lora_grpo.trl
 
 A recipe is a YAML file's path or the name of a recipe shipped in the package (lora_grpo/recipes/).
 """
@@ -107,6 +108,13 @@ def _end_processes() -> None:
         torch.distributed.destroy_process_group()
 
 
+def cmd_trl(args) -> int:
+    """A TRL GRPO recipe (`trl grpo --config`'s keys and flags), through the TRL front door."""
+    from .trl.script import main as trl_main
+
+    return trl_main(args.trl_args)
+
+
 def cmd_recipes(args) -> int:
     if args.name:  # the recipe's text, to copy and edit: lora-grpo recipes NAME > my.yaml
         with recipe_file(args.name) as path:
@@ -199,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", nargs="*", help="metric names to plot")
     p.add_argument("--out", help="output PNG path (default: RUN_DIR/metrics.png)")
     p.set_defaults(func=cmd_plot)
+    p = sub.add_parser("trl", help="run a TRL GRPO recipe: --config recipe.yaml and TRL's flags (ScriptArguments, GRPOConfig, ModelConfig)",
+                       add_help=False)
+    p.add_argument("trl_args", nargs=argparse.REMAINDER, help="--config recipe.yaml and TRL's flags (--help lists them)")
+    p.set_defaults(func=cmd_trl)
     p = sub.add_parser("merge", help="merge a trained adapter into the (unquantized) base and save it")
     p.add_argument("adapter")
     p.add_argument("--out", required=True)
@@ -208,7 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "trl":  # TRL's own flags (--config, --output_dir, ...) are its parser's
+        args.trl_args = extra + args.trl_args
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except ConfigError as e:

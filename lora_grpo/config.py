@@ -11,43 +11,21 @@ import dataclasses
 import difflib
 import types
 import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-# The names of the options; what each one does lives in its module's table, which this module
-# cannot import (it loads before torch): loss.LOSS_TYPES, loss.IMPORTANCE_SAMPLING,
-# advantages.SCALES, reference.SYNC_MODES. tests/test_config.py checks that the names agree.
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-IMPORTANCE_SAMPLING = ("token", "sequence")
-SCALES = ("group", "batch", "none")
-SYNC_MODES = ("exact", "factors")
-QUANTIZATIONS = ("none", "8bit", "4bit")
-QUANT_TYPES_4BIT = ("nf4", "fp4")
-OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
-SCHEDULERS = ("constant", "linear", "cosine")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (reporting.py maps each to its package)
-DECODE_MODES = ("auto", "eager", "static", "compiled")  # the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
-
-CHOICES = {  # field → its options: validate() checks the value, and each field's help names every option
-    "quantization": QUANTIZATIONS, "loss_type": LOSS_TYPES, "ref_sync_mode": SYNC_MODES, "scale_rewards": SCALES,
-    "optimizer": OPTIMIZERS, "lr_scheduler": SCHEDULERS, "torch_dtype": DTYPES,
-    "bnb_4bit_quant_type": QUANT_TYPES_4BIT, "importance_sampling": IMPORTANCE_SAMPLING, "decode_mode": DECODE_MODES,
-}
-
+from .config_checks import (  # noqa: F401  (the option names are part of config's public names)
+    CHOICES, DECODE_MODES, DTYPES, IMPORTANCE_SAMPLING, LOSS_TYPES, MULTI_OBJECTIVE, OPTIMIZERS, QUANT_TYPES_4BIT,
+    QUANTIZATIONS, SCALES, SCHEDULERS, SYNC_MODES, TRACKERS, ConfigError, check_generation_batch_size, validate,
+)
 
 def _f(default, help: str, **kw):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
     return field(default=default, metadata={"help": help}, **kw)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
 
 
 @dataclass
@@ -61,6 +39,8 @@ class GRPOConfig:
     torch_dtype: str = _f("auto", "dtype of the unquantized weights and 4-bit compute: auto | float32 | bfloat16 | float16")
     trust_remote_code: bool = _f(False, "allow custom model code from the hub")
     attn_implementation: str | None = _f(None, "attention kernel (e.g. sdpa, flash_attention_2); None = transformers' default")
+    revision: str | None = _f(None, "model revision (a branch, tag or commit) on the hub; None = the default branch")
+    use_cpu: bool = _f(False, "train on the CPU even when a GPU is there")
     # --- policy adapter ----------------------------------------------------------------------
     lora_r: int = _f(16, "rank of the policy LoRA adapter")
     lora_alpha: float = _f(32, "LoRA alpha of the policy adapter (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA)")
@@ -93,17 +73,21 @@ class GRPOConfig:
     eval_kl_to_base: bool = _f(True, "report eval/kl_to_base, the k3 KL per token of the policy to the model the run started from (base, or init_adapter), on sampled completions: pass@k's when drawn at the training temperature, else one more per eval prompt")
     eval_correct_threshold: float = _f(1.0, "pass@k counts a sampled completion correct when the first reward function gives ≥ this (toy_reward and accuracy give 1.0 for a right answer, None counts as wrong)")
     prompt_column: str = _f("prompt", "column holding the prompt text (or a list of chat messages)")
-    messages_column: str = _f("messages", "column holding chat messages, rendered with the tokenizer's chat template")
+    messages_column: str | None = _f("messages", "column holding chat messages, rendered with the tokenizer's chat template (None: only prompt_column, as TRL)")
     prompt_template: str | None = _f(None, "a Python format string over the row's columns, e.g. 'Q: {question}\\nA:'")
     system_prompt: str | None = _f(None, "system message prepended to chat prompts")
     use_chat_template: bool = _f(False, "render text prompts as a user message through the tokenizer's chat template (instruct models)")
+    chat_template_kwargs: dict = _f({}, "extra keyword arguments of the chat template when prompts are rendered, e.g. {enable_thinking: false}")
+    shuffle_dataset: bool = _f(True, "visit the prompts in a fresh seeded order each epoch (false: dataset order)")
     # --- rewards -----------------------------------------------------------------------------
     reward_funcs: list = _f([], "reward functions: built-in names (format, accuracy, countdown, soft_overlong, length) or dotted paths 'pkg.module:fn'")
     reward_weights: list | None = _f(None, "one weight per reward function (default all 1)")
+    multi_objective_aggregation: str = _f("sum_then_normalize", "several reward functions: sum_then_normalize (weighted sum, then group advantages) | normalize_then_sum (GDPO: each function normalised in its group, then the weighted sum, renormalised over the batch)")
     # --- generation --------------------------------------------------------------------------
     num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
     prompts_per_step: int = _f(8, "prompts per optimizer step, each sampled num_generations times")
-    generation_batch_size: int | None = _f(None, "alternatively, sequences per step; must be divisible by num_generations")
+    steps_per_generation: int = _f(1, "optimizer steps each generation batch is cut into: one rollout of steps_per_generation × prompts_per_step prompts feeds that many steps, each on its share (TRL's steps_per_generation / gradient_accumulation_steps)")
+    generation_batch_size: int | None = _f(None, "alternatively, sequences per rollout (all steps_per_generation steps of it); divisible by num_generations and by steps_per_generation; prompts_per_step then follows from it")
     max_prompt_length: int | None = _f(512, "prompts longer than this keep their last tokens (with a warning); None = no limit")
     max_completion_length: int = _f(256, "maximum new tokens per completion")
     temperature: float = _f(1.0, "sampling temperature (also divides the logits in the loss)")
@@ -111,17 +95,36 @@ class GRPOConfig:
     top_k: int = _f(0, "top-k sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)")
     min_p: float = _f(0.0, "min-p sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)")
     repetition_penalty: float = _f(1.0, "CTRL repetition penalty (1 = off); not in the loss (ratio and KL use the unfiltered distribution)")
-    decode_mode: str = _f("auto", "sampler: auto (compiled on CUDA, eager on CPU) | eager | static (fixed-shape KV cache) | compiled (static + torch.compile, CUDA graphs on GPU; eager if compiling fails); all draw the same tokens")
+    decode_mode: str = _f("auto", "sampler: auto (compiled where it pays: a CUDA GPU with Triton, compute capability ≥ 7.0, ≥ 8.0 for bfloat16; eager elsewhere; one line says what it chose) | eager | static (fixed-shape KV cache) | compiled (static + torch.compile, CUDA graphs on GPU; eager if compiling fails). The same tokens as eager in float32 on CPU; on a GPU and in bf16 the static path's kernels change the logits' last bits, so a near-tie can be drawn differently")
+    tools: list = _f([], "tools the policy may call during a rollout: dotted paths 'pkg.module:fn' of typed, documented functions (their JSON schema goes into the chat template); [] = single-turn")
+    max_tool_calling_iterations: int | None = _f(None, "with tools: tool-call rounds per completion at most (None = until the completion budget is spent)")
+    environment_factory: str | None = _f(None, "with tools or alone: dotted path 'pkg.module:Class' of an environment whose public methods are the tools; one instance per completion, reset(**row) may return text appended to the prompt, get_reward() (optional) is a reward")
+    tool_timeout: float = _f(10.0, "with tools: seconds a tool call may take; longer calls become an error reply the model sees")
     # --- loss --------------------------------------------------------------------------------
     beta: float = _f(0.04, "weight of the k3 KL penalty to the reference (0 = no reference forward)")
-    loss_type: str = _f("dapo", "token aggregation: grpo | bnpo | dapo | dr_grpo")
+    loss_type: str = _f("dapo", "objective and token aggregation: grpo | bnpo | dapo | dr_grpo | cispo | sapo | vespo | luspo (loss.LOSS_TYPES; TRL's names and formulas)")
     epsilon_low: float = _f(0.2, "lower clip: ratio ≥ 1 − epsilon_low")
-    epsilon_high: float = _f(0.28, "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025)")
+    epsilon_high: float = _f(0.28, "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025); cispo: the cap on the ratio itself (MiniMax-M1; ScaleRL uses about 5)")
+    delta: float | None = _f(None, "two-sided clipping: also cap the unclipped ratio at delta (> 1 + epsilon_high; INTELLECT-2); None = off")
+    sapo_temperature_pos: float = _f(1.0, "sapo: temperature of the soft gate for positive advantages")
+    sapo_temperature_neg: float = _f(1.05, "sapo: temperature of the soft gate for negative advantages")
+    vespo_k_pos: float = _f(2.0, "vespo: shape k of the gamma weight for positive advantages")
+    vespo_lambda_pos: float = _f(3.0, "vespo: rate lambda of the gamma weight for positive advantages")
+    vespo_k_neg: float = _f(3.0, "vespo: shape k of the gamma weight for negative advantages")
+    vespo_lambda_neg: float = _f(2.0, "vespo: rate lambda of the gamma weight for negative advantages")
+    top_entropy_quantile: float = _f(1.0, "only tokens whose entropy is in this top share (over every process's tokens of the micro-batch) carry the policy gradient (Wang et al. 2025, '80/20'); 1 = all tokens")
+    off_policy_mask_threshold: float | None = _f(None, "drop negative-advantage sequences whose mean KL from the sampling policy exceeds this (DeepSeek-V3.2's off-policy sequence mask); None = off")
+    entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef × the token-mean entropy from the loss (0 = off); the starting value with use_adaptive_entropy")
+    use_adaptive_entropy: bool = _f(False, "move entropy_coef each step towards entropy_target (Skywork-OR1's adaptive controller, as TRL)")
+    entropy_target: float = _f(0.2, "use_adaptive_entropy: the token-mean entropy the controller aims for")
+    entropy_coef_delta: float = _f(0.005, "use_adaptive_entropy: how much entropy_coef moves per step")
+    entropy_coef_min: float = _f(0.0, "use_adaptive_entropy: the smallest entropy_coef")
+    entropy_coef_max: float = _f(1.0, "use_adaptive_entropy: the largest entropy_coef")
     scale_rewards: str = _f("group", "advantage scaling: group | batch (std of this process's batch) | none (Dr. GRPO)")
     importance_sampling: str = _f("token", "importance ratio: token (one per token) | sequence (one length-normalised ratio per sequence, GSPO)")
     kl_ratio_correction: bool = _f(True, "multiply k3 by pi/pi_old (unbiased KL gradient, DeepSeek-V3.2)")
     mask_truncated_completions: bool = _f(False, "exclude completions without EOS from the loss")
-    num_iterations: int = _f(1, "optimizer passes over each generation batch (>1 uses old log-probs and clipping)")
+    num_iterations: int = _f(1, "passes over each generation batch, each pass steps_per_generation optimizer steps (>1 uses old log-probs and clipping); every update counts as a step, as in TRL")
     logprob_chunk_size: int = _f(1024, "tokens per chunk through the LM head when computing log-probs")
     # --- optimisation ------------------------------------------------------------------------
     learning_rate: float = _f(2e-5, "peak learning rate of the policy adapter")
@@ -129,22 +132,27 @@ class GRPOConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.99, "AdamW beta2")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
     max_nonfinite_updates: int = _f(5, "a NaN/inf loss or gradient skips the update; stop with an error after this many in a row")
-    lr_scheduler: str = _f("constant", "constant | linear | cosine (after warmup)")
-    warmup_steps: int = _f(0, "linear warmup steps")
+    lr_scheduler: str = _f("constant", "constant | linear | cosine | cosine_with_restarts | polynomial | inverse_sqrt | cosine_with_min_lr | warmup_stable_decay (after warmup; transformers' schedules)")
+    lr_scheduler_kwargs: dict = _f({}, "extra arguments of the schedule, e.g. {num_cycles: 2} or {min_lr_rate: 0.1}")
+    warmup_steps: float = _f(0, "linear warmup: steps, or below 1 a share of max_steps (0.1 = the first tenth)")
     micro_batch_size: int | str = _f("auto", "sequences per forward/backward (gradient accumulation over the step); 'auto' = the largest that fits memory_budget, measured once at start (memory.py)")
     gradient_checkpointing: bool | str = _f("auto", "recompute activations in backward to save memory: true | false | auto (on only when the start-up memory probe needs it)")
     memory_budget: float = _f(0.9, "share of free GPU memory (on CPU: of available RAM) that the 'auto' sizes and the start-up preflight may plan for, in (0, 1]")
     max_steps: int = _f(100, "optimizer steps to run (0 = run num_epochs)")
-    num_epochs: int = _f(1, "epochs over the prompts when max_steps = 0")
+    num_epochs: float = _f(1, "epochs over the prompts when max_steps = 0 (may be fractional: the steps are rounded up)")
     # --- run ---------------------------------------------------------------------------------
     output_dir: str = _f("runs/grpo", "run directory: config, metrics.jsonl, checkpoints, final adapter")
     save_steps: int = _f(50, "checkpoint every N steps (0 = only at the end)")
-    save_total_limit: int = _f(2, "keep at most this many checkpoints")
+    save_total_limit: int = _f(2, "keep at most this many checkpoints (0 = all)")
     resume_from_checkpoint: str | None = _f(None, "a checkpoint dir, or 'latest' in output_dir")
-    logging_steps: int = _f(1, "print metrics every N steps")
-    eval_steps: int = _f(0, "evaluate on eval_dataset every N steps (0 = only at the start and end)")
+    overwrite_output_dir: bool = _f(False, "a new run into a directory that holds another run's files moves them to output_dir/previous-run-K/ first (else it is refused)")
+    logging_steps: float = _f(1, "print metrics every N steps (below 1: a share of max_steps)")
+    eval_steps: float = _f(0, "evaluate on eval_dataset every N steps (below 1: a share of max_steps; 0 = only at the start and end)")
+    eval_on_start: bool = _f(True, "with an eval_dataset: evaluate before the first step")
+    eval_on_end: bool = _f(True, "with an eval_dataset: evaluate after the last step")
     seed: int = _f(42, "random seed (sampling, data order, adapter init)")
     # --- reporting (TRL / transformers names where they have them) -----------------------------
     report_to: Any = _f("none", "experiment trackers: none | tensorboard | wandb | trackio, or a list of them (pip extras of the same names)")
@@ -154,161 +162,20 @@ class GRPOConfig:
     disable_tqdm: bool = _f(False, "turn off the progress bar (the logging_steps lines stay)")
     log_completions: bool = _f(False, "append every completion with its rewards and advantage to output_dir/completions.jsonl (and tracker tables)")
     log_completions_steps: int = _f(1, "with log_completions: log the completions of every N-th step")
+    num_completions_to_print: int = _f(0, "print this many of the step's completions (prompt, completion, rewards) at each logging step")
 
     # -----------------------------------------------------------------------------------------
     def __post_init__(self):
         if self.generation_batch_size is not None:
-            if self.generation_batch_size % self.num_generations != 0:
-                raise ConfigError(
-                    f"generation_batch_size={self.generation_batch_size} is not divisible by "
-                    f"num_generations={self.num_generations}: each prompt's whole group must be in the batch. "
-                    "Set generation_batch_size to a multiple of num_generations, or set prompts_per_step instead."
-                )
-            self.prompts_per_step = self.generation_batch_size // self.num_generations
+            check_generation_batch_size(self)
+            per_step = self.generation_batch_size // self.steps_per_generation
+            if per_step % self.num_generations == 0:  # else a step holds part of a group (advantages are per rollout)
+                self.prompts_per_step = per_step // self.num_generations
         if self.ref_rank is None:
             self.ref_rank = self.lora_r if self.ref_sync_mode == "factors" else 2 * self.lora_r
         if isinstance(self.lora_target_modules, tuple):
             self.lora_target_modules = list(self.lora_target_modules)
-        self.validate()
-        self._warn_about_sampling_filters()
-
-    def _warn_about_sampling_filters(self) -> None:
-        filters = [f"{k}={getattr(self, k)}" for k, off in
-                   (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)) if getattr(self, k) != off]
-        if filters and (self.num_iterations > 1 or self.beta > 0):
-            warnings.warn(
-                f"sampling filters {', '.join(filters)} change the distribution completions are drawn from, but the "
-                "ratio and KL terms use the model's unfiltered log-probs (as TRL does): the importance ratio and the "
-                "KL are those of the unfiltered policy. Turn the filters off for an exact on-policy loss.",
-                stacklevel=4,
-            )
-
-    def validate(self) -> None:
-        def choice(name, options):
-            value = getattr(self, name)
-            if value not in options:
-                close = difflib.get_close_matches(str(value), options, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(f"{name}={value!r} is not one of {list(options)}{hint}")
-
-        def positive(name, allow_zero=False):
-            value = getattr(self, name)
-            if value < 0 or (value == 0 and not allow_zero):
-                raise ConfigError(f"{name}={value} must be {'≥ 0' if allow_zero else '> 0'}")
-
-        if not self.model_name_or_path:
-            raise ConfigError("model_name_or_path is required: a hub id, a local model dir, or 'toy'")
-        for name, options in CHOICES.items():
-            choice(name, options)
-        for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length", "logging_steps",
-                     "repetition_penalty",
-                     "num_iterations", "max_nonfinite_updates", "logprob_chunk_size", "learning_rate", "num_epochs"]:
-            positive(name)
-        for name in ["eval_limit", "ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
-                     "max_grad_norm", "beta", "top_k", "min_p", "epsilon_low", "epsilon_high"]:
-            positive(name, allow_zero=True)
-        # Reporting.
-        trackers = [self.report_to] if isinstance(self.report_to, str) else self.report_to or []  # None = none
-        for tracker in trackers if isinstance(trackers, list) else [trackers]:
-            if tracker not in TRACKERS + ("none",):
-                close = difflib.get_close_matches(str(tracker), TRACKERS, n=1)
-                raise ConfigError(
-                    f"report_to={self.report_to!r}: expected 'none', one of {list(TRACKERS)} or a list of them"
-                    + (f" (did you mean {close[0]!r}?)" if close else "")
-                )
-        positive("log_completions_steps")
-        # Memory: 'auto' sizes (memory.py).
-        mbs = self.micro_batch_size
-        if mbs != "auto" and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-            raise ConfigError(
-                f"micro_batch_size={mbs!r} must be an integer ≥ 1 or 'auto' (the largest that fits memory_budget)"
-            )
-        if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto"):
-            raise ConfigError(f"gradient_checkpointing={self.gradient_checkpointing!r} must be true, false or 'auto'")
-        if not 0 < self.memory_budget <= 1:
-            raise ConfigError(
-                f"memory_budget={self.memory_budget} must be in (0, 1]: the share of free GPU memory (available RAM "
-                "on CPU) that the 'auto' micro_batch_size may plan for"
-            )
-        # Evaluation: pass@k.
-        ks = self.eval_pass_k
-        if not isinstance(ks, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks):
-            raise ConfigError(
-                f"eval_pass_k={ks!r} must be a list of integers ≥ 1, e.g. [1, 8] (--set eval_pass_k=[1,8]); [] turns pass@k off"
-            )
-        if self.eval_num_samples is not None and self.eval_num_samples < max(ks, default=1):
-            raise ConfigError(
-                f"eval_num_samples={self.eval_num_samples}: pass@k needs n ≥ k samples per prompt, here "
-                f"n ≥ {max(ks, default=1)} (max of eval_pass_k={ks}); raise it, or leave it unset (= max(eval_pass_k))"
-            )
-        if self.eval_temperature is not None and self.eval_temperature <= 0:
-            raise ConfigError(
-                f"eval_temperature={self.eval_temperature} must be > 0, or None (= temperature): pass@k needs sampled "
-                "completions; the greedy eval is reported anyway"
-            )
-        if self.num_generations < 2:
-            raise ConfigError(
-                f"num_generations={self.num_generations}: GRPO compares completions within a group, so it needs "
-                "at least 2 per prompt (4–16 is typical)"
-            )
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ConfigError(f"max_prompt_length={self.max_prompt_length} must be ≥ 1 or None (no limit)")
-        if self.temperature <= 0:
-            raise ConfigError(
-                f"temperature={self.temperature} must be > 0: GRPO needs varied samples within a group "
-                "(greedy groups are identical and carry no signal)"
-            )
-        if not 0 <= self.min_p <= 1:
-            raise ConfigError(f"min_p={self.min_p} must be in [0, 1]")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.epsilon_low >= 1:
-            raise ConfigError(f"epsilon_low={self.epsilon_low} must be < 1 (the ratio's lower clip is 1 − epsilon_low)")
-        if not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
-        # Reference slot.
-        if not 0 < self.ref_sync_alpha <= 1:
-            raise ConfigError(
-                f"ref_sync_alpha={self.ref_sync_alpha} must be in (0, 1]: 1 copies the policy, smaller values mix "
-                "ref ← alpha·policy + (1−alpha)·ref"
-            )
-        if self.ref_sync_kl is not None and self.ref_sync_kl <= 0:
-            raise ConfigError(f"ref_sync_kl={self.ref_sync_kl} must be > 0 (a KL threshold) or None")
-        if self.sync_enabled and self.beta == 0:
-            raise ConfigError(
-                "reference sync is configured (ref_sync_steps / ref_sync_every_epoch / ref_sync_kl / ref_sync_on_plateau) "
-                "but beta = 0, so no reference is used: set beta > 0 or turn the sync off"
-            )
-        for name in ("ref_sync_reset_optimizer", "ref_sync_restart_warmup"):
-            if getattr(self, name) and not self.sync_enabled:
-                raise ConfigError(
-                    f"{name}=true acts at each reference sync, but no sync is configured: set ref_sync_steps, "
-                    "ref_sync_every_epoch, ref_sync_kl or ref_sync_on_plateau, or turn it off"
-                )
-        if self.ref_sync_restart_warmup and self.warmup_steps == 0:
-            raise ConfigError("ref_sync_restart_warmup=true restarts a warmup of warmup_steps steps, but warmup_steps=0: "
-                              "set warmup_steps > 0 (e.g. 5), or turn it off")
-        if self.ref_sync_on_plateau:
-            if self.eval_steps == 0:
-                raise ConfigError(
-                    "ref_sync_on_plateau=true watches the eval score during training, but eval_steps=0 evaluates only "
-                    "before and after it: set eval_steps > 0 (and an eval_dataset)"
-                )
-            if isinstance(self.ref_sync_plateau_patience, bool) or self.ref_sync_plateau_patience < 1:
-                raise ConfigError(f"ref_sync_plateau_patience={self.ref_sync_plateau_patience} must be an integer ≥ 1 (evals)")
-            if not self.ref_sync_plateau_min_delta >= 0:
-                raise ConfigError(f"ref_sync_plateau_min_delta={self.ref_sync_plateau_min_delta} must be ≥ 0")
-        if self.ref_rank < self.lora_r:
-            if self.ref_sync_alpha == 1:
-                raise ConfigError(
-                    f"ref_rank={self.ref_rank} < lora_r={self.lora_r} with ref_sync_alpha=1: a hard copy of the "
-                    "policy needs ref_rank ≥ lora_r"
-                )
-        if self.ref_sync_mode == "factors" and self.ref_rank != self.lora_r:
-            raise ConfigError(
-                f"ref_sync_mode='factors' blends A and B name by name, so ref_rank ({self.ref_rank}) must equal "
-                f"lora_r ({self.lora_r}); use ref_sync_mode='exact' for a reference slot of another rank"
-            )
+        validate(self)
 
     # -----------------------------------------------------------------------------------------
     @property
@@ -317,8 +184,20 @@ class GRPOConfig:
 
     @property
     def generation_batch(self) -> int:
-        """Sequences sampled per optimizer step (prompts_per_step × num_generations)."""
-        return self.prompts_per_step * self.num_generations
+        """Sequences sampled per rollout: generation_batch_size, or prompts_per_step × G × steps_per_generation."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size
+        return self.prompts_per_step * self.num_generations * self.steps_per_generation
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Prompts per rollout (each sampled num_generations times)."""
+        return self.generation_batch // self.num_generations
+
+    @property
+    def step_batch(self) -> int:
+        """Sequences per optimizer step: the rollout's share of each of its steps_per_generation steps."""
+        return self.generation_batch // self.steps_per_generation
 
     @classmethod
     def field_help(cls) -> dict[str, str]:

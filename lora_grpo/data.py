@@ -2,7 +2,8 @@
 
 ``load_prompt_dataset`` returns a ``datasets.Dataset`` whose ``prompt`` column holds the prompt
 TEXT the policy is sampled from; every other column is kept, because columns reach the reward
-functions as keyword lists (e.g. ``answer`` for :func:`lora_grpo.rewards.answer_accuracy`).
+functions as keyword lists (e.g. ``answer`` for :func:`lora_grpo.rewards.answer_accuracy`). A
+streamed ``IterableDataset`` given to a run is read once, the rows the run needs (read_stream).
 
 Conversational prompts: when the prompts are chat messages (the ``messages_column``, or a
 ``prompt_column`` holding message lists), the messages the policy is prompted with (the row's
@@ -12,7 +13,7 @@ reward functions as ``prompts`` (TRL's conversational format), never under their
 they arrive exactly once; ``prompt`` and ``prompt_messages`` are the two columns that never reach
 a reward function as keywords.
 
-``PromptBatches`` walks that dataset in seeded, reshuffled epochs, ``prompts_per_step`` rows at a
+``PromptBatches`` (prompt_batches.py) walks that dataset in seeded, reshuffled epochs, ``prompts_per_step`` rows at a
 time, and can be checkpointed and resumed exactly.
 """
 
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import os
 import string
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import datasets
-import numpy as np
 
+from .prompt_batches import PromptBatches
+from .tasks.calculator import calculator_problems
 from .tasks.countdown import countdown_problems
 from .tasks.toy import toy_problems
 
@@ -48,15 +50,17 @@ def _load_source(source: Any, split: str, config_name: str | None = None) -> dat
         return source
     if isinstance(source, datasets.DatasetDict):
         return _pick_split(source, split, "the DatasetDict")
+    if isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise TypeError(
+            "a streamed datasets.IterableDataset has no length: pass it to GRPOTrainer with max_steps set (the rows "
+            "the run needs are read once), or read rows yourself: Dataset.from_list(list(stream.take(n)))")
     if isinstance(source, (list, tuple)):
         if not all(isinstance(row, Mapping) for row in source):
             raise TypeError("a list source must be a list of dicts (one per row)")
         return datasets.Dataset.from_list([dict(row) for row in source])
     if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(
-            f"unsupported dataset source of type {type(source).__name__}: pass a datasets.Dataset, "
-            "a list of dicts, a .json/.jsonl/.csv/.parquet file, a save_to_disk directory or a hub name"
-        )
+        raise TypeError(f"unsupported dataset source of type {type(source).__name__}: pass a datasets.Dataset, "
+                        "a list of dicts, a .json/.jsonl/.csv/.parquet file, a save_to_disk directory or a hub name")
     path = Path(source).expanduser()
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
@@ -66,9 +70,7 @@ def _load_source(source: Any, split: str, config_name: str | None = None) -> dat
     suffix = path.suffix.lower()
     if path.is_file():
         if suffix not in _FILE_BUILDERS:
-            raise ValueError(
-                f"cannot load {path}: unknown file type {suffix!r}; supported: {sorted(_FILE_BUILDERS)}"
-            )
+            raise ValueError(f"cannot load {path}: unknown file type {suffix!r}; supported: {sorted(_FILE_BUILDERS)}")
         # A single file is one split; `split` does not apply to it.
         return datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
     if suffix in _FILE_BUILDERS or str(source).startswith((".", "/", "~")):
@@ -93,33 +95,41 @@ def _template_fields(template: str) -> list[str]:
 
 def _check_rows(ds: datasets.Dataset, column: str, ok, expected: str, keep: str) -> None:
     """Raise, naming the column, the rows and a filter, when rows of ``column`` fail ``ok``: at load,
-    not when a bad row comes up mid-training."""
-    bad = [i for i, value in enumerate(ds[column]) if not ok(value)]
+    not when a bad row comes up mid-training. A row of chat messages gets its first bad message named."""
+    values = ds[column]
+    bad = [i for i, value in enumerate(values) if not ok(value)]
     if bad:
         rows = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
-        raise ValueError(
-            f"column {column!r} must hold {expected}, but {len(bad)} of {len(ds)} rows do not: rows "
-            f"[{rows}] (row {bad[0]} holds {ds[bad[0]][column]!r:.120}); filter them out before loading, "
-            f"e.g. ds = ds.filter(lambda row: {keep})"
-        )
+        problem = next(filter(None, map(_message_problem, (values[i] for i in bad))), None)
+        if problem:  # rows of messages lacking a role or content: a filter that keeps only whole ones
+            keep = f"row[{column!r}] and all(m.get('role') and m.get('content') is not None for m in row[{column!r}])"
+        raise ValueError(f"column {column!r} must hold {expected}, but {len(bad)} of {len(ds)} rows do not: rows "
+                         f"[{rows}] (row {bad[0]} holds {values[bad[0]]!r:.120}{f'; {problem}' if problem else ''}); "
+                         f"filter them out before loading, e.g. ds = ds.filter(lambda row: {keep})")
+
+
+def _message_problem(value: Any) -> str | None:
+    """The first message of a non-empty list of dicts without a 'role' (a non-empty str) or a
+    'content' (datasets stores a missing key as None); None for anything else or a good list."""
+    if isinstance(value, Sequence) and not isinstance(value, str) and all(isinstance(m, Mapping) for m in value):
+        for j, m in enumerate(value):
+            for key in ("role", "content"):
+                if m.get(key) is None or (key == "role" and not (isinstance(m[key], str) and m[key])):
+                    return f"its message {j} has {'no' if m.get(key) is None else 'an empty'} {key!r} ({dict(m)!r:.80})"
+    return None
 
 
 def _is_messages(value: Any) -> bool:
-    return (
-        isinstance(value, Sequence)
-        and not isinstance(value, str)
-        and len(value) > 0
-        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
-    )
+    return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
+            and all(isinstance(m, Mapping) for m in value) and _message_problem(value) is None)
 
 
 class _Renderer:
     """Renders one row's prompt to text; holds the options shared by every row."""
 
-    def __init__(self, tokenizer, system_prompt: str | None, use_chat_template: bool):
-        self.tokenizer = tokenizer
-        self.system_prompt = system_prompt
-        self.use_chat_template = use_chat_template
+    def __init__(self, tokenizer, system_prompt: str | None, use_chat_template: bool, template_kwargs: dict | None):
+        self.tokenizer, self.system_prompt, self.use_chat_template = tokenizer, system_prompt, use_chat_template
+        self.template_kwargs = dict(template_kwargs or {})  # chat_template_kwargs, e.g. enable_thinking
         if use_chat_template:
             self._check_tokenizer("use_chat_template=True")
 
@@ -127,11 +137,9 @@ class _Renderer:
         if self.tokenizer is None:
             raise ValueError(f"{why} needs a chat template: pass tokenizer=... (one with a chat_template)")
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                f"{why} needs a chat template, but the tokenizer has none (tokenizer.chat_template is None); "
-                "set tokenizer.chat_template (a Jinja template string), or give the prompts as text "
-                "(prompt_column / prompt_template)"
-            )
+            raise ValueError(f"{why} needs a chat template, but the tokenizer has none (tokenizer.chat_template is None); "
+                             "set tokenizer.chat_template (a Jinja template string), or give the prompts as text "
+                             "(prompt_column / prompt_template)")
 
     def messages(self, messages: Sequence[Mapping]) -> list[dict]:
         """The conversation the policy is prompted with: system prompt (replacing a leading system
@@ -146,7 +154,8 @@ class _Renderer:
     def chat(self, messages: Sequence[Mapping], where: str) -> str:
         """Messages (system prompt already applied, see ``messages``) -> chat-template text."""
         self._check_tokenizer(where)
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                  **self.template_kwargs)
 
     def text(self, text: str, where: str) -> str:
         """A plain-text prompt: wrapped as a user message when use_chat_template, else raw."""
@@ -156,16 +165,9 @@ class _Renderer:
 
 
 def load_prompt_dataset(
-    source: Any,
-    *,
-    split: str = "train",
-    prompt_column: str = "prompt",
-    messages_column: str = "messages",
-    prompt_template: str | None = None,
-    system_prompt: str | None = None,
-    tokenizer=None,
-    use_chat_template: bool = False,
-    config_name: str | None = None,
+    source: Any, *, split: str = "train", prompt_column: str = "prompt", messages_column: str = "messages",
+    prompt_template: str | None = None, system_prompt: str | None = None, tokenizer=None,
+    use_chat_template: bool = False, config_name: str | None = None, chat_template_kwargs: dict | None = None,
 ) -> datasets.Dataset:
     """Load prompts from anywhere and render each to text in a ``prompt`` column.
 
@@ -202,25 +204,25 @@ def load_prompt_dataset(
     Raises:
         ValueError: empty dataset; neither column present (the message lists the columns and the
             options to set); chat rendering without a tokenizer or chat template; rows whose prompt
-            is None, empty, or neither text nor chat messages, or whose template field is None (the
-            message names the column, the rows and a ``ds.filter`` that drops them).
+            is None, empty, or neither text nor chat messages (a message without a role or content
+            is named), or whose template field is None (the message names the column, the rows
+            and a ``ds.filter`` that drops them).
         KeyError: a template field missing from the columns (names the field and the columns).
+        TypeError: a streamed ``IterableDataset`` (:func:`resolve_dataset` reads one), or an
+            unsupported source.
     """
     ds = _load_source(source, split, config_name)
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"expected a map-style datasets.Dataset, got {type(ds).__name__}")
     if len(ds) == 0:
-        raise ValueError(f"the prompt dataset from {_describe(source)} is empty")
+        raise ValueError(f"the prompt dataset from {_describe(source)} is empty: check its file, split and filters")
     columns = list(ds.column_names)
-    render = _Renderer(tokenizer, system_prompt, use_chat_template)
+    render = _Renderer(tokenizer, system_prompt, use_chat_template, chat_template_kwargs)
 
     if prompt_template is not None:
         for field in _template_fields(prompt_template):
             if field not in columns:
-                raise KeyError(
-                    f"prompt_template uses field {field!r}, which is not a column; "
-                    f"available columns: {columns}"
-                )
+                raise KeyError(f"prompt_template uses field {field!r}, which is not a column; available columns: {columns}")
             # A None would be rendered as the text "None".
             _check_rows(ds, field, lambda v: v is not None, "a value for prompt_template in every row",
                         f"row[{field!r}] is not None")
@@ -249,11 +251,9 @@ def load_prompt_dataset(
             return render.chat(messages, f"column {prompt_column!r} (chat messages, row {i})"), messages
 
     else:
-        raise ValueError(
-            f"cannot find the prompts: no column {prompt_column!r} (prompt_column) or "
-            f"{messages_column!r} (messages_column) in columns {columns}; set prompt_column=..., "
-            "messages_column=..., or prompt_template='...{column}...'"
-        )
+        raise ValueError(f"cannot find the prompts: no column {prompt_column!r} (prompt_column) or {messages_column!r} "
+                         f"(messages_column) in columns {columns}; set prompt_column=..., messages_column=..., or "
+                         "prompt_template='...{column}...'")
 
     prompts: list[str] = []
     chats: list[list[dict] | None] = []
@@ -281,157 +281,80 @@ def _describe(source: Any) -> str:
     return repr(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__
 
 
-# ------------------------------------------------------------------------------------ batching
-
-
-class PromptBatches:
-    """Seeded epochs of prompt batches, resumable: an infinite iterator of ``(epoch, rows)``.
-
-    Each epoch visits the rows in a fresh permutation drawn from ``(seed, epoch)`` (or in order
-    with ``shuffle=False``) and yields ``rows: dict[str, list]`` (column -> ``prompts_per_step``
-    values) batches. The last ``len(dataset) % prompts_per_step`` rows of each epoch's permutation
-    are dropped, so every step has exactly ``prompts_per_step × G`` completions; with reshuffling a
-    different remainder is dropped each epoch. The iterator never ends; the trainer stops it
-    (``max_steps``), or pass ``num_epochs``.
-
-    Position: ``(epoch, index)``, where ``index`` is the row offset of the next batch in that
-    epoch's permutation. ``state_dict()`` taken after a batch was yielded points at the next one,
-    so a run restored with ``load_state_dict`` (or built with ``start_epoch``/``start_index``)
-    yields exactly the batches an uninterrupted run would have.
-
-    >>> batches = PromptBatches(datasets.Dataset.from_dict({"prompt": list("abcde")}), 2, seed=0)
-    >>> [epoch for epoch, _ in (next(batches) for _ in range(5))]
-    [0, 0, 1, 1, 2]
-    """
-
-    def __init__(
-        self,
-        dataset: datasets.Dataset,
-        prompts_per_step: int,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        start_epoch: int = 0,
-        start_index: int = 0,
-        num_epochs: int | None = None,
-    ):
-        if prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
-        if len(dataset) < prompts_per_step:
-            raise ValueError(
-                f"the dataset has {len(dataset)} rows, fewer than one batch of prompts_per_step="
-                f"{prompts_per_step}; lower prompts_per_step or add prompts"
-            )
-        self.dataset = dataset
-        self.prompts_per_step = int(prompts_per_step)
-        self.seed = int(seed)
-        self.shuffle = shuffle
-        self.num_epochs = num_epochs
-        self._order_epoch: int | None = None
-        self._order: np.ndarray | None = None
-        self._set_position(start_epoch, start_index)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Batches per epoch, ``len(dataset) // prompts_per_step``."""
-        return len(self.dataset) // self.prompts_per_step
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-    def _set_position(self, epoch: int, index: int) -> None:
-        if epoch < 0 or not 0 <= index <= len(self.dataset):
-            raise ValueError(
-                f"invalid start position epoch={epoch}, index={index} for {len(self.dataset)} rows"
-            )
-        self.epoch, self.index = int(epoch), int(index)
-        if self.index + self.prompts_per_step > len(self.dataset):  # a partial batch: next epoch
-            self.epoch, self.index = self.epoch + 1, 0
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The row order of ``epoch``: a permutation seeded by ``(seed, epoch)``; shape (len(dataset),)."""
-        if self._order_epoch != epoch:
-            n = len(self.dataset)
-            self._order = (
-                np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-            )
-            self._order_epoch = epoch
-        return self._order
-
-    def __iter__(self) -> Iterator[tuple[int, dict[str, list]]]:
-        return self
-
-    def __next__(self) -> tuple[int, dict[str, list]]:
-        if self.num_epochs is not None and self.epoch >= self.num_epochs:
-            raise StopIteration
-        epoch, start = self.epoch, self.index
-        indices = self.order(epoch)[start : start + self.prompts_per_step].tolist()
-        self._set_position(epoch, start + self.prompts_per_step)
-        return epoch, self.dataset[indices]
-
-    def state_dict(self) -> dict[str, int]:
-        """The position of the next batch, plus what must match on resume."""
-        return {
-            "epoch": self.epoch,
-            "index": self.index,
-            "seed": self.seed,
-            "num_rows": len(self.dataset),
-            "prompts_per_step": self.prompts_per_step,
-        }
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Resume at ``state``'s position. The seed and the dataset size must match (ValueError)."""
-        for key, mine in (("seed", self.seed), ("num_rows", len(self.dataset))):
-            if key in state and int(state[key]) != mine:
-                raise ValueError(
-                    f"cannot resume prompt batches: saved {key}={state[key]} but this run has {key}={mine}; "
-                    "the batches would differ from the interrupted run"
-                )
-        self._set_position(int(state["epoch"]), int(state["index"]))
-
-
 # ------------------------------------------------------------------------------- from a config
 # Datasets generated locally, by name (nothing is downloaded): name -> (problems(n, seed, split), train rows, eval rows).
-LOCAL_DATASETS = {"toy": (toy_problems, 2000, 200), "countdown": (countdown_problems, 10_000, 500)}
+LOCAL_DATASETS = {"toy": (toy_problems, 2000, 200), "countdown": (countdown_problems, 10_000, 500),
+                  "calculator": (calculator_problems, 2000, 200)}
 
 
-def resolve_dataset(source, config, tokenizer, split: str) -> datasets.Dataset | None:
-    """The train or eval prompts a config names (or `source` as given), loaded and rendered; None stays None."""
+def stream_rows(config, split: str, num_processes: int | None = None) -> int:
+    """Rows a run reads from a streamed train dataset (every rollout's prompts for max_steps updates,
+    on every process), or a streamed eval dataset (eval_limit); ValueError when nothing bounds it."""
+    if split == "eval":
+        if not config.eval_limit:
+            raise ValueError("eval_dataset is a streamed IterableDataset, which may never end: set eval_limit "
+                             "(the eval prompts read from it), or pass a map-style Dataset")
+        return config.eval_limit
+    if not config.max_steps:
+        raise ValueError("train_dataset is a streamed IterableDataset, which has no length, so epochs (num_epochs) "
+                         "cannot be counted: set max_steps, as TRL requires too, or pass a map-style Dataset")
+    updates = config.num_iterations * getattr(config, "steps_per_generation", 1)  # optimizer steps per rollout
+    rollouts, processes = -(-config.max_steps // updates), num_processes or int(os.environ.get("WORLD_SIZE", "1"))
+    return rollouts * getattr(config, "prompts_per_generation", config.prompts_per_step) * processes
+
+
+def read_stream(stream, config, split: str) -> datasets.Dataset:
+    """The first stream_rows(...) rows of a stream as a Dataset: accepted (as TRL does, with max_steps) by
+    reading at start the rows the run consumes, so every prompt is checked and the batches stay seeded,
+    sharded and resumable. A stream that ends sooner gives fewer rows, visited in epochs."""
+    if isinstance(stream, datasets.IterableDatasetDict):
+        stream = _pick_split(stream, config.dataset_split if split == "train" else config.eval_split, "the stream")
+    rows = list(stream.take(stream_rows(config, split)))
+    return datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({config.prompt_column: []})
+
+
+def resolve_dataset(source, config, tokenizer, split: str, template_kwargs: dict | None = None) -> datasets.Dataset | None:
+    """The train or eval prompts a config names (or `source` as given), loaded and rendered; None stays
+    None. A streamed dataset is read (read_stream); errors name the dataset (train_dataset / eval_dataset)."""
     if source is None:
         return None
     if isinstance(source, str) and source in LOCAL_DATASETS:
         problems, train_rows, eval_rows = LOCAL_DATASETS[source]
         source = problems(eval_rows if split == "eval" else train_rows, seed=config.seed, split=split)
-    return load_prompt_dataset(
-        source,
-        split=config.dataset_split if split == "train" else config.eval_split,
-        prompt_column=config.prompt_column,
-        messages_column=config.messages_column,
-        prompt_template=config.prompt_template,
-        system_prompt=config.system_prompt,
-        use_chat_template=config.use_chat_template,
-        config_name=config.dataset_config,
-        tokenizer=tokenizer,
-    )
+    name, streamed = f"{split}_dataset", isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict))
+    try:
+        return load_prompt_dataset(
+            read_stream(source, config, split) if streamed else source,
+            split=config.dataset_split if split == "train" else config.eval_split,
+            prompt_column=config.prompt_column, messages_column=config.messages_column,
+            prompt_template=config.prompt_template, system_prompt=config.system_prompt,
+            use_chat_template=config.use_chat_template, config_name=config.dataset_config, tokenizer=tokenizer,
+            chat_template_kwargs=config.chat_template_kwargs if template_kwargs is None else template_kwargs)
+    except (ValueError, KeyError, TypeError) as e:
+        if type(e) not in (ValueError, KeyError, TypeError) or str(e).startswith(name):
+            raise
+        fix = " (leave eval_dataset unset to train without evaluation)" if "is empty" in str(e) and split == "eval" else ""
+        raise type(e)(f"{name}: {e.args[0] if e.args else e}{fix}") from e
 
 
-def resolve_datasets(config, train_dataset, eval_dataset, tokenizer):
+def resolve_datasets(config, train_dataset, eval_dataset, tokenizer, template_kwargs: dict | None = None):
     """(train, eval) prompts of a run: the ones passed, else the config's `dataset` / `eval_dataset`
-    (eval None when there is none; cut to eval_limit rows)."""
+    (eval None when there is none; cut to eval_limit rows). template_kwargs: the chat template's (the
+    config's chat_template_kwargs, and a tool run's schemas)."""
     train_source = train_dataset if train_dataset is not None else config.dataset
     if train_source is None:
         raise ValueError("no training prompts: pass train_dataset=... or set `dataset` in the config")
-    train = resolve_dataset(train_source, config, tokenizer, "train")
-    held_out = resolve_dataset(eval_dataset if eval_dataset is not None else config.eval_dataset, config, tokenizer, "eval")
+    train = resolve_dataset(train_source, config, tokenizer, "train", template_kwargs)
+    held_out = resolve_dataset(eval_dataset if eval_dataset is not None else config.eval_dataset, config, tokenizer, "eval",
+                               template_kwargs)
     if held_out is not None and config.eval_limit:
         held_out = held_out.select(range(min(config.eval_limit, len(held_out))))
     return train, held_out
 
 
 def process_shard(dataset: datasets.Dataset, num_processes: int, process_index: int) -> datasets.Dataset:
-    """This process's prompts: equal shards (the last len % num_processes rows dropped), so that
-    every process has the same step count and epoch boundaries (collectives match, epoch syncs
-    happen together)."""
+    """This process's prompts: equal shards (the last len % num_processes rows dropped), so every process
+    has the same step count and epoch boundaries (collectives match, epoch syncs happen together)."""
     if num_processes == 1:
         return dataset
     usable = len(dataset) - len(dataset) % num_processes

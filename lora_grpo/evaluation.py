@@ -148,18 +148,20 @@ class PromptResult:
     num_correct: int | None = None  # correct sampled completions (of n); None without pass@k
     kl_sum: float | None = None  # Σ k3 KL to the base over its sampled completions' tokens
     kl_tokens: int | None = None  # the number of those tokens
+    tool_calls: int | None = None  # tool calls of its greedy completion (a tool run)
 
 
 def prompt_results(start: int, scores: Tensor, lengths: Tensor, num_correct: Tensor | None,
-                   kl: Tensor | None = None) -> list[PromptResult]:
+                   kl: Tensor | None = None, tool_calls: Tensor | None = None) -> list[PromptResult]:
     """A chunk's results: scores (m, F), lengths (m,), num_correct (m,) or None, kl (m, 2) of
     (Σ k3, tokens) or None; prompt i is start + i."""
     scores, lengths = scores.cpu().tolist(), lengths.cpu().tolist()
     correct = [None] * len(lengths) if num_correct is None else num_correct.cpu().tolist()
     kls = [(None, None)] * len(lengths) if kl is None else [(s, int(t)) for s, t in kl.cpu().tolist()]
+    calls = [None] * len(lengths) if tool_calls is None else [int(c) for c in tool_calls.cpu().tolist()]
     return [
-        PromptResult(start + i, tuple(s), int(n), c, *k)
-        for i, (s, n, c, k) in enumerate(zip(scores, lengths, correct, kls, strict=True))
+        PromptResult(start + i, tuple(s), int(n), c, *k, t)
+        for i, (s, n, c, k, t) in enumerate(zip(scores, lengths, correct, kls, calls, strict=True))
     ]
 
 
@@ -188,6 +190,9 @@ def eval_metrics(
     if all(r.kl_sum is not None for r in results):
         tokens = sum(r.kl_tokens for r in results)
         metrics["eval/kl_to_base"] = math.fsum(r.kl_sum for r in results) / tokens if tokens else math.nan
+    if all(r.tool_calls is not None for r in results):  # greedy completions that call a tool, calls per completion
+        metrics["eval/tools/calling_fraction"] = float(np.mean([r.tool_calls > 0 for r in results]))
+        metrics["eval/tools/call_frequency"] = float(np.mean([r.tool_calls for r in results]))
     return metrics
 
 
@@ -203,7 +208,8 @@ def headline_score(metrics: dict[str, float], reward_names: Sequence[str]) -> fl
 class Evaluator:
     """evaluate(dataset) → eval/* metrics (the module docstring), on what the trainer hands it:
 
-    sample(prompts, num_generations, temperature, generator) → a Rollout of the policy;
+    sample(prompts, num_generations, temperature, generator, rows) → a Rollout of the policy (rows:
+    the prompts' dataset columns, which reset a tool run's environments);
     score(rollout, rows, group_size) → (m·n, F) rewards per function, NaN where one returned None;
     log_probs(micro_batch) → (B, T) per-token log-probs under the active adapter (the trainer's own
     forward, so eval/kl_to_base uses the training KL's distributions).
@@ -232,7 +238,7 @@ class Evaluator:
         results = []
         for chunk, start, stop in eval_chunks(len(dataset), batch_prompts, acc.num_processes, acc.process_index):
             rows = dataset[start:stop]
-            greedy = self.sample(rows["prompt"], 1, 0.0, None)  # draws nothing
+            greedy = self.sample(rows["prompt"], 1, 0.0, None, rows)  # draws nothing
             scores = self.score(greedy, rows, 1)
             correct, kl = None, []
             if n:
@@ -242,15 +248,16 @@ class Evaluator:
                 first = []
                 for s in range(0, stop - start, per_decode):
                     sub = {key: values[s : s + per_decode] for key, values in rows.items()}
-                    sampled = self.sample(sub["prompt"], n, temperature, generator)
+                    sampled = self.sample(sub["prompt"], n, temperature, generator, sub)
                     first.append(self.score(sampled, sub, n)[:, 0])
                     if kl_on_pass_k:
                         kl.append(self.kl_to_base(sampled, n))
                 correct = count_correct(torch.cat(first), n, cfg.eval_correct_threshold)
             if cfg.eval_kl_to_base and not kl_on_pass_k:  # one sample per prompt, from the chunk's second stream
                 generator = chunk_generator(cfg.seed, chunk, acc.device, stream=1)
-                kl.append(self.kl_to_base(self.sample(rows["prompt"], 1, cfg.temperature, generator), 1))
-            results += prompt_results(start, scores, greedy.completion_lengths, correct, torch.cat(kl) if kl else None)
+                kl.append(self.kl_to_base(self.sample(rows["prompt"], 1, cfg.temperature, generator, rows), 1))
+            results += prompt_results(start, scores, greedy.completion_lengths, correct, torch.cat(kl) if kl else None,
+                                      greedy.tool_calls)
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 

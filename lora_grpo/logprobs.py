@@ -4,6 +4,10 @@ A (batch, length, vocab) float32 logits tensor is the largest thing in a GRPO st
 152k × 4 bytes = 5 GB for Qwen2.5). Here the head runs on `chunk_size` tokens at a time and only
 the gathered log-prob (and the log-sum-exp) of each token is kept; the backward pass recomputes
 each chunk's logits. Peak extra memory is O(chunk_size × vocab), independent of batch × length.
+
+A bf16 / fp16 head gives float32 logits too, accumulated in float32 (_head_logits): rounded to bf16, a
+logit moves by up to 2⁻⁹ of itself (0.03–0.06 nats at |z| 16–32), more than a policy and a just-synced
+reference differ, which biases their KL up near zero.
 """
 
 from __future__ import annotations
@@ -17,23 +21,42 @@ from torch import nn
 from .adapters import use_adapter
 
 Tensor = torch.Tensor
+_CAST_ELEMENTS = 2**23  # of a bf16 head's weight cast to float32 at once (32 MiB; all of Qwen2.5's: 545 MB)
+
+
+def _head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """hidden (n, H) · weight (V, H)ᵀ + bias → a fresh (n, V) float32 block. A float32 head runs the
+    one matmul it always ran (bit-identical); a bf16 / fp16 one multiplies float32 copies of the
+    hidden states and of weight slices: products of bf16 numbers are exact in float32, so the
+    logits carry float32's rounding, not bf16's."""
+    if hidden.dtype == weight.dtype == torch.float32:
+        return (hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())).float()
+    h, step = hidden.float(), max(1, _CAST_ELEMENTS // weight.shape[1])
+    if step >= weight.shape[0]:
+        logits = h @ weight.float().t()
+    else:
+        logits = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32, device=h.device)
+        for v in range(0, weight.shape[0], step):
+            logits[:, v : v + step] = h @ weight[v : v + step].float().t()
+    return logits if bias is None else logits.add_(bias.float())
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     # One fresh (chunk, V) float32 block; every later step works in place on it.
-    logits = (hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())).float()
+    logits = _head_logits(hidden, weight, bias)
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 class _ChunkedLinearLogProbs(torch.autograd.Function):
-    """log_softmax(h Wᵀ + b)[target] for each row of h; saves only (N,) log-sum-exps for backward.
+    """log_softmax(h Wᵀ + b)[target] and optionally the entropy for each row of h; saves only (N,)
+    log-sum-exps (and entropies, when they carry a gradient) for backward.
 
     At most about two (chunk, V) blocks are alive at once: each chunk's logits are transformed in
     place and dropped before the next chunk's matmul.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, want_entropy):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, want_entropy, entropy_grad):
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
@@ -50,39 +73,72 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
                 entropy[start:end] = chunk_lse - torch.linalg.vecdot(probs, logits)
                 del probs
             del logits
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if entropy_grad else None)
+        ctx.chunk_size, ctx.temperature, ctx.entropy_grad = chunk_size, temperature, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
-            h = hidden[start:end]
-            # d logp[target] / d logits = onehot(target) − softmax, then chain through 1/temperature;
-            # built in place in the recomputed logits' storage.
-            g = _chunk_logits(h, weight, bias, ctx.temperature).sub_(lse[start:end, None]).exp_().neg_()
-            g.scatter_add_(-1, targets[start:end, None], torch.ones_like(g[:, :1]))
-            g.mul_(grad_logp[start:end, None] / ctx.temperature)
+            h, z = hidden[start:end], _chunk_logits(hidden[start:end], weight, bias, ctx.temperature)
+            if ctx.entropy_grad:
+                g = _logits_grad_with_entropy(z, lse[start:end], entropy[start:end], targets[start:end],
+                                              grad_logp[start:end], grad_entropy[start:end], ctx.temperature)
+            else:
+                # d logp[target] / d logits = onehot(target) − softmax, then chain through 1/temperature;
+                # built in place in the recomputed logits' storage.
+                g = z.sub_(lse[start:end, None]).exp_().neg_()
+                g.scatter_add_(-1, targets[start:end, None], torch.ones_like(g[:, :1]))
+                g.mul_(grad_logp[start:end, None] / ctx.temperature)
             if need_h:
                 grad_h[start:end] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
                 grad_w += g.t() @ h.float()
             if need_b:
                 grad_b += g.sum(0)
-            del g
+            del g, z
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _generic_head_log_probs(hidden, head, targets, chunk_size, temperature, want_entropy):
+def _logits_grad_with_entropy(z, lse, entropy, targets, grad_logp, grad_entropy, temperature):
+    """The gradient wrt the raw head outputs, from a chunk's temperature-scaled logits z (chunk, V),
+    in place in z: g_logp·(onehot − p) + g_H·dH/dz, with dH/dz = −p·(log p + H) for H = −Σ p log p,
+    then · 1/temperature. One more (chunk, V) block (p) lives meanwhile."""
+    p = torch.exp(z - lse[:, None])
+    g = z.sub_((lse - entropy)[:, None]).mul_(p).mul_(-grad_entropy[:, None])  # log p + H = z − (lse − H)
+    g.addcmul_(p, grad_logp[:, None], value=-1.0).scatter_add_(-1, targets[:, None], grad_logp[:, None])
+    del p
+    return g.div_(temperature) if temperature != 1.0 else g
+
+
+class _Float32Linear(torch.autograd.Function):
+    """A bf16 / fp16 nn.Linear head's float32 logits (_head_logits) under autograd, saving only its
+    inputs for backward (no float32 copy of the weight): for heads wrapped by _TransformedHead."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias):
+        ctx.save_for_backward(hidden, weight, bias)
+        return _head_logits(hidden, weight, bias)  # (n, V) float32
+
+    @staticmethod
+    def backward(ctx, grad):
+        (hidden, weight, bias), (need_h, need_w, need_b) = ctx.saved_tensors, ctx.needs_input_grad
+        return ((grad.to(weight.dtype) @ weight).to(hidden.dtype) if need_h else None,
+                (grad.t() @ hidden.float()).to(weight.dtype) if need_w else None,
+                grad.sum(0).to(bias.dtype) if need_b else None)
+
+
+def _generic_head_log_probs(hidden, head, targets, chunk_size, temperature, want_entropy, entropy_grad):
     # Any head module (e.g. one wrapped by an adapter): checkpoint each chunk so only one chunk's
     # logits live at a time, in forward and in backward.
     from torch.utils.checkpoint import checkpoint
@@ -91,11 +147,18 @@ def _generic_head_log_probs(hidden, head, targets, chunk_size, temperature, want
         logits = head(h).float() / temperature
         return logits.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
-    pieces, entropies = [], []
+    def with_entropy(h, t):  # entropy_grad: the entropy inside the checkpointed chunk, differentiable
+        logp = torch.log_softmax(head(h).float() / temperature, -1)
+        return logp.gather(-1, t[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+    pieces, entropies, fn = [], [], with_entropy if entropy_grad else chunk_fn
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
-        pieces.append(checkpoint(chunk_fn, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk_fn(h, t))
-        if want_entropy:
+        out = checkpoint(fn, h, t, use_reentrant=False) if torch.is_grad_enabled() else fn(h, t)
+        pieces.append(out[0] if entropy_grad else out)
+        if entropy_grad:
+            entropies.append(out[1])
+        elif want_entropy:
             with torch.no_grad():
                 logits = head(h).float() / temperature
                 entropies.append(-(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1))
@@ -103,34 +166,31 @@ def _generic_head_log_probs(hidden, head, targets, chunk_size, temperature, want
     return torch.cat(pieces), entropy
 
 
-def chunked_log_probs(
-    hidden: Tensor,
-    head: nn.Module,
-    targets: Tensor,
-    *,
-    chunk_size: int = 1024,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+def chunked_log_probs(hidden: Tensor, head: nn.Module, targets: Tensor, *, chunk_size: int = 1024,
+                      temperature: float = 1.0, return_entropy: bool = False,
+                      entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
     """Log-probs of `targets` under softmax(head(hidden) / temperature).
 
     hidden (B, T, H) — the hidden states that predict targets (B, T) (already shifted by one).
-    Returns (logp (B, T) float32, entropy (B, T) float32 or None). Entropy is a no-grad metric.
+    Returns (logp (B, T) float32, entropy (B, T) float32 or None). The entropy is a no-grad metric,
+    unless entropy_grad (which needs return_entropy): then it carries its exact gradient (an entropy
+    bonus), still without a (B, T, V) tensor.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}")
+    if entropy_grad and not return_entropy:
+        raise ValueError("entropy_grad=True is a gradient for the entropy: pass return_entropy=True too")
     batch, length, dim = hidden.shape
     flat_h, flat_t = hidden.reshape(-1, dim), targets.reshape(-1)
     weight = getattr(head, "weight", None)
     plain_linear = type(head) is nn.Linear and weight is not None and weight.is_floating_point()
     if plain_linear:
-        logp, entropy = _ChunkedLinearLogProbs.apply(
-            flat_h, weight, head.bias, flat_t, chunk_size, temperature, return_entropy
-        )
+        logp, entropy = _ChunkedLinearLogProbs.apply(flat_h, weight, head.bias, flat_t, chunk_size, temperature,
+                                                     return_entropy, entropy_grad)
     else:
-        logp, entropy = _generic_head_log_probs(flat_h, head, flat_t, chunk_size, temperature, return_entropy)
-    logp = logp.view(batch, length)
-    return logp, (entropy.view(batch, length) if return_entropy else None)
+        logp, entropy = _generic_head_log_probs(flat_h, head, flat_t, chunk_size, temperature, return_entropy,
+                                                entropy_grad)
+    return logp.view(batch, length), (entropy.view(batch, length) if return_entropy else None)
 
 
 class _LogitTransform(NamedTuple):
@@ -168,10 +228,8 @@ def _minicpm(causal_lm) -> _LogitTransform:
 def _inkling(causal_lm) -> _LogitTransform:
     # lm_head(hidden / logits_mup_width_multiplier)[..., :unpadded_vocab_size]
     text = _text_config(causal_lm)
-    return _LogitTransform(
-        hidden_scale=1.0 / _factor(getattr(text, "logits_mup_width_multiplier", None)),
-        vocab_limit=getattr(text, "unpadded_vocab_size", None),
-    )
+    return _LogitTransform(hidden_scale=1.0 / _factor(getattr(text, "logits_mup_width_multiplier", None)),
+                           vocab_limit=getattr(text, "unpadded_vocab_size", None))
 
 
 # Keyed by config.model_type, each read from where that model's own forward (transformers 5.24) reads
@@ -182,52 +240,35 @@ def _inkling(causal_lm) -> _LogitTransform:
 # catches a model that applies one anyway.
 _LOGIT_TRANSFORMS = {
     # logits * logit_scale (Cohere): the module attribute, set from the config
-    **dict.fromkeys(
-        ("cohere", "cohere2", "cohere2_moe", "cohere_compass", "cohere_compass_text"),
-        lambda m: _LogitTransform(logit_scale=_factor(getattr(m, "logit_scale", None))),
-    ),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass", "cohere_compass_text"),
+                    lambda m: _LogitTransform(logit_scale=_factor(getattr(m, "logit_scale", None)))),
     # logits / logits_scaling (Granite)
-    **dict.fromkeys(
-        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
-        lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.logits_scaling)),
-    ),
-    **dict.fromkeys(
-        ("granite4_vision", "granite_docling"),
-        lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.text_config.logits_scaling)),
-    ),
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+                    lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.logits_scaling))),
+    **dict.fromkeys(("granite4_vision", "granite_docling"),
+                    lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.text_config.logits_scaling))),
     # logits * logits_scaling (HyperCLOVAX's MuP: the opposite of Granite)
     "hyperclovax": lambda m: _LogitTransform(logit_scale=_factor(m.config.logits_scaling)),
     "hyperclovax_vision_v2": lambda m: _LogitTransform(logit_scale=_factor(m.config.text_config.logits_scaling)),
     # logits * self.model.lm_head_multiplier (Falcon-H1)
-    "falcon_h1": lambda m: _LogitTransform(
-        logit_scale=_factor(getattr(m.model, "lm_head_multiplier", getattr(m.config, "lm_head_multiplier", None)))
-    ),
+    "falcon_h1": lambda m: _LogitTransform(logit_scale=_factor(getattr(m.model, "lm_head_multiplier",
+                                                                        getattr(m.config, "lm_head_multiplier", None)))),
     # hidden states scaled before the head
     "minicpm": _minicpm,
     "minicpm3": _minicpm,
     "inkling_text": _inkling,
     "inkling_mm_model": _inkling,
     # cap · tanh(logits / cap)
-    **dict.fromkeys(
-        ("gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
-         "gemma4_unified_text", "vaultgemma", "nanochat", "paligemma", "beam"),
-        _softcap_from_config,
-    ),
+    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
+                     "gemma4_unified_text", "vaultgemma", "nanochat", "paligemma", "beam"), _softcap_from_config),
     "mistral_large4": lambda m: _LogitTransform(softcap=m.final_logit_softcapping),
     "recurrent_gemma": lambda m: _LogitTransform(softcap=m.config.logits_soft_cap),
     "xlstm": lambda m: _LogitTransform(softcap=m.config.output_logit_soft_cap),
-    **dict.fromkeys(
-        ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
-        lambda m: _LogitTransform(softcap=m.logit_softcap.softcap),
-    ),
+    **dict.fromkeys(("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
+                    lambda m: _LogitTransform(softcap=m.logit_softcap.softcap)),
     # cap · tanh(logits * output_multiplier / cap)
-    **dict.fromkeys(
-        ("muse_glimmer", "muse_spark"),
-        lambda m: _LogitTransform(
-            logit_scale=_factor(m.config.text_config.output_multiplier),
-            softcap=m.config.text_config.final_logit_softcapping,
-        ),
-    ),
+    **dict.fromkeys(("muse_glimmer", "muse_spark"), lambda m: _LogitTransform(
+        logit_scale=_factor(m.config.text_config.output_multiplier), softcap=m.config.text_config.final_logit_softcapping)),
 }
 
 
@@ -244,8 +285,12 @@ class _TransformedHead(nn.Module):
         self.head, self.transform = head, transform
 
     def forward(self, hidden: Tensor) -> Tensor:
-        t = self.transform
-        logits = self.head(hidden * t.hidden_scale if t.hidden_scale != 1.0 else hidden).float()
+        t, head = self.transform, self.head
+        h = hidden * t.hidden_scale if t.hidden_scale != 1.0 else hidden
+        if type(head) is nn.Linear and head.weight.dtype in (torch.bfloat16, torch.float16):  # float32 logits
+            logits = _Float32Linear.apply(h.reshape(-1, h.shape[-1]), head.weight, head.bias).view(*h.shape[:-1], -1)
+        else:
+            logits = head(h).float()
         if t.vocab_limit is not None and t.vocab_limit < logits.shape[-1]:
             logits = logits[..., : t.vocab_limit]
         if t.logit_scale != 1.0:
@@ -273,21 +318,15 @@ def _with_logit_transform(head: nn.Module, causal_lm: nn.Module, temperature: fl
     return _TransformedHead(head, t), temperature
 
 
-def sequence_log_probs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    completion_length: int,
-    *,
-    chunk_size: int = 1024,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+def sequence_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int, *,
+                       chunk_size: int = 1024, temperature: float = 1.0, return_entropy: bool = False,
+                       entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs of the last `completion_length` tokens of each row of input_ids.
 
     model: a causal LM (or a peft model around one) whose decoder body and output head are
     reachable through get_decoder() / get_output_embeddings(). input_ids, attention_mask (B, P+T),
-    left-padded prompts followed by right-padded completions. Returns ((B, T), (B, T) or None).
+    left-padded prompts followed by right-padded completions. Returns ((B, T), (B, T) or None);
+    entropy_grad: the entropy carries its gradient (chunked_log_probs).
     """
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     body, head = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
@@ -299,25 +338,25 @@ def sequence_log_probs(
     # hidden at position j predicts token j + 1: keep only the states that predict completion tokens.
     hidden = hidden[:, -completion_length - 1 : -1]
     targets = input_ids[:, -completion_length:]
-    return chunked_log_probs(
-        hidden, head, targets, chunk_size=chunk_size, temperature=temperature, return_entropy=return_entropy
-    )
+    return chunked_log_probs(hidden, head, targets, chunk_size=chunk_size, temperature=temperature,
+                             return_entropy=return_entropy, entropy_grad=entropy_grad)
 
 
 # check_log_probs tolerance. Both paths run the same decoder body on the same inputs, so the hidden
-# states agree exactly; they differ only in how the LM head's output is rounded. The head rounds each
-# logit to the model's dtype in both paths, but from different matmul shapes (our chunks vs the full
-# sequence) and so possibly different accumulation orders: one unit in the last place, at most
-# eps·|z|, per logit. The model also rounds after each of its own post-head operations (a scale, a
-# softcap's divide/tanh/multiply), which we compute in float32. log p = z_target − logsumexp(z), and
-# each term moves by about that much, so the tolerance grows with the largest |logit| / temperature:
+# states agree exactly; they differ only in how the LM head's output is rounded. The model rounds each
+# logit to its dtype (for bf16 / fp16 our head keeps float32, _head_logits: half a unit in the last
+# place, eps/2·|z|; in float32 both round, from different matmul shapes and so possibly different
+# accumulation orders: one unit, eps·|z|). The model also rounds after each of its own post-head
+# operations (a scale, a softcap's divide/tanh/multiply), which we compute in float32.
+# log p = z_target − logsumexp(z), and each term moves by about that much, so the tolerance grows
+# with the largest |logit| / temperature:
 #   atol = _ATOL_FLOOR + k · eps(dtype) · max|z|
 # float32: eps = 1.2e-7, so ≈ 1e-3 for any realistic logits — three orders of magnitude above the
 #   accumulation-order noise, far below any real transform (a missing ×4 was 0.83 nats).
 # float16 / bfloat16: k = 4 (eps = 2⁻¹⁰ / 2⁻⁷): bf16 logits up to 30 give ≈ 0.94 nats; a missing
 #   softcap of 30 there moves the top logit by 7 nats, a missing ×4 or ÷8 by far more. Measured on
-#   tiny bf16 HyperCLOVAX models (×3, rounded by the model, exact here): 0.25–0.35 · eps · max|z|,
-#   so k = 4 leaves a margin of 10 over that.
+#   tiny bf16 HyperCLOVAX models (×3 and ×5, rounded by the model, exact here; 8 seeds):
+#   0.22–0.60 · eps · max|z|, so k = 4 leaves a margin of 6 over that.
 # 4/8-bit quantized bases: k = 8 — their linear layers choose kernels (and dequantisation order) by
 #   input shape, so the head may round differently again.
 _ATOL_FLOOR = 1e-3
@@ -332,25 +371,14 @@ def _coarsest_float_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _is_quantized(causal_lm: nn.Module) -> bool:
-    return (
-        getattr(causal_lm, "hf_quantizer", None) is not None
-        or getattr(causal_lm, "is_loaded_in_4bit", False)
-        or getattr(causal_lm, "is_loaded_in_8bit", False)
-        or getattr(causal_lm.config, "quantization_config", None) is not None
-    )
+    return (getattr(causal_lm, "hf_quantizer", None) is not None or getattr(causal_lm, "is_loaded_in_4bit", False)
+            or getattr(causal_lm, "is_loaded_in_8bit", False)
+            or getattr(causal_lm.config, "quantization_config", None) is not None)
 
 
-def check_log_probs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    *,
-    completion_length: int | None = None,
-    adapters: tuple[str, ...] = ("policy", "reference"),
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-    atol: float | None = None,
-) -> float:
+def check_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, completion_length: int | None = None,
+                    adapters: tuple[str, ...] = ("policy", "reference"), temperature: float = 1.0,
+                    chunk_size: int = 1024, atol: float | None = None) -> float:
     """Check sequence_log_probs against log_softmax of the model's own logits; return the max |difference|.
 
     The load-time guarantee behind `_LOGIT_TRANSFORMS`: a model whose forward transforms its logits

@@ -9,20 +9,41 @@ Per completion token t of sequence i (Shao et al. 2024, "DeepSeekMath", eq. 3):
     k3    = exp(ref − logp) − (ref − logp) − 1                     (Schulman 2020, "Approximating KL")
     ε_high > ε_low is DAPO's clip-higher (Yu et al. 2025).
 
+The policy term −min(...) is the loss type's objective; the others (TRL 1.16's loss_type names):
+
+    cispo  −sg(min(ρ, ε_high))·A·logp            MiniMax 2025, "MiniMax-M1"; ε_high is ScaleRL's ε_max (≈ 5),
+                                                   a cap on ρ itself, not 1 + ε_high
+    sapo   −σ(τ·(ρ − 1))·(4/τ)·A                 "Soft Adaptive Policy Optimization" (arXiv 2511.20347);
+                                                   τ = τ_pos where A > 0, else τ_neg
+    vespo  −sg(φ(w))·A·logp                      "VESPO" (arXiv 2602.10693): w = exp(Σ_t log ρ_t) per sequence
+                                                   (a sum, not GSPO's mean), φ(w) = e^λ·w^k·e^{−λw} (φ(1) = 1)
+    luspo  the clipped term, summed over each sequence's tokens, mean over sequences ("LUSPO",
+           arXiv 2602.05261: GSPO scaled by length; meant for importance_sampling="sequence")
+
+delta caps the first ρ of the clipped term from above (INTELLECT-2, Prime Intellect 2025): a
+negative-advantage token with ρ ≫ 1 no longer has an unbounded loss. The policy term (not the KL)
+can be restricted to high-entropy tokens (top_entropy_quantile; Wang et al. 2025, "Beyond the 80/20
+rule") and to on-policy sequences (off_policy_mask_threshold; DeepSeek-AI 2025, "DeepSeek-V3.2",
+eq. 9); entropy_coef subtracts coef × the mean token entropy (Skywork-OR1, He et al. 2025, whose
+adaptive coefficient is AdaptiveEntropy). Each option sits where TRL 1.16's _compute_loss puts it.
+
 With kl_ratio_correction the k3 term is multiplied by the per-token ratio π_θ/π_old (DeepSeek-AI
 2025, "DeepSeek-V3.2", unbiased KL estimate): E_{π_old}[ρ·∇k3 + k3·∇ρ] is the exact gradient of
 KL(π_θ ‖ π_ref), which k3 alone is not once the batch is off-policy. On-policy ρ = 1, so the
-value is unchanged; the gradient is not (k3·∇ρ is added).
+value is unchanged; the gradient is not (k3·∇ρ is added). Deliberate deviation: TRL multiplies by
+its importance weight, which is the sequence ratio under importance_sampling="sequence"; the
+per-token ratio here keeps the estimate unbiased at both levels.
 
-Each loss_type is one record in LOSS_TYPES (its aggregation over the (B, T) token grid, mask 1
-on tokens that count, and its gradient-accumulation scale); each importance_sampling level is one
-record in IMPORTANCE_SAMPLING. config.py names the same keys (a test checks they agree).
+Each loss_type is one record in LOSS_TYPES (its objective, its aggregation over the (B, T) token
+grid, mask 1 on tokens that count, and its gradient-accumulation scale); each importance_sampling
+level is one record in IMPORTANCE_SAMPLING. config.py names the same keys (a test checks they agree).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,8 +85,15 @@ def _agg_dr_grpo(x, mask, *, num_tokens, max_completion_length):
     return _masked_sum(x, mask) / (x.shape[0] * max_completion_length)
 
 
+def _agg_luspo(x, mask, *, num_tokens, max_completion_length):
+    # a sum over each sequence's tokens: a sequence weighs by its length (LUSPO).
+    return (x * mask).sum(dim=1).mean()
+
+
 # Accumulation scales, (micro_sequences, total_sequences, num_micro_batches) → the factor that
-# makes the sum of a step's micro-batch losses equal the loss of the whole step.
+# makes the sum of a step's micro-batch losses equal the loss of the whole step. TRL divides the
+# per-sequence means (grpo, sapo, luspo, dr_grpo) by the number of micro-batches; the sequence
+# share is the same when micro-batches hold equal numbers of sequences, and exact when they do not.
 def _scale_one(micro_sequences: int, total_sequences: int, num_micro_batches: int) -> float:
     return 1.0  # already normalised by the step's token count
 
@@ -78,13 +106,80 @@ def _scale_sequence_share(micro_sequences: int, total_sequences: int, num_micro_
     return micro_sequences / total_sequences  # an average over sequences: weight by the share of sequences
 
 
+def _token_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What an objective sees: ratio (B, T) at the importance_sampling level, token_log_ratio (B, T)
+    (logp − old_logp), logp (B, T) with grad, advantages (B, 1), mask (B, T), and the settings."""
+
+    ratio: Tensor
+    token_log_ratio: Tensor
+    logp: Tensor
+    adv: Tensor
+    mask: Tensor
+    settings: dict
+
+
+def _clipped(p: PolicyInputs):
+    s = p.settings
+    clipped = torch.clamp(p.ratio, 1 - s["epsilon_low"], 1 + s["epsilon_high"])
+    ratio = p.ratio if s["delta"] is None else torch.clamp(p.ratio, max=s["delta"])  # INTELLECT-2
+    per_token = -torch.minimum(ratio * p.adv, clipped * p.adv)
+    # As TRL, the clip fractions look at the delta-capped ratio.
+    low = (ratio < 1 - s["epsilon_low"]) & (p.adv < 0)
+    high = (ratio > 1 + s["epsilon_high"]) & (p.adv > 0)
+    return per_token, {name: _token_mean(x, p.mask) for name, x in
+                       [("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio/region", low | high)]}
+
+
+def _cispo(p: PolicyInputs):
+    # The ratio only weighs the REINFORCE gradient A·∇logp, so clipped tokens still carry gradient.
+    eps = p.settings["epsilon_high"]
+    weight = torch.clamp(p.ratio, max=eps).detach()
+    return -weight * p.adv * p.logp, {"cispo_clip_ratio": _token_mean((p.ratio > eps) & (p.adv > 0), p.mask)}
+
+
+def _sapo(p: PolicyInputs):
+    # A smooth gate instead of a hard clip: d/dρ = 4σ(1−σ) is 1 at ρ = 1 and decays off-policy.
+    s = p.settings
+    tau = torch.where(p.adv > 0, torch.full_like(p.adv, s["sapo_temperature_pos"]),
+                      torch.full_like(p.adv, s["sapo_temperature_neg"]))
+    return -torch.sigmoid(tau * (p.ratio - 1)) * 4 / tau * p.adv, {}
+
+
+@torch.no_grad()
+def vespo_weights(token_log_ratio: Tensor, advantages: Tensor, mask: Tensor, *, k_pos: float = 2.0,
+                  lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+    """VESPO's gamma weights φ(w) = exp(λ + k·log w − λ·w), (B, 1), no grad. token_log_ratio (B, T):
+    logp − old_logp; advantages (B,) pick (k, λ) by A ≥ 0 or not; mask (B, T). As TRL: log w =
+    Σ_t clamp(log ρ_t, ±20), clamped to [log 1e-8, 20]; a non-finite φ becomes 0."""
+    adv = advantages.reshape(-1, 1)
+    log_w = (token_log_ratio.clamp(-20.0, 20.0) * mask).sum(dim=-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
+    lam = torch.where(nonneg, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg)).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _vespo(p: PolicyInputs):
+    s = p.settings
+    phi = vespo_weights(p.token_log_ratio, p.adv, p.mask, k_pos=s["vespo_k_pos"], lambda_pos=s["vespo_lambda_pos"],
+                        k_neg=s["vespo_k_neg"], lambda_neg=s["vespo_lambda_neg"])
+    return -phi * p.adv * p.logp, {"vespo/phi_seq_mean": phi.mean()}  # over sequences, as TRL
+
+
 @dataclass(frozen=True)
 class LossType:
-    """One loss_type: how it aggregates the token grid and how its micro-batch losses add up."""
+    """One loss_type: how it aggregates the token grid, how its micro-batch losses add up, and its
+    per-token policy objective."""
 
     aggregate: Callable[..., Tensor]  # (per_token (B, T), mask (B, T), *, num_tokens, max_completion_length) → ()
     accumulation_scale: Callable[[int, int, int], float]  # (micro_sequences, total_sequences, num_micro_batches)
     help: str
+    objective: Callable[[PolicyInputs], tuple[Tensor, dict[str, Tensor]]] = _clipped  # → (loss (B, T), 0-d metrics)
 
 
 LOSS_TYPES: dict[str, LossType] = {
@@ -92,6 +187,11 @@ LOSS_TYPES: dict[str, LossType] = {
     "bnpo": LossType(_agg_bnpo, _scale_per_micro_batch, "mean over the micro-batch's tokens"),
     "dapo": LossType(_agg_dapo, _scale_one, "sum over tokens / the step's token count (DAPO token-level loss)"),
     "dr_grpo": LossType(_agg_dr_grpo, _scale_sequence_share, "sum over tokens / (sequences × max_completion_length)"),
+    "cispo": LossType(_agg_dapo, _scale_one, "detached ratio capped at epsilon_high × A × logp, as dapo", _cispo),
+    "sapo": LossType(_agg_grpo, _scale_sequence_share, "sigmoid soft gate for the clip, as grpo", _sapo),
+    "vespo": LossType(_agg_dapo, _scale_one, "detached gamma weight of the sequence ratio × A × logp, as dapo",
+                      _vespo),
+    "luspo": LossType(_agg_luspo, _scale_sequence_share, "clipped; sum over each sequence's tokens, mean of those"),
 }
 
 
@@ -131,6 +231,66 @@ def accumulation_scale(loss_type: str, micro_sequences: int, total_sequences: in
     return scale(micro_sequences, total_sequences, num_micro_batches)
 
 
+QUANTILE_LIMIT = 2**24  # torch.quantile refuses larger inputs ("input tensor is too large")
+
+
+def _linear_quantile(values: Tensor, q: float, limit: int = QUANTILE_LIMIT) -> Tensor:
+    """torch.quantile(values, q) (linear interpolation); beyond its size limit the same formula on a sort."""
+    if values.numel() <= limit:
+        return torch.quantile(values, q)
+    ordered = values.sort().values
+    rank = torch.tensor(q, dtype=values.dtype, device=values.device) * (values.numel() - 1)
+    below, above = rank.floor().long(), rank.ceil().long()
+    return torch.lerp(ordered[below], ordered[above], rank - below)
+
+
+def entropy_threshold(entropies: Tensor, mask: Tensor, quantile: float,
+                      gather: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
+    """The entropy above which a token is in the top ``quantile`` of every process's tokens, or None
+    when there are no tokens anywhere.
+
+    entropies, mask (B, T). gather: concatenates a 1-D tensor over processes (sizes may differ); None
+    for one process (``padded_gather`` adapts accelerate). As TRL: torch.quantile (linear
+    interpolation) at 1 − quantile over the float32 entropies of the masked tokens.
+    """
+    local = entropies.detach()[mask.bool()].float()
+    values = gather(local) if gather is not None else local
+    return None if values.numel() == 0 else _linear_quantile(values, 1 - quantile)
+
+
+def high_entropy_mask(entropies: Tensor, mask: Tensor, quantile: float,
+                      gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """(B, T) bool: masked tokens whose entropy is ≥ the threshold (ties at it are kept), as TRL."""
+    threshold = entropy_threshold(entropies, mask, quantile, gather)
+    if threshold is None:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    return (entropies.detach() * mask >= threshold) & mask.bool()
+
+
+def padded_gather(accelerator) -> Callable[[Tensor], Tensor]:
+    """entropy_threshold's gather over accelerate's processes: pad to the longest, gather, drop the
+    padding (entropies are ≥ 0, so the pad value −1 is never an entropy). Every process must call it."""
+
+    def gather(x: Tensor) -> Tensor:
+        out = accelerator.gather(accelerator.pad_across_processes(x, dim=0, pad_index=-1.0))
+        return out[out != -1.0]
+
+    return gather
+
+
+def off_policy_mask(advantages: Tensor, logp: Tensor, sampling_logp: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """(B, 1) float, 0 for a sequence to drop: A < 0 and mean_t(sampling_logp − logp) > threshold
+    (DeepSeek-V3.2's off-policy sequence mask, eq. 9). Tokens whose sampling log-prob is NaN count as 0 KL."""
+    kl = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return ((advantages.reshape(-1, 1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+def mean_entropy(entropies: Tensor, mask: Tensor) -> Tensor:
+    """H of L = L_policy − coef·H: the token mean over mask, whatever the loss type (TRL); with grad."""
+    return (entropies * mask).sum() / mask.sum().clamp(min=1)
+
+
 def grpo_loss(
     logp: Tensor,
     old_logp: Tensor | None,
@@ -146,25 +306,64 @@ def grpo_loss(
     num_tokens: int | float | None = None,
     importance_sampling: str = "token",
     kl_ratio_correction: bool = True,
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    off_policy_mask_threshold: float | None = None,
+    sampling_logp: Tensor | None = None,
+    entropies: Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
+    entropy_gather: Callable[[Tensor], Tensor] | None = None,
+    entropy_coef: float = 0.0,
+    accumulation: tuple[int, int, int] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO loss of one micro-batch.
 
     logp (B, T): per-token log-probs under the policy, with grad. old_logp (B, T) or None
     (on-policy: logp.detach()). ref_logp (B, T) or None (only when beta == 0). advantages (B,).
     mask (B, T): 1 on completion tokens that count. Returns (scalar loss, metrics of plain floats).
+
+    sampling_logp (B, T): the sampler's log-probs, for off_policy_mask_threshold (default old_logp).
+    entropies (B, T): per-token entropies, needed by top_entropy_quantile < 1 (entropy_gather: see
+    entropy_threshold) and by entropy_coef != 0, where they must carry grad. accumulation:
+    (micro_sequences, total_sequences, num_micro_batches); when given, the returned loss is this
+    micro-batch's share of the step (the policy and KL terms scaled by the loss type's
+    accumulation_scale, the entropy bonus, a mean per micro-batch, by 1 / num_micro_batches), so
+    do not scale it again; None: this micro-batch is the whole step.
     """
-    aggregate = _variant(LOSS_TYPES, "loss_type", loss_type).aggregate
+    spec = _variant(LOSS_TYPES, "loss_type", loss_type)
     ratio_log = _variant(IMPORTANCE_SAMPLING, "importance_sampling", importance_sampling).log_ratio
     if beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp (reference log-probs); pass them or set beta = 0")
+    if (top_entropy_quantile < 1.0 or entropy_coef != 0.0) and entropies is None:
+        raise ValueError("top_entropy_quantile < 1 or entropy_coef != 0 needs entropies= (B, T) per-token entropies")
+    if entropy_coef != 0.0 and logp.requires_grad and not entropies.requires_grad:
+        raise ValueError("entropy_coef != 0 needs entropies with grad (they carry none, so the bonus would not train); "
+                         "compute them differentiably or set entropy_coef = 0")
     mask = mask.to(logp.dtype)
     if old_logp is None:
         old_logp = logp.detach()
     token_log_ratio = logp - old_logp
     ratio = torch.exp(ratio_log(token_log_ratio, mask))
     adv = advantages.to(logp.dtype).unsqueeze(1)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    settings = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
+                    sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                    vespo_lambda_neg=vespo_lambda_neg)
+    per_token, extra = spec.objective(PolicyInputs(ratio, token_log_ratio, logp, adv, mask, settings))
+
+    # The masks act on the policy term only; the KL below still counts on every token (TRL).
+    if off_policy_mask_threshold is not None:
+        sampled = old_logp if sampling_logp is None else sampling_logp
+        per_token = per_token * off_policy_mask(advantages, logp, sampled, mask, off_policy_mask_threshold)
+    bonus_mask = mask
+    if top_entropy_quantile < 1.0:  # bonus_mask: the tokens the policy term acts on (TRL's effective mask)
+        bonus_mask = mask * high_entropy_mask(entropies, mask, top_entropy_quantile, entropy_gather).to(mask.dtype)
+        per_token = per_token * bonus_mask
 
     kl = None
     if beta != 0.0:
@@ -172,21 +371,77 @@ def grpo_loss(
         kl_term = kl * torch.exp(token_log_ratio) if kl_ratio_correction else kl
         per_token = per_token + beta * kl_term
 
-    loss = aggregate(per_token, mask, num_tokens=num_tokens, max_completion_length=max_completion_length)
+    loss = spec.aggregate(per_token, mask, num_tokens=num_tokens, max_completion_length=max_completion_length)
+    policy_loss, num_micro_batches = loss.detach(), (accumulation or (1, 1, 1))[2]
+    if accumulation is not None:
+        loss = loss * spec.accumulation_scale(*accumulation)
+    if entropy_coef != 0.0:
+        loss = loss - entropy_coef * mean_entropy(entropies, bonus_mask) / num_micro_batches
 
     with torch.no_grad():
-        count = mask.sum().clamp(min=1)
-
-        def masked_mean(x: Tensor) -> float:
-            return ((x * mask).sum() / count).item()
-
-        low = (ratio < 1 - epsilon_low) & (adv < 0)
-        high = (ratio > 1 + epsilon_high) & (adv > 0)
-        metrics = {
-            "kl": masked_mean(kl) if kl is not None else 0.0,
-            "clip_ratio/low": masked_mean(low.to(mask.dtype)),
-            "clip_ratio/high": masked_mean(high.to(mask.dtype)),
-            "clip_ratio/region": masked_mean((low | high).to(mask.dtype)),
-            "ratio": masked_mean(ratio),
-        }
+        metrics = {"kl": _token_mean(kl, mask).item() if kl is not None else 0.0,
+                   "ratio": _token_mean(ratio, mask).item()}
+        metrics.update({name: x.item() for name, x in extra.items()})
+        if entropy_coef != 0.0:
+            metrics["policy_loss"] = policy_loss.item()
     return loss, metrics
+
+
+@dataclass
+class AdaptiveEntropy:
+    """Skywork-OR1's adaptive entropy coefficient (He et al. 2025, arXiv 2505.22312), as TRL 1.16 runs it.
+
+    Per optimizer step: every micro-batch's loss uses ``applied_coef`` (coefficient and gate from
+    the end of the previous step, so the step applies one bonus; 0 before a first measurement and
+    while the last one is above ``target``) and ``accumulate`` gets its entropies; after the last
+    micro-batch ``step`` measures the token-mean entropy over every process and moves ``coef`` by
+    ``delta``: up when entropy ≤ target, down otherwise, within [coef_min, coef_max].
+    """
+
+    coef: float = 0.0
+    target: float = 0.2
+    delta: float = 0.005
+    coef_min: float = 0.0
+    coef_max: float = 1.0
+    last_world_entropy: float = math.inf
+    _window: Tensor | None = field(default=None, repr=False, compare=False)  # (entropy sum, tokens) so far
+
+    @property
+    def applied_coef(self) -> float:
+        """The entropy_coef for grpo_loss during this step."""
+        return self.coef if self.last_world_entropy <= self.target else 0.0
+
+    def accumulate(self, entropies: Tensor, mask: Tensor, top_entropy_quantile: float = 1.0,
+                   gather: Callable[[Tensor], Tensor] | None = None) -> None:
+        """Add one micro-batch's entropies (B, T) over mask (B, T), restricted as grpo_loss does by
+        top_entropy_quantile (every process must then call it, as entropy_threshold gathers)."""
+        mask = mask.to(entropies.dtype)
+        if top_entropy_quantile < 1.0:
+            mask = mask * high_entropy_mask(entropies, mask, top_entropy_quantile, gather).to(mask.dtype)
+        stats = torch.stack([(entropies.detach().double() * mask).sum(), mask.double().sum()])
+        self._window = stats if self._window is None else self._window + stats
+
+    def step(self, reduce: Callable[[Tensor], Tensor] | None = None) -> float:
+        """End of an optimizer step: ``reduce`` sums a tensor over processes (e.g. accelerator.reduce
+        with reduction="sum"; None for one process). Updates the coefficient; returns the entropy."""
+        if self._window is None:
+            raise ValueError("AdaptiveEntropy.step before any accumulate: no entropies measured this step")
+        totals, self._window = (reduce(self._window) if reduce is not None else self._window), None
+        self.update(world := (totals[0] / totals[1].clamp(min=1)).item())
+        return world
+
+    def update(self, world_mean_entropy: float) -> None:
+        """The controller's rule, given the step's token-mean entropy over every process."""
+        if world_mean_entropy <= self.target:
+            self.coef = min(self.coef + self.delta, self.coef_max)
+        else:
+            self.coef = max(self.coef - self.delta, self.coef_min)
+        self.last_world_entropy = float(world_mean_entropy)
+
+    def state_dict(self) -> dict[str, float]:
+        """The state a checkpoint needs (TRL's entropy_ctrl_state.json keys; inf before a first step)."""
+        return {"entropy_coef": self.coef, "last_world_entropy": self.last_world_entropy}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.coef, self.last_world_entropy = float(state["entropy_coef"]), float(state["last_world_entropy"])
+        self._window = None

@@ -2,19 +2,27 @@
 
 What an optimizer step adds, at its peak, to what is resident once the model is loaded:
 
-    need(m) = optimizer states + max(rollout, training pass of m sequences)
+    need(m) = optimizer states + max(rollout, kept + training pass of m sequences)
 
 - training pass(m): one real forward + backward of m worst-case sequences (the longest training
   prompt as the rollout cuts it, i.e. at most max_prompt_length, + max_completion_length, every
   completion token in the loss) through the trainer's own loss path,
   and the no-grad log-prob forward (old / reference log-probs) at m; the larger of the two,
-  measured. CUDA: torch.cuda.max_memory_allocated over memory_allocated before. CPU: the growth of
+  measured. CUDA: the allocator's peak growth, of allocated or of reserved bytes whichever is
+  larger (fragmentation is memory the pass takes from the device). CPU: the growth of
   the process's resident set, sampled every 0.5 ms by a thread, from a start where glibc has
   returned freed memory to the OS (malloc_trim), so that the start is the live memory. No
   optimizer step; the gradients are set to None and the RNG states restored by the caller.
-- rollout: all prompts_per_step × G sequences decode at once; their KV cache at full length (and
-  one layer's copy while the cache grows) plus the sampler's (N, vocab) float32 temporaries,
-  estimated from the model's shapes (a probe decode would take as long as a rollout).
+- rollout: all prompts_per_step × G sequences decode at once (and, with an eval dataset, the
+  evaluator's decode batch), estimated from the model's shapes for the sampler decode_mode resolves
+  to (a probe decode would take as long as a rollout; decode_memory): eager, the KV cache at full
+  length and one layer's copy while it grows; static / compiled, the static cache of
+  cache_length(prompt + completion) slots (up to 2× the length) next to the prefill's cache, which
+  both exist while the one is copied into the other; plus the sampler's (N, vocab) float32
+  temporaries.
+- kept: what stays allocated between rollouts, under every training pass: the compiled decode's
+  static caches (fast_decode.KEPT_CACHES of the largest shape) and, on CUDA, an estimate of each
+  graph's private pool. 0 for eager and uncompiled static decoding, which free their caches.
 - optimizer states: AdamW's two float32 moments per policy parameter (one byte each for the
   8-bit optimizers); they appear at the first step.
 
@@ -34,22 +42,23 @@ before any rollout.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from .rng import rng_state, set_rng_state
+from .device import available_bytes, measure_peak  # how much memory there is and a pass takes: per device
 from .model import set_gradient_checkpointing
+from .rng import rng_state, set_rng_state
+from .rollout.fast_decode import KEPT_CACHES, kv_bytes_per_slot, resolve_decode_mode, static_cache_bytes
 
 MiB = 2**20
 BUSY_TOKENS = 4096  # tokens per pass above which an extra pass costs little next to recompute's ~1/3
 MAX_PROBES = 6  # measured sizes per checkpointing mode
 MAX_GROWTH = 8  # a candidate is at most this many times the largest size known to fit
+EVAL_DECODE_PROMPTS = 64  # evaluation.Evaluator decodes at least this many prompts' samples at once (its batch_prompts)
 
 
 class MemoryBudgetError(RuntimeError):
@@ -66,12 +75,13 @@ class MemoryPlan:
     budget: float  # memory_budget × available
     available: float
     source: str  # "free GPU memory" / "available RAM"
-    rollout: float
+    rollout: float  # the largest rollout's peak, kept bytes included
     optimizer: float
     tokens: tuple[int, int]  # (prompt, completion) of the worst-case sequence
     seconds: float
     largest: dict[bool, int | None] = field(default_factory=dict)  # checkpointing → largest size found to fit
     measured: dict[bool, dict[int, float]] = field(default_factory=dict)  # checkpointing → {m: pass bytes}
+    kept: float = 0.0  # allocated between rollouts, under every pass (the compiled decode's static caches)
 
     def fits(self, micro_batch_size: int, gradient_checkpointing: bool) -> bool:
         """Whether sizes chosen elsewhere (a checkpoint's) are known to fit: recompute never needs more."""
@@ -81,89 +91,50 @@ class MemoryPlan:
     def describe(self, auto_size: bool, auto_checkpointing: bool) -> str:
         size = f"micro_batch_size {'auto → ' if auto_size else ''}{self.micro_batch_size}"
         ckpt = f"gradient_checkpointing {'auto → ' if auto_checkpointing else ''}{'on' if self.gradient_checkpointing else 'off'}"
-        return (f"{size} (peak ~{self.need / MiB:,.0f} MiB over the loaded model, budget {self.budget / MiB:,.0f} MiB "
-                f"of {self.available / MiB:,.0f} MiB {self.source}; worst case {self.tokens[0]}+{self.tokens[1]} tokens, "
-                f"probe {self.seconds:.1f} s); {ckpt}")
-
-
-# ------------------------------------------------------------------------------ measuring
-def available_bytes(device: torch.device) -> tuple[float, str]:
-    """(bytes this process may still allocate, what they are). CUDA: free device memory plus what
-    torch's caching allocator holds unused; CPU: the available RAM."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return float(free + cached), "free GPU memory"
-    import psutil
-
-    return float(psutil.virtual_memory().available), "available RAM"
-
-
-def _release_freed_memory() -> None:
-    # No gc.collect(): tensors are freed by reference counting, and a collection over a loaded
-    # trainer's objects takes ~0.4 s.
-    try:  # glibc keeps freed blocks; give them back so that the resident set is the live memory
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class _PeakRss(threading.Thread):
-    """Samples the process's resident set until stopped; torch's kernels release the GIL."""
-
-    def __init__(self, interval: float = 0.0005):
-        import psutil
-
-        super().__init__(daemon=True)
-        self.process, self.interval, self.done = psutil.Process(), interval, threading.Event()
-        self.peak = self.rss()
-
-    def rss(self) -> int:
-        return self.process.memory_info().rss
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            self.peak = max(self.peak, self.rss())
-            self.done.wait(self.interval)
-
-
-def measure_peak(fn: Callable[[], None], device: torch.device) -> float:
-    """Peak memory growth while fn runs, in bytes; inf when it runs out of memory."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        try:
-            fn()
-            torch.cuda.synchronize(device)
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            return math.inf
-        return float(torch.cuda.max_memory_allocated(device) - start)
-    _release_freed_memory()
-    sampler = _PeakRss()
-    start = sampler.rss()
-    sampler.start()
-    try:
-        fn()
-    finally:
-        sampler.done.set()
-        sampler.join()
-    return float(max(sampler.peak, sampler.rss()) - start)
+        kept = f", {self.kept / MiB:,.0f} MiB of it the compiled decode's kept caches" if self.kept else ""
+        return (f"{size} (peak ~{self.need / MiB:,.0f} MiB over the loaded model{kept}, budget {self.budget / MiB:,.0f} "
+                f"MiB of {self.available / MiB:,.0f} MiB {self.source}; worst case {self.tokens[0]}+{self.tokens[1]} "
+                f"tokens, probe {self.seconds:.1f} s); {ckpt}")
 
 
 # ------------------------------------------------------------------------------ estimating
-def rollout_bytes(model_config, sequences: int, length: int, dtype: torch.dtype, vocab_size: int) -> float:
-    """KV cache of `sequences` decoded together to `length` tokens, plus one layer's copy while the
-    cache grows, plus the sampler's (N, vocab) float32 temporaries (logits, probabilities, sort)."""
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    layers = cfg.num_hidden_layers
+def rollout_bytes(model_config, sequences: int, length: int, dtype: torch.dtype, vocab_size: int, *,
+                  mode: str = "eager", prompt_length: int | None = None) -> float:
+    """Peak of one rollout of `sequences` decoded together to `length` = prompt + completion tokens
+    by the sampler `mode` (resolved: eager / static / compiled), over what was allocated before it.
+
+    eager: the KV cache at full length, plus one layer's copy while the cache grows. static and
+    compiled: the static cache (fast_decode.static_cache_bytes: cache_length(length) slots) next to
+    the prefill's cache of `prompt_length` (default: length) tokens, which exist together while the
+    one is copied into the other. Both: the sampler's (N, vocab) float32 temporaries (logits,
+    probabilities, sort). A compiled rollout reuses a kept cache: see decode_memory."""
+    slot = kv_bytes_per_slot(model_config, dtype)
+    sampler = 4 * sequences * vocab_size * 4
+    if mode == "eager":
+        kv = sequences * length * slot
+        cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        return float(kv + kv / cfg.num_hidden_layers + sampler)
+    prefill = sequences * (length if prompt_length is None else prompt_length) * slot
+    return float(static_cache_bytes(model_config, sequences, length, dtype) + prefill + sampler)
+
+
+def decode_memory(model_config, shapes: list[tuple[int, int, int]], dtype: torch.dtype, vocab_size: int, mode: str,
+                  device: torch.device) -> tuple[float, float]:
+    """(peak of the largest rollout, bytes kept between rollouts) for a run whose rollouts decode
+    `shapes` = [(sequences, prompt tokens, completion tokens)] with the resolved sampler `mode`.
+
+    Only the compiled sampler keeps memory: up to fast_decode.KEPT_CACHES static caches, bounded
+    here by that many of the largest shape's, and on CUDA each graph's private pool, estimated as
+    the step's (N, vocab) logits in the model's dtype and in float32. A compiled rollout decodes in
+    one of the kept caches, so its peak is what is kept plus its prefill cache and sampler."""
+    caches = [static_cache_bytes(model_config, n, p + c, dtype) for n, p, c in shapes]
+    peaks = [rollout_bytes(model_config, n, p + c, dtype, vocab_size, mode=mode, prompt_length=p) for n, p, c in shapes]
+    if mode != "compiled":
+        return max(peaks), 0.0
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    kv = sequences * length * layers * 2 * kv_heads * head_dim * itemsize
-    return float(kv + kv / layers + 4 * sequences * vocab_size * 4)
+    pool = max(n for n, _, _ in shapes) * vocab_size * (itemsize + 4) if device.type == "cuda" else 0
+    kept = KEPT_CACHES * (max(caches) + pool)
+    return kept + max(peak - cache for peak, cache in zip(peaks, caches)), float(kept)
 
 
 def optimizer_state_bytes(params, optimizer: str) -> float:
@@ -244,6 +215,7 @@ def plan_memory(
     set_checkpointing: Callable[[bool], None],
     *,
     batch: int,
+    rollout_sequences: int | None = None,
     micro_batch_size: int | str,
     gradient_checkpointing: bool | str,
     budget_fraction: float,
@@ -254,23 +226,27 @@ def plan_memory(
     fix_hint: str,
     rollout_hint: str,
     device: torch.device,
+    kept: float = 0.0,
 ) -> MemoryPlan:
     """Choose micro_batch_size and gradient_checkpointing (either may be fixed by the config).
 
     run_pass(m, train): one worst-case pass of m sequences, with backward when train (the caller
     leaves no gradients, optimizer state or RNG change behind); set_checkpointing(on) turns
-    recompute on or off. Raises MemoryBudgetError when one sequence, or the rollout, does not fit.
+    recompute on or off. rollout: the largest rollout's peak, `kept` included; kept: bytes that stay
+    allocated between rollouts, under every training pass (decode_memory). Raises
+    MemoryBudgetError when one sequence, or the rollout, does not fit.
     """
     t0 = time.perf_counter()
     available_bytes_, source = available
     budget = budget_fraction * available_bytes_
-    room = budget - optimizer  # for the larger of the rollout and the training pass
+    room = budget - optimizer  # for the larger of the rollout and the training pass (over what is kept)
     where = f"budget {budget / MiB:,.0f} MiB = memory_budget {budget_fraction} × {available_bytes_ / MiB:,.0f} MiB {source}"
     if rollout > room:
         raise MemoryBudgetError(
-            f"memory preflight: the rollout decodes {batch} sequences of up to {sum(tokens)} tokens at once "
+            f"memory preflight: the rollout decodes {rollout_sequences or batch} sequences of up to {sum(tokens)} tokens at once "
             f"({tokens[0]} prompt + {tokens[1]} completion); their KV cache and sampler need ~{rollout / MiB:,.0f} MiB "
-            f"(+{optimizer / MiB:,.0f} MiB optimizer states) over the loaded model, over the {where}. {rollout_hint}"
+            + (f"(of it {kept / MiB:,.0f} MiB the compiled decode's kept caches: decode_mode eager keeps none) " if kept else "")
+            + f"(+{optimizer / MiB:,.0f} MiB optimizer states) over the loaded model, over the {where}. {rollout_hint}"
         )
     modes = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
     fixed_size = None if micro_batch_size == "auto" else int(micro_batch_size)
@@ -283,22 +259,24 @@ def plan_memory(
             return max(measure_peak(lambda: run_pass(m, True), device), measure_peak(lambda: run_pass(m, False), device))
         return at
 
+    room_for_pass = room - kept  # the kept caches sit under every pass
+
     choice = None  # (micro_batch_size, checkpointing)
     if fixed_size is not None:
         for on in modes:  # off first: recompute only when the fixed size needs it
             peak = measure(on)(fixed_size)
-            measured[on], largest[on] = {fixed_size: peak}, fixed_size if peak <= room else None
-            if peak <= room:
+            measured[on], largest[on] = {fixed_size: peak}, fixed_size if peak <= room_for_pass else None
+            if peak <= room_for_pass:
                 choice = (fixed_size, on)
                 break
     else:
         if False in modes:
-            m, measured[False] = largest_fitting(measure(False), batch, room)
+            m, measured[False] = largest_fitting(measure(False), batch, room_for_pass)
             largest[False] = m or None
             if m and (m == batch or m * sum(tokens) >= BUSY_TOKENS or True not in modes):
                 choice = (m, False)
         if choice is None and True in modes:
-            m, measured[True] = largest_fitting(measure(True), batch, room)
+            m, measured[True] = largest_fitting(measure(True), batch, room_for_pass)
             largest[True] = m or None
             off = largest.get(False) or 0
             choice = (m, True) if m > off else (off, False) if off else None
@@ -313,14 +291,16 @@ def plan_memory(
         raise MemoryBudgetError(
             f"memory preflight: {what} of {sum(tokens)} tokens ({tokens[0]} prompt + {tokens[1]} completion) needs "
             f"~{peak / MiB:,.0f} MiB for its training pass (forward + backward, gradient checkpointing "
-            f"{'on' if on else 'off'}) + {optimizer / MiB:,.0f} MiB optimizer states over the loaded model, "
+            f"{'on' if on else 'off'}) + {optimizer / MiB:,.0f} MiB optimizer states"
+            + (f" + {kept / MiB:,.0f} MiB the compiled decode keeps (decode_mode eager keeps none)" if kept else "")
+            + " over the loaded model, "
             f"over the {where}.{extra} {fix_hint}"
         )
     size, on = choice
     set_checkpointing(on)
-    need = optimizer + max(rollout, measured[on][size])
+    need = optimizer + max(rollout, kept + measured[on][size])
     return MemoryPlan(size, on, need, budget, available_bytes_, source, rollout, optimizer, tokens,
-                      time.perf_counter() - t0, largest, measured)
+                      time.perf_counter() - t0, largest, measured, kept=kept)
 
 
 # ------------------------------------------------------------------------------ the run's plan
@@ -343,15 +323,33 @@ def probe_pass(update, m: int, train: bool, tokens: tuple[int, int], device: tor
             p.grad = None
 
 
-def plan_run_memory(update, *, device: torch.device, num_processes: int, longest_prompt: int) -> MemoryPlan:
+def rollout_shapes(config, longest_prompt: int, eval_longest_prompt: int | None = None) -> list[tuple[int, int, int]]:
+    """[(sequences, prompt tokens, completion tokens)] of the run's largest rollouts: the training
+    rollout (generation_batch sequences), and with an eval dataset the evaluator's decode (at least
+    EVAL_DECODE_PROMPTS prompts' samples, or the generation batch, at once: Evaluator.evaluate)."""
+    shapes = [(config.generation_batch, longest_prompt, config.max_completion_length)]
+    if eval_longest_prompt is not None:
+        n = max(1, max(config.eval_pass_k or [0]), config.eval_num_samples or 0)
+        rows = max(EVAL_DECODE_PROMPTS, config.generation_batch, n)
+        shapes.append((rows, eval_longest_prompt, config.max_completion_length))
+    return shapes
+
+
+def plan_run_memory(update, *, device: torch.device, num_processes: int, longest_prompt: int,
+                    eval_longest_prompt: int | None = None) -> MemoryPlan:
     """micro_batch_size / gradient_checkpointing 'auto' and the preflight for a run: worst-case
     probes (probe_pass) of the longest prompt + max_completion_length through `update`, the run's
-    update.PolicyUpdate. The RNG states and the training flag are restored afterwards. Several
-    processes plan for the tightest one and all take process 0's sizes."""
+    update.PolicyUpdate, next to the rollouts' memory for the sampler the run's decode_mode resolves
+    to (decode_memory; eval_longest_prompt: the eval dataset's longest prompt, None without one).
+    The RNG states and the training flag are restored afterwards. Several processes plan for the
+    tightest one and all take process 0's sizes."""
     cfg, model = update.config, update.model
     tokens = (longest_prompt, cfg.max_completion_length)
     embeddings = model.get_input_embeddings().weight
     vocab = embeddings.shape[0]
+    mode = resolve_decode_mode(cfg.decode_mode, model, device)
+    rollout, kept = decode_memory(model.config, rollout_shapes(cfg, longest_prompt, eval_longest_prompt),
+                                  embeddings.dtype, vocab, mode, device)
     available = available_bytes(device)
     if num_processes > 1:  # plan for the tightest process
         least = torch.tensor([available[0]], dtype=torch.float64, device=device)
@@ -363,11 +361,10 @@ def plan_run_memory(update, *, device: torch.device, num_processes: int, longest
     try:
         plan = plan_memory(
             lambda m, train: probe_pass(update, m, train, tokens, device), lambda on: set_gradient_checkpointing(model, on),
-            batch=cfg.generation_batch, micro_batch_size=cfg.micro_batch_size,
+            batch=cfg.step_batch, rollout_sequences=cfg.generation_batch, micro_batch_size=cfg.micro_batch_size,
             gradient_checkpointing=cfg.gradient_checkpointing, budget_fraction=cfg.memory_budget,
             available=available, optimizer=optimizer_state_bytes(update.params, cfg.optimizer),
-            rollout=rollout_bytes(model.config, cfg.generation_batch, sum(tokens), embeddings.dtype, vocab),
-            tokens=tokens, device=device,
+            rollout=rollout, kept=kept, tokens=tokens, device=device,
             fix_hint=size_hint + ("" if cfg.quantization == "4bit" else "quantization=4bit (frees the weights' memory); ")
             + f"a smaller lora_r (now {cfg.lora_r}) or logprob_chunk_size (now {cfg.logprob_chunk_size}: the LM head's "
             f"float32 logits are chunk × vocab {vocab}); a smaller model; or free memory / raise memory_budget.",

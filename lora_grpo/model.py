@@ -10,6 +10,7 @@ the adapter it activates trainable and every other one frozen; we undo that).
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from .adapters import BASE, POLICY, REFERENCE, lora_layers, policy_parameters, reference_forward, use_adapter  # noqa: F401
 from .config import GRPOConfig
+from .device import auto_dtype, describe_gpu, native_bf16
 from .reference import check_syncable, sync_reference
 
 logger = logging.getLogger(__name__)
@@ -24,11 +26,19 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
+    """The config's torch_dtype as a torch dtype; 'auto' says in one line what it chose and why
+    (device.auto_dtype: bfloat16 only where the GPU computes it natively, else float32)."""
     if name == "auto":
-        # Not float16: nothing here scales the loss, and fp16 activations underflow small gradients.
-        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+        dtype, why = auto_dtype()
+        # A GPU without native bf16 gets float32, which the user should know about: a warning there.
+        level = logging.INFO if dtype == torch.bfloat16 or not torch.cuda.is_available() else logging.WARNING
+        logger.log(level, "torch_dtype auto → %s (%s)", str(dtype).removeprefix("torch."), why)
+        return dtype
     if name == "float16":
         logger.warning("torch_dtype=float16: there is no loss scaling; prefer bfloat16, or float32 on GPUs without bf16")
+    if name == "bfloat16" and torch.cuda.is_available() and not native_bf16():
+        logger.warning("torch_dtype=bfloat16 on %s: emulated, slower than float32; set torch_dtype to float32 or auto",
+                       describe_gpu())
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -55,10 +65,15 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def resolve_model_path(config: GRPOConfig) -> str:
+    """The model's path: the config's, or the offline tasks' bases built (once, cached) by name."""
     if config.model_name_or_path == "toy":
         from .tasks.toy import ensure_toy_base
 
         return ensure_toy_base()  # one fixed base (seed 0) whatever the run seed: built once, cached
+    if config.model_name_or_path == "toy-calculator":
+        from .tasks.calculator import ensure_calculator_base
+
+        return ensure_calculator_base()
     return config.model_name_or_path
 
 
@@ -97,6 +112,8 @@ def load_base_model(config: GRPOConfig, model_path: str | None = None, device_ma
     kwargs = {}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
+    if config.revision:
+        kwargs["revision"] = config.revision
     qconfig = quantization_config(config, dtype)
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
@@ -109,10 +126,16 @@ def load_base_model(config: GRPOConfig, model_path: str | None = None, device_ma
         trust_remote_code=config.trust_remote_code,
         **kwargs,
     )
+    return prepare_base(model)
+
+
+def prepare_base(model: nn.Module) -> nn.Module:
+    """A loaded causal LM made a frozen base: no gradients, no dropout, 4-bit layers on their portable
+    path, no cache in the training forward (the rollout asks for one)."""
     model.requires_grad_(False)
     disable_dropout(model)
     keep_4bit_weights_fixed(model)
-    model.config.use_cache = False  # the training forward never needs a cache; rollout asks for one
+    model.config.use_cache = False
     return model
 
 
@@ -178,15 +201,21 @@ def reference_lora_config(policy_config, ref_rank: int):
     )
 
 
-def attach_adapters(base: nn.Module, config: GRPOConfig) -> nn.Module:
+def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module:
     """Wrap the base in a peft model with the trainable "policy" and frozen "reference" adapters.
 
     The initial reference is an exact copy of the initial policy: the base itself for a fresh
-    LoRA (ΔW = 0), the warm-start adapter when `init_adapter` is given.
+    LoRA (ΔW = 0), the warm-start adapter when `init_adapter` is given. `lora`: a peft LoraConfig for
+    the policy (exclude_modules, layers_to_transform, rank/alpha patterns...) instead of the config's
+    lora_* fields (the TRL front door's peft_config).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
+    from .startup import check_init_adapter, check_target_modules
+
     if config.init_adapter:
+        # an adapter of another model: refused here, naming the layer (peft would drop it silently)
+        check_init_adapter(base, config.init_adapter, config.model_name_or_path)
         saved = LoraConfig.from_pretrained(config.init_adapter)
         if saved.lora_dropout != config.lora_dropout:  # SFT adapters often carry 0.05–0.1
             logger.warning("init_adapter's lora_dropout %s replaced by the config's %s", saved.lora_dropout, config.lora_dropout)
@@ -197,7 +226,10 @@ def attach_adapters(base: nn.Module, config: GRPOConfig) -> nn.Module:
         if saved.r != config.lora_r:
             logger.warning("init_adapter has rank %d; config lora_r=%d is ignored", saved.r, config.lora_r)
     else:
-        model = get_peft_model(base, lora_config(config), adapter_name=POLICY, autocast_adapter_dtype=True)
+        policy = lora_config(config) if lora is None else copy.deepcopy(lora)
+        if policy.target_modules is not None:  # None: peft's default for the model type
+            check_target_modules(base, policy.target_modules)  # an entry matching nothing, with the closest names
+        model = get_peft_model(base, policy, adapter_name=POLICY, autocast_adapter_dtype=True)
     # The largest rank of any layer (an adapter may carry a per-module rank_pattern).
     policy_rank = max(m.lora_A[POLICY].weight.shape[0] for _, m in lora_layers(model, (POLICY,)))
     if config.ref_rank < policy_rank and (config.init_adapter or config.ref_sync_alpha == 1):
@@ -239,8 +271,6 @@ def attach_base_slot(model: nn.Module) -> None:
     serve (syncs move it), and the policy tensors cannot be swapped out and back around a forward
     without risking the trained ones; one adapter's worth of memory (a few MB) buys neither risk.
     Not saved in checkpoints: a resumed run rebuilds it from init_adapter."""
-    import copy
-
     flags = [(p, p.requires_grad) for p in model.parameters()]
     slot = copy.deepcopy(model.peft_config[POLICY])
     slot.lora_dropout = 0.0  # eval forwards only (dropout is off in eval mode anyway)

@@ -3,13 +3,16 @@ gradient averaging across processes, and the config's settings on a resumed opti
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import GRPOConfig
 
 
 def build_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
-    kwargs = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
+    kwargs = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+                  weight_decay=config.weight_decay)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(params, **kwargs)
     import bitsandbytes as bnb
@@ -75,15 +78,20 @@ def refresh_lr(optimizer, scheduler) -> None:
     scheduler._last_lr = lrs  # what get_last_lr() reports (torch keeps no public setter)
 
 
+def steps_of(value: float, total_steps: int) -> int:
+    """A number of steps given as a count, or below 1 as a share of the run (transformers' rule: rounded up)."""
+    return int(value) if value >= 1 or value == 0 else math.ceil(value * total_steps)
+
+
 def build_scheduler(optimizer, config: GRPOConfig, total_steps: int, restarts: WarmupRestarts | None = None):
-    """The LR schedule over optimizer updates: num_iterations per training step; with `restarts`,
-    multiplied by its restarted warmup (WarmupRestarts)."""
+    """The LR schedule over the run's optimizer steps (every update is a step), transformers' get_scheduler
+    by name with lr_scheduler_kwargs; with `restarts`, multiplied by its restarted warmup (WarmupRestarts)."""
     from transformers import get_scheduler
 
-    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[config.lr_scheduler]
-    updates = config.num_iterations
+    name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
     scheduler = get_scheduler(
-        name, optimizer, num_warmup_steps=config.warmup_steps * updates, num_training_steps=total_steps * updates
+        name, optimizer, num_warmup_steps=steps_of(config.warmup_steps, total_steps), num_training_steps=total_steps,
+        scheduler_specific_kwargs=dict(config.lr_scheduler_kwargs) or None,
     )
     if restarts is not None:
         def restarted(schedule):

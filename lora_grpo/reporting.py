@@ -137,10 +137,12 @@ def completion_records(
     rewards,
     advantages,
     synced: bool,
+    extra: dict[str, Sequence] | None = None,
 ) -> list[dict[str, Any]]:
     """One JSON-ready record per completion: step, prompt, completion, each reward function's value
-    (None where it returned None), the weighted reward, the advantage and whether the reference
-    was synced after this step. per_func: (B, F); rewards, advantages: (B,)."""
+    (None where it returned None), the weighted reward, the advantage, whether the reference was
+    synced after this step, and the columns reward functions logged (log_extra). per_func: (B, F);
+    rewards, advantages: (B,); extra: column → B values."""
     per_func = per_func.float().cpu().tolist()
     rewards = rewards.float().cpu().tolist()
     advantages = advantages.float().cpu().tolist()
@@ -153,6 +155,7 @@ def completion_records(
         record = {"step": step, "prompt": prompt, "completion": completion}
         record.update({name: clean(v) for name, v in zip(names, per_func[i])})
         record.update({"reward": clean(rewards[i]), "advantage": advantages[i], "sync": synced})
+        record.update({column: values[i] for column, values in (extra or {}).items() if i < len(values)})
         records.append(record)
     return records
 
@@ -181,14 +184,13 @@ def format_metrics(metrics: dict[str, Any]) -> str:
 
 def progress_line(step: int, total_steps: int, m: dict[str, Any]) -> str:
     """The logging_steps line: step, reward ± std, KL, length, zero-std share, time; sync and eval if any."""
-    parts = [
-        f"step {step}/{total_steps}",
-        f"reward {m.get('reward/mean', float('nan')):.3f}±{m.get('reward/std', float('nan')):.3f}",
-        f"kl {m.get('kl', 0.0):.4f}",
-        f"len {m.get('completion_length/mean', 0.0):.1f}",
-        f"zero-std {m.get('frac_reward_zero_std', 0.0):.2f}",
-        f"{m.get('time/step', 0.0):.1f}s",
-    ]
+    parts = [f"step {step}/{total_steps}"]
+    if "reward/mean" in m:  # a rollout's first step (later steps of the same rollout train on it again)
+        parts += [f"reward {m['reward/mean']:.3f}±{m.get('reward/std', float('nan')):.3f}"]
+    parts += [f"kl {m.get('kl', 0.0):.4f}"]
+    if "completion_length/mean" in m:
+        parts += [f"len {m['completion_length/mean']:.1f}", f"zero-std {m.get('frac_reward_zero_std', 0.0):.2f}"]
+    parts += [f"{m.get('time/step', 0.0):.1f}s"]
     if m.get("sync/event"):
         parts.append(f"sync({m['sync/reason']}, err {m['sync/truncation_error']:.1e})")
     if "eval/completion_length" in m:
@@ -335,18 +337,21 @@ class RunReporter:
         if self._started:
             self.accelerator.log(numbers_only(record), step=record["step"])
 
-    def log_step(self, step: int, metrics: dict[str, Any], samples: tuple | None = None) -> None:
+    def log_step(self, step: int, metrics: dict[str, Any], samples: tuple | None = None, show: bool = False) -> None:
         """A training step's record, its completions when due, and the bar. Call on every process.
 
-        samples: (prompts (B,), completions (B,), per_func (B, F), rewards (B,), advantages (B,))
-        of this process, as the trainer's advantages() stashes them; None skips the completions."""
+        samples: (prompts (B,), completions (B,), per_func (B, F), rewards (B,), advantages (B,),
+        log_extra's columns) of this process, as scorer.RolloutScorer keeps them, on the first step of a
+        rollout; None skips the completions. show: a logging step (num_completions_to_print are printed)."""
         self.log({"step": step, **metrics})
         cfg = self.config
+        if samples is not None and show and cfg.num_completions_to_print:
+            self.print_samples(step, samples, cfg.num_completions_to_print)
         if cfg.log_completions and samples is not None and step % cfg.log_completions_steps == 0:
-            prompts, completions, per_func, rewards, advantages = samples
+            prompts, completions, per_func, rewards, advantages, extra = samples
             records = completion_records(
                 step, prompts, completions, self.reward_names, per_func, rewards, advantages,
-                synced=bool(metrics.get("sync/event")),
+                synced=bool(metrics.get("sync/event")), extra=extra,
             )
             if self.accelerator.num_processes > 1:
                 from accelerate.utils import gather_object
@@ -354,12 +359,21 @@ class RunReporter:
                 records = gather_object(records)  # a collective: every process is here
             self.log_completions(step, records)
         if self.bar is not None:
+            self._reward = metrics.get("reward/mean", getattr(self, "_reward", float("nan")))  # the rollout's
             self.bar.set_postfix({  # a dict keeps this order (keyword arguments get sorted)
-                "reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
+                "reward": f"{self._reward:.3f}",
                 "kl": f"{metrics.get('kl', 0.0):.3g}",
                 "step_time": f"{metrics.get('time/step', 0.0):.1f}s",
             }, refresh=False)
             self.bar.update(1)
+
+    def print_samples(self, step: int, samples: tuple, n: int) -> None:
+        """The first n completions of the step with their rewards, through the bar (main process)."""
+        prompts, completions, per_func, rewards, advantages, _ = samples
+        for i in range(min(n, len(completions))):
+            scores = " ".join(f"{name}={v:.3g}" for name, v in zip(self.reward_names, per_func[i].tolist()))
+            self.print(f"  step {step} sample {i}: {str(prompts[i])[-60:]!r} → {str(completions[i])[:120]!r} | {scores} "
+                       f"| reward {float(rewards[i]):.3g} advantage {float(advantages[i]):.3g}")
 
     def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
         """Append the records to completions.jsonl (the whole history) and send them as a table to

@@ -1,17 +1,29 @@
-"""Random state: seeding a run, and every generator's state for checkpoints (python, numpy, torch CPU, CUDA)."""
+"""Random state: seeding a run, and every generator's state for checkpoints (python, numpy, torch CPU, CUDA).
+
+The states are plain Python values and CPU byte tensors, so that a checkpoint loads with
+torch.load(weights_only=True) (checkpoint.py): NumPy's key array is stored as a list of ints, not
+as an ndarray, whose unpickling would need NumPy's own globals. States from another machine are
+restored where they fit and replaced, saying so, where they cannot.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states: python, numpy, torch CPU and (where present) every CUDA device."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, cached_gaussian),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -25,8 +37,53 @@ def seed_everything(seed: int) -> None:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore rng_state()'s states (NumPy's as a list or, from older checkpoints, an ndarray). CUDA
+    states go to the devices both machines have: with fewer GPUs visible than at save time the
+    extra states are dropped (one line says so), with more the extra devices keep theirs."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda") or []
+    if saved and torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        for device, cuda_state in enumerate(saved[:visible]):
+            torch.cuda.set_rng_state(cuda_state, device)
+        if len(saved) > visible:
+            logger.warning("the checkpoint holds RNG states of %d CUDA devices, %d are visible: restored those, "
+                           "dropped the rest", len(saved), visible)
+
+
+def _derived_seed(seed: int, process_index: int, step: int) -> int:
+    # A hash, not arithmetic on the numbers: distinct (seed, process, step) never share a stream.
+    digest = hashlib.sha256(f"lora_grpo sampling {seed} {process_index} {step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes a non-negative 64-bit int
+
+
+def restore_sampling(generator: torch.Generator, saved: torch.Tensor, *, seed: int, process_index: int,
+                     step: int) -> str | None:
+    """Set the sampling generator to its saved state (a CPU byte tensor). A state saved by a
+    generator of another device type (a CUDA generator's 16 bytes of seed and offset against a CPU
+    one's 5056 bytes of Mersenne twister, or the reverse) cannot be converted: the generator is then
+    reseeded from (seed, process_index, step), the same on every resume of that checkpoint, and the
+    returned line says so (None when the state was restored)."""
+    if saved.numel() == generator.get_state().numel():
+        try:
+            generator.set_state(saved)
+            return None
+        except RuntimeError:  # the same size from another generator kind: reseed as below
+            pass
+    generator.manual_seed(_derived_seed(seed, process_index, step))
+    kind = {16: "a CUDA", 5056: "a CPU"}.get(saved.numel(), "another")
+    return (f"the checkpoint's sampling generator state comes from {kind} generator ({saved.numel()} bytes); this "
+            f"process samples on {generator.device.type}: reseeded the sampling generator from seed {seed}, process "
+            f"{process_index} and step {step} instead. The run continues reproducibly (every resume of this "
+            "checkpoint on this device type draws alike), but not with the draws of a run that was never interrupted")
+
+
+def legacy_numpy_globals() -> list:
+    """What NumPy's RNG state (an ndarray of uint32) pickles as, in checkpoints written before rng.py
+    stored it as a list: array reconstruction and dtypes, no code. Under NumPy 1's module name too."""
+    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
+            type(np.dtype(np.uint32))]

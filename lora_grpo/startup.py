@@ -2,19 +2,26 @@
 
     prompts      tokenised once: each prompt's length as the rollout cuts it (max_prompt_length)
     context      the longest real prompt + max_completion_length against the model's context
-    tokens       the tokenizer can pad and end a completion, and its special ids fit the embeddings
+    tokens       the tokenizer can pad and end a completion; every id the run feeds (pad, EOS, BOS,
+                 each prompt's tokens) fits the model's input embeddings
+    adapters     lora_target_modules name modules of this model; init_adapter was saved for its shapes
+                 (called by model.attach_adapters, before peft loads anything)
     rewards      every reward function can take the dataset columns it is called with
     log-probs    the chunked log-probs reproduce the model's own logits (both adapters)
 
 The checks read what the run will really hold, never a configured maximum: a recipe whose prompts
 are 6 tokens runs on a 64-token model whatever max_prompt_length says. Each failure is a
-ValueError that names the prompt, token, column or model type and the fix.
+ValueError that names the prompt, token, column, module or model type and the fix.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
+import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,6 +43,7 @@ class PromptLengths:
     lengths: np.ndarray  # (N,) int; for an unscanned dataset, one entry: max_prompt_length
     truncated: int  # prompts longer than max_prompt_length (left-truncated by every rollout)
     scanned: bool  # False: too many prompts to tokenise at start; max_prompt_length stands in
+    highest: np.ndarray | None = None  # (N,) int: each prompt's largest token id (None when unscanned)
 
     @property
     def longest(self) -> int:
@@ -46,13 +54,17 @@ def prompt_lengths(tokenizer, prompts: list[str], max_prompt_length: int | None)
     """Tokenise the prompts once (in batches; no padded tensor) and return their lengths as cut."""
     if max_prompt_length is not None and len(prompts) > PROMPT_SCAN_LIMIT:
         return PromptLengths(np.array([max_prompt_length]), 0, scanned=False)
-    raw = np.concatenate([
-        np.fromiter(map(len, prompt_token_rows(tokenizer, prompts[i : i + 4096])), dtype=np.int64)
-        for i in range(0, len(prompts), 4096)
-    ]) if prompts else np.zeros(0, dtype=np.int64)
+    raw, highest = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for i in range(0, len(prompts), 4096):
+        rows = prompt_token_rows(tokenizer, prompts[i : i + 4096])
+        raw.append(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)))
+        kept = rows if max_prompt_length is None else [r[-max_prompt_length:] for r in rows]  # as the rollout cuts
+        highest.append(np.fromiter(map(max, kept), dtype=np.int64, count=len(rows)))
+    raw, top = np.concatenate(raw), np.concatenate(highest)
     if max_prompt_length is None:
-        return PromptLengths(raw, 0, scanned=True)
-    return PromptLengths(np.minimum(raw, max_prompt_length), int((raw > max_prompt_length).sum()), scanned=True)
+        return PromptLengths(raw, 0, scanned=True, highest=top)
+    return PromptLengths(np.minimum(raw, max_prompt_length), int((raw > max_prompt_length).sum()), scanned=True,
+                         highest=top)
 
 
 def check_context(prompts: list[str], lengths: PromptLengths, max_completion_length: int, model, name: str) -> None:
@@ -78,10 +90,91 @@ def check_context(prompts: list[str], lengths: PromptLengths, max_completion_len
     check_prompt_lengths(prompts, lengths.lengths.tolist(), max_completion_length, limit)
 
 
+def embedding_rows(model) -> int | None:
+    """Rows of the model's input embeddings: every id fed to it must be below this (None: unknown)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
+
+
+def _token(tokenizer, token_id: int) -> str:
+    """"'<s>' (id 82, the tokenizer's bos_token)": a token as a message names it."""
+    roles = [name for name in ("pad_token", "eos_token", "bos_token", "unk_token")
+             if getattr(tokenizer, f"{name}_id", None) == token_id]
+    text = tokenizer.convert_ids_to_tokens(int(token_id))
+    return f"{text!r} (id {token_id}" + (f", the tokenizer's {' and '.join(roles)})" if roles else ")")
+
+
+def _resize_fix(tokenizer, rows: int) -> str:
+    return (f"The tokenizer ({len(tokenizer)} tokens) has ids the model's {rows} input embeddings (ids 0-{rows - 1}) "
+            "do not cover: tokens added without resizing the model. Use the tokenizer saved with this model "
+            "(tokenizer_name_or_path), or call model.resize_token_embeddings(len(tokenizer)) before handing the model "
+            "to GRPOTrainer (the new rows are untrained and the base stays frozen, so prefer tokens the model knows)")
+
+
 def check_special_tokens(model, tokenizer) -> list[int]:
     """The EOS ids, after checking that the tokenizer can pad and end a completion (rollout's
-    special_token_ids)."""
-    return special_token_ids(model, tokenizer)
+    special_token_ids) and that every special id the run feeds fits the model's input embeddings.
+
+    An id beyond the embeddings would otherwise end the first forward in `IndexError: index out of
+    range in self`. A pad token beyond them (transformers adds '<|endoftext|>' to some tokenizers
+    saved without one) is replaced by EOS, with a warning: padding is masked, so nothing else
+    changes. An EOS or a prepended BOS beyond them is refused, naming the token and the fix; other
+    tokens beyond them are warned about (each prompt's ids were checked by check_datasets)."""
+    eos = special_token_ids(model, tokenizer)
+    rows = embedding_rows(model)
+    if rows is None:
+        return eos
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out_rows = getattr(getattr(head, "weight", None), "shape", (0,))[0]
+    if out_rows > rows:
+        raise ValueError(
+            f"the model's LM head scores {out_rows} tokens but its input embeddings have {rows} rows: a sampled "
+            f"token id >= {rows} could not be fed back. Resize the model (model.resize_token_embeddings({out_rows}))")
+    usable_eos = [i for i in eos if 0 <= i < rows]
+    if not usable_eos:
+        raise ValueError(f"every EOS token ({', '.join(_token(tokenizer, i) for i in eos)}) is beyond the model's "
+                         f"{rows} input embeddings, so no completion could end. {_resize_fix(tokenizer, rows)}")
+    pad = tokenizer.pad_token_id
+    if not 0 <= pad < rows:
+        end = tokenizer.eos_token_id if tokenizer.eos_token_id in usable_eos else usable_eos[0]
+        warnings.warn(
+            f"the tokenizer's pad token {_token(tokenizer, pad)} is beyond the model's {rows} input embeddings "
+            "(transformers adds one to a tokenizer saved without a pad token); padding with "
+            f"{_token(tokenizer, end)} instead, which changes nothing else (padding is masked). To silence this, "
+            "set tokenizer.pad_token = tokenizer.eos_token before handing it to GRPOTrainer", stacklevel=2)
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(end)
+        replaced = pad  # said above: not said again below
+    else:
+        replaced = None
+    bos = tokenizer.bos_token_id
+    if bos is not None and not 0 <= bos < rows and tokenizer("a")["input_ids"][:1] == [bos]:
+        raise ValueError(f"the tokenizer prepends {_token(tokenizer, bos)} to every prompt, beyond the model's {rows} "
+                         f"input embeddings. {_resize_fix(tokenizer, rows)}")
+    beyond = [i for i in range(rows, len(tokenizer)) if i != replaced]
+    if beyond:
+        shown = ", ".join(_token(tokenizer, i) for i in beyond[:5]) + (", ..." if len(beyond) > 5 else "")
+        warnings.warn(
+            f"the tokenizer has {len(beyond)} token(s) beyond the model's {rows} input embeddings ({shown}); no prompt "
+            "measured at start holds one, but a prompt, chat template or system prompt that produced one would "
+            f"stop the run. {_resize_fix(tokenizer, rows)}", stacklevel=2)
+    return eos
+
+
+def check_prompt_ids(prompts: list[str], lengths: PromptLengths, tokenizer, model, name: str) -> None:
+    """Refuse, naming the first prompt and its token, when a prompt holds an id beyond the model's
+    input embeddings (a tokenizer that does not fit its model)."""
+    rows = embedding_rows(model)
+    if rows is None or lengths.highest is None:
+        return
+    bad = np.flatnonzero(lengths.highest >= rows)
+    if bad.size:
+        i = int(bad[0])
+        ids = prompt_token_rows(tokenizer, [prompts[i]])[0]
+        token = next(t for t in ids if t >= rows)
+        raise ValueError(
+            f"{name}: {bad.size} of {len(prompts)} prompts hold token ids beyond the model's {rows} input embeddings; "
+            f"the first, prompt {i} ({prompts[i][:80]!r}), holds {_token(tokenizer, token)}. {_resize_fix(tokenizer, rows)}")
 
 
 def check_datasets(reward_funcs, datasets: dict, tokenizer, model, config) -> dict[str, PromptLengths]:
@@ -98,6 +191,7 @@ def check_datasets(reward_funcs, datasets: dict, tokenizer, model, config) -> di
         prompts = list(ds["prompt"])
         lengths = prompt_lengths(tokenizer, prompts, config.max_prompt_length)
         check_context(prompts, lengths, config.max_completion_length, model, name)
+        check_prompt_ids(prompts, lengths, tokenizer, model, name)
         if lengths.truncated:
             warnings.warn(
                 f"{name}: {lengths.truncated} of {len(prompts)} prompts are longer than max_prompt_length="
@@ -127,3 +221,98 @@ def check_model_log_probs(model, tokenizer, prompts: list[str], config) -> float
         temperature=config.temperature,
         chunk_size=config.logprob_chunk_size,
     )
+
+
+# ------------------------------------------------------------------------------ model set-up
+# Module types LoRA can wrap (peft's LoRA layers), by class name so that bitsandbytes and
+# transformers' Conv1D need no import here.
+_LORA_TYPES = ("Linear", "Linear4bit", "Linear8bitLt", "Conv1D", "Embedding", "Conv1d", "Conv2d")
+
+
+def _lora_leaves(model) -> dict[str, str]:
+    """{last name component: class name} of the modules LoRA can wrap (lm_head left out, as 'all-linear' does)."""
+    return {name.rsplit(".", 1)[-1]: type(m).__name__ for name, m in model.named_modules()
+            if name and type(m).__name__ in _LORA_TYPES and not name.endswith("lm_head")}
+
+
+def check_target_modules(model, targets) -> None:
+    """Refuse lora_target_modules entries that match no module of `model`, or only modules LoRA cannot
+    wrap, naming the closest module names (peft ignores an unmatched entry when another one matches:
+    a typo'd 'q_prj' next to 'v_proj' would train only v_proj). Matching is peft's: a list entry
+    matches a module whose name is it or ends in '.<entry>'; a string other than 'all-linear' is a
+    regular expression over the whole name."""
+    if targets is None or targets == "all-linear":
+        return
+    modules = [(name, type(m).__name__) for name, m in model.named_modules() if name]
+    entries = [targets] if isinstance(targets, str) else list(targets)
+    leaves = _lora_leaves(model)
+    for entry in entries:
+        if isinstance(targets, str):
+            hits = [(n, t) for n, t in modules if re.fullmatch(entry, n)]
+        else:
+            hits = [(n, t) for n, t in modules if n == entry or n.endswith("." + entry)]
+        wrappable = [h for h in hits if h[1] in _LORA_TYPES]
+        if wrappable:
+            continue
+        key = entry.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(key, sorted(leaves), n=3, cutoff=0.5)
+        what = (f"matches only {sorted({t for _, t in hits})} modules (e.g. {hits[0][0]}), which LoRA cannot wrap"
+                if hits else "matches no module of this model")
+        raise ValueError(
+            f"lora_target_modules entry {entry!r} {what}"
+            + (f"; closest: {', '.join(map(repr, close))}" if close else "")
+            + f". The layers LoRA can wrap here: {sorted(leaves)}. Use those names, or lora_target_modules: all-linear")
+
+
+def _saved_adapter_tensors(path: Path) -> dict[str, tuple[int, ...]] | None:
+    """{tensor name: shape} of a saved peft adapter, read without loading it (None: no weights file)."""
+    if (path / "adapter_model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    if (path / "adapter_model.bin").is_file():
+        return {k: tuple(v.shape) for k, v in torch.load(path / "adapter_model.bin", map_location="cpu",
+                                                         weights_only=True).items()}
+    return None
+
+
+def check_init_adapter(model, init_adapter: str, model_name: str | None = None) -> None:
+    """Refuse an init_adapter saved for another model before peft loads it: a layer this model does
+    not have (peft would drop its weights silently) or of other in/out sizes (peft's size-mismatch
+    error). A local path that is no adapter, or a lora_grpo checkpoint dir, is named with what to pass."""
+    path = Path(init_adapter).expanduser()
+    if not path.exists():
+        if init_adapter.startswith((".", "/", "~")) or len(Path(init_adapter).parts) > 2:
+            raise ValueError(f"init_adapter={init_adapter!r} does not exist; pass a directory saved by "
+                             "save_pretrained / lora-grpo (it holds adapter_config.json)")
+        return  # a hub adapter id: peft downloads and checks it
+    if not (path / "adapter_config.json").is_file():
+        inside = [p.parent.name for p in sorted(path.glob("*/adapter_config.json"))]
+        hint = (f"; it is a checkpoint or run directory: pass {str(path / 'policy')!r}" if "policy" in inside else
+                f"; adapters inside it: {inside}" if inside else "")
+        raise ValueError(f"init_adapter={init_adapter!r} has no adapter_config.json, so it is not a peft adapter{hint}")
+    shapes = _saved_adapter_tensors(path)
+    if not shapes:
+        return
+    saved_for = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    origin = (f" (its adapter_config.json names base_model_name_or_path={saved_for!r}; this run's model is "
+              f"{model_name!r})") if saved_for else ""
+    modules = dict(model.named_modules())
+    for key, shape in shapes.items():
+        match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        if match is None:
+            continue
+        name, factor = match.groups()
+        module = modules.get(name)
+        if module is None:
+            raise ValueError(
+                f"init_adapter={init_adapter!r} was saved for another model: it adapts {name!r}, which this model "
+                f"does not have{origin}. Use an adapter trained on this base, or drop init_adapter")
+        size, axis = (getattr(module, "in_features", None), 1) if factor == "A" else (getattr(module, "out_features", None), 0)
+        if size is not None and len(shape) == 2 and shape[axis] != size:
+            raise ValueError(
+                f"init_adapter={init_adapter!r} was saved for another model: its lora_{factor} of {name} has shape "
+                f"{shape}, but this model's {name.rsplit('.', 1)[-1]} has {size} "
+                f"{'inputs' if factor == 'A' else 'outputs'}{origin}. Use an adapter trained on this base, or drop "
+                "init_adapter")

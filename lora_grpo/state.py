@@ -18,6 +18,10 @@ from typing import Any
 
 from transformers import TrainerState
 
+from .health import HealthMonitor
+from .loss import AdaptiveEntropy
+from .reference import SyncSchedule
+
 # Fields that a run takes from its config, not from the checkpoint it resumes: a resumed run may
 # train for more steps, log or save at another rate.
 FROM_CONFIG = frozenset({"max_steps", "logging_steps", "eval_steps", "save_steps", "num_train_epochs",
@@ -27,6 +31,15 @@ _RENAMED = {"step": "global_step", "history": "log_history", "warmup_restart_upd
 # What a field means when an older checkpoint did not save it: an unknown reference slot is not
 # assumed to equal the policy (its forward runs).
 _IF_MISSING = {"reference_is_policy": False}
+
+
+@dataclass
+class StepFlow:
+    """What is due after an optimizer step; a hook at "step_end" may change it (a callback's control)."""
+
+    evaluate: bool
+    log: bool
+    save: bool
 
 
 @dataclass
@@ -44,6 +57,22 @@ class TrainState(TrainerState):
     batches: Any = None  # data.PromptBatches: the data position
     sync_schedule: Any = None  # reference.SyncSchedule: the plateau trigger's best score and count
     warmup_restarts: Any = None  # optim.WarmupRestarts: the update of the last warmup restart
+    health: Any = None  # health.HealthMonitor: streaks, recent KLs, first-steps baselines, warnings given
+    adaptive_entropy: Any = None  # loss.AdaptiveEntropy: the entropy coefficient and its last measurement
+    extra: dict = dataclasses.field(default_factory=dict)  # a front door's own state (the TRL front door's log history)
+
+    @classmethod
+    def for_run(cls, config, accelerator, total_steps: int, batches, warmup_restarts) -> "TrainState":
+        """A fresh run's state: transformers' fields from the config, our parts at their start."""
+        return cls(
+            max_steps=total_steps, logging_steps=config.logging_steps, eval_steps=config.eval_steps,
+            save_steps=config.save_steps, is_local_process_zero=accelerator.is_local_main_process,
+            is_world_process_zero=accelerator.is_main_process, num_processes=accelerator.num_processes,
+            batches=batches, sync_schedule=SyncSchedule.from_config(config), warmup_restarts=warmup_restarts,
+            health=HealthMonitor(), micro_batch_size=config.micro_batch_size, gradient_checkpointing=config.gradient_checkpointing,
+            adaptive_entropy=AdaptiveEntropy(config.entropy_coef, config.entropy_target, config.entropy_coef_delta,
+                                             config.entropy_coef_min, config.entropy_coef_max),
+        )
 
     @property
     def step(self) -> int:

@@ -1,26 +1,20 @@
 """GRPOTrainer: the loop. It orchestrates the stages; the math lives in the pure modules.
 
-One optimizer step:
+    prompts ─► generation_round: rollout (policy, no grad) ─► rewards ─► advantages (scorer.py) ─► Batch
+            ─► old log-probs (when the rollout feeds more than one update) ─► reference log-probs (the
+               reference adapter; skipped if beta = 0 or while the slot provably equals the policy)
+            ─► num_iterations × steps_per_generation optimizer steps (update.PolicyUpdate), each followed by
+               eval if due ─► maybe sync the reference slot ─► metrics, callbacks, checkpoint (_end_step)
 
-    prompts ─► rollout (policy adapter, no grad) ─► rewards ─► advantages ─► Batch (loss mask)
-            ─► old log-probs (only if num_iterations > 1) ─► reference log-probs (reference adapter;
-               skipped if beta = 0 or while the slot provably equals the policy)
-            ─► num_iterations × [micro-batched loss + backward, clip, optimizer + LR step]
-            ─► eval if due ─► maybe sync the reference slot ─► metrics, callbacks, checkpoint
-
-The loop's mutable state is one object, `trainer.state` (state.TrainState); evaluation
-(evaluation.Evaluator), the start-up checks (startup.py), the memory plan (memory.py) and the run's
-files (checkpoint.py, reporting.py) live in their own modules.
-
-Simplifications, on purpose: generation runs with the training model (no vLLM); the batch of one
-step is generated once and reused num_iterations times; gradients of several processes are
-averaged explicitly after accumulation (each process holds its own base and both adapters, and a
-prompt's whole group stays on one process).
+The loop's mutable state is `trainer.state` (state.TrainState); evaluation, start-up checks, the memory
+plan and the run's files live in their own modules. On purpose: generation runs with the training model
+(no vLLM); each process holds its own base and both adapters, and a prompt's whole group stays on it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 from pathlib import Path
@@ -30,23 +24,26 @@ import torch
 
 from . import checkpoint as ckpt
 from .adapters import POLICY, policy_parameters, reference_forward
-from .advantages import group_advantages, zero_std_fraction
 from .batch import Batch
 from .config import ConfigError, GRPOConfig
-from .data import PROMPT_MESSAGES, PromptBatches, process_shard, resolve_datasets
+from .data import PromptBatches, process_shard, resolve_datasets
+from .device import now, place_model
 from .evaluation import Evaluator, headline_score
-from .memory import MemoryPlan, plan_run_memory, resume_sizes
-from .model import keep_4bit_weights_fixed, load_model, set_gradient_checkpointing
+from .memory import MemoryPlan
+from .model import keep_4bit_weights_fixed, load_model
 from .optim import apply_config as apply_optimizer_config
-from .optim import WarmupRestarts, build_optimizer, build_scheduler, reset_optimizer_state
-from .reference import SyncSchedule, sync_reference
+from .optim import WarmupRestarts, build_optimizer, build_scheduler, reset_optimizer_state, steps_of
+from .reference import sync_reference
 from .reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
-from .rewards import TrainerState, check_reward_weights, compute_rewards, resolve_reward_funcs, reward_metrics, reward_names
-from .rewards import rollout_keywords
+from .rewards.scoring import RewardFunctionError
 from .rng import rng_state, seed_everything
-from .rollout import Rollout, generate_rollout
+from .rollout import Rollout
+from .run_dir import claim_for_run, kept_work, nothing_to_train
+from .sampler import PolicySampler
+from .scorer import RolloutScorer
+from .sizes import RunSizes
 from .startup import check_datasets, check_model_log_probs, check_special_tokens
-from .state import TrainState
+from .state import StepFlow, TrainState
 from .stopping import StopSignals, TrainingInterrupted, agreed_signal
 from .update import PolicyUpdate
 
@@ -74,21 +71,17 @@ class GRPOTrainer:
         *,
         model=None,
         tokenizer=None,
+        tools: Sequence[Callable | str] | None = None,
+        environment_factory=None,
     ):
         from accelerate import Accelerator
 
         self._created = time.perf_counter()
         self.config = config
         # report_to's trackers; a missing tracker package fails here, before the model loads
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), **accelerator_kwargs(config))
-        # Reward functions first: a wrong one fails before the model loads.
-        specs = reward_funcs if reward_funcs is not None else config.reward_funcs
-        self.reward_funcs = resolve_reward_funcs(specs, context={"max_completion_length": config.max_completion_length})
-        if not self.reward_funcs:
-            raise ValueError("no reward functions: pass reward_funcs=[...] or set reward_funcs in the config")
-        check_reward_weights(config.reward_weights, len(self.reward_funcs))
-        self.reward_names = reward_names(self.reward_funcs)
-
+        self.accelerator = Accelerator(cpu=config.use_cpu or not torch.cuda.is_available(), **accelerator_kwargs(config))
+        # Reward functions first: a wrong one fails before the model loads (scorer.RolloutScorer).
+        self.scorer = RolloutScorer(config, reward_funcs if reward_funcs is not None else config.reward_funcs, self.accelerator)
         # The same seed on every process: the adapters must start identical (sampling has its own
         # per-process generator below).
         seed_everything(config.seed)
@@ -99,10 +92,18 @@ class GRPOTrainer:
             raise ValueError("pass the tokenizer together with the model")
         self.model, self.tokenizer = model, tokenizer
         keep_4bit_weights_fixed(model)  # also for a model the caller built (see model.py)
-        if next(model.parameters()).device != self.accelerator.device and not getattr(model, "is_loaded_in_4bit", False):
-            self.model.to(self.accelerator.device)
-
-        self.train_dataset, self.eval_dataset = resolve_datasets(config, train_dataset, eval_dataset, tokenizer)
+        place_model(self.model, self.accelerator.device)  # moves a plain model; refuses a quantized one on another device
+        self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
+            config.seed + 1000 * self.accelerator.process_index
+        )
+        # The rollout stage (sampler.py), with the tools a rollout may call (a multi-turn rollout).
+        self.sampler = PolicySampler(config, model, tokenizer, self.generator, tools=config.tools if tools is None else tools,
+                                     environment_factory=environment_factory or config.environment_factory)
+        if self.sampler.toolbox is not None and (env_reward := self.sampler.toolbox.environment_reward()) is not None:
+            self.scorer.add(env_reward)  # an environment's get_reward, weight 1, as TRL adds it
+        self.reward_funcs, self.reward_names = self.scorer.reward_funcs, self.scorer.names
+        self.train_dataset, self.eval_dataset = resolve_datasets(config, train_dataset, eval_dataset, tokenizer,
+                                                                 self.sampler.prompt_template_kwargs)
         # Start-up checks (startup.py): reward columns, every prompt against the context (tokenised
         # once), special tokens, the log-probs against the model's own logits.
         self.prompt_lengths = check_datasets(self.reward_funcs, {"train_dataset": self.train_dataset,
@@ -111,96 +112,145 @@ class GRPOTrainer:
         self.log_prob_check = check_model_log_probs(self.model, self.tokenizer, list(self.train_dataset[:2]["prompt"]), config)
         # Each process samples its own prompts, an equal share (data.process_shard).
         self.train_dataset = process_shard(self.train_dataset, self.accelerator.num_processes, self.accelerator.process_index)
-        batches = PromptBatches(self.train_dataset, config.prompts_per_step, seed=config.seed)
-        self.total_steps = config.max_steps or config.num_epochs * batches.steps_per_epoch
+        batches = PromptBatches(self.train_dataset, config.prompts_per_generation, seed=config.seed,
+                                shuffle=config.shuffle_dataset)
+        # Every optimizer update is a step (TRL's count): a rollout feeds num_iterations × steps_per_generation.
+        self.steps_per_epoch = batches.steps_per_epoch * config.num_iterations * config.steps_per_generation
+        self.total_steps = config.max_steps or math.ceil(config.num_epochs * self.steps_per_epoch)
         self.params = policy_parameters(self.model)
         self.optimizer = build_optimizer(self.params, config)
         # ref_sync_restart_warmup: the warmup restarts at each sync (its state is in the TrainState)
-        warmup_restarts = WarmupRestarts(config.warmup_steps * config.num_iterations)
+        warmup_restarts = WarmupRestarts(steps_of(config.warmup_steps, self.total_steps))
         self.scheduler = build_scheduler(self.optimizer, config, self.total_steps,
                                          warmup_restarts if config.ref_sync_restart_warmup else None)
         if config.ref_sync_on_plateau and self.eval_dataset is None:
             raise ConfigError("ref_sync_on_plateau=true watches the eval score, but there are no eval prompts: set "
                               "eval_dataset (or pass eval_dataset=...), or turn it off")
-        self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
-            config.seed + 1000 * self.accelerator.process_index
-        )
-        self.state = TrainState(  # the loop's mutable state, saved and restored whole (state.py)
-            max_steps=self.total_steps, logging_steps=config.logging_steps, eval_steps=config.eval_steps,
-            save_steps=config.save_steps, is_local_process_zero=self.accelerator.is_local_main_process,
-            is_world_process_zero=self.accelerator.is_main_process, num_processes=self.accelerator.num_processes,
-            batches=batches, sync_schedule=SyncSchedule.from_config(config), warmup_restarts=warmup_restarts,
-            micro_batch_size=config.micro_batch_size, gradient_checkpointing=config.gradient_checkpointing,
-        )
+        # The loop's mutable state, saved and restored whole (state.py).
+        self.state = TrainState.for_run(config, self.accelerator, self.total_steps, batches, warmup_restarts)
         self.update = PolicyUpdate(config, self.model, self.params, self.optimizer, self.scheduler, self.accelerator,
                                    self.state)  # one optimizer update (update.py)
-        self.memory_plan: MemoryPlan | None = None  # made when training starts (plan_memory)
-        self._planned = False
+        lengths = self.prompt_lengths
+        self.sizes = RunSizes(config, self.update, self.accelerator, self.state, lengths["train_dataset"].longest,
+                              lengths["eval_dataset"].longest if "eval_dataset" in lengths else None)
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
         self.reporter = RunReporter(config, self.accelerator, self.reward_names, self.total_steps)
         self.evaluator = Evaluator(
             config, self.accelerator, self.reward_names, model=self.model,
-            sample=lambda prompts, n, temperature, generator: self.generate(prompts, n, temperature, generator),
-            score=lambda rollout, rows, n: self.rewards(rollout, rows, n)[1],
+            sample=self.generate,
+            score=lambda rollout, rows, n: self.scorer.rewards(rollout, rows, n)[1],
             log_probs=lambda mb: self.update.forward(mb)[0],
         )
-        self._last_samples = None  # the last step's samples for completions.jsonl (set by advantages())
-        # Named points of the loop where callbacks fire: each hook is called as hook(event, trainer).
-        self.hooks: list[Callable[[str, GRPOTrainer], None]] = []
+        self.hooks: list[Callable[..., None]] = []  # named points of the loop call hook(event, trainer, **payload)
+        self.stop_requested = False  # set by a hook (a callback's should_training_stop): the run ends after this step
+        self.scorer.trainer_state = self.state  # what reward functions get as trainer_state
+        self.scorer.environments = lambda: self.sampler.environments
+        self.logging_every, self.eval_every = steps_of(config.logging_steps, self.total_steps), steps_of(config.eval_steps, self.total_steps)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
-        """Run to total_steps; returns the run summary (also written to summary.json)."""
+        """Run to total_steps; returns the run summary (also written to summary.json). output_dir is
+        claimed for the run (run_dir.py: a lock, and no new run over another run's files)."""
+        with claim_for_run(self.output_dir, self.config, self.accelerator) as claim:
+            for note in claim.notes:
+                self._print(note)
+            return self._train()
+
+    def _train(self) -> dict[str, Any]:
         cfg, state = self.config, self.state
         start = time.perf_counter()
-        if self.is_main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            cfg.to_yaml(self.output_dir / "config.yaml")
         plan = self.plan_memory()  # before any rollout: the probe is also the preflight
         if cfg.resume_from_checkpoint:
-            self.load_checkpoint(cfg.resume_from_checkpoint)
+            resumed, no_adapter = self.load_checkpoint(cfg.resume_from_checkpoint), not (self.output_dir / "adapter").exists()
+            line = nothing_to_train(state.global_step, self.total_steps, resumed, no_adapter)
+            if line:  # a finished run: nothing trained, evaluated or saved again
+                self._print(line)
+                if no_adapter and self.is_main:
+                    ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY)
+                return self._summary(start, {}, {})
+        if self.is_main:  # after the resume checks: a refused or finished resume leaves config.yaml as it was
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            cfg.to_yaml(self.output_dir / "config.yaml")
         self.reporter.start(state.global_step, resumed=bool(cfg.resume_from_checkpoint))  # logs truncated or fresh; trackers
         if plan is not None:  # what 'auto' chose
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
         self._event("train_begin")
-        eval_before = self._evaluate_and_log("before") if self.eval_dataset is not None and state.global_step == 0 else {}
+        has_eval = self.eval_dataset is not None
+        eval_before = self._evaluate_and_log("before") if has_eval and cfg.eval_on_start and state.global_step == 0 else {}
         # Stop signals are deferred until the end of the run, final eval and saves included.
         with StopSignals() as stop:
             with self.reporter.progress(state.global_step):
-                while state.global_step < self.total_steps:
+                while state.global_step < self.total_steps and not self.stop_requested:
+                    position = state.batches.state_dict()  # before this batch: a failed reward redoes it on resume
                     epoch, rows = next(state.batches)
-                    self._event("step_begin")
-                    metrics = self.training_step(rows)
-                    state.global_step += 1
-                    state.epoch = state.global_step / state.batches.steps_per_epoch
-                    metrics["epoch"] = epoch
-                    self._end_step(metrics, epoch_ended=state.batches.epoch != epoch, stop=stop)
-            eval_after = self._evaluate_and_log("after") if self.eval_dataset is not None else {}
+                    epoch_ended = state.batches.epoch != epoch
+                    self._event("step_begin")  # a rollout's first step begins with the rollout
+                    try:
+                        steps, round_metrics = self.generation_round(rows)
+                    except RewardFunctionError as error:
+                        self._reward_failed(error, position)
+                    for k, step_batch in enumerate(steps):
+                        if k:
+                            self._event("step_begin")
+                        metrics = {**(round_metrics if k == 0 else {}), **self.timed_update(step_batch)}
+                        metrics["time/step"] = metrics["time/train"] + (metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0))
+                        state.global_step += 1
+                        state.epoch = state.global_step / self.steps_per_epoch
+                        metrics["epoch"] = epoch
+                        self._end_step(metrics, epoch_ended=epoch_ended and k == len(steps) - 1, stop=stop)
+                        if state.global_step >= self.total_steps or self.stop_requested:
+                            break
+            eval_after = self._evaluate_and_log("after") if has_eval and cfg.eval_on_end else {}
             self.save_checkpoint()
             if self.is_main:
                 ckpt.explain_write_failure("the final adapter", self.output_dir,
                                            lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY))
-        summary = run_summary(
-            state.log_history, steps=state.global_step, seconds=time.perf_counter() - start,
-            total_seconds=time.perf_counter() - self._created, log_prob_check=self.log_prob_check,
-            micro_batch_size=self.micro_batch_size, gradient_checkpointing=self.gradient_checkpointing,
-            memory_plan=self.memory_plan, headline=f"eval/{self.reward_names[0]}", before=eval_before, after=eval_after,
-        )
+        summary = self._summary(start, eval_before, eval_after)
         if self.is_main:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.reporter.finish()
         self._event("train_end")
         return summary
 
+    def _summary(self, start: float, before: dict, after: dict) -> dict[str, Any]:
+        return run_summary(
+            self.state.log_history, steps=self.state.global_step, seconds=time.perf_counter() - start,
+            total_seconds=time.perf_counter() - self._created, log_prob_check=self.log_prob_check,
+            micro_batch_size=self.micro_batch_size, gradient_checkpointing=self.gradient_checkpointing,
+            memory_plan=self.memory_plan, headline=f"eval/{self.reward_names[0]}", before=before, after=after,
+        )
+
+    def _reward_failed(self, error: RewardFunctionError, position: dict) -> None:
+        """A reward function failed scoring step global_step + 1: keep the work done, then stop naming the
+        function, the step and how to resume. One process: checkpoint the last finished step with the data
+        position before the failed batch. Several: keep the last checkpoint (a checkpoint is a collective the
+        other processes, waiting in the reward gather, would never join)."""
+        state, step, target = self.state, self.state.global_step, None
+        if step > 0 and self.accelerator.num_processes == 1:
+            state.batches.load_state_dict(position)
+            target = self.save_checkpoint()
+        message = f"step {step + 1}/{self.total_steps} stopped: {error}. {kept_work(self.output_dir, target)}"
+        self._print(message)
+        raise RewardFunctionError(message, error.function, step) from error
+
     def _end_step(self, metrics: dict[str, Any], *, epoch_ended: bool, stop: StopSignals) -> None:
-        """After an optimizer step: eval if due, then the sync decision, log, stop signal, checkpoint."""
-        cfg, state = self.config, self.state
-        step = state.global_step
+        """After an optimizer step: eval if due, then the sync decision, log, stop signal, checkpoint. Hooks at
+        "step_end" may change what is due (the TRL front door: transformers' flow callbacks)."""
+        state = self.state
+        step, last = state.global_step, state.global_step >= self.total_steps
+        due = StepFlow(
+            evaluate=self.eval_dataset is not None and bool(self.eval_every) and step % self.eval_every == 0 and not last,
+            log=step % self.logging_every == 0 or last,
+            save=bool(self.config.save_steps) and step % self.config.save_steps == 0 and not last,
+        )
+        self._event("step_end", flow=due)
+        if epoch_ended:
+            self._event("epoch_end", flow=due)
         # Eval before the sync decision, so that the plateau trigger reads this step's eval. For every
         # other trigger the order is free: eval reads only the policy and the start (base_forward), a
         # sync writes only the reference slot and the optimizer.
-        if self.eval_dataset is not None and cfg.eval_steps and step % cfg.eval_steps == 0 and step < self.total_steps:
+        if due.evaluate:
             metrics.update(self.evaluate())
             state.sync_schedule.observe_eval(headline_score(metrics, self.reward_names))
         reason = state.sync_schedule.due(step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
@@ -208,92 +258,65 @@ class GRPOTrainer:
             metrics.update(self.sync_reference())
             metrics["sync/event"] = 1.0
             metrics["sync/reason"] = reason
+        for line in state.health.observe(step, metrics):  # health/* flags go into this step's metrics (health.py)
+            self._print(line)
         state.log_history.append(metrics)
-        self.reporter.log_step(step, metrics, self._last_samples)  # metrics, completions, trackers, bar
-        self._event("log")
-        if step % cfg.logging_steps == 0 or step == self.total_steps:
+        first = "time/rollout" in metrics  # a rollout's first optimizer step: its completions are logged once
+        self.reporter.log_step(step, metrics, self.scorer.last_samples if first else None, show=due.log)
+        if due.log:
             self._print(progress_line(step, self.total_steps, metrics))
+            self._event("log", logs=metrics)
         signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
         if signum:
             self._stop(signum)
-        self._event("step_end")
-        if cfg.save_steps and step % cfg.save_steps == 0 and step < self.total_steps:
+        if due.save:
             self.save_checkpoint()
 
-    def training_step(self, rows: dict[str, list]) -> dict[str, float]:
-        """One optimizer step (num_iterations passes) on one batch of prompts; returns flat metrics."""
+    def generation_round(self, rows: dict[str, list]) -> tuple[list[Batch], dict[str, float]]:
+        """One rollout of the round's prompts, scored, ready for its optimizer steps: (the step batches in
+        training order, num_iterations passes over steps_per_generation slices; the round's metrics)."""
         cfg = self.config
-        t0 = time.perf_counter()
-        rollout = self.generate(rows["prompt"])
-        t_gen = time.perf_counter()
-        advantages, metrics = self.advantages(rollout, rows)
+        t0 = now(self.accelerator.device)
+        rollout = self.generate(rows["prompt"], rows=rows)
+        t_gen = now(self.accelerator.device)
+        advantages, metrics = self.scorer.advantages(rollout, rows)  # rewards → group-relative advantages
         batch = Batch.from_rollout(rollout, advantages, mask_truncated_completions=cfg.mask_truncated_completions)
-        if cfg.num_iterations > 1:
+        if cfg.num_iterations > 1 or cfg.steps_per_generation > 1:  # trained on after its first update
             batch.old_logp = self.log_probs(batch)
         # A reference slot that provably equals the policy (a fresh or warm-started run before its
-        # first update, right after a hard sync) costs no forward: optimize() uses the policy's own.
+        # first update, right after a hard sync) costs no forward: the update uses the policy's own.
         if cfg.beta != 0 and not self.state.reference_is_policy:
             with reference_forward(self.model):
                 batch.ref_logp = self.log_probs(batch)
         metrics["reference_reused_policy"] = float(cfg.beta != 0 and self.state.reference_is_policy)
-        t_ref = time.perf_counter()
-        skipped = 0.0
-        for step_batch in batch.steps(1):  # where a generation batch is cut into optimizer steps
-            for _ in range(cfg.num_iterations):
-                metrics.update(self.optimize(step_batch))
-                skipped += metrics["skipped_nonfinite"]
-        metrics["skipped_nonfinite"] = skipped  # of this step's num_iterations updates
-        t_end = time.perf_counter()
-        tokens = int(rollout.completion_mask.sum())
-        metrics.update({
-            "time/rollout": t_gen - t0,
-            "time/log_probs": t_ref - t_gen,
-            "time/train": t_end - t_ref,
-            "time/step": t_end - t0,
-            "tokens_per_second": tokens / (t_end - t0),
-        })
+        if cfg.steps_per_generation > 1:  # each step a random share of the rollout, as TRL shuffles before cutting
+            order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step)
+            batch = batch.rows(torch.randperm(batch.input_ids.shape[0], generator=order).to(batch.input_ids.device))
+        t_ref = now(self.accelerator.device)
+        metrics.update({"time/rollout": t_gen - t0, "time/log_probs": t_ref - t_gen,
+                        "tokens_per_second": int(rollout.completion_mask.sum()) / (t_ref - t0)})
+        return batch.steps(cfg.steps_per_generation) * cfg.num_iterations, metrics  # where a rollout is cut into steps
+
+    def training_step(self, rows: dict[str, list]) -> dict[str, float]:
+        """One generation round on one batch of prompts and all its optimizer steps (one, at the defaults);
+        returns the round's metrics with the last step's. train() runs the same stages."""
+        steps, metrics = self.generation_round(rows)
+        for step_batch in steps:
+            metrics.update(self.timed_update(step_batch))
+        return metrics
+
+    def timed_update(self, batch: Batch) -> dict[str, float]:
+        """One optimizer update (update.PolicyUpdate) with its time."""
+        t0 = now(self.accelerator.device)
+        metrics = self.optimize(batch)
+        metrics["time/train"] = now(self.accelerator.device) - t0
         return metrics
 
     # ------------------------------------------------------------------ stages
     def generate(self, prompts: list[str], num_generations: int | None = None, temperature: float | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        """Sample with the policy; `generator` defaults to the training sampling stream."""
-        cfg = self.config
-        return generate_rollout(
-            self.model, self.tokenizer, prompts,
-            num_generations=num_generations or cfg.num_generations, max_prompt_length=cfg.max_prompt_length,
-            max_completion_length=cfg.max_completion_length, temperature=cfg.temperature if temperature is None else temperature,
-            top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
-            generator=self.generator if generator is None else generator, decode_mode=cfg.decode_mode,
-        )
-
-    def rewards(self, rollout: Rollout, rows: dict[str, list], group_size: int):
-        """Rewards (B,), per-function (B, F), metrics: every reward function called with TRL's keywords
-        (rewards.rollout_keywords: dataset columns, chat messages, completion ids, trainer_state)."""
-        step = self.state.global_step
-        trainer_state = TrainerState(global_step=step, max_steps=self.total_steps, epoch=step / self.state.batches.steps_per_epoch)
-        prompts, completions, columns = rollout_keywords(rollout, rows, group_size, trainer_state, PROMPT_MESSAGES)
-        return compute_rewards(self.reward_funcs, prompts, completions, columns, weights=self.config.reward_weights)
-
-    def advantages(self, rollout: Rollout, rows: dict[str, list]) -> tuple[Tensor, dict[str, float]]:
-        """Rewards → group-relative advantages (B,), with the step's reward and completion metrics."""
-        cfg = self.config
-        rewards, per_func, metrics = self.rewards(rollout, rows, cfg.num_generations)
-        advantages = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
-        self._last_samples = (rollout.prompts, rollout.completions, per_func, rewards, advantages)  # for log_completions
-        lengths, truncated = rollout.completion_lengths.float(), rollout.truncated.float()
-        if self.accelerator.num_processes > 1:  # metrics over every process's groups, not just this one's
-            rewards, per_func, lengths, truncated = (
-                self.accelerator.gather(t.to(self.accelerator.device)).cpu() for t in (rewards, per_func, lengths, truncated)
-            )
-            metrics = reward_metrics(rewards, per_func, self.reward_names)
-        metrics.update({
-            "frac_reward_zero_std": zero_std_fraction(rewards, cfg.num_generations),
-            "completion_length/mean": lengths.mean().item(),
-            "completion_length/max": lengths.max().item(),
-            "truncated_fraction": truncated.mean().item(),
-        })
-        return advantages, metrics
+                 generator: torch.Generator | None = None, rows: dict[str, list] | None = None) -> Rollout:
+        """Sample with the policy (sampler.PolicySampler); `generator` defaults to the training sampling stream."""
+        return self.sampler.sample(prompts, num_generations, temperature, generator, rows)
 
     def log_probs(self, batch: Batch) -> Tensor:
         """(B, T) per-token log-probs under the active adapter, in eval mode (as sampled)."""
@@ -322,7 +345,7 @@ class GRPOTrainer:
     def evaluate(self, dataset=None, batch_prompts: int = 64) -> dict[str, float]:
         """eval/* metrics of the policy on `dataset` (default: the eval dataset); evaluation.Evaluator."""
         metrics = self.evaluator.evaluate(self.eval_dataset if dataset is None else dataset, batch_prompts)
-        self._event("evaluate")
+        self._event("evaluate", metrics=metrics)
         return metrics
 
     def _evaluate_and_log(self, when: str) -> dict[str, float]:
@@ -334,28 +357,19 @@ class GRPOTrainer:
             self.state.sync_schedule.observe_eval(headline_score(metrics, self.reward_names))
         return metrics
 
-    # ------------------------------------------------------------------ sizes: the memory plan
+    # ------------------------------------------------------------------ sizes (sizes.py)
     def plan_memory(self) -> MemoryPlan | None:
-        """micro_batch_size / gradient_checkpointing 'auto' and the memory preflight (memory.py), once,
-        when training starts (an eval-only trainer never probes). None when both are fixed."""
-        cfg = self.config
-        if not self._planned:
-            self._planned = True
-            if cfg.micro_batch_size == "auto" or cfg.gradient_checkpointing == "auto":
-                self.memory_plan = plan_run_memory(
-                    self.update, device=self.accelerator.device, num_processes=self.accelerator.num_processes,
-                    longest_prompt=self.prompt_lengths["train_dataset"].longest,
-                )
-                self.state.micro_batch_size = self.memory_plan.micro_batch_size
-                self.state.gradient_checkpointing = self.memory_plan.gradient_checkpointing
-        return self.memory_plan
+        """The 'auto' sizes and the memory preflight (memory.py), once; None when both are fixed."""
+        return self.sizes.make_plan()
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None:
+        return self.sizes.plan
 
     @property
     def micro_batch_size(self) -> int:
         """Sequences per forward/backward: the config's, or the memory plan's for 'auto' (planned on first use)."""
-        if self.state.micro_batch_size == "auto":
-            self.plan_memory()
-        return self.state.micro_batch_size
+        return self.sizes.micro_batch_size
 
     @micro_batch_size.setter
     def micro_batch_size(self, value: int) -> None:
@@ -363,19 +377,7 @@ class GRPOTrainer:
 
     @property
     def gradient_checkpointing(self) -> bool:
-        if self.state.gradient_checkpointing == "auto":
-            self.plan_memory()
-        return self.state.gradient_checkpointing
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps done (state.global_step)."""
-        return self.state.global_step
-
-    @property
-    def history(self) -> list[dict[str, Any]]:
-        """One metrics record per step (state.log_history)."""
-        return self.state.log_history
+        return self.sizes.gradient_checkpointing
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:
@@ -392,13 +394,14 @@ class GRPOTrainer:
             state = self.state.state_dict()
             ckpt.explain_write_failure(f"checkpoint {target.name}", self.output_dir, lambda: ckpt.save_checkpoint(
                 target, self.model, blobs=blobs, state=state, config_yaml=self.config.to_yaml()))
-            ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit)
+            if self.config.save_total_limit:  # 0: keep them all
+                ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit)
             self.reporter.plot()  # metrics.png so far (a failure is only a warning)
         self.accelerator.wait_for_everyone()
         self._event("save")
         return target if self.is_main else None
 
-    def load_checkpoint(self, path: str | Path) -> None:
+    def load_checkpoint(self, path: str | Path) -> Path:
         """Resume from a checkpoint dir, or 'latest' in output_dir; clear errors for anything else."""
         path = ckpt.resolve_checkpoint(path, self.output_dir)
         self.plan_memory()  # the sizes this start can use (a checkpoint's 'auto' sizes are taken when they fit)
@@ -412,18 +415,14 @@ class GRPOTrainer:
         if saved_lr != self.config.learning_rate:
             self._print(f"learning_rate {saved_lr:g} in the checkpoint, {self.config.learning_rate:g} in this config: "
                         f"using {self.config.learning_rate:g}")
-        sizes, line = resume_sizes(self.memory_plan, self.config, current,
-                                   (saved.get("micro_batch_size"), saved.get("gradient_checkpointing")))
-        state.micro_batch_size = sizes[0]
-        if sizes[1] != current[1]:
-            set_gradient_checkpointing(self.model, sizes[1])
-        state.gradient_checkpointing = sizes[1]
+        line = self.sizes.resume(current, saved)
         if line:
             self._print(line)
         if self.is_main:
             for moved in ckpt.set_aside_later_checkpoints(self.output_dir, state.global_step):
                 self._print(f"{moved.name}: a later checkpoint of the run this one resumes, set aside (not deleted)")
         self._print(f"resumed from {path} at step {state.global_step}")
+        return path
 
     def _stop(self, signum: int) -> None:
         """After a stop signal: write a checkpoint, then raise TrainingInterrupted with how to resume."""
@@ -437,11 +436,12 @@ class GRPOTrainer:
         raise TrainingInterrupted(message, signum, target)
 
     # ------------------------------------------------------------------ plumbing
-    def _event(self, name: str) -> None:
-        """A named point of the loop: train_begin, step_begin, log, step_end, evaluate, save, train_end.
-        Callbacks hang here (the TRL front door dispatches to transformers' CallbackHandler)."""
+    def _event(self, name: str, **payload) -> None:
+        """A named point of the loop: train_begin, step_begin, step_end (flow=StepFlow), log (logs=), evaluate
+        (metrics=), save, train_end. Callbacks hang here: hook(name, trainer, **payload) (the TRL front door
+        dispatches to transformers' CallbackHandler)."""
         for hook in self.hooks:
-            hook(name, self)
+            hook(name, self, **payload)
 
     def _print(self, text: str) -> None:
         self.reporter.print(text)  # through the progress bar (tqdm.write), main process only

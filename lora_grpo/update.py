@@ -21,7 +21,7 @@ import torch
 from .adapters import eval_mode
 from .batch import Batch
 from .logprobs import sequence_log_probs
-from .loss import accumulation_scale, grpo_loss
+from .loss import grpo_loss, padded_gather
 from .optim import average_gradients, sum_over_processes
 from .stopping import count_nonfinite
 
@@ -36,17 +36,28 @@ class PolicyUpdate:
     def __init__(self, config, model, params, optimizer, scheduler, accelerator, state):
         self.config, self.model, self.params = config, model, params
         self.optimizer, self.scheduler, self.accelerator, self.state = optimizer, scheduler, accelerator, state
-        self.loss_settings = dict(  # grpo_loss's settings
+        self.loss_settings = dict(  # grpo_loss's settings (TRL 1.16's options under their names)
             loss_type=config.loss_type, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
             beta=config.beta, max_completion_length=config.max_completion_length,
             importance_sampling=config.importance_sampling, kl_ratio_correction=config.kl_ratio_correction,
+            delta=config.delta, sapo_temperature_pos=config.sapo_temperature_pos,
+            sapo_temperature_neg=config.sapo_temperature_neg, vespo_k_pos=config.vespo_k_pos,
+            vespo_lambda_pos=config.vespo_lambda_pos, vespo_k_neg=config.vespo_k_neg,
+            vespo_lambda_neg=config.vespo_lambda_neg, off_policy_mask_threshold=config.off_policy_mask_threshold,
+            top_entropy_quantile=config.top_entropy_quantile,
         )
+        # The entropy quantile is over every process's tokens of the micro-batch (each process calls the gather).
+        self.gather = padded_gather(accelerator) if accelerator.num_processes > 1 else None
+        # The entropy bonus needs the entropy's gradient; the adaptive coefficient may turn the bonus on later.
+        self.entropy_grad = config.entropy_coef != 0 or config.use_adaptive_entropy
 
-    def forward(self, mb: dict[str, Any], return_entropy: bool = False):
+    def forward(self, mb: dict[str, Any], return_entropy: bool = False, entropy_grad: bool = False):
         """(log-probs (B, T), entropy (B, T) or None) of a micro-batch under the active adapter."""
+        extra = {"entropy_grad": True} if entropy_grad else {}
         return sequence_log_probs(
             self.model, mb["input_ids"], mb["attention_mask"], mb["completion_length"],
             chunk_size=self.config.logprob_chunk_size, temperature=self.config.temperature, return_entropy=return_entropy,
+            **extra,
         )
 
     @torch.no_grad()
@@ -79,6 +90,11 @@ class PolicyUpdate:
         if acc.num_processes > 1:
             average_gradients(self.params, acc)
             sums = sum_over_processes(sums, acc)
+        control = self.state.adaptive_entropy
+        if cfg.use_adaptive_entropy:  # one move of the coefficient per step, on every process's entropy
+            control.step(reduce=(lambda t: acc.reduce(t, "sum")) if acc.num_processes > 1 else None)
+        if cfg.use_adaptive_entropy or cfg.entropy_coef:
+            sums["entropy_coef"] = control.coef * sums["tokens"]  # reported as TRL does (a token mean of a constant)
         loss_total, tokens = sums.pop("loss") / acc.num_processes, max(sums.pop("tokens"), 1.0)
         # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
@@ -91,16 +107,21 @@ class PolicyUpdate:
         """Forward, loss and backward of one micro-batch (gradients add up in .grad); returns
         (loss metrics, the micro-batch's loss tokens, its scaled loss)."""
         cfg = self.config
-        logp, entropy = self.forward(mb, return_entropy=True)
+        logp, entropy = self.forward(mb, return_entropy=True, entropy_grad=self.entropy_grad)
         ref = mb["ref_logp"]
-        if ref is None and cfg.beta != 0:  # the reference equals the policy this step (trainer.training_step)
+        if ref is None and cfg.beta != 0:  # the reference equals the policy this step (trainer.generation_round)
             ref = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
-        loss, m = grpo_loss(logp, mb["old_logp"], ref, mb["advantages"], mb["completion_mask"],
-                            num_tokens=num_tokens, **self.loss_settings)
-        loss = loss * accumulation_scale(cfg.loss_type, mb["input_ids"].shape[0], n_seq, n_micro)
+        control = self.state.adaptive_entropy
+        coef = control.applied_coef if cfg.use_adaptive_entropy else cfg.entropy_coef
+        # accumulation=: the returned loss is this micro-batch's share of the step (loss.LOSS_TYPES' scales).
+        loss, m = grpo_loss(logp, mb["old_logp"], ref, mb["advantages"], mb["completion_mask"], num_tokens=num_tokens,
+                            entropies=entropy, entropy_gather=self.gather, entropy_coef=coef,
+                            accumulation=(mb["input_ids"].shape[0], n_seq, n_micro), **self.loss_settings)
         loss.backward()
+        if cfg.use_adaptive_entropy:
+            control.accumulate(entropy, mb["completion_mask"], cfg.top_entropy_quantile, self.gather)
         weight = float(mb["completion_mask"].sum())
-        m["entropy"] = (entropy * mb["completion_mask"]).sum().item() / max(weight, 1.0)
+        m["entropy"] = (entropy.detach() * mb["completion_mask"]).sum().item() / max(weight, 1.0)
         return m, weight, loss.item()
 
     def _step_unless_nonfinite(self, loss: float, grad_norm: float) -> bool:

@@ -159,3 +159,92 @@ def assert_same_4bit(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     moved = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
     assert not moved, f"frozen base changed: {moved[:4]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A Qwen2.5-style chat template with tools (tool calls in <tool_call>, replies in <tool_response>),
+# on a character tokenizer: the tool runs' stand-in for Qwen2.5-Instruct's tokenizer.
+# ---------------------------------------------------------------------------------------------
+import string  # noqa: E402
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+QWEN25_TEMPLATE = (
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n"
+    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n    {%- for tool in tools %}\n"
+    "        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n"
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or (message.role == "
+    "\"assistant\" and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
+    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n            {{- tool_call.name }}\n"
+    "            {{- '\", \"arguments\": ' }}\n            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == \"tool\" %}\n"
+    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n        {{- '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+)
+# The response template TRL 1.16 sets for Qwen2.5 / Qwen3 (trl.chat_template_utils.qwen3_template).
+QWEN_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+
+
+def qwen_style_tokenizer() -> PreTrainedTokenizerFast:
+    """Characters, Qwen2.5's special tokens (<|im_end|> ends a turn) and its tool tokens, its template."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + ["<unk>"] + sorted(set(string.printable)))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.chat_template = QWEN25_TEMPLATE
+    return tok
+
+
+
+
+@pytest.fixture(scope="session")
+def qwen_tool_base_dir(tmp_path_factory):
+    """A tiny random Llama-style model with qwen_style_tokenizer, saved once per session."""
+    from lora_grpo.tasks.toy import make_tiny_model
+
+    path = tmp_path_factory.mktemp("qwen_tool_base")
+    tok = qwen_style_tokenizer()
+    make_tiny_model(tok, max_positions=2048).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def toy_base(tmp_path_factory):
+    """The default recipe's toy base (pre-trained on noisy sums, ~40 s on CPU), built once per session."""
+    from lora_grpo.tasks.toy import ensure_toy_base
+
+    return ensure_toy_base(tmp_path_factory.mktemp("toy_cache"))

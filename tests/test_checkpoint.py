@@ -146,7 +146,7 @@ def test_resume_is_exact_with_a_4bit_base_and_lora_dropout(tiny_base_dir, tmp_pa
     resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"), **kw)
     resumed.train()
     assert_same_adapters(full.model, resumed.model)
-    assert [m["loss"] for m in full.history] == [m["loss"] for m in resumed.history]
+    assert [m["loss"] for m in full.state.log_history] == [m["loss"] for m in resumed.state.log_history]
 
 
 def test_rng_state_round_trips_every_generator():
@@ -307,3 +307,121 @@ def test_saved_adapter_keys_match_peft_when_a_module_is_named_policy(tmp_path):
     loaded = PeftModel.from_pretrained(fresh, str(tmp_path / "a"))
     x = torch.randn(2, 4)
     torch.testing.assert_close(loaded(x), model(x))
+
+
+# ---------------------------------------------------------------------------------- safe loading, devices
+def _rewrite_blobs(checkpoint, change) -> None:
+    """Load a checkpoint's trainer_state.pt as the test's own trusted file, change it, write it back."""
+    path = checkpoint / ckpt.STATE_BLOBS
+    blobs = torch.load(path, map_location="cpu", weights_only=False)
+    change(blobs)
+    torch.save(blobs, path)
+
+
+class _CreatesAFile:
+    """A pickle payload: unpickling it calls open(marker, "w"), which creates the file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+# Failed before the fix (a): trainer_state.pt was read with weights_only=False, so a payload ran on resume.
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_without_running_it(tiny_base_dir, tmp_path, run_copy):
+    marker = tmp_path / "payload-ran"
+    _rewrite_blobs(run_copy / "checkpoint-2", lambda blobs: blobs.update(extra=_CreatesAFile(marker)))
+    with pytest.raises(CheckpointError) as info:
+        resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
+    text = str(info.value)
+    assert "checkpoint-2/trainer_state.pt holds a reference to" in text and "open" in text
+    assert "refused, not loaded" in text and "checkpoint-1" in text  # the way out
+    assert not marker.exists()
+
+
+def test_trainer_state_is_read_onto_the_cpu_with_weights_only(saved_run, monkeypatch):
+    """Defect 4: torch.load without map_location put every process's optimizer state on the device
+    it was saved from (cuda:0), and a GPU checkpoint could not load on a CPU."""
+    calls, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k) or real_load(*a, **k))
+    _, blobs = ckpt.load_checkpoint_state(saved_run / "checkpoint-2")
+    assert calls == [{"map_location": "cpu", "weights_only": True}]
+    assert isinstance(blobs["rng"][0]["numpy"][1], list)  # stored as plain ints: nothing of NumPy's to unpickle
+
+
+def test_optimizer_states_go_to_their_parameters_device_but_step_stays():
+    # bitsandbytes' 8-bit optimizers only cast loaded states; torch keeps 'step' on the CPU unless fused.
+    params = [torch.nn.Parameter(torch.zeros(3, device="meta")), torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.AdamW(params)
+    saved = {"param_groups": [{"params": [0, 1]}],
+             "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(3),
+                           "__bnb_optimizer_quant_state__": {"state1": torch.ones(3)}},
+                       1: {"step": 3, "exp_avg": torch.ones(2)}}}
+    moved = ckpt.optimizer_state_on_devices(saved, optimizer)
+    assert moved["state"][0]["exp_avg"].is_meta and moved["state"][0]["__bnb_optimizer_quant_state__"]["state1"].is_meta
+    assert moved["state"][0]["step"].device.type == "cpu" and moved["state"][1]["exp_avg"].device.type == "cpu"
+    assert saved["state"][0]["exp_avg"].device.type == "cpu"  # the loaded dict is not changed in place
+
+
+def _cuda_generator_state(seed: int = 1234, offset: int = 96) -> torch.Tensor:
+    # What torch.Generator("cuda").get_state() returns: its Philox seed and offset, 16 bytes.
+    return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
+
+
+# Failed before the fix (defect 4): "Expected a CPUGeneratorImplState of size 5056 but found 16".
+def test_a_sampling_state_saved_on_cuda_resumes_on_a_cpu_reseeded_deterministically(tiny_base_dir, tmp_path, run_copy,
+                                                                                     caplog):
+    from lora_grpo.rng import restore_sampling
+
+    _rewrite_blobs(run_copy / "checkpoint-2", lambda blobs: blobs["rng"][0].update(sampling=_cuda_generator_state()))
+    states = []
+    for attempt in ("a", "b"):
+        trainer = make_trainer(tiny_base_dir, tmp_path / attempt, quantization="none", max_steps=3)
+        with caplog.at_level("WARNING", logger="lora_grpo.checkpoint"):
+            trainer.load_checkpoint(run_copy / "checkpoint-2")
+        states.append(trainer.generator.get_state())
+        assert trainer.state.global_step == 2
+    assert torch.equal(states[0], states[1])  # every resume of that checkpoint draws alike
+    lines = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.checkpoint"]
+    assert len(lines) == 2 and "from a CUDA generator (16 bytes)" in lines[0] and "reseeded" in lines[0]
+    # reseeded from the seed, the process and the step: another step is another stream
+    other = torch.Generator()
+    assert restore_sampling(other, _cuda_generator_state(), seed=0, process_index=0, step=3) is not None
+    assert not torch.equal(other.get_state(), states[0])
+    same = torch.Generator()
+    assert restore_sampling(same, states[0], seed=0, process_index=0, step=2) is None  # a CPU state: restored as is
+    assert torch.equal(same.get_state(), states[0])
+
+
+# Failed before the fix (defect 4): set_rng_state_all with more saved states than visible GPUs.
+def test_fewer_visible_gpus_than_at_save_time_restore_the_ones_there(monkeypatch, caplog):
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((state, device)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", list)
+    state = {**rng_state(), "cuda": ["state of cuda:0", "state of cuda:1"]}
+    with caplog.at_level("WARNING", logger="lora_grpo.rng"):
+        set_rng_state(state)
+    assert restored == [("state of cuda:0", 0)]
+    assert any("2 CUDA devices, 1 are visible" in r.getMessage() for r in caplog.records)
+
+
+def test_an_older_checkpoint_with_a_numpy_array_rng_state_still_loads(saved_run, run_copy):
+    _rewrite_blobs(run_copy / "checkpoint-2", lambda blobs: blobs["rng"][0].update(numpy=np.random.get_state()))
+    _, blobs = ckpt.load_checkpoint_state(run_copy / "checkpoint-2")  # NumPy's array globals are allowed, nothing else
+    expected = np.random.rand()
+    set_rng_state(blobs["rng"][0])
+    assert np.random.rand() == expected
+
+
+def test_resume_is_exact_with_an_8bit_optimizer(tiny_base_dir, tmp_path):
+    """bitsandbytes' optimizer state (its own quant-state dict) loads under weights_only=True."""
+    kw = dict(quantization="none", optimizer="adamw_8bit", max_steps=3)
+    full = make_trainer(tiny_base_dir, tmp_path / "a", save_steps=2, **kw)
+    full.train()
+    resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"),
+                           **kw)
+    resumed.train()
+    assert_same_adapters(full.model, resumed.model)

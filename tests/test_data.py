@@ -258,7 +258,7 @@ def test_batches_no_shuffle_and_num_epochs():
 
 def test_batches_exact_fit_and_too_small():
     assert _take(PromptBatches(_ds(4), 4, shuffle=False), 2) == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]
-    with pytest.raises(ValueError, match="3 rows, fewer than one batch of prompts_per_step=4"):
+    with pytest.raises(ValueError, match=r"3 rows \(per process, under several\), fewer than one batch of prompts_per_step=4"):
         PromptBatches(_ds(3), 4)
 
 
@@ -281,12 +281,95 @@ def test_state_dict_position_and_mismatch_errors():
     assert batches.state_dict() == {"epoch": 0, "index": 0, "seed": 0, "num_rows": 7, "prompts_per_step": 3}
     _take(batches, 2)  # the 7th row is dropped: the next batch starts epoch 1
     assert (batches.state_dict()["epoch"], batches.state_dict()["index"]) == (1, 0)
-    with pytest.raises(ValueError, match="seed=0.*seed=1"):
+    with pytest.raises(ValueError, match=r"ordered its prompts with seed=0, this run has seed=1.*resume with seed=0"):
         PromptBatches(_ds(7), 3, seed=1).load_state_dict(batches.state_dict())
-    with pytest.raises(ValueError, match="num_rows=7.*num_rows=8"):
+    # issue 17: a resumed run whose dataset changed length is told what happened and the ways on
+    with pytest.raises(ValueError) as info:
         PromptBatches(_ds(8), 3, seed=0).load_state_dict(batches.state_dict())
+    msg = str(info.value)
+    assert "the checkpoint's run drew its prompts from 7 rows, this run's train dataset has 8" in msg
+    assert "data position (epoch 1, row 0" in msg and "Resume with the same dataset" in msg
+    assert "init_adapter=<checkpoint>/policy" in msg
 
 
 def test_prompt_only_dataset_keeps_its_rows():
     ds = load_prompt_dataset([{"prompt": "a"}, {"prompt": "b"}], system_prompt="S")
     assert ds.column_names == ["prompt"] and ds["prompt"] == ["S\na", "S\nb"]
+
+
+# ------------------------------------------------------------------------------- issue 17: faulty datasets
+
+
+def _config(**fields):
+    from lora_grpo import GRPOConfig
+
+    return GRPOConfig(**{"model_name_or_path": "x", "prompts_per_step": 2, "num_generations": 2, "max_steps": 3,
+                         **fields})
+
+
+def _resolve(train, eval_=None, tokenizer=None, **fields):
+    from lora_grpo.data import resolve_datasets
+
+    return resolve_datasets(_config(**fields), train, eval_, tokenizer)
+
+
+def test_an_empty_train_or_eval_dataset_is_named_with_the_fix():
+    empty = datasets.Dataset.from_dict({"prompt": []})
+    with pytest.raises(ValueError, match=r"^train_dataset: the prompt dataset from Dataset is empty: check its file"):
+        _resolve(empty)
+    with pytest.raises(ValueError, match=r"^eval_dataset: .* is empty.*leave eval_dataset unset to train without evaluation"):
+        _resolve([{"prompt": "a"}, {"prompt": "b"}], empty)
+    with pytest.raises(ValueError, match=r"^eval_dataset: .* from list is empty"):
+        _resolve([{"prompt": "a"}], [])
+
+
+def test_no_prompt_column_names_the_dataset():
+    with pytest.raises(ValueError, match=r"^eval_dataset: cannot find the prompts: no column 'prompt'.*\['q'\]"):
+        _resolve([{"prompt": "a"}], [{"q": "b"}])
+
+
+@pytest.mark.parametrize("rows, column, problem", [
+    ([{"messages": [{"content": "hi"}]}], "messages", "its message 0 has no 'role' ({'content': 'hi'})"),
+    ([{"messages": [{"role": "user", "content": "q"}]}, {"messages": [{"role": "user"}]}], "messages",
+     "its message 0 has no 'content' ({'role': 'user', 'content': None})"),  # datasets fills a missing key with None
+    ([{"prompt": [{"role": "", "content": "q"}]}], "prompt", "its message 0 has an empty 'role'"),
+    ([{"messages": [{"role": "system", "content": "s"}, {"role": None, "content": "q"}]}], "messages",
+     "its message 1 has no 'role'"),
+])
+def test_chat_messages_without_role_or_content_name_the_message_and_a_filter_that_works(tokenizer, rows, column, problem):
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(rows, tokenizer=tokenizer)
+    msg = str(info.value)
+    assert f"column {column!r} must hold" in msg and problem in msg
+    import re
+
+    bad = int(re.search(r"(\d+) of \d+ rows do not", msg).group(1))
+    keep = msg.split("ds.filter(lambda row: ", 1)[1][:-1]  # up to the closing parenthesis
+    kept = datasets.Dataset.from_list(rows).filter(eval(f"lambda row: {keep}"))  # the filter the message gives
+    assert len(kept) == len(rows) - bad  # drops exactly the bad rows
+    if len(kept):
+        assert len(load_prompt_dataset(kept, tokenizer=tokenizer)) == len(kept)
+
+
+def test_a_streamed_dataset_is_read_once_the_rows_the_run_needs():
+    stream = datasets.Dataset.from_list([{"prompt": f"p{i}", "i": i} for i in range(100)]).to_iterable_dataset()
+    train, _ = _resolve(stream)  # max_steps 3 × prompts_per_step 2
+    assert isinstance(train, datasets.Dataset) and train["i"] == list(range(6))
+    train, _ = _resolve(stream, steps_per_generation=2, max_steps=4)  # 2 rollouts of 4 prompts
+    assert len(train) == 8
+    short = datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}]).to_iterable_dataset()
+    assert len(_resolve(short)[0]) == 3  # a stream that ends sooner: its rows, visited in epochs
+    held_out = datasets.IterableDatasetDict({"test": stream})
+    assert _resolve(stream, held_out, eval_limit=5)[1]["i"] == list(range(5))
+
+
+def test_a_streamed_dataset_without_a_bound_is_refused_clearly():
+    stream = datasets.Dataset.from_list([{"prompt": "a"}] * 4).to_iterable_dataset()
+    with pytest.raises(ValueError, match=r"^train_dataset is a streamed IterableDataset, which has no length.*set max_steps"):
+        _resolve(stream, max_steps=0)
+    with pytest.raises(ValueError, match=r"^eval_dataset is a streamed IterableDataset, which may never end: set eval_limit"):
+        _resolve([{"prompt": "a"}], stream)
+    with pytest.raises(ValueError, match=r"^train_dataset: .* is empty"):
+        _resolve(datasets.Dataset.from_list([{"prompt": "a"}]).to_iterable_dataset().filter(lambda r: False))
+    with pytest.raises(TypeError, match=r"streamed datasets\.IterableDataset has no length: pass it to GRPOTrainer"):
+        load_prompt_dataset(stream)  # the loader alone does not guess how many rows to read

@@ -28,7 +28,7 @@ SCRIPT = PRELUDE + textwrap.dedent(
     t.train()
     rank = t.accelerator.process_index
     sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
-    json.dump({"prompts": list(t.train_dataset["prompt"]), "sums": sums, "history": t.history}, open(f"{out}/rank{rank}.json", "w"))
+    json.dump({"prompts": list(t.train_dataset["prompt"]), "sums": sums, "history": t.state.log_history}, open(f"{out}/rank{rank}.json", "w"))
     """
 )
 
@@ -63,7 +63,7 @@ RESUME_SCRIPT = PRELUDE + textwrap.dedent(
     resumed = run(out + "/resumed", save_steps=0, resume_from_checkpoint=out + "/full/checkpoint-1")
     rank = full.accelerator.process_index
     same = all(torch.equal(p, q) for (_, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()))
-    json.dump({"same": same, "loss": [[m["loss"] for m in t.history] for t in (full, resumed)]}, open(f"{out}/resume{rank}.json", "w"))
+    json.dump({"same": same, "loss": [[m["loss"] for m in t.state.log_history] for t in (full, resumed)]}, open(f"{out}/resume{rank}.json", "w"))
     """
 )
 

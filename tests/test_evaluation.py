@@ -101,6 +101,13 @@ def test_eval_metrics_need_every_prompt_exactly_once():
         eval_metrics(results, ["acc", "never"], [], 0, 3)
     with pytest.raises(RuntimeError, match="3 results for 2 prompts"):
         eval_metrics(results + results[:1], ["acc", "never"], [], 0, 2)
+    assert "eval/tools/call_frequency" not in metrics  # no tools, no tool metrics
+
+
+def test_eval_tool_metrics_count_greedy_completions_that_called_and_their_calls():
+    results = [PromptResult(i, (1.0,), 5, tool_calls=c) for i, c in enumerate([0, 2, 1, 0])]
+    metrics = eval_metrics(results, ["acc"], [], 0, 4)
+    assert metrics["eval/tools/calling_fraction"] == 0.5 and metrics["eval/tools/call_frequency"] == 0.75
 
 
 # ---------------------------------------------------------------------------------- config and CLI
@@ -196,9 +203,9 @@ def test_eval_during_training_leaves_the_training_trajectory_unchanged(tiny_base
         trainer.train()
         runs.append(trainer)
     plain, evaluated = runs
-    assert "eval/pass@2" in evaluated.history[0] and "eval/pass@2" not in plain.history[0]
+    assert "eval/pass@2" in evaluated.state.log_history[0] and "eval/pass@2" not in plain.state.log_history[0]
     assert_same_adapters(plain.model, evaluated.model)
-    assert [m["reward/mean"] for m in plain.history] == [m["reward/mean"] for m in evaluated.history]
+    assert [m["reward/mean"] for m in plain.state.log_history] == [m["reward/mean"] for m in evaluated.state.log_history]
 
 
 # ---------------------------------------------------------------------------------- two processes

@@ -185,14 +185,80 @@ def test_static_sampler_on_a_4bit_base(tiny_base_dir):
                         rollout(model, tokenizer, "eager", G=2, max_new=6))
 
 
+def identity_compile(fail: dict):
+    """A torch.compile stand-in that returns the function itself (no inductor: seconds, not tens of
+    seconds), so "compiled" runs the static path as compiled decoding does; fail["now"] makes the
+    compiled call raise, as a compile that fails mid-run does."""
+    def compile(fn, **kwargs):
+        def compiled(*args):
+            if fail["now"]:
+                raise RuntimeError("InductorError: out of memory while recording a CUDA graph")
+            return fn(*args)
+        return compiled
+    return compile
+
+
+def test_only_compiled_decoding_keeps_its_static_caches(tok, monkeypatch):
+    monkeypatch.setattr(torch, "compile", identity_compile({"now": False}))
+    model = lora_model(tok)
+    rollout(model, tok, "static")
+    # Failed before the fix (defect 1): an uncompiled static rollout kept its caches for good.
+    assert fast_decode.kept_cache_bytes(model) == 0
+    rollout(model, tok, "compiled")  # CUDA graphs need the same cache addresses on every rollout: kept
+    # exactly the bytes the memory plan counts for it (prompts of at most 15 tokens + 10: 64 slots)
+    assert fast_decode.kept_cache_bytes(model) == fast_decode.static_cache_bytes(model.config, len(PROMPTS) * 3, 25,
+                                                                                  torch.float32)
+    rollout(model, tok, "compiled", max_new=60)  # other cache lengths (128, 256 slots): at most KEPT_CACHES kept
+    rollout(model, tok, "compiled", max_new=120)
+    assert len(fast_decode._state(model).caches) == fast_decode.KEPT_CACHES
+
+
+# Failed before the fix (defect 2): after a failed compile the run decoded eagerly for good, but the
+# static caches and the compiled step stayed allocated.
+def test_a_failed_compile_frees_what_the_compiled_path_kept(tok, monkeypatch, caplog):
+    fail = {"now": False}
+    monkeypatch.setattr(torch, "compile", identity_compile(fail))
+    model = lora_model(tok)
+    eager = rollout(model, tok, "eager")
+    assert_same_rollout(rollout(model, tok, "compiled"), eager)
+    assert fast_decode.kept_cache_bytes(model) > 0 and fast_decode._state(model).compiled is not None
+    fail["now"] = True
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.rollout.fast_decode"):
+        assert_same_rollout(rollout(model, tok, "compiled"), eager)  # that rollout finishes uncompiled
+    assert "out of memory while recording" in fast_decode.unavailable(model)
+    assert fast_decode.kept_cache_bytes(model) == 0 and not fast_decode._state(model).caches
+    assert fast_decode._state(model).compiled is None
+
+
 # --------------------------------------------------------------------------- modes and config
 
 
-def test_auto_compiles_on_cuda_only_and_modes_are_checked(tok):
+# Failed before the fix (defect 3): 'auto' compiled on every CUDA device, also where Triton cannot
+# serve the model's dtype (bf16 on a T4), so the static sampler ran uncompiled over padded slots.
+def test_auto_compiles_only_where_it_pays_and_says_what_it_chose_once(tok, monkeypatch, caplog):
+    from lora_grpo import device as device_module
+
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    monkeypatch.setattr(device_module, "_triton_installed", lambda: True)
+    cuda = torch.device("cuda")
     model = lora_model(tok)
     assert fast_decode.resolve_decode_mode("auto", model, torch.device("cpu")) == "eager"
-    assert fast_decode.resolve_decode_mode("auto", model, torch.device("cuda")) == "compiled"
+    assert fast_decode.resolve_decode_mode("auto", lora_model(tok), cuda) == "compiled"
+    capability["value"] = (7, 5)  # a T4: float32 compiles, emulated bf16 does not
+    assert fast_decode.resolve_decode_mode("auto", lora_model(tok), cuda) == "compiled"
+    bf16 = lora_model(tok).to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="lora_grpo.rollout.fast_decode"):
+        assert fast_decode.resolve_decode_mode("auto", bf16, cuda) == "eager"
+        assert fast_decode.resolve_decode_mode("auto", bf16, cuda) == "eager"
+    lines = [r for r in caplog.records if r.name == "lora_grpo.rollout.fast_decode"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING, [r.getMessage() for r in lines]
+    assert "decode_mode auto → eager" in lines[0].getMessage() and "no native bfloat16" in lines[0].getMessage()
+    # forced modes are what they say
     assert fast_decode.resolve_decode_mode("static", model, torch.device("cpu")) == "static"
+    assert fast_decode.resolve_decode_mode("compiled", bf16, cuda) == "compiled"
     with pytest.raises(ValueError, match="decode_mode='fast'"):
         rollout(model, tok, "fast")
 
@@ -212,10 +278,10 @@ def test_cache_length_buckets():
 def test_trainer_passes_decode_mode_to_the_rollout(tiny_base_dir, tmp_path, monkeypatch):
     from conftest import make_trainer
 
-    from lora_grpo import trainer as trainer_module
+    from lora_grpo import sampler as sampler_module
 
     trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", decode_mode="static")
     passed = {}
-    monkeypatch.setattr(trainer_module, "generate_rollout", lambda *args, **kwargs: passed.update(kwargs))
+    monkeypatch.setattr(sampler_module, "generate_rollout", lambda *args, **kwargs: passed.update(kwargs))
     trainer.generate(["1+1="])
     assert passed["decode_mode"] == "static"

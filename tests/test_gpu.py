@@ -25,7 +25,7 @@ def test_a_qlora_run_on_cuda_moves_the_policy_keeps_the_base_and_hard_syncs_exac
     assert changed(policy_before, adapter_state(model, POLICY))
     assert_same_4bit(base_before, frozen_4bit(model))
     # Step 2 trained against the initial reference (KL > 0), then the reference was hard-synced.
-    assert trainer.history[1]["kl"] > 0 and trainer.history[1]["sync/event"] == 1.0
+    assert trainer.state.log_history[1]["kl"] > 0 and trainer.state.log_history[1]["sync/event"] == 1.0
     rollout = trainer.generate([row["prompt"] for row in PROMPTS[:2]])
     batch = Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask,
                                  torch.zeros(rollout.input_ids.shape[0], device=rollout.input_ids.device))
@@ -34,3 +34,57 @@ def test_a_qlora_run_on_cuda_moves_the_policy_keeps_the_base_and_hard_syncs_exac
         reference = trainer.log_probs(batch)
     assert policy.is_cuda
     torch.testing.assert_close(reference, policy, rtol=0, atol=1e-5)
+
+
+def test_bf16_log_probs_on_cuda_keep_float32_logits():
+    """The float32 head of a bf16 model (defect 5 of issue 16) on the CUDA matmuls: against float64."""
+    from torch import nn
+
+    from lora_grpo.logprobs import chunked_log_probs
+
+    torch.manual_seed(0)
+    head = nn.Linear(64, 5000, bias=False).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.mul_(8)
+    hidden = torch.randn(4, 32, 64, device="cuda").to(torch.bfloat16)
+    targets = torch.randint(0, 5000, (4, 32), device="cuda")
+    logp, _ = chunked_log_probs(hidden, head, targets, chunk_size=50)
+    logits = hidden.double() @ head.weight.double().t()
+    ref = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    assert logits.abs().max() > 16  # logits where bf16 rounding costs tenths of a nat
+    assert (logp.double() - ref).abs().max() < 1e-4
+
+
+def test_bf16_qlora_run_on_cuda_kl_is_zero_between_identical_adapters(tiny_base_dir, tmp_path):
+    from lora_grpo.loss import k3_kl
+
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="4bit", torch_dtype="bfloat16", max_steps=2,
+                           decode_mode="eager")
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in trainer.state.log_history)
+    rollout = trainer.generate([row["prompt"] for row in PROMPTS[:2]])
+    batch = Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask,
+                  torch.zeros(rollout.input_ids.shape[0], device=rollout.input_ids.device))
+    first, second = trainer.log_probs(batch), trainer.log_probs(batch)
+    assert first.dtype == torch.float32 and torch.equal(first, second)  # deterministic: identical adapters, KL 0
+    assert k3_kl(first, second).abs().max().item() == 0.0
+
+
+def test_compiled_decode_on_cuda_matches_eager_in_float32_and_the_plan_counts_its_caches(tiny_base_dir, tmp_path):
+    from lora_grpo.rollout import fast_decode, generate_rollout
+
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", torch_dtype="float32", decode_mode="compiled",
+                           micro_batch_size="auto", gradient_checkpointing="auto", max_steps=1)
+    plan = trainer.plan_memory()
+    prompts = [row["prompt"] for row in PROMPTS[:2]]
+
+    def sample(mode):
+        return generate_rollout(trainer.model, trainer.tokenizer, prompts, num_generations=4, max_prompt_length=None,
+                                max_completion_length=6, temperature=0.0, generator=torch.Generator(device="cuda"),
+                                decode_mode=mode)
+
+    eager, compiled = sample("eager"), sample("compiled")
+    assert fast_decode.unavailable(trainer.model) is None, fast_decode.unavailable(trainer.model)
+    assert torch.equal(eager.completion_ids, compiled.completion_ids)
+    kept = fast_decode.kept_cache_bytes(trainer.model)
+    assert 0 < kept <= plan.kept  # what stays allocated is within what the plan counted

@@ -95,7 +95,7 @@ def test_kl_to_base_is_zero_at_the_start_grows_with_training_and_ignores_syncs(t
     assert summary["kl_to_base_after"] > 0
     assert summary["eval_after"]["eval/kl_to_base"] == summary["kl_to_base_after"]
     # In the step's metrics beside the training KL to the (just synced) reference; in metrics.jsonl.
-    assert trainer.history[1]["sync/reason"] == "steps" and trainer.history[1]["eval/kl_to_base"] > 0
+    assert trainer.state.log_history[1]["sync/reason"] == "steps" and trainer.state.log_history[1]["eval/kl_to_base"] > 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval/kl_to_base" in r] == [0, 2, 4]
     # A sync moves the reference, never the policy or the start: the KL to the base stays.
@@ -193,8 +193,8 @@ def test_reset_and_warmup_restart_at_each_sync(tiny_base_dir, tmp_path):
                            ref_sync_reset_optimizer=True, ref_sync_restart_warmup=True)
     trainer.train()
     lr = trainer.config.learning_rate
-    assert [m["lr"] for m in trainer.history] == pytest.approx([0, lr / 2, lr, 0, lr / 2, lr])
-    synced = [m for m in trainer.history if m.get("sync/event")]
+    assert [m["lr"] for m in trainer.state.log_history] == pytest.approx([0, lr / 2, lr, 0, lr / 2, lr])
+    synced = [m for m in trainer.state.log_history if m.get("sync/event")]
     assert len(synced) == 2 and all(m["sync/optimizer_reset"] == m["sync/warmup_restart"] == 1.0 for m in synced)
     # The last sync (after step 6) left the state as a fresh optimizer's: zeros everywhere.
     states = list(trainer.optimizer.state.values())
@@ -210,12 +210,12 @@ def test_resume_is_exact_with_resets_restarts_and_the_plateau_trigger(tiny_base_
               ref_sync_reset_optimizer=True, ref_sync_restart_warmup=True, warmup_steps=2, lr_scheduler="cosine")
     full = make_trainer(tiny_base_dir, tmp_path / "a", save_steps=3, **kw)
     full.train()
-    assert [m.get("sync/reason") for m in full.history] == [None, "plateau", "steps", "plateau", None]
+    assert [m.get("sync/reason") for m in full.state.log_history] == [None, "plateau", "steps", "plateau", None]
     resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-3"), **kw)
     resumed.train()
     assert_same_adapters(full.model, resumed.model)
-    assert [m["lr"] for m in full.history] == [m["lr"] for m in resumed.history]
-    assert [m.get("sync/reason") for m in resumed.history] == [m.get("sync/reason") for m in full.history]
+    assert [m["lr"] for m in full.state.log_history] == [m["lr"] for m in resumed.state.log_history]
+    assert [m.get("sync/reason") for m in resumed.state.log_history] == [m.get("sync/reason") for m in full.state.log_history]
     assert resumed.state.sync_schedule.state_dict() == full.state.sync_schedule.state_dict()
 
 

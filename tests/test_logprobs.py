@@ -365,3 +365,85 @@ def test_log_probs_apply_the_models_logit_softcapping():
     logits = model(input_ids=ids, attention_mask=mask, position_ids=mask.cumsum(-1) - 1).logits
     ref = torch.log_softmax(logits[:, -5:-1].float(), -1).gather(-1, ids[:, -4:, None]).squeeze(-1)
     torch.testing.assert_close(logp, ref, rtol=0, atol=1e-5)
+
+
+# ---- float32 logits from a bf16 head; the entropy's gradient ----------------------------------------
+
+def _dense_float64(hidden, weight, bias, targets, temperature):
+    """log p[target] and entropy from float64 logits of the same (possibly bf16) numbers."""
+    logits = hidden.double() @ weight.double().t()
+    logits = (logits if bias is None else logits + bias.double()) / temperature
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["one-cast", "weight-cast-in-slices"])
+@pytest.mark.parametrize("generic", [False, True], ids=["chunked-linear", "transformed-head"])
+def test_bf16_head_log_probs_match_float64(monkeypatch, sliced, generic):
+    """Failed before the fix (defect 5): the head's matmul returned bf16 logits, rounded to 2⁻⁸ of
+    themselves (here up to ~0.1 nats at |z| ≈ 30), and was cast to float32 afterwards."""
+    from lora_grpo import logprobs
+
+    if sliced:  # a vocabulary larger than one cast: the weight goes to float32 in slices of 7 rows
+        monkeypatch.setattr(logprobs, "_CAST_ELEMENTS", 7 * 32)
+    torch.manual_seed(0)
+    head, targets = nn.Linear(32, 200, bias=True).to(torch.bfloat16), torch.randint(0, 200, (2, 6))
+    with torch.no_grad():
+        head.weight.mul_(12)  # logits of tens, as in real models
+    hidden = torch.randn(2, 6, 32).to(torch.bfloat16)
+    ref, _ = _dense_float64(hidden, head.weight, head.bias, targets, 0.9)
+    assert ref.abs().max() > 5 and (hidden.double() @ head.weight.double().t()).abs().max() > 25
+    wrapped = logprobs._TransformedHead(head, logprobs._LogitTransform(softcap=1e6)) if generic else head  # cap ≈ identity
+    logp, _ = chunked_log_probs(hidden, wrapped, targets, chunk_size=5, temperature=0.9)
+    assert logp.dtype == torch.float32 and (logp.double() - ref).abs().max() < 1e-4
+    # what the old path computed: bf16 logits, then float32
+    rounded = torch.log_softmax((head(hidden).float() / 0.9).double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    assert (rounded - ref).abs().max() > 1e-2  # so the check above can tell the two apart
+
+
+def test_bf16_head_gradients_flow_in_float32_and_match_float64():
+    from lora_grpo.logprobs import _LogitTransform, _TransformedHead
+
+    torch.manual_seed(0)
+    head, targets = nn.Linear(16, 40).to(torch.bfloat16), torch.randint(0, 40, (1, 8))
+    hidden = torch.randn(1, 8, 16).to(torch.bfloat16).requires_grad_(True)
+    for wrapped in (head, _TransformedHead(head, _LogitTransform(softcap=1e6))):
+        logp, _ = chunked_log_probs(hidden, wrapped, targets, chunk_size=3)
+        grads = torch.autograd.grad(logp.sum(), [hidden, head.weight, head.bias])
+        h64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (hidden, head.weight, head.bias))
+        ref, _ = _dense_float64(h64, w64, b64, targets, 1.0)
+        ref_grads = torch.autograd.grad(ref.sum(), [h64, w64, b64])
+        for g, rg in zip(grads, ref_grads):
+            assert g.dtype == torch.bfloat16
+            torch.testing.assert_close(g.double(), rg, rtol=2e-2, atol=2e-2)  # bf16 gradients: their own rounding
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["chunked-linear", "checkpointed-generic-head"])
+def test_entropy_gradient_matches_dense_float64(generic):
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 50, bias=True)
+    head, targets = nn.Sequential(linear) if generic else linear, torch.randint(0, 50, (2, 7))
+    hidden = torch.randn(2, 7, 16, requires_grad=True)
+    up_logp, up_entropy = torch.randn(2, 7), torch.randn(2, 7)  # random upstream gradients on both outputs
+    logp, entropy = chunked_log_probs(hidden, head, targets, chunk_size=3, temperature=0.7, return_entropy=True,
+                                      entropy_grad=True)
+    params = [hidden, linear.weight, linear.bias]
+    grads = torch.autograd.grad((logp * up_logp + entropy * up_entropy).sum(), params)
+
+    h64, w64, b64 = (t.detach().double().requires_grad_(True) for t in params)
+    ref_logp, ref_entropy = _dense_float64(h64, w64, b64, targets, 0.7)
+    # the entropy part alone is not zero: the test would see a dropped term
+    only_entropy = torch.autograd.grad((ref_entropy * up_entropy).sum(), h64, retain_graph=True)[0]
+    assert only_entropy.abs().max() > 1e-2
+    ref_grads = torch.autograd.grad((ref_logp * up_logp + ref_entropy * up_entropy).sum(), [h64, w64, b64])
+    for got, expected in [(logp, ref_logp), (entropy, ref_entropy), *zip(grads, ref_grads)]:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_without_entropy_grad_the_entropy_stays_a_metric():
+    head, hidden, targets = nn.Linear(8, 20), torch.randn(1, 4, 8, requires_grad=True), torch.randint(0, 20, (1, 4))
+    for h in (head, nn.Sequential(head)):
+        logp, entropy = chunked_log_probs(hidden, h, targets, chunk_size=3, return_entropy=True)
+        assert logp.requires_grad and not entropy.requires_grad
+    with pytest.raises(ValueError, match="return_entropy=True"):
+        chunked_log_probs(hidden, head, targets, entropy_grad=True)

@@ -29,10 +29,11 @@ def test_loss_types_hand_computed(loss_type, kwargs, expected):
 
 
 def test_four_loss_types_give_four_numbers():
+    # The four aggregations of the clipped objective (the others: tests/test_loss_variants.py).
     logp = torch.zeros(2, 3)
     values = {
         lt: grpo_loss(logp, None, None, ADV, MASK, loss_type=lt, num_tokens=8, max_completion_length=3)[0].item()
-        for lt in LOSS_TYPES
+        for lt in ("grpo", "bnpo", "dapo", "dr_grpo")
     }
     assert len({round(v, 6) for v in values.values()}) == 4, values
 
@@ -146,7 +147,8 @@ def test_unknown_variants_rejected():
         grpo_loss(torch.zeros(2, 3), None, None, ADV, MASK, importance_sampling="seq")
 
 
-@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+# vespo's weight is detached by design (as TRL's), so its autograd is not the derivative of its value.
+@pytest.mark.parametrize("loss_type", sorted(set(LOSS_TYPES) - {"vespo"}))
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 @pytest.mark.parametrize("kl_ratio_correction", [True, False])
 def test_gradient_matches_finite_differences(loss_type, importance_sampling, kl_ratio_correction):
@@ -190,6 +192,8 @@ def test_accumulation_scale_makes_micro_batches_sum_to_the_full_loss():
 def test_accumulation_scale_is_each_loss_types_own():
     # A step of 5 sequences in 3 micro-batches; this micro-batch holds 1 of them.
     scales = {lt: accumulation_scale(lt, 1, 5, 3) for lt in LOSS_TYPES}
-    assert scales == {"grpo": 1 / 5, "bnpo": 1 / 3, "dapo": 1.0, "dr_grpo": 1 / 5}
-    with pytest.raises(ValueError, match=r"unknown loss_type 'ppo'; choose one of \['bnpo', 'dapo', 'dr_grpo', 'grpo'\]"):
+    assert scales == {"grpo": 1 / 5, "bnpo": 1 / 3, "dapo": 1.0, "dr_grpo": 1 / 5,
+                      "cispo": 1.0, "sapo": 1 / 5, "vespo": 1.0, "luspo": 1 / 5}
+    with pytest.raises(ValueError, match=r"unknown loss_type 'ppo'; choose one of \['bnpo', 'cispo', 'dapo', 'dr_grpo', "
+                                         r"'grpo', 'luspo', 'sapo', 'vespo'\]"):
         accumulation_scale("ppo", 1, 5, 3)

@@ -18,6 +18,7 @@ from lora_grpo import memory
 from lora_grpo.adapters import POLICY, REFERENCE
 from lora_grpo.config import ConfigError
 from lora_grpo.memory import MemoryBudgetError, largest_fitting, plan_memory
+from lora_grpo.rollout import fast_decode
 
 MiB = 2**20
 AUTO = dict(micro_batch_size="auto", gradient_checkpointing="auto")
@@ -82,23 +83,75 @@ def test_measure_peak_on_cpu_sees_a_freed_allocation():
     assert 60 * MiB < peak < 100 * MiB
 
 
-def test_measure_peak_on_cuda_reads_the_allocator_and_turns_oom_into_inf(monkeypatch):
-    allocated = {"now": 100, "peak": 100}
+@pytest.fixture
+def fake_cuda_allocator(monkeypatch):
+    """torch.cuda's allocator statistics as a dict the test drives; empty_cache calls are recorded."""
+    stats = {"allocated": 100, "peak_allocated": 100, "reserved": 200, "peak_reserved": 200, "empty_cache": 0}
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: allocated.update(peak=allocated["now"]))
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: stats["reserved"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: stats.update(peak_allocated=stats["allocated"], peak_reserved=stats["reserved"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["peak_allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: stats["peak_reserved"])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: stats.update(empty_cache=stats["empty_cache"] + 1))
+    return stats
+
+
+def test_measure_peak_on_cuda_reads_the_allocator_and_turns_oom_into_inf(fake_cuda_allocator):
+    stats, cuda = fake_cuda_allocator, torch.device("cuda", 0)
 
     def work():
-        allocated["peak"] = 900
+        stats.update(peak_allocated=900, peak_reserved=700)
 
-    assert memory.measure_peak(work, torch.device("cuda", 0)) == 800
+    assert memory.measure_peak(work, cuda) == 800
 
     def oom():
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    assert memory.measure_peak(oom, torch.device("cuda", 0)) == math.inf
+    assert memory.measure_peak(oom, cuda) == math.inf and stats["empty_cache"] == 1
+
+
+# Failed before the fix (defect 6): the probe budgeted allocated bytes only; what the allocator
+# reserves beyond them (fragmentation) is taken from the device as well.
+def test_measure_peak_on_cuda_counts_reserved_growth_when_it_is_larger(fake_cuda_allocator):
+    def fragmented():
+        fake_cuda_allocator.update(peak_allocated=900, peak_reserved=1500)
+
+    assert memory.measure_peak(fragmented, torch.device("cuda", 0)) == 1300  # 1500 reserved − 200 before
+
+
+# Failed before the fix (defect 6): a cuBLAS / cuSOLVER allocation failure is a RuntimeError, which
+# escaped the probe instead of counting as "does not fit".
+@pytest.mark.parametrize("message", ["CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+                                     "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate`"])
+def test_a_cuda_library_allocation_failure_counts_as_out_of_memory(fake_cuda_allocator, message):
+    def fail():
+        raise RuntimeError(message)
+
+    assert memory.measure_peak(fail, torch.device("cuda", 0)) == math.inf
+    with pytest.raises(RuntimeError, match="an unrelated bug"):  # a genuine error is not swallowed
+        memory.measure_peak(lambda: (_ for _ in ()).throw(RuntimeError("an unrelated bug")), torch.device("cuda", 0))
+
+
+# Failed before the fix (defect 6): empty_cache ran inside the except block, while the traceback's
+# frames still held the failed pass's tensors, so their blocks could not go back to the device.
+def test_empty_cache_runs_after_the_failed_pass_is_released(fake_cuda_allocator, monkeypatch):
+    import weakref
+
+    class Activation:  # stands for a tensor the failed pass held in its frame
+        pass
+
+    refs, alive_at_empty_cache = [], []
+
+    def fail():
+        activation = Activation()
+        refs.append(weakref.ref(activation))
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_at_empty_cache.append(refs[0]() is not None))
+    assert memory.measure_peak(fail, torch.device("cuda", 0)) == math.inf
+    assert alive_at_empty_cache == [False]
 
 
 # ------------------------------------------------------------------------------ search and rule
@@ -194,6 +247,72 @@ def test_preflight_names_the_numbers_and_the_fix(monkeypatch):
         plan(monkeypatch, off=1, on=1, room=100 * MiB, rollout=150 * MiB)
 
 
+# Failed before the fix (defect 1): the plan did not count what the compiled decode keeps between
+# rollouts, so every training pass ran on top of memory the plan thought free.
+def test_what_the_decoder_keeps_is_counted_under_every_pass(monkeypatch):
+    p, _ = plan(monkeypatch, off=10, on=4, room=100, kept=40, rollout=50)
+    # 60 bytes are left for a pass: 6 sequences without recompute, 15 with it (a short pass: on)
+    assert (p.micro_batch_size, p.gradient_checkpointing, p.kept) == (15, True, 40)
+    assert p.need == 40 + 4 * 15 and "of it the compiled decode's kept caches" in p.describe(True, True)
+    with pytest.raises(MemoryBudgetError, match=r"\+ 0 MiB the compiled decode keeps \(decode_mode eager keeps none\)"):
+        plan(monkeypatch, off=10, on=4, room=100, kept=99)
+
+
+def tiny_static_decoder(tok):
+    """A tiny Llama whose KV cache is large next to everything else a rollout allocates: 12 layers ×
+    4 KV heads × 32 dims, 12 KiB per token slot (the cache of 64 sequences × 128 slots is 96 MiB)."""
+    from lora_grpo.tasks.toy import make_tiny_model
+
+    return make_tiny_model(tok, hidden_size=128, num_layers=12, num_heads=4, num_kv_heads=4, seed=0).eval()
+
+
+# Failed before the fix (defect 1): the plan's rollout figure was the eager KV at the real length
+# (~59 MiB here), while the static sampler allocates cache_length(length) = 128 slots next to the
+# prefill's cache (~101 MiB), and kept that cache after the rollout.
+def test_a_static_rollout_takes_what_the_plan_says_within_15_percent_and_frees_it():
+    from lora_grpo import device
+    from lora_grpo.rollout import generate_rollout
+    from lora_grpo.rollout.generate import tokenize_prompts
+    from lora_grpo.tasks.toy import make_tokenizer
+
+    tok = make_tokenizer()
+    model = tiny_static_decoder(tok)
+    prompts, G, new = [f"{i}+{i}=" for i in range(10, 18)], 8, 64
+
+    def run(n_prompts=None, max_new=new):
+        generate_rollout(model, tok, prompts[:n_prompts], num_generations=G, max_prompt_length=None,
+                         max_completion_length=max_new, generator=torch.Generator().manual_seed(0), decode_mode="static")
+
+    run(1, 4)  # once, small: code paths, thread pools and lazy imports are resident before measuring
+    width = tokenize_prompts(tok, prompts, None)[0].shape[1]
+    planned, kept = memory.decode_memory(model.config, [(len(prompts) * G, width, new)], torch.float32, len(tok),
+                                         "static", torch.device("cpu"))
+    cache = fast_decode.static_cache_bytes(model.config, len(prompts) * G, width + new, torch.float32)
+    assert kept == 0 and cache > 0.9 * planned  # the cache dominates the figure, so the test measures it
+    device._release_freed_memory()
+    before = device._PeakRss().rss()
+    measured = memory.measure_peak(run, torch.device("cpu"))
+    assert abs(measured - planned) <= 0.15 * planned, (measured / MiB, planned / MiB)
+    device._release_freed_memory()
+    assert device._PeakRss().rss() - before < 0.1 * cache  # nothing stays after an uncompiled static rollout
+
+
+def test_the_runs_plan_counts_the_compiled_decodes_kept_caches_and_the_eval_rollout(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", decode_mode="compiled", **AUTO)
+    plan = trainer.plan_memory()
+    cfg, cpu = trainer.config, torch.device("cpu")
+    one = fast_decode.static_cache_bytes(trainer.model.config, cfg.generation_batch, sum(plan.tokens), torch.float32)
+    assert plan.kept == fast_decode.KEPT_CACHES * one and plan.need >= plan.kept + plan.measured[False][8]
+    assert "MiB of it the compiled decode's kept caches" in plan.describe(True, True)
+    with_eval = memory.plan_run_memory(trainer.update, device=cpu, num_processes=1, longest_prompt=plan.tokens[0],
+                                       eval_longest_prompt=plan.tokens[0])
+    rows = memory.EVAL_DECODE_PROMPTS  # the evaluator decodes 64 prompts at once, more than the 8 training sequences
+    assert with_eval.kept == fast_decode.KEPT_CACHES * fast_decode.static_cache_bytes(
+        trainer.model.config, rows, sum(plan.tokens), torch.float32)
+    trainer.config.decode_mode = "static"  # uncompiled: nothing kept
+    assert memory.plan_run_memory(trainer.update, device=cpu, num_processes=1, longest_prompt=plan.tokens[0]).kept == 0
+
+
 # ------------------------------------------------------------------------------ the trainer
 def test_auto_picks_the_whole_batch_when_memory_is_ample(tiny_base_dir, tmp_path, capsys):
     trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=1, **AUTO)
@@ -259,7 +378,7 @@ def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp
     def no_rollout(*args, **kwargs):
         raise AssertionError("a rollout ran before the preflight")
 
-    monkeypatch.setattr("lora_grpo.trainer.generate_rollout", no_rollout)
+    monkeypatch.setattr("lora_grpo.sampler.generate_rollout", no_rollout)
     with pytest.raises(MemoryBudgetError) as e:
         make_trainer(tiny_base_dir, tmp_path / "b", **kw).train()
     text = str(e.value)
@@ -288,7 +407,7 @@ def test_the_probe_leaves_adapters_rng_and_gradients_as_they_were(tiny_base_dir,
                          micro_batch_size=trainer.micro_batch_size, gradient_checkpointing=trainer.gradient_checkpointing)
     fixed.train()
     assert_same_adapters(trainer.model, fixed.model)
-    assert [m["loss"] for m in trainer.history] == [m["loss"] for m in fixed.history]
+    assert [m["loss"] for m in trainer.state.log_history] == [m["loss"] for m in fixed.state.log_history]
 
 
 def test_resume_with_auto_is_exact_and_keeps_the_checkpoints_sizes(tiny_base_dir, tmp_path, monkeypatch):

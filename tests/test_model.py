@@ -144,7 +144,7 @@ def test_base_model_dropout_is_off(tmp_path):
 def test_trainer_kl_is_exactly_zero_against_an_identical_reference_with_a_dropout_config(tmp_path):
     trainer = make_trainer(save_base_with_attention_dropout(tmp_path / "drop", 0.3), tmp_path, **SMALL_RUN, max_steps=1)
     trainer.train()
-    assert trainer.history[0]["kl"] == 0.0
+    assert trainer.state.log_history[0]["kl"] == 0.0
 
 
 # Failed before the fix it guards (code review): init_adapter kept the saved adapter's lora_dropout

@@ -36,15 +36,16 @@ def test_the_shipped_recipes():
 
 
 @pytest.mark.parametrize("name", GPU_RECIPES)
-def test_recipe_runs_one_step_offline(name, tiny_base_dir, tmp_path):
+def test_recipe_runs_one_step_offline(name, tiny_base_dir, qwen_tool_base_dir, tmp_path):
     with recipe_file(name) as path:
         config = GRPOConfig.from_yaml(path)
+    base = qwen_tool_base_dir if config.tools else tiny_base_dir  # a tool recipe needs a template that renders tools
     assert config.quantization == "4bit" and config.beta > 0 and config.sync_enabled
     assert config.dataset in LOCAL_STAND_INS, f"add a local stand-in for {config.dataset!r} to LOCAL_STAND_INS"
     data = tmp_path / "data.jsonl"
     LOCAL_STAND_INS[config.dataset](data)
     overrides = {
-        "model_name_or_path": tiny_base_dir, "dataset": str(data), "dataset_config": "null",
+        "model_name_or_path": base, "dataset": str(data), "dataset_config": "null",
         "eval_dataset": str(data), "eval_limit": 3, "num_generations": 2, "prompts_per_step": 2,
         "max_completion_length": 4, "micro_batch_size": 4, "max_steps": 1, "num_epochs": 1,
         "output_dir": str(tmp_path / "run"), "torch_dtype": "float32",

@@ -25,6 +25,8 @@ from lora_grpo.rewards import (
     think_answer_format,
 )
 
+from conftest import make_trainer
+
 
 def _q(n):
     return ["q"] * n
@@ -617,8 +619,9 @@ def test_compute_rewards_passes_trainer_state_whole_also_per_sample():
         states.append(trainer_state)
         return [1.0 / len(c) for c in completions]
 
-    state = R.TrainerState(global_step=3, max_steps=10, epoch=0.75)
-    assert state.step == 3
+    from transformers import TrainerState
+
+    state = TrainerState(global_step=3, max_steps=10, epoch=0.75)
     with pytest.raises(RuntimeError, match=r"'picky'.*ZeroDivisionError.*sample 1"):
         compute_rewards([picky], _q(2), ["ok", ""], {"trainer_state": state, "answer": ["1", "2"]})
     assert states == [state] * 3  # the batch call, then one call per sample: never sliced
@@ -641,25 +644,50 @@ def test_compute_rewards_signature_that_cannot_take_the_keywords():
         compute_rewards([no_kwargs], _q(1), ["c"])
 
 
-def test_async_reward_functions_are_refused_clearly():
-    async def judge(completions, **kwargs):
+def test_async_reward_functions_are_awaited_together():
+    import asyncio
+
+    events = {}
+
+    async def judge_a(completions, **kwargs):  # each needs the other to have started: only concurrent calls finish
+        events.setdefault("a", asyncio.Event()).set()
+        await asyncio.wait_for(events.setdefault("b", asyncio.Event()).wait(), timeout=10)
         return [1.0] * len(completions)
+
+    async def judge_b(completions, **kwargs):
+        events.setdefault("b", asyncio.Event()).set()
+        await asyncio.wait_for(events.setdefault("a", asyncio.Event()).wait(), timeout=10)
+        return [2.0] * len(completions)
 
     class AsyncScorer:
         async def __call__(self, completions, **kwargs):
-            return [1.0] * len(completions)
+            return [3.0] * len(completions)
 
-    for fn in (judge, functools.partial(judge), AsyncScorer()):
-        with pytest.raises(ValueError, match=r"async function \(async def\).*asyncio\.run"):
-            resolve_reward_funcs([fn])
-        with pytest.raises(ValueError, match="async function"):
-            compute_rewards([fn], _q(1), ["c"])
+    rewards, per_func, _ = compute_rewards(resolve_reward_funcs([judge_a, judge_b, AsyncScorer(), functools.partial(judge_a)])[:3],
+                                           _q(2), ["c", "d"])
+    assert per_func.tolist() == [[1.0, 2.0, 3.0]] * 2 and rewards.tolist() == [6.0, 6.0]
 
-    def returns_coroutine(completions, **kwargs):
-        return judge(completions=completions)
+    async def fails(completions, **kwargs):
+        return [1.0 / len(c) for c in completions]
 
-    with pytest.raises(ValueError, match=r"'returns_coroutine' returned an awaitable \(coroutine\)"):
-        compute_rewards([returns_coroutine], _q(1), ["c"])
+    with pytest.raises(RuntimeError, match=r"'fails' raised ZeroDivisionError.*first failing sample 1"):
+        compute_rewards([fails], _q(2), ["ok", ""])
+
+
+def test_log_extra_and_log_metric_reach_the_step_and_the_completions(tiny_base_dir, tmp_path):
+    import json
+
+    def judged(completions, log_extra, log_metric, **kwargs):
+        log_extra("verdict", ["long" if len(c) > 3 else "short" for c in completions])
+        log_metric("judge/calls", 1.0)
+        return [float(len(c)) for c in completions]
+
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=2, reward_funcs=[judged],
+                           log_completions=True)
+    trainer.train()
+    assert [m["judge/calls"] for m in trainer.state.log_history] == [1.0, 1.0]
+    records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert records and all(r["verdict"] == ("long" if len(r["completion"]) > 3 else "short") for r in records)
 
 
 def test_conversational_inputs_per_row():
@@ -685,7 +713,7 @@ def test_split_modules_reexport_the_same_objects_and_import_downwards():
     for mod in (reward_builtins, reward_specs):
         for name in mod.__all__:
             assert getattr(R, name) is getattr(mod, name), name
-    for mod, allowed in ((reward_builtins, set()), (reward_specs, {"tasks.countdown", "builtins"})):
+    for mod, allowed in ((reward_builtins, set()), (reward_specs, {"tasks.countdown", "builtins", "models"})):
         tree = ast.parse(inspect.getsource(mod))
         local = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0}
         assert local <= allowed, (mod.__name__, local)

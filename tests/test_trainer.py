@@ -24,25 +24,25 @@ def test_end_to_end_policy_moves_base_frozen_reference_synced_on_schedule(tiny_b
     }
     base0, policy0 = base_state(model), adapter_state(model, POLICY)
     ref_snapshots = []
-    original = trainer.training_step
+    original = trainer.generation_round
 
     def recording_step(rows):
         ref_snapshots.append(adapter_state(model, REFERENCE))  # the reference the step trains against
         return original(rows)
 
-    trainer.training_step = recording_step
+    trainer.generation_round = recording_step
     summary = trainer.train()
     ref_snapshots.append(adapter_state(model, REFERENCE))
     # Reference changes exactly after the scheduled sync steps 2 and 4.
     moved_after = [s for s in range(1, 6) if changed(ref_snapshots[s - 1], ref_snapshots[s])]
     assert moved_after == [2, 4]
     assert summary["syncs"] == 2
-    assert [m.get("sync/event", 0) for m in trainer.history] == [0, 1.0, 0, 1.0, 0]
+    assert [m.get("sync/event", 0) for m in trainer.state.log_history] == [0, 1.0, 0, 1.0, 0]
     assert changed(policy0, adapter_state(model, POLICY))
     base1 = base_state(model)
     assert all(torch.equal(base0[k], base1[k]) for k in base0)  # including the 4-bit weights
     # The policy moved away from a reference that was the initial policy: KL > 0 after a step.
-    assert trainer.history[1]["kl"] > 0
+    assert trainer.state.log_history[1]["kl"] > 0
     # Outputs on disk.
     run = tmp_path / "run"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -63,12 +63,13 @@ def test_beta_zero_skips_the_reference_forward(tiny_base_dir, tmp_path, monkeypa
     monkeypatch.setattr(update_module, "grpo_loss", lambda *a, **k: seen.append(a[2]) or real(*a, **k))
     trainer.train()
     assert seen and all(ref is None for ref in seen)
-    assert trainer.history[0]["kl"] == 0.0
+    assert trainer.state.log_history[0]["kl"] == 0.0
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_num_iterations_uses_old_log_probs_only_when_reusing_the_batch(tiny_base_dir, tmp_path, monkeypatch, num_iterations):
-    trainer = make_trainer(tiny_base_dir, tmp_path, num_iterations=num_iterations, max_steps=1, micro_batch_size=8)
+    # One rollout trained on num_iterations times: that many optimizer steps (each update is a step, as TRL counts).
+    trainer = make_trainer(tiny_base_dir, tmp_path, num_iterations=num_iterations, max_steps=num_iterations, micro_batch_size=8)
     calls = []
     real = update_module.grpo_loss
 
@@ -94,7 +95,7 @@ def test_every_loss_type_trains(tiny_base_dir, tmp_path, loss_type):
     before = adapter_state(trainer.model, POLICY)
     trainer.train()
     assert changed(before, adapter_state(trainer.model, POLICY))
-    assert torch.isfinite(torch.tensor(trainer.history[0]["loss"]))
+    assert torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))
 
 
 def test_micro_batching_gives_the_same_gradient_as_one_batch(tiny_base_dir, tmp_path):
@@ -123,22 +124,22 @@ def test_resume_from_checkpoint_continues_exactly(tiny_base_dir, tmp_path):
         resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"),
     )
     resumed.train()
-    assert resumed.step == 4
+    assert resumed.state.global_step == 4
     for adapter in (POLICY, REFERENCE):
         a, b = adapter_state(full.model, adapter), adapter_state(resumed.model, adapter)
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
-    assert [m["reward/mean"] for m in full.history] == pytest.approx([m["reward/mean"] for m in resumed.history])
+    assert [m["reward/mean"] for m in full.state.log_history] == pytest.approx([m["reward/mean"] for m in resumed.state.log_history])
 
 
 # Failed before the fix it guards (code review): the schedule ran over steps, not updates, so with
 # num_iterations=3 the lr reached 0 a third of the way through the run.
 def test_lr_schedule_spans_every_update_when_the_batch_is_reused(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path, **SMALL_RUN, num_iterations=3, max_steps=4, lr_scheduler="linear")
+    trainer = make_trainer(tiny_base_dir, tmp_path, **SMALL_RUN, num_iterations=3, max_steps=12, lr_scheduler="linear")
     trainer.train()
-    lrs = [m["lr"] for m in trainer.history]  # lr of each step's last update
-    assert all(lr > 0 for lr in lrs)
-    # 12 updates in all, linear to 0: the last step's last update runs at lr·1/12.
+    lrs = [m["lr"] for m in trainer.state.log_history]  # lr of each update (each is a step)
+    assert all(lr > 0 for lr in lrs) and len(lrs) == 12
+    # 12 updates from 4 rollouts, linear to 0: the last update runs at lr·1/12.
     assert lrs[-1] == pytest.approx(1e-2 / 12)
 
 
@@ -157,7 +158,7 @@ def test_eval_and_summary(tiny_base_dir, tmp_path):
     )
     summary = trainer.train()
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
-    assert summary["reward_first"] == pytest.approx(trainer.history[0]["reward/mean"])
+    assert summary["reward_first"] == pytest.approx(trainer.state.log_history[0]["reward/mean"])
     assert summary["steps"] == 2 and summary["seconds"] > 0
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert on_disk["accuracy_after"] == summary["accuracy_after"]
@@ -198,14 +199,14 @@ def test_epoch_and_kl_schedules_in_the_loop(tiny_base_dir, tmp_path):
         reward_funcs=[digit_share], train_dataset=PROMPTS[:4],
     )
     epoch.train()
-    assert [m.get("sync/reason") for m in epoch.history] == [None, "epoch", None, "epoch", None]
-    assert [m["epoch"] for m in epoch.history] == [0, 0, 1, 1, 2]
+    assert [m.get("sync/reason") for m in epoch.state.log_history] == [None, "epoch", None, "epoch", None]
+    assert [m["epoch"] for m in epoch.state.log_history] == [0, 0, 1, 1, 2]
     # Adaptive, hard copy: a step that trains against a reference equal to the policy measures
     # KL exactly 0 (no sync); the next one, after an update, passes the tiny threshold and syncs.
     kl = make_trainer(tiny_base_dir, tmp_path / "k", ref_sync_kl=1e-12, max_steps=4, quantization="none")
     kl.train()
-    assert [m["kl"] == 0.0 for m in kl.history] == [True, False, True, False]
-    assert [m.get("sync/reason") for m in kl.history] == [None, "kl", None, "kl"]
+    assert [m["kl"] == 0.0 for m in kl.state.log_history] == [True, False, True, False]
+    assert [m.get("sync/reason") for m in kl.state.log_history] == [None, "kl", None, "kl"]
 
 
 def test_a_nonfinite_loss_skips_the_update_and_training_goes_on(tiny_base_dir, tmp_path, monkeypatch):
@@ -216,15 +217,15 @@ def test_a_nonfinite_loss_skips_the_update_and_training_goes_on(tiny_base_dir, t
     def nan_on_second_step(*a, **k):
         loss, m = real(*a, **k)
         calls["n"] += 1
-        return (loss * float("nan") if trainer.step == 1 else loss), m
+        return (loss * float("nan") if trainer.state.global_step == 1 else loss), m
 
     monkeypatch.setattr(update_module, "grpo_loss", nan_on_second_step)
     snapshots = []
-    original = trainer.training_step
-    trainer.training_step = lambda rows: snapshots.append(adapter_state(trainer.model, POLICY)) or original(rows)
+    original = trainer.generation_round
+    trainer.generation_round = lambda rows: snapshots.append(adapter_state(trainer.model, POLICY)) or original(rows)
     trainer.train()
     snapshots.append(adapter_state(trainer.model, POLICY))
-    assert [m["skipped_nonfinite"] for m in trainer.history] == [0.0, 1.0, 0.0]
+    assert [m["skipped_nonfinite"] for m in trainer.state.log_history] == [0.0, 1.0, 0.0]
     assert not changed(snapshots[1], snapshots[2])  # step 2's update was skipped
     assert changed(snapshots[2], snapshots[3])  # step 3 trained again
     assert all(torch.isfinite(p).all() for p in trainer.params)
@@ -248,20 +249,20 @@ def test_a_stop_signal_finishes_the_step_writes_a_checkpoint_and_says_how_to_res
     import signal
 
     trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=5, save_steps=0)
-    original = trainer.training_step
+    original = trainer.generation_round
 
     def step_then_signal(rows):
         out = original(rows)
-        if trainer.step == 1:  # arrives during the second step
+        if trainer.state.global_step == 1:  # arrives during the second step
             os.kill(os.getpid(), getattr(signal, signame))
         return out
 
-    trainer.training_step = step_then_signal
+    trainer.generation_round = step_then_signal
     handler_before = signal.getsignal(signal.SIGINT)
     with pytest.raises(TrainingInterrupted) as info:
         trainer.train()
     assert info.value.exit_code == code
-    assert trainer.step == 2 and len(trainer.history) == 2  # the step in flight finished
+    assert trainer.state.global_step == 2 and len(trainer.state.log_history) == 2  # the step in flight finished
     assert info.value.checkpoint == tmp_path / "run" / "checkpoint-2"
     assert "resume_from_checkpoint=latest" in str(info.value) and signame in capsys.readouterr().out
     assert signal.getsignal(signal.SIGINT) is handler_before  # handlers restored
@@ -299,19 +300,20 @@ def test_a_reference_equal_to_the_policy_costs_no_forward(tiny_base_dir, tmp_pat
     monkeypatch.setattr(trainer_module, "reference_forward", lambda model: calls.append(1) or real(model))
     reused = make_trainer(tiny_base_dir, tmp_path / "a", **kw)
     reused.train()
-    assert calls == [] and [m["reference_reused_policy"] for m in reused.history] == [1.0] * 3
+    rounds = [m for m in reused.state.log_history if "reference_reused_policy" in m]  # a rollout's first step
+    assert calls == [] and [m["reference_reused_policy"] for m in rounds] == [1.0] * -(-3 // num_iterations)
     if num_iterations == 1:  # on-policy: the KL to a reference equal to the policy is exactly 0
-        assert all(m["kl"] == 0.0 for m in reused.history)
+        assert all(m["kl"] == 0.0 for m in reused.state.log_history)
     forward = make_trainer(tiny_base_dir, tmp_path / "b", **kw)
-    original = forward.training_step
+    original = forward.generation_round
 
     def always_forward(rows):
         forward.state.reference_is_policy = False
         return original(rows)
 
-    forward.training_step = always_forward
+    forward.generation_round = always_forward
     forward.train()
-    assert len(calls) == 3
+    assert len(calls) == -(-3 // num_iterations)  # one reference forward per rollout (a rollout feeds num_iterations steps)
     for k, v in adapter_state(reused.model, POLICY).items():
         torch.testing.assert_close(v, adapter_state(forward.model, POLICY)[k], rtol=1e-5, atol=1e-6)
 
@@ -319,4 +321,4 @@ def test_a_reference_equal_to_the_policy_costs_no_forward(tiny_base_dir, tmp_pat
 def test_a_soft_sync_runs_the_reference_forward_after_the_first_update(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=3, ref_sync_steps=1, ref_sync_alpha=0.5)
     trainer.train()
-    assert [m["reference_reused_policy"] for m in trainer.history] == [1.0, 0.0, 0.0]
+    assert [m["reference_reused_policy"] for m in trainer.state.log_history] == [1.0, 0.0, 0.0]

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from lora_grpo import GRPOConfig, GRPOTrainer
-from lora_grpo.rewards import TrainerState, compute_rewards
+from lora_grpo.rewards import compute_rewards
 
 G = 4  # num_generations
 
@@ -108,7 +108,8 @@ class Spy:
         self.calls = []
 
     def __call__(self, **kwargs):
-        self.calls.append(kwargs)
+        state = kwargs["trainer_state"]  # the live state, as TRL passes it: keep what it said at the call
+        self.calls.append({**kwargs, "state_then": (state.global_step, state.max_steps, state.epoch)})
         return [0.0] * len(kwargs["completions"])
 
 
@@ -131,7 +132,10 @@ def check_common_keywords(call, dataset_rows):
     assert call["completion_lengths"] == [len(ids) for ids in call["completion_ids"]]
     assert all(isinstance(t, int) for ids in call["completion_ids"] for t in ids)
     assert len(call["truncated"]) == n and all(isinstance(t, bool) for t in call["truncated"])
-    assert call["trainer_state"] == TrainerState(global_step=0, max_steps=1, epoch=0.0)
+    from transformers import TrainerState
+
+    assert isinstance(call["trainer_state"], TrainerState) and call["state_then"] == (0, 1, 0.0)
+    assert callable(call["log_extra"]) and callable(call["log_metric"])  # TRL's logging callables
     # A prompt's row repeats for its G completions, groups contiguous; "prompt" is never a keyword.
     assert "prompt" not in call and "prompt_messages" not in call
     for column in set(dataset_rows[0]) - {"prompt"}:
@@ -152,8 +156,8 @@ def test_trl_signatures_train_on_plain_text_data(tiny_base_dir, tmp_path):
     assert all(isinstance(p, str) and re.fullmatch(r"\d+\+\d=", p) for p in call["prompts"])
     assert all(isinstance(c, str) for c in call["completions"])
     assert set(call) == {"prompts", "completions", "completion_ids", "completion_lengths", "truncated",
-                         "trainer_state", "ground_truth", "task"}
-    metrics = trainer.history[0]
+                         "trainer_state", "log_extra", "log_metric", "ground_truth", "task", "state_then"}
+    metrics = trainer.state.log_history[0]
     for fn in funcs:
         assert f"rewards/{fn.__name__}/mean" in metrics, fn.__name__
     assert metrics["rewards/reward_num_tokens/mean"] == pytest.approx(metrics["completion_length/mean"])
@@ -174,7 +178,7 @@ def test_trl_signatures_train_on_conversational_data(tiny_base_dir, tmp_path):
         assert isinstance(completion, list) and len(completion) == 1
         assert set(completion[0]) == {"role", "content"} and completion[0]["role"] == "assistant"
         assert isinstance(completion[0]["content"], str)
-    metrics = trainer.history[0]
+    metrics = trainer.state.log_history[0]
     for fn in funcs:
         assert f"rewards/{fn.__name__}/mean" in metrics, fn.__name__
     assert metrics["rewards/reward_len/mean"] == -19.0  # len([message]) == 1: TRL's quickstart reward is for text

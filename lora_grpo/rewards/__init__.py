@@ -6,9 +6,10 @@ The contract is TRL's: every argument is passed by keyword::
 
 so a reward function written for TRL's GRPOTrainer works unchanged, e.g.
 ``def accuracy_reward(completions, solution, **kwargs)`` or ``def reward_len(completions, **kwargs)``.
-A function names the keywords it uses and takes ``**kwargs`` for the rest. Every keyword but
-``trainer_state`` is a list with one entry per completion (N = prompts_per_step × G; a prompt's
-row is repeated for its G completions, which are contiguous):
+A function names the keywords it uses and takes ``**kwargs`` for the rest; it may be ``async def``
+(async functions of a step are awaited together, as TRL does). Every keyword but
+``trainer_state``, ``log_extra`` and ``log_metric`` is a list with one entry per completion
+(N = prompts_per_step × G; a prompt's row is repeated for its G completions, which are contiguous):
 
     prompts             the prompt text; for a conversational row (its prompt came from chat
                         messages, see :mod:`lora_grpo.data`) the message list
@@ -21,9 +22,11 @@ row is repeated for its G completions, which are contiguous):
                         (which is ``prompts`` for a conversational row)
     completion_lengths  int: tokens in the completion, ``len(completion_ids[i])``
     truncated           bool: the completion hit max_completion_length without EOS
-    trainer_state       one :class:`TrainerState` for the whole batch: ``global_step`` (optimizer
-                        steps done, 0 on the first step; also ``step``), ``epoch`` (epochs done,
-                        fractional), ``max_steps``
+    trainer_state       the run's state (``transformers.TrainerState``, as TRL passes it):
+                        ``global_step`` (optimizer steps done, 0 on the first step), ``epoch``
+                        (epochs done, fractional), ``max_steps``, ``log_history``
+    log_extra           ``log_extra(column, values)``: one value per completion into completions.jsonl
+    log_metric          ``log_metric(name, value)``: a number into the step's metrics (its mean)
 
 A function that needs a dataset column names it as a parameter without a default, or, when it
 reads columns from ``**kwargs``, declares them in a ``required_columns`` attribute; the trainer
@@ -35,14 +38,8 @@ in the weighted sum (TRL's nansum). See :func:`compute_rewards`.
 
 Where we differ from TRL:
   - we also pass ``completion_lengths`` and ``truncated`` (the length penalties below use them);
-  - ``trainer_state`` is our small frozen :class:`TrainerState`, not ``transformers.TrainerState``
-    (only ``global_step``/``step``, ``epoch`` and ``max_steps``; no ``log_history``...);
   - a row for which every function returned None gets reward NaN and training stops with an error
     naming it (TRL logs a warning and uses 0);
-  - ``async def`` reward functions are refused with a ValueError (TRL awaits them concurrently):
-    wrap one in a plain function that calls ``asyncio.run``;
-  - reward models (``nn.Module``) are not accepted as reward functions, and TRL's newer
-    ``log_extra`` / ``log_metric`` callables are not passed (TRL's own rewards default them to None);
   - a function may also return a tensor or array, bools or numpy scalars; an infinite value is an
     error;
   - prompts from a ``messages_column`` are conversational too (TRL reads only ``prompt``).
@@ -52,19 +49,22 @@ Built-ins (:mod:`lora_grpo.rewards.builtins`; names usable from YAML via
 conversational completions alike:
 
     "format"         think_answer_format                           1.0 / 0.0
+    "think_format_reward", "reasoning_accuracy_reward"   TRL's of those names (and "accuracy_reward")
+    "reward_model"   RewardModel(model=<hub id or path>, batch_size)  a sequence-classification model
     "accuracy"       answer_accuracy                               1.0 / 0.0 / None
     "soft_overlong"  soft_overlong_penalty(max_completion_length, buffer_length)   in [-1, 0]
     "length"         length_penalty(target_length, scale=1.0)                     <= 0
 
 The package: ``scoring`` (the contract's checks and :func:`compute_rewards`), ``specs`` (specs →
-functions, the column check), ``builtins`` (the built-in rewards); every public name imports from
-``lora_grpo.rewards``.
+functions, the column check), ``builtins`` (the built-in rewards), ``models`` (:class:`RewardModel`:
+a sequence-classification model as a reward function, scored as TRL does); every public name
+imports from ``lora_grpo.rewards``.
 """
 
 from .builtins import answer_accuracy, extract_answer, length_penalty, parse_number, soft_overlong_penalty, think_answer_format
+from .models import RewardModel
 from .scoring import (
     RewardFunc,
-    TrainerState,
     check_reward_weights,
     compute_rewards,
     conversational_inputs,
@@ -77,7 +77,7 @@ __all__ = [
     "BUILTIN_REWARDS",
     "TRAINER_KEYWORDS",
     "RewardFunc",
-    "TrainerState",
+    "RewardModel",
     "answer_accuracy",
     "check_reward_weights",
     "check_reward_columns",

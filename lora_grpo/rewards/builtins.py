@@ -268,6 +268,41 @@ def answer_accuracy(completions: list, **kwargs) -> list[float | None]:
 answer_accuracy.required_columns = (("answer", "solution"),)  # one of the two; see check_reward_columns
 
 
+_THINK_RE = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def think_format_reward(completions: list, **kwargs) -> list[float]:
+    """TRL's ``think_format_reward``: 1.0 when the completion opens with one ``<think>...</think>``
+    block (anything may follow it), else 0.0.
+
+    >>> think_format_reward(completions=["<think>\\nreasons\\n</think>\\nanswer", "<think>\\nno end"])
+    [1.0, 0.0]
+    """
+    return [1.0 if _THINK_RE.match(_text(c)) else 0.0 for c in completions]
+
+
+def reasoning_accuracy_reward(completions: list, reasoning_delimiters: Sequence[str] | None = None,
+                              **kwargs) -> list[float | None]:
+    """TRL's ``reasoning_accuracy_reward``: :func:`answer_accuracy` of the text after the last reasoning
+    delimiter (default ``</think>``); 0.0 when the completion has no delimiter (no final answer).
+    None where the reference is missing, as answer_accuracy.
+
+    >>> reasoning_accuracy_reward(completions=["<think>maybe 5</think> it is 7", "<think>it is 7"], answer=["7", "7"])
+    [1.0, 0.0]
+    """
+    delimiters = list(reasoning_delimiters or ["</think>"])
+    finals = []
+    for completion in completions:
+        text = _text(completion)
+        cut = max((text.rfind(d) + len(d) for d in delimiters if d in text), default=-1)
+        finals.append(None if cut < 0 else text[cut:])
+    scores = answer_accuracy(completions=[f or "" for f in finals], **kwargs)
+    return [0.0 if f is None and score is not None else score for f, score in zip(finals, scores)]
+
+
+reasoning_accuracy_reward.required_columns = (("answer", "solution"),)
+
+
 # ------------------------------------------------------------------------------ length penalties
 
 

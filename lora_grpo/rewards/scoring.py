@@ -5,17 +5,18 @@ The contract the functions follow is in :mod:`lora_grpo.rewards` (the package do
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .builtins import _text
-from .specs import _check_not_async, reward_names
+from .specs import reward_names
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
@@ -23,29 +24,35 @@ RewardFunc = Callable[..., Sequence[float | None]]
 # ---------------------------------------------------------------------------------- contract
 
 # Keywords holding one value for the whole batch, not one per completion.
-_BATCH_KEYWORDS = frozenset({"trainer_state"})
+_BATCH_KEYWORDS = frozenset({"trainer_state", "log_extra", "log_metric", "environments"})
 
 
-@dataclass(frozen=True)
-class TrainerState:
-    """The ``trainer_state`` keyword: training progress, for rewards that change over training
-    (curricula, annealed penalties). The fields of ``transformers.TrainerState`` (what TRL passes)
-    that such rewards read, with the same meaning; nothing else.
+# ---------------------------------------------------------------------------------- failures
 
-    Attributes:
-        global_step: optimizer steps done before this batch was scored (0 on the first step).
-        max_steps: the optimizer steps the run will take.
-        epoch: epochs done, fractional (``global_step / steps_per_epoch``).
+
+class RewardFunctionError(RuntimeError, ValueError):
+    """A reward function failed while scoring: it raised, or returned what the contract does not
+    allow (a wrong number of values, a value that is no number, NaN for every completion).
+
+    A RuntimeError for a function that raised and a ValueError for bad values alike, so either
+    `except` catches it. ``function`` is its name; ``global_step`` the optimizer steps done when it
+    failed (``trainer_state.global_step``; None when scored outside a trainer). The trainer catches
+    it to keep the work done so far (a checkpoint) and say how to resume.
     """
 
-    global_step: int
-    max_steps: int
-    epoch: float
+    def __init__(self, message: str, function: str | None = None, global_step: int | None = None):
+        super().__init__(message)
+        self.function, self.global_step = function, global_step
 
-    @property
-    def step(self) -> int:
-        """Alias of ``global_step``."""
-        return self.global_step
+
+def _when(columns: Mapping[str, Any]) -> tuple[str, int | None]:
+    """('after 12 of 100 optimizer steps: ', 12) from the trainer_state keyword, ('', None) without one."""
+    state = columns.get("trainer_state")
+    step = getattr(state, "global_step", None)
+    if not isinstance(step, int):
+        return "", None
+    total = getattr(state, "max_steps", None)
+    return f"after {step}{f' of {total}' if isinstance(total, int) else ''} optimizer steps: ", step
 
 
 # ---------------------------------------------------------------------------------- scoring
@@ -117,10 +124,28 @@ def _find_failing_sample(fn, prompts, completions, columns) -> tuple[int, Except
     """Call ``fn`` one sample at a time to find the first that raises (only on the error path)."""
     for i in range(len(completions)):
         try:
-            fn(**_keywords(prompts, completions, columns, i))
+            value = fn(**_keywords(prompts, completions, columns, i))
+            if inspect.isawaitable(value) and isinstance(error := run_coroutines([value])[0], Exception):
+                raise error
         except Exception as e:  # noqa: BLE001 - reported to the user
             return i, e
     return None
+
+
+_LOOP = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora_grpo-async-rewards")
+
+
+def run_coroutines(awaitables: list) -> list:
+    """Await them concurrently (asyncio.gather), on an event loop of a worker thread, so that it works
+    inside a running loop too (a notebook); each result, or the exception it raised."""
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    results = _LOOP.submit(asyncio.run, gather()).result()
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            raise r  # KeyboardInterrupt and the like are not a reward function's failure
+    return results
 
 
 def _check_signature(fn, name: str, keywords: Mapping[str, Any]) -> None:
@@ -164,11 +189,31 @@ def _to_float(value: Any) -> float | None:
     return None if math.isnan(out) else out
 
 
-def _score_one(fn, name, prompts, completions, columns, n) -> list[float | None]:
+def _start(fn, name, prompts, completions, columns):
+    """Call one reward function on the batch: its values, an awaitable (an async function, awaited with
+    the others), or the exception it raised. A signature that cannot take the keywords fails first."""
+    when, step = _when(columns)
     keywords = _keywords(prompts, completions, columns)
-    _check_signature(fn, name, keywords)
     try:
-        values = fn(**keywords)
+        _check_signature(fn, name, keywords)
+    except ValueError as e:
+        raise RewardFunctionError(f"{when}{e}", name, step) from None
+    try:
+        return fn(**keywords)
+    except Exception as e:  # noqa: BLE001 - reported, naming the sample, by _score_one
+        return e
+
+
+def _score_one(fn, name, prompts, completions, columns, n, values) -> list[float | None]:
+    """Check one function's result (`values`, or the exception it raised): a list of n rewards."""
+    when, step = _when(columns)
+
+    def fail(message: str) -> RewardFunctionError:
+        return RewardFunctionError(f"{when}reward function {name!r} {message}", name, step)
+
+    try:
+        if isinstance(values, Exception):  # the call raised (an async function's result, or _call's)
+            raise values
     except Exception as e:
         found = _find_failing_sample(fn, prompts, completions, columns)
         if found is not None:
@@ -177,15 +222,7 @@ def _score_one(fn, name, prompts, completions, columns, n) -> list[float | None]
         else:
             first = _sample(0, prompts, completions)
             where = f"it fails on the batch of {n} but on no single sample; first {first}"
-        raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}; {where}") from e
-    if inspect.isawaitable(values):
-        if inspect.iscoroutine(values):
-            values.close()  # never awaited: close it rather than leave a "never awaited" warning
-        _check_not_async(fn)  # the message for an async def function
-        raise ValueError(
-            f"reward function {name!r} returned an awaitable ({type(values).__name__}); reward "
-            "functions are called synchronously and must return a list of numbers"
-        )
+        raise fail(f"raised {type(e).__name__}: {e}; {where}") from e
     if isinstance(values, torch.Tensor):
         values = values.reshape(-1).tolist()
     try:
@@ -193,25 +230,25 @@ def _score_one(fn, name, prompts, completions, columns, n) -> list[float | None]
     except TypeError:  # a scalar, a generator, a 0-d array
         got = None
     if got is None or isinstance(values, (str, bytes, Mapping)):  # a str or dict is no list of rewards
-        raise ValueError(
-            f"reward function {name!r} must return a list of {n} numbers (one per completion), "
-            f"got a {type(values).__name__} ({values!r:.60})"
-        )
+        raise fail(f"must return a list of {n} numbers (one per completion), got a {type(values).__name__} "
+                   f"({values!r:.60})")
     if got != n:
-        raise ValueError(
-            f"reward function {name!r} returned {got} values for {n} completions "
-            f"(expected one per completion, {n})"
-        )
-    out = []
+        raise fail(f"returned {got} values for {n} completions (expected one per completion, {n})")
+    out, nans = [], 0
     for i, value in enumerate(values):
         try:
             out.append(_to_float(value))
         except TypeError as e:
-            raise ValueError(
-                f"reward function {name!r} returned a bad value at index {i}: {e}; a reward must be "
-                "a finite number (float, int, bool, numpy scalar, one-element tensor), or None where "
-                f"it does not apply: convert it (float(...)) or clip it; {_sample(i, prompts, completions)}"
+            raise fail(
+                f"returned a bad value at index {i}: {e}; a reward must be a finite number (float, int, bool, "
+                "numpy scalar, one-element tensor), or None where it does not apply: convert it (float(...)) or "
+                f"clip it; {_sample(i, prompts, completions)}"
             ) from None
+        nans += out[-1] is None and value is not None
+    if n and nans == n:  # None for all is "applies to none of them"; NaN for all is a failed computation
+        raise fail(f"returned NaN for every one of the {n} completions, which means its computation failed "
+                   f"(e.g. a mean over nothing); return None where a reward does not apply. First "
+                   f"{_sample(0, prompts, completions)}")
     return out
 
 
@@ -256,11 +293,12 @@ def compute_rewards(
     Example: two functions, weights (1, 0.5), per_func [[1, None], [0, -1]] -> rewards [1.0, -0.5];
     metrics rewards/f/mean = 0.5, rewards/g/mean = -1.0 (the None is left out, not averaged as 0).
 
-    Errors: a function that raises -> RuntimeError naming it and the first sample that fails on its
-    own (found by calling it per sample), chained from the original; a function whose signature
-    cannot take the keywords (say ``lambda p, c: ...``), an ``async def`` function, a wrong number
-    of values or a non-numeric / infinite value -> ValueError naming the function (and the
-    sample); len(weights) != F -> ValueError.
+    Errors: a function that raises, whose signature cannot take the keywords (say
+    ``lambda p, c: ...``), that returns a wrong number of values, a non-numeric / infinite value
+    or NaN for every completion -> :class:`RewardFunctionError` (a RuntimeError and a ValueError)
+    naming the function, the optimizer steps done (from ``trainer_state``) and the sample: for a
+    raise, the first sample that fails on its own (found by calling it per sample), chained from
+    the original. An ``async def`` function or len(weights) != F -> ValueError.
     """
     reward_funcs = list(reward_funcs)
     n, n_funcs = len(completions), len(reward_funcs)
@@ -271,8 +309,6 @@ def compute_rewards(
         raise ValueError(
             f"got {len(prompts)} prompts for {n} completions; expected one prompt per completion"
         )
-    for fn in reward_funcs:
-        _check_not_async(fn)
     for key, values in columns.items():
         if key in ("prompts", "completions"):
             raise ValueError(f"column name {key!r} clashes with the keyword {key!r} that compute_rewards passes itself")
@@ -285,8 +321,13 @@ def compute_rewards(
 
     names = reward_names(reward_funcs)
     per_func = torch.full((n, n_funcs), float("nan"), dtype=torch.float32)
+    prompts, completions = list(prompts), list(completions)
+    results = [_start(fn, name, prompts, completions, columns) for fn, name in zip(reward_funcs, names, strict=True)]
+    pending = [j for j, r in enumerate(results) if inspect.isawaitable(r)]
+    for j, value in zip(pending, run_coroutines([results[j] for j in pending]) if pending else []):
+        results[j] = value  # async functions run concurrently, as TRL awaits them
     for j, (fn, name) in enumerate(zip(reward_funcs, names, strict=True)):
-        scores = _score_one(fn, name, list(prompts), list(completions), columns, n)
+        scores = _score_one(fn, name, prompts, completions, columns, n, results[j])
         per_func[:, j] = torch.tensor([float("nan") if s is None else s for s in scores], dtype=torch.float32)
 
     present = ~per_func.isnan()  # (N, F)

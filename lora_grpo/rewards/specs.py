@@ -16,7 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..tasks.countdown import countdown_reward
+from .models import RewardModel
 from .builtins import (
+    reasoning_accuracy_reward,
+    think_format_reward,
     answer_accuracy,
     length_penalty,
     soft_overlong_penalty,
@@ -39,9 +42,13 @@ __all__ = [
 BUILTIN_REWARDS: dict[str, tuple[Callable, bool]] = {
     "format": (think_answer_format, False),
     "accuracy": (answer_accuracy, False),
+    "accuracy_reward": (answer_accuracy, False),  # TRL's registry names, lora_grpo's functions of that meaning
+    "think_format_reward": (think_format_reward, False),
+    "reasoning_accuracy_reward": (reasoning_accuracy_reward, False),
     "soft_overlong": (soft_overlong_penalty, True),
     "length": (length_penalty, True),
     "countdown": (countdown_reward, False),
+    "reward_model": (RewardModel, True),  # {name: reward_model, kwargs: {model: <hub id or path>, batch_size: 32}}
 }
 _ALIASES = {obj.__name__: name for name, (obj, _) in BUILTIN_REWARDS.items()}
 
@@ -79,6 +86,24 @@ def _import_object(path: str) -> Any:
             obj = getattr(obj, attr)
         return obj
     raise first_error  # type: ignore[misc]
+
+
+def _import_hint(path: str, error: Exception) -> str:
+    """What to do about a dotted reward path that did not import: the package is not on the path (the
+    lora-grpo command does not put the current directory there), or the module lacks the name."""
+    top = path.replace(":", ".").split(".")[0]
+    if isinstance(error, ModuleNotFoundError) and error.name is not None and error.name.split(".")[0] == top:
+        return (f". {top!r} is not importable from here: install it (pip install -e <its project>), or put the "
+                f"directory that holds {top}/ or {top}.py on the path: the lora-grpo command does not add the "
+                f"current directory, so run PYTHONPATH=. lora-grpo train ... (or python -m lora_grpo.cli train ...)")
+    if isinstance(error, AttributeError) and (module := getattr(error, "obj", None)) is not None:
+        names = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")) \
+            if hasattr(module, "__dict__") else []
+        close = difflib.get_close_matches(getattr(error, "name", None) or "", names, n=3, cutoff=0.5)
+        return (f". {getattr(module, '__name__', module)!r} has no {error.name!r}"
+                + (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                   f"; its functions: {names[:12]}" if names else ""))
+    return ""
 
 
 def _call_factory(factory: Callable, kwargs: dict, context: Mapping[str, Any], spec: Any) -> Callable:
@@ -120,7 +145,7 @@ def _resolve_one(spec: Any, context: Mapping[str, Any]) -> Callable:
         obj = _import_object(name)
     except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, or the module's own error
         raise ValueError(
-            f"cannot import reward {name!r} ({type(e).__name__}: {e}); accepted: {_ACCEPTED}"
+            f"cannot import reward {name!r} ({type(e).__name__}: {e}){_import_hint(name, e)}; accepted: {_ACCEPTED}"
         ) from e
     if isinstance(obj, type) or kwargs:  # a class or a factory: build the reward function
         obj = _call_factory(obj, kwargs, context, spec)
@@ -151,31 +176,10 @@ def resolve_reward_funcs(specs: Any, *, context: Mapping[str, Any] | None = None
     """
     if isinstance(specs, (str, Mapping)) or callable(specs):
         specs = [specs]
-    funcs = [_resolve_one(spec, context or {}) for spec in specs]
-    for fn in funcs:
-        _check_not_async(fn)
-    return funcs
+    return [_resolve_one(spec, context or {}) for spec in specs]
 
 
-# --------------------------------------------------------------------------- names, async check
-
-
-def _is_async(fn: Callable) -> bool:
-    """Whether calling ``fn`` returns a coroutine: an ``async def`` function, a partial of one, or an
-    object whose ``__call__`` is one."""
-    target = fn
-    while isinstance(target, functools.partial):
-        target = target.func
-    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
-
-
-def _check_not_async(fn: Callable) -> None:
-    if _is_async(fn):
-        raise ValueError(
-            f"reward function {reward_name(fn)!r} is an async function (async def); lora_grpo calls "
-            "reward functions synchronously (unlike TRL, which awaits them concurrently). Wrap it: "
-            f"def {reward_name(fn)}_sync(**kwargs): return asyncio.run({reward_name(fn)}(**kwargs))"
-        )
+# --------------------------------------------------------------------------------- names
 
 
 def reward_name(fn: Callable) -> str:
@@ -200,7 +204,8 @@ def reward_names(reward_funcs: Sequence[Callable]) -> list[str]:
 
 # Names the trainer itself passes to every reward function: never dataset columns.
 TRAINER_KEYWORDS = frozenset(
-    {"prompts", "completions", "completion_ids", "completion_lengths", "truncated", "trainer_state"}
+    {"prompts", "completions", "completion_ids", "completion_lengths", "truncated", "trainer_state", "log_extra",
+     "log_metric", "environments"}
 )
 
 

@@ -4,6 +4,9 @@
                  together (:func:`generate_rollout`); the :class:`Rollout` it returns
     sampling     one draw from (N, V) logits: repetition penalty, temperature, top-k/top-p/min-p
     fast_decode  the fixed-shape decode (static KV cache, torch.compile / CUDA graphs)
+    tools        tool calls inside a rollout: :class:`Toolbox` (tools, schemas, the template check,
+                 parsing, replies), :class:`ToolEpisode` (one rollout's tools and environments),
+                 :func:`tool_metrics`
 """
 
 from .generate import (
@@ -17,20 +20,38 @@ from .generate import (
     tokenize_prompts,
 )
 from .sampling import apply_min_p, apply_repetition_penalty, apply_top_k, apply_top_p, sample_next, warp_logits
+from .tools import (
+    TOOL_CALL_FORMATS,
+    ToolEpisode,
+    Toolbox,
+    check_tool_template,
+    parse_tool_calls,
+    reply_ids,
+    tool_metrics,
+    tool_schema,
+)
 
 __all__ = [
     "Rollout",
+    "TOOL_CALL_FORMATS",
+    "ToolEpisode",
+    "Toolbox",
     "apply_min_p",
     "apply_repetition_penalty",
     "apply_top_k",
     "apply_top_p",
     "check_prompt_lengths",
+    "check_tool_template",
     "context_limit",
     "eos_token_ids",
     "generate_rollout",
+    "parse_tool_calls",
     "prompt_token_rows",
+    "reply_ids",
     "sample_next",
     "special_token_ids",
     "tokenize_prompts",
+    "tool_metrics",
+    "tool_schema",
     "warp_logits",
 ]

@@ -8,12 +8,19 @@ graphs need one shape and fixed buffer addresses. Here the prefix-shared prefill
 finished rows keep decoding a pad token whose output the sampler ignores.
 
 This module only owns the model side (the cache and the forward); sampling stays in rollout.py,
-outside the compiled function, so the generator draws exactly what the eager sampler draws.
+outside the compiled function, so from the same logits the generator draws what the eager sampler
+draws. The logits are the eager sampler's to float32 rounding on a CPU (tested); on a GPU, and in
+bf16 / fp16, other kernels and attention over the padded slots change their last bits, so a near-tie
+can go the other way.
 
 What is kept per model (as an attribute, so it lives and dies with the model): the compiled
 forward (torch.compile caches one graph per shape; see :func:`cache_length` for why shapes are
-few), the last static caches (reused so CUDA graphs see the same buffer addresses on every
-rollout), and, once compilation has failed, why (logged once; every later rollout is eager).
+few), and, for compiled decoding only, the last KEPT_CACHES static caches: CUDA graphs read the
+cache at fixed addresses, so a compiled step reuses them on every rollout. That memory stays
+allocated between rollouts, and the memory plan counts it (memory.decode_memory, from
+:func:`static_cache_bytes`). An uncompiled static rollout frees its cache when it ends. Once
+compilation has failed, why (logged once): every later rollout is eager, and what the compiled
+path kept is freed.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from ..device import compile_pays
+
 logger = logging.getLogger(__name__)
 
-# Keep the caches of this many (rows, slots) shapes: a training rollout and an eval rollout.
-_KEPT_CACHES = 2
+# A compiled step keeps the caches of this many (rows, slots) shapes: a training rollout and an eval rollout.
+KEPT_CACHES = 2
 _STATE_ATTR = "_lora_grpo_fast_decode"
 # The samplers generate_rollout offers (config.DECODE_MODES repeats the names; config imports no torch).
 DECODE_MODES = ("auto", "eager", "static", "compiled")
@@ -43,13 +52,38 @@ def cache_length(needed: int) -> int:
     return max(64, 1 << (needed - 1).bit_length())
 
 
+def kv_bytes_per_slot(model_config, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take in every layer, for a row of the KV cache."""
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def static_cache_bytes(model_config, rows: int, needed: int, dtype: torch.dtype) -> int:
+    """Bytes of the static cache :class:`StaticDecoder` allocates for `rows` sequences of `needed`
+    = prompt width + max new tokens: cache_length(needed) slots per row, whatever is filled."""
+    return rows * cache_length(needed) * kv_bytes_per_slot(model_config, dtype)
+
+
+def kept_cache_bytes(model) -> int:
+    """Bytes of the static caches this model keeps between rollouts now (0 when none)."""
+    state = model.__dict__.get(_STATE_ATTR)
+    caches = state.caches.values() if state is not None else ()
+    return sum(t.nbytes for cache in caches for layer in cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+
 class _ModelState:
     """What one model keeps across rollouts (see the module docstring)."""
 
     def __init__(self):
         self.compiled = None  # the compiled forward, built on first use
-        self.caches: OrderedDict[tuple, object] = OrderedDict()  # (N, L, dtype, device) → StaticCache
+        self.caches: OrderedDict[tuple, object] = OrderedDict()  # (N, L, dtype, device) → StaticCache; compiled only
         self.failed: str | None = None  # why fast decoding is off for this model (see unavailable)
+        self.checked = False  # whether _unsupported ran
+        self.auto: str | None = None  # what decode_mode 'auto' chose (said once)
 
 
 def _state(model) -> _ModelState:
@@ -70,8 +104,12 @@ def unavailable(model) -> str | None:
 
 def _give_up(model, reason: str) -> None:
     """Turn fast decoding off for this model, saying why in one logged line (once: later rollouts
-    see ``unavailable(model)`` and go eager without a word)."""
-    _state(model).failed = reason
+    see ``unavailable(model)`` and go eager without a word), and let go of what only the fast path
+    used: the kept static caches (gigabytes of KV on a GPU) and the compiled step. A rollout still
+    running holds its own cache until it ends."""
+    state = _state(model)
+    state.failed, state.compiled = reason, None
+    state.caches.clear()
     logger.warning("fast decoding is unavailable (%s); rollouts use the eager sampler from now on", reason)
 
 
@@ -100,25 +138,40 @@ def _unsupported(model) -> str | None:
 def resolve_decode_mode(mode: str, model, device: torch.device) -> str:
     """The sampler to run for ``mode`` (one of DECODE_MODES): "eager", "static" or "compiled".
 
-    "auto" compiles on CUDA only, where CUDA graphs remove the per-kernel launch cost that
-    dominates decoding small batches. On a CPU, inductor takes 15-30 s per shape to compile and its
-    step was no faster than the eager one (benchmarks/rollout_speed.py), so the eager sampler, which
-    also drops finished rows, wins. A model static decoding cannot serve, or whose compilation
-    failed before, gets "eager".
+    "auto" compiles where it pays (device.compile_pays): on a CUDA GPU that Triton serves for the
+    model's dtype, where CUDA graphs remove the per-kernel launch cost that dominates decoding small
+    batches; everywhere else (CPU, pre-Volta GPUs, bf16 on pre-Ampere ones) the eager sampler, which
+    also drops finished rows, wins. What 'auto' chose is said once per model, in one line (a warning
+    when a GPU does not compile). A model static decoding cannot serve, or whose compilation failed
+    before, gets "eager".
     """
     if mode not in DECODE_MODES:
         raise ValueError(f"decode_mode={mode!r} is not one of {list(DECODE_MODES)}")
+    state = _state(model)
     if mode == "auto":
-        mode = "compiled" if device.type == "cuda" else "eager"
+        pays, why = compile_pays(device, _weight_dtype(model))
+        mode = "compiled" if pays else "eager"
+        if state.auto is None:
+            state.auto = mode
+            level = logging.WARNING if device.type == "cuda" and not pays else logging.INFO
+            logger.log(level, "decode_mode auto → %s (%s)", mode, why)
     if mode == "eager":
         return mode
-    state = model.__dict__.get(_STATE_ATTR)
-    if state is None:  # the first fast rollout of this model: can it decode with a static cache?
+    if not state.checked:  # the first fast rollout of this model: can it decode with a static cache?
+        state.checked = True
         reason = _unsupported(model)
-        state = _state(model)
         if reason is not None:
             _give_up(model, reason)
     return "eager" if state.failed else mode
+
+
+def _weight_dtype(model) -> torch.dtype:
+    """The dtype the model computes in: its input embeddings' (a 4-bit base keeps them unquantized)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    if weight is not None and weight.is_floating_point():
+        return weight.dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _transformers_model(model):
@@ -162,26 +215,30 @@ class StaticDecoder:
         N, P = attention_mask.shape
         self.slot = P  # the cache slot the next token is written to, the same for every row
         L = cache_length(P + max_new)
-        self.cache = self._static_cache(prefill_cache, N, L)
+        compiled = compiled and self.state.failed is None
+        # Only a compiled step keeps its cache (CUDA graphs' fixed addresses); this decoder owns an
+        # uncompiled one, freed with it when the rollout ends.
+        self.cache = self._static_cache(prefill_cache, N, L, keep=compiled)
         self.attn = torch.zeros((N, L), dtype=attention_mask.dtype, device=attention_mask.device)
         self.attn[:, :P] = attention_mask
-        self.compiled = self._compiled() if compiled and self.state.failed is None else None
+        self.compiled = self._compiled() if compiled else None
 
     # ------------------------------------------------------------------ setup
-    def _static_cache(self, prefill_cache, N: int, L: int):
+    def _static_cache(self, prefill_cache, N: int, L: int, *, keep: bool):
         from transformers import StaticCache
 
         layers = prefill_cache.layers
         first = layers[0].keys
         key = (N, L, first.dtype, first.device)
-        cache = self.state.caches.pop(key, None)
+        cache = self.state.caches.pop(key, None) if keep else None
         if cache is None:
             cache = StaticCache(config=self.model.config, max_cache_len=L)
         else:
             cache.reset()  # same buffers (same addresses for CUDA graphs), zeroed, slot 0
-        self.state.caches[key] = cache  # most recently used last
-        while len(self.state.caches) > _KEPT_CACHES:
-            self.state.caches.popitem(last=False)
+        if keep:
+            self.state.caches[key] = cache  # most recently used last
+            while len(self.state.caches) > KEPT_CACHES:
+                self.state.caches.popitem(last=False)
         for i, layer in enumerate(layers):  # slots [0, P) ← the prompt's keys and values
             cache.update(layer.keys, layer.values, i)
         return cache

@@ -6,6 +6,14 @@ P·G sequences together until every one has emitted EOS or ``max_completion_leng
 That loop runs eagerly (finished rows leave the batch) or, for torch.compile and CUDA graphs, with
 fixed shapes over a static KV cache (:mod:`lora_grpo.rollout.fast_decode`); both draw the same
 tokens. Each draw is :func:`lora_grpo.rollout.sampling.sample_next`.
+
+With tools (:mod:`lora_grpo.rollout.tools`) a completion is several turns: when a row draws EOS, its
+tool calls are parsed and run, and the reply's tokens (rendered by the chat template) are fed to the
+model as if drawn, one per decode step, on the same KV cache and in the same decode batch as the rows
+still sampling; no second prefill, nothing the model wrote re-tokenised. The row goes on sampling
+after the reply, until a turn makes no call, ``max_tool_calling_iterations`` rounds are done, or
+``max_completion_length`` (all turns and replies together) is spent. Without tools nothing changes:
+the same tokens are drawn.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from torch import Tensor
 
 from .fast_decode import StaticDecoder, resolve_decode_mode
 from .sampling import sample_next
+from .tools import ToolEpisode, Toolbox, ToolTurns
 
 
 @dataclass
@@ -36,6 +45,12 @@ class Rollout:
     # (B, T) float32: log-prob of each sampled token under the distribution it was drawn from
     # (after penalty, temperature and filters); 0 for greedy decoding and where the mask is 0.
     sampling_logprobs: Tensor | None = None
+    # With tools only (None without): the loss counts what the policy chose, not what tools wrote.
+    tool_mask: Tensor | None = None  # (B, T) long, 1 on drawn completion tokens, 0 on tool-reply tokens and padding
+    messages: list[list[dict]] | None = None  # (B,) the completion as chat messages: assistant turns (with
+    #   "tool_calls" where they called), {"role": "tool", "name", "content"} replies; TRL's conversational completions
+    tool_calls: Tensor | None = None  # (B,) long, tool calls run per completion (failed ones included)
+    tool_failures: Tensor | None = None  # (B,) long, calls that raised, timed out, or could not be parsed or found
 
     def to(self, device) -> Rollout:
         moved = {
@@ -190,13 +205,15 @@ def _prefill(model, ids, mask, *, G, sampling):
     return cache, logits, attn, next_pos, seen
 
 
-def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling, generator) -> tuple[Tensor, Tensor]:
+def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling, generator, turns=None) -> tuple[Tensor, Tensor]:
     """The sampling loop both samplers share. ``logits`` (N, V): the first token's; ``seen``: the
     repetition-penalty mask (N, V) or None. Each step draws one token per row still decoding, then
     asks ``advance(keep, tok)`` for the next logits of the rows left: ``keep`` indexes the rows that
     did not just finish (None when none did), ``tok`` their tokens. The draws depend only on these
     logits and the generator, so samplers that compute them differently draw the same tokens.
-    -> (tokens (N, T), log-probs (N, T)) with T <= max_new; pad_id after a row's first EOS."""
+    ``turns`` (a :class:`ToolTurns`, with tools) replaces the draws of rows inside a tool reply by the
+    reply's tokens and decides which rows a drawn EOS finishes (one that called a tool goes on).
+    -> (tokens (N, T), log-probs (N, T)) with T <= max_new; pad_id after a row's end."""
     eos = torch.tensor(eos_ids, device=logits.device)
     N = logits.size(0)
     tokens = torch.full((N, max_new), pad_id, dtype=torch.long, device=logits.device)
@@ -204,9 +221,11 @@ def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling,
     rows = torch.arange(N, device=logits.device)  # output row of each sequence still decoding
     for step in range(max_new):
         tok, logp = sample_next(logits, seen, generator=generator, **sampling)
+        if turns is not None:
+            tok, logp = turns.force(rows, step, tok, logp)
         tokens[rows, step] = tok
         logps[rows, step] = logp
-        done = torch.isin(tok, eos)
+        done = torch.isin(tok, eos) if turns is None else turns.end_turns(rows, step, tok, tokens)
         if bool(done.all()) or step == max_new - 1:
             break
         keep = None
@@ -220,7 +239,7 @@ def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling,
     return tokens[:, : step + 1], logps[:, : step + 1]
 
 
-def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator) -> tuple[Tensor, Tensor]:
+def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator, turns=None) -> tuple[Tensor, Tensor]:
     """The eager sampler. Sample G completions for each of the n prompts in (ids, mask): (n, P)
     each, left-padded. -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a
     row's first EOS."""
@@ -240,11 +259,11 @@ def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, ge
         return out.logits[:, -1]
 
     return _sample_tokens(logits, seen, advance, max_new=max_new, eos_ids=eos_ids, pad_id=pad_id, sampling=sampling,
-                          generator=generator)
+                          generator=generator, turns=turns)
 
 
 def _decode_chunk_static(
-    model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator, compiled
+    model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator, compiled, turns=None
 ) -> tuple[Tensor, Tensor]:
     """The fixed-shape sampler (:mod:`lora_grpo.fast_decode`): same arguments and result as
     :func:`_decode_chunk`, and the same tokens under the same generator. All N rows run every step
@@ -267,7 +286,7 @@ def _decode_chunk_static(
         return out if rows.numel() == N else out[rows]  # index only once a row has finished
 
     return _sample_tokens(logits, seen, advance, max_new=max_new, eos_ids=eos_ids, pad_id=pad_id, sampling=sampling,
-                          generator=generator)
+                          generator=generator, turns=turns)
 
 
 def _pad_right(x: Tensor, width: int, value) -> Tensor:
@@ -290,6 +309,8 @@ def generate_rollout(
     generator: torch.Generator | None = None,
     micro_batch_prompts: int | None = None,
     decode_mode: str = "eager",
+    tools: Toolbox | ToolEpisode | None = None,
+    max_tool_calling_iterations: int | None = None,
 ) -> Rollout:
     """Sample ``num_generations`` completions for each prompt (already-rendered text).
 
@@ -304,6 +325,14 @@ def generate_rollout(
     CUDA graphs on CUDA), or "auto" ("compiled" on CUDA, "eager" elsewhere). A model that cannot
     decode statically or compile is sampled eagerly, with one logged line saying why.
 
+    ``tools``: a :class:`~lora_grpo.rollout.tools.Toolbox` (an episode of B rows is made from it: its
+    environments reset without fields) or a :class:`~lora_grpo.rollout.tools.ToolEpisode` of B rows
+    (row b is completion b). Then each completion may call tools, up to
+    ``max_tool_calling_iterations`` rounds (None: no limit), within ``max_completion_length`` tokens
+    in all, replies included; the Rollout's ``tool_mask``, ``messages``, ``tool_calls`` and
+    ``tool_failures`` say what was drawn, said and run. Prompts should be rendered with the tools
+    (:meth:`Toolbox.render_prompt`).
+
     Raises ValueError (before any model call) when the tokenizer has no pad or EOS token, or when
     a prompt (after ``max_prompt_length`` truncation) plus ``max_completion_length`` exceeds the
     model's context (:func:`context_limit`).
@@ -314,6 +343,9 @@ def generate_rollout(
         raise ValueError("invalid sampling parameters")
     G, pad_id = num_generations, tokenizer.pad_token_id
     eos_ids = special_token_ids(model, tokenizer)
+    episode = tools.episode(len(prompts) * G) if isinstance(tools, Toolbox) else tools
+    if episode is not None and len(episode) != len(prompts) * G:
+        raise ValueError(f"the tool episode has {len(episode)} rows; the rollout has {len(prompts)} prompts x {G}")
     device = next(model.parameters()).device
     sampling = dict(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
@@ -328,22 +360,17 @@ def generate_rollout(
 
     modes = {m: m.training for m in model.modules()}
     model.eval()
+    parts, turns = [], []
     try:
         with torch.no_grad():
-            parts = [
-                decode(
-                    model,
-                    prompt_ids[i : i + chunk].to(device),
-                    prompt_mask[i : i + chunk].to(device),
-                    G=G,
-                    max_new=max_completion_length,
-                    eos_ids=eos_ids,
-                    pad_id=pad_id,
-                    sampling=sampling,
-                    generator=generator,
-                )
-                for i in range(0, len(prompts), chunk)
-            ]
+            for i in range(0, len(prompts), chunk):
+                ids, mask = prompt_ids[i : i + chunk].to(device), prompt_mask[i : i + chunk].to(device)
+                if episode is not None:
+                    rows = [r[m.bool()].tolist() for r, m in zip(ids, mask) for _ in range(G)]
+                    turns.append(ToolTurns(episode, offset=i * G, prompts=rows, max_new=max_completion_length,
+                                           stop_ids=eos_ids, max_iterations=max_tool_calling_iterations, device=device))
+                parts.append(decode(model, ids, mask, G=G, max_new=max_completion_length, eos_ids=eos_ids, pad_id=pad_id,
+                                    sampling=sampling, generator=generator, turns=turns[-1] if turns else None))
     finally:
         for m, mode in modes.items():
             m.training = mode
@@ -351,9 +378,23 @@ def generate_rollout(
     T = max(t.size(1) for t, _ in parts)
     completion_ids = torch.cat([_pad_right(t, T, pad_id) for t, _ in parts])
     sampling_logprobs = torch.cat([_pad_right(lp, T, 0.0) for _, lp in parts])
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
-    # 1 on tokens with no EOS strictly before them: up to and including the first EOS.
-    completion_mask = ((is_eos.long().cumsum(1) - is_eos.long()) == 0).long()
+    extra = {}
+    if episode is None:
+        is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+        # 1 on tokens with no EOS strictly before them: up to and including the first EOS.
+        completion_mask = ((is_eos.long().cumsum(1) - is_eos.long()) == 0).long()
+        truncated = ~is_eos.any(1)
+    else:  # EOS also ends the turns before a tool reply: a completion ends where its loop ended
+        ends = [t.finish(tokens) for t, (tokens, _) in zip(turns, parts)]
+        lengths = torch.cat([n for n, _, _ in ends])
+        completion_mask = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]).long()
+        truncated = torch.cat([tr for _, _, tr in ends])
+        extra = dict(
+            tool_mask=torch.cat([_pad_right(m, T, 0) for _, m, _ in ends]),
+            messages=[m for t in turns for m in t.messages],
+            tool_calls=torch.tensor([c for t in turns for c in t.calls], device=device),
+            tool_failures=torch.tensor([c for t in turns for c in t.failures], device=device),
+        )
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
     kept = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
     return Rollout(
@@ -361,8 +402,9 @@ def generate_rollout(
         prompt_mask=prompt_mask.to(device).repeat_interleave(G, 0),
         completion_ids=completion_ids,
         completion_mask=completion_mask,
-        truncated=~is_eos.any(1),
+        truncated=truncated,
         prompts=[p for p in prompts for _ in range(G)],
         completions=tokenizer.batch_decode(kept, skip_special_tokens=True),
         sampling_logprobs=sampling_logprobs * completion_mask,
+        **extra,
     )

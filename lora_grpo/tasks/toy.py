@@ -298,9 +298,18 @@ def pretrain_toy_base(
             if log_every and ((step + 1) % log_every == 0 or step == 0 or step + 1 == steps):
                 print(f"[toy pretrain] step {step + 1}/{steps} loss {loss.item():.4f} "
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
-    # Not model.save_pretrained: under torch.distributed transformers 5 writes config and weights
-    # only on global rank 0 (even with is_main_process=True), and whoever calls this builds a
-    # whole private copy. The model is small and unsharded: one safetensors file and its config.
+    record = {"settings": settings, "format_version": TOY_FORMAT_VERSION, "losses": losses,
+              "seconds": time.perf_counter() - t0}
+    return write_base(model, tokenizer, out_dir, "toy_pretrain.json", record)
+
+
+def write_base(model, tokenizer, out_dir: Path, record_name: str, record: dict) -> str:
+    """Write a pre-trained toy base: weights, config, generation config, tokenizer and its record.
+
+    Not model.save_pretrained: under torch.distributed transformers 5 writes config and weights
+    only on global rank 0 (even with is_main_process=True), and whoever calls this builds a
+    whole private copy. The model is small and unsharded: one safetensors file and its config.
+    """
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -309,9 +318,7 @@ def pretrain_toy_base(
     model.config.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    record = {"settings": settings, "format_version": TOY_FORMAT_VERSION, "losses": losses,
-              "seconds": time.perf_counter() - t0}
-    (out_dir / "toy_pretrain.json").write_text(json.dumps(record))
+    (out_dir / record_name).write_text(json.dumps(record))
     return str(out_dir)
 
 

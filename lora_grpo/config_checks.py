@@ -1,0 +1,245 @@
+"""GRPOConfig's validation: every check names the field, the value and the fix.
+
+Also the option names of the choice fields (CHOICES): what each option does lives in its module's
+table, which this module cannot import (it loads before torch); tests/test_config.py checks that
+the names agree.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+# The names of the options; what each one does lives in its module's table, which this module
+# cannot import (it loads before torch): loss.LOSS_TYPES, loss.IMPORTANCE_SAMPLING,
+# advantages.SCALES, advantages.MULTI_OBJECTIVE_AGGREGATIONS, reference.SYNC_MODES. tests/test_config.py checks that the names agree.
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "vespo", "luspo")
+IMPORTANCE_SAMPLING = ("token", "sequence")
+SCALES = ("group", "batch", "none")
+MULTI_OBJECTIVE = ("sum_then_normalize", "normalize_then_sum")  # advantages.MULTI_OBJECTIVE_AGGREGATIONS
+SYNC_MODES = ("exact", "factors")
+QUANTIZATIONS = ("none", "8bit", "4bit")
+QUANT_TYPES_4BIT = ("nf4", "fp4")
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
+SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt", "cosine_with_min_lr",
+              "warmup_stable_decay")  # optim.build_scheduler: transformers.get_scheduler names
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (reporting.py maps each to its package)
+DECODE_MODES = ("auto", "eager", "static", "compiled")  # the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
+
+CHOICES = {  # field → its options: validate() checks the value, and each field's help names every option
+    "quantization": QUANTIZATIONS, "loss_type": LOSS_TYPES, "ref_sync_mode": SYNC_MODES, "scale_rewards": SCALES,
+    "optimizer": OPTIMIZERS, "lr_scheduler": SCHEDULERS, "torch_dtype": DTYPES,
+    "bnb_4bit_quant_type": QUANT_TYPES_4BIT, "importance_sampling": IMPORTANCE_SAMPLING, "decode_mode": DECODE_MODES,
+    "multi_objective_aggregation": MULTI_OBJECTIVE,
+}
+
+
+
+def warn_about_sampling_filters(cfg) -> None:
+    filters = [f"{k}={getattr(cfg, k)}" for k, off in
+               (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)) if getattr(cfg, k) != off]
+    if filters and (cfg.num_iterations > 1 or cfg.beta > 0):
+        warnings.warn(
+            f"sampling filters {', '.join(filters)} change the distribution completions are drawn from, but the "
+            "ratio and KL terms use the model's unfiltered log-probs (as TRL does): the importance ratio and the "
+            "KL are those of the unfiltered policy. Turn the filters off for an exact on-policy loss.",
+            stacklevel=5,
+        )
+
+def _validate_fields(cfg) -> None:
+    def choice(name, options):
+        value = getattr(cfg, name)
+        if value not in options:
+            close = difflib.get_close_matches(str(value), options, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{name}={value!r} is not one of {list(options)}{hint}")
+
+    def positive(name, allow_zero=False):
+        value = getattr(cfg, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"{name}={value} must be {'≥ 0' if allow_zero else '> 0'}")
+
+    if not cfg.model_name_or_path:
+        raise ConfigError("model_name_or_path is required: a hub id, a local model dir, or 'toy'")
+    for name, options in CHOICES.items():
+        choice(name, options)
+    for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length", "logging_steps",
+                 "repetition_penalty", "steps_per_generation", "adam_epsilon", "tool_timeout",
+                 "sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg",
+                 "num_iterations", "max_nonfinite_updates", "logprob_chunk_size", "learning_rate", "num_epochs"]:
+        positive(name)
+    for name in ["eval_limit", "ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
+                 "max_grad_norm", "beta", "top_k", "min_p", "epsilon_low", "epsilon_high", "save_total_limit",
+                 "vespo_k_pos", "vespo_k_neg", "entropy_coef_delta", "entropy_coef_min"]:
+        positive(name, allow_zero=True)
+    # Reporting.
+    trackers = [cfg.report_to] if isinstance(cfg.report_to, str) else cfg.report_to or []  # None = none
+    for tracker in trackers if isinstance(trackers, list) else [trackers]:
+        if tracker not in TRACKERS + ("none",):
+            close = difflib.get_close_matches(str(tracker), TRACKERS, n=1)
+            raise ConfigError(
+                f"report_to={cfg.report_to!r}: expected 'none', one of {list(TRACKERS)} or a list of them"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+            )
+    positive("log_completions_steps")
+    # Memory: 'auto' sizes (memory.py).
+    mbs = cfg.micro_batch_size
+    if mbs != "auto" and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+        raise ConfigError(
+            f"micro_batch_size={mbs!r} must be an integer ≥ 1 or 'auto' (the largest that fits memory_budget)"
+        )
+    if not (isinstance(cfg.gradient_checkpointing, bool) or cfg.gradient_checkpointing == "auto"):
+        raise ConfigError(f"gradient_checkpointing={cfg.gradient_checkpointing!r} must be true, false or 'auto'")
+    if not 0 < cfg.memory_budget <= 1:
+        raise ConfigError(
+            f"memory_budget={cfg.memory_budget} must be in (0, 1]: the share of free GPU memory (available RAM "
+            "on CPU) that the 'auto' micro_batch_size may plan for"
+        )
+    # Evaluation: pass@k.
+    ks = cfg.eval_pass_k
+    if not isinstance(ks, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks):
+        raise ConfigError(
+            f"eval_pass_k={ks!r} must be a list of integers ≥ 1, e.g. [1, 8] (--set eval_pass_k=[1,8]); [] turns pass@k off"
+        )
+    if cfg.eval_num_samples is not None and cfg.eval_num_samples < max(ks, default=1):
+        raise ConfigError(
+            f"eval_num_samples={cfg.eval_num_samples}: pass@k needs n ≥ k samples per prompt, here "
+            f"n ≥ {max(ks, default=1)} (max of eval_pass_k={ks}); raise it, or leave it unset (= max(eval_pass_k))"
+        )
+    if cfg.eval_temperature is not None and cfg.eval_temperature <= 0:
+        raise ConfigError(
+            f"eval_temperature={cfg.eval_temperature} must be > 0, or None (= temperature): pass@k needs sampled "
+            "completions; the greedy eval is reported anyway"
+        )
+    if cfg.num_generations < 2:
+        raise ConfigError(
+            f"num_generations={cfg.num_generations}: GRPO compares completions within a group, so it needs "
+            "at least 2 per prompt (4–16 is typical)"
+        )
+    if cfg.max_prompt_length is not None and cfg.max_prompt_length < 1:
+        raise ConfigError(f"max_prompt_length={cfg.max_prompt_length} must be ≥ 1 or None (no limit)")
+    if cfg.temperature <= 0:
+        raise ConfigError(
+            f"temperature={cfg.temperature} must be > 0: GRPO needs varied samples within a group "
+            "(greedy groups are identical and carry no signal)"
+        )
+    if not 0 <= cfg.min_p <= 1:
+        raise ConfigError(f"min_p={cfg.min_p} must be in [0, 1]")
+    if not 0 < cfg.top_p <= 1:
+        raise ConfigError(f"top_p={cfg.top_p} must be in (0, 1]")
+    if cfg.epsilon_low >= 1:
+        raise ConfigError(f"epsilon_low={cfg.epsilon_low} must be < 1 (the ratio's lower clip is 1 − epsilon_low)")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(f"lora_dropout={cfg.lora_dropout} must be in [0, 1)")
+    # Reference slot.
+    if not 0 < cfg.ref_sync_alpha <= 1:
+        raise ConfigError(
+            f"ref_sync_alpha={cfg.ref_sync_alpha} must be in (0, 1]: 1 copies the policy, smaller values mix "
+            "ref ← alpha·policy + (1−alpha)·ref"
+        )
+    if cfg.ref_sync_kl is not None and cfg.ref_sync_kl <= 0:
+        raise ConfigError(f"ref_sync_kl={cfg.ref_sync_kl} must be > 0 (a KL threshold) or None")
+    if cfg.sync_enabled and cfg.beta == 0:
+        raise ConfigError(
+            "reference sync is configured (ref_sync_steps / ref_sync_every_epoch / ref_sync_kl / ref_sync_on_plateau) "
+            "but beta = 0, so no reference is used: set beta > 0 or turn the sync off"
+        )
+    for name in ("ref_sync_reset_optimizer", "ref_sync_restart_warmup"):
+        if getattr(cfg, name) and not cfg.sync_enabled:
+            raise ConfigError(
+                f"{name}=true acts at each reference sync, but no sync is configured: set ref_sync_steps, "
+                "ref_sync_every_epoch, ref_sync_kl or ref_sync_on_plateau, or turn it off"
+            )
+    if cfg.ref_sync_restart_warmup and cfg.warmup_steps == 0:
+        raise ConfigError("ref_sync_restart_warmup=true restarts a warmup of warmup_steps steps, but warmup_steps=0: "
+                          "set warmup_steps > 0 (e.g. 5), or turn it off")
+    if cfg.ref_sync_on_plateau:
+        if cfg.eval_steps == 0:
+            raise ConfigError(
+                "ref_sync_on_plateau=true watches the eval score during training, but eval_steps=0 evaluates only "
+                "before and after it: set eval_steps > 0 (and an eval_dataset)"
+            )
+        if isinstance(cfg.ref_sync_plateau_patience, bool) or cfg.ref_sync_plateau_patience < 1:
+            raise ConfigError(f"ref_sync_plateau_patience={cfg.ref_sync_plateau_patience} must be an integer ≥ 1 (evals)")
+        if not cfg.ref_sync_plateau_min_delta >= 0:
+            raise ConfigError(f"ref_sync_plateau_min_delta={cfg.ref_sync_plateau_min_delta} must be ≥ 0")
+    if cfg.ref_rank < cfg.lora_r:
+        if cfg.ref_sync_alpha == 1:
+            raise ConfigError(
+                f"ref_rank={cfg.ref_rank} < lora_r={cfg.lora_r} with ref_sync_alpha=1: a hard copy of the "
+                "policy needs ref_rank ≥ lora_r"
+            )
+    if cfg.ref_sync_mode == "factors" and cfg.ref_rank != cfg.lora_r:
+        raise ConfigError(
+            f"ref_sync_mode='factors' blends A and B name by name, so ref_rank ({cfg.ref_rank}) must equal "
+            f"lora_r ({cfg.lora_r}); use ref_sync_mode='exact' for a reference slot of another rank"
+        )
+
+
+def check_generation_batch_size(cfg) -> None:
+    """generation_batch_size holds whole groups and cuts into steps_per_generation equal steps."""
+    gbs, G, S = cfg.generation_batch_size, cfg.num_generations, cfg.steps_per_generation
+    if gbs % G != 0:
+        raise ConfigError(
+            f"generation_batch_size={gbs} is not divisible by num_generations={G}: each prompt's whole group must be "
+            "in the rollout. Set generation_batch_size to a multiple of num_generations, or set prompts_per_step instead."
+        )
+    if not isinstance(S, int) or S < 1 or gbs % S != 0:
+        raise ConfigError(
+            f"generation_batch_size={gbs} cannot be cut into steps_per_generation={S} equal optimizer steps: make it a "
+            "multiple of steps_per_generation"
+        )
+
+
+def _check_objective(cfg) -> None:
+    """The loss options of TRL 1.16 (loss.py): ranges, and the combinations TRL warns about."""
+    if cfg.delta is not None and cfg.delta <= 1:
+        raise ConfigError(f"delta={cfg.delta} must be > 1 (it caps the unclipped ratio; INTELLECT-2 uses 1 + epsilon_high or more)")
+    if not 0 < cfg.top_entropy_quantile <= 1:
+        raise ConfigError(f"top_entropy_quantile={cfg.top_entropy_quantile} must be in (0, 1]: the share of tokens, by "
+                          "entropy, that carry the gradient")
+    if cfg.off_policy_mask_threshold is not None and cfg.off_policy_mask_threshold < 0:
+        raise ConfigError(f"off_policy_mask_threshold={cfg.off_policy_mask_threshold} must be ≥ 0 (a KL) or None")
+    if cfg.entropy_coef_min > cfg.entropy_coef_max:
+        raise ConfigError(f"entropy_coef_min={cfg.entropy_coef_min} is above entropy_coef_max={cfg.entropy_coef_max}")
+    if cfg.use_adaptive_entropy and not cfg.entropy_target > 0:
+        raise ConfigError(f"entropy_target={cfg.entropy_target} must be > 0 with use_adaptive_entropy")
+    if cfg.loss_type == "cispo" and cfg.epsilon_high < 1:
+        warnings.warn(
+            f"loss_type='cispo' caps the ratio itself at epsilon_high={cfg.epsilon_high} (MiniMax-M1's ε_max), so even "
+            "on-policy tokens weigh at most that much; ScaleRL recommends epsilon_high=5.0",
+            stacklevel=5,
+        )
+    if cfg.loss_type == "luspo" and cfg.importance_sampling != "sequence":
+        warnings.warn("loss_type='luspo' is meant for importance_sampling='sequence' (its paper's setup)", stacklevel=5)
+    if cfg.loss_type == "vespo" and cfg.importance_sampling != "token":
+        warnings.warn("loss_type='vespo' computes its own sequence weights from the token ratios; importance_sampling "
+                      "'sequence' has no effect on it", stacklevel=5)
+
+
+def _check_schedule(cfg) -> None:
+    """Steps given as a count, or below 1 as a share of the run (TRL / transformers 5); tool rounds."""
+    for name in ("warmup_steps", "logging_steps", "eval_steps"):
+        value = getattr(cfg, name)
+        if value >= 1 and value != int(value):
+            raise ConfigError(f"{name}={value}: a number of steps (an integer) or, below 1, a share of max_steps")
+    if not isinstance(cfg.steps_per_generation, int) or isinstance(cfg.steps_per_generation, bool):
+        raise ConfigError(f"steps_per_generation={cfg.steps_per_generation!r} must be an integer ≥ 1")
+    if cfg.max_tool_calling_iterations is not None and cfg.max_tool_calling_iterations < 1:
+        raise ConfigError(f"max_tool_calling_iterations={cfg.max_tool_calling_iterations} must be ≥ 1 or None (no limit)")
+    if not isinstance(cfg.tools, list) or not all(isinstance(t, str) or callable(t) for t in cfg.tools):
+        raise ConfigError(f"tools={cfg.tools!r} must be a list of dotted paths 'pkg.module:fn' (or functions, from Python)")
+
+
+def validate(cfg) -> None:
+    """All checks of a GRPOConfig (at construction); ConfigError on the first that fails."""
+    _validate_fields(cfg)
+    _check_objective(cfg)
+    _check_schedule(cfg)
+    warn_about_sampling_filters(cfg)

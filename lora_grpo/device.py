@@ -1,0 +1,266 @@
+"""What depends on the accelerator, decided in one place: the dtype 'auto' picks, whether compiling
+the decode step pays, a clock that waits for the GPU, putting a model on the device a process
+trains on, and how much memory there is and a pass takes (memory.py plans with these).
+
+Every decision reads torch.cuda through its public functions when it is made (no cached globals),
+so a test can monkeypatch torch.cuda.is_available / get_device_capability / get_device_name and
+check what a T4, an A100 or an H200 would get, on a CPU machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# bf16 arithmetic in hardware from Ampere (sm_80) on. Below it (Volta 7.0, Turing 7.5: V100, T4,
+# RTX 20xx) torch.cuda.is_bf16_supported() still answers True, because bf16 can be emulated
+# through float32: slower than float32 itself, and Triton does not compile bf16 there at all.
+NATIVE_BF16_CAPABILITY = (8, 0)
+# Triton, inductor's GPU code generator, targets sm_70 and newer.
+TRITON_CAPABILITY = (7, 0)
+
+
+def _capability(device: torch.device | None = None) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device)
+    return int(major), int(minor)
+
+
+def describe_gpu(device: torch.device | None = None) -> str:
+    """'NVIDIA H200 (compute capability 9.0)': for the lines that say what was chosen and why."""
+    major, minor = _capability(device)
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
+def native_bf16(device: torch.device | None = None) -> bool:
+    """Whether the GPU computes bfloat16 in hardware (False without CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    if torch.version.hip:  # every ROCm GPU torch supports has bf16
+        return True
+    return _capability(device) >= NATIVE_BF16_CAPABILITY
+
+
+def auto_dtype(device: torch.device | None = None) -> tuple[torch.dtype, str]:
+    """torch_dtype 'auto' → (dtype, the reason in words): bfloat16 where the GPU computes it
+    natively, float32 everywhere else. Never float16: nothing here scales the loss, and fp16
+    activations underflow small gradients."""
+    if not torch.cuda.is_available():
+        return torch.float32, "no CUDA device"
+    gpu = "ROCm GPU" if torch.version.hip else describe_gpu(device)
+    if native_bf16(device):
+        return torch.bfloat16, f"native on {gpu}"
+    return torch.float32, (f"{gpu} has no native bfloat16 (it would be emulated, slower than float32); float16 "
+                           "would need loss scaling, which lora_grpo does not do")
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def compile_pays(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether decode_mode 'auto' should compile the decode step on `device` for a model of `dtype`
+    (its embedding dtype), and why, in words.
+
+    Compiling pays only through CUDA graphs: one launch per token instead of hundreds of small
+    kernels. On a CPU inductor takes tens of seconds per shape and its step was no faster than the
+    eager one (benchmarks/rollout_speed.py). On a GPU Triton cannot serve, inductor skips the
+    frame with a warning, and the static sampler then runs uncompiled over padded slots: slower than
+    the eager sampler, which also drops finished rows.
+    """
+    if device.type != "cuda":
+        return False, f"on {device.type} compiling costs tens of seconds per shape and buys no speed"
+    if not _triton_installed():
+        return False, "Triton is not installed, so inductor cannot compile for this GPU"
+    gpu = describe_gpu(device)
+    if _capability(device) < TRITON_CAPABILITY:
+        return False, f"{gpu} is older than Triton supports (compute capability 7.0)"
+    if dtype == torch.bfloat16 and not native_bf16(device):
+        return False, f"{gpu} has no native bfloat16, which Triton does not compile"
+    return True, f"{gpu}: CUDA graphs of the compiled decode step"
+
+
+# ------------------------------------------------------------------------------ time
+def synchronize(device: torch.device | str) -> None:
+    """Wait until the device has run every kernel queued so far. CUDA launches asynchronously: a
+    clock read right after a stage measures its launches, and the next stage pays for its work."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device | str) -> float:
+    """time.perf_counter() after the device's queued work is done: stage timings that mean what they say."""
+    synchronize(device)
+    return time.perf_counter()
+
+
+# ------------------------------------------------------------------------------ placement
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.index is not None and b.index is not None:
+        return a.index == b.index
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()  # "cuda" without an index is the current device
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def quantization_of(model: nn.Module) -> str | None:
+    """'4-bit' / '8-bit' for a bitsandbytes-quantized model (or a peft model around one), else None."""
+    for p in model.parameters():
+        kind = {"Params4bit": "4-bit", "Int8Params": "8-bit"}.get(type(p).__name__)
+        if kind:
+            return kind
+    if getattr(model, "is_loaded_in_4bit", False):
+        return "4-bit"
+    return "8-bit" if getattr(model, "is_loaded_in_8bit", False) else None
+
+
+def place_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """Put a model the caller built on `device` (the one this process trains on), in place, or
+    refuse with what to do. A bitsandbytes-quantized model is not moved: its weights and
+    quantisation states are placed when it loads (and on a CPU their layout may already be the CPU
+    kernel's). A model spread over several devices (device_map='auto') is not collapsed onto one."""
+    device = torch.device(device)
+    found = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if all(_same_device(d, device) for d in found):
+        return model
+    where = ", ".join(sorted(str(d) for d in found))
+    if len(found) > 1:
+        raise ValueError(
+            f"the model passed to GRPOTrainer is spread over {where}; each lora_grpo process trains on one device "
+            f"({device}). Load it whole on that device (device_map={{'': '{device}'}}), or pass model_name_or_path "
+            "and let lora_grpo load it"
+        )
+    quantized = quantization_of(model)
+    if quantized:
+        raise ValueError(
+            f"the model passed to GRPOTrainer is {quantized} (bitsandbytes) on {where}, but this process trains on "
+            f"{device}, and quantized weights are not moved after loading. Load it on that device: "
+            f"from_pretrained(..., quantization_config=..., device_map={{'': '{device}'}}), or pass "
+            "model_name_or_path and let lora_grpo load it"
+        )
+    return model.to(device)
+
+
+def optimizer_state_on_devices(saved: dict[str, Any], optimizer) -> dict[str, Any]:
+    """A loaded optimizer state_dict with every per-parameter tensor on its parameter's device.
+
+    torch's optimizers move states themselves when they load; bitsandbytes' 8-bit ones only cast
+    them, so their buffers would stay on the CPU they were read onto. 'step' stays where it was
+    saved: torch keeps it on the CPU unless the optimizer is fused or capturable, and moves it then."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in saved.get("param_groups", []) for i in group["params"]]
+    device_of = {i: p.device for i, p in zip(ids, params)}
+
+    def to(value, device):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        return {k: to(v, device) for k, v in value.items()} if isinstance(value, dict) else value
+
+    state = {i: {k: v if k == "step" or i not in device_of else to(v, device_of[i]) for k, v in entry.items()}
+             for i, entry in saved.get("state", {}).items()}
+    return {**saved, "state": state}
+
+
+# What a failed allocation says when it is not a torch.OutOfMemoryError: cuBLAS / cuSOLVER / cuDNN
+# handles and workspaces are allocated outside torch's allocator and fail as RuntimeErrors.
+ALLOCATION_FAILURES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUSOLVER_STATUS_ALLOC_FAILED",
+                       "CUDNN_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation", "CUDA error: out of memory")
+
+
+# ------------------------------------------------------------------------------ memory
+def available_bytes(device: torch.device) -> tuple[float, str]:
+    """(bytes this process may still allocate, what they are). CUDA: free device memory plus what
+    torch's caching allocator holds unused; CPU: the available RAM."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return float(free + cached), "free GPU memory"
+    import psutil
+
+    return float(psutil.virtual_memory().available), "available RAM"
+
+
+def _release_freed_memory() -> None:
+    # No gc.collect(): tensors are freed by reference counting, and a collection over a loaded
+    # trainer's objects takes ~0.4 s.
+    try:  # glibc keeps freed blocks; give them back so that the resident set is the live memory
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _PeakRss(threading.Thread):
+    """Samples the process's resident set until stopped; torch's kernels release the GIL."""
+
+    def __init__(self, interval: float = 0.0005):
+        import psutil
+
+        super().__init__(daemon=True)
+        self.process, self.interval, self.done = psutil.Process(), interval, threading.Event()
+        self.peak = self.rss()
+
+    def rss(self) -> int:
+        return self.process.memory_info().rss
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, self.rss())
+            self.done.wait(self.interval)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A failed allocation: torch's own OutOfMemoryError, or a CUDA library's (a RuntimeError)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and any(text in str(error) for text in ALLOCATION_FAILURES))
+
+
+def measure_peak(fn: Callable[[], None], device: torch.device) -> float:
+    """Peak memory growth while fn runs, in bytes; inf when it runs out of memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        failed = False
+        try:
+            fn()
+            torch.cuda.synchronize(device)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(e):
+                raise
+            failed = True
+        if failed:
+            # Only here, after the except block: until then the traceback's frames hold the failed
+            # pass's tensors, and empty_cache could not return their blocks to the device.
+            gc.collect()
+            torch.cuda.empty_cache()
+            return math.inf
+        # Reserved growth counts the blocks the pass took from the device, fragmentation included.
+        return float(max(torch.cuda.max_memory_allocated(device) - allocated,
+                         torch.cuda.max_memory_reserved(device) - reserved))
+    _release_freed_memory()
+    sampler = _PeakRss()
+    start = sampler.rss()
+    sampler.start()
+    try:
+        fn()
+    finally:
+        sampler.done.set()
+        sampler.join()
+    return float(max(sampler.peak, sampler.rss()) - start)
+
+

@@ -1,0 +1,449 @@
+"""Tool calls inside a rollout: tools from Python functions, the chat template's tool format, the
+model's calls parsed and run, and the per-chunk loop the sampler drives.
+
+    Toolbox      once per run, from ``tools=[fn, ...]`` and/or ``environment_factory``: JSON schemas
+                 (transformers' ``get_json_schema``), the start-up template check, parsing, replies
+    ToolEpisode  one rollout: each row's tools and environment instance; runs a row's calls (an
+                 exception or a timeout becomes an error reply, counted)
+    ToolTurns    the sampler's side (:mod:`lora_grpo.rollout.generate`): at a drawn EOS, parse, run,
+                 and schedule the reply's tokens to be fed, one per decode step, on the same KV cache
+
+As TRL 1.16's GRPOTrainer: a result is ``str(result)``, an error ``str({"error": message})``; the
+reply tokens are what the template adds after the assistant's end of turn (a dummy conversation
+rendered with and without the tool messages); a reply that would overflow ``max_completion_length``
+is dropped and the row ends at its turn; after ``max_tool_calling_iterations`` rounds a turn's calls
+are not run; ``reset(**row)`` may return text for the prompt, ``get_reward()`` may score the rollout.
+Where we differ: each call has a timeout; a call that cannot be parsed or names no tool gets an error
+reply (TRL ends the completion); one environment factory, not a dict of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+
+import torch
+from torch import Tensor
+
+# ------------------------------------------------------------------------------------- schemas
+
+def tool_schema(fn: Callable) -> dict:
+    """``fn``'s JSON schema for ``apply_chat_template(tools=...)`` (transformers' ``get_json_schema``)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # DocstringParsingException, TypeHintParsingException
+        raise ValueError(f"tool {getattr(fn, '__name__', fn)!r} has no JSON schema ({e}); a tool needs a type hint on "
+                         "every argument and a Google-style docstring with an 'Args:' section, one line per argument "
+                         "('    a: The first number.')") from None
+
+
+def _environment_methods(instance) -> list[Callable]:
+    """An environment's tools: its public methods but reset and get_reward (TRL's rule; via the class)."""
+    names = [n for n, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)]
+    return [getattr(instance, n) for n in names if not n.startswith("_") and n not in ("reset", "get_reward")]
+
+
+# ------------------------------------------------------------------------------------- the template
+
+def _token_ids(out) -> list[int]:
+    ids = out["input_ids"] if isinstance(out, Mapping) else out  # a BatchEncoding or ids, batched or not
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
+def _dummy_turn(name: str, arguments: dict) -> list[dict]:
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+
+
+def reply_ids(tokenizer, tool_messages: Sequence[Mapping], stop_ids: Sequence[int], **template_kwargs) -> list[int]:
+    """The token ids a chat template puts after an assistant turn that called tools (after its end of
+    turn, one of ``stop_ids``): the ``tool_messages`` (``{"role": "tool", "name", "content"}``) and the
+    next assistant turn's opening, cut from a dummy conversation (as TRL does): nothing the model wrote
+    is re-tokenised. ValueError when no stop token ends the turn or the template is not prefix-preserving."""
+    turn = _dummy_turn(tool_messages[0]["name"], {})
+    before = _token_ids(tokenizer.apply_chat_template(turn, tokenize=True, return_dict=False, **template_kwargs))
+    after = _token_ids(tokenizer.apply_chat_template(turn + list(tool_messages), tokenize=True, return_dict=False,
+                                                     add_generation_prompt=True, **template_kwargs))
+    ends = [i for i, t in enumerate(before) if t in set(stop_ids)]
+    if not ends:
+        raise ValueError(f"the chat template ends an assistant turn that calls a tool with no EOS token (ids "
+                         f"{sorted(stop_ids)}): rendered {tokenizer.decode(before)[-60:]!r}. A rollout ends a turn at "
+                         "EOS; add the template's end-of-turn token to model.generation_config.eos_token_id")
+    before = before[: ends[-1] + 1]
+    if after[: len(before)] != before:
+        raise ValueError("the chat template renders an assistant turn differently once tool replies follow it (not "
+                         "prefix-preserving), so a reply cannot be appended to the model's own tokens")
+    return after[len(before):]
+
+
+def check_tool_template(tokenizer, stop_ids: Sequence[int], schemas: Sequence[dict] = ()) -> None:
+    """At start: the chat template renders an assistant tool call and a tool reply (as TRL's
+    ``supports_tool_calling``: user → assistant with tool_calls → tool, every part in the text), and
+    the reply tokens can be cut from it (:func:`reply_ids`). ValueError saying what fails; a warning
+    when ``tools=`` schemas are not rendered into prompts (the model is never told of the tools)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("tools need a chat template that renders tool calls and tool replies, but the tokenizer "
+                         "has none (tokenizer.chat_template is None); set tokenizer.chat_template")
+    name, key, value, content = "tool_name_a8f3", "arg_key_b9d4", "arg_val_d6e7", "tool_content_c4f9"
+    messages = _dummy_turn(name, {key: value}) + [{"role": "tool", "name": name, "content": content}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as e:  # jinja2 TemplateError, a template that indexes a missing field
+        raise ValueError(f"the chat template cannot render a tool-calling conversation (user -> assistant with "
+                         f"tool_calls -> tool): {type(e).__name__}: {e}") from None
+    if lost := [what for what, marks in (("the assistant's tool_calls", (name, key, value)), ("the tool reply", (content,)))
+                if not all(m in text for m in marks)]:
+        raise ValueError(f"the chat template drops {' and '.join(lost)} (rendered: {text[-200:]!r}); tools need a "
+                         "template that renders both, such as Qwen2.5-Instruct's")
+    reply_ids(tokenizer, messages[2:], stop_ids)
+    names = [s.get("function", s)["name"] for s in schemas]
+    if names and not any(n in tokenizer.apply_chat_template(messages[:1], tools=list(schemas), tokenize=False) for n in names):
+        warnings.warn(f"the chat template does not render tools=[...] into prompts (no tool name of {names} in it): "
+                      "the model is not told which tools it has", stacklevel=2)
+
+
+# ------------------------------------------------------------------------------------- parsing
+
+def _call(obj) -> dict:
+    """One parsed call in TRL's form ``{"type": "function", "function": {"name", "arguments"}}``."""
+    if isinstance(obj, Mapping) and isinstance(obj.get("function"), Mapping):
+        obj = obj["function"]
+    if not isinstance(obj, Mapping) or not isinstance(obj.get("name"), str):
+        raise ValueError("a tool call is a JSON object with a string 'name'")
+    args = obj.get("arguments", obj.get("parameters")) or {}
+    args = json.loads(args) if isinstance(args, str) else args
+    if not isinstance(args, Mapping):
+        raise ValueError("a tool call's 'arguments' is a JSON object")
+    return {"type": "function", "function": {"name": obj["name"], "arguments": dict(args)}}
+
+
+def _blocks(pattern: re.Pattern, many: bool):
+    def find(text: str):
+        blobs = [m.group(1) for m in pattern.finditer(text)]
+        return None if not blobs else (pattern.sub("", text), [b for x in blobs for b in (_json_list(x) if many else [x])])
+    return find
+
+
+def _loads(blob: str, default):
+    try:
+        return json.loads(blob)
+    except ValueError:
+        return default
+
+
+def _json_list(blob: str) -> list:
+    value = _loads(blob, [blob])  # an unparseable blob stays text: reported by the caller
+    return value if isinstance(value, list) else [value]
+
+
+def _bare_json(text: str):
+    """Llama 3.x JSON tool calling: the whole turn is ``{"name": ..., "parameters": {...}}``."""
+    obj = _loads(text.strip(), None) if text.strip().startswith("{") else None
+    return ("", [obj]) if isinstance(obj, dict) and "name" in obj and ({"arguments", "parameters"} & obj.keys()) else None
+
+
+# The common formats, tried in order; the first that finds a call wins. Each: text -> (content, call blobs) or None.
+TOOL_CALL_FORMATS: dict[str, Callable] = {
+    "hermes": _blocks(re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S), many=False),  # Qwen, Hermes
+    "mistral": _blocks(re.compile(r"\[TOOL_CALLS\]\s*(.*)\Z", re.S), many=True),
+    "llama3": _blocks(re.compile(r"<\|python_tag\|>\s*(.*)\Z", re.S), many=True),
+    "json": _bare_json,
+}
+
+
+def parse_tool_calls(text: str, special_tokens: Sequence[str] = ()) -> tuple[str, list[dict | str]]:
+    """A turn's text -> (content, calls): each call TRL's dict, or a str saying why that call could not
+    be parsed (answered with an error reply). ``special_tokens`` are removed from the content.
+
+    >>> parse_tool_calls('ok<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    ('ok', [{'type': 'function', 'function': {'name': 'add', 'arguments': {'a': 1}}}])
+    """
+    content, blobs = text, []
+    for find in TOOL_CALL_FORMATS.values():
+        found = find(text)
+        if found is not None:
+            content, blobs = found
+            break
+    calls: list[dict | str] = []
+    for blob in blobs:
+        try:
+            calls.append(_call(json.loads(blob) if isinstance(blob, str) else blob))
+        except (ValueError, TypeError) as e:
+            shown = blob if isinstance(blob, str) else json.dumps(blob)
+            calls.append(f"could not parse the tool call {shown[:120]!r}: {e}")
+    for tok in special_tokens:
+        content = content.replace(tok, "")
+    return content.strip(), calls
+
+
+# ------------------------------------------------------------------------------------- toolbox
+
+def _error(message: str) -> str:
+    return str({"error": message})
+
+
+class _Unrunnable(Exception):
+    """A call that could not be parsed, or names no tool."""
+
+
+class Toolbox:
+    """The tools of a run: plain or ``async def`` functions with type hints and a Google-style docstring,
+    and/or an ``environment_factory`` (a class whose public methods are tools; ``reset(**row)`` returns
+    text for the prompt or None; ``get_reward()`` optional). ``stop_ids``: the ids that end a turn (the
+    rollout's EOS ids; default the tokenizer's EOS). ``timeout``: seconds per call (None: no limit, sync
+    calls run inline; else each sync call runs in a daemon thread, abandoned when it overruns, so tools
+    shared by rows must be thread-safe). Checks the chat template (:func:`check_tool_template`)."""
+
+    def __init__(self, tokenizer, tools: Sequence[Callable] = (), environment_factory: Callable | None = None, *,
+                 stop_ids: Sequence[int] | None = None, timeout: float | None = 10.0, chat_template_kwargs=None):
+        self.tokenizer, self.timeout = tokenizer, timeout
+        self.tools, self.environment_factory = list(tools), environment_factory
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.stop_ids = list(stop_ids) if stop_ids is not None else [tokenizer.eos_token_id]
+        self._environments, functions, self._replies, self._loop = [], list(self.tools), {}, None
+        if environment_factory is not None:
+            probe = None if isinstance(environment_factory, Mapping) else environment_factory()
+            if not callable(getattr(probe, "reset", None)):
+                raise ValueError("environment_factory must be one class (or callable; not a dict of them) whose "
+                                 f"instances define reset(**row); got {environment_factory!r}")
+            self._environments.append(probe)
+            functions += _environment_methods(probe)
+        if not functions or not all(map(callable, functions)):
+            raise ValueError(f"tools must be functions (or an environment_factory's methods), got {functions!r}")
+        self.names = [f.__name__ for f in functions]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"two tools share a name: {self.names}")
+        self.schemas = [tool_schema(f) for f in functions]
+        check_tool_template(tokenizer, self.stop_ids, self.schemas)
+
+    def render_prompt(self, messages: Sequence[Mapping], observation: str | None = None) -> str:
+        """Chat messages -> prompt text with the tools' schemas; ``observation`` (an environment's reset
+        text) is appended to the last message's content, as TRL does."""
+        messages = [dict(m) for m in messages]
+        messages[-1]["content"] += observation or ""
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                                  add_generation_prompt=True, **self.template_kwargs)
+
+    def prompts(self, messages: Sequence[Sequence[Mapping]], episode: ToolEpisode, num_generations: int):
+        """The rollout's prompts for P message lists and an episode of P·G rows -> (texts, G'): P texts
+        and G when every group's observations agree (each prompt prefilled once), else P·G texts and 1
+        (each row its own prompt; the rollout's rows line up with the episode's either way)."""
+        G, seen = num_generations, episode.observations
+        texts = [self.render_prompt(m, seen[i * G + g]) for i, m in enumerate(messages) for g in range(G)]
+        same = all(len(set(texts[i : i + G])) == 1 for i in range(0, len(texts), G))
+        return (texts[::G], G) if same else (texts, 1)
+
+    def environment_reward(self) -> Callable | None:
+        """A reward function (TRL's: keyword ``environments``, weight 1, named after the class) from the
+        environment's ``get_reward()``, or None when it has none."""
+        if not self._environments or not callable(getattr(self._environments[0], "get_reward", None)):
+            return None
+        def reward(*, environments, **kwargs) -> list[float]:
+            return [self._await(e.get_reward()) if inspect.iscoroutinefunction(e.get_reward) else e.get_reward()
+                    for e in environments]
+        reward.__name__ = type(self._environments[0]).__name__
+        return reward
+
+    def episode(self, rows: int | Sequence[Mapping]) -> ToolEpisode:
+        """One rollout's tools for ``rows`` (a count, or each row's dataset fields for ``reset(**row)``)."""
+        return ToolEpisode(self, rows)
+
+    def parse(self, ids: list[int], prefix_ids: list[int]) -> tuple[dict, list[dict | str]]:
+        """A turn's token ids -> (assistant message, calls). transformers' response parser where the
+        tokenizer has a ``response_template``; else (or when it fails) :data:`TOOL_CALL_FORMATS`."""
+        tok = self.tokenizer
+        content, calls, extra = None, [], {}
+        if getattr(tok, "response_template", None) is not None:
+            try:  # its other fields (reasoning_content) are kept, as TRL keeps them
+                extra = {k: v for k, v in tok.parse_response(ids, prefix=prefix_ids, tools=self.schemas).items() if k != "role"}
+                calls = [_call(c) for c in extra.pop("tool_calls", None) or []]
+                content = str(extra.pop("content", None) or "").removesuffix(str(tok.eos_token))
+            except Exception:  # noqa: BLE001 - malformed output: the text formats below report the failing call
+                content, calls, extra = None, [], {}
+        if content is None:
+            content, calls = parse_tool_calls(tok.decode(ids, skip_special_tokens=False), tok.all_special_tokens)
+        valid = [c for c in calls if isinstance(c, dict)]
+        return {"role": "assistant", "content": content, **extra, **({"tool_calls": valid} if valid else {})}, calls
+
+    def reply_ids(self, tool_messages: Sequence[Mapping]) -> list[int]:
+        key = tuple((m["name"], m["content"]) for m in tool_messages)  # replies recur (an error, a fixed answer)
+        if key not in self._replies:
+            self._replies = {} if len(self._replies) > 4096 else self._replies
+            self._replies[key] = reply_ids(self.tokenizer, tool_messages, self.stop_ids, **self.template_kwargs)
+        return self._replies[key]
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:  # a daemon thread's loop: works under a caller's running loop (notebooks) too
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, daemon=True, name="lora_grpo-tools").start()
+        return self._loop
+
+    def _await(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._event_loop()).result()
+
+    def start(self, fn: Callable, arguments: dict) -> Future:
+        """Start one call -> a Future of its result."""
+        if inspect.iscoroutinefunction(fn):
+            return asyncio.run_coroutine_threadsafe(asyncio.wait_for(fn(**arguments), self.timeout), self._event_loop())
+        future: Future = Future()
+
+        def work():
+            future.set_running_or_notify_cancel()  # running: a later cancel() (a timeout) leaves it be
+            try:
+                future.set_result(fn(**arguments))
+            except BaseException as e:  # noqa: BLE001 - becomes the error reply
+                future.set_exception(e)
+
+        work() if self.timeout is None else threading.Thread(target=work, daemon=True, name="lora_grpo-tool").start()
+        return future
+
+    def result(self, name: str, future: Future, deadline: float | None) -> tuple[str, bool]:
+        """-> (reply content, failed)."""
+        try:
+            value = future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            future.cancel()  # an async call's task is cancelled; a thread runs on, its result unused
+            return _error(f"{name} timed out after {self.timeout:g} s"), True
+        except _Unrunnable as e:  # could not be parsed, or no such tool: the message says it all
+            return _error(str(e.args[0])), True
+        except Exception as e:  # noqa: BLE001 - the model sees the error
+            return _error(f"{type(e).__name__}: {e}"), True
+        return str(value), False
+
+
+class ToolEpisode:
+    """One rollout's tools: per row (B = prompts × G rows), the standalone tools and its own
+    environment instance (pooled by the Toolbox, reset here with the row's fields); ``observations``
+    are the reset texts (None where there is none), ``environments`` the instances (None without a
+    factory; TRL passes them to reward functions as ``environments``)."""
+
+    def __init__(self, toolbox: Toolbox, rows: int | Sequence[Mapping]):
+        fields = [{}] * rows if isinstance(rows, int) else [dict(r) for r in rows]
+        standalone = {f.__name__: f for f in toolbox.tools}
+        self.toolbox, self.environments, self.functions = toolbox, None, [standalone] * len(fields)
+        self.observations: list[str | None] = [None] * len(fields)
+        if toolbox.environment_factory is not None:
+            pool = toolbox._environments
+            while len(pool) < len(fields):
+                pool.append(toolbox.environment_factory())
+            self.environments = pool[: len(fields)]
+            self.observations = [env.reset(**row) for env, row in zip(self.environments, fields)]
+            self.functions = [{**standalone, **{m.__name__: m for m in _environment_methods(env)}}
+                              for env in self.environments]
+
+    def __len__(self) -> int:
+        return len(self.functions)
+
+    def run(self, calls: Mapping[int, Sequence[dict | str]]) -> dict[int, list[tuple[str, str, bool]]]:
+        """Run each row's calls (row -> calls as :meth:`Toolbox.parse` gives them) -> row -> [(tool name,
+        reply content, failed)], in call order. A row's calls run one after another (they may change its
+        environment); rows run side by side, each call under the timeout."""
+        box, out = self.toolbox, {row: [None] * len(items) for row, items in calls.items()}
+        for k in range(max(map(len, calls.values()), default=0)):
+            pending = [(row, k, *self._start(row, items[k])) for row, items in calls.items() if k < len(items)]
+            deadline = None if box.timeout is None else time.monotonic() + box.timeout
+            for row, k, name, future in pending:
+                out[row][k] = (name, *box.result(name, future, deadline))
+        return out
+
+    def _start(self, row: int, call: dict | str) -> tuple[str, Future]:
+        """(tool name, the Future of its result); a call that cannot run gets a failed Future."""
+        name = "invalid" if isinstance(call, str) else call["function"]["name"]
+        fn = None if isinstance(call, str) else self.functions[row].get(name)
+        try:
+            if fn is None:
+                raise _Unrunnable(call if isinstance(call, str) else
+                                  f"no tool named {name!r}; the tools are {sorted(self.functions[row])}")
+            return name, self.toolbox.start(fn, call["function"]["arguments"])
+        except Exception as e:  # noqa: BLE001 - also an async tool called with wrong arguments
+            future: Future = Future()
+            future.set_exception(e)
+            return name, future
+
+
+# ------------------------------------------------------------------------------------- the sampler's side
+
+class ToolTurns:
+    """The tool loop of a decode chunk of N rows (episode rows ``offset ..``), driven by the sampling loop
+    (``generate._sample_tokens``): :meth:`force` after each draw, :meth:`end_turns` for the rows done.
+    A reply is scheduled as forced tokens at the next steps (``forced`` (N, T), ``forced_ids``), fed as
+    if drawn: into the KV cache one per decode step, beside rows still sampling."""
+
+    def __init__(self, episode: ToolEpisode, *, offset: int, prompts: list[list[int]], max_new: int,
+                 stop_ids: Sequence[int], max_iterations: int | None, device):
+        N = len(prompts)
+        self.episode, self.offset, self.max_new = episode, offset, max_new
+        self.max_iterations = float("inf") if max_iterations is None else max_iterations
+        self.stop = torch.tensor(list(stop_ids), device=device)
+        self.forced = torch.zeros((N, max_new), dtype=torch.bool, device=device)
+        self.forced_ids = torch.zeros((N, max_new), dtype=torch.long, device=device)
+        self.prefix = list(prompts)  # what came before each row's current turn (for the response parser)
+        self.start, self.rounds, self.end = [0] * N, [0] * N, [None] * N
+        self.messages: list[list[dict]] = [[] for _ in range(N)]
+        self.calls, self.failures = [0] * N, [0] * N
+
+    def force(self, rows: Tensor, step: int, tok: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
+        """Replace the draws of rows inside a tool reply by the reply's token (log-prob 0)."""
+        f = self.forced[rows, step]
+        return torch.where(f, self.forced_ids[rows, step], tok), logp.masked_fill(f, 0.0)
+
+    def end_turns(self, rows: Tensor, step: int, tok: Tensor, tokens: Tensor) -> Tensor:
+        """(R,) bool over ``rows``: finished. A drawn stop token ends a turn; its calls are run and the
+        reply scheduled (the row goes on), unless it has none, the rounds are used up, or the reply would
+        leave no room for a drawn token within max_new (the row ends at this turn)."""
+        ended = torch.isin(tok, self.stop) & ~self.forced[rows, step]
+        if not bool(ended.any()):
+            return ended
+        at, out = ended.nonzero().squeeze(1).tolist(), rows[ended].tolist()
+        parsed = {r: self.episode.toolbox.parse(tokens[r, self.start[r] : step + 1].tolist(), self.prefix[r]) for r in out}
+        todo = {self.offset + r: parsed[r][1] for r in out if parsed[r][1] and self.rounds[r] < self.max_iterations}
+        results = self.episode.run(todo)
+        done = ended.clone()
+        for i, r in zip(at, out):
+            message, _ = parsed[r]
+            replies = results.get(self.offset + r)
+            if replies is not None:
+                self.calls[r] += len(replies)
+                self.failures[r] += sum(failed for _, _, failed in replies)
+                tool_messages = [{"role": "tool", "name": n, "content": c} for n, c, _ in replies]
+                ids = self.episode.toolbox.reply_ids(tool_messages)
+                if len(ids) <= self.max_new - step - 2:  # the reply, then at least one drawn token
+                    span = slice(step + 1, step + 1 + len(ids))
+                    self.forced[r, span] = True
+                    self.forced_ids[r, span] = torch.tensor(ids, device=self.forced_ids.device)
+                    self.messages[r] += [message, *tool_messages]
+                    self.start[r], self.prefix[r], self.rounds[r], done[i] = span.stop, ids, self.rounds[r] + 1, False
+                    continue
+            self.messages[r].append(message)
+            self.end[r] = step
+        return done
+
+    def finish(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """After the loop, tokens (N, T) -> (lengths (N,) long, tool_mask (N, T) long: 1 on drawn tokens
+        of the completion, truncated (N,) bool); a truncated row's last turn joins its messages."""
+        N, T = tokens.shape
+        for r in range(N):
+            if self.end[r] is None:
+                self.messages[r].append(self.episode.toolbox.parse(tokens[r, self.start[r] : T].tolist(), self.prefix[r])[0])
+        truncated, lengths = (torch.tensor(v, device=tokens.device) for v in
+                              ([e is None for e in self.end], [T if e is None else e + 1 for e in self.end]))
+        inside = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]
+        return lengths, (inside & ~self.forced[:, :T]).long(), truncated
+
+
+def tool_metrics(calls: Tensor, failures: Tensor) -> dict[str, float]:
+    """A rollout's tool metrics from its per-completion counts (gather them first under several
+    processes): TRL's ``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency``
+    (failed / calls, 0 without calls), and ``tools/calling_fraction`` (completions with a call)."""
+    n, total = max(calls.numel(), 1), int(calls.sum())
+    return {"tools/call_frequency": total / n, "tools/failure_frequency": int(failures.sum()) / total if total else 0.0,
+            "tools/calling_fraction": float((calls > 0).sum()) / n}

@@ -1,0 +1,352 @@
+"""The run directory: one run writes it at a time, and a new run never mixes with an old one's files.
+
+`claim_output_dir` is the first thing a training run does (before config.yaml is written), on the
+main process only:
+
+- **A lock**: ``output_dir/.lora_grpo.lock``, held with ``flock`` for the whole run and holding the
+  holder's pid, host and start time (for the message). A second run into the same directory is
+  refused while the first is alive. The operating system drops the lock when its process ends, so
+  a crashed or killed run never leaves it behind for good: the next run takes it over and says so.
+  Where the file system has no locks, the file alone is the lock; it is stale when its pid is gone
+  on this host (on another host the message says to delete it once that run is gone).
+- **No mixing**: a new run (no resume_from_checkpoint) into a directory that holds another run's
+  files (metrics.jsonl records, completions.jsonl, checkpoint-N, adapter/, summary.json) is
+  refused, with the fixes: another output_dir, resume_from_checkpoint=latest (when it has a
+  checkpoint), or ``overwrite_output_dir=true``, which moves those files into
+  ``output_dir/previous-run-K/`` first (nothing is deleted). Left alone they would be overwritten
+  (metrics.jsonl, completions.jsonl, config.yaml, summary.json) or mixed in (a stale checkpoint-200
+  beside the new run's checkpoint-50 is what resume_from_checkpoint=latest would pick).
+
+`nothing_to_train` is the line for a resumed checkpoint already at (or past) the run's last step.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from .checkpoint import list_checkpoints
+
+LOCK_NAME = ".lora_grpo.lock"
+OVERWRITE_FIELD = "overwrite_output_dir"  # the config field that lets a new run set an old one aside
+# A run's own files: what is set aside (config.yaml, metrics.png and runs/ go along, but alone they are no run).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "summary.json", "metrics.png", "adapter", "runs")
+_CHECKPOINT_GLOB = "checkpoint-*"
+
+
+class OutputDirError(ValueError):
+    """output_dir cannot be used as asked: the message names what is there and the fixes."""
+
+
+class OutputDirInUse(OutputDirError):
+    """Another live run holds output_dir's lock."""
+
+
+# ----------------------------------------------------------------------------- what a run left
+def _records_after_start(path: Path) -> int:
+    """Lines of a JSON-lines log with step ≥ 1 (a step-0 eval of a run that failed at once is no run)."""
+    if not path.is_file():
+        return 0
+    count = 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            count += json.loads(line).get("step", 1) >= 1
+        except (ValueError, AttributeError, TypeError):
+            count += bool(line.strip())  # a half-written line is still a run's
+    return count
+
+
+def previous_run(output_dir: str | Path) -> dict | None:
+    """What another run left in output_dir, or None when it holds none of a run's records:
+    {"finished": bool, "steps": int | None, "checkpoints": [names], "evidence": [names]}."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    checkpoints = sorted(p.name for p in root.glob(_CHECKPOINT_GLOB) if p.is_dir())  # with .superseded-K ones
+    resumable = sorted((n for n in checkpoints if n.split("-", 1)[1].isdigit()), key=lambda n: int(n.split("-", 1)[1]))
+    evidence = [name for name, present in (
+        ("summary.json", (root / "summary.json").is_file()),
+        ("adapter/", (root / "adapter").is_dir()),
+        ("metrics.jsonl", _records_after_start(root / "metrics.jsonl") > 0),
+        ("completions.jsonl", (root / "completions.jsonl").is_file() and (root / "completions.jsonl").stat().st_size > 0),
+    ) if present] + resumable + [n for n in checkpoints if n not in resumable]
+    if not evidence:
+        return None
+    steps = None
+    if (root / "summary.json").is_file():
+        try:
+            steps = json.loads((root / "summary.json").read_text()).get("steps")
+        except (ValueError, AttributeError):
+            pass
+    return {"finished": (root / "summary.json").is_file(), "steps": steps, "checkpoints": resumable, "evidence": evidence}
+
+
+def set_aside(output_dir: str | Path) -> Path:
+    """Move a run's files (RUN_FILES, checkpoint-* dirs) into output_dir/previous-run-K/ (the first
+    free K) and return that directory; other files stay where they are."""
+    root = Path(output_dir)
+    k = 1
+    while (target := root / f"previous-run-{k}").exists():
+        k += 1
+    target.mkdir()
+    for path in [root / name for name in RUN_FILES] + sorted(root.glob(_CHECKPOINT_GLOB)):
+        if path.exists():
+            shutil.move(str(path), str(target / path.name))
+    return target
+
+
+def _describe(found: dict) -> str:
+    state = (f"a finished run ({found['steps']} steps, summary.json)" if found["finished"] and found["steps"] is not None
+             else "a finished run (summary.json)" if found["finished"]
+             else f"an unfinished run (last checkpoint {found['checkpoints'][-1]})" if found["checkpoints"]
+             else "an unfinished run without checkpoints")
+    shown = ", ".join(found["evidence"][:6]) + (", ..." if len(found["evidence"]) > 6 else "")
+    return f"{state}: {shown}"
+
+
+# ----------------------------------------------------------------------------- the lock
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _read_holder(path: Path) -> dict:
+    try:
+        holder = json.loads(path.read_text())
+        return holder if isinstance(holder, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _holder_text(holder: dict) -> str:
+    if not holder:
+        return "a run that has not written its details yet"
+    mine = holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+    return (f"{'this process' if mine else 'pid'} {holder.get('pid')} on host {holder.get('host')!r}, started "
+            f"{holder.get('started')}" + (f" ({holder['command']})" if holder.get("command") else ""))
+
+
+def _in_use(output_dir: Path, lock: Path, holder: dict, how: str) -> OutputDirInUse:
+    return OutputDirInUse(
+        f"output_dir {str(output_dir)!r} is in use by another run: {_holder_text(holder)}; its lock is {lock}. Wait for "
+        f"it to finish, stop it, or train into another output_dir. {how}")
+
+
+def _my_record() -> str:
+    import sys
+
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": " ".join(sys.argv)[:200]})
+
+
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def _acquire(output_dir: Path) -> tuple[int | None, str | None]:
+    """(the open lock fd, or None in file-only mode; a note about a stale lock taken over)."""
+    lock = output_dir / LOCK_NAME
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the file alone is the lock
+        return None, _acquire_file_only(output_dir, lock)
+    for _ in range(5):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in _NO_LOCKS:
+                return None, _acquire_file_only(output_dir, lock)
+            raise _in_use(output_dir, lock, _read_holder(lock), "The lock goes with its process: once that run has "
+                          "ended, however it ended, the next run takes it over.") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:  # released and removed between our open and our lock: try again
+            same = False
+        if not same:
+            os.close(fd)
+            continue
+        left = _read_holder(lock)
+        os.ftruncate(fd, 0)
+        os.write(fd, _my_record().encode())
+        os.fsync(fd)
+        note = (f"{lock}: a lock left by {_holder_text(left)}, which has ended without releasing it (a crash?); "
+                "taken over") if left else None
+        return fd, note
+    raise OutputDirError(f"could not take the lock {lock}: it keeps being replaced; is another run starting there?")
+
+
+def _acquire_file_only(output_dir: Path, lock: Path) -> str | None:
+    note = None
+    for _ in range(5):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            holder = _read_holder(lock)
+            if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
+                    and not _process_alive(holder["pid"]):
+                lock.unlink(missing_ok=True)  # its process is gone: stale
+                note = f"{lock}: a lock left by {_holder_text(holder)}, which is no longer running; taken over"
+                continue
+            raise _in_use(output_dir, lock, holder, "This file system has no file locks, so if that run is gone "
+                          f"(another host cannot tell), delete {lock}.") from None
+        os.write(fd, _my_record().encode())
+        os.close(fd)
+        return note
+    raise OutputDirError(f"could not take the lock {lock}: it keeps coming back; is another run starting there?")
+
+
+# ----------------------------------------------------------------------------- the claim
+class RunDirClaim:
+    """output_dir, claimed by this run: `release()` (or leaving the `with` block) drops the lock.
+    `notes`: lines to print (a stale lock taken over, a previous run set aside); `set_aside`: where
+    a previous run's files went (overwrite), else None."""
+
+    def __init__(self, output_dir: Path, fd: int | None, locked: bool, notes: list[str], set_aside: Path | None = None):
+        self.output_dir, self._fd, self._locked, self.notes, self.set_aside = output_dir, fd, locked, notes, set_aside
+
+    @property
+    def lock_path(self) -> Path:
+        return self.output_dir / LOCK_NAME
+
+    @property
+    def held(self) -> bool:
+        return self._locked
+
+    def release(self) -> None:
+        """Drop the lock (idempotent): remove the file while still holding it, then close."""
+        if not self._locked:
+            return
+        self._locked = False
+        try:
+            if self._fd is None or os.fstat(self._fd).st_ino == os.stat(self.lock_path).st_ino:
+                self.lock_path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)  # closing drops the flock
+                self._fd = None
+
+    def __enter__(self) -> RunDirClaim:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def claim_output_dir(output_dir: str | Path, *, resume_from: str | Path | None = None, overwrite: bool = False,
+                     is_main: bool = True) -> RunDirClaim:
+    """Claim `output_dir` for a training run (see the module docstring): take its lock, then make
+    sure a new run does not land on another run's files.
+
+    resume_from: the run's resume_from_checkpoint ('latest', a checkpoint path, or None). A resume
+    from 'latest' or from a checkpoint inside output_dir continues that run (its logs are cut back
+    to the checkpoint); a fresh run, or a resume from a checkpoint elsewhere, needs a directory
+    without another run's files, or overwrite=True (that run's files move to previous-run-K/).
+    is_main: on other processes of a multi-process run nothing is claimed or checked (the main one
+    writes the run's files); the claim returned then holds nothing.
+
+    Raises OutputDirInUse while another live run holds the lock, OutputDirError when another run's
+    files are there; both name the holder or the files and the fixes.
+    """
+    root = Path(output_dir)
+    if not is_main:
+        return RunDirClaim(root, None, False, [])
+    root.mkdir(parents=True, exist_ok=True)
+    fd, note = _acquire(root)
+    claim = RunDirClaim(root, fd, True, [note] if note else [])
+    try:
+        continues = resume_from is not None and (str(resume_from) == "latest" or _inside(Path(resume_from), root))
+        found = None if continues else previous_run(root)
+        if found is not None:
+            if not overwrite:
+                raise OutputDirError(_refusal(root, found, resume_from))
+            claim.set_aside = set_aside(root)
+            claim.notes.append(f"{OVERWRITE_FIELD}=true: the previous run's files in {root} moved to "
+                               f"{claim.set_aside} (nothing deleted)")
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except OSError:
+        return False
+
+
+def _refusal(root: Path, found: dict, resume_from) -> str:
+    what = "resuming from a checkpoint elsewhere into it" if resume_from is not None else "a new run there"
+    fixes = [f"train into another output_dir (--set output_dir={root}-2)"]
+    if found["checkpoints"]:
+        fixes.append("continue that run: --set resume_from_checkpoint=latest"
+                     + (" with a larger max_steps" if found["finished"] else ""))
+    fixes.append(f"or set {OVERWRITE_FIELD}=true: its files then move to {root}/previous-run-K/ first (nothing is "
+                 "deleted)")
+    return (f"output_dir {str(root)!r} holds {_describe(found)}. {what[0].upper() + what[1:]} would overwrite its "
+            "metrics.jsonl, completions.jsonl and summary.json and mix its checkpoints with the new run's "
+            f"(resume_from_checkpoint=latest would pick the newest of either). Either {'; '.join(fixes)}")
+
+
+# ----------------------------------------------------------------------------- resume at the end
+def nothing_to_train(global_step: int, total_steps: int, checkpoint: str | Path, adapter_missing: bool = False) -> str | None:
+    """The line for a resumed checkpoint with no step left (global_step ≥ total_steps), else None.
+    What train() does then: no step, no eval, no checkpoint; the run directory stays as it is, but
+    for a final adapter/ that is missing (a run that ended between its last checkpoint and it),
+    which is written from the checkpoint's policy (`adapter_missing`)."""
+    if global_step < total_steps:
+        return None
+    name = Path(checkpoint).name
+    where = (f"{name} is at step {global_step}, the run's last (max_steps={total_steps})" if global_step == total_steps
+             else f"{name} is at step {global_step}, past this run's max_steps={total_steps}")
+    kept = ("the run directory stays as it is but for adapter/, which was missing and is written from its policy"
+            if adapter_missing else "the run directory stays as it is")
+    return (f"{where}: nothing left to train, so nothing is trained, evaluated or saved again and {kept}. To train "
+            f"further, raise max_steps: --set max_steps={max(total_steps, global_step) * 2} "
+            "--set resume_from_checkpoint=latest" + ("" if global_step == total_steps else
+                                                    "; to end at an earlier step, resume from an earlier checkpoint"))
+
+
+def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:
+    """claim_output_dir for a trainer: the main process claims; under several processes a refusal
+    reaches every process, so that they all stop together."""
+    problem, claim = [None], None
+    if accelerator.is_main_process:
+        try:
+            claim = claim_output_dir(output_dir, resume_from=config.resume_from_checkpoint,
+                                     overwrite=config.overwrite_output_dir)
+        except OutputDirError as e:
+            problem = [(type(e), str(e))]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(problem)
+    if problem[0]:
+        raise problem[0][0](problem[0][1])
+    return claim or claim_output_dir(output_dir, is_main=False)
+
+
+def kept_work(output_dir: Path, written: Path | None) -> str:
+    """What a run that stops on an error keeps, and how to go on: the checkpoint just written, the last
+    one, or nothing yet."""
+    kept = list_checkpoints(Path(output_dir))
+    if not (written or kept):
+        return "nothing was trained yet; fix the function and start again"
+    how = f"checkpoint written to {written}" if written else f"the last checkpoint, {kept[-1]}, is kept"
+    return (f"{how}; fix the function, then resume: lora-grpo train <recipe> --set output_dir={output_dir} "
+            "--set resume_from_checkpoint=latest")

@@ -1,0 +1,71 @@
+"""The rollout stage of a run: the config's sampling settings, and the tools each rollout may call.
+
+Without tools it is generate_rollout with the config's settings. With `tools` (typed, documented
+functions) or an `environment_factory` (a class whose methods are the tools; one instance per
+completion, reset with the row's dataset fields), a rollout is multi-turn (rollout/tools.py): a turn
+that calls a tool gets the tool's reply appended on the same KV cache and sampling continues; the
+reply tokens are context, not actions (Rollout.tool_mask: the loss skips them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .data import PROMPT_MESSAGES
+from .rewards.specs import _import_object
+from .rollout import Rollout, Toolbox, eos_token_ids, generate_rollout
+
+
+def resolve_callable(spec, what: str) -> Callable:
+    """A function or class given as itself or as a dotted path 'pkg.module:name' (a recipe's)."""
+    if callable(spec):
+        return spec
+    try:
+        return _import_object(str(spec))
+    except Exception as e:  # noqa: BLE001 - any import failure means: this path does not name it
+        raise ValueError(f"cannot import {what} {spec!r} ({type(e).__name__}: {e}); give a dotted path "
+                         "'package.module:name' importable from here (PYTHONPATH=. for the current directory)") from e
+
+
+class PolicySampler:
+    """sample(prompts, ...) → a Rollout of the policy, with the run's tools when it has any."""
+
+    def __init__(self, config, model, tokenizer, generator: torch.Generator, *, tools: Sequence = (),
+                 environment_factory=None):
+        self.config, self.model, self.tokenizer, self.generator = config, model, tokenizer, generator
+        tools = [resolve_callable(t, "tool") for t in tools]
+        factory = None if environment_factory is None else resolve_callable(environment_factory, "environment_factory")
+        self.toolbox = None
+        if tools or factory is not None:
+            self.toolbox = Toolbox(tokenizer, tools, factory, stop_ids=eos_token_ids(model, tokenizer),
+                                   timeout=config.tool_timeout, chat_template_kwargs=config.chat_template_kwargs)
+        self.environments = None  # the last rollout's environment instances (reward functions get them)
+
+    @property
+    def prompt_template_kwargs(self) -> dict:
+        """What the datasets' chat template gets: the config's kwargs, and the tools' schemas in a tool run."""
+        extra = {} if self.toolbox is None else {"tools": self.toolbox.schemas}
+        return {**self.config.chat_template_kwargs, **extra}
+
+    def sample(self, prompts: list[str], num_generations: int | None = None, temperature: float | None = None,
+               generator: torch.Generator | None = None, rows: dict[str, list] | None = None) -> Rollout:
+        """num_generations completions per prompt; `generator` defaults to the training sampling stream.
+        `rows` (the prompts' dataset columns) reset a tool run's environments."""
+        cfg, G = self.config, num_generations or self.config.num_generations
+        tools = None
+        if self.toolbox is not None:
+            row_dicts = [dict(zip(rows, values)) for values in zip(*rows.values())] if rows else None
+            tools = self.toolbox.episode([r for r in row_dicts for _ in range(G)] if row_dicts else len(prompts) * G)
+            if any(tools.observations) and rows and rows.get(PROMPT_MESSAGES):
+                prompts, G = self.toolbox.prompts(rows[PROMPT_MESSAGES], tools, G)  # reset texts join the prompts
+            self.environments = tools.environments
+        return generate_rollout(
+            self.model, self.tokenizer, prompts,
+            num_generations=G, max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
+            temperature=cfg.temperature if temperature is None else temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, decode_mode=cfg.decode_mode,
+            generator=self.generator if generator is None else generator,
+            tools=tools, max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+        )

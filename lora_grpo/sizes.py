@@ -1,0 +1,56 @@
+"""The sizes a run trains with: micro_batch_size and gradient_checkpointing, fixed in the config or
+'auto' (the start-up memory probe, memory.plan_run_memory), and what a resume keeps of a checkpoint's.
+
+The probe runs once, when training starts (or when a size is first needed); a trainer that only
+evaluates never probes. The sizes in use live in the TrainState (saved in checkpoints).
+"""
+
+from __future__ import annotations
+
+from .memory import MemoryPlan, plan_run_memory, resume_sizes
+from .model import set_gradient_checkpointing
+
+
+class RunSizes:
+    """update: the run's update.PolicyUpdate (what the probe measures); state: its TrainState."""
+
+    def __init__(self, config, update, accelerator, state, longest_prompt: int, eval_longest_prompt: int | None = None):
+        self.config, self.update, self.accelerator, self.state = config, update, accelerator, state
+        self.longest_prompt, self.eval_longest_prompt = longest_prompt, eval_longest_prompt
+        self.plan: MemoryPlan | None = None
+        self._planned = False
+
+    def make_plan(self) -> MemoryPlan | None:
+        """Probe and choose the 'auto' sizes (once); None when both are fixed in the config."""
+        cfg = self.config
+        if not self._planned:
+            self._planned = True
+            if cfg.micro_batch_size == "auto" or cfg.gradient_checkpointing == "auto":
+                self.plan = plan_run_memory(self.update, device=self.accelerator.device,
+                                            num_processes=self.accelerator.num_processes, longest_prompt=self.longest_prompt,
+                                            eval_longest_prompt=self.eval_longest_prompt)
+                self.state.micro_batch_size = self.plan.micro_batch_size
+                self.state.gradient_checkpointing = self.plan.gradient_checkpointing
+        return self.plan
+
+    @property
+    def micro_batch_size(self) -> int:
+        if self.state.micro_batch_size == "auto":
+            self.make_plan()
+        return self.state.micro_batch_size
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        if self.state.gradient_checkpointing == "auto":
+            self.make_plan()
+        return self.state.gradient_checkpointing
+
+    def resume(self, current: tuple, saved_state: dict) -> str | None:
+        """After a checkpoint's TrainState was loaded: the sizes this resume uses (an 'auto' size takes
+        the checkpoint's when it fits), recompute switched to match; the line to print, or None."""
+        saved = (saved_state.get("micro_batch_size"), saved_state.get("gradient_checkpointing"))
+        (size, on), line = resume_sizes(self.plan, self.config, current, saved)
+        if on != current[1]:
+            set_gradient_checkpointing(self.update.model, on)
+        self.state.micro_batch_size, self.state.gradient_checkpointing = size, on
+        return line

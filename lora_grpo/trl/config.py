@@ -1,0 +1,146 @@
+"""TRL 1.16's GRPOConfig: its names, defaults and meanings, on transformers' own TrainingArguments.
+
+The 114 fields TRL inherits come from transformers' TrainingArguments itself (this class subclasses
+it, as TRL's does), with TRL's five overrides (learning_rate 1e-6, logging_steps 10,
+gradient_checkpointing True, bf16 None = "not fp16", remove_unused_columns False). The 77 fields of
+TRL's own are written out below with TRL 1.16's defaults, read from the pinned package. What each
+one does in lora_grpo is lora_grpo.trl.translate's table: acted on as in TRL, or refused by name when
+set away from its default. `trl` is not needed to use this class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+TRL_VERSION = "1.16.0"  # the release whose GRPOConfig this mirrors (tests compare against it where installed)
+
+
+def _f(default, help: str):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    """TRL's GRPOConfig (1.16), for `from lora_grpo.trl import GRPOConfig, GRPOTrainer` scripts."""
+
+    # --- TRL's overrides of TrainingArguments' defaults ------------------------------------------
+    learning_rate: float = _f(1e-6, "initial learning rate (TRL's default)")
+    logging_steps: float = _f(10, "log every N steps; below 1: a share of the run's steps")
+    gradient_checkpointing: bool = _f(True, "recompute activations in backward (lora_grpo: its memory plan decides unless set False)")
+    bf16: bool | None = _f(None, "bfloat16; None = True unless fp16 (TRL), and here only on a GPU with native bf16")
+    remove_unused_columns: bool | None = _f(False, "keep every dataset column: reward functions read them")
+    # --- model ---------------------------------------------------------------------------------
+    model_init_kwargs: dict[str, Any] | str | None = _f(None, "from_pretrained kwargs when `model` is a name: dtype, attn_implementation, revision, device_map, quantization_config")
+    trust_remote_code: bool = _f(False, "allow models and tokenizers with custom code from the hub")
+    router_aux_loss_coef: float | None = _f(None, "MoE load-balancing loss weight")
+    disable_dropout: bool = _f(False, "disable the model's dropout (lora_grpo always does)")
+    cast_lm_head_to_fp32: bool = _f(False, "LM head in float32 (lora_grpo's log-probs always accumulate it in float32)")
+    # --- generation ----------------------------------------------------------------------------
+    num_generations: int | None = _f(8, "completions per prompt (the group size)")
+    num_generations_eval: int | None = _f(None, "completions per prompt in evaluation")
+    max_completion_length: int | None = _f(512, "maximum new tokens per completion")
+    ds3_gather_for_generation: bool = _f(True, "DeepSpeed ZeRO-3: gather the weights for generation")
+    shuffle_dataset: bool | None = _f(True, "shuffle the training prompts")
+    pad_to_multiple_of: int | str | None = _f("auto", "pad prompt and completion ids to a multiple of this")
+    generation_batch_size: int | None = _f(None, "completions per generation (all processes); default per_device_train_batch_size × processes × steps_per_generation")
+    steps_per_generation: int | None = _f(None, "micro-steps each generation feeds; default gradient_accumulation_steps")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling threshold")
+    top_k: int = _f(0, "top-k sampling (0 = off)")
+    min_p: float | None = _f(None, "min-p sampling")
+    generation_kwargs: dict | str | None = _f(None, "extra GenerationConfig kwargs")
+    chat_template_kwargs: dict | str | None = _f(None, "extra apply_chat_template kwargs")
+    repetition_penalty: float = _f(1.0, "repetition penalty")
+    cache_implementation: str | None = _f(None, "KV cache implementation (e.g. 'static')")
+    # --- vLLM ----------------------------------------------------------------------------------
+    use_vllm: bool = _f(False, "generate with vLLM")
+    vllm_mode: str = _f("colocate", "vLLM mode: server | colocate")
+    vllm_model_impl: str = _f("vllm", "vLLM model implementation")
+    vllm_enable_sleep_mode: bool = _f(False, "vLLM sleep mode")
+    vllm_structured_outputs_regex: str | None = _f(None, "vLLM structured outputs regex")
+    vllm_server_base_url: str | None = _f(None, "vLLM server URL")
+    vllm_server_host: str = _f("0.0.0.0", "vLLM server host")
+    vllm_server_port: int = _f(8000, "vLLM server port")
+    vllm_server_timeout: float = _f(240.0, "vLLM server timeout")
+    vllm_group_port: int = _f(51216, "vLLM weight-update group port")
+    vllm_gpu_memory_utilization: float = _f(0.3, "vLLM GPU memory share")
+    vllm_max_model_length: int | None = _f(None, "vLLM context window")
+    vllm_tensor_parallel_size: int = _f(1, "vLLM tensor parallel size")
+    # --- the objective -------------------------------------------------------------------------
+    beta: float = _f(0.0, "KL coefficient (0: no reference model)")
+    num_iterations: int = _f(1, "optimisation passes per generation (μ); each update is a step")
+    epsilon: float = _f(0.2, "clip epsilon (the lower one)")
+    delta: float | None = _f(None, "two-sided clipping bound (INTELLECT-2)")
+    epsilon_high: float | None = _f(None, "upper clip epsilon; None = epsilon; cispo: the cap on the ratio (about 5)")
+    sapo_temperature_neg: float = _f(1.05, "sapo: temperature for non-positive advantages")
+    sapo_temperature_pos: float = _f(1.0, "sapo: temperature for positive advantages")
+    vespo_k_pos: float = _f(2.0, "vespo: k for positive advantages")
+    vespo_lambda_pos: float = _f(3.0, "vespo: lambda for positive advantages")
+    vespo_k_neg: float = _f(3.0, "vespo: k for negative advantages")
+    vespo_lambda_neg: float = _f(2.0, "vespo: lambda for negative advantages")
+    importance_sampling_level: str = _f("token", "importance ratio: token | sequence")
+    reward_weights: list[float] | None = _f(None, "one weight per reward function")
+    multi_objective_aggregation: str = _f("sum_then_normalize", "sum_then_normalize | normalize_then_sum (GDPO)")
+    scale_rewards: str = _f("group", "group | batch | none (True = group, False = none)")
+    loss_type: str = _f("dapo", "grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo")
+    mask_truncated_completions: bool = _f(False, "exclude truncated completions from the loss")
+    sync_ref_model: bool = _f(False, "sync the reference to the policy every ref_model_sync_steps (lora_grpo: also with peft_config)")
+    ref_model_mixup_alpha: float = _f(0.6, "sync mix: ref ← alpha·policy + (1−alpha)·ref (lora_grpo: exactly, in weight space)")
+    ref_model_sync_steps: int = _f(512, "steps between reference syncs")
+    top_entropy_quantile: float = _f(1.0, "share of highest-entropy tokens that carry the policy gradient")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient")
+    use_adaptive_entropy: bool = _f(False, "adaptive entropy coefficient (Skywork-OR1)")
+    entropy_coef_min: float = _f(0.0, "adaptive entropy: lower bound")
+    entropy_coef_max: float = _f(1.0, "adaptive entropy: upper bound")
+    entropy_coef_delta: float = _f(0.005, "adaptive entropy: step")
+    entropy_target: float = _f(0.2, "adaptive entropy: target entropy")
+    max_tool_calling_iterations: int | None = _f(None, "tool-calling turns per completion at most")
+    vllm_importance_sampling_correction: bool = _f(True, "vLLM: importance-sampling correction")
+    vllm_importance_sampling_mode: str = _f("sequence_mask", "vLLM: importance-sampling mode")
+    vllm_importance_sampling_clip_max: float | None = _f(3.0, "vLLM: importance ratio upper bound")
+    vllm_importance_sampling_clip_min: float | None = _f(None, "vLLM: importance ratio lower bound")
+    off_policy_mask_threshold: float | None = _f(None, "off-policy sequence mask threshold (DeepSeek-V3.2)")
+    use_bias_correction_kl: bool = _f(True, "multiply the KL term by the importance ratio (unbiased KL gradient)")
+    # --- logging -------------------------------------------------------------------------------
+    log_completions: bool = _f(False, "log completions at each logging step")
+    log_multimodal: bool = _f(True, "log images with completions")
+    num_completions_to_print: int | None = _f(None, "completions to print at each logging step")
+    log_unique_prompts: bool = _f(False, "log each prompt once")
+    log_completions_hub_repo: str | None = _f(None, "hub repo for the completions")
+    use_transformers_continuous_batching: bool = _f(False, "transformers' continuous batching for generation")
+    transformers_continuous_batching_config: dict | str | None = _f(None, "continuous batching config")
+    use_transformers_paged: bool = _f(False, "deprecated: use_transformers_continuous_batching")
+    vllm_importance_sampling_cap: float | None = _f(None, "deprecated: vllm_importance_sampling_clip_max")
+
+    def __post_init__(self):
+        if self.bf16 is None:  # TRL: "not fp16"; here also "where the device has bf16", so a CPU run does not fail
+            import torch
+
+            self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+        super().__post_init__()
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        # TRL's batch arithmetic: a generation of generation_batch_size completions (over every process)
+        # feeds steps_per_generation micro-steps of per_device_train_batch_size each.
+        global_batch = self.per_device_train_batch_size * self.world_size
+        if self.generation_batch_size is None and self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+            self.generation_batch_size = global_batch * self.steps_per_generation
+        elif self.generation_batch_size is not None and self.steps_per_generation is None:
+            if self.generation_batch_size % global_batch != 0:
+                raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global "
+                                 f"batch size ({global_batch}).")
+            self.steps_per_generation = self.generation_batch_size // global_batch
+        elif self.generation_batch_size is None:
+            self.generation_batch_size = global_batch * self.steps_per_generation
+        else:
+            raise ValueError("'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time")
+        if self.num_generations is None or self.num_generations < 2:
+            raise ValueError(f"GRPO requires at least 2 generations per prompt, got num_generations={self.num_generations}")
+        if self.generation_batch_size % self.num_generations != 0:
+            raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by num_generations "
+                             f"({self.num_generations}).")

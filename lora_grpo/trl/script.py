@@ -1,0 +1,168 @@
+"""`lora-grpo trl --config recipe.yaml [--flag value ...]`: what `trl grpo --config` accepts, run here.
+
+A TRL recipe holds three groups of keys, as TRL's grpo script parses them (transformers'
+HfArgumentParser over three dataclasses; the YAML gives the defaults, flags override them):
+
+    ScriptArguments  dataset_name, dataset_config, dataset_train_split, dataset_test_split,
+                     reward_model_name_or_path, reward_funcs (TRL's registry names or dotted paths)
+    ModelConfig      model_name_or_path, model_revision, dtype, attn_implementation, use_peft, lora_*,
+                     load_in_4bit / load_in_8bit, bnb_4bit_quant_type, use_bnb_nested_quant
+    GRPOConfig       every field of TRL's GRPOConfig (lora_grpo.trl.GRPOConfig)
+
+TRL's reward registry: accuracy_reward, reasoning_accuracy_reward, think_format_reward,
+get_soft_overlong_punishment (max_completion_len 1280, soft_punish_cache 256), as lora_grpo's
+built-ins of the same meaning (rewards/builtins.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+from ..config import ConfigError
+
+
+@dataclass
+class ScriptArguments:
+    """TRL's ScriptArguments + GRPOScriptArguments (TRL 1.16 names and defaults)."""
+
+    dataset_name: str | None = field(default=None, metadata={"help": "hub dataset name or local path"})
+    dataset_config: str | None = field(default=None, metadata={"help": "dataset configuration name"})
+    dataset_train_split: str = field(default="train", metadata={"help": "training split"})
+    dataset_test_split: str = field(default="test", metadata={"help": "evaluation split"})
+    dataset_streaming: bool = field(default=False, metadata={"help": "stream the dataset (refused: lora_grpo shuffles a map-style dataset)"})
+    ignore_bias_buffers: bool = field(default=False, metadata={"help": "DDP bias buffers (no effect: no DDP wrapper)"})
+    reward_model_name_or_path: str | None = field(default=None, metadata={"help": "a sequence-classification reward model"})
+    reward_funcs: list[str] | None = field(default=None, metadata={"help": "TRL registry names or dotted import paths"})
+
+
+@dataclass
+class ModelConfig:
+    """TRL's ModelConfig (TRL 1.16 names and defaults)."""
+
+    model_name_or_path: str | None = field(default=None, metadata={"help": "model id or path"})
+    model_revision: str = field(default="main", metadata={"help": "model revision"})
+    dtype: str | None = field(default="float32", metadata={"help": "model dtype"})
+    attn_implementation: str | None = field(default=None, metadata={"help": "attention implementation"})
+    use_peft: bool = field(default=False, metadata={"help": "train a LoRA adapter (lora_grpo always does)"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
+    lora_target_modules: list[str] | None = field(default=None, metadata={"help": "LoRA target modules"})
+    lora_target_parameters: list[str] | None = field(default=None, metadata={"help": "LoRA target parameters (refused)"})
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={"help": "fully trained modules (refused)"})
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "peft task type"})
+    use_rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA"})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA (refused: the reference slot holds B·A only)"})
+    load_in_8bit: bool = field(default=False, metadata={"help": "8-bit base"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "4-bit base (QLoRA)"})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit type"})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "double quantization"})
+    bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "4-bit storage dtype"})
+
+
+def reward_registry() -> dict:
+    """TRL's grpo-script registry names → lora_grpo's reward functions of the same meaning."""
+    from ..rewards import answer_accuracy, soft_overlong_penalty
+    from ..rewards.builtins import reasoning_accuracy_reward, think_format_reward
+
+    return {
+        "accuracy_reward": answer_accuracy,
+        "reasoning_accuracy_reward": reasoning_accuracy_reward,
+        "think_format_reward": think_format_reward,
+        "get_soft_overlong_punishment": soft_overlong_penalty(max_completion_length=1280, buffer_length=256),
+    }
+
+
+def reward_funcs(script) -> list:
+    """The script's reward model and reward functions, as TRL's grpo script resolves them."""
+    funcs: list = [script.reward_model_name_or_path] if script.reward_model_name_or_path else []
+    registry = reward_registry()
+    for name in script.reward_funcs or []:
+        if name in registry:
+            funcs.append(registry[name])
+        elif "." in name:
+            module, attr = name.rsplit(".", 1)
+            sys.path.insert(0, os.getcwd())
+            funcs.append(getattr(importlib.import_module(module), attr))
+        else:
+            raise ConfigError(f"reward_funcs: unknown {name!r}; expected one of {sorted(registry)} or a dotted import path")
+    return funcs
+
+
+def peft_and_quantization(model_args):
+    """TRL's get_peft_config / get_quantization_config, from ModelConfig."""
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    if model_args.lora_target_parameters:
+        raise ConfigError("lora_target_parameters: LoRA on raw parameters has no B·A layer for the reference slot to mirror")
+    peft = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+                      target_modules=model_args.lora_target_modules, modules_to_save=model_args.lora_modules_to_save,
+                      task_type=model_args.lora_task_type, use_rslora=model_args.use_rslora, use_dora=model_args.use_dora,
+                      bias="none") if model_args.use_peft else None
+    quant = None
+    if model_args.load_in_4bit:
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+                                   bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant)
+    elif model_args.load_in_8bit:
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    return peft, quant
+
+
+def parse(argv: list[str]):
+    """(ScriptArguments, GRPOConfig, ModelConfig) from `--config file.yaml` (defaults) and flags (override)."""
+    import yaml
+    from transformers import HfArgumentParser
+
+    from .config import GRPOConfig
+
+    parser = HfArgumentParser((ScriptArguments, GRPOConfig, ModelConfig), prog="lora-grpo trl")
+    argv = list(argv)
+    if "--config" in argv:
+        at = argv.index("--config")
+        path, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+        values = yaml.safe_load(open(path)) or {}
+        known = {f.name for cls in (ScriptArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown keys {unknown} (not in TRL's ScriptArguments, GRPOConfig or ModelConfig)")
+        parser.set_defaults(**values)
+        for action in parser._actions:  # a required field given in the YAML is no longer required on the command line
+            if action.dest in values:
+                action.required = False
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def main(argv: list[str]) -> int:
+    """TRL's grpo script, on lora_grpo: load the data, build the trainer, train, save, end."""
+    from datasets import load_dataset
+
+    from . import GRPOTrainer
+
+    script, training_args, model_args = parse(argv)
+    if script.dataset_streaming:
+        raise ConfigError("dataset_streaming: lora_grpo draws prompts from a map-style dataset (shuffled, resumable)")
+    if not script.dataset_name or not model_args.model_name_or_path:
+        raise ConfigError("a TRL recipe needs dataset_name and model_name_or_path")
+    init = dict(revision=model_args.model_revision, attn_implementation=model_args.attn_implementation,
+                dtype=model_args.dtype, trust_remote_code=training_args.trust_remote_code)
+    init.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = init
+    dataset = load_dataset(script.dataset_name, name=script.dataset_config)
+    peft, quantization = peft_and_quantization(model_args)
+    trainer = GRPOTrainer(
+        model=model_args.model_name_or_path, reward_funcs=reward_funcs(script), args=training_args,
+        train_dataset=dataset[script.dataset_train_split],
+        eval_dataset=dataset[script.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        quantization_config=quantization, peft_config=peft,
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.accelerator.print("Training completed.")
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    trainer.end()
+    return 0

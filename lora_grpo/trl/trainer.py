@@ -1,0 +1,219 @@
+"""TRL's GRPOTrainer, as a translation onto lora_grpo's trainer (which does all the work).
+
+    TRL's constructor ─► translate.to_native (the config) + the model (a name, a loaded model, a
+        PeftModel; peft_config's LoRA; quantization_config) ─► lora_grpo.trainer.GRPOTrainer
+    its loop's named points (trainer._event) ─► transformers' CallbackHandler: DefaultFlowCallback
+        decides when to log, evaluate and save from the TrainingArguments, the user's callbacks run
+    its per-step records ─► TRL's metric names, averaged over each logging window (as TRL's log())
+
+`trainer.state` is a transformers TrainerState of TRL's meaning (global_step counts every optimizer
+update, log_history holds TRL-named records); the native loop's own state is `trainer.native.state`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import DefaultFlowCallback, TrainerControl, TrainerState
+from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_utils import TrainOutput
+
+from ..adapters import POLICY
+from ..checkpoint import save_adapter
+from ..config import ConfigError
+from ..trainer import GRPOTrainer as NativeTrainer
+from .config import GRPOConfig
+from .models import build_model, reward_models
+from .translate import resolved_steps, to_native
+
+# Our metric names → TRL 1.16's; others (sync/*, time/*, ...) are logged under our names beside them.
+TRL_NAMES = {
+    "reward/mean": "reward", "reward/std": "reward_std", "completion_length/mean": "completions/mean_length",
+    "completion_length/max": "completions/max_length", "completion_length/min": "completions/min_length",
+    "truncated_fraction": "completions/clipped_ratio", "clip_ratio/low": "clip_ratio/low_mean",
+    "clip_ratio/high": "clip_ratio/high_mean", "clip_ratio/region": "clip_ratio/region_mean", "lr": "learning_rate",
+    "time/step": "step_time",
+}
+_LAST = ("learning_rate", "grad_norm", "epoch")  # transformers logs the latest of these, not a window mean
+
+
+def trl_record(records: list[dict[str, Any]]) -> dict[str, float]:
+    """One TRL log record from the native per-step records of a logging window: every numeric metric
+    averaged over the steps that have it (NaN left out, as TRL's log()), renamed to TRL's names."""
+    out: dict[str, float] = {}
+    keys = dict.fromkeys(k for r in records for k in r)
+    for key in keys:
+        values = [r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
+        if not values or key in ("step", "epoch") or key.startswith("eval/"):
+            continue
+        name = TRL_NAMES.get(key, key)
+        out[name] = values[-1] if name in _LAST else sum(values) / len(values)
+    return out
+
+
+class GRPOTrainer:
+    """`from lora_grpo.trl import GRPOConfig, GRPOTrainer`: TRL 1.16's GRPOTrainer signature and step
+    counting, lora_grpo's reference slot (sync_ref_model works with peft_config), exact weight-space
+    mixing and memory plan."""
+
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        if optimizers != (None, None) and any(o is not None for o in optimizers):
+            raise ConfigError("optimizers=(...): lora_grpo builds the AdamW of the LoRA policy itself; set optim, "
+                              "learning_rate, lr_scheduler_type and warmup_steps in GRPOConfig instead")
+        if rollout_func is not None:
+            raise ConfigError("rollout_func: lora_grpo samples with its own sampler (tools=[...] for tool calls)")
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+        if args is None:
+            args = GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
+        self.args = args
+        world = getattr(args, "world_size", 1) or 1
+        model_fields, build = build_model(model, args, quantization_config, peft_config, processing_class)
+        config = to_native(args, model_name_or_path=str(name), world_size=world, **model_fields)
+        peft_model, tokenizer = build(config)
+        funcs = reward_models(reward_funcs, reward_processing_classes)
+        extra = {} if tools is None else {"tools": tools}
+        if environment_factory is not None:
+            extra["environment_factory"] = environment_factory
+        self.native = NativeTrainer(config, reward_funcs=funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                    model=peft_model, tokenizer=tokenizer, **extra)
+        self.model, self.processing_class = self.native.model, tokenizer
+        self.accelerator = self.native.accelerator
+        total = self.native.total_steps
+        self.state = TrainerState(  # TRL's meaning, as transformers' Trainer fills it
+            max_steps=total, num_train_epochs=math.ceil(total / self.native.steps_per_epoch),
+            logging_steps=resolved_steps(args.logging_steps, total, 500),
+            eval_steps=resolved_steps(args.eval_steps, total, args.logging_steps if args.eval_steps is None else 500),
+            save_steps=resolved_steps(args.save_steps, total, 500), train_batch_size=args.per_device_train_batch_size,
+            is_local_process_zero=self.accelerator.is_local_main_process,
+            is_world_process_zero=self.accelerator.is_main_process,
+        )
+        self.control = TrainerControl()
+        self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.model, tokenizer,
+                                                self.native.optimizer, self.native.scheduler)
+        self.native.hooks.append(self._on_event)
+        self.native.scorer.trainer_state = self.state  # reward functions see TRL's TrainerState, as in TRL
+        self._logged_upto = 0  # native records already averaged into a TRL log record
+        self._started = None
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    # ------------------------------------------------------------------ TRL's public methods
+    def train(self, resume_from_checkpoint: str | bool | None = None, **_ignored) -> TrainOutput:
+        """Train; resume_from_checkpoint True resumes the newest checkpoint in output_dir, a path that one."""
+        native = self.native
+        if resume_from_checkpoint:
+            native.config.resume_from_checkpoint = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+        self._started = time.perf_counter()
+        native.train()
+        loss = [r["loss"] for r in native.state.log_history if "loss" in r]
+        seconds = time.perf_counter() - self._started
+        metrics = {"train_runtime": round(seconds, 4), "train_steps_per_second": round(self.state.global_step / seconds, 3),
+                   "train_loss": sum(loss) / max(len(loss), 1), "epoch": self.state.epoch}
+        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """lora_grpo's evaluation (greedy scores, pass@k, KL to the base), under transformers' "eval_" names."""
+        return self._eval_record(self.native.evaluate(eval_dataset), metric_key_prefix)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The policy as a standard peft adapter (adapter_config.json + adapter_model.safetensors) and the
+        tokenizer, into output_dir; other files there (checkpoints, logs) are left as they are."""
+        target = Path(output_dir or self.args.output_dir)
+        if self.accelerator.is_main_process:
+            target.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target) as tmp:
+                save_adapter(self.model, Path(tmp) / "adapter", POLICY)
+                for item in (Path(tmp) / "adapter").iterdir():
+                    os.replace(item, target / item.name)
+            self.processing_class.save_pretrained(str(target))
+        self.accelerator.wait_for_everyone()
+
+    def end(self) -> None:
+        """Finish the trackers and leave the process group (transformers ≥ 5.18's Trainer.end)."""
+        import torch
+
+        self.native.reporter.finish()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Record a log (with epoch and step) and call the callbacks' on_log, as transformers' Trainer.log."""
+        logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def train_dataset(self):
+        return self.native.train_dataset
+
+    @property
+    def eval_dataset(self):
+        return self.native.eval_dataset
+
+    # ------------------------------------------------------------------ the loop's named points
+    def _on_event(self, event: str, trainer: NativeTrainer, **payload) -> None:
+        args, state = self.args, self.state
+        state.global_step, state.epoch = trainer.state.global_step, trainer.state.epoch
+        handler = self.callback_handler
+        if event == "train_begin":
+            self._restore(trainer.state.extra)
+            self.control = handler.on_train_begin(args, state, self.control)
+            self.control = handler.on_epoch_begin(args, state, self.control)
+        elif event == "step_begin":
+            self.control = handler.on_step_begin(args, state, self.control)
+        elif event in ("step_end", "epoch_end"):
+            flow = payload["flow"]
+            if event == "step_end":
+                self.control = handler.on_step_end(args, state, self.control)
+            else:
+                self.control = handler.on_epoch_end(args, state, self.control)
+                self.control = handler.on_epoch_begin(args, state, self.control)
+            flow.log, flow.evaluate, flow.save = self.control.should_log, self.control.should_evaluate, self.control.should_save
+            trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
+        elif event == "log":
+            window = trainer.state.log_history[self._logged_upto:]
+            self._logged_upto = len(trainer.state.log_history)
+            self.log(trl_record(window))
+            self.control.should_log = False
+        elif event == "evaluate":
+            self._eval_record(payload["metrics"], "eval", callbacks_only=True)
+            self.control.should_evaluate = False
+        elif event == "save":
+            self.control = handler.on_save(args, state, self.control)
+            self.control.should_save = False
+        elif event == "train_end":
+            self.control = handler.on_train_end(args, state, self.control)
+        trainer.state.extra = {"trl_log_history": state.log_history, "trl_logged_upto": self._logged_upto}
+
+    def _eval_record(self, metrics: dict[str, float], prefix: str, callbacks_only: bool = False) -> dict[str, float]:
+        record = {f"{prefix}_{k.removeprefix('eval/')}": v for k, v in metrics.items()}
+        self.log(record)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, record)
+        return record
+
+    def _restore(self, extra: dict[str, Any]) -> None:
+        """On resume: TRL's log history and logging position, from the native checkpoint's state."""
+        if extra and extra.get("trl_log_history") is not self.state.log_history:
+            self.state.log_history = list(extra.get("trl_log_history", []))
+            self._logged_upto = int(extra.get("trl_logged_upto", 0))

@@ -1,0 +1,137 @@
+"""lora_grpo/device.py: the decisions that depend on the GPU (native bf16, whether compiling the
+decode step pays), the synchronised clock and model placement, tested on a CPU with a mocked
+torch.cuda (a T4, an A100, an H200)."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from lora_grpo import device as device_module
+from lora_grpo.device import auto_dtype, compile_pays, native_bf16, now, place_model
+from lora_grpo.model import resolve_dtype
+
+GPUS = {"Tesla V100": (7, 0), "Tesla T4": (7, 5), "NVIDIA A100": (8, 0), "NVIDIA H200": (9, 0), "Tesla P100": (6, 0)}
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """gpu(name): torch.cuda answers as if that GPU were device 0. torch.cuda.is_bf16_supported
+    answers True on every one of them, as torch's does with bf16 emulation (the trap of defect 3)."""
+
+    def use(name: str, triton: bool = True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: GPUS[name])
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+        monkeypatch.setattr(device_module, "_triton_installed", lambda: triton)
+
+    return use
+
+
+# ------------------------------------------------------------------------------ dtype
+# Failed before the fix (defect 3): torch_dtype auto took torch.cuda.is_bf16_supported(), which counts
+# emulation, and gave bf16 to a T4.
+@pytest.mark.parametrize("name, expected", [("Tesla T4", torch.float32), ("Tesla V100", torch.float32),
+                                            ("NVIDIA A100", torch.bfloat16), ("NVIDIA H200", torch.bfloat16)])
+def test_auto_dtype_is_bfloat16_only_where_the_gpu_computes_it_natively(gpu, caplog, name, expected):
+    gpu(name)
+    assert native_bf16() == (expected == torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="lora_grpo.model"):
+        assert resolve_dtype("auto") == expected
+    [line] = [r for r in caplog.records if r.name == "lora_grpo.model"]
+    assert f"torch_dtype auto → {str(expected).removeprefix('torch.')}" in line.getMessage() and name in line.getMessage()
+    # float32 on a GPU is worth a warning: the user asked for "auto" and gets the slow dtype
+    assert line.levelno == (logging.WARNING if expected == torch.float32 else logging.INFO)
+
+
+def test_auto_dtype_without_cuda_is_float32(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert auto_dtype() == (torch.float32, "no CUDA device") and not native_bf16()
+
+
+def test_an_explicit_bfloat16_on_a_gpu_without_native_bf16_is_warned_about(gpu, caplog):
+    gpu("Tesla T4")
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.model"):
+        assert resolve_dtype("bfloat16") == torch.bfloat16  # what was asked for, with a warning
+    assert any("emulated" in r.getMessage() and "Tesla T4" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------ compiling
+@pytest.mark.parametrize("name, dtype, pays", [
+    ("NVIDIA H200", torch.bfloat16, True), ("NVIDIA A100", torch.bfloat16, True),
+    ("Tesla T4", torch.float32, True),  # Triton serves sm_75 in float32
+    ("Tesla T4", torch.bfloat16, False),  # but not emulated bf16: inductor would skip the frame
+    ("Tesla P100", torch.float32, False),  # older than Triton
+])
+def test_compiling_the_decode_step_pays_only_where_triton_serves_the_gpu_and_dtype(gpu, name, dtype, pays):
+    gpu(name)
+    chosen, why = compile_pays(CUDA, dtype)
+    assert chosen is pays and name in why
+
+
+def test_compiling_does_not_pay_on_a_cpu_or_without_triton(gpu):
+    assert compile_pays(torch.device("cpu"), torch.float32)[0] is False
+    gpu("NVIDIA H200", triton=False)
+    chosen, why = compile_pays(CUDA, torch.bfloat16)
+    assert chosen is False and "Triton is not installed" in why
+
+
+# ------------------------------------------------------------------------------ the clock
+# Failed before the fix (defect 7): stage times read time.perf_counter() right after asynchronous launches.
+def test_the_clock_waits_for_the_gpu_before_reading_the_time(monkeypatch):
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", device)))
+    monkeypatch.setattr(device_module.time, "perf_counter", lambda: events.append(("time", None)) or 42.0)
+    assert now(CUDA) == 42.0
+    assert events == [("sync", CUDA), ("time", None)]
+    events.clear()
+    assert now(torch.device("cpu")) == 42.0 and events == [("time", None)]  # nothing to wait for on a CPU
+
+
+def test_sync_seconds_come_from_the_synchronised_clock(monkeypatch):
+    """reference.sync_reference times the sync with device.now on the adapters' device (defect 7:
+    it read time.perf_counter, which on a GPU times the launches of the sync's kernels)."""
+    from lora_grpo import reference
+    from lora_grpo.config import GRPOConfig
+    from lora_grpo.model import attach_adapters
+    from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
+
+    tok = make_tokenizer()
+    model = attach_adapters(make_tiny_model(tok, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, seed=0),
+                            GRPOConfig(model_name_or_path="tiny", lora_r=2, lora_alpha=4, gradient_checkpointing=False))
+    reads = []
+    monkeypatch.setattr(reference, "now", lambda device: reads.append(device) or 10.0 * len(reads))
+    metrics = reference.sync_reference(model, 0.5, "exact")
+    assert reads == [torch.device("cpu")] * 2 and metrics["sync/seconds"] == 10.0
+
+
+# ------------------------------------------------------------------------------ placement
+def test_place_model_moves_a_plain_model_and_leaves_one_in_place():
+    model = nn.Linear(4, 4)
+    assert place_model(model, torch.device("cpu")) is model and model.weight.device.type == "cpu"
+    place_model(model, torch.device("meta"))  # a device this CPU has besides its own: the move is real
+    assert model.weight.device.type == "meta"
+
+
+# Failed before the fix (defect 8): the trainer skipped a 4-bit model on the wrong device, and the
+# probe batch and the sampling generator then met it on CUDA: a device-mismatch error.
+def test_place_model_refuses_a_4bit_model_on_another_device_saying_how_to_load_it(tiny_base_dir):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=bnb, device_map="cpu")
+    with pytest.raises(ValueError) as e:
+        place_model(model, CUDA)
+    text = str(e.value)
+    assert "4-bit (bitsandbytes) on cpu" in text and "trains on cuda:0" in text and "device_map={'': 'cuda:0'}" in text
+    assert "model_name_or_path" in text
+    assert all(p.device.type == "cpu" for p in model.parameters())  # untouched
+
+
+def test_place_model_refuses_a_model_spread_over_devices():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
+    with pytest.raises(ValueError, match=r"spread over cpu, meta.*trains on one device"):
+        place_model(model, torch.device("cpu"))

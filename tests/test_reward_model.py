@@ -1,0 +1,127 @@
+"""RewardModel: a tiny sequence-classification model built here, scored against its own backbone and
+score head run by hand on hand-built token ids; nothing is downloaded."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from lora_grpo.rewards import RewardModel
+from lora_grpo.toy import make_tokenizer
+
+PROMPTS = ["07+45=", "9+9=", "1+22="]
+COMPLETIONS = ["052", "18", "abc 23\n"]
+CHAT_PROMPTS = [[{"role": "user", "content": "hi"}],
+                [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2="}],
+                [{"role": "user", "content": "3+4=?"}]]
+CHAT_COMPLETIONS = [[{"role": "assistant", "content": "hello"}], [{"role": "assistant", "content": "4"}],
+                    [{"role": "assistant", "content": "7 it is"}]]
+# The toy chat template, written out: "role: content\n" per message, no generation prompt.
+CHAT_TEXTS = ["user: hi\nassistant: hello\n", "system: add\nuser: 2+2=\nassistant: 4\n",
+              "user: 3+4=?\nassistant: 7 it is\n"]
+
+
+def tiny_reward_model(tokenizer, seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         attention_dropout=dropout)
+    return LlamaForSequenceClassification(config).eval()
+
+
+@torch.no_grad()
+def by_hand(model, tokenizer, texts):
+    """Score 0 at the last token of each text alone: backbone → last hidden state → score head."""
+    out = []
+    for text in texts:
+        ids = torch.tensor([[tokenizer.convert_tokens_to_ids(ch) for ch in text]])  # one token per character
+        hidden = model.model(input_ids=ids).last_hidden_state[0, -1]
+        out.append((hidden @ model.score.weight[0]).item())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_reward_model(tok)
+
+
+def test_text_rows_score_prompt_plus_completion(model, tok):
+    rm = RewardModel(model, tok)
+    expected = by_hand(model, tok, [p + c for p, c in zip(PROMPTS, COMPLETIONS)])
+    scores = rm(prompts=PROMPTS, completions=COMPLETIONS, completion_ids=[[1]] * 3, trainer_state=None)
+    assert isinstance(scores, list) and all(isinstance(s, float) for s in scores)
+    assert scores == pytest.approx(expected, abs=1e-5)
+    assert len(set(round(s, 6) for s in scores)) == 3  # the texts really differ in score
+    # Not the prompt alone, nor the completion alone.
+    assert scores[0] != pytest.approx(by_hand(model, tok, [PROMPTS[0]])[0], abs=1e-4)
+
+
+def test_conversational_rows_go_through_the_chat_template(model, tok):
+    rm = RewardModel(model, tok)
+    scores = rm(prompts=CHAT_PROMPTS, completions=CHAT_COMPLETIONS)
+    assert scores == pytest.approx(by_hand(model, tok, CHAT_TEXTS), abs=1e-5)
+    # A text completion after message prompts is one assistant message.
+    assert rm(prompts=CHAT_PROMPTS[:1], completions=["hello"]) == pytest.approx(scores[:1], abs=1e-6)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 64])
+def test_batching_gives_the_same_numbers(model, tok, batch_size):
+    # Mixed lengths, so batches are right-padded; the model reads each row at its last real token.
+    prompts, completions = PROMPTS + CHAT_PROMPTS, COMPLETIONS + CHAT_COMPLETIONS
+    one_at_a_time = [RewardModel(model, tok, batch_size=1)(prompts=[p], completions=[c])[0]
+                     for p, c in zip(prompts, completions)]
+    scores = RewardModel(model, tok, batch_size=batch_size)(prompts=prompts, completions=completions)
+    assert scores == pytest.approx(one_at_a_time, abs=1e-5)
+    assert scores == pytest.approx(by_hand(model, tok, [p + c for p, c in zip(PROMPTS, COMPLETIONS)] + CHAT_TEXTS),
+                                   abs=1e-5)
+
+
+def test_eval_mode_and_no_grad(tok):
+    model = tiny_reward_model(tok, seed=1, dropout=0.5)
+    expected = by_hand(model, tok, [p + c for p, c in zip(PROMPTS, COMPLETIONS)])
+    model.train()
+    rm = RewardModel(model, tok)
+    assert not model.training
+    model.train()  # whatever the caller does in between, scoring runs without dropout
+    grad_enabled = []
+    model.register_forward_hook(lambda *a: grad_enabled.append(torch.is_grad_enabled()))
+    assert rm(prompts=PROMPTS, completions=COMPLETIONS) == pytest.approx(expected, abs=1e-5)
+    assert grad_enabled == [False] and all(p.grad is None for p in model.parameters())
+
+
+def test_saved_and_loaded_by_path(model, tok, tmp_path):
+    path = tmp_path / "tiny-rm"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    rm = RewardModel(str(path))  # the tokenizer is loaded from the same path
+    assert rm.__name__ == "tiny-rm"
+    assert rm.model.config.num_labels == 1
+    expected = RewardModel(model, tok)(prompts=PROMPTS, completions=COMPLETIONS)
+    assert rm(prompts=PROMPTS, completions=COMPLETIONS) == pytest.approx(expected, abs=1e-6)
+    assert RewardModel(path, batch_size=2)(prompts=CHAT_PROMPTS, completions=CHAT_COMPLETIONS) == pytest.approx(
+        by_hand(model, tok, CHAT_TEXTS), abs=1e-5)
+
+
+def test_missing_pad_token_becomes_eos_and_the_model_learns_it(tok):
+    no_pad = make_tokenizer()
+    no_pad.pad_token = None
+    assert no_pad.pad_token_id is None
+    model = tiny_reward_model(tok, seed=2)
+    model.config.pad_token_id = None
+    rm = RewardModel(model, no_pad, batch_size=3)
+    assert no_pad.pad_token_id == no_pad.eos_token_id == model.config.pad_token_id
+    scores = rm(prompts=PROMPTS, completions=COMPLETIONS)  # padded with eos, read before it
+    assert scores == pytest.approx(by_hand(model, tok, [p + c for p, c in zip(PROMPTS, COMPLETIONS)]), abs=1e-5)
+
+
+def test_name_and_errors(model, tok):
+    assert RewardModel(model, tok).__name__ == "LlamaForSequenceClassification"  # built in memory: no path
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        RewardModel(model)
+    with pytest.raises(ValueError, match="batch_size"):
+        RewardModel(model, tok, batch_size=0)

@@ -1,0 +1,189 @@
+"""The run directory (run_dir.py): one live run per output_dir, a lock a crashed run cannot leave
+behind for good, and no new run mixed into or written over another run's files."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lora_grpo.run_dir import (LOCK_NAME, OutputDirError, OutputDirInUse, claim_output_dir, nothing_to_train,
+                               previous_run)
+
+
+def _finished_run(root, steps=4):
+    """What a finished run leaves (as trainer.train writes it)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text("max_steps: 4\n")
+    (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.1 * s}) + "\n"
+                                                for s in range(1, steps + 1)))
+    (root / "completions.jsonl").write_text('{"step": 1, "completion": "x"}\n')
+    for s in (2, steps):
+        (root / f"checkpoint-{s}").mkdir()
+        (root / f"checkpoint-{s}" / "trainer_state.json").write_text("{}")
+    (root / "adapter").mkdir()
+    (root / "summary.json").write_text(json.dumps({"steps": steps}))
+    return root
+
+
+# ----------------------------------------------------------------------------- another run's files
+
+
+def test_a_new_run_into_a_finished_runs_directory_is_refused_with_the_fixes(tmp_path):
+    run = _finished_run(tmp_path / "run")
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    with pytest.raises(OutputDirError) as info:
+        claim_output_dir(run)
+    msg = str(info.value)
+    assert "holds a finished run (4 steps, summary.json): summary.json, adapter/, metrics.jsonl, completions.jsonl, " \
+           "checkpoint-2, checkpoint-4" in msg
+    assert "would overwrite its metrics.jsonl, completions.jsonl and summary.json and mix its checkpoints" in msg
+    assert f"--set output_dir={run}-2" in msg and "resume_from_checkpoint=latest with a larger max_steps" in msg
+    assert "overwrite_output_dir=true: its files then move to" in msg and "nothing is deleted" in msg
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # untouched, and no lock left
+    assert not (run / LOCK_NAME).exists()
+
+
+def test_an_unfinished_run_is_refused_naming_its_last_checkpoint(tmp_path):
+    run = _finished_run(tmp_path / "run")
+    (run / "summary.json").unlink()
+    with pytest.raises(OutputDirError, match=r"holds an unfinished run \(last checkpoint checkpoint-4\).*"
+                                             r"continue that run: --set resume_from_checkpoint=latest;"):
+        claim_output_dir(run)
+
+
+def test_overwrite_sets_the_previous_run_aside_and_deletes_nothing(tmp_path):
+    run = _finished_run(tmp_path / "run")
+    (run / "my_notes.txt").write_text("mine")  # not a run's file: stays
+    with claim_output_dir(run, overwrite=True) as claim:
+        assert claim.set_aside == run / "previous-run-1"
+        assert "moved to" in claim.notes[0] and "nothing deleted" in claim.notes[0]
+        assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME, "my_notes.txt", "previous-run-1"]
+        assert sorted(p.name for p in claim.set_aside.iterdir()) == [
+            "adapter", "checkpoint-2", "checkpoint-4", "completions.jsonl", "config.yaml", "metrics.jsonl", "summary.json"]
+    _finished_run(run)
+    with claim_output_dir(run, overwrite=True) as claim:
+        assert claim.set_aside == run / "previous-run-2"
+    assert previous_run(run) is None
+
+
+def test_what_counts_as_a_previous_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("x: 1\n")  # a run refused at start wrote only this
+    (run / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.3}\n')  # and its eval before training
+    assert previous_run(run) is None
+    claim_output_dir(run).release()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "rew')  # a step half written
+    assert previous_run(run)["evidence"] == ["metrics.jsonl"]
+    assert previous_run(tmp_path / "absent") is None
+
+
+def test_a_resume_continues_its_own_run_but_not_another(tmp_path):
+    run = _finished_run(tmp_path / "run")
+    claim_output_dir(run, resume_from="latest").release()
+    claim_output_dir(run, resume_from=str(run / "checkpoint-2")).release()
+    other = _finished_run(tmp_path / "other")
+    claim_output_dir(tmp_path / "fresh", resume_from=str(other / "checkpoint-2")).release()  # into an empty dir: fine
+    with pytest.raises(OutputDirError, match=r"Resuming from a checkpoint elsewhere into it would overwrite"):
+        claim_output_dir(run, resume_from=str(other / "checkpoint-2"))
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+def test_a_second_run_at_the_same_time_is_refused_and_the_lock_goes_with_the_run(tmp_path):
+    first = claim_output_dir(tmp_path / "run")
+    holder = json.loads(first.lock_path.read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] and holder["started"]
+    with pytest.raises(OutputDirInUse, match=r"is in use by another run: this process \d+ on host .*started .*"
+                                             r"Wait for it to finish, stop it, or train into another output_dir"):
+        claim_output_dir(tmp_path / "run")
+    first.release()
+    first.release()  # idempotent
+    assert not first.lock_path.exists()
+    with claim_output_dir(tmp_path / "run") as again:
+        assert again.held and not again.notes
+    assert not again.held
+
+
+_HOLDER = """
+import sys, time
+from lora_grpo.run_dir import claim_output_dir
+claim = claim_output_dir(sys.argv[1])
+print("claimed", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_live_process_holds_the_directory_and_a_killed_one_leaves_no_lasting_lock(tmp_path):
+    script = tmp_path / "holder.py"
+    script.write_text(textwrap.dedent(_HOLDER))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "claimed"
+        with pytest.raises(OutputDirInUse, match=rf"in use by another run: pid {proc.pid} on host"):
+            claim_output_dir(tmp_path / "run")
+    finally:
+        proc.send_signal(signal.SIGKILL)  # a crash: no release, the lock file stays
+        proc.wait(timeout=30)
+    assert (tmp_path / "run" / LOCK_NAME).exists()
+    with claim_output_dir(tmp_path / "run") as claim:
+        assert claim.notes and f"a lock left by pid {proc.pid}" in claim.notes[0] and "taken over" in claim.notes[0]
+        assert json.loads(claim.lock_path.read_text())["pid"] == os.getpid()
+
+
+def test_without_file_locks_a_lock_whose_process_is_gone_is_stale(tmp_path, monkeypatch):
+    import lora_grpo.run_dir as run_dir
+
+    def no_flock(fd, op):
+        raise OSError(run_dir.errno.ENOLCK, "no locks here")
+
+    import fcntl
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    root = tmp_path / "run"
+    root.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (root / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": run_dir.socket.gethostname(),
+                                              "started": "earlier"}))
+    with claim_output_dir(root) as claim:
+        assert "which is no longer running; taken over" in claim.notes[0]
+        with pytest.raises(OutputDirInUse, match=r"this process .*has no file locks.*delete"):
+            claim_output_dir(root)
+    (root / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "another-host", "started": "earlier"}))
+    with pytest.raises(OutputDirInUse, match=r"pid 1 on host 'another-host'.*another host cannot tell.*delete"):
+        claim_output_dir(root)
+
+
+def test_other_processes_of_a_multi_process_run_claim_nothing(tmp_path):
+    run = _finished_run(tmp_path / "run")
+    claim = claim_output_dir(run, is_main=False)  # the main process checks and locks; the others write nothing
+    assert not claim.held and not (run / LOCK_NAME).exists()
+    claim.release()
+
+
+# ----------------------------------------------------------------------------- resume at the end
+
+
+def test_nothing_to_train_says_what_happens_and_how_to_go_on():
+    assert nothing_to_train(3, 4, "runs/a/checkpoint-3") is None
+    at_end = nothing_to_train(4, 4, "runs/a/checkpoint-4")
+    assert at_end.startswith("checkpoint-4 is at step 4, the run's last (max_steps=4): nothing left to train")
+    assert "the run directory stays as it is" in at_end and "--set max_steps=8 --set resume_from_checkpoint=latest" in at_end
+    past = nothing_to_train(6, 4, "checkpoint-6")
+    assert "past this run's max_steps=4" in past and "resume from an earlier checkpoint" in past
+    missing = nothing_to_train(4, 4, "checkpoint-4", adapter_missing=True)
+    assert "stays as it is but for adapter/, which was missing and is written from its policy" in missing
+
+
+def test_the_lock_is_released_when_a_refusal_follows_it(tmp_path):
+    run = _finished_run(tmp_path / "run")
+    for _ in range(2):  # a refused claim leaves no lock that would turn the second refusal into "in use"
+        with pytest.raises(OutputDirError) as info:
+            claim_output_dir(run)
+        assert not isinstance(info.value, OutputDirInUse)

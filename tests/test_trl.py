@@ -1,0 +1,324 @@
+"""The TRL front door: `from lora_grpo.trl import GRPOConfig, GRPOTrainer` runs TRL's documented GRPO
+scripts with only the import changed, counts steps as TRL does (checked against the pinned TRL where
+it is installed), and maps or refuses every field of TRL's GRPOConfig by name."""
+
+import dataclasses
+import json
+import re
+import textwrap
+
+import pytest
+
+from lora_grpo.config import ConfigError
+from lora_grpo.trl import FIELDS
+from lora_grpo.trl import GRPOConfig as OurConfig
+
+from conftest import PROMPTS
+
+
+def _default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+
+
+# ------------------------------------------------------------------------------ the config
+def test_every_field_of_trls_config_is_mapped_or_refused_by_name():
+    trl = pytest.importorskip("trl")
+    theirs = {f.name: _default(f) for f in dataclasses.fields(trl.GRPOConfig)}
+    ours = {f.name: _default(f) for f in dataclasses.fields(OurConfig)}
+    assert trl.__version__ == "1.16.0"
+    assert set(theirs) == set(ours)  # the same 191 names
+    assert {k: v for k, v in ours.items() if v != theirs[k]} == {}  # with TRL's defaults
+    unlisted = sorted(set(theirs) - set(FIELDS))
+    assert not unlisted, f"fields of TRL's GRPOConfig with no entry in lora_grpo.trl.FIELDS: {unlisted}"
+    assert {f.how for f in FIELDS.values()} == {"mapped", "flow", "no effect", "refused"}
+    assert all(f.why for f in FIELDS.values())
+
+
+@pytest.mark.parametrize("field, value", [("use_vllm", True), ("push_to_hub", True), ("fp16", True),
+                                          ("torch_compile", True), ("use_liger_kernel", True),
+                                          ("num_generations_eval", 4), ("load_best_model_at_end", True)])
+def test_a_refused_field_set_away_from_its_default_names_itself_and_why(tiny_base_dir, tmp_path, field, value):
+    from lora_grpo.trl import GRPOTrainer
+
+    kw = {"eval_strategy": "steps", "save_strategy": "steps"} if field == "load_best_model_at_end" else {}
+    try:
+        args = OurConfig(output_dir=str(tmp_path), use_cpu=True, **kw, **{field: value})
+    except ValueError as e:  # transformers itself refuses some combinations on this machine (fp16 on CPU)
+        pytest.skip(f"TrainingArguments refuses {field}={value} here: {e}")
+    with pytest.raises(ConfigError, match=re.escape(f"{field}={value!r}: {FIELDS[field].why}")):
+        GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
+
+
+def test_batch_sizes_that_split_a_group_over_processes_are_refused_clearly(tiny_base_dir, tmp_path):
+    from lora_grpo.trl import GRPOTrainer
+
+    args = OurConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                     steps_per_generation=3, num_generations=4)
+    with pytest.raises(ConfigError, match="steps_per_generation=3 is not a multiple of gradient_accumulation_steps=2"):
+        GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
+
+
+# ------------------------------------------------------------------------------ TRL's scripts
+def _length_reward(completions, **kwargs):
+    return [-abs(6 - len(c if isinstance(c, str) else c[-1]["content"])) / 6.0 for c in completions]
+
+
+def _dataset(n, conversational=False):
+    from datasets import Dataset
+
+    rows = PROMPTS[:n]
+    if conversational:
+        return Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+    return Dataset.from_list(rows)
+
+
+# Each script is TRL's documented example, with its import line `from trl import ...` and the
+# small changes a CPU and a tiny local model need (TRL needs them too: use_cpu, lengths).
+SCRIPTS = {
+    "quickstart": """
+        from trl import GRPOConfig, GRPOTrainer
+        def reward_len(completions, **kwargs):
+            return [-abs(6 - len(c)) for c in completions]
+        training_args = GRPOConfig(output_dir=OUT, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                                   max_completion_length=6, max_steps=3, report_to="none", save_strategy="no")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=reward_len, args=training_args, train_dataset=DATA)
+        trainer.train()
+    """,
+    "custom_rewards": """
+        from trl import GRPOConfig, GRPOTrainer
+        def digits(completions, answer, **kwargs):
+            return [float(a in c) for c, a in zip(completions, answer)]
+        def short(completions, trainer_state, **kwargs):
+            return [-len(c) / 10 * min(1.0, trainer_state.global_step / max(1, trainer_state.max_steps)) for c in completions]
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, max_steps=2, reward_weights=[1.0, 0.5], logging_steps=1, save_strategy="no")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=[digits, short], args=args, train_dataset=DATA)
+        trainer.train()
+    """,
+    "peft_sync_ref_model": """
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, per_device_train_batch_size=4, num_generations=4, beta=0.04,
+                          max_completion_length=6, max_steps=4, sync_ref_model=True, ref_model_sync_steps=2,
+                          ref_model_mixup_alpha=0.6, learning_rate=1e-3, logging_steps=1, save_strategy="no")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=REWARD, args=args, train_dataset=DATA,
+                              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        trainer.train()
+        trainer.save_model(OUT)
+    """,
+    "qlora_loaded_model": """
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+        model = AutoModelForCausalLM.from_pretrained(MODEL, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no")
+        trainer = GRPOTrainer(model=model, processing_class=AutoTokenizer.from_pretrained(MODEL), reward_funcs=REWARD,
+                              args=args, train_dataset=DATA, peft_config=LoraConfig(r=4, target_modules="all-linear"))
+        trainer.train()
+    """,
+    "conversational": """
+        from trl import GRPOConfig, GRPOTrainer
+        def reward(completions, **kwargs):
+            return [-abs(6 - len(c[0]["content"])) for c in completions]
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, max_steps=2, logging_steps=1, save_strategy="no")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=reward, args=args, train_dataset=CHAT_DATA)
+        trainer.train()
+    """,
+    "callbacks": """
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+        class Stop(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                EVENTS.append(("step_end", state.global_step))
+                if state.global_step == 2:
+                    control.should_training_stop = True
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                EVENTS.append(("log", state.global_step, sorted(logs)))
+            def on_save(self, args, state, control, **kwargs):
+                EVENTS.append(("save", state.global_step))
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, max_steps=5, logging_steps=1, save_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=REWARD, args=args, train_dataset=DATA, callbacks=[Stop()])
+        trainer.train()
+    """,
+    "resume": """
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, max_steps=2, save_steps=2, logging_steps=1)
+        GRPOTrainer(model=MODEL, reward_funcs=REWARD, args=args, train_dataset=DATA).train()
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, max_steps=4, save_steps=2, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=REWARD, args=args, train_dataset=DATA)
+        trainer.train(resume_from_checkpoint=True)
+    """,
+}
+
+
+def run_script(name, library, tiny_base_dir, out):
+    source = textwrap.dedent(SCRIPTS[name]).replace("from trl import", f"from {library} import")
+    scope = {"MODEL": tiny_base_dir, "OUT": str(out), "DATA": _dataset(16), "CHAT_DATA": _dataset(16, conversational=True),
+             "REWARD": _length_reward, "EVENTS": []}
+    exec(compile(source, f"<{name} under {library}>", "exec"), scope)
+    return scope
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_trls_documented_scripts_run_with_only_the_import_changed(tiny_base_dir, tmp_path, name):
+    scope = run_script(name, "lora_grpo.trl", tiny_base_dir, tmp_path / "run")
+    trainer = scope["trainer"]
+    state = trainer.state
+    expected = {"callbacks": 2, "resume": 4}.get(name, trainer.args.max_steps)
+    assert state.global_step == expected
+    logged = [r for r in state.log_history if "loss" in r]
+    assert "train_loss" in state.log_history[-1]  # transformers' closing record
+    if name == "quickstart":  # logging_steps 10 (TRL's default) in a 3-step run: nothing logged, as in TRL
+        assert logged == []
+    else:
+        assert logged and {"reward", "reward_std", "learning_rate", "grad_norm", "epoch", "step"} <= set(logged[-1])
+        assert all(r["step"] == i + 1 for i, r in enumerate(logged)) or name == "resume"
+    if name == "peft_sync_ref_model":  # TRL refuses this script; here the LoRA reference slot syncs every 2 steps
+        syncs = [r for r in trainer.native.state.log_history if r.get("sync/event")]
+        assert [r["sync/reason"] for r in syncs] == ["steps", "steps"]
+        assert (tmp_path / "run" / "adapter_config.json").exists() and (tmp_path / "run" / "adapter_model.safetensors").exists()
+        assert json.loads((tmp_path / "run" / "adapter_config.json").read_text())["r"] == 4
+        assert (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "adapter").is_dir()  # kept beside it
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(tmp_path / "run"))  # standard
+    if name == "callbacks":
+        events = scope["EVENTS"]
+        assert [e for e in events if e[0] == "step_end"] == [("step_end", 1), ("step_end", 2)]  # should_training_stop
+        assert ("save", 1) in events and ("save", 2) in events
+        assert "reward" in [e for e in events if e[0] == "log"][0][2]
+    if name == "resume":
+        assert state.log_history[0]["step"] == 1  # the resumed run carries the first run's log history
+    if name == "qlora_loaded_model":
+        assert getattr(trainer.model.get_base_model(), "is_loaded_in_4bit", False)
+
+
+# Counting against the pinned TRL: each run's optimizer steps (callback on_step_end calls), generation
+# rounds (reward function calls), final global_step and epoch.
+COUNTING = [
+    dict(per_device_train_batch_size=4, num_generations=4, num_train_epochs=1),
+    dict(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2, num_iterations=2, max_steps=5),
+    dict(per_device_train_batch_size=2, num_generations=4, gradient_accumulation_steps=2, steps_per_generation=4,
+         num_train_epochs=1.5),
+]
+
+
+def _count(library, tiny_base_dir, out, settings):
+    import importlib
+
+    from transformers import TrainerCallback
+
+    lib = importlib.import_module(library)
+    rounds, steps = [], []
+
+    class Count(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append((state.global_step, round(state.epoch, 6)))
+
+    def reward(completions, **kwargs):
+        rounds.append(len(completions))
+        return [float(len(c) % 3) for c in completions]
+
+    args = lib.GRPOConfig(output_dir=str(out), use_cpu=True, bf16=False, max_completion_length=4, logging_steps=1,
+                          save_strategy="no", report_to="none", **settings)
+    trainer = lib.GRPOTrainer(model=tiny_base_dir, reward_funcs=reward, args=args, train_dataset=_dataset(16),
+                              callbacks=[Count()])
+    trainer.train()
+    return {"global_step": trainer.state.global_step, "steps": steps, "rounds": rounds,
+            "epoch": round(trainer.state.epoch, 6), "max_steps": trainer.state.max_steps}
+
+
+@pytest.mark.parametrize("settings", COUNTING, ids=["epochs", "accumulation+iterations", "steps_per_generation"])
+def test_step_counting_equals_trls(tiny_base_dir, tmp_path, settings):
+    pytest.importorskip("trl")
+    ours = _count("lora_grpo.trl", tiny_base_dir, tmp_path / "ours", settings)
+    theirs = _count("trl", tiny_base_dir, tmp_path / "trl", settings)
+    assert ours == theirs
+
+
+# ------------------------------------------------------------------------------ models and arguments
+def test_a_peft_model_is_the_warm_start_and_the_initial_reference(tiny_base_dir, tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lora_grpo.adapters import POLICY, REFERENCE
+    from lora_grpo.reference import delta_weight
+    from lora_grpo.trl import GRPOTrainer
+
+    warm = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"))
+    with torch.no_grad():
+        for name, p in warm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a trained adapter: ΔW ≠ 0
+    expected = {n: delta_weight(m, "default") for n, m in warm.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    args = OurConfig(output_dir=str(tmp_path / "run"), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                     max_completion_length=4, max_steps=1, beta=0.04, save_strategy="no")
+    trainer = GRPOTrainer(model=warm, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
+    layers = {n: m for n, m in trainer.model.named_modules() if hasattr(m, "lora_A") and POLICY in m.lora_A}
+    assert layers.keys() == expected.keys()
+    for name, module in layers.items():
+        torch.testing.assert_close(delta_weight(module, POLICY), expected[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(delta_weight(module, REFERENCE), expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("field, value, match", [("use_dora", True, "use_dora=True"), ("bias", "all", "bias='all'"),
+                                                 ("init_lora_weights", "pissa", "init_lora_weights='pissa'"),
+                                                 ("modules_to_save", ["lm_head"], "modules_to_save")])
+def test_a_lora_config_the_reference_slot_cannot_mirror_is_refused_by_name(tiny_base_dir, tmp_path, field, value, match):
+    from peft import LoraConfig
+
+    from lora_grpo.trl import GRPOTrainer
+
+    args = OurConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4)
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8),
+                    peft_config=LoraConfig(r=4, target_modules=["q_proj"], **{field: value}))
+
+
+def test_trls_own_config_object_is_read_by_field_name(tiny_base_dir, tmp_path):
+    trl = pytest.importorskip("trl")
+    from lora_grpo.trl import GRPOTrainer
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=4, max_steps=2, logging_steps=1, save_strategy="no", report_to="none",
+                          beta=0.02, sync_ref_model=True, ref_model_sync_steps=1)
+    trainer = GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
+    native = trainer.native.config
+    assert (native.beta, native.ref_sync_steps, native.ref_sync_alpha, native.learning_rate) == (0.02, 1, 0.6, 1e-6)
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_the_trl_recipe_cli_runs_a_trl_grpo_recipe(tiny_base_dir, tmp_path):
+    import yaml
+
+    from lora_grpo.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, rows in (("train", PROMPTS[:8]), ("test", PROMPTS[8:12])):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n"
+                                                     for r in rows))
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model_name_or_path": tiny_base_dir, "dataset_name": str(data), "reward_funcs": ["accuracy_reward", "think_format_reward"],
+        "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0,
+        "output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 4, "num_generations": 4,
+        "max_completion_length": 4, "logging_steps": 1, "save_strategy": "no", "use_cpu": True, "dtype": "float32",
+    }))
+    assert main(["trl", "--config", str(recipe), "--max_steps", "2"]) == 0  # flags override the YAML, as TRL's parser
+    run = tmp_path / "run"
+    assert (run / "adapter_model.safetensors").exists() and json.loads((run / "adapter_config.json").read_text())["r"] == 4
+    assert (run / "metrics.jsonl").exists()
