@@ -48,24 +48,62 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def build_qwen2(shape: str, path, dtype: torch.dtype = torch.float32) -> None:
-    """Save a random-init Qwen2 of QWEN2_SHAPES[shape] (seed 0) to `path`, and a word-level tokenizer
-    over its vocabulary ("t0" pad, "t1" EOS, "t2" unknown, ...) to `path`/tokenizer.
+def build_qwen2(shape: str, path, dtype: torch.dtype = torch.float32, chat_template: str | None = None,
+                **overrides) -> None:
+    """Save a random-init Qwen2 of QWEN2_SHAPES[shape] (seed 0; `overrides` replace its fields, e.g.
+    num_hidden_layers) to `path`, and a word-level tokenizer over its vocabulary (ids 0-2 "<pad>",
+    "<eos>", "<unk>", then "t3", "t4", ... one word per id; with `chat_template` if given) to
+    `path`/tokenizer.
 
-    The tokenizer lives beside the model, not with it: transformers 5 reads a qwen2 checkpoint
-    dir's tokenizer as Qwen2Tokenizer, which would not load this vocabulary.
+    The special tokens are not "t0"-"t2": a tokenizer matches its special tokens inside words, so
+    "t1305" would split into "t1" (EOS) and an unknown "305". The tokenizer lives beside the model,
+    not with it: transformers 5 reads a qwen2 checkpoint dir's tokenizer as Qwen2Tokenizer, which
+    would not load this vocabulary.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    spec = QWEN2_SHAPES[shape]
-    backend = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(spec["vocab_size"])}, unk_token="t2"))
+    spec = {**QWEN2_SHAPES[shape], **overrides}
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, spec["vocab_size"])}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t1", unk_token="t2")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = chat_template
     torch.manual_seed(0)
     config = Qwen2Config(max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None, **spec)
     Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
     tokenizer.save_pretrained(f"{path}/tokenizer")
+
+
+def load_peer_model(path: str, base: str):
+    """The peer's (TRL's) model from `path` as lora_grpo loads it: float32, or NF4 with double
+    quantisation and float32 compute (base "4bit"), with lora_grpo's keep_4bit_weights_fixed: on a
+    CPU with AVX512-BF16, bitsandbytes otherwise repacks the weights into a kernel without autograd
+    after the first no-grad forward (issue 7), and the two trainers would not run the same code."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from lora_grpo.model import keep_4bit_weights_fixed
+
+    quantization = None
+    if base == "4bit":
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_compute_dtype=torch.float32, bnb_4bit_use_double_quant=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=quantization)
+    keep_4bit_weights_fixed(model)
+    return model
+
+
+def run_worker(command: list[str], what: str) -> dict:
+    """Run a benchmark's worker in a fresh process and return the JSON of its last "RESULT " line."""
+    import json
+    import subprocess
+
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{what} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def token_prompts(vocab_size: int, length: int, count: int = 64) -> list[dict[str, str]]:
@@ -79,19 +117,19 @@ def even_token_share(prompts, completions, **kwargs):
     return [sum(int(t[1:]) % 2 == 0 for t in c.split()) / max(1, len(c.split())) for c in completions]
 
 
-def grpo_steps(trainer, n: int) -> list[tuple[dict, float]]:
-    """n steps of a lora_grpo trainer as train() runs them (the step, then a sync when the schedule
-    says so), without its reporting: [(the step's metrics, seconds of the step and its sync)]."""
-    out = []
-    for _ in range(n):
-        start = time.perf_counter()
-        _, rows = next(trainer.state.batches)
-        metrics = trainer.training_step(rows)
-        trainer.state.global_step += 1
-        if trainer.state.sync_schedule.due(trainer.state.global_step, epoch_ended=False, kl=metrics.get("kl")):
-            trainer.sync_reference()
-        out.append((metrics, time.perf_counter() - start))
-    return out
+def train_steps(trainer) -> list[tuple[dict, float]]:
+    """Run trainer.train() as a user does (reporting, syncs, logging included) and return
+    [(step metrics, seconds from this step's start to the next one's)], one per step but the last
+    (whose interval would hold the end of training: the final save and plot). Its stdout is kept quiet."""
+    import contextlib
+    import io
+
+    begins = []
+    trainer.hooks.append(lambda event, _trainer, **_: begins.append(time.perf_counter()) if event == "step_begin" else None)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    history = [m for m in trainer.state.log_history if "time/train" in m]
+    return [(m, b - a) for m, a, b in zip(history, begins, begins[1:])]
 
 
 # ------------------------------------------------------------------ measurements

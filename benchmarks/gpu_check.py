@@ -42,17 +42,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from _common import QWEN2_SHAPES, MiB, build_qwen2, environment, even_token_share
+from _common import QWEN2_SHAPES, MiB, build_qwen2, environment, even_token_share, token_prompts
 
 RECIPE = "qwen2.5-0.5b-gsm8k-qlora"
 FAILED: list[str] = []
-
-
-def token_prompts(length: int, count: int) -> list[dict[str, str]]:
-    """`count` prompts of `length` tokens "t3" … "t999" of build_qwen2's word-level vocabulary: the
-    tokenizer as transformers 5.24 loads it splits longer words ("t1305" → "t1" "305", and "t1" is EOS),
-    so _common.token_prompts' higher ids do not stay one token each."""
-    return [{"prompt": " ".join(f"t{3 + (i * 7919 + j * 104729) % 997}" for j in range(length))} for i in range(count)]
 
 
 @contextmanager
@@ -163,7 +156,7 @@ def run_recipe(path: str, device: torch.device, args, out: str):
 
     memory = Memory(device)
     config = recipe_config(path, out, args)
-    prompts = token_prompts(config.max_prompt_length, count=64)
+    prompts = token_prompts(QWEN2_SHAPES[args.shape]["vocab_size"], config.max_prompt_length, count=64)
     trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=prompts)
     loaded = memory.now()[0]
     print(f"{RECIPE} settings on {args.shape}: {config.prompts_per_step} prompts × G {config.num_generations}, "
@@ -309,7 +302,8 @@ def resume_here(path: str, checkpoint: str) -> None:
 
     out = str(Path(checkpoint).parent)
     config = tiny_config(path, out, max_steps=3, resume_from_checkpoint=checkpoint)
-    trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=token_prompts(8, count=16))
+    trainer = GRPOTrainer(config, reward_funcs=[even_token_share],
+                          train_dataset=token_prompts(QWEN2_SHAPES["tiny"]["vocab_size"], 8, count=16))
     assert trainer.accelerator.device.type == "cpu", trainer.accelerator.device
     trainer.train()
     states = trainer.optimizer.state.values()
@@ -325,7 +319,7 @@ def check_resume(device: torch.device, args, root: str) -> None:
     build_qwen2("tiny", path)
     out = f"{root}/resume"
     trainer = GRPOTrainer(tiny_config(path, out, max_steps=2), reward_funcs=[even_token_share],
-                          train_dataset=token_prompts(8, count=16))
+                          train_dataset=token_prompts(QWEN2_SHAPES["tiny"]["vocab_size"], 8, count=16))
     trainer.train()
     print(f"a tiny run on {trainer.accelerator.device} wrote {out}/checkpoint-2")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (QWEN2_SHAPES, build_qwen2, environment, even_token_share, grpo_steps, print_markdown_table,
+from _common import (QWEN2_SHAPES, build_qwen2, environment, even_token_share, print_markdown_table, train_steps,
                      token_prompts)
 
 # ------------------------------------------------------------------ the limit
@@ -128,13 +128,13 @@ def measure_step(path: str, args) -> dict[str, float]:
         lora_r=args.lora_r, lora_alpha=2 * args.lora_r, num_generations=args.generations, prompts_per_step=args.prompts,
         max_prompt_length=None, max_completion_length=args.completion_length, micro_batch_size=args.micro_batch,
         gradient_checkpointing=args.gradient_checkpointing, beta=0.04, ref_sync_steps=2, ref_sync_alpha=0.6,
-        learning_rate=1e-5, max_steps=args.warmup + args.steps, save_steps=0, logging_steps=10**6,
+        learning_rate=1e-5, max_steps=args.warmup + args.steps + 1, save_steps=0, logging_steps=10**6,
         output_dir=tempfile.mkdtemp(), disable_tqdm=True,
     )
     vocab = QWEN2_SHAPES[args.shape]["vocab_size"]
     trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=token_prompts(vocab, args.prompt_length))
     # The soft syncs keep the reference slot apart from the policy: its forward runs.
-    measured = [metrics for metrics, _ in grpo_steps(trainer, args.warmup + args.steps)[args.warmup:]]
+    measured = [metrics for metrics, _ in train_steps(trainer)[args.warmup:]]  # train(), as a user runs it
     med = lambda key: statistics.median(m[key] for m in measured)  # noqa: E731
     return {
         "rollout": med("time/rollout"), "reference log-probs": med("time/log_probs"), "train": med("time/train"),

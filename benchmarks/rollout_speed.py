@@ -31,7 +31,8 @@ would add a logits processor to the peer only). Prompts are P random strings of 
 non-special tokens (no padding).
 
 Columns:
-- time: median wall time (time.perf_counter) of `repeats` calls after two warm-up calls.
+- time: median wall time (time.perf_counter) of `repeats` calls after two warm-up calls, the
+  methods alternating call by call.
 - completions/s: P·G / time.  tokens/s: generated tokens (P·G·T) / time.
 - prefill tokens: the prompt tokens each path pushes through the model (ours P·L, peer P·G·L).
 - ours/peer: the peer's time over ours (> 1: ours is faster), in the same run.
@@ -47,26 +48,29 @@ Threads: the default is ONE torch thread (--threads to change it); with 2 thread
 whose 2 cores are shared with other busy processes, OpenMP threads wait at barriers for a
 descheduled sibling and timings become noise. The header prints the load average.
 
-The model is random-init, built locally from a Qwen2Config (nothing is downloaded), float32:
-hidden 512, intermediate 1408, 4 layers, 8 heads, 2 KV heads, vocab 4096, untied head; the
-tokenizer is a word-level one built here (ids: <pad>=0, <unk>=1, words 2..V−1, <eos>=V).
+The model is random-init, built locally from a Qwen2Config (nothing is downloaded), float32
+compute: hidden 512, intermediate 1408, 4 layers, 8 heads, 2 KV heads, vocab 4096 (--vocab 151936:
+Qwen2.5's, where the per-token (N, V) sampling work is a real share), untied head; --bases 4bit
+loads the same weights in NF4 (bitsandbytes dequantises per matmul on a CPU: both paths pay it).
+The tokenizer is a word-level one built here (ids: <pad>=0, <unk>=1, words 2..V−1, <eos>=V).
 
-    python benchmarks/rollout_speed.py [--settings 256x16,128x64,16x64] [--prompts 4] [--generations 8]
-                                       [--repeats 3] [--threads 1] [--decoders eager,static,compiled]
+    python benchmarks/rollout_speed.py [--settings 256x16,128x64,16x64,16x16] [--prompts 4] [--generations 1,8]
+                                       [--bases fp32,4bit] [--vocab 4096] [--repeats 5] [--threads 1]
+                                       [--decoders eager,static,compiled]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from _common import (add_threads_argument, environment, load_average, median_seconds, parse_pairs,
-                     print_markdown_table)
+from _common import add_threads_argument, environment, load_average, parse_pairs, print_markdown_table
 
 VOCAB = 4096  # the model's vocab; the tokenizer adds <eos> as id VOCAB
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -101,17 +105,28 @@ def build_tokenizer():
     return tok
 
 
-def build_model(tokenizer):
-    """The trainer's model: a random-init Qwen2 base with the "policy" and "reference" adapters."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def build_model(tokenizer, base_kind: str = "fp32"):
+    """The trainer's model: a random-init Qwen2 base ("4bit": saved, then loaded as the trainer loads
+    a QLoRA base, NF4 with double quantisation, float32 compute) with the "policy" and "reference" adapters."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config
 
     from lora_grpo.config import GRPOConfig
-    from lora_grpo.model import attach_adapters
+    from lora_grpo.model import attach_adapters, keep_4bit_weights_fixed
 
     torch.manual_seed(0)
     # EOS (id V) is outside the model's vocab: set on the generation config only, where both paths read it.
-    config = Qwen2Config(**MODEL, pad_token_id=tokenizer.pad_token_id, eos_token_id=None, bos_token_id=None)
+    config = Qwen2Config(**{**MODEL, "vocab_size": VOCAB}, pad_token_id=tokenizer.pad_token_id, eos_token_id=None,
+                         bos_token_id=None)
     base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if base_kind == "4bit":
+        with tempfile.TemporaryDirectory() as tmp:
+            base.save_pretrained(tmp)
+            quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                              bnb_4bit_compute_dtype=torch.float32)
+            base = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, quantization_config=quantization)
+        keep_4bit_weights_fixed(base)  # the trainer's CPU path (lora_grpo.model)
     base.requires_grad_(False)
     base.generation_config.eos_token_id = tokenizer.eos_token_id
     base.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -151,20 +166,28 @@ def run_peer(model, tokenizer, prompts, G, T):
 def benchmark_setting(model, tokenizer, L: int, T: int, P: int, G: int, repeats: int, decoders) -> list[Row]:
     prompts = make_prompts(P, L, seed=L * 1000 + T)
     assert all(len(tokenizer(p, add_special_tokens=False)["input_ids"]) == L for p in prompts)
-    setting = f"L={L}, T={T}"
+    setting = f"L={L}, T={T}, G={G}"
     rows = []
     torch.manual_seed(1)
     methods = [(f"ours, {mode}", functools.partial(run_ours, model, tokenizer, prompts, G, T, 1, mode), P * L)
                for mode in decoders]
     methods.append(("peer generate", lambda: run_peer(model, tokenizer, prompts, G, T), P * G * L))
-    for method, fn, prefill in methods:
+    firsts = {}
+    for method, fn, _ in methods:  # two warm-up calls each; the first one's time is reported
         start = time.perf_counter()
         fn()
-        first = time.perf_counter() - start
-        seconds, (tokens, shape) = median_seconds(fn, repeats)  # (its own warm-up call is a second one)
-        if tokens != P * G * T or tuple(shape) != (P * G, T):
-            raise RuntimeError(f"{method}: expected {P * G}×{T} generated tokens, got {tokens} in {tuple(shape)}")
-        rows.append(Row(setting, method, seconds, P * G, tokens, prefill, first))
+        firsts[method] = time.perf_counter() - start
+        fn()
+    times = {method: [] for method, _, _ in methods}
+    for _ in range(repeats):  # the methods alternate, so a slow spell of the machine hits them alike
+        for method, fn, _ in methods:
+            start = time.perf_counter()
+            tokens, shape = fn()
+            times[method].append(time.perf_counter() - start)
+            if tokens != P * G * T or tuple(shape) != (P * G, T):
+                raise RuntimeError(f"{method}: expected {P * G}×{T} generated tokens, got {tokens} in {tuple(shape)}")
+    for method, _, prefill in methods:
+        rows.append(Row(setting, method, statistics.median(times[method]), P * G, P * G * T, prefill, firsts[method]))
     return rows
 
 
@@ -187,19 +210,24 @@ def print_table(rows: list[Row]) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", default="256x16,128x64,16x64",
-                   help="comma-separated PROMPTxCOMPLETION lengths in tokens (default 256x16,128x64,16x64)")
+    p.add_argument("--settings", default="256x16,128x64,16x64,16x16",
+                   help="comma-separated PROMPTxCOMPLETION lengths in tokens (default 256x16,128x64,16x64,16x16)")
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts P per call")
-    p.add_argument("--generations", type=int, default=8, help="samples G per prompt")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per method (median reported)")
-    p.add_argument("--decoders", default="eager,static,compiled",
-                   help="comma-separated decode_mode values of our sampler to measure (default eager,static,compiled)")
+    p.add_argument("--generations", default="1,8", help="samples G per prompt, comma-separated (default 1,8)")
+    p.add_argument("--bases", default="fp32,4bit", help="fp32 and/or 4bit (NF4, dequantised per matmul on a CPU)")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="the model's vocabulary (Qwen2.5's: 151936)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per method, alternating (median reported)")
+    p.add_argument("--decoders", default="eager,static",
+                   help="comma-separated decode_mode values of our sampler to measure (default eager,static; "
+                        "compiled compiles per shape, minutes on a CPU)")
     add_threads_argument(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
+    global VOCAB
     args = parse_args(argv)
+    VOCAB = args.vocab
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices
     import peft
@@ -207,22 +235,22 @@ def main(argv=None) -> None:
 
     settings = parse_pairs(args.settings)  # prompt length x completion length, in tokens
     tokenizer = build_tokenizer()
-    start = time.perf_counter()
-    model = build_model(tokenizer)
-    built = time.perf_counter() - start
-    n_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
-    n_lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
     print(f"# {environment(transformers, peft)}; model hidden {MODEL['hidden_size']}, "
-          f"{MODEL['num_hidden_layers']} layers, vocab {VOCAB}, float32, lora_r {LORA_R} all-linear; "
-          f"P={args.prompts} prompts × G={args.generations}; EOS unsampleable; {args.repeats} repeats after 2 warm-ups")
-    rows = []
-    for L, T in settings:
-        rows += benchmark_setting(model, tokenizer, L, T, args.prompts, args.generations, args.repeats,
-                                  args.decoders.split(","))
-    print_table(rows)
-    print(f"# model: {n_base / 1e6:.1f} M base params + {n_lora / 1e6:.2f} M LoRA (both adapters), built in "
-          f"{built:.1f} s; "
-          f"load average at the end {load_average():.1f}")
+          f"{MODEL['num_hidden_layers']} layers, vocab {VOCAB}, float32 compute, lora_r {LORA_R} all-linear; "
+          f"P={args.prompts} prompts; EOS unsampleable; {args.repeats} repeats after 2 warm-ups")
+    for base_kind in args.bases.split(","):
+        start = time.perf_counter()
+        model = build_model(tokenizer, base_kind)
+        built = time.perf_counter() - start
+        rows = []
+        for G in [int(g) for g in args.generations.split(",")]:
+            for L, T in settings:
+                rows += benchmark_setting(model, tokenizer, L, T, args.prompts, G, args.repeats, args.decoders.split(","))
+        n_lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+        print(f"\n## base {base_kind} (built in {built:.1f} s; {n_lora / 1e6:.2f} M LoRA parameters, both adapters)\n")
+        print_table(rows)
+        del model
+    print(f"# load average at the end {load_average():.1f}")
 
 
 if __name__ == "__main__":

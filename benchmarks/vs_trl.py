@@ -15,6 +15,10 @@ threads.
   --ours-checkpointing value: "auto" (our default: recompute only when memory needs it) and
   "true" (recompute on, as TRL).
 
+Both run their own `train()` with logging every step, as a user runs them, and a step's time is
+from its start to the next step's start (TRL: transformers' on_step_begin; ours: the trainer's
+"step_begin" hook), so reporting, logging, syncs and callbacks are inside it.
+
 On a 4-bit base both get lora_grpo's `keep_4bit_weights_fixed`: on a CPU with AVX512-BF16,
 bitsandbytes otherwise repacks the weights into a kernel without autograd after the first no-grad
 forward, and the step is neither correct nor comparable (issue 7). Both then dequantise per
@@ -30,7 +34,7 @@ A random model rarely samples EOS (1/V per token), so nearly every completion ru
 tokens/s counts the completion tokens actually sampled.
 
     pip install -e ".[bench]"
-    python benchmarks/vs_trl.py                       # tiny, small, the Qwen2.5-0.5B body; fp32 and 4-bit
+    python benchmarks/vs_trl.py                       # tiny, small, the Qwen2.5-0.5B body; fp32 and 4-bit; prompts of 6 and 32 tokens
     python benchmarks/vs_trl.py --shapes small --bases fp32 --repeats 3
 """
 
@@ -41,7 +45,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,8 +54,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import (QWEN2_SHAPES, build_qwen2, environment, even_token_share, grpo_steps, print_markdown_table,
-                     token_prompts)
+from _common import (QWEN2_SHAPES, build_qwen2, environment, even_token_share, load_peer_model, print_markdown_table,
+                     run_worker, token_prompts, train_steps)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 G, SEQUENCES, LORA_R, BETA, LR = 4, 8, 8, 0.04, 1e-5
@@ -82,13 +85,13 @@ def run_ours(args) -> dict:
         max_completion_length=args.completion_length, micro_batch_size=args.micro_batch,
         gradient_checkpointing={"true": True, "false": False}.get(args.ours_checkpointing, args.ours_checkpointing),
         beta=BETA, ref_sync_steps=2, ref_sync_alpha=0.6, ref_sync_mode="exact",
-        learning_rate=LR, max_steps=args.warmup + args.steps, save_steps=0, logging_steps=10**6,
+        learning_rate=LR, max_steps=args.warmup + args.steps + 1, save_steps=0, logging_steps=1,
         output_dir=tempfile.mkdtemp(), disable_tqdm=True, seed=args.seed,
     )
     trainer = GRPOTrainer(config, reward_funcs=[even_token_share],
                           train_dataset=token_prompts(QWEN2_SHAPES[args.shape]["vocab_size"], args.prompt_length))
     loaded_rss = rss_mib()
-    steps = grpo_steps(trainer, args.warmup + args.steps)
+    steps = train_steps(trainer)
     times = [seconds for _, seconds in steps]
     tokens = [metrics["completion_length/mean"] * SEQUENCES for metrics, _ in steps]
     # What auto resolved to, at start (memory.py).
@@ -98,26 +101,19 @@ def run_ours(args) -> dict:
 def run_trl(args) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lora_grpo.model import keep_4bit_weights_fixed
-
-    quantization = None
-    if args.base == "4bit":
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_compute_dtype=torch.float32, bnb_4bit_use_double_quant=True)
-    model = AutoModelForCausalLM.from_pretrained(args.path, dtype=torch.float32, quantization_config=quantization)
-    keep_4bit_weights_fixed(model)  # the same 4-bit code path as ours (see the docstring)
+    model = load_peer_model(args.path, args.base)
     tokenizer = AutoTokenizer.from_pretrained(f"{args.path}/tokenizer")
     times, tokens = [], []
 
-    class StepTimes(TrainerCallback):
+    class StepTimes(TrainerCallback):  # start to next start, as train_steps measures ours
         def on_step_begin(self, *a, **k):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.start)
+            now = time.perf_counter()
+            if hasattr(self, "start"):
+                times.append(now - self.start)
+            self.start = now
 
         def on_log(self, _args, state, control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
@@ -126,7 +122,7 @@ def run_trl(args) -> dict:
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=SEQUENCES, gradient_accumulation_steps=1,
         num_generations=G, max_completion_length=args.completion_length, gradient_checkpointing=True,
-        beta=BETA, learning_rate=LR, max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no",
+        beta=BETA, learning_rate=LR, max_steps=args.warmup + args.steps + 1, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, bf16=False, fp16=False, use_cpu=True, seed=args.seed,
     )
     peft_config = LoraConfig(r=LORA_R, lora_alpha=2 * LORA_R, lora_dropout=0.0, target_modules=TARGETS,
@@ -154,18 +150,14 @@ def measured(times, tokens, args, loaded_rss, micro_batch) -> dict:
 # ------------------------------------------------------------------ the comparison
 
 
-def child(trainer: str, shape: str, base: str, path: Path, args) -> dict:
+def child(trainer: str, shape: str, base: str, prompt_length: int, path: Path, args) -> dict:
     """One run in a fresh process. `trainer`: "trl", or "ours:<gradient_checkpointing>"."""
     name, _, checkpointing = trainer.partition(":")
     command = [sys.executable, __file__, "--worker", name, "--path", str(path), "--shape", shape, "--base", base,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--prompt-length", str(args.prompt_length),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--prompt-length", str(prompt_length),
                "--completion-length", str(args.completion_length), "--micro-batch", str(args.micro_batch),
                "--ours-checkpointing", checkpointing or "true", "--threads", str(args.threads), "--seed", str(args.seed)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{trainer} on {shape}/{base} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_worker(command, f"{trainer} on {shape}/{base}")
 
 
 def compare(args) -> None:
@@ -176,7 +168,7 @@ def compare(args) -> None:
     torch.set_num_threads(args.threads)
     variants = [f"ours:{c}" for c in args.ours_checkpointing.split(",")]
     print(f"# {environment(transformers, peft, trl)}")
-    print(f"# G={G}, {SEQUENCES} sequences a step, prompt {args.prompt_length} tokens, {args.completion_length} new "
+    print(f"# G={G}, {SEQUENCES} sequences a step, prompts of {args.prompt_lengths} tokens, {args.completion_length} new "
           f"tokens, LoRA r {LORA_R}, beta {BETA}; TRL: its defaults (gradient checkpointing on, one micro-batch of "
           f"{SEQUENCES}); ours: micro_batch_size {args.micro_batch}, gradient_checkpointing {args.ours_checkpointing} "
           f"(one row each); median of {args.steps} steps after {args.warmup}, median over {args.repeats} rounds "
@@ -186,18 +178,20 @@ def compare(args) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp)
             build_qwen2(shape, path)
-            for base in args.bases.split(","):
+            for base, prompt_length in [(b, int(n)) for b in args.bases.split(",") for n in args.prompt_lengths.split(",")]:
                 runs = {k: [] for k in ["trl", *variants]}
                 order = list(runs)
                 for r in range(args.repeats):
                     for trainer in order[r % len(order):] + order[: r % len(order)]:
-                        runs[trainer].append(child(trainer, shape, base, path, args))
-                        print(f"  {shape} {base} round {r + 1} {trainer}: {runs[trainer][-1]}", file=sys.stderr)
+                        runs[trainer].append(child(trainer, shape, base, prompt_length, path, args))
+                        print(f"  {shape} {base} prompt {prompt_length} round {r + 1} {trainer}: {runs[trainer][-1]}",
+                              file=sys.stderr)
                 peer = summarize(runs["trl"])
                 for variant in variants:
                     ours = summarize(runs[variant])
                     rows.append([
-                        shape, base, f"checkpointing {variant.split(':')[1]}, micro-batch {runs[variant][0]['micro_batch']}",
+                        shape, base, str(prompt_length),
+                        f"checkpointing {variant.split(':')[1]}, micro-batch {runs[variant][0]['micro_batch']}",
                         f"{ours['step_s']:.3f}", f"{peer['step_s']:.3f}", f"{ours['step_s'] / peer['step_s']:.2f}",
                         f"{ours['tokens_per_s']:.0f}", f"{peer['tokens_per_s']:.0f}",
                         f"{ours['peak_rss_mib']:.0f}", f"{peer['peak_rss_mib']:.0f}",
@@ -205,9 +199,9 @@ def compare(args) -> None:
                         f"{ours['train_rss_mib']:.0f}", f"{peer['train_rss_mib']:.0f}",
                     ])
     print_markdown_table(
-        ["model", "base", "ours", "ours step s", "TRL step s", "step vs TRL", "ours tok/s", "TRL tok/s",
+        ["model", "base", "prompt", "ours", "ours step s", "TRL step s", "step vs TRL", "ours tok/s", "TRL tok/s",
          "ours peak MiB", "TRL peak MiB", "peak vs TRL", "ours above load MiB", "TRL above load MiB"],
-        rows, text_columns=3,
+        rows, text_columns=4,
     )
 
 
@@ -227,7 +221,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="rounds of (ours, TRL), alternating the order")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
-    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--prompt-lengths", default="6,32", help="prompt tokens, one row each")
+    parser.add_argument("--prompt-length", type=int, help=argparse.SUPPRESS)  # a worker's
     parser.add_argument("--completion-length", type=int, default=16)
     parser.add_argument("--micro-batch", default="auto", help="ours: micro_batch_size (TRL: 8, one micro-batch)")
     parser.add_argument("--ours-checkpointing", default="auto,true",

@@ -320,12 +320,14 @@ def grpo_loss(
     entropy_gather: Callable[[Tensor], Tensor] | None = None,
     entropy_coef: float = 0.0,
     accumulation: tuple[int, int, int] | None = None,
+    tensor_metrics: bool = False,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO loss of one micro-batch.
 
     logp (B, T): per-token log-probs under the policy, with grad. old_logp (B, T) or None
     (on-policy: logp.detach()). ref_logp (B, T) or None (only when beta == 0). advantages (B,).
-    mask (B, T): 1 on completion tokens that count. Returns (scalar loss, metrics of plain floats).
+    mask (B, T): 1 on completion tokens that count. Returns (scalar loss, metrics of plain floats;
+    with tensor_metrics, detached 0-d tensors, read without a device sync here).
 
     sampling_logp (B, T): the sampler's log-probs, for off_policy_mask_threshold (default old_logp).
     entropies (B, T): per-token entropies, needed by top_entropy_quantile < 1 (entropy_gather: see
@@ -379,12 +381,11 @@ def grpo_loss(
         loss = loss - entropy_coef * mean_entropy(entropies, bonus_mask) / num_micro_batches
 
     with torch.no_grad():
-        metrics = {"kl": _token_mean(kl, mask).item() if kl is not None else 0.0,
-                   "ratio": _token_mean(ratio, mask).item()}
-        metrics.update({name: x.item() for name, x in extra.items()})
+        metrics = {"kl": _token_mean(kl, mask) if kl is not None else torch.zeros((), device=mask.device),
+                   "ratio": _token_mean(ratio, mask), **extra}
         if entropy_coef != 0.0:
-            metrics["policy_loss"] = policy_loss.item()
-    return loss, metrics
+            metrics["policy_loss"] = policy_loss
+    return loss, metrics if tensor_metrics else {name: x.item() for name, x in metrics.items()}
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import checkpoint as ckpt
-from .adapters import POLICY, policy_parameters, reference_forward
+from .adapters import POLICY, policy_parameters, reference_forward, set_training
 from .batch import Batch
 from .config import ConfigError, GRPOConfig
 from .data import PromptBatches, process_shard, resolve_datasets
@@ -92,6 +92,7 @@ class GRPOTrainer:
             raise ValueError("pass the tokenizer together with the model")
         self.model, self.tokenizer = model, tokenizer
         keep_4bit_weights_fixed(model)  # also for a model the caller built (see model.py)
+        set_training(model, False)  # eval mode between updates, where sampling and log-probs run (adapters.train_mode)
         place_model(self.model, self.accelerator.device)  # moves a plain model; refuses a quantized one on another device
         self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
             config.seed + 1000 * self.accelerator.process_index

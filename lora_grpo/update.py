@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .adapters import eval_mode
+from .adapters import eval_mode, train_mode
 from .batch import Batch
 from .logprobs import sequence_log_probs
 from .loss import grpo_loss, padded_gather
@@ -76,15 +76,16 @@ class PolicyUpdate:
         """One optimizer update on the batch. Returns the loss metrics (token-weighted means over the
         step), loss, grad_norm, lr, skipped_nonfinite."""
         cfg, acc = self.config, self.accelerator
-        self.model.train()
         n_seq = batch.input_ids.shape[0]
         n_micro = math.ceil(n_seq / micro_batch_size)
         # dapo's denominator: the step's tokens over every process, divided by the number of
         # processes because their gradients are averaged.
         num_tokens = sum_over_processes({"t": batch.completion_mask.sum().item()}, acc)["t"] / acc.num_processes
+        with train_mode(self.model):  # checkpointing on; the model goes back to eval mode for sampling
+            parts = [self.accumulate(mb, num_tokens, n_seq, n_micro, read=False)
+                     for mb in batch.micro_batches(micro_batch_size)]
         sums: dict[str, float] = {}
-        for mb in batch.micro_batches(micro_batch_size):
-            m, weight, loss = self.accumulate(mb, num_tokens, n_seq, n_micro)
+        for m, weight, loss in _read_once(parts):  # one device sync for every micro-batch's metrics
             for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss)]:
                 sums[k] = sums.get(k, 0.0) + v
         if acc.num_processes > 1:
@@ -103,9 +104,11 @@ class PolicyUpdate:
         return {**{k: v / tokens for k, v in sums.items()}, "loss": loss_total, "grad_norm": grad_norm, "lr": lr,
                 "skipped_nonfinite": float(skipped)}
 
-    def accumulate(self, mb: dict[str, Any], num_tokens: float, n_seq: int, n_micro: int) -> tuple[dict[str, float], float, float]:
+    def accumulate(self, mb: dict[str, Any], num_tokens: float, n_seq: int, n_micro: int,
+                   read: bool = True) -> tuple[dict[str, float], float, float]:
         """Forward, loss and backward of one micro-batch (gradients add up in .grad); returns
-        (loss metrics, the micro-batch's loss tokens, its scaled loss)."""
+        (loss metrics, the micro-batch's loss tokens, its scaled loss) as floats, or as 0-d tensors
+        with read=False (no device sync: the step reads every micro-batch's at once)."""
         cfg = self.config
         logp, entropy = self.forward(mb, return_entropy=True, entropy_grad=self.entropy_grad)
         ref = mb["ref_logp"]
@@ -116,13 +119,14 @@ class PolicyUpdate:
         # accumulation=: the returned loss is this micro-batch's share of the step (loss.LOSS_TYPES' scales).
         loss, m = grpo_loss(logp, mb["old_logp"], ref, mb["advantages"], mb["completion_mask"], num_tokens=num_tokens,
                             entropies=entropy, entropy_gather=self.gather, entropy_coef=coef,
-                            accumulation=(mb["input_ids"].shape[0], n_seq, n_micro), **self.loss_settings)
+                            accumulation=(mb["input_ids"].shape[0], n_seq, n_micro), tensor_metrics=True,
+                            **self.loss_settings)
         loss.backward()
         if cfg.use_adaptive_entropy:
             control.accumulate(entropy, mb["completion_mask"], cfg.top_entropy_quantile, self.gather)
-        weight = float(mb["completion_mask"].sum())
-        m["entropy"] = (entropy.detach() * mb["completion_mask"]).sum().item() / max(weight, 1.0)
-        return m, weight, loss.item()
+        m["entropy_sum"] = (entropy.detach() * mb["completion_mask"]).sum()
+        part = (m, mb["completion_mask"].sum(), loss.detach())
+        return _read_once([part])[0] if read else part
 
     def _step_unless_nonfinite(self, loss: float, grad_norm: float) -> bool:
         """Step the optimizer, or skip a NaN/inf update (every process decides alike: the values are
@@ -138,3 +142,17 @@ class PolicyUpdate:
                            self.state.global_step + 1, loss, grad_norm, self.state.nonfinite_in_a_row + 1)
         count_nonfinite(self.state, finite, self.config)
         return not finite
+
+
+def _read_once(parts: list[tuple[dict[str, Tensor], Tensor, Tensor]]) -> list[tuple[dict[str, float], float, float]]:
+    """Micro-batches' (metrics, tokens, loss) 0-d tensors -> Python floats, in one transfer; each value
+    is the float .item() would give. The entropy is a token mean of the micro-batch, as before."""
+    flat = [t.detach().double() for m, weight, loss in parts for t in (*m.values(), weight, loss)]
+    values = iter(torch.stack(flat).tolist() if flat else [])
+    out = []
+    for m, _, _ in parts:
+        read = {k: next(values) for k in m}
+        weight, loss = next(values), next(values)
+        read["entropy"] = read.pop("entropy_sum") / max(weight, 1.0)
+        out.append((read, weight, loss))
+    return out

@@ -309,6 +309,53 @@ def test_sample_next_greedy_and_distribution():
     assert torch.equal(tok, tok2)
 
 
+def _draw_as_before(logits, seen, temperature, penalty, generator):
+    """The draw written out as the sampler computed it before it reused buffers: a new tensor per op."""
+    x = logits.float()
+    if seen is not None:
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    lp = (x / temperature).log_softmax(-1)
+    tok = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(1)
+    return tok, lp.gather(1, tok[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_buffer_reuse_draws_the_same_bits(dtype, temperature, penalty, overwrite):
+    logits = (torch.randn(16, 3001, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    seen = torch.rand(16, 3001, generator=torch.Generator().manual_seed(2)) < 0.05 if penalty != 1.0 else None
+    want = _draw_as_before(logits, seen, temperature, penalty, torch.Generator().manual_seed(3))
+    given = logits.clone()
+    got = sample_next(given, seen, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=penalty,
+                      generator=torch.Generator().manual_seed(3), overwrite=overwrite)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if not overwrite:
+        assert torch.equal(given, logits)  # the caller's logits are left alone unless it says otherwise
+
+
+def test_without_filters_one_vocabulary_sized_temporary_is_made():
+    from torch.profiler import ProfilerActivity, profile
+
+    def peak(fn):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        live = top = 0
+        for e in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
+            live += e[1]
+            top = max(top, live)
+        return top
+
+    N, V = 8, 151936  # Qwen2.5's vocabulary
+    logits, row = torch.randn(N, V), N * V * 4
+    args = dict(top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+    ours = peak(lambda: sample_next(logits.clone(), None, temperature=0.7, generator=torch.Generator(), overwrite=True,
+                                    **args)) - row  # the clone is the caller's
+    before = peak(lambda: _draw_as_before(logits, None, 0.7, 1.0, torch.Generator()))
+    assert ours < 2.2 * row < before  # the log-probs and multinomial's own scratch; before: 3 more (N, V) tensors
+
+
 # --------------------------------------------------------------------------- peft + 4-bit
 
 

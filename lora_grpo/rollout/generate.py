@@ -205,7 +205,8 @@ def _prefill(model, ids, mask, *, G, sampling):
     return cache, logits, attn, next_pos, seen
 
 
-def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling, generator, turns=None) -> tuple[Tensor, Tensor]:
+def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling, generator, turns=None,
+                   overwrite=False) -> tuple[Tensor, Tensor]:
     """The sampling loop both samplers share. ``logits`` (N, V): the first token's; ``seen``: the
     repetition-penalty mask (N, V) or None. Each step draws one token per row still decoding, then
     asks ``advance(keep, tok)`` for the next logits of the rows left: ``keep`` indexes the rows that
@@ -213,6 +214,7 @@ def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling,
     logits and the generator, so samplers that compute them differently draw the same tokens.
     ``turns`` (a :class:`ToolTurns`, with tools) replaces the draws of rows inside a tool reply by the
     reply's tokens and decides which rows a drawn EOS finishes (one that called a tool goes on).
+    ``overwrite``: the logits ``advance`` returns are the sampler's to overwrite (sample_next).
     -> (tokens (N, T), log-probs (N, T)) with T <= max_new; pad_id after a row's end."""
     eos = torch.tensor(eos_ids, device=logits.device)
     N = logits.size(0)
@@ -220,16 +222,18 @@ def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling,
     logps = torch.zeros((N, max_new), dtype=torch.float32, device=logits.device)
     rows = torch.arange(N, device=logits.device)  # output row of each sequence still decoding
     for step in range(max_new):
-        tok, logp = sample_next(logits, seen, generator=generator, **sampling)
+        # The first logits (the prefill's, repeated per sample) are a copy of their own in both samplers.
+        tok, logp = sample_next(logits, seen, generator=generator, overwrite=overwrite or step == 0, **sampling)
         if turns is not None:
             tok, logp = turns.force(rows, step, tok, logp)
         tokens[rows, step] = tok
         logps[rows, step] = logp
         done = torch.isin(tok, eos) if turns is None else turns.end_turns(rows, step, tok, tokens)
-        if bool(done.all()) or step == max_new - 1:
+        finished = int(done.sum())  # the loop's one device sync per token
+        if finished == done.numel() or step == max_new - 1:
             break
         keep = None
-        if bool(done.any()):
+        if finished:
             keep = (~done).nonzero().squeeze(1)
             rows, tok = rows[keep], tok[keep]
             seen = None if seen is None else seen[keep]
@@ -259,7 +263,7 @@ def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, ge
         return out.logits[:, -1]
 
     return _sample_tokens(logits, seen, advance, max_new=max_new, eos_ids=eos_ids, pad_id=pad_id, sampling=sampling,
-                          generator=generator, turns=turns)
+                          generator=generator, turns=turns, overwrite=True)  # each forward's logits are new
 
 
 def _decode_chunk_static(
@@ -358,8 +362,9 @@ def generate_rollout(
     mode = resolve_decode_mode(decode_mode, model, device)
     decode = _decode_chunk if mode == "eager" else functools.partial(_decode_chunk_static, compiled=mode == "compiled")
 
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
+    training = [m for m in model.modules() if m.training]  # their flags go back afterwards (none: the trainer's model)
+    if training:
+        model.eval()
     parts, turns = [], []
     try:
         with torch.no_grad():
@@ -372,8 +377,8 @@ def generate_rollout(
                 parts.append(decode(model, ids, mask, G=G, max_new=max_completion_length, eos_ids=eos_ids, pad_id=pad_id,
                                     sampling=sampling, generator=generator, turns=turns[-1] if turns else None))
     finally:
-        for m, mode in modes.items():
-            m.training = mode
+        for m in training:
+            m.training = True
 
     T = max(t.size(1) for t, _ in parts)
     completion_ids = torch.cat([_pad_right(t, T, pad_id) for t, _ in parts])
