@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from ..rollout import Toolbox, generate_rollout, reply_ids
 from .toy import CHARS as TOY_CHARS
-from .toy import EOS, PAD, UNK, carry_free_sum, default_cache_dir, make_tiny_model, write_base
+from .toy import EOS, carry_free_sum, default_cache_dir, make_tiny_model, write_base
+from .toy import make_tokenizer as make_char_tokenizer
 
 CHARS = TOY_CHARS + list('{}"_[]')
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
@@ -64,14 +64,9 @@ CHAT_TEMPLATE = (
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
-    """The character tokenizer with <pad>=0, <eos>=1, <unk>=2, the tool tokens and the tool chat template."""
-    vocab = {t: i for i, t in enumerate([PAD, EOS, UNK] + CHARS)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    """The toy's character tokenizer over CHARS, plus the tool tokens and the tool chat template."""
+    tok = make_char_tokenizer(CHARS, CHAT_TEMPLATE)
     tok.add_tokens(TOOL_TOKENS)  # not special: decoded text keeps them, as Qwen2.5's
-    tok.chat_template = CHAT_TEMPLATE
     return tok
 
 

@@ -41,14 +41,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with <pad>=0, <eos>=1, <unk>=2 and a tiny chat template."""
-    vocab = {t: i for i, t in enumerate([PAD, EOS, UNK] + CHARS)}
+def make_tokenizer(chars: list[str] = CHARS, chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with <pad>=0, <eos>=1, <unk>=2, then one id per character of
+    `chars`, and a tiny chat template (the calculator task passes its own characters and template)."""
+    vocab = {t: i for i, t in enumerate([PAD, EOS, UNK] + chars)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     backend.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=UNK)
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 
