@@ -270,9 +270,9 @@ def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
     if str(path) == "latest":
         found = list_checkpoints(output_dir)
         if not found:
-            raise CheckpointError(
-                f"resume_from_checkpoint='latest' but {output_dir} has no checkpoint-N directory; "
-                "check output_dir, or start without resume_from_checkpoint"
+            raise CheckpointError(  # transformers' sentence first (the TRL front door's users know it)
+                f"No valid checkpoint found in output directory ({output_dir}): resume_from_checkpoint='latest' but it "
+                "has no checkpoint-N directory; check output_dir, or start without resume_from_checkpoint"
             )
         path = found[-1]
     path = Path(path)

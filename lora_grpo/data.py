@@ -337,18 +337,37 @@ def resolve_dataset(source, config, tokenizer, split: str, template_kwargs: dict
         raise type(e)(f"{name}: {e.args[0] if e.args else e}{fix}") from e
 
 
+def resolve_eval_dataset(source, config, tokenizer, template_kwargs: dict | None = None):
+    """The eval prompts of a run (None when there are none), each set cut to eval_limit rows: one
+    Dataset, or {name: Dataset} for a plain dict of named sets (each evaluated on its own; metrics
+    eval/<name>/...). A DatasetDict is not a dict of sets here: its eval_split is taken."""
+    if isinstance(source, dict) and not isinstance(source, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        if not source:
+            raise ValueError("eval_dataset: an empty dict of eval sets; pass at least one {name: dataset}")
+        return {str(name): resolve_eval_dataset(ds, config, tokenizer, template_kwargs) for name, ds in source.items()}
+    held_out = resolve_dataset(source, config, tokenizer, "eval", template_kwargs)
+    if held_out is not None and config.eval_limit:
+        held_out = held_out.select(range(min(config.eval_limit, len(held_out))))
+    return held_out
+
+
+def named_eval_sets(eval_dataset) -> dict[str | None, datasets.Dataset]:
+    """{name: Dataset} of resolved eval prompts; one unnamed set is {None: it}; none is {}."""
+    if eval_dataset is None:
+        return {}
+    return dict(eval_dataset) if isinstance(eval_dataset, dict) else {None: eval_dataset}
+
+
 def resolve_datasets(config, train_dataset, eval_dataset, tokenizer, template_kwargs: dict | None = None):
     """(train, eval) prompts of a run: the ones passed, else the config's `dataset` / `eval_dataset`
-    (eval None when there is none; cut to eval_limit rows). template_kwargs: the chat template's (the
-    config's chat_template_kwargs, and a tool run's schemas)."""
+    (eval: resolve_eval_dataset). template_kwargs: the chat template's (the config's
+    chat_template_kwargs, and a tool run's schemas)."""
     train_source = train_dataset if train_dataset is not None else config.dataset
     if train_source is None:
         raise ValueError("no training prompts: pass train_dataset=... or set `dataset` in the config")
     train = resolve_dataset(train_source, config, tokenizer, "train", template_kwargs)
-    held_out = resolve_dataset(eval_dataset if eval_dataset is not None else config.eval_dataset, config, tokenizer, "eval",
-                               template_kwargs)
-    if held_out is not None and config.eval_limit:
-        held_out = held_out.select(range(min(config.eval_limit, len(held_out))))
+    held_out = resolve_eval_dataset(eval_dataset if eval_dataset is not None else config.eval_dataset, config, tokenizer,
+                                    template_kwargs)
     return train, held_out
 
 

@@ -198,8 +198,11 @@ def eval_metrics(
 
 def headline_score(metrics: dict[str, float], reward_names: Sequence[str]) -> float:
     """The eval score a run is judged by: the first reward function's greedy mean (the summary's
-    accuracy; what the plateau trigger watches)."""
-    return metrics[f"eval/{reward_names[0]}"]
+    accuracy; what the plateau trigger watches), on the first set when there are named sets."""
+    key = f"eval/{reward_names[0]}"
+    if key not in metrics:  # named eval sets (eval/<name>/<reward>): the first set's
+        key = next(k for k in metrics if k.startswith("eval/") and k.endswith(f"/{reward_names[0]}"))
+    return metrics[key]
 
 
 # ---------------------------------------------------------------------------------- evaluator

@@ -64,17 +64,23 @@ def disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def resolve_model_path(config: GRPOConfig) -> str:
-    """The model's path: the config's, or the offline tasks' bases built (once, cached) by name."""
-    if config.model_name_or_path == "toy":
+def local_base(name: str) -> str | None:
+    """The path of an offline task's base by its name ("toy" or its recipe's name "toy-addition",
+    "toy-calculator"), built once and cached; None for any other name."""
+    if name in ("toy", "toy-addition"):
         from .tasks.toy import ensure_toy_base
 
         return ensure_toy_base()  # one fixed base (seed 0) whatever the run seed: built once, cached
-    if config.model_name_or_path == "toy-calculator":
+    if name == "toy-calculator":
         from .tasks.calculator import ensure_calculator_base
 
         return ensure_calculator_base()
-    return config.model_name_or_path
+    return None
+
+
+def resolve_model_path(config: GRPOConfig) -> str:
+    """The model's path: the config's, or an offline task's base by name (local_base)."""
+    return local_base(config.model_name_or_path) or config.model_name_or_path
 
 
 def quantization_config(config: GRPOConfig, dtype: torch.dtype):

@@ -9,7 +9,7 @@ reply tokens are context, not actions (Rollout.tool_mask: the loss skips them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -36,7 +36,10 @@ class PolicySampler:
                  environment_factory=None):
         self.config, self.model, self.tokenizer, self.generator = config, model, tokenizer, generator
         tools = [resolve_callable(t, "tool") for t in tools]
-        factory = None if environment_factory is None else resolve_callable(environment_factory, "environment_factory")
+        if isinstance(environment_factory, Mapping):  # TRL's dict of named environments
+            factory = {name: resolve_callable(f, f"environment_factory[{name!r}]") for name, f in environment_factory.items()}
+        else:
+            factory = None if environment_factory is None else resolve_callable(environment_factory, "environment_factory")
         self.toolbox = None
         if tools or factory is not None:
             self.toolbox = Toolbox(tokenizer, tools, factory, stop_ids=eos_token_ids(model, tokenizer),
@@ -58,9 +61,12 @@ class PolicySampler:
         if self.toolbox is not None:
             row_dicts = [dict(zip(rows, values)) for values in zip(*rows.values())] if rows else None
             tools = self.toolbox.episode([r for r in row_dicts for _ in range(G)] if row_dicts else len(prompts) * G)
-            if any(tools.observations) and rows and rows.get(PROMPT_MESSAGES):
-                prompts, G = self.toolbox.prompts(rows[PROMPT_MESSAGES], tools, G)  # reset texts join the prompts
+            if (any(tools.observations) or self.toolbox.named) and rows and rows.get(PROMPT_MESSAGES):
+                # reset texts join the prompts; with named environments each row lists its own one's tools
+                prompts, G = self.toolbox.prompts(rows[PROMPT_MESSAGES], tools, G)
             self.environments = tools.environments
+            if not self.toolbox.has_tools:  # environments without tool methods: a single-turn rollout
+                tools = None
         return generate_rollout(
             self.model, self.tokenizer, prompts,
             num_generations=G, max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,

@@ -26,11 +26,12 @@ Tensor = torch.Tensor
 class RolloutScorer:
     """The reward side of a step, built once: the functions, their names, the config's weights."""
 
-    def __init__(self, config, reward_specs, accelerator, trainer_state=None):
-        """reward_specs: functions, built-in names or dotted paths (rewards.resolve_reward_funcs)."""
+    def __init__(self, config, reward_specs, accelerator, trainer_state=None, *, environment: bool = False):
+        """reward_specs: functions, built-in names or dotted paths (rewards.resolve_reward_funcs). With an
+        environment (`environment`), none is fine here: its get_reward may be the reward (`add`)."""
         self.config, self.accelerator = config, accelerator
         self.reward_funcs = resolve_reward_funcs(reward_specs, context={"max_completion_length": config.max_completion_length})
-        if not self.reward_funcs:
+        if not self.reward_funcs and not environment:
             raise ValueError("no reward functions: pass reward_funcs=[...] or set reward_funcs in the config")
         check_reward_weights(config.reward_weights, len(self.reward_funcs))
         self.weights = None if config.reward_weights is None else list(config.reward_weights)

@@ -26,7 +26,7 @@ from . import checkpoint as ckpt
 from .adapters import POLICY, policy_parameters, reference_forward, set_training
 from .batch import Batch
 from .config import ConfigError, GRPOConfig
-from .data import PromptBatches, process_shard, resolve_datasets
+from .data import PromptBatches, named_eval_sets, process_shard, resolve_datasets, resolve_eval_dataset
 from .device import now, place_model
 from .evaluation import Evaluator, headline_score
 from .memory import MemoryPlan
@@ -48,6 +48,13 @@ from .stopping import StopSignals, TrainingInterrupted, agreed_signal
 from .update import PolicyUpdate
 
 Tensor = torch.Tensor
+
+
+def eval_set_labels(eval_dataset) -> dict:
+    """{label: Dataset} of a run's eval sets for the start-up checks' messages: eval_dataset, or
+    eval_dataset[name] for each named set."""
+    return {"eval_dataset" if name is None else f"eval_dataset[{name!r}]": rows
+            for name, rows in named_eval_sets(eval_dataset).items()}
 
 
 class GRPOTrainer:
@@ -81,7 +88,9 @@ class GRPOTrainer:
         # report_to's trackers; a missing tracker package fails here, before the model loads
         self.accelerator = Accelerator(cpu=config.use_cpu or not torch.cuda.is_available(), **accelerator_kwargs(config))
         # Reward functions first: a wrong one fails before the model loads (scorer.RolloutScorer).
-        self.scorer = RolloutScorer(config, reward_funcs if reward_funcs is not None else config.reward_funcs, self.accelerator)
+        environment_factory = environment_factory or config.environment_factory
+        self.scorer = RolloutScorer(config, reward_funcs if reward_funcs is not None else config.reward_funcs, self.accelerator,
+                                    environment=environment_factory is not None)
         # The same seed on every process: the adapters must start identical (sampling has its own
         # per-process generator below).
         seed_everything(config.seed)
@@ -99,16 +108,19 @@ class GRPOTrainer:
         )
         # The rollout stage (sampler.py), with the tools a rollout may call (a multi-turn rollout).
         self.sampler = PolicySampler(config, model, tokenizer, self.generator, tools=config.tools if tools is None else tools,
-                                     environment_factory=environment_factory or config.environment_factory)
-        if self.sampler.toolbox is not None and (env_reward := self.sampler.toolbox.environment_reward()) is not None:
-            self.scorer.add(env_reward)  # an environment's get_reward, weight 1, as TRL adds it
+                                     environment_factory=environment_factory)
+        for env_reward in self.sampler.toolbox.environment_rewards() if self.sampler.toolbox is not None else ():
+            self.scorer.add(env_reward)  # each environment class's get_reward, weight 1, as TRL adds them
+        if not self.scorer.reward_funcs:
+            raise ValueError("no reward functions: the environment defines no get_reward(); pass reward_funcs=[...] "
+                             "or set reward_funcs in the config")
         self.reward_funcs, self.reward_names = self.scorer.reward_funcs, self.scorer.names
         self.train_dataset, self.eval_dataset = resolve_datasets(config, train_dataset, eval_dataset, tokenizer,
                                                                  self.sampler.prompt_template_kwargs)
         # Start-up checks (startup.py): reward columns, every prompt against the context (tokenised
         # once), special tokens, the log-probs against the model's own logits.
         self.prompt_lengths = check_datasets(self.reward_funcs, {"train_dataset": self.train_dataset,
-                                             "eval_dataset": self.eval_dataset}, tokenizer, model, config)
+                                             **eval_set_labels(self.eval_dataset)}, tokenizer, model, config)
         check_special_tokens(self.model, self.tokenizer)
         self.log_prob_check = check_model_log_probs(self.model, self.tokenizer, list(self.train_dataset[:2]["prompt"]), config)
         # Each process samples its own prompts, an equal share (data.process_shard).
@@ -132,8 +144,9 @@ class GRPOTrainer:
         self.update = PolicyUpdate(config, self.model, self.params, self.optimizer, self.scheduler, self.accelerator,
                                    self.state)  # one optimizer update (update.py)
         lengths = self.prompt_lengths
+        eval_longest = [lengths[label].longest for label in eval_set_labels(self.eval_dataset)]
         self.sizes = RunSizes(config, self.update, self.accelerator, self.state, lengths["train_dataset"].longest,
-                              lengths["eval_dataset"].longest if "eval_dataset" in lengths else None)
+                              max(eval_longest) if eval_longest else None)
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
         self.reporter = RunReporter(config, self.accelerator, self.reward_names, self.total_steps)
@@ -344,10 +357,27 @@ class GRPOTrainer:
         return metrics
 
     def evaluate(self, dataset=None, batch_prompts: int = 64) -> dict[str, float]:
-        """eval/* metrics of the policy on `dataset` (default: the eval dataset); evaluation.Evaluator."""
-        metrics = self.evaluator.evaluate(self.eval_dataset if dataset is None else dataset, batch_prompts)
-        self._event("evaluate", metrics=metrics)
+        """eval/* metrics of the policy (evaluation.Evaluator) on `dataset`: the run's eval prompts by
+        default, or any dataset source the run takes (rendered and checked as its own are), or a dict
+        of named sets, each evaluated on its own (eval/<name>/* metrics). Each set's result is also
+        the payload of an "evaluate" event (metrics=, name=, seconds=, rows=)."""
+        sets = named_eval_sets(self.eval_dataset if dataset is None else self._resolve_eval(dataset))
+        if not sets:
+            raise ValueError("evaluate: this run has no eval prompts; pass evaluate(dataset) or set eval_dataset")
+        metrics = {}
+        for name, rows in sets.items():
+            start = time.perf_counter()
+            found = self.evaluator.evaluate(rows, batch_prompts)
+            self._event("evaluate", metrics=found, set_name=name, seconds=time.perf_counter() - start, rows=len(rows))
+            metrics.update(found if name is None else {f"eval/{name}/{k.removeprefix('eval/')}": v for k, v in found.items()})
         return metrics
+
+    def _resolve_eval(self, source):
+        """An eval source passed to evaluate(): rendered with the run's template and checked against
+        the rewards and the context, as the run's own eval prompts were."""
+        resolved = resolve_eval_dataset(source, self.config, self.tokenizer, self.sampler.prompt_template_kwargs)
+        check_datasets(self.reward_funcs, eval_set_labels(resolved), self.tokenizer, self.model, self.config)
+        return resolved
 
     def _evaluate_and_log(self, when: str) -> dict[str, float]:
         """The eval before or after training: printed, logged at the current step; 'before' feeds the plateau trigger."""

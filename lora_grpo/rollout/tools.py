@@ -14,7 +14,7 @@ rendered with and without the tool messages); a reply that would overflow ``max_
 is dropped and the row ends at its turn; after ``max_tool_calling_iterations`` rounds a turn's calls
 are not run; ``reset(**row)`` may return text for the prompt, ``get_reward()`` may score the rollout.
 Where we differ: each call has a timeout; a call that cannot be parsed or names no tool gets an error
-reply (TRL ends the completion); one environment factory, not a dict of them.
+reply (TRL ends the completion).
 """
 
 from __future__ import annotations
@@ -197,61 +197,109 @@ class _Unrunnable(Exception):
 
 class Toolbox:
     """The tools of a run: plain or ``async def`` functions with type hints and a Google-style docstring,
-    and/or an ``environment_factory`` (a class whose public methods are tools; ``reset(**row)`` returns
-    text for the prompt or None; ``get_reward()`` optional). ``stop_ids``: the ids that end a turn (the
-    rollout's EOS ids; default the tokenizer's EOS). ``timeout``: seconds per call (None: no limit, sync
-    calls run inline; else each sync call runs in a daemon thread, abandoned when it overruns, so tools
-    shared by rows must be thread-safe). Checks the chat template (:func:`check_tool_template`)."""
+    and/or an ``environment_factory``: a class (or callable) whose public methods are tools, ``reset(**row)``
+    returning text for the prompt or None and ``get_reward()`` optional; or, as TRL, a dict of them by
+    name, each row's ``environment`` column naming its own (that column is not passed to ``reset``). An
+    environment may have no tool methods at all (its ``reset`` supplies the prompt, ``get_reward`` scores).
+    ``stop_ids``: the ids that end a turn (the rollout's EOS ids; default the tokenizer's EOS). ``timeout``:
+    seconds per call (None: no limit, sync calls run inline; else each sync call runs in a daemon thread,
+    abandoned when it overruns, so tools shared by rows must be thread-safe). Checks the chat template
+    (:func:`check_tool_template`) when there are tools."""
 
-    def __init__(self, tokenizer, tools: Sequence[Callable] = (), environment_factory: Callable | None = None, *,
+    def __init__(self, tokenizer, tools: Sequence[Callable] = (), environment_factory=None, *,
                  stop_ids: Sequence[int] | None = None, timeout: float | None = 10.0, chat_template_kwargs=None):
         self.tokenizer, self.timeout = tokenizer, timeout
-        self.tools, self.environment_factory = list(tools), environment_factory
+        self.tools = list(tools)
+        self.named = isinstance(environment_factory, Mapping)  # TRL's dict: rows pick theirs by `environment`
+        self.factories = (dict(environment_factory) if self.named else
+                          {} if environment_factory is None else {None: environment_factory})
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.stop_ids = list(stop_ids) if stop_ids is not None else [tokenizer.eos_token_id]
-        self._environments, functions, self._replies, self._loop = [], list(self.tools), {}, None
-        if environment_factory is not None:
-            probe = None if isinstance(environment_factory, Mapping) else environment_factory()
+        self._replies, self._loop = {}, None
+        self._pools: dict = {}  # environment name -> its instances, reused (reset) from rollout to rollout
+        self.env_schemas: dict = {}  # environment name -> the schemas a row of it sees (standalone + its methods)
+        functions = list(self.tools)
+        for name, factory in self.factories.items():
+            probe = factory()
             if not callable(getattr(probe, "reset", None)):
-                raise ValueError("environment_factory must be one class (or callable; not a dict of them) whose "
-                                 f"instances define reset(**row); got {environment_factory!r}")
-            self._environments.append(probe)
-            functions += _environment_methods(probe)
-        if not functions or not all(map(callable, functions)):
+                raise ValueError("Each environment instance returned by `environment_factory` must define a callable "
+                                 f"`reset`. {factory!r} has none: add reset(self, **row) returning the prompt's text "
+                                 "or None.")
+            self._pools[name] = [probe]
+            methods = _environment_methods(probe)
+            self.env_schemas[name] = [tool_schema(f) for f in self.tools + methods]
+            functions += [m for m in methods if m.__name__ not in {f.__name__ for f in functions}]
+        if not all(map(callable, functions)) or not (functions or self.factories):
             raise ValueError(f"tools must be functions (or an environment_factory's methods), got {functions!r}")
         self.names = [f.__name__ for f in functions]
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"two tools share a name: {self.names}")
-        self.schemas = [tool_schema(f) for f in functions]
-        check_tool_template(tokenizer, self.stop_ids, self.schemas)
+        self.schemas = [tool_schema(f) for f in functions]  # every tool of the run (the parser's, the checks')
+        if self.schemas:
+            check_tool_template(tokenizer, self.stop_ids, self.schemas)
 
-    def render_prompt(self, messages: Sequence[Mapping], observation: str | None = None) -> str:
-        """Chat messages -> prompt text with the tools' schemas; ``observation`` (an environment's reset
-        text) is appended to the last message's content, as TRL does."""
+    @property
+    def has_tools(self) -> bool:
+        """False for environments without tool methods: rollouts are then single-turn."""
+        return bool(self.schemas)
+
+    def environments_for(self, rows: Sequence[Mapping]) -> list:
+        """One instance per row (its environment's, by the row's `environment` field when they are named),
+        drawn from the pools, which grow when a rollout needs more instances than exist."""
+        names = [row.get("environment") if self.named else None for row in rows]
+        unknown = sorted({repr(n) for n in names if n not in self.factories})
+        if unknown:
+            raise ValueError(f"Example has `environment={unknown[0]}`, which is not among the environments passed to "
+                             f"`environment_factory`. Expected one of: {list(self.factories)}. (Rows name their "
+                             "environment in their `environment` column.)")
+        taken: dict = {}
+        out = []
+        for name in names:
+            pool, index = self._pools[name], taken.get(name, 0)
+            if index == len(pool):
+                pool.append(self.factories[name]())
+            taken[name] = index + 1
+            out.append(pool[index])
+        return out
+
+    def render_prompt(self, messages: Sequence[Mapping], observation: str | None = None, schemas=None) -> str:
+        """Chat messages -> prompt text with the tools' schemas (``schemas``: a row's own, default every
+        tool); ``observation`` (an environment's reset text) is appended to the last message's content, as
+        TRL does."""
         messages = [dict(m) for m in messages]
         messages[-1]["content"] += observation or ""
-        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+        schemas = self.schemas if schemas is None else schemas
+        return self.tokenizer.apply_chat_template(messages, tools=schemas or None, tokenize=False,
                                                   add_generation_prompt=True, **self.template_kwargs)
 
     def prompts(self, messages: Sequence[Sequence[Mapping]], episode: ToolEpisode, num_generations: int):
         """The rollout's prompts for P message lists and an episode of P·G rows -> (texts, G'): P texts
-        and G when every group's observations agree (each prompt prefilled once), else P·G texts and 1
-        (each row its own prompt; the rollout's rows line up with the episode's either way)."""
+        and G when every group's rows agree (each prompt prefilled once), else P·G texts and 1 (each row
+        its own prompt; the rollout's rows line up with the episode's either way). Each row lists its own
+        environment's tools."""
         G, seen = num_generations, episode.observations
-        texts = [self.render_prompt(m, seen[i * G + g]) for i, m in enumerate(messages) for g in range(G)]
+        texts = [self.render_prompt(m, seen[i * G + g], episode.schemas[i * G + g])
+                 for i, m in enumerate(messages) for g in range(G)]
         same = all(len(set(texts[i : i + G])) == 1 for i in range(0, len(texts), G))
         return (texts[::G], G) if same else (texts, 1)
 
-    def environment_reward(self) -> Callable | None:
-        """A reward function (TRL's: keyword ``environments``, weight 1, named after the class) from the
-        environment's ``get_reward()``, or None when it has none."""
-        if not self._environments or not callable(getattr(self._environments[0], "get_reward", None)):
-            return None
-        def reward(*, environments, **kwargs) -> list[float]:
-            return [self._await(e.get_reward()) if inspect.iscoroutinefunction(e.get_reward) else e.get_reward()
-                    for e in environments]
-        reward.__name__ = type(self._environments[0]).__name__
-        return reward
+    def environment_rewards(self) -> list[Callable]:
+        """A reward function per environment class that defines ``get_reward()`` (TRL's: keyword
+        ``environments``, weight 1, named after the class; a row of another environment gets None)."""
+        out, classes = [], []
+        for pool in self._pools.values():
+            cls = type(pool[0])
+            if cls in classes or not callable(getattr(cls, "get_reward", None)):
+                continue
+            classes.append(cls)
+
+            def reward(*, environments, _cls=cls, **kwargs) -> list[float | None]:
+                return [None if type(e) is not _cls else
+                        self._await(e.get_reward()) if inspect.iscoroutinefunction(e.get_reward) else e.get_reward()
+                        for e in environments]
+            reward.__name__ = cls.__name__
+            out.append(reward)
+        return out
 
     def episode(self, rows: int | Sequence[Mapping]) -> ToolEpisode:
         """One rollout's tools for ``rows`` (a count, or each row's dataset fields for ``reset(**row)``)."""
@@ -331,11 +379,12 @@ class ToolEpisode:
         standalone = {f.__name__: f for f in toolbox.tools}
         self.toolbox, self.environments, self.functions = toolbox, None, [standalone] * len(fields)
         self.observations: list[str | None] = [None] * len(fields)
-        if toolbox.environment_factory is not None:
-            pool = toolbox._environments
-            while len(pool) < len(fields):
-                pool.append(toolbox.environment_factory())
-            self.environments = pool[: len(fields)]
+        self.schemas = [toolbox.schemas] * len(fields)  # what each row's prompt lists
+        if toolbox.factories:
+            self.environments = toolbox.environments_for(fields)
+            if toolbox.named:  # `environment` routes the row; it is not one of reset's fields (TRL)
+                self.schemas = [toolbox.env_schemas[row["environment"]] for row in fields]
+                fields = [{k: v for k, v in row.items() if k != "environment"} for row in fields]
             self.observations = [env.reset(**row) for env, row in zip(self.environments, fields)]
             self.functions = [{**standalone, **{m.__name__: m for m in _environment_methods(env)}}
                               for env in self.environments]

@@ -10,6 +10,7 @@ set away from its default. `trl` is not needed to use this class.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,12 +119,32 @@ class GRPOConfig(TrainingArguments):
     vllm_importance_sampling_cap: float | None = _f(None, "deprecated: vllm_importance_sampling_clip_max")
 
     def __post_init__(self):
+        """TRL 1.16's GRPOConfig.__post_init__: the same derived values, warnings and errors, in TRL's words
+        (lora_grpo.trl.checks lists each one's fate)."""
         if self.bf16 is None:  # TRL: "not fp16"; here also "where the device has bf16", so a CPU run does not fail
             import torch
 
             self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
         super().__post_init__()
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":  # the CLI passes a string
+            text = self.pad_to_multiple_of.lower()
+            self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
+        if self.pad_to_multiple_of == "auto":  # TRL: 128 only on Neuron devices
+            self.pad_to_multiple_of = None
+        if self.use_transformers_paged:
+            warnings.warn("`use_transformers_paged` is deprecated and will be removed in v2.0.0. Use "
+                          "`use_transformers_continuous_batching` instead.", FutureWarning, stacklevel=3)
+            self.use_transformers_continuous_batching = True
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.log_completions_hub_repo is not None and not self.log_completions:
+            raise ValueError("log_completions_hub_repo is set, but log_completions is False. Enable log_completions to "
+                             "upload completions to the Hub, or unset log_completions_hub_repo.")
+        if self.auto_find_batch_size:
+            raise ValueError("auto_find_batch_size is not supported by GRPO, because the generation batch must contain "
+                             "full prompt groups of num_generations completions, and reducing the batch size on "
+                             "out-of-memory breaks this invariant. Set auto_find_batch_size=False and lower "
+                             "per_device_train_batch_size instead. (lora_grpo sizes its micro-batches from a memory "
+                             "probe at start: micro_batch_size auto.)")
         # TRL's batch arithmetic: a generation of generation_batch_size completions (over every process)
         # feeds steps_per_generation micro-steps of per_device_train_batch_size each.
         global_batch = self.per_device_train_batch_size * self.world_size
@@ -139,8 +160,26 @@ class GRPOConfig(TrainingArguments):
             self.generation_batch_size = global_batch * self.steps_per_generation
         else:
             raise ValueError("'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time")
-        if self.num_generations is None or self.num_generations < 2:
-            raise ValueError(f"GRPO requires at least 2 generations per prompt, got num_generations={self.num_generations}")
-        if self.generation_batch_size % self.num_generations != 0:
+        if self.do_eval and self.eval_strategy != "no":
+            eval_generations = self.num_generations_eval or self.num_generations
+            if (self.per_device_eval_batch_size * self.world_size) % eval_generations != 0:
+                raise ValueError(f"The global eval batch size ({self.per_device_eval_batch_size} * {self.world_size}) must "
+                                 f"be divisible by the number of generations used for evaluation ({eval_generations}).")
+        if self.num_generations is None or self.generation_batch_size % self.num_generations != 0:
             raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by num_generations "
                              f"({self.num_generations}).")
+        if self.num_generations < 2:
+            raise ValueError("GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+                             f"{self.num_generations}, which is less than the minimum required.")
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn("The `vllm_importance_sampling_cap` argument is deprecated and will be removed in v2.0.0. "
+                          "Use `vllm_importance_sampling_clip_max` instead.", FutureWarning, stacklevel=2)
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be less than "
+                             f"vllm_importance_sampling_clip_max ({high}).")
+        if (self.vllm_importance_sampling_correction and low is None and high is None
+                and self.vllm_importance_sampling_mode in ("token_truncate", "sequence_truncate")):
+            raise ValueError("At least one of `vllm_importance_sampling_clip_min` or `vllm_importance_sampling_clip_max` "
+                             "must be set when `vllm_importance_sampling_mode` is a `*_truncate` mode.")

@@ -55,6 +55,11 @@ def check_lora(peft_config) -> None:
     if init not in _INIT_KEEPS_BASE:
         problems.append(f"init_lora_weights={init!r}: it moves the base or starts with ΔW ≠ 0, so the initial reference "
                         "would not be the model you loaded (use True or 'gaussian')")
+    targets = peft_config.target_modules
+    if "lm_head" in ([targets] if isinstance(targets, str) else list(targets or [])):
+        raise ConfigError("Applying a PEFT adapter to `lm_head` is not supported: the log-probabilities are computed "
+                          "from `lm_head.weight` directly, so the adapter would never be trained. Remove `'lm_head'` from "
+                          "your `target_modules`.")
     if getattr(peft_config, "target_parameters", None):
         problems.append("target_parameters: LoRA on raw parameters (MoE experts) has no B·A layer to sync")
     if problems:
@@ -101,9 +106,7 @@ def build_model(model, args, quantization_config, peft_config, processing_class)
         fields["trust_remote_code"] = True
     qconfig = quantization_config if quantization_config is not None else init_kwargs.get("quantization_config")
     fields.update(_quantization_fields(qconfig))
-    if isinstance(model, PeftModel):
-        if peft_config is not None:
-            raise ConfigError("model is a PeftModel and peft_config is given: pass one (the PeftModel's adapter is the warm start)")
+    if isinstance(model, PeftModel):  # (with a peft_config too it was refused in TRL's words: checks.refuse_as_trl)
         peft_config = model.peft_config[model.active_adapter]
     if peft_config is not None:
         check_lora(peft_config)
@@ -122,7 +125,8 @@ def build_model(model, args, quantization_config, peft_config, processing_class)
     def build(config):
         from ..model import attach_adapters, load_base_model, load_tokenizer, prepare_base
 
-        tokenizer = processing_class if processing_class is not None else load_tokenizer(config, config.model_name_or_path)
+        path = model if isinstance(model, str) else config.model_name_or_path  # a toy base's name is resolved already
+        tokenizer = processing_class if processing_class is not None else load_tokenizer(config, path)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
@@ -158,6 +162,4 @@ def reward_models(reward_funcs, reward_processing_classes) -> list:
         if isinstance(fn, (str, PreTrainedModel)):
             fn = RewardModel(fn, tokenizer)  # moved to the trainer's device by scorer.RolloutScorer
         out.append(fn)
-    if not out:
-        raise ConfigError("reward_funcs: pass at least one reward function or reward model, as TRL requires")
-    return out
+    return out  # none at all: refused in TRL's words unless an environment scores (checks.refuse_as_trl)

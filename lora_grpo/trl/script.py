@@ -17,10 +17,12 @@ built-ins of the same meaning (rewards/builtins.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..config import ConfigError
 
@@ -69,12 +71,24 @@ def reward_registry() -> dict:
     from ..rewards import answer_accuracy, soft_overlong_penalty
     from ..rewards.builtins import reasoning_accuracy_reward, think_format_reward
 
-    return {
-        "accuracy_reward": answer_accuracy,
+    return {  # under TRL's function names, so that the metrics are TRL's (rewards/accuracy_reward/mean, ...)
+        "accuracy_reward": _named(answer_accuracy, "accuracy_reward"),
         "reasoning_accuracy_reward": reasoning_accuracy_reward,
         "think_format_reward": think_format_reward,
-        "get_soft_overlong_punishment": soft_overlong_penalty(max_completion_length=1280, buffer_length=256),
+        "get_soft_overlong_punishment": _named(soft_overlong_penalty(max_completion_length=1280, buffer_length=256),
+                                               "soft_overlong_punishment_reward"),
     }
+
+
+def _named(fn, name: str):
+    """fn under another __name__ (the metric name a reward logs under), its attributes kept."""
+
+    @functools.wraps(fn)
+    def named(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    named.__name__ = named.__qualname__ = name
+    return named
 
 
 def reward_funcs(script) -> list:
@@ -137,10 +151,25 @@ def parse(argv: list[str]):
     return parser.parse_args_into_dataclasses(args=argv)
 
 
-def main(argv: list[str]) -> int:
-    """TRL's grpo script, on lora_grpo: load the data, build the trainer, train, save, end."""
+DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_script_dataset(name: str, config_name: str | None):
+    """dataset_name as TRL's script loads it (datasets.load_dataset), and a local data file as datasets reads
+    one: its builder by extension, the file as the "train" split."""
     from datasets import load_dataset
 
+    path = Path(name)
+    if path.is_file() and path.suffix in DATA_FILES:
+        return load_dataset(DATA_FILES[path.suffix], data_files={"train": str(path)})
+    if path.is_file():
+        raise ConfigError(f"dataset_name={name!r}: a local file must be one of {sorted(DATA_FILES)} (or a directory "
+                          "or hub name that datasets.load_dataset reads)")
+    return load_dataset(name, name=config_name)
+
+
+def main(argv: list[str]) -> int:
+    """TRL's grpo script, on lora_grpo: load the data, build the trainer, train, save, end."""
     from . import GRPOTrainer
 
     script, training_args, model_args = parse(argv)
@@ -152,7 +181,7 @@ def main(argv: list[str]) -> int:
                 dtype=model_args.dtype, trust_remote_code=training_args.trust_remote_code)
     init.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = init
-    dataset = load_dataset(script.dataset_name, name=script.dataset_config)
+    dataset = load_script_dataset(script.dataset_name, script.dataset_config)
     peft, quantization = peft_and_quantization(model_args)
     trainer = GRPOTrainer(
         model=model_args.model_name_or_path, reward_funcs=reward_funcs(script), args=training_args,

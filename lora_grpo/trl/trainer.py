@@ -23,11 +23,19 @@ from transformers import DefaultFlowCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import TrainOutput
 
+import torch
+
 from ..adapters import POLICY
 from ..checkpoint import save_adapter
 from ..config import ConfigError
+from ..loss import high_entropy_mask, off_policy_mask, padded_gather
+from ..model import local_base
+from ..rewards import RewardModel
+from ..rng import seed_everything
 from ..trainer import GRPOTrainer as NativeTrainer
+from .checks import refuse_as_trl, warn_as_trl
 from .config import GRPOConfig
+from .inputs import eval_sets, placeholder_prompts
 from .models import build_model, reward_models
 from .translate import resolved_steps, to_native
 
@@ -74,6 +82,17 @@ class GRPOTrainer:
         if args is None:
             args = GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
         self.args = args
+        refuse_as_trl(args, model=model, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                      processing_class=processing_class, reward_processing_classes=reward_processing_classes,
+                      environment_factory=environment_factory, quantization_config=quantization_config,
+                      peft_config=peft_config)
+        warn_as_trl(args, model=model, quantization_config=quantization_config)
+        # As TRL (transformers' set_seed before the model is built): the seed decides the LoRA initialisation.
+        seed_everything(args.seed)
+        if isinstance(model, str):
+            model = local_base(model) or model  # the offline toy bases by name, as the native recipes take them
+        if train_dataset is None:  # the environment owns the data; its reset() supplies each prompt (TRL)
+            train_dataset = placeholder_prompts(args.generation_batch_size, args.num_generations)
         world = getattr(args, "world_size", 1) or 1
         model_fields, build = build_model(model, args, quantization_config, peft_config, processing_class)
         config = to_native(args, model_name_or_path=str(name), world_size=world, **model_fields)
@@ -82,10 +101,17 @@ class GRPOTrainer:
         extra = {} if tools is None else {"tools": tools}
         if environment_factory is not None:
             extra["environment_factory"] = environment_factory
-        self.native = NativeTrainer(config, reward_funcs=funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                    model=peft_model, tokenizer=tokenizer, **extra)
+        self.native = NativeTrainer(config, reward_funcs=funcs, train_dataset=train_dataset,
+                                    eval_dataset=eval_sets(eval_dataset), model=peft_model, tokenizer=tokenizer, **extra)
         self.model, self.processing_class = self.native.model, tokenizer
         self.accelerator = self.native.accelerator
+        # TRL's public attributes: no separate reference model with PEFT (the reference slot is an adapter of
+        # self.model); reward models as the loaded models, with their tokenizers; names as TRL logs them.
+        self.ref_model = None
+        self.reward_funcs = [f.model if isinstance(f, RewardModel) else f for f in self.native.reward_funcs]
+        self.reward_processing_classes = [f.tokenizer if isinstance(f, RewardModel) else None
+                                          for f in self.native.reward_funcs]
+        self.reward_func_names = list(self.native.reward_names)
         total = self.native.total_steps
         self.state = TrainerState(  # TRL's meaning, as transformers' Trainer fills it
             max_steps=total, num_train_epochs=math.ceil(total / self.native.steps_per_epoch),
@@ -101,27 +127,50 @@ class GRPOTrainer:
         self.native.hooks.append(self._on_event)
         self.native.scorer.trainer_state = self.state  # reward functions see TRL's TrainerState, as in TRL
         self._logged_upto = 0  # native records already averaged into a TRL log record
-        self._started = None
+        self._eval_prefix, self._eval_records = "eval", []  # evaluate()'s metric_key_prefix; its records
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # ------------------------------------------------------------------ TRL's public methods
     def train(self, resume_from_checkpoint: str | bool | None = None, **_ignored) -> TrainOutput:
-        """Train; resume_from_checkpoint True resumes the newest checkpoint in output_dir, a path that one."""
+        """Train; resume_from_checkpoint True resumes the newest checkpoint in output_dir, a path that one
+        (for this call only, as in TRL). The closing record holds transformers' train_* figures and, as TRL's
+        log() merges them, the metrics of the steps after the last logging step."""
         native = self.native
-        if resume_from_checkpoint:
-            native.config.resume_from_checkpoint = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
-        self._started = time.perf_counter()
-        native.train()
+        native.config.resume_from_checkpoint = (None if not resume_from_checkpoint else
+                                                "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint))
+        started = time.perf_counter()
+        try:
+            native.train()
+        finally:
+            native.config.resume_from_checkpoint = None
         loss = [r["loss"] for r in native.state.log_history if "loss" in r]
-        seconds = time.perf_counter() - self._started
-        metrics = {"train_runtime": round(seconds, 4), "train_steps_per_second": round(self.state.global_step / seconds, 3),
-                   "train_loss": sum(loss) / max(len(loss), 1), "epoch": self.state.epoch}
-        self.state.log_history.append({**metrics, "step": self.state.global_step})
-        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+        seconds = time.perf_counter() - started
+        steps, batch = self.state.global_step, self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        metrics = {"train_runtime": round(seconds, 4),
+                   "train_samples_per_second": round(steps * batch * self.args.world_size / seconds, 3),
+                   "train_steps_per_second": round(steps / seconds, 3), "total_flos": 0.0,
+                   "train_loss": sum(loss) / max(len(loss), 1)}
+        self.log({**self._unlogged_window(), **metrics})
+        return TrainOutput(steps, metrics["train_loss"], {**metrics, "epoch": self.state.epoch})
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """lora_grpo's evaluation (greedy scores, pass@k, KL to the base), under transformers' "eval_" names."""
-        return self._eval_record(self.native.evaluate(eval_dataset), metric_key_prefix)
+        """lora_grpo's evaluation (greedy scores, pass@k, KL to the base) under transformers' names:
+        <prefix>_<metric>, or <prefix>_<name>_<metric> for each set of a dict of eval sets (as the run's, a
+        DatasetDict, a plain dict, or a name of one of the run's sets); streams are read whole."""
+        if isinstance(eval_dataset, str):
+            sets = self.native.eval_dataset if isinstance(self.native.eval_dataset, dict) else {}
+            if eval_dataset not in sets:
+                raise KeyError(f"evaluate({eval_dataset!r}): not one of this trainer's eval sets {sorted(sets)}")
+            eval_dataset = sets[eval_dataset]
+        self._eval_prefix, self._eval_records = metric_key_prefix, []
+        try:
+            self.native.evaluate(eval_sets(eval_dataset))
+        finally:
+            self._eval_prefix = "eval"
+        merged = {}
+        for record in self._eval_records:
+            merged.update(record)
+        return merged
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The policy as a standard peft adapter (adapter_config.json + adapter_model.safetensors) and the
@@ -138,8 +187,6 @@ class GRPOTrainer:
 
     def end(self) -> None:
         """Finish the trackers and leave the process group (transformers ≥ 5.18's Trainer.end)."""
-        import torch
-
         self.native.reporter.finish()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
@@ -171,6 +218,20 @@ class GRPOTrainer:
     def eval_dataset(self):
         return self.native.eval_dataset
 
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's: (B, T) bool, the masked tokens whose entropy is at or above the `threshold` quantile of every
+        process's masked entropies (TRL passes threshold = 1 − top_entropy_quantile). loss.high_entropy_mask."""
+        gather = padded_gather(self.accelerator) if self.accelerator.num_processes > 1 else None
+        return high_entropy_mask(entropies, mask, 1.0 - threshold, gather)
+
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL's: (B, 1), 1.0 to keep a sequence, 0.0 to drop it (DeepSeek-V3.2's off-policy sequence mask).
+        loss.off_policy_mask."""
+        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
+
     # ------------------------------------------------------------------ the loop's named points
     def _on_event(self, event: str, trainer: NativeTrainer, **payload) -> None:
         args, state = self.args, self.state
@@ -192,12 +253,10 @@ class GRPOTrainer:
             flow.log, flow.evaluate, flow.save = self.control.should_log, self.control.should_evaluate, self.control.should_save
             trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
         elif event == "log":
-            window = trainer.state.log_history[self._logged_upto:]
-            self._logged_upto = len(trainer.state.log_history)
-            self.log(trl_record(window))
+            self.log(trl_record(self._take_window()))
             self.control.should_log = False
         elif event == "evaluate":
-            self._eval_record(payload["metrics"], "eval", callbacks_only=True)
+            self._eval_record(payload)
             self.control.should_evaluate = False
         elif event == "save":
             self.control = handler.on_save(args, state, self.control)
@@ -206,11 +265,29 @@ class GRPOTrainer:
             self.control = handler.on_train_end(args, state, self.control)
         trainer.state.extra = {"trl_log_history": state.log_history, "trl_logged_upto": self._logged_upto}
 
-    def _eval_record(self, metrics: dict[str, float], prefix: str, callbacks_only: bool = False) -> dict[str, float]:
-        record = {f"{prefix}_{k.removeprefix('eval/')}": v for k, v in metrics.items()}
+    def _take_window(self) -> list[dict[str, Any]]:
+        """The native step records not yet averaged into a TRL record (the logging window), taken."""
+        window = self.native.state.log_history[self._logged_upto:]
+        self._logged_upto = len(self.native.state.log_history)
+        return window
+
+    def _unlogged_window(self) -> dict[str, float]:
+        """The TRL record of the steps after the last logging step (empty when there are none)."""
+        window = self._take_window()
+        return trl_record(window) if window else {}
+
+    def _eval_record(self, payload: dict[str, Any]) -> None:
+        """One eval set's record, as transformers' evaluate() logs it: <prefix>[_<name>]_<metric>, with the
+        runtime figures, then on_evaluate."""
+        prefix = self._eval_prefix if payload["set_name"] is None else f"{self._eval_prefix}_{payload['set_name']}"
+        seconds = payload["seconds"]
+        record = {f"{prefix}_{k.removeprefix('eval/')}": v for k, v in payload["metrics"].items()}
+        record.update({f"{prefix}_runtime": round(seconds, 4),
+                       f"{prefix}_samples_per_second": round(payload["rows"] / seconds, 3) if seconds else 0.0,
+                       f"{prefix}_steps_per_second": round(1 / seconds, 3) if seconds else 0.0})
         self.log(record)
+        self._eval_records.append({**record, "epoch": self.state.epoch})
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, record)
-        return record
 
     def _restore(self, extra: dict[str, Any]) -> None:
         """On resume: TRL's log history and logging position, from the native checkpoint's state."""

@@ -57,7 +57,9 @@ FIELDS: dict[str, Field] = {
     "output_dir": _m("output_dir (None: 'trainer_output', as transformers)"),
     "per_device_train_batch_size": _m("completions per micro-step: × gradient_accumulation_steps = a step's completions"),
     "gradient_accumulation_steps": _m("micro-steps per optimizer step (lora_grpo sizes its own micro-batches: micro_batch_size auto)"),
-    "steps_per_generation": _m("steps_per_generation = this / gradient_accumulation_steps optimizer steps per rollout"),
+    "steps_per_generation": _m("steps_per_generation = this / gradient_accumulation_steps optimizer steps per rollout; "
+                               "a value that is not a multiple of gradient_accumulation_steps (TRL lets an optimizer "
+                               "step straddle two generations) is refused"),
     "generation_batch_size": _m("generation_batch_size (per process: / the number of processes)"),
     "num_generations": _m("num_generations"),
     "num_iterations": _m("num_iterations (each pass over a rollout is steps_per_generation optimizer steps)"),
@@ -333,7 +335,8 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
     if steps_per_generation % accumulation:
         raise ConfigError(
             f"steps_per_generation={steps_per_generation} is not a multiple of gradient_accumulation_steps={accumulation}: "
-            "lora_grpo feeds whole optimizer steps from each generation; make it a multiple (or leave it unset)")
+            "lora_grpo feeds whole optimizer steps from each generation (TRL lets one optimizer step straddle two "
+            "generations); make it a multiple (or leave it unset)")
     per_process = generation // world_size
     if per_process % G:
         raise ConfigError(
