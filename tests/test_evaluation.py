@@ -181,6 +181,26 @@ def test_evaluate_reports_pass_at_k_beside_greedy(tiny_base_dir, tmp_path):
         assert again[key] == pytest.approx(metrics[key], abs=1e-6)
 
 
+def test_named_eval_sets_are_each_evaluated_as_alone(tiny_base_dir, tmp_path):
+    """A dict of eval sets: each set's metrics under eval/<name>/, equal to evaluating that set alone; a
+    new source passed to evaluate() is rendered and checked as the run's own."""
+    easy, hard = PROMPTS[12:16], PROMPTS[16:22]
+    trainer = make_trainer(tiny_base_dir, tmp_path, **{**EVAL_RUN, "eval_dataset": {"easy": easy, "hard": hard}},
+                           ref_sync_on_plateau=True, eval_steps=1)  # the plateau trigger reads the first set
+    both = trainer.evaluate()
+    assert [k for k in both if k.endswith("/completion_length")] == ["eval/easy/completion_length",
+                                                                     "eval/hard/completion_length"]
+    for name, rows in (("easy", easy), ("hard", hard)):
+        alone = trainer.evaluate(rows)  # a list of rows, resolved as the run resolves its own
+        assert {f"eval/{name}/{k.removeprefix('eval/')}": v for k, v in alone.items()} == {
+            k: v for k, v in both.items() if k.startswith(f"eval/{name}/")}
+    from lora_grpo.evaluation import headline_score
+
+    assert headline_score(both, trainer.reward_names) == both[f"eval/easy/{trainer.reward_names[0]}"]
+    with pytest.raises(ValueError, match="eval_dataset"):
+        trainer.evaluate([{"question": "no prompt column"}])
+
+
 def test_a_reward_that_is_always_right_gives_pass_at_k_one(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN, reward_funcs=[always_right], eval_pass_k=[1, 3])
     metrics = trainer.evaluate()

@@ -404,13 +404,13 @@ def test_environments_one_instance_per_row_with_reset_text_and_reward(tok):
     assert [e.count for e in episode.environments] == [2, 2, 2, 2]  # each row its own instance
     assert [m["content"] for m in r.messages[0] if m["role"] == "tool"] == ["11", "12"]
     assert [m["content"] for m in r.messages[2] if m["role"] == "tool"] == ["21", "22"]
-    reward = box.environment_reward()
+    [reward] = box.environment_rewards()
     assert reward.__name__ == "Counter" and reward(environments=episode.environments, prompts=None) == [2.0] * 4
     again = box.episode(rows[:2] + [{"start": 5}, {"start": 5}])  # pooled: reset, not rebuilt
     assert Counter.made == 4 and [e.count for e in again.environments] == [0] * 4
     texts, G = box.prompts([[{"role": "user", "content": "go"}]] * 2, box.episode([{"start": i} for i in range(4)]), 2)
     assert G == 1 and len(texts) == 4  # a group's rows got different reset texts: one prompt per row
-    with pytest.raises(ValueError, match=r"instances define reset\(\*\*row\)"):
+    with pytest.raises(ValueError, match=r"must define a callable `reset`"):
         Toolbox(tok, environment_factory=lambda: object())
 
 

@@ -200,6 +200,31 @@ def test_an_environment_that_owns_its_prompts_trains_without_a_dataset(qwen_tool
     assert seen and set(seen) <= {"", "2+2="}
 
 
+def _chain(error):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def test_a_row_naming_an_unknown_environment_is_refused_with_trls_sentence(qwen_tool_base_dir, tmp_path):
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "go"}], "environment": "nope"}] * 4)
+    errors = {}
+    for library in LIBRARIES:
+        with pytest.raises(Exception) as caught:  # noqa: PT011 - compared below, as TRL raises it
+            run(library, f"""
+                from trl import GRPOConfig, GRPOTrainer
+                args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1)
+                GRPOTrainer(model=MODEL, processing_class=TOKENIZER, reward_funcs=length_reward, args=args,
+                            train_dataset=ROWS, environment_factory={{"count": Counter}}).train()
+            """, MODEL=qwen_tool_base_dir, TOKENIZER=tool_tokenizer(qwen_tool_base_dir), OUT=str(tmp_path / library),
+                ROWS=rows, Counter=Counter)
+        errors[library] = next(e for e in _chain(caught.value) if isinstance(e, ValueError))  # a stage error may wrap it
+    sentence = "Example has `environment='nope'`, which is not among the environments passed to `environment_factory`."
+    assert all(str(e).startswith(sentence) for e in errors.values()), errors
+
+
 REFUSALS = {
     "no train_dataset and no environment": ("reward_funcs=length_reward, args=args", ValueError),
     "a dict of environments without a dataset": (
