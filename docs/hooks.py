@@ -59,7 +59,7 @@ def config_page() -> str:
             current = section
             lines += [
                 "",
-                f"## {section.capitalize()}",
+                f"## {section[:1].upper()}{section[1:]}",
                 "",
                 "| field | type | default | meaning |",
                 "|---|---|---|---|",

@@ -252,7 +252,9 @@ class GRPOConfig:
             for k in unknown:
                 close = difflib.get_close_matches(k, known, n=1)
                 hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(f"unknown key(s) in {source}: {', '.join(hints)}. `lora-grpo train --help` lists the fields.")
+            raise ConfigError(
+                f"unknown key(s) in {source}: {', '.join(hints)}. `lora-grpo train --help` lists the fields."
+            )
         # YAML 1.1 reads "1e-4" as a string: strings go through the same typed parser as --set.
         values = {k: cls.parse_value(k, v) if isinstance(v, str) else v for k, v in values.items()}
         return cls(**values)

@@ -112,7 +112,10 @@ def test_every_command_an_error_or_help_suggests_parses():
     seen = {" ".join(args) for _, args in commands}
     # the scan finds the hints it must (a config typo, a resume, an unknown recipe, best-model tracking)
     assert {"train --help", "recipes", "eval", "train VALUE"} <= seen, seen
-    assert any(args[:2] == ["train", "toy-addition"] and "resume_from_checkpoint=latest" in args for _, args in commands)
+    assert any(
+        args[:2] == ["train", "toy-addition"] and "resume_from_checkpoint=latest" in args
+        for _, args in commands
+    )
     for where, args in commands:
         parser = build_parser()
         try:
@@ -154,8 +157,15 @@ def cwd_not_on_path(tmp_path, monkeypatch):
 
 def test_train_imports_a_reward_module_from_the_current_directory(cwd_not_on_path, tiny_base_dir):
     name = local_reward_module(cwd_not_on_path)
-    recipe = write_recipe(cwd_not_on_path, tiny_base_dir, reward_funcs=[f"{name}:short"], max_steps=1, save_steps=0,
-                          eval_on_start=False, eval_on_end=False)
+    recipe = write_recipe(
+        cwd_not_on_path,
+        tiny_base_dir,
+        reward_funcs=[f"{name}:short"],
+        max_steps=1,
+        save_steps=0,
+        eval_on_start=False,
+        eval_on_end=False,
+    )
     assert main(["train", str(recipe)]) == 0
     module = sys.modules[name]
     assert Path(module.__file__).parent == cwd_not_on_path and module.CALLS
@@ -168,14 +178,31 @@ def test_trl_imports_a_reward_module_from_the_current_directory(cwd_not_on_path,
     name = local_reward_module(cwd_not_on_path)
     data = cwd_not_on_path / "data"
     data.mkdir()
-    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in PROMPTS[:8]))
+    (data / "train.jsonl").write_text(
+        "".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in PROMPTS[:8])
+    )
     recipe = cwd_not_on_path / "grpo.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model_name_or_path": str(tiny_base_dir), "dataset_name": str(data), "reward_funcs": [f"{name}.short"],
-        "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"],
-        "output_dir": str(cwd_not_on_path / "trl-run"), "per_device_train_batch_size": 4, "num_generations": 4,
-        "max_completion_length": 4, "max_steps": 1, "save_strategy": "no", "use_cpu": True, "dtype": "float32",
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model_name_or_path": str(tiny_base_dir),
+                "dataset_name": str(data),
+                "reward_funcs": [f"{name}.short"],
+                "use_peft": True,
+                "lora_r": 4,
+                "lora_alpha": 8,
+                "lora_target_modules": ["q_proj", "v_proj"],
+                "output_dir": str(cwd_not_on_path / "trl-run"),
+                "per_device_train_batch_size": 4,
+                "num_generations": 4,
+                "max_completion_length": 4,
+                "max_steps": 1,
+                "save_strategy": "no",
+                "use_cpu": True,
+                "dtype": "float32",
+            }
+        )
+    )
     assert main(["trl", "--config", str(recipe)]) == 0
     module = sys.modules[name]
     assert Path(module.__file__).parent == cwd_not_on_path and module.CALLS
@@ -189,8 +216,14 @@ def test_the_docs_site_builds_strictly(tmp_path):
         pytest.importorskip(package)
     site = tmp_path / "site"
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert not list(ROOT.glob("docs/reference/config.md")), "generated pages are not written into the tree"
     config_page = (site / "reference" / "config" / "index.html").read_text()

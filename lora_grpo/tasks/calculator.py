@@ -211,7 +211,8 @@ def pretrain_calculator_base(out_dir, *, seed: int = 0, steps: int = 600, batch_
         # Two forwards, calls and direct answers, each padded to its own length (direct ones are short).
         total, count = 0.0, 0
         for kind in (True, False):
-            ids, labels = _transcripts(tokenizer, [p for p, c in zip(pairs, calls) if c == kind], [kind] * calls.count(kind))
+            chosen = [p for p, c in zip(pairs, calls) if c == kind]
+            ids, labels = _transcripts(tokenizer, chosen, [kind] * len(chosen))
             if len(ids):
                 logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
                 total = total + torch.nn.functional.cross_entropy(
