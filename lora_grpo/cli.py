@@ -8,6 +8,8 @@
     lora-grpo trl --config grpo.yaml   # a TRL GRPO recipe (what `trl grpo --config` takes), via lora_grpo.trl
 
 A recipe is a YAML file's path or the name of a recipe shipped in the package (lora_grpo/recipes/).
+Every subcommand imports the dotted paths of a recipe (reward functions, tools, environments) with the
+current directory first on the path, as `python -m` does, so a `my_rewards.py` beside the recipe works.
 """
 
 from __future__ import annotations
@@ -219,7 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def current_directory_first() -> None:
+    """Put the current directory first on ``sys.path``, as ``python -m`` does: the ``lora-grpo``
+    script's own path starts with its bin directory, so without this a recipe's ``my_rewards:fn``
+    beside it would import under ``python -m lora_grpo.cli`` but not under ``lora-grpo``."""
+    cwd = os.getcwd()
+    if not sys.path or sys.path[0] not in ("", cwd):
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
+    current_directory_first()  # train, eval, merge and trl import local modules alike
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "trl":  # TRL's own flags (--config, --output_dir, ...) are its parser's

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from .config_checks import (  # noqa: F401  (the option names are part of config
 )
 
 def _f(default, help: str, **kw):
+    """A config field with its one-line help (the source of the CLI's, help()'s and the docs' text)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
     return field(default=default, metadata={"help": help}, **kw)
@@ -30,6 +33,22 @@ def _f(default, help: str, **kw):
 
 @dataclass
 class GRPOConfig:
+    """Every setting of a GRPO run: one typed field each, the names of the YAML recipes and ``--set``.
+
+    Build it in Python, from a recipe with `from_yaml`, or from a dict with `from_dict`;
+    construction checks the values and each error names the field and the fix. The resolved config is
+    saved with every run (``output_dir/config.yaml``).
+
+    Example:
+        >>> from lora_grpo import GRPOConfig
+        >>> config = GRPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", quantization="4bit",
+        ...                     num_generations=8, ref_sync_steps=64, ref_sync_alpha=0.6)
+        >>> config.ref_rank  # the reference slot's rank: 2 x lora_r for the exact sync
+        32
+        >>> GRPOConfig.field_help()["lora_r"]
+        'rank of the policy LoRA adapter [default: 16]'
+    """
+
     # --- model -------------------------------------------------------------------------------
     model_name_or_path: str | None = _f(None, "hub id or local path of the base causal LM; 'toy' builds the offline toy base")
     tokenizer_name_or_path: str | None = _f(None, "tokenizer to load (default: model_name_or_path)")
@@ -164,8 +183,8 @@ class GRPOConfig:
     log_completions_steps: int = _f(1, "with log_completions: log the completions of every N-th step")
     num_completions_to_print: int = _f(0, "print this many of the step's completions (prompt, completion, rewards) at each logging step")
 
-    # -----------------------------------------------------------------------------------------
     def __post_init__(self):
+        """Fill the derived fields (prompts_per_step from generation_batch_size, ref_rank) and validate."""
         if self.generation_batch_size is not None:
             check_generation_batch_size(self)
             per_step = self.generation_batch_size // self.steps_per_generation
@@ -200,18 +219,32 @@ class GRPOConfig:
         return self.generation_batch // self.steps_per_generation
 
     @classmethod
+    def field_docs(cls) -> list[FieldDoc]:
+        """Every field's name, type, default and help, in declaration order: the one source of the
+        CLI's help (:meth:`field_help`), ``help(GRPOConfig)`` and the docs' configuration reference."""
+        return [FieldDoc(f.name, str(f.type), _default(f), f.metadata.get("help", "")) for f in dataclasses.fields(cls)]
+
+    @classmethod
     def field_help(cls) -> dict[str, str]:
         """name → its one-line help with the default, e.g. 'rank of the policy LoRA adapter [default: 16]'."""
-        def default(f):
-            return f.default if f.default is not dataclasses.MISSING else f.default_factory()
-
-        return {f.name: f"{f.metadata.get('help', '')} [default: {default(f)!r}]" for f in dataclasses.fields(cls)}
+        return {d.name: f"{d.help} [default: {d.default!r}]" for d in cls.field_docs()}
 
     def to_dict(self) -> dict[str, Any]:
+        """field name → value, for every field."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "config") -> "GRPOConfig":
+        """A config from a mapping of field names to values (strings are parsed as ``--set`` parses them).
+
+        Args:
+            values: field name → value; an unknown name is refused with the closest field's name.
+            source: what the values came from, for the error messages (a recipe's path, "--set").
+
+        Example:
+            >>> GRPOConfig.from_dict({"model_name_or_path": "toy", "lora_r": "8", "beta": 0.0}).lora_r
+            8
+        """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in values if k not in known]
         if unknown:
@@ -219,13 +252,20 @@ class GRPOConfig:
             for k in unknown:
                 close = difflib.get_close_matches(k, known, n=1)
                 hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(f"unknown key(s) in {source}: {', '.join(hints)}. `lora-grpo train --help-config` lists the fields.")
+            raise ConfigError(
+                f"unknown key(s) in {source}: {', '.join(hints)}. `lora-grpo train --help` lists the fields."
+            )
         # YAML 1.1 reads "1e-4" as a string: strings go through the same typed parser as --set.
         values = {k: cls.parse_value(k, v) if isinstance(v, str) else v for k, v in values.items()}
         return cls(**values)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "GRPOConfig":
+        """A config from a YAML recipe (a mapping of field names to values), with ``overrides`` on top.
+
+        Example:
+            >>> config = GRPOConfig.from_yaml("recipes/toy-addition.yaml", {"max_steps": 20})  # doctest: +SKIP
+        """
         text = Path(path).read_text()
         values = yaml.safe_load(text) or {}
         if not isinstance(values, dict):
@@ -234,6 +274,7 @@ class GRPOConfig:
         return cls.from_dict(values, source=str(path))
 
     def to_yaml(self, path: str | Path | None = None) -> str:
+        """The config as YAML (every field, in declaration order); also written to ``path`` when given."""
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
         if path is not None:
             Path(path).write_text(text)
@@ -241,7 +282,12 @@ class GRPOConfig:
 
     @classmethod
     def parse_value(cls, key: str, raw: str) -> Any:
-        """Parse a `--set key=value` string with YAML rules, checked against the field's type."""
+        """Parse a `--set key=value` string with YAML rules, checked against the field's type.
+
+        Example:
+            >>> GRPOConfig.parse_value("eval_pass_k", "[1, 8]"), GRPOConfig.parse_value("ref_rank", "none")
+            ([1, 8], None)
+        """
         known = {f.name: f for f in dataclasses.fields(cls)}
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
@@ -267,3 +313,30 @@ class GRPOConfig:
         except ValueError:
             raise ConfigError(f"--set {key}={raw}: expected {expected.__name__}") from None
         return yaml.safe_load(raw)
+
+
+@dataclass(frozen=True)
+class FieldDoc:
+    """One config field as its documentation shows it."""
+
+    name: str
+    type: str  # the annotation as written, e.g. "int | None"
+    default: Any
+    help: str
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _attributes_section(docs: list[FieldDoc], width: int = 100) -> str:
+    """The Google-style ``Attributes:`` section of every field: ``name (type, default: X): help``."""
+    lines = ["", "Attributes:"]
+    for d in docs:
+        lines += textwrap.wrap(f"{d.name} ({d.type}, default: {d.default!r}): {d.help}", width,
+                               initial_indent="    ", subsequent_indent="        ", break_on_hyphens=False)
+    return "\n".join(lines) + "\n"
+
+
+# help(GRPOConfig) lists every field with its type, default and help: the CLI's text, from the metadata.
+GRPOConfig.__doc__ = inspect.cleandoc(GRPOConfig.__doc__ or "") + "\n" + _attributes_section(GRPOConfig.field_docs())

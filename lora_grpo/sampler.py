@@ -26,7 +26,8 @@ def resolve_callable(spec, what: str) -> Callable:
         return _import_object(str(spec))
     except Exception as e:  # noqa: BLE001 - any import failure means: this path does not name it
         raise ValueError(f"cannot import {what} {spec!r} ({type(e).__name__}: {e}); give a dotted path "
-                         "'package.module:name' importable from here (PYTHONPATH=. for the current directory)") from e
+                         "'package.module:name' importable from here (`lora-grpo` imports from the current directory "
+                         "first; a script, from its own directory)") from e
 
 
 class PolicySampler:

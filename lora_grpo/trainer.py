@@ -60,13 +60,38 @@ def eval_set_labels(eval_dataset) -> dict:
 class GRPOTrainer:
     """GRPO with a LoRA policy and a reference slot on one (optionally 4-bit) base.
 
-    >>> trainer = GRPOTrainer(config, reward_funcs=[correctness], train_dataset=ds)   # doctest: +SKIP
-    >>> trainer.train()                                                               # doctest: +SKIP
+    Construction checks the reward functions first (a wrong one fails before the model loads), loads
+    the model, resolves the datasets and runs the start-up checks (every prompt against the context,
+    special tokens, reward columns, log-probs against the model's own logits); ``train()`` runs the loop.
 
-    `trainer.model` is the peft model with the adapters "policy" and "reference" (and "base", a
-    frozen copy of init_adapter, in a warm-started run: what eval/kl_to_base measures from);
-    `trainer.state` the loop's state (global_step, log_history, ...); `trainer.sync_reference()`
-    syncs the reference slot now and returns the sync's metrics.
+    Args:
+        config: the run's settings; every field is listed by ``help(GRPOConfig)``.
+        reward_funcs: reward functions with TRL's contract (every argument by keyword), built-in
+            names, dotted paths ``"pkg.module:fn"`` or ``RewardModel``s; None: ``config.reward_funcs``.
+        train_dataset: a ``datasets.Dataset`` (or ``IterableDataset`` with ``max_steps``); None:
+            ``config.dataset``.
+        eval_dataset: held-out prompts for ``evaluate()``; None: ``config.eval_dataset``.
+        model: a loaded causal LM to train instead of ``config.model_name_or_path`` (with ``tokenizer``).
+        tokenizer: the model's tokenizer; required with ``model``.
+        tools: functions the policy may call in a rollout (typed, with Google-style docstrings);
+            None: ``config.tools``.
+        environment_factory: a class whose public methods are the tools, one instance per completion.
+
+    Attributes:
+        model: the peft model with the adapters "policy" and "reference" (and "base", a frozen copy
+            of ``init_adapter``, in a warm-started run: what ``eval/kl_to_base`` measures from).
+        state: the loop's state, transformers' ``TrainerState`` (``global_step``, ``log_history``, ...)
+            and ours; checkpoints save and restore it whole.
+
+    Example:
+        >>> from lora_grpo import GRPOConfig, GRPOTrainer
+        >>> from lora_grpo.tasks.toy import toy_problems, toy_reward
+        >>> config = GRPOConfig(model_name_or_path="toy", quantization="4bit", max_steps=30,
+        ...                     ref_sync_steps=10, ref_sync_alpha=0.6, output_dir="runs/example")
+        >>> trainer = GRPOTrainer(config, reward_funcs=[toy_reward],              # doctest: +SKIP
+        ...                       train_dataset=toy_problems(2000), eval_dataset=toy_problems(200, split="eval"))
+        >>> summary = trainer.train()            # the summary.json of the run     # doctest: +SKIP
+        >>> trainer.sync_reference()             # sync now: {"sync/truncation_error": ..., ...}  # doctest: +SKIP
     """
 
     def __init__(

@@ -42,14 +42,28 @@ def _texts(tokenizer, prompts: Sequence, completions: Sequence, chat_template_kw
 class RewardModel:
     """A reward function that scores completions with a sequence-classification model.
 
-    model: a ``PreTrainedModel`` for sequence classification (its logit 0 is the reward), or a hub
-    id / local path, loaded with ``AutoModelForSequenceClassification.from_pretrained(path,
-    num_labels=1, **model_kwargs)`` as TRL does. tokenizer: the reward model's own tokenizer (TRL's
-    ``reward_processing_classes``); None loads it from the model's path. batch_size: completions
-    per forward. chat_template_kwargs: passed to the chat template of conversational rows.
+    Each completion is scored on prompt + completion as TRL does (the chat template for
+    conversational rows); the reward is the model's logit 0.
+
+    Args:
+        model: a ``PreTrainedModel`` for sequence classification, or a hub id / local path, loaded with
+            ``AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **model_kwargs)``
+            as TRL does.
+        tokenizer: the reward model's own tokenizer (TRL's ``reward_processing_classes``); None loads
+            it from the model's path.
+        batch_size: completions per forward.
+        chat_template_kwargs: passed to the chat template of conversational rows.
+        model_kwargs: keyword arguments of ``from_pretrained`` when ``model`` is a path.
 
     ``__name__`` is the last part of the model's ``config._name_or_path`` (TRL's reward name, so
     metrics read ``rewards/<name>/mean``), or the model's class name when it has none.
+
+    Example:
+        >>> from lora_grpo.rewards import RewardModel
+        >>> scorer = RewardModel("my-org/my-reward-model", batch_size=16)  # doctest: +SKIP
+        >>> trainer = GRPOTrainer(config, reward_funcs=[scorer, "format"], train_dataset=ds)  # doctest: +SKIP
+
+        In a recipe: ``reward_funcs: [{name: reward_model, kwargs: {model: my-org/my-reward-model}}]``.
     """
 
     def __init__(

@@ -90,12 +90,13 @@ def _import_object(path: str) -> Any:
 
 def _import_hint(path: str, error: Exception) -> str:
     """What to do about a dotted reward path that did not import: the package is not on the path (the
-    lora-grpo command does not put the current directory there), or the module lacks the name."""
+    lora-grpo command puts only the current directory first, as `python -m` does), or the module lacks
+    the name."""
     top = path.replace(":", ".").split(".")[0]
     if isinstance(error, ModuleNotFoundError) and error.name is not None and error.name.split(".")[0] == top:
-        return (f". {top!r} is not importable from here: install it (pip install -e <its project>), or put the "
-                f"directory that holds {top}/ or {top}.py on the path: the lora-grpo command does not add the "
-                f"current directory, so run PYTHONPATH=. lora-grpo train ... (or python -m lora_grpo.cli train ...)")
+        return (f". {top!r} is not importable from here: install it (pip install -e <its project>), run from "
+                f"the directory that holds {top}/ or {top}.py (`lora-grpo` puts the current directory first "
+                f"on the path, as python -m does), or add that directory to PYTHONPATH")
     if isinstance(error, AttributeError) and (module := getattr(error, "obj", None)) is not None:
         names = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")) \
             if hasattr(module, "__dict__") else []

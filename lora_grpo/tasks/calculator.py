@@ -34,13 +34,13 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerFast
 
 from ..rollout import Toolbox, generate_rollout, reply_ids
+from .pretrain import pretrain_tiny_model
 from .toy import CHARS as TOY_CHARS
 from .toy import EOS, carry_free_sum, default_cache_dir, make_tiny_model, write_base
 from .toy import make_tokenizer as make_char_tokenizer
@@ -203,44 +203,32 @@ def pretrain_calculator_base(out_dir, *, seed: int = 0, steps: int = 600, batch_
     then cosine to 10%; next-token loss on the model's own turns. Deterministic by ``seed`` (on a
     fixed thread count); the caller's RNG state is untouched."""
     settings = {k: v for k, v in locals().items() if k != "out_dir"}
-    out_dir, tokenizer, t0, losses = Path(out_dir), make_tokenizer(), time.perf_counter(), []
-    with torch.random.fork_rng(devices=[]):
-        gen = torch.Generator().manual_seed(seed + 1)
-        model = make_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                                num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=0.01)
+    out_dir, tokenizer = Path(out_dir), make_tokenizer()
 
-        def lr_at(step):
-            if step < warmup_steps:
-                return (step + 1) / warmup_steps
-            return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup_steps) / max(1, steps - warmup_steps)))
+    def batch_loss(model, gen):
+        calls = (torch.rand(batch_size, generator=gen) < call_share).tolist()
+        pairs = _pairs(batch_size, gen, "train")
+        # Two forwards, calls and direct answers, each padded to its own length (direct ones are short).
+        total, count = 0.0, 0
+        for kind in (True, False):
+            chosen = [p for p, c in zip(pairs, calls) if c == kind]
+            ids, labels = _transcripts(tokenizer, chosen, [kind] * len(chosen))
+            if len(ids):
+                logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
+                total = total + torch.nn.functional.cross_entropy(
+                    logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
+                count += int((labels[:, 1:] != -100).sum())
+        return total / count
 
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-        for step in range(steps):
-            calls = (torch.rand(batch_size, generator=gen) < call_share).tolist()
-            pairs = _pairs(batch_size, gen, "train")
-            # Two forwards, calls and direct answers, each padded to its own length (direct ones are short).
-            total, count = 0.0, 0
-            for kind in (True, False):
-                ids, labels = _transcripts(tokenizer, [p for p, c in zip(pairs, calls) if c == kind], [kind] * calls.count(kind))
-                if len(ids):
-                    logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
-                    total = total + torch.nn.functional.cross_entropy(
-                        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
-                    count += int((labels[:, 1:] != -100).sum())
-            loss = total / count
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            if log_every and ((step + 1) % log_every == 0 or step + 1 == steps):
-                print(f"[calculator pretrain] step {step + 1}/{steps} loss {loss.item():.4f} "
-                      f"({time.perf_counter() - t0:.0f}s)", flush=True)
-    record = {"settings": settings, "format_version": FORMAT_VERSION, "losses": losses,
-              "seconds": time.perf_counter() - t0}
+    def build_model():
+        return make_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed)
+
+    model, losses, seconds = pretrain_tiny_model(
+        build_model, batch_loss, seed=seed, steps=steps, learning_rate=learning_rate,
+        warmup_steps=warmup_steps, log_every=log_every, label="calculator pretrain",
+    )
+    record = {"settings": settings, "format_version": FORMAT_VERSION, "losses": losses, "seconds": seconds}
     return write_base(model, tokenizer, out_dir, "pretrain.json", record)
 
 

@@ -18,12 +18,10 @@ import functools
 import hashlib
 import inspect
 import json
-import math
 import os
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ..rollout import generate_rollout
+from .pretrain import pretrain_tiny_model
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # One token per character. "<think>" etc. are spelled out character by character.
@@ -264,43 +263,25 @@ def pretrain_toy_base(
     pairs = _split_pairs("train")
     true_ids, labels_true = _encode_targets(tokenizer, pairs, [a + b for a, b in pairs])
     noisy_ids, labels_noisy = _encode_targets(tokenizer, pairs, [carry_free_sum(a, b) for a, b in pairs])
-    t0 = time.perf_counter()
-    losses = []
-    with torch.random.fork_rng(devices=[]):
-        model = make_tiny_model(
+
+    def batch_loss(model, gen):
+        idx = torch.randint(len(pairs), (batch_size,), generator=gen)
+        use_noisy = (torch.rand(batch_size, generator=gen) < noise)[:, None]
+        ids = torch.where(use_noisy, noisy_ids[idx], true_ids[idx])
+        labels = torch.where(use_noisy, labels_noisy[idx], labels_true[idx])
+        return model(input_ids=ids, labels=labels).loss
+
+    def build_model():
+        return make_tiny_model(
             tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
             num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed,
         )
-        model.train()
-        gen = torch.Generator().manual_seed(seed + 1)
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=weight_decay
-        )
 
-        def lr_at(step):
-            if step < warmup_steps:
-                return (step + 1) / warmup_steps
-            progress = (step - warmup_steps) / max(1, steps - warmup_steps)
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-        for step in range(steps):
-            idx = torch.randint(len(pairs), (batch_size,), generator=gen)
-            use_noisy = (torch.rand(batch_size, generator=gen) < noise)[:, None]
-            ids = torch.where(use_noisy, noisy_ids[idx], true_ids[idx])
-            labels = torch.where(use_noisy, labels_noisy[idx], labels_true[idx])
-            loss = model(input_ids=ids, labels=labels).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            if log_every and ((step + 1) % log_every == 0 or step == 0 or step + 1 == steps):
-                print(f"[toy pretrain] step {step + 1}/{steps} loss {loss.item():.4f} "
-                      f"({time.perf_counter() - t0:.0f}s)", flush=True)
-    record = {"settings": settings, "format_version": TOY_FORMAT_VERSION, "losses": losses,
-              "seconds": time.perf_counter() - t0}
+    model, losses, seconds = pretrain_tiny_model(
+        build_model, batch_loss, seed=seed, steps=steps, learning_rate=learning_rate,
+        warmup_steps=warmup_steps, weight_decay=weight_decay, log_every=log_every, label="toy pretrain",
+    )
+    record = {"settings": settings, "format_version": TOY_FORMAT_VERSION, "losses": losses, "seconds": seconds}
     return write_base(model, tokenizer, out_dir, "toy_pretrain.json", record)
 
 

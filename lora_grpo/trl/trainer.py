@@ -66,9 +66,37 @@ def trl_record(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 class GRPOTrainer:
-    """`from lora_grpo.trl import GRPOConfig, GRPOTrainer`: TRL 1.16's GRPOTrainer signature and step
-    counting, lora_grpo's reference slot (sync_ref_model works with peft_config), exact weight-space
-    mixing and memory plan."""
+    """TRL 1.16's GRPOTrainer signature and step counting on lora_grpo's trainer.
+
+    ``from lora_grpo.trl import GRPOConfig, GRPOTrainer`` in place of ``from trl import ...``: the
+    arguments are TRL's, translated onto one ``lora_grpo.GRPOConfig`` (``lora_grpo.trl.FIELDS`` says
+    what becomes of each field), and the run is lora_grpo's: the reference slot (``sync_ref_model``
+    works with a ``peft_config``), the exact weight-space mix and the start-up memory plan.
+
+    Args:
+        model: a hub id or path, a loaded ``PreTrainedModel`` (also in 4-bit), or a ``PeftModel``
+            whose adapter becomes the warm-start policy and the initial reference.
+        reward_funcs: reward functions (TRL's contract), reward-model ids or loaded models.
+        args: TRL's ``GRPOConfig``; None: TRL's defaults with ``output_dir="<model name>-GRPO"``.
+        train_dataset: the training prompts.
+        eval_dataset: held-out prompts for ``evaluate()``.
+        processing_class: the tokenizer; None: the model's.
+        reward_processing_classes: the reward models' tokenizers, in ``reward_funcs``'s order.
+        callbacks: transformers ``TrainerCallback``s, run by its ``CallbackHandler``.
+        optimizers: refused unless ``(None, None)``: lora_grpo builds the LoRA policy's AdamW.
+        quantization_config: a ``BitsAndBytesConfig`` for a model given by name.
+        peft_config: a ``LoraConfig``; None trains a LoRA adapter (r 16, alpha 32, every linear layer).
+        tools: functions the policy may call in a rollout.
+        rollout_func: refused: lora_grpo samples with its own sampler.
+        environment_factory: a class whose public methods are the tools.
+
+    Example:
+        >>> from lora_grpo.trl import GRPOConfig, GRPOTrainer
+        >>> args = GRPOConfig(output_dir="runs/trl", sync_ref_model=True, ref_model_sync_steps=64)
+        >>> trainer = GRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=accuracy_reward,  # doctest: +SKIP
+        ...                       args=args, train_dataset=dataset)
+        >>> trainer.train()  # doctest: +SKIP
+    """
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
