@@ -205,7 +205,7 @@ def explain_write_failure(what: str, output_dir: Path, write) -> None:
         raise OSError(
             e.errno,
             f"could not write {what} in {output_dir} ({e.strerror or e}); {previous}. Free space or fix the "
-            f"permissions of output_dir, then resume with --set resume_from_checkpoint=latest",
+            "permissions of output_dir",
         ) from e
 
 

@@ -341,12 +341,11 @@ def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:
     return claim or claim_output_dir(output_dir, is_main=False)
 
 
-def kept_work(output_dir: Path, written: Path | None) -> str:
-    """What a run that stops on an error keeps, and how to go on: the checkpoint just written, the last
-    one, or nothing yet."""
+def kept_work(output_dir: Path, written: Path | None, resume: str, fix: str = "the cause") -> str:
+    """What a run that stops on an error keeps, and how to go on (`resume`: the entry point's words): the
+    checkpoint just written, the last one, or nothing yet."""
     kept = list_checkpoints(Path(output_dir))
     if not (written or kept):
-        return "nothing was trained yet; fix the function and start again"
+        return f"nothing was trained yet; fix {fix} and start again"
     how = f"checkpoint written to {written}" if written else f"the last checkpoint, {kept[-1]}, is kept"
-    return (f"{how}; fix the function, then resume: lora-grpo train <recipe> --set output_dir={output_dir} "
-            "--set resume_from_checkpoint=latest")
+    return f"{how}; fix {fix}, then resume: {resume}"
