@@ -341,11 +341,13 @@ def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:
     return claim or claim_output_dir(output_dir, is_main=False)
 
 
-def kept_work(output_dir: Path, written: Path | None, resume: str, fix: str = "the cause") -> str:
+def kept_work(output_dir: Path, written: Path | None, resume: str, fix: str = "the cause", trained: bool = False) -> str:
     """What a run that stops on an error keeps, and how to go on (`resume`: the entry point's words): the
-    checkpoint just written, the last one, or nothing yet."""
+    checkpoint just written, the last one, or nothing (`trained`: steps were done, none could be kept)."""
     kept = list_checkpoints(Path(output_dir))
     if not (written or kept):
+        if trained:
+            return f"no checkpoint is kept (none could be written); fix {fix} and start again"
         return f"nothing was trained yet; fix {fix} and start again"
     how = f"checkpoint written to {written}" if written else f"the last checkpoint, {kept[-1]}, is kept"
     return f"{how}; fix {fix}, then resume: {resume}"

@@ -259,7 +259,8 @@ class GRPOTrainer:
                 self._print(f"the checkpoint of step {state.global_step} could not be written either: {write_error}")
         reward = isinstance(error, RewardFunctionError)
         what = str(error) if reward else f"{describe_stages(stages)} raised {type(error).__name__}: {error}"
-        kept = kept_work(self.output_dir, target, self.resume_hint, "the function" if reward else "the cause")
+        kept = kept_work(self.output_dir, target, self.resume_hint, "the function" if reward else "the cause",
+                         trained=state.global_step > 0)
         message = f"step {step}/{self.total_steps} stopped: {what}. {kept}"
         self._print(message)
         if reward:
