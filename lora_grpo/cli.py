@@ -91,11 +91,22 @@ def cmd_train(args) -> int:
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun / accelerate launch, print once
     if main_process:
         print(f"lora-grpo: training {config.model_name_or_path} → {config.output_dir} (recipe {recipe})")
-    summary = GRPOTrainer(config).train()
+    trainer = GRPOTrainer(config)
+    trainer.resume_hint = resume_command(recipe, args.set)
+    summary = trainer.train()
     if main_process:
         print(json.dumps({k: v for k, v in summary.items() if not k.startswith("eval_")}, indent=2))
     _end_processes()
     return 0
+
+
+def resume_command(recipe: str, sets: list[str]) -> str:
+    """The command that resumes this `lora-grpo train`: its recipe and --set overrides, resuming the latest checkpoint."""
+    import shlex
+
+    kept = [s for s in sets if s.split("=", 1)[0].strip() != "resume_from_checkpoint"]
+    return " ".join(["lora-grpo train", shlex.quote(recipe), *(f"--set {shlex.quote(s)}" for s in kept),
+                     "--set resume_from_checkpoint=latest"])
 
 
 def _end_processes() -> None:

@@ -290,3 +290,43 @@ def test_two_processes_that_fail_alike_keep_the_last_checkpoint_without_a_collec
         assert "the last checkpoint" in text and "checkpoint-1, is kept" in text
         assert record["same"], f"process {rank}: resumed adapters differ from the uninterrupted run"
         assert record["loss"][0] == record["loss"][1]
+
+
+# ----------------------------------------------------------------------------- the resume hint of each entry point
+
+
+def test_the_cli_says_the_command_that_resumes_and_the_trl_front_door_its_own_call(tiny_base_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
+    import shlex
+
+    from conftest import write_recipe
+
+    from lora_grpo.cli import main
+    from lora_grpo.trl import GRPOConfig as TRLConfig
+    from lora_grpo.trl import GRPOTrainer as TRLTrainer
+
+    real = sampler_module.generate_rollout
+    steps = []
+
+    def generate(*args, **kwargs):  # the second training rollout fails (the evals sample too: counted apart)
+        steps.append(kwargs.get("num_generations"))
+        if steps.count(2) == 2 and kwargs.get("num_generations") == 2:
+            raise ConnectionError("gone")
+        return real(*args, **kwargs)
+
+    recipe = write_recipe(tmp_path, tiny_base_dir, max_steps=3, save_steps=1, eval_on_start=False, eval_on_end=False)
+    monkeypatch.setattr(sampler_module, "generate_rollout", generate)
+    assert main(["train", str(recipe), "--set", "max_steps=3", "--set", "beta=0.1"]) == 1
+    err = capsys.readouterr().err
+    command = f"lora-grpo train {recipe} --set max_steps=3 --set beta=0.1 --set resume_from_checkpoint=latest"
+    assert "step 2/3 stopped: the rollout raised ConnectionError: gone" in err and command in err and "<recipe>" not in err
+    monkeypatch.setattr(sampler_module, "generate_rollout", real)
+    assert main(shlex.split(command)[1:]) == 0  # the printed command, as it is, resumes the run
+
+    steps.clear()
+    monkeypatch.setattr(sampler_module, "generate_rollout", generate)
+    args = TRLConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, per_device_train_batch_size=2, num_generations=2,
+                     max_completion_length=4, max_steps=3, save_steps=1, logging_steps=1, report_to=[])
+    trainer = TRLTrainer(model=tiny_base_dir, reward_funcs=digit_share, args=args, train_dataset=TRAIN)
+    with pytest.raises(StepFailed, match=r"then resume: trainer\.train\(resume_from_checkpoint=True\)$"):
+        trainer.train()
