@@ -65,7 +65,7 @@ def loading(role: str, what: str, path):
     """Run one from_pretrained (or peft load) inside: its failure becomes a LoadError (see the module docstring)."""
     try:
         yield
-    except (OSError, ValueError, EnvironmentError) as error:  # what transformers, peft and huggingface_hub raise
+    except (OSError, ValueError) as error:  # what transformers, peft and huggingface_hub raise
         if isinstance(error, LoadError):
             raise
         raise LoadError(explain(role, what, path, error)) from error

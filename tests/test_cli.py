@@ -117,11 +117,11 @@ def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_
     import re
 
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
     from lora_grpo.cli import largest_logit_difference
-    from lora_grpo.model import load_base_model, load_tokenizer
     from lora_grpo.config import GRPOConfig as Config
-    from transformers import AutoModelForCausalLM
+    from lora_grpo.model import load_base_model, load_tokenizer
 
     recipe = write_recipe(tmp_path, tiny_base_dir, quantization="4bit", max_steps=2, save_steps=1, learning_rate=5e-2,
                           eval_on_start=False, eval_on_end=False)

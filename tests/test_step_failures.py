@@ -40,7 +40,9 @@ def _score(fail_in_step=None, box=None):
 
 def _plant(stage, trainer, step, monkeypatch):
     """A fault raised inside `stage` of step `step` (1-based); 'eval' in step 1 is the eval before training."""
-    in_step = lambda: trainer.state.global_step + 1 == step  # noqa: E731 - before the step's update
+    def in_step():  # before the step's update
+        return trainer.state.global_step + 1 == step
+
     if stage == "rollout":  # after sampling: the sampling RNG has moved, the resume must not see it
         real = sampler_module.generate_rollout
 
