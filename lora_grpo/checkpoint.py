@@ -205,7 +205,7 @@ def explain_write_failure(what: str, output_dir: Path, write) -> None:
         raise OSError(
             e.errno,
             f"could not write {what} in {output_dir} ({e.strerror or e}); {previous}. Free space or fix the "
-            f"permissions of output_dir, then resume with --set resume_from_checkpoint=latest",
+            "permissions of output_dir",
         ) from e
 
 
@@ -259,6 +259,26 @@ def set_aside_later_checkpoints(output_dir: Path, step: int) -> list[Path]:
             os.replace(path, target)
             moved.append(target)
     return moved
+
+
+def resolve_adapter(path: str | Path) -> tuple[Path, str]:
+    """(the adapter dir, what it is) for what a user passes to eval or merge: an adapter dir itself, a
+    checkpoint dir (its policy adapter) or a run dir (its final adapter/). CheckpointError otherwise."""
+    path = Path(path)
+    if (path / ADAPTER_CONFIG).is_file():
+        return path, f"the adapter {path}"
+    if (path / POLICY / ADAPTER_CONFIG).is_file() and (path / STATE_JSON).is_file():
+        return path / POLICY, f"the policy adapter of checkpoint {path}"
+    if (path / "adapter" / ADAPTER_CONFIG).is_file():
+        return path / "adapter", f"the final adapter of the run {path}"
+    if not path.is_dir():
+        raise CheckpointError(f"{path} does not exist or is no directory; pass an adapter, checkpoint or run directory")
+    inner = list_checkpoints(path)
+    if inner:
+        raise CheckpointError(f"{path} is a run directory without a final adapter/ (the run did not finish?); pass one "
+                              f"of its checkpoints, e.g. {inner[-1]} (its policy adapter is used)")
+    raise CheckpointError(f"{path} holds no adapter ({ADAPTER_CONFIG}), checkpoint or final adapter/; pass an adapter "
+                          "directory, a checkpoint-N directory or a run directory")
 
 
 def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:

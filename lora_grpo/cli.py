@@ -93,11 +93,22 @@ def cmd_train(args) -> int:
     main_process = os.environ.get("RANK", "0") == "0"  # under torchrun / accelerate launch, print once
     if main_process:
         print(f"lora-grpo: training {config.model_name_or_path} → {config.output_dir} (recipe {recipe})")
-    summary = GRPOTrainer(config).train()
+    trainer = GRPOTrainer(config)
+    trainer.resume_hint = resume_command(recipe, args.set)
+    summary = trainer.train()
     if main_process:
         print(json.dumps({k: v for k, v in summary.items() if not k.startswith("eval_")}, indent=2))
     _end_processes()
     return 0
+
+
+def resume_command(recipe: str, sets: list[str]) -> str:
+    """The command that resumes this `lora-grpo train`: its recipe and --set overrides, resuming the latest checkpoint."""
+    import shlex
+
+    kept = [s for s in sets if s.split("=", 1)[0].strip() != "resume_from_checkpoint"]
+    return " ".join(["lora-grpo train", shlex.quote(recipe), *(f"--set {shlex.quote(s)}" for s in kept),
+                     "--set resume_from_checkpoint=latest"])
 
 
 def _end_processes() -> None:
@@ -131,7 +142,7 @@ def cmd_recipes(args) -> int:
 
 def cmd_eval(args) -> int:
     from .adapters import POLICY
-    from .checkpoint import load_adapter_weights
+    from .checkpoint import load_adapter_weights, resolve_adapter
     from .trainer import GRPOTrainer
 
     sets = list(args.set)
@@ -144,11 +155,13 @@ def cmd_eval(args) -> int:
     config = load_config(args.recipe, sets)
     if not config.eval_dataset:
         raise ConfigError("eval needs eval_dataset in the recipe or --set eval_dataset=...")
+    adapter, what = resolve_adapter(args.adapter) if args.adapter else (None, "no adapter: the base model itself")
     trainer = GRPOTrainer(config)
-    if args.adapter:
-        load_adapter_weights(trainer.model, args.adapter, POLICY)
+    if adapter is not None:
+        load_adapter_weights(trainer.model, adapter, POLICY)
     metrics = trainer.evaluate()  # under torchrun / accelerate launch the processes split the prompts
     if os.environ.get("RANK", "0") == "0":
+        print(f"lora-grpo eval: {what}", file=sys.stderr)
         print(json.dumps(metrics, indent=2))
     return 0
 
@@ -162,21 +175,54 @@ def cmd_plot(args) -> int:
 
 
 def cmd_merge(args) -> int:
+    """Merge an adapter into its base: by default into the weights it was trained against (a 4-bit base
+    dequantised: what the trained policy computes), --base full into the original weights; then say how far
+    the merged model's logits are from the policy's (base as trained + adapter) on a few prompts."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .model import load_tokenizer, resolve_dtype, resolve_model_path
+    from .checkpoint import resolve_adapter
+    from .loading import loading
+    from .model import load_base_model, load_tokenizer, resolve_dtype, resolve_model_path
 
     config = load_config(args.recipe, args.set)
-    path = resolve_model_path(config)
-    # Merge into the unquantized weights: merging into a 4-bit base would re-quantize (and lose) the update.
-    dtype = resolve_dtype(config.torch_dtype)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=config.trust_remote_code)
-    merged = PeftModel.from_pretrained(base, args.adapter).merge_and_unload()
+    adapter, what = resolve_adapter(args.adapter)
+    path, dtype = resolve_model_path(config), resolve_dtype(config.torch_dtype)
+    tokenizer = load_tokenizer(config, path)
+    with loading("merge", "adapter", adapter):
+        policy = PeftModel.from_pretrained(load_base_model(config, path), str(adapter)).eval()
+    if args.base == "trained" and config.quantization != "none":
+        base, into = load_base_model(config, path).dequantize(), f"the dequantised {config.quantization} base it was trained on"
+    else:
+        with loading("merge", "base model", path):
+            base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=config.trust_remote_code)
+        into = "the original weights" + (f" (it was trained on the {config.quantization} base)" if config.quantization != "none" else "")
+    with loading("merge", "adapter", adapter):
+        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
+    gap = largest_logit_difference(policy, merged, tokenizer, MERGE_CHECK_PROMPTS)
     merged.save_pretrained(args.out)
-    load_tokenizer(config, path).save_pretrained(args.out)
-    print(f"merged {args.adapter} into {path} ({dtype}) → {args.out}")
+    tokenizer.save_pretrained(args.out)
+    print(f"merged {what} into {into} of {path} ({str(dtype).removeprefix('torch.')}) → {args.out}; the merged model's "
+          f"logits differ from the trained policy's by at most {gap:.3g} on {len(MERGE_CHECK_PROMPTS)} prompts")
     return 0
+
+
+# What the merge is checked on: short texts any tokenizer can encode.
+MERGE_CHECK_PROMPTS = ("12+7=", "Question: what is 3 + 4? Answer:", "The capital of France is")
+
+
+def largest_logit_difference(a, b, tokenizer, prompts) -> float:
+    """max |logits_a - logits_b| over every position of `prompts` (each run alone: no padding involved)."""
+    import torch
+
+    gap = 0.0
+    with torch.no_grad():
+        for text in prompts:
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            la = a(input_ids=ids.to(a.device)).logits.float().cpu()
+            lb = b(input_ids=ids.to(b.device)).logits.float().cpu()
+            gap = max(gap, (la - lb).abs().max().item())
+    return gap
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="print this recipe (to copy and edit: lora-grpo recipes NAME > my.yaml)")
     p.set_defaults(func=cmd_recipes)
     p = sub.add_parser("eval", help="greedy eval (and pass@k) of an adapter on eval_dataset with the recipe's rewards")
-    p.add_argument("adapter", nargs="?", help="adapter dir (default: the fresh policy = the base model)")
+    p.add_argument("adapter", nargs="?", help="an adapter dir, a checkpoint dir (its policy adapter) or a run dir (its "
+                                              "final adapter/); default: the fresh policy = the base model")
     p.add_argument("--k", action="append", default=[], metavar="K[,K...]",
                    help="also report pass@k for these k (--k 1 --k 8, or --k 1,8): max(k) sampled completions per "
                         "prompt, or eval_num_samples; sets eval_pass_k")
@@ -213,9 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.add_argument("trl_args", nargs=argparse.REMAINDER, help="--config recipe.yaml and TRL's flags (--help lists them)")
     p.set_defaults(func=cmd_trl)
-    p = sub.add_parser("merge", help="merge a trained adapter into the (unquantized) base and save it")
-    p.add_argument("adapter")
+    p = sub.add_parser("merge", help="merge a trained adapter into its base and save the merged model")
+    p.add_argument("adapter", help="an adapter dir, a checkpoint dir (its policy adapter) or a run dir (its final adapter/)")
     p.add_argument("--out", required=True)
+    p.add_argument("--base", choices=("trained", "full"), default="trained",
+                   help="trained (default): the weights the adapter was trained against (a 4-bit base dequantised); "
+                        "full: the original full-precision weights")
     common(p, False)
     p.set_defaults(func=cmd_merge)
     return parser

@@ -15,7 +15,9 @@ step's metrics (the dict the trainer logs: ``frac_reward_zero_std``, ``truncated
                               ``zero_std_steps`` steps in a row: every advantage is 0
     all_truncated             every completion hit max_completion_length without EOS
     kl_spike                  kl > ``kl_jump`` × the highest of the previous ``kl_window`` steps
-                              (at least ``kl_floor``): a jump, not the noise of a small batch
+                              (at least ``kl_floor``): a jump, not the noise of a small batch; not
+                              in the first ``kl_warmup_steps`` after the start or a sync, where a KL
+                              that grows from ~0 is tenfold by construction
     entropy_collapse          entropy < ``entropy_ratio`` × its mean over the first ``baseline_steps``
     length_collapse           completion_length/mean < ``length_ratio`` × its first-steps mean
     reward_none/<name>        reward function <name> returned None for every completion
@@ -49,6 +51,7 @@ class HealthMonitor:
     kl_jump: float = 10.0  # an order of magnitude in one step
     kl_floor: float = 1e-3  # a jump is measured from at least this KL (a KL near 0 after a sync is no base)
     kl_window: int = 5  # ... and from the highest KL of this many previous steps (one low step is no base either)
+    kl_warmup_steps: int = 5  # steps after the start and after each sync whose KL only sets the base
     baseline_steps: int = 3  # the first steps whose entropy and completion length are the baselines
     entropy_ratio: float = 0.1
     length_ratio: float = 0.2
@@ -57,6 +60,7 @@ class HealthMonitor:
     # state
     zero_std_streak: int = 0
     recent_kl: list[float] = field(default_factory=list)  # the previous kl_window steps' KL
+    kl_steps: int = 0  # steps with a KL since the start or the last sync
     entropy_start: list[float] = field(default_factory=list)  # the first baseline_steps values
     length_start: list[float] = field(default_factory=list)
     episodes: dict[str, list] = field(default_factory=dict)  # condition -> [warned in this episode, steps off]
@@ -73,8 +77,11 @@ class HealthMonitor:
             holds["all_truncated"] = truncated >= 1.0
         kl, previous_kl = _number(metrics, "kl"), max(self.recent_kl, default=None)
         if kl is not None:
-            holds["kl_spike"] = previous_kl is not None and kl > self.kl_jump * max(previous_kl, self.kl_floor)
-            self.recent_kl = [*self.recent_kl, kl][-self.kl_window:]
+            warm = self.kl_steps >= self.kl_warmup_steps
+            holds["kl_spike"] = warm and previous_kl is not None and kl > self.kl_jump * max(previous_kl, self.kl_floor)
+            self.recent_kl, self.kl_steps = [*self.recent_kl, kl][-self.kl_window:], self.kl_steps + 1
+        if metrics.get("sync/event"):  # the next steps measure from the new reference: the KL starts again from ~0
+            self.recent_kl, self.kl_steps = [], 0
         holds["entropy_collapse"] = self._collapsed(self.entropy_start, _number(metrics, "entropy"), self.entropy_ratio, 0.0)
         holds["length_collapse"] = self._collapsed(self.length_start, _number(metrics, "completion_length/mean"),
                                                    self.length_ratio, self.min_baseline_length)
@@ -160,13 +167,14 @@ class HealthMonitor:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The monitor's state, JSON-ready (thresholds are not state: they come from construction)."""
-        return {"zero_std_streak": self.zero_std_streak, "recent_kl": list(self.recent_kl),
+        return {"zero_std_streak": self.zero_std_streak, "recent_kl": list(self.recent_kl), "kl_steps": self.kl_steps,
                 "entropy_start": list(self.entropy_start), "length_start": list(self.length_start),
                 "episodes": {k: list(v) for k, v in self.episodes.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.zero_std_streak = int(state.get("zero_std_streak", 0))
         self.recent_kl = [float(x) for x in state.get("recent_kl", [])]
+        self.kl_steps = int(state.get("kl_steps", len(self.recent_kl)))
         self.entropy_start = [float(x) for x in state.get("entropy_start", [])]
         self.length_start = [float(x) for x in state.get("length_start", [])]
         self.episodes = {k: [bool(v[0]), int(v[1])] for k, v in state.get("episodes", {}).items()}

@@ -19,6 +19,7 @@ from torch import nn
 from .adapters import BASE, POLICY, REFERENCE, lora_layers, policy_parameters, reference_forward, use_adapter  # noqa: F401
 from .config import GRPOConfig
 from .device import auto_dtype, describe_gpu, native_bf16
+from .loading import loading
 from .reference import check_syncable, sync_reference
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ def load_tokenizer(config: GRPOConfig, model_path: str | None = None):
     from transformers import AutoTokenizer
 
     path = config.tokenizer_name_or_path or model_path or resolve_model_path(config)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    with loading("policy", "tokenizer", path):
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     if tokenizer.pad_token is None:
         # Completions are masked by length, so reusing EOS as padding is safe.
         tokenizer.pad_token = tokenizer.eos_token
@@ -125,13 +127,15 @@ def load_base_model(config: GRPOConfig, model_path: str | None = None, device_ma
         kwargs["quantization_config"] = qconfig
         if device_map is None and torch.cuda.is_available():
             device_map = {"": torch.cuda.current_device()}
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path or resolve_model_path(config),
-        dtype=dtype,
-        device_map=device_map,
-        trust_remote_code=config.trust_remote_code,
-        **kwargs,
-    )
+    path = model_path or resolve_model_path(config)
+    with loading("policy", "base model", path):
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            device_map=device_map,
+            trust_remote_code=config.trust_remote_code,
+            **kwargs,
+        )
     return prepare_base(model)
 
 
@@ -222,13 +226,15 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
     if config.init_adapter:
         # an adapter of another model: refused here, naming the layer (peft would drop it silently)
         check_init_adapter(base, config.init_adapter, config.model_name_or_path)
-        saved = LoraConfig.from_pretrained(config.init_adapter)
+        with loading("policy", "init_adapter", config.init_adapter):
+            saved = LoraConfig.from_pretrained(config.init_adapter)
         if saved.lora_dropout != config.lora_dropout:  # SFT adapters often carry 0.05–0.1
             logger.warning("init_adapter's lora_dropout %s replaced by the config's %s", saved.lora_dropout, config.lora_dropout)
             saved.lora_dropout = config.lora_dropout
-        model = PeftModel.from_pretrained(
-            base, config.init_adapter, adapter_name=POLICY, is_trainable=True, config=saved
-        )
+        with loading("policy", "init_adapter", config.init_adapter):
+            model = PeftModel.from_pretrained(
+                base, config.init_adapter, adapter_name=POLICY, is_trainable=True, config=saved
+            )
         if saved.r != config.lora_r:
             logger.warning("init_adapter has rank %d; config lora_r=%d is ignored", saved.r, config.lora_r)
     else:

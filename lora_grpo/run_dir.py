@@ -265,10 +265,17 @@ def claim_output_dir(output_dir: str | Path, *, resume_from: str | Path | None =
     root = Path(output_dir)
     if not is_main:
         return RunDirClaim(root, None, False, [])
-    root.mkdir(parents=True, exist_ok=True)
-    fd, note = _acquire(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, note = _acquire(root)
+    except OSError as e:
+        raise OutputDirError(_not_writable(root, e)) from e
     claim = RunDirClaim(root, fd, True, [note] if note else [])
     try:
+        leftovers = remove_leftovers(root)  # the lock is ours: no live writer owns them
+        if leftovers:
+            claim.notes.append(f"{root}: removed {len(leftovers)} temporary dir(s) of a checkpoint write that never "
+                               f"finished (its process died): {', '.join(leftovers)}")
         continues = resume_from is not None and (str(resume_from) == "latest" or _inside(Path(resume_from), root))
         found = None if continues else previous_run(root)
         if found is not None:
@@ -281,6 +288,35 @@ def claim_output_dir(output_dir: str | Path, *, resume_from: str | Path | None =
         claim.release()
         raise
     return claim
+
+
+# What checkpoint.atomic_dir writes before the rename into place: ".{name}.{random}" beside the target.
+_LEFTOVER_GLOBS = (".checkpoint-*.*", ".adapter.*")
+
+
+def remove_leftovers(root: Path) -> list[str]:
+    """Remove the temporary dirs of atomic writes that never finished (a writer killed mid-write); call it
+    only while holding the run's lock, so that no live writer owns them. Returns their names."""
+    removed = []
+    for pattern in _LEFTOVER_GLOBS:
+        for path in sorted(root.glob(pattern)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+    return removed
+
+
+def _not_writable(root: Path, error: OSError) -> str:
+    """Our words for an output_dir that cannot be created or locked (read-only, no permission, full)."""
+    why = {errno.EROFS: "it is on a read-only file system", errno.ENOSPC: "its disk is full",
+           errno.EDQUOT: "the disk quota is used up", errno.EACCES: "this user may not write there",
+           errno.EPERM: "this user may not write there"}.get(error.errno, error.strerror or str(error))
+    fix = ("free space there (old checkpoints, previous-run-K/ dirs) or train into another output_dir"
+           if error.errno in (errno.ENOSPC, errno.EDQUOT) else
+           "give output_dir a writable place (--set output_dir=runs/NAME in the CLI, GRPOConfig(output_dir=...) in "
+           "Python) or fix its permissions")
+    return (f"output_dir {str(root)!r} cannot be used: {why} (creating {error.filename or root / LOCK_NAME} failed: "
+            f"{error.strerror or error}). A run writes its lock, logs and checkpoints there before step 1; {fix}")
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -341,12 +377,13 @@ def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:
     return claim or claim_output_dir(output_dir, is_main=False)
 
 
-def kept_work(output_dir: Path, written: Path | None) -> str:
-    """What a run that stops on an error keeps, and how to go on: the checkpoint just written, the last
-    one, or nothing yet."""
+def kept_work(output_dir: Path, written: Path | None, resume: str, fix: str = "the cause", trained: bool = False) -> str:
+    """What a run that stops on an error keeps, and how to go on (`resume`: the entry point's words): the
+    checkpoint just written, the last one, or nothing (`trained`: steps were done, none could be kept)."""
     kept = list_checkpoints(Path(output_dir))
     if not (written or kept):
-        return "nothing was trained yet; fix the function and start again"
+        if trained:
+            return f"no checkpoint is kept (none could be written); fix {fix} and start again"
+        return f"nothing was trained yet; fix {fix} and start again"
     how = f"checkpoint written to {written}" if written else f"the last checkpoint, {kept[-1]}, is kept"
-    return (f"{how}; fix the function, then resume: lora-grpo train <recipe> --set output_dir={output_dir} "
-            "--set resume_from_checkpoint=latest")
+    return f"{how}; fix {fix}, then resume: {resume}"

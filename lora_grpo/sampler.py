@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from .data import PROMPT_MESSAGES
+from .failures import stage
 from .rewards.specs import _import_object
 from .rollout import Rollout, Toolbox, eos_token_ids, generate_rollout
 
@@ -61,7 +62,8 @@ class PolicySampler:
         tools = None
         if self.toolbox is not None:
             row_dicts = [dict(zip(rows, values)) for values in zip(*rows.values())] if rows else None
-            tools = self.toolbox.episode([r for r in row_dicts for _ in range(G)] if row_dicts else len(prompts) * G)
+            with stage("environment"):  # the environments' constructors and reset(**row): the user's code
+                tools = self.toolbox.episode([r for r in row_dicts for _ in range(G)] if row_dicts else len(prompts) * G)
             if (any(tools.observations) or self.toolbox.named) and rows and rows.get(PROMPT_MESSAGES):
                 # reset texts join the prompts; with named environments each row lists its own one's tools
                 prompts, G = self.toolbox.prompts(rows[PROMPT_MESSAGES], tools, G)

@@ -60,6 +60,9 @@ class TrainState(TrainerState):
     health: Any = None  # health.HealthMonitor: streaks, recent KLs, first-steps baselines, warnings given
     adaptive_entropy: Any = None  # loss.AdaptiveEntropy: the entropy coefficient and its last measurement
     extra: dict = dataclasses.field(default_factory=dict)  # a front door's own state (the TRL front door's log history)
+    # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
+    # (failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
+    unfinished_step: dict | None = None
 
     @classmethod
     def for_run(cls, config, accelerator, total_steps: int, batches, warmup_restarts) -> "TrainState":

@@ -29,6 +29,7 @@ from .config import ConfigError, GRPOConfig
 from .data import PromptBatches, named_eval_sets, process_shard, resolve_datasets, resolve_eval_dataset
 from .device import now, place_model
 from .evaluation import Evaluator, headline_score
+from .failures import LastFinishedStep, StepFailed, describe_stages, stage, stages_of
 from .memory import MemoryPlan
 from .model import keep_4bit_weights_fixed, load_model
 from .optim import apply_config as apply_optimizer_config
@@ -186,6 +187,11 @@ class GRPOTrainer:
         self.scorer.trainer_state = self.state  # what reward functions get as trainer_state
         self.scorer.environments = lambda: self.sampler.environments
         self.logging_every, self.eval_every = steps_of(config.logging_steps, self.total_steps), steps_of(config.eval_steps, self.total_steps)
+        self.last_finished = LastFinishedStep()  # what a failure mid-run can still checkpoint (failures.py)
+        # How a stopped run resumes, in the words of its entry point: the Python API's here; the CLI and
+        # the TRL front door set theirs.
+        self.resume_hint = (f"set resume_from_checkpoint='latest' in the GRPOConfig (output_dir={str(self.output_dir)!r}) "
+                            "and call train() again")
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -216,35 +222,43 @@ class GRPOTrainer:
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
         self._event("train_begin")
         has_eval = self.eval_dataset is not None
-        eval_before = self._evaluate_and_log("before") if has_eval and cfg.eval_on_start and state.global_step == 0 else {}
-        # Stop signals are deferred until the end of the run, final eval and saves included.
-        with StopSignals() as stop:
-            with self.reporter.progress(state.global_step):
-                while state.global_step < self.total_steps and not self.stop_requested:
-                    position = state.batches.state_dict()  # before this batch: a failed reward redoes it on resume
-                    epoch, rows = next(state.batches)
-                    epoch_ended = state.batches.epoch != epoch
-                    self._event("step_begin")  # a rollout's first step begins with the rollout
-                    try:
+        self._finished_step()
+        try:  # whatever raises from here on: keep the last finished step, then one error (_step_failed)
+            with stage("eval"):
+                eval_before = self._evaluate_and_log("before") if has_eval and cfg.eval_on_start and state.global_step == 0 else {}
+            # Stop signals are deferred until the end of the run, final eval and saves included.
+            with StopSignals() as stop:
+                with self.reporter.progress(state.global_step):
+                    if state.unfinished_step:  # resumed after a failed eval: that step ends first, as it would have
+                        pending, state.unfinished_step = state.unfinished_step, None
+                        self._end_step(pending["metrics"], epoch_ended=pending["epoch_ended"], stop=stop)
+                    while state.global_step < self.total_steps and not self.stop_requested:
+                        with stage("rollout"):  # the data: a row that fails to load or to format
+                            epoch, rows = next(state.batches)
+                        epoch_ended = state.batches.epoch != epoch
+                        self._event("step_begin")  # a rollout's first step begins with the rollout
                         steps, round_metrics = self.generation_round(rows)
-                    except RewardFunctionError as error:
-                        self._reward_failed(error, position)
-                    for k, step_batch in enumerate(steps):
-                        if k:
-                            self._event("step_begin")
-                        metrics = {**(round_metrics if k == 0 else {}), **self.timed_update(step_batch)}
-                        metrics["time/step"] = metrics["time/train"] + (metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0))
-                        state.global_step += 1
-                        state.epoch = state.global_step / self.steps_per_epoch
-                        metrics["epoch"] = epoch
-                        self._end_step(metrics, epoch_ended=epoch_ended and k == len(steps) - 1, stop=stop)
-                        if state.global_step >= self.total_steps or self.stop_requested:
-                            break
-            eval_after = self._evaluate_and_log("after") if has_eval and cfg.eval_on_end else {}
-            self.save_checkpoint()
-            if self.is_main:
-                ckpt.explain_write_failure("the final adapter", self.output_dir,
-                                           lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY))
+                        for k, step_batch in enumerate(steps):
+                            if k:
+                                self._event("step_begin")
+                            with stage("update"):
+                                metrics = {**(round_metrics if k == 0 else {}), **self.timed_update(step_batch)}
+                            metrics["time/step"] = metrics["time/train"] + (metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0))
+                            state.global_step += 1
+                            state.epoch = state.global_step / self.steps_per_epoch
+                            metrics["epoch"] = epoch
+                            self._end_step(metrics, epoch_ended=epoch_ended and k == len(steps) - 1, stop=stop)
+                            if state.global_step >= self.total_steps or self.stop_requested:
+                                break
+                with stage("eval"):
+                    eval_after = self._evaluate_and_log("after") if has_eval and cfg.eval_on_end else {}
+                with stage("checkpoint"):
+                    self.save_checkpoint()
+                    if self.is_main:
+                        ckpt.explain_write_failure("the final adapter", self.output_dir,
+                                                   lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY))
+        except Exception as error:  # noqa: BLE001 - kept, explained and raised again, chained
+            self._step_failed(error)
         summary = self._summary(start, eval_before, eval_after)
         if self.is_main:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -260,24 +274,43 @@ class GRPOTrainer:
             memory_plan=self.memory_plan, headline=f"eval/{self.reward_names[0]}", before=before, after=after,
         )
 
-    def _reward_failed(self, error: RewardFunctionError, position: dict) -> None:
-        """A reward function failed scoring step global_step + 1: keep the work done, then stop naming the
-        function, the step and how to resume. One process: checkpoint the last finished step with the data
-        position before the failed batch. Several: keep the last checkpoint (a checkpoint is a collective the
-        other processes, waiting in the reward gather, would never join)."""
-        state, step, target = self.state, self.state.global_step, None
-        if step > 0 and self.accelerator.num_processes == 1:
-            state.batches.load_state_dict(position)
-            target = self.save_checkpoint()
-        message = f"step {step + 1}/{self.total_steps} stopped: {error}. {kept_work(self.output_dir, target)}"
+    def _finished_step(self) -> None:
+        """The state is the last finished step's (the start, or a step end done): what a failure saves."""
+        self.last_finished.finished(self.state, self._rng(), self.update.optimizer_steps)
+
+    def _step_failed(self, error: Exception) -> None:
+        """Something raised inside the run (failures.py): keep what can be kept, then stop with one error
+        naming the stage, the step and how to resume, the original error chained. One process: a checkpoint
+        of the last finished step when its state is whole (LastFinishedStep), else the last checkpoint.
+        Several: the last checkpoint (a checkpoint gathers every process's RNG states, a collective that the
+        other processes, waiting in their own, would never join)."""
+        state, stages = self.state, stages_of(error)
+        step, target = self.last_finished.failing_step, None
+        saved = self.last_finished.for_failure(stages, self.update.optimizer_steps)
+        if saved is not None and saved.state["global_step"] > 0 and self.accelerator.num_processes == 1:
+            state.load_state_dict(saved.state)
+            del state.log_history[saved.history:]
+            state.unfinished_step = saved.pending
+            try:
+                target = self.save_checkpoint(rng=saved.rng)
+            except OSError as write_error:  # the disk that failed the step fails this write too: the last checkpoint stays
+                self._print(f"the checkpoint of step {state.global_step} could not be written either: {write_error}")
+        reward = isinstance(error, RewardFunctionError)
+        what = str(error) if reward else f"{describe_stages(stages)} raised {type(error).__name__}: {error}"
+        kept = kept_work(self.output_dir, target, self.resume_hint, "the function" if reward else "the cause",
+                         trained=state.global_step > 0)
+        message = f"step {step}/{self.total_steps} stopped: {what}. {kept}"
         self._print(message)
-        raise RewardFunctionError(message, error.function, step) from error
+        if reward:
+            raise RewardFunctionError(message, error.function, state.global_step, target) from error
+        raise StepFailed(message, stages[-1] if stages else None, state.global_step, target) from error
 
     def _end_step(self, metrics: dict[str, Any], *, epoch_ended: bool, stop: StopSignals) -> None:
         """After an optimizer step: eval if due, then the sync decision, log, stop signal, checkpoint. Hooks at
         "step_end" may change what is due (the TRL front door: transformers' flow callbacks)."""
         state = self.state
         step, last = state.global_step, state.global_step >= self.total_steps
+        self.last_finished.update_done(state, self._rng(), self.update.optimizer_steps, metrics, epoch_ended)
         due = StepFlow(
             evaluate=self.eval_dataset is not None and bool(self.eval_every) and step % self.eval_every == 0 and not last,
             log=step % self.logging_every == 0 or last,
@@ -290,43 +323,52 @@ class GRPOTrainer:
         # other trigger the order is free: eval reads only the policy and the start (base_forward), a
         # sync writes only the reference slot and the optimizer.
         if due.evaluate:
-            metrics.update(self.evaluate())
+            with stage("eval"):
+                metrics.update(self.evaluate())
             state.sync_schedule.observe_eval(headline_score(metrics, self.reward_names))
+        self.last_finished.changing()  # from here the step end changes the state, until it is done
         reason = state.sync_schedule.due(step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
         if reason:
-            metrics.update(self.sync_reference())
+            with stage("sync"):
+                metrics.update(self.sync_reference())
             metrics["sync/event"] = 1.0
             metrics["sync/reason"] = reason
-        for line in state.health.observe(step, metrics):  # health/* flags go into this step's metrics (health.py)
-            self._print(line)
-        state.log_history.append(metrics)
-        first = "time/rollout" in metrics  # a rollout's first optimizer step: its completions are logged once
-        self.reporter.log_step(step, metrics, self.scorer.last_samples if first else None, show=due.log)
-        if due.log:
-            self._print(progress_line(step, self.total_steps, metrics))
-            self._event("log", logs=metrics)
+        with stage("log"):
+            for line in state.health.observe(step, metrics):  # health/* flags go into this step's metrics (health.py)
+                self._print(line)
+            state.log_history.append(metrics)
+            first = "time/rollout" in metrics  # a rollout's first optimizer step: its completions are logged once
+            self.reporter.log_step(step, metrics, self.scorer.last_samples if first else None, show=due.log)
+            if due.log:
+                self._print(progress_line(step, self.total_steps, metrics))
+                self._event("log", logs=metrics)
         signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
         if signum:
             self._stop(signum)
         if due.save:
-            self.save_checkpoint()
+            with stage("checkpoint"):
+                self.save_checkpoint()
+        self._finished_step()
 
     def generation_round(self, rows: dict[str, list]) -> tuple[list[Batch], dict[str, float]]:
         """One rollout of the round's prompts, scored, ready for its optimizer steps: (the step batches in
         training order, num_iterations passes over steps_per_generation slices; the round's metrics)."""
         cfg = self.config
         t0 = now(self.accelerator.device)
-        rollout = self.generate(rows["prompt"], rows=rows)
+        with stage("rollout"):
+            rollout = self.generate(rows["prompt"], rows=rows)
         t_gen = now(self.accelerator.device)
-        advantages, metrics = self.scorer.advantages(rollout, rows)  # rewards → group-relative advantages
+        with stage("reward"):
+            advantages, metrics = self.scorer.advantages(rollout, rows)  # rewards → group-relative advantages
         batch = Batch.from_rollout(rollout, advantages, mask_truncated_completions=cfg.mask_truncated_completions)
-        if cfg.num_iterations > 1 or cfg.steps_per_generation > 1:  # trained on after its first update
-            batch.old_logp = self.log_probs(batch)
-        # A reference slot that provably equals the policy (a fresh or warm-started run before its
-        # first update, right after a hard sync) costs no forward: the update uses the policy's own.
-        if cfg.beta != 0 and not self.state.reference_is_policy:
-            with reference_forward(self.model):
-                batch.ref_logp = self.log_probs(batch)
+        with stage("update"):  # the log-probs the update needs
+            if cfg.num_iterations > 1 or cfg.steps_per_generation > 1:  # trained on after its first update
+                batch.old_logp = self.log_probs(batch)
+            # A reference slot that provably equals the policy (a fresh or warm-started run before its
+            # first update, right after a hard sync) costs no forward: the update uses the policy's own.
+            if cfg.beta != 0 and not self.state.reference_is_policy:
+                with reference_forward(self.model):
+                    batch.ref_logp = self.log_probs(batch)
         metrics["reference_reused_policy"] = float(cfg.beta != 0 and self.state.reference_is_policy)
         if cfg.steps_per_generation > 1:  # each step a random share of the rollout, as TRL shuffles before cutting
             order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step)
@@ -436,13 +478,17 @@ class GRPOTrainer:
         return self.sizes.gradient_checkpointing
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path | None:
+    def _rng(self) -> dict[str, Any]:
+        return {**rng_state(), "sampling": self.generator.get_state()}
+
+    def save_checkpoint(self, rng: dict[str, Any] | None = None) -> Path | None:
         """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, every process's RNG
         states, and the TrainState whole. Atomic (checkpoint.py). Called on every process: each
-        one's RNG states are gathered; the main process writes."""
+        one's RNG states are gathered; the main process writes. `rng`: this process's states to save
+        instead of the current ones (those of the last finished step, after a failure)."""
         from accelerate.utils import gather_object
 
-        rng = {**rng_state(), "sampling": self.generator.get_state()}
+        rng = rng or self._rng()
         rngs = gather_object([rng]) if self.accelerator.num_processes > 1 else [rng]
         target = self.output_dir / f"checkpoint-{self.state.global_step}"
         if self.is_main:
@@ -482,12 +528,11 @@ class GRPOTrainer:
 
     def _stop(self, signum: int) -> None:
         """After a stop signal: write a checkpoint, then raise TrainingInterrupted with how to resume."""
-        target = self.save_checkpoint()
+        with stage("checkpoint"):
+            target = self.save_checkpoint()
         name = signal.Signals(signum).name
-        message = (
-            f"{name}: stopped after step {self.state.global_step}/{self.total_steps}; checkpoint written to {target}. "
-            f"Resume with: lora-grpo train <recipe> --set output_dir={self.output_dir} --set resume_from_checkpoint=latest"
-        )
+        message = (f"{name}: stopped after step {self.state.global_step}/{self.total_steps}; checkpoint written to "
+                   f"{target}. Resume: {self.resume_hint}")
         self._print(message)
         raise TrainingInterrupted(message, signum, target)
 

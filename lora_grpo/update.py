@@ -50,6 +50,9 @@ class PolicyUpdate:
         self.gather = padded_gather(accelerator) if accelerator.num_processes > 1 else None
         # The entropy bonus needs the entropy's gradient; the adaptive coefficient may turn the bonus on later.
         self.entropy_grad = config.entropy_coef != 0 or config.use_adaptive_entropy
+        # Optimizer / LR scheduler steps begun: from the first, the adapters and the optimizer may be
+        # past the last finished step (what a failure can still save: failures.LastFinishedStep).
+        self.optimizer_steps = 0
 
     def forward(self, mb: dict[str, Any], return_entropy: bool = False, entropy_grad: bool = False):
         """(log-probs (B, T), entropy (B, T) or None) of a micro-batch under the active adapter."""
@@ -132,6 +135,7 @@ class PolicyUpdate:
         """Step the optimizer, or skip a NaN/inf update (every process decides alike: the values are
         already averaged); too many skips in a row end the run. Returns whether it skipped."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self.optimizer_steps += 1
         if finite:
             self.optimizer.step()
             self.state.reference_is_policy = False

@@ -13,6 +13,7 @@ import torch
 import lora_grpo.checkpoint as ckpt
 from lora_grpo.adapters import POLICY, REFERENCE
 from lora_grpo.checkpoint import CheckpointError
+from lora_grpo.failures import StepFailed
 from lora_grpo.rng import rng_state, set_rng_state
 
 from conftest import SMALL_RUN, assert_same_adapters, make_trainer
@@ -128,9 +129,11 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_stops_clearly(
         return real_save(model, path, adapter)
 
     monkeypatch.setattr(ckpt, "save_adapter", failing_save)
-    with pytest.raises(OSError, match=r"could not write .*the previous checkpoint .*checkpoint-\d is intact.*resume_from_checkpoint=latest") as info:
+    with pytest.raises(StepFailed, match=r"stopped: the checkpoint raised \w+Error: .*could not write .*the previous checkpoint "
+                                         r".*checkpoint-\d is intact.*the last checkpoint, .*checkpoint-\d, is kept.*"
+                                         r"resume_from_checkpoint='latest'") as info:
         trainer.train()
-    assert info.value.errno == failure
+    assert info.value.stage == "checkpoint" and info.value.__cause__.errno == failure
     run = tmp_path / "run"
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
     monkeypatch.setattr(ckpt, "save_adapter", real_save)
@@ -189,9 +192,9 @@ def test_a_real_full_disk_gives_the_clear_error(tiny_base_dir, tmp_path):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
         trainer = make_trainer(tiny_base_dir, mount, quantization="none", max_steps=3, save_steps=1, save_total_limit=5)
-        with pytest.raises(OSError, match=r"could not write checkpoint checkpoint-\d.*No space left.*is intact") as info:
+        with pytest.raises(StepFailed, match=r"could not write checkpoint checkpoint-\d.*No space left.*is intact") as info:
             trainer.train()
-        assert info.value.errno == errno.ENOSPC
+        assert info.value.__cause__.errno == errno.ENOSPC
         kept = ckpt.list_checkpoints(mount / "run")
         assert kept and not [p for p in (mount / "run").iterdir() if p.name.startswith(".")]
         ckpt.load_checkpoint_state(ckpt.resolve_checkpoint("latest", mount / "run"))  # whole and loadable

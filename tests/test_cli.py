@@ -108,3 +108,47 @@ def test_recipes_name_prints_the_recipe_to_copy(capsys):
     text = capsys.readouterr().out
     assert text == shipped_recipes()["smollm2-360m-countdown-qlora"].read_text()
     assert main(["recipes", "nope"]) == 2
+
+
+# ------------------------------------------------------------------ eval and merge of what a run leaves
+
+
+def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_the_policy(tiny_base_dir, tmp_path, capsys):
+    import re
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lora_grpo.cli import largest_logit_difference
+    from lora_grpo.config import GRPOConfig as Config
+    from lora_grpo.model import load_base_model, load_tokenizer
+
+    recipe = write_recipe(tmp_path, tiny_base_dir, quantization="4bit", max_steps=2, save_steps=1, learning_rate=5e-2,
+                          eval_on_start=False, eval_on_end=False)
+    assert main(["train", str(recipe)]) == 0
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["eval", str(run / "checkpoint-1"), "--recipe", str(recipe)]) == 0
+    assert f"lora-grpo eval: the policy adapter of checkpoint {run / 'checkpoint-1'}" in capsys.readouterr().err
+    assert main(["eval", str(run), "--recipe", str(recipe)]) == 0
+    assert f"lora-grpo eval: the final adapter of the run {run}" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["eval", str(tmp_path / "empty"), "--recipe", str(recipe)]) == 1
+    assert "holds no adapter" in capsys.readouterr().err
+
+    gaps = {}
+    for base in ("trained", "full"):
+        assert main(["merge", str(run), "--recipe", str(recipe), "--out", str(tmp_path / base), "--base", base]) == 0
+        line = capsys.readouterr().out
+        assert ("the dequantised 4bit base it was trained on" if base == "trained" else "the original weights") in line
+        gaps[base] = float(re.search(r"differ from the trained policy's by at most (\S+) on 3 prompts", line).group(1))
+    # Checked independently: the policy as trained (4-bit base + adapter) against each saved merged model.
+    config = Config(model_name_or_path=tiny_base_dir, quantization="4bit")
+    policy = PeftModel.from_pretrained(load_base_model(config), str(run / "adapter")).eval()
+    tokenizer = load_tokenizer(config)
+    prompts = ["12+7=", "Question: what is 3 + 4? Answer:", "The capital of France is"]
+    measured = {base: largest_logit_difference(policy, AutoModelForCausalLM.from_pretrained(tmp_path / base).eval(),
+                                               tokenizer, prompts) for base in gaps}
+    assert measured["trained"] < 1e-4 < measured["full"]  # what you trained is what you get, by default
+    assert gaps["trained"] == pytest.approx(measured["trained"], abs=1e-5)
+    assert gaps["full"] == pytest.approx(measured["full"], rel=1e-2)

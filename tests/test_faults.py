@@ -52,7 +52,7 @@ def test_a_reward_function_failing_after_hours_keeps_the_last_checkpoint_to_resu
     trainer = make_trainer(tiny_base_dir, tmp_path, **QUICK, max_steps=4, save_steps=1, save_total_limit=5,
                            reward_funcs=[_failing_from(2, _raises)], train_dataset=PROMPTS[:8])
     with pytest.raises(RewardFunctionError, match=r"^step 3/4 stopped: after 2 of 4 optimizer steps: reward function 'flaky_reward' raised.*"
-                                                  r"checkpoint written to .*checkpoint-2; fix the function, then resume: .*resume_from_checkpoint=latest"):
+                                                  r"checkpoint written to .*checkpoint-2; fix the function, then resume: .*resume_from_checkpoint='latest'"):
         trainer.train()
     run = tmp_path / "run"
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]

@@ -56,12 +56,24 @@ def test_all_completions_truncated_warns_when_it_starts():
 
 
 def test_a_kl_jump_of_an_order_of_magnitude_warns_naming_lr_and_beta():
-    got = _run(HealthMonitor(), [_step(kl=0.002), _step(kl=0.005), _step(kl=0.08), _step(kl=0.09)])
-    assert [bool(w) for _, w, _ in got] == [False, False, True, False]
-    text = got[2][1][0]
+    kls = (0.001, 0.002, 0.003, 0.004, 0.002, 0.005, 0.08, 0.09)  # the first 5: the warm-up
+    got = _run(HealthMonitor(), [_step(kl=k) for k in kls])
+    assert [bool(w) for _, w, _ in got] == [False] * 6 + [True, False]
+    text = got[6][1][0]
     assert "jumped to 0.08 in one step, from at most 0.005 over the steps before (×16)" in text
     assert "learning rate" in text and "beta" in text and "completions log" in text
-    assert [m["health/kl_spike"] for _, _, m in got] == [0, 0, 1, 0]
+    assert [m["health/kl_spike"] for _, _, m in got] == [0] * 6 + [1, 0]
+
+
+def test_a_kl_growing_tenfold_from_zero_after_the_start_and_a_sync_is_no_spike_but_a_later_jump_is():
+    # What ordinary toy runs log: ~0 at step 1, ×17 at step 2 (a KL that grows from 0 is tenfold by
+    # construction); a sync sets the reference to the policy, and the KL starts again from ~0.
+    start = [0.0, 0.0167, 0.03, 0.05, 0.06]
+    after_sync = [0.0002, 0.009, 0.02, 0.03, 0.03]
+    steps = [_step(kl=k) for k in start] + [_step(kl=0.07, **{"sync/event": 1.0})] + [_step(kl=k) for k in after_sync]
+    got = _run(HealthMonitor(), steps + [_step(kl=0.9)])  # the planted fault: a jump after the warm-up
+    assert [i for i, w, _ in got if w] == [12]
+    assert "jumped to 0.9 in one step, from at most 0.03" in got[-1][1][0]
 
 
 def test_a_noisy_kl_is_no_spike():

@@ -1,6 +1,7 @@
 """The run directory (run_dir.py): one live run per output_dir, a lock a crashed run cannot leave
 behind for good, and no new run mixed into or written over another run's files."""
 
+import errno
 import json
 import os
 import signal
@@ -187,3 +188,41 @@ def test_the_lock_is_released_when_a_refusal_follows_it(tmp_path):
         with pytest.raises(OutputDirError) as info:
             claim_output_dir(run)
         assert not isinstance(info.value, OutputDirInUse)
+
+
+def test_a_dead_writers_temporary_dirs_go_at_the_next_start_but_never_a_live_runs(tmp_path):
+    run = tmp_path / "run"
+    live = claim_output_dir(run)
+    leftover = run / ".checkpoint-2.k3j9x_"  # what a checkpoint write killed before its rename leaves
+    (leftover / "policy").mkdir(parents=True)
+    (leftover / "policy" / "adapter_model.safetensors").write_bytes(b"half")
+    (run / ".adapter.a81b").mkdir()
+    with pytest.raises(OutputDirInUse):
+        claim_output_dir(run, resume_from="latest")
+    assert leftover.is_dir()  # its writer may still be alive: left alone
+    live.release()
+    with claim_output_dir(run, resume_from="latest") as claim:
+        assert not leftover.exists() and not (run / ".adapter.a81b").exists()
+        assert [n for n in claim.notes if "removed 2 temporary dir(s)" in n and ".checkpoint-2.k3j9x_" in n]
+
+
+@pytest.mark.parametrize("code, why, fix", [
+    (errno.EROFS, "it is on a read-only file system", "give output_dir a writable place"),
+    (errno.EACCES, "this user may not write there", "or fix its permissions"),
+    (errno.ENOSPC, "its disk is full", "free space there"),
+])
+def test_an_output_dir_that_cannot_be_written_is_refused_in_our_words(tmp_path, monkeypatch, code, why, fix):
+    import lora_grpo.run_dir as run_dir
+
+    real_open = run_dir.os.open
+
+    def refuse(path, *args, **kwargs):
+        if str(path).endswith(LOCK_NAME):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_dir.os, "open", refuse)
+    with pytest.raises(OutputDirError, match=rf"^output_dir '{tmp_path}' cannot be used: {why} \(creating "
+                                             rf"{tmp_path / LOCK_NAME} failed: .*\)\. .*{fix}") as info:
+        claim_output_dir(tmp_path)
+    assert info.value.__cause__.errno == code

@@ -11,6 +11,7 @@ from lora_grpo.batch import Batch
 from lora_grpo.stopping import NonFiniteError, TrainingInterrupted
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.config import ConfigError
+from lora_grpo.failures import StepFailed
 from lora_grpo.model import POLICY, REFERENCE
 
 from conftest import PROMPTS, SMALL_RUN, adapter_state, base_state, changed, digit_share, make_trainer
@@ -236,8 +237,9 @@ def test_nonfinite_updates_in_a_row_stop_with_a_clear_error(tiny_base_dir, tmp_p
     real = update_module.grpo_loss
     monkeypatch.setattr(update_module, "grpo_loss", lambda *a, **k: (lambda l, m: (l * float("inf"), m))(*real(*a, **k)))
     before = adapter_state(trainer.model, POLICY)
-    with pytest.raises(NonFiniteError, match=r"NaN/inf for 2 updates in a row .*learning_rate"):
+    with pytest.raises(StepFailed, match=r"the update raised NonFiniteError: .*NaN/inf for 2 updates in a row .*learning_rate") as info:
         trainer.train()
+    assert isinstance(info.value.__cause__, NonFiniteError)
     assert not changed(before, adapter_state(trainer.model, POLICY))
 
 
@@ -264,7 +266,7 @@ def test_a_stop_signal_finishes_the_step_writes_a_checkpoint_and_says_how_to_res
     assert info.value.exit_code == code
     assert trainer.state.global_step == 2 and len(trainer.state.log_history) == 2  # the step in flight finished
     assert info.value.checkpoint == tmp_path / "run" / "checkpoint-2"
-    assert "resume_from_checkpoint=latest" in str(info.value) and signame in capsys.readouterr().out
+    assert "resume_from_checkpoint='latest'" in str(info.value) and signame in capsys.readouterr().out
     assert signal.getsignal(signal.SIGINT) is handler_before  # handlers restored
     resumed = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=5, resume_from_checkpoint="latest")
     assert resumed.train()["steps"] == 5

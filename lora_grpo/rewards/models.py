@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..loading import loading
+
 
 def _texts(tokenizer, prompts: Sequence, completions: Sequence, chat_template_kwargs: dict) -> list[str]:
     texts = []
@@ -80,7 +82,8 @@ class RewardModel:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if isinstance(model, (str, os.PathLike)):
-            model = AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1, **(model_kwargs or {}))
+            with loading("reward model", "model", model):
+                model = AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1, **(model_kwargs or {}))
         source = str(getattr(model.config, "_name_or_path", "") or "")
         if tokenizer is None:
             if not source:
@@ -88,7 +91,8 @@ class RewardModel:
                     "RewardModel: the model has no config._name_or_path to load its tokenizer from; pass "
                     "tokenizer= (the reward model's own tokenizer)"
                 )
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            with loading("reward model", "tokenizer", source):
+                tokenizer = AutoTokenizer.from_pretrained(source)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         # The model reads the reward at the last token that is not padding: it must know the pad id.

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..failures import StepFailed
 from .builtins import _text
 from .specs import reward_names
 
@@ -30,19 +31,20 @@ _BATCH_KEYWORDS = frozenset({"trainer_state", "log_extra", "log_metric", "enviro
 # ---------------------------------------------------------------------------------- failures
 
 
-class RewardFunctionError(RuntimeError, ValueError):
+class RewardFunctionError(StepFailed, ValueError):
     """A reward function failed while scoring: it raised, or returned what the contract does not
     allow (a wrong number of values, a value that is no number, NaN for every completion).
 
     A RuntimeError for a function that raised and a ValueError for bad values alike, so either
     `except` catches it. ``function`` is its name; ``global_step`` the optimizer steps done when it
     failed (``trainer_state.global_step``; None when scored outside a trainer). The trainer catches
-    it to keep the work done so far (a checkpoint) and say how to resume.
+    it to keep the work done so far (a checkpoint) and say how to resume: a failed step's stage
+    "reward" (failures.StepFailed, a RuntimeError).
     """
 
-    def __init__(self, message: str, function: str | None = None, global_step: int | None = None):
-        super().__init__(message)
-        self.function, self.global_step = function, global_step
+    def __init__(self, message: str, function: str | None = None, global_step: int | None = None, checkpoint=None):
+        super().__init__(message, "reward", global_step, checkpoint)
+        self.function = function
 
 
 def _when(columns: Mapping[str, Any]) -> tuple[str, int | None]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..tasks.countdown import countdown_reward
+from ..loading import LoadError
 from .models import RewardModel
 from .builtins import (
     reasoning_accuracy_reward,
@@ -177,7 +178,15 @@ def resolve_reward_funcs(specs: Any, *, context: Mapping[str, Any] | None = None
     """
     if isinstance(specs, (str, Mapping)) or callable(specs):
         specs = [specs]
-    return [_resolve_one(spec, context or {}) for spec in specs]
+    return [in_position(i, spec, lambda spec=spec: _resolve_one(spec, context or {})) for i, spec in enumerate(specs)]
+
+
+def in_position(index: int, spec: Any, build: Callable[[], Callable]) -> Callable:
+    """build(); a reward model that cannot load says which of the reward functions it is (the index, 0-based)."""
+    try:
+        return build()
+    except LoadError as e:
+        raise LoadError(f"reward_funcs[{index}] ({spec!r}): {e}") from e.__cause__
 
 
 # --------------------------------------------------------------------------------- names

@@ -151,6 +151,7 @@ def reward_models(reward_funcs, reward_processing_classes) -> list:
     from transformers import PreTrainedModel
 
     from ..rewards import RewardModel
+    from ..rewards.specs import in_position
 
     funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs is not None else []
     tokenizers = reward_processing_classes
@@ -160,6 +161,6 @@ def reward_models(reward_funcs, reward_processing_classes) -> list:
     for i, fn in enumerate(funcs):
         tokenizer = tokenizers[i] if tokenizers is not None and i < len(tokenizers) else None
         if isinstance(fn, (str, PreTrainedModel)):
-            fn = RewardModel(fn, tokenizer)  # moved to the trainer's device by scorer.RolloutScorer
+            fn = in_position(i, fn, lambda fn=fn, tokenizer=tokenizer: RewardModel(fn, tokenizer))  # to the device in scorer.py
         out.append(fn)
     return out  # none at all: refused in TRL's words unless an environment scores (checks.refuse_as_trl)

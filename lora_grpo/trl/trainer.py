@@ -153,6 +153,7 @@ class GRPOTrainer:
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.model, tokenizer,
                                                 self.native.optimizer, self.native.scheduler)
         self.native.hooks.append(self._on_event)
+        self.native.resume_hint = "trainer.train(resume_from_checkpoint=True)"  # TRL's words, with the same args
         self.native.scorer.trainer_state = self.state  # reward functions see TRL's TrainerState, as in TRL
         self._logged_upto = 0  # native records already averaged into a TRL log record
         self._eval_prefix, self._eval_records = "eval", []  # evaluate()'s metric_key_prefix; its records

@@ -1,0 +1,71 @@
+"""Every `from_pretrained` of a run, with an error that says what was loading and why it could not be.
+
+transformers and peft report a missing model as what went wrong last: offline, a reward model id gives
+"We couldn't connect to 'https://huggingface.co'" with neither the id nor its role; a local path that
+does not exist gives "Repo id must be in the form 'repo_name' ...", which suggests a wrong fix.
+`loading(role, what, path)` wraps one load: a failure inside it becomes a `LoadError` naming the role
+(the policy model, reward function 2's model, ...), what was loading (model, tokenizer, adapter), the
+path, whether it exists locally, and whether the hub could be reached (HF_HUB_OFFLINE, no network),
+with the original error chained.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+_NO_NETWORK = ("couldn't connect", "could not connect", "connection error", "failed to resolve", "name resolution",
+               "network is unreachable", "max retries exceeded", "timed out")
+
+
+class LoadError(OSError):
+    """A model, tokenizer or adapter of the run could not be loaded: the message names it, its role and why."""
+
+
+def hub_offline() -> str | None:
+    """The environment variable that turns the Hugging Face hub off, when one does."""
+    return next((name for name in _OFFLINE_VARIABLES if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")),
+                None)
+
+
+def _chain(error: BaseException):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def explain(role: str, what: str, path, error: BaseException) -> str:
+    """The message for a failed load of `what` (model, tokenizer, adapter) in `role` from `path`."""
+    local = Path(str(path)).expanduser()
+    first = (str(error).strip().splitlines() or [""])[0]
+    message = f"could not load the {role}'s {what} from {str(path)!r}: "
+    if local.exists():
+        message += f"{local} exists locally, but loading it failed ({type(error).__name__}: {first})"
+        if local.is_dir() and not any(local.iterdir()):
+            message += "; the directory is empty"
+        return message
+    looks_local = str(path).startswith((".", "/", "~")) or str(path).count("/") > 1 or os.sep == "\\" and "\\" in str(path)
+    message += "there is no such local path" + (" (it looks like one: is the path right?)" if looks_local else "")
+    offline = hub_offline()
+    text = " ".join(f"{type(e).__name__} {e}" for e in _chain(error)).lower()
+    if offline:
+        message += (f", and {offline} is set, so the Hugging Face hub is not reachable: download it first (without "
+                    f"{offline}) or give a local path")
+    elif any(marker in text for marker in _NO_NETWORK):
+        message += ", and the Hugging Face hub is not reachable (no network?): give a local path, or check the connection"
+    else:
+        message += f"; as a hub id it failed too ({type(error).__name__}: {first}): check the id (and access to it)"
+    return message
+
+
+@contextmanager
+def loading(role: str, what: str, path):
+    """Run one from_pretrained (or peft load) inside: its failure becomes a LoadError (see the module docstring)."""
+    try:
+        yield
+    except (OSError, ValueError) as error:  # what transformers, peft and huggingface_hub raise
+        if isinstance(error, LoadError):
+            raise
+        raise LoadError(explain(role, what, path, error)) from error
