@@ -161,7 +161,7 @@ def cmd_eval(args) -> int:
         load_adapter_weights(trainer.model, adapter, POLICY)
     metrics = trainer.evaluate()  # under torchrun / accelerate launch the processes split the prompts
     if os.environ.get("RANK", "0") == "0":
-        print(f"lora-grpo eval: {what}", file=sys.stderr)
+        print(f"lora-grpo: evaluated {what}", file=sys.stderr)
         print(json.dumps(metrics, indent=2))
     return 0
 

@@ -129,9 +129,9 @@ def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_
     run = tmp_path / "run"
     capsys.readouterr()
     assert main(["eval", str(run / "checkpoint-1"), "--recipe", str(recipe)]) == 0
-    assert f"lora-grpo eval: the policy adapter of checkpoint {run / 'checkpoint-1'}" in capsys.readouterr().err
+    assert f"lora-grpo: evaluated the policy adapter of checkpoint {run / 'checkpoint-1'}" in capsys.readouterr().err
     assert main(["eval", str(run), "--recipe", str(recipe)]) == 0
-    assert f"lora-grpo eval: the final adapter of the run {run}" in capsys.readouterr().err
+    assert f"lora-grpo: evaluated the final adapter of the run {run}" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["eval", str(tmp_path / "empty"), "--recipe", str(recipe)]) == 1
     assert "holds no adapter" in capsys.readouterr().err

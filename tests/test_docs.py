@@ -3,6 +3,7 @@ site), error hints whose commands exist, local modules found from the current di
 subcommand, and the documentation site building without a warning."""
 
 import ast
+import shlex
 import doctest
 import importlib.util
 import inspect
@@ -112,10 +113,12 @@ def test_every_command_an_error_or_help_suggests_parses():
     seen = {" ".join(args) for _, args in commands}
     # the scan finds the hints it must (a config typo, a resume, an unknown recipe, best-model tracking)
     assert {"train --help", "recipes", "eval", "train VALUE"} <= seen, seen
-    assert any(
-        args[:2] == ["train", "toy-addition"] and "resume_from_checkpoint=latest" in args
-        for _, args in commands
-    )
+    # the resume hint is built from the run's own recipe and --set overrides: the one a run prints
+    from lora_grpo.cli import resume_command
+
+    resume = resume_command("toy-addition", ["max_steps=40", "output_dir=runs/a b"])
+    commands.append(("cli.resume_command", shlex.split(resume)[1:]))
+    assert shlex.split(resume)[1:3] == ["train", "toy-addition"] and "resume_from_checkpoint=latest" in resume
     for where, args in commands:
         parser = build_parser()
         try:
