@@ -245,13 +245,15 @@ def plan_memory(
     kept: float = 0.0,
     side_passes: tuple[Callable[[int], None], ...] = (),
     decode_rows: int = 0,
+    estimate: Callable[[int, bool], float] | None = None,
 ) -> MemoryPlan:
     """Choose micro_batch_size and gradient_checkpointing (either may be fixed by the config).
 
     run_pass(m, train): one worst-case pass of m sequences, with backward when train (the caller
     leaves no gradients, optimizer state or RNG change behind); set_checkpointing(on) turns
     recompute on or off; side_passes: other no-grad forwards of m sequences (a reward model's
-    scoring), measured with the pass at every size. rollout: the largest rollout's peak, `kept` included; kept: bytes that stay
+    scoring), measured with the pass at every size. estimate(m, checkpointing): bytes of a pass
+    computed instead of measured (memory_estimate.py: a plan from a model's shapes alone). rollout: the largest rollout's peak, `kept` included; kept: bytes that stay
     allocated between rollouts, under every training pass (decode_memory). Raises
     MemoryBudgetError when one sequence, or the rollout, does not fit.
     """
@@ -274,6 +276,8 @@ def plan_memory(
 
     def measure(on: bool) -> Callable[[int], float]:
         def at(m: int) -> float:
+            if estimate is not None:
+                return estimate(m, on)
             set_checkpointing(on)
             passes = [lambda: run_pass(m, True), lambda: run_pass(m, False), *(lambda f=f: f(m) for f in side_passes)]
             return max(measure_peak(p, device) for p in passes)

@@ -471,3 +471,20 @@ def test_no_forward_of_a_run_takes_more_rows_than_its_plan(tiny_base_dir, tmp_pa
     assert max(eval_rows["decode"]) == 8  # the greedy eval's 20 prompts in parts of the training rollout's 8
     assert len(rows["reward model"]) > len(eval_rows["reward model"])  # the training step scored too
     assert max(rows["forward"]) <= 2 and max(rows["reward model"]) <= 2 and max(rows["decode"]) <= 8
+
+
+def test_the_shape_estimates_count_the_real_models_weights_and_adapters():
+    """memory_estimate's weights and LoRA sizes against a real model's parameters and peft's adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_grpo import memory_estimate
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    real = sum(p.numel() for p in model.parameters()) * 4  # float32, the tied head counted once
+    assert memory_estimate.weight_bytes(config, "none", torch.float32) == real
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    lora = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert memory_estimate.lora_parameters(config, 4) == lora
