@@ -27,7 +27,7 @@ from .adapters import POLICY, policy_parameters, reference_forward, set_training
 from .batch import Batch
 from .config import ConfigError, GRPOConfig
 from .data import PromptBatches, named_eval_sets, process_shard, resolve_datasets, resolve_eval_dataset
-from .device import now, place_model
+from .device import mixed_precision_dtype, now, place_model
 from .evaluation import Evaluator, headline_score
 from .memory import MemoryPlan
 from .model import keep_4bit_weights_fixed, load_model
@@ -94,9 +94,10 @@ class GRPOTrainer:
         # The same seed on every process: the adapters must start identical (sampling has its own
         # per-process generator below).
         seed_everything(config.seed)
-        if model is None:
-            device_map = {"": self.accelerator.device} if self.accelerator.device.type == "cuda" else None
-            model, tokenizer = load_model(config, device_map=device_map)
+        # accelerate's mixed_precision is honoured as torch_dtype bfloat16, or refused by name (device.py)
+        config.torch_dtype = mixed_precision_dtype(self.accelerator.mixed_precision, config.torch_dtype)
+        if model is None:  # on this process's device, the CPU too (use_cpu: not a GPU's)
+            model, tokenizer = load_model(config, device_map={"": self.accelerator.device})
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
         self.model, self.tokenizer = model, tokenizer
