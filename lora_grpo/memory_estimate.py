@@ -32,7 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory import MemoryPlan, decode_memory, optimizer_state_bytes, plan_memory, rollout_shapes
+from .memory import (
+    MemoryPlan,
+    decode_memory,
+    optimizer_state_bytes,
+    plan_memory,
+    rollout_shapes,
+)
 
 GiB = 2**30  # a card's "8 GB" is 8 GiB
 SLACK = 1.2  # the README's stated margin: 20% on top of the plan ...

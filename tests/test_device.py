@@ -179,6 +179,12 @@ def test_accelerates_mixed_precision_is_honoured_as_bfloat16_or_refused_by_name(
 def test_the_trainer_reads_accelerates_mixed_precision(tiny_base_dir, tmp_path, monkeypatch):
     from conftest import make_trainer
 
+    from accelerate.state import AcceleratorState
+
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate launch --mixed_precision fp16` sets
-    with pytest.raises(ValueError, match="mixed_precision=fp16 is not supported"):
-        make_trainer(tiny_base_dir, tmp_path, quantization="none")
+    AcceleratorState._reset_state(reset_partial_state=True)  # accelerate reads it once per process: as a fresh one
+    try:
+        with pytest.raises(ValueError, match="mixed_precision=fp16 is not supported"):
+            make_trainer(tiny_base_dir, tmp_path, quantization="none")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
