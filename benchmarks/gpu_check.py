@@ -24,8 +24,14 @@ number of failed sections.
                resumes it and trains one more step (optimizer state onto the CPU, the CUDA sampling
                state reseeded with one line).
 
+Pass/fail: a section fails when it raises; section 2 also fails when a measured figure exceeds the
+plan's (CUDA: the kept caches above plan.kept, an update's allocated peak over the loaded model above
+plan.need). With --out DIR, summary.json (each section: passed, seconds, findings) and summary.txt
+(one line per section) are written there: what the lent GPU machine returns.
+
     python benchmarks/gpu_check.py            # on one CUDA GPU
     python benchmarks/gpu_check.py --cpu      # a dry run on a CPU with the tiny shape (checks the script)
+    python benchmarks/gpu_check.py --out DIR  # also the summary files
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from _common import QWEN2_SHAPES, MiB, build_qwen2, environment, even_token_shar
 
 RECIPE = "qwen2.5-0.5b-gsm8k-qlora"
 FAILED: list[str] = []
+SUMMARY: dict[str, dict] = {}  # section title → {"passed", "seconds", "findings"}
+FINDINGS: dict = {}  # the running section's findings (what summary.json reports of it)
 
 
 @contextmanager
@@ -53,12 +61,30 @@ def section(title: str):
     """Print the section's header and time; a failure is printed and counted, the run goes on."""
     print(f"\n## {title}", flush=True)
     start = time.perf_counter()
+    FINDINGS.clear()
+    passed = True
     try:
         yield
-    except Exception:  # noqa: BLE001 - one section's failure must not hide the others' findings
+    except Exception as e:  # noqa: BLE001 - one section's failure must not hide the others' findings
         FAILED.append(title)
+        passed = False
+        FINDINGS["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         print(f"FAILED: {title}\n{traceback.format_exc()}", flush=True)
+    SUMMARY[title] = {"passed": passed, "seconds": round(time.perf_counter() - start, 1), "findings": dict(FINDINGS)}
     print(f"({time.perf_counter() - start:.1f} s)", flush=True)
+
+
+def write_summary(out: str, seconds: float) -> None:
+    """summary.json and summary.txt in `out`: the run's verdict, one entry per section."""
+    import json
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    verdict = {"passed": not FAILED, "failed": FAILED, "seconds": round(seconds, 1), "sections": SUMMARY,
+               "torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    (Path(out) / "summary.json").write_text(json.dumps(verdict, indent=2, default=str) + "\n")
+    lines = [f"{'PASS' if v['passed'] else 'FAIL'} {title} ({v['seconds']} s)"
+             + (f": {v['findings']['error']}" if "error" in v["findings"] else "") for title, v in SUMMARY.items()]
+    (Path(out) / "summary.txt").write_text("\n".join(lines + [f"{len(FAILED)} failed, {seconds:.0f} s"]) + "\n")
 
 
 def mib(value) -> str:
@@ -184,6 +210,17 @@ def run_recipe(path: str, device: torch.device, args, out: str):
               f"{mib(update)} | {metrics.get('time/step', float('nan')):.2f} |")
     print("(rollout peak − before: compare with the plan's rollout less the caches already kept at step 2+; "
           "update peak − loaded: compare with kept + optimizer + training pass)")
+    kept = max(row["kept"] for row in rows) if rows else 0
+    updates = [row["update_peak"] - loaded for row in rows if row.get("update_peak") is not None]
+    FINDINGS.update({"kept_caches_mib": kept / MiB, "update_peak_over_loaded_mib": max(updates, default=0) / MiB,
+                     **({} if plan is None else {"plan_kept_mib": plan.kept / MiB, "plan_need_mib": plan.need / MiB,
+                                                 "micro_batch_size": plan.micro_batch_size})})
+    if plan is not None and memory.cuda:  # the thresholds: nothing measured above what the plan said
+        if kept > plan.kept:
+            raise RuntimeError(f"the kept caches ({mib(kept)} MiB) exceed the plan's {mib(plan.kept)} MiB")
+        if updates and max(updates) > plan.need:
+            raise RuntimeError(f"an update's peak ({mib(max(updates))} MiB over the loaded model) exceeds the plan's "
+                               f"need {mib(plan.need)} MiB")
     return trainer, prompts
 
 
@@ -338,6 +375,7 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="a dry run on the CPU with the tiny shape")
     parser.add_argument("--steps", type=int, default=3, help="training steps of section 2")
     parser.add_argument("--budget", type=float, default=450, help="seconds; later sections are skipped past it")
+    parser.add_argument("--out", help="write summary.json and summary.txt to this folder")
     parser.add_argument("--resume-on-cpu", help=argparse.SUPPRESS)  # section 5's subprocess
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -383,6 +421,8 @@ def main() -> int:
                 check_resume(device, args, root)
     print(f"\n{len(FAILED)} section(s) failed{': ' + ', '.join(FAILED) if FAILED else ''}; "
           f"{time.perf_counter() - start:.0f} s in all")
+    if args.out:
+        write_summary(args.out, time.perf_counter() - start)
     return len(FAILED)
 
 

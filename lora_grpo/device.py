@@ -54,15 +54,35 @@ def native_bf16(device: torch.device | None = None) -> bool:
 
 def auto_dtype(device: torch.device | None = None) -> tuple[torch.dtype, str]:
     """torch_dtype 'auto' → (dtype, the reason in words): bfloat16 where the GPU computes it
-    natively, float32 everywhere else. Never float16: nothing here scales the loss, and fp16
-    activations underflow small gradients."""
+    natively, float32 everywhere else, a CPU `device` included (use_cpu on a GPU machine). Never
+    float16: nothing here scales the loss, and fp16 activations underflow small gradients."""
     if not torch.cuda.is_available():
         return torch.float32, "no CUDA device"
+    if device is not None and torch.device(device).type != "cuda":
+        return torch.float32, f"the run is on {torch.device(device).type} (use_cpu)"
     gpu = "ROCm GPU" if torch.version.hip else describe_gpu(device)
     if native_bf16(device):
         return torch.bfloat16, f"native on {gpu}"
     return torch.float32, (f"{gpu} has no native bfloat16 (it would be emulated, slower than float32); float16 "
                            "would need loss scaling, which lora_grpo does not do")
+
+
+def mixed_precision_dtype(mixed_precision: str | None, torch_dtype: str) -> str:
+    """The torch_dtype a run uses under accelerate's `mixed_precision` (`accelerate launch
+    --mixed_precision`, its config file, or ACCELERATE_MIXED_PRECISION). lora_grpo does not autocast:
+    the model computes in torch_dtype. So "bf16" is honoured as torch_dtype bfloat16 (when torch_dtype
+    is auto or bfloat16), and everything else that is not "no" is refused by name (ValueError)."""
+    if mixed_precision in (None, "no"):
+        return torch_dtype
+    if mixed_precision == "bf16" and torch_dtype in ("auto", "bfloat16"):
+        return "bfloat16"
+    if mixed_precision == "bf16":
+        raise ValueError(f"accelerate's mixed_precision=bf16 and torch_dtype={torch_dtype} disagree: lora_grpo does "
+                         "not autocast, the model computes in torch_dtype. Set torch_dtype to bfloat16 (or auto), or "
+                         "launch with --mixed_precision no")
+    raise ValueError(f"accelerate's mixed_precision={mixed_precision} is not supported: lora_grpo does not autocast "
+                     "or scale the loss (the model computes in torch_dtype). Launch with --mixed_precision no (or bf16) "
+                     "and set torch_dtype")
 
 
 def _triton_installed() -> bool:

@@ -1,6 +1,7 @@
 """Evaluation: greedy scores and pass@k over held-out prompts, split across processes.
 
     eval prompts ─► chunks of `batch_prompts` prompts; process p takes chunks p, p + world, ...
+                    (each decoded in parts of at most the training rollout's rows: memory.decode_rows)
                  ─► greedy completion per prompt → every reward function   (eval/<reward>, eval/completion_length)
                  ─► with eval_pass_k: n sampled completions per prompt → c = how many the first
                     reward function scores ≥ eval_correct_threshold       (eval/pass@k)
@@ -8,6 +9,11 @@
                     else one per prompt) → k3 KL of the policy to the base, summed per prompt
                                                                           (eval/kl_to_base)
                  ─► gather every process's per-prompt results, check each prompt came once → metrics
+
+Every forward is sized as the run's are (memory.py plans them): a decode runs at most
+memory.decode_rows(config) sequences at once, the training rollout's count, so with the compiled
+sampler the eval decodes in the training rollout's kept cache (no second cache, no second graph);
+the KL forwards take at most `forward_rows()` sequences (the run's micro_batch_size).
 
 The chunk, not the process, is the unit of work: a chunk's completions depend only on its prompts
 (their padding) and on its own sampling generator, seeded from (seed, chunk index). So the metrics
@@ -36,13 +42,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from .adapters import base_forward, eval_mode
 from .loss import k3_kl
+from .memory import decode_rows
 
 Tensor = torch.Tensor
 
@@ -215,15 +221,17 @@ class Evaluator:
     the prompts' dataset columns, which reset a tool run's environments);
     score(rollout, rows, group_size) → (m·n, F) rewards per function, NaN where one returned None;
     log_probs(micro_batch) → (B, T) per-token log-probs under the active adapter (the trainer's own
-    forward, so eval/kl_to_base uses the training KL's distributions).
+    forward, so eval/kl_to_base uses the training KL's distributions); forward_rows() → the most
+    sequences one such forward may take (the run's micro_batch_size).
 
     The config is read at each call (a test may turn eval_kl_to_base off between two evals).
     """
 
     def __init__(self, config, accelerator, reward_names: Sequence[str], *, model, sample: Callable,
-                 score: Callable, log_probs: Callable):
+                 score: Callable, log_probs: Callable, forward_rows: Callable[[], int]):
         self.config, self.accelerator, self.reward_names = config, accelerator, list(reward_names)
         self.model, self.sample, self.score, self.log_probs = model, sample, score, log_probs
+        self.forward_rows = forward_rows
 
     @torch.no_grad()
     def evaluate(self, dataset, batch_prompts: int = 64) -> dict[str, float]:
@@ -236,21 +244,23 @@ class Evaluator:
         cfg, acc = self.config, self.accelerator
         n = num_eval_samples(cfg.eval_pass_k, cfg.eval_num_samples)
         temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
-        per_decode = max(1, max(batch_prompts, cfg.generation_batch) // max(n, 1))  # prompts per sampled decode
+        rows_at_once = decode_rows(cfg)  # the training rollout's rows: one decode shape for the run
         kl_on_pass_k = cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature  # samples of the policy itself
         results = []
         for chunk, start, stop in eval_chunks(len(dataset), batch_prompts, acc.num_processes, acc.process_index):
             rows = dataset[start:stop]
-            greedy = self.sample(rows["prompt"], 1, 0.0, None, rows)  # draws nothing
-            scores = self.score(greedy, rows, 1)
+            greedy = [(sub, self.sample(sub["prompt"], 1, 0.0, None, sub)) for sub in _parts(rows, rows_at_once)]
+            scores = torch.cat([self.score(rollout, sub, 1) for sub, rollout in greedy])  # greedy draws nothing
+            lengths = torch.cat([rollout.completion_lengths for _, rollout in greedy])
+            calls = None if greedy[0][1].tool_calls is None else torch.cat([r.tool_calls for _, r in greedy])
+            del greedy
             correct, kl = None, []
             if n:
                 # The chunk's own generator: the training sampling stream stays untouched and the
                 # draws do not depend on the process that evaluates the chunk.
                 generator = chunk_generator(cfg.seed, chunk, acc.device)
                 first = []
-                for s in range(0, stop - start, per_decode):
-                    sub = {key: values[s : s + per_decode] for key, values in rows.items()}
+                for sub in _parts(rows, max(1, rows_at_once // n)):
                     sampled = self.sample(sub["prompt"], n, temperature, generator, sub)
                     first.append(self.score(sampled, sub, n)[:, 0])
                     if kl_on_pass_k:
@@ -258,9 +268,9 @@ class Evaluator:
                 correct = count_correct(torch.cat(first), n, cfg.eval_correct_threshold)
             if cfg.eval_kl_to_base and not kl_on_pass_k:  # one sample per prompt, from the chunk's second stream
                 generator = chunk_generator(cfg.seed, chunk, acc.device, stream=1)
-                kl.append(self.kl_to_base(self.sample(rows["prompt"], 1, cfg.temperature, generator, rows), 1))
-            results += prompt_results(start, scores, greedy.completion_lengths, correct, torch.cat(kl) if kl else None,
-                                      greedy.tool_calls)
+                for sub in _parts(rows, rows_at_once):
+                    kl.append(self.kl_to_base(self.sample(sub["prompt"], 1, cfg.temperature, generator, sub), 1))
+            results += prompt_results(start, scores, lengths, correct, torch.cat(kl) if kl else None, calls)
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 
@@ -270,15 +280,23 @@ class Evaluator:
     @torch.no_grad()
     def kl_to_base(self, rollout, group_size: int) -> Tensor:
         """(m, 2) per prompt of the rollout: Σ k3 KL(policy ‖ start) over its group_size sampled
-        completions' tokens, and their number. One forward per rollout under each model, not split
-        by micro_batch_size: the sums must not depend on the process or its memory plan (a CPU
-        matmul may round a row differently in another batch shape)."""
-        mb: dict[str, Any] = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
-                              "completion_length": rollout.completion_ids.shape[1]}
+        completions' tokens, and their number. The forwards take at most forward_rows() sequences
+        each (the run's micro_batch_size, the same on every process: processes take process 0's
+        sizes), as the training log-prob forwards do."""
+        rows, width = self.forward_rows(), rollout.completion_ids.shape[1]
+        ids, attention = rollout.input_ids, rollout.attention_mask
+        parts = [{"input_ids": ids[s : s + rows], "attention_mask": attention[s : s + rows], "completion_length": width}
+                 for s in range(0, ids.shape[0], rows)]
         with eval_mode(self.model):
-            logp = self.log_probs(mb)
+            logp = torch.cat([self.log_probs(mb) for mb in parts])
             with base_forward(self.model):
-                start = self.log_probs(mb)
+                start = torch.cat([self.log_probs(mb) for mb in parts])
         mask = rollout.completion_mask.to(device=logp.device, dtype=torch.float32)
         k3 = k3_kl(logp.float(), start.float()) * mask
         return torch.stack([k3.sum(1), mask.sum(1)], 1).reshape(-1, group_size, 2).sum(1)
+
+
+def _parts(rows: dict[str, list], size: int) -> list[dict[str, list]]:
+    """A chunk's dataset columns cut into consecutive parts of at most `size` prompts."""
+    count = len(next(iter(rows.values())))
+    return [{key: values[s : s + size] for key, values in rows.items()} for s in range(0, count, size)]

@@ -13,16 +13,22 @@ What an optimizer step adds, at its peak, to what is resident once the model is 
   the process's resident set, sampled every 0.5 ms by a thread, from a start where glibc has
   returned freed memory to the OS (malloc_trim), so that the start is the live memory. No
   optimizer step; the gradients are set to None and the RNG states restored by the caller.
-- rollout: all prompts_per_step × G sequences decode at once (and, with an eval dataset, the
-  evaluator's decode batch), estimated from the model's shapes for the sampler decode_mode resolves
+  Every no-grad forward of the run is measured at m too: the log-prob forward at the longest
+  eval prompt (eval/kl_to_base's), and each reward model's scoring forward (side passes). So m is
+  the most rows any forward of the run takes: the eval's and the reward models' forwards are split
+  into micro-batches of micro_batch_size as the training ones are (MemoryPlan.forward_rows).
+- rollout: all generation_batch sequences decode at once, and an eval decodes at most that many
+  rows at once too (decode_rows: the training rollout's row count, or one prompt's eval samples when
+  they are more), estimated from the model's shapes for the sampler decode_mode resolves
   to (a probe decode would take as long as a rollout; decode_memory): eager, the KV cache at full
   length and one layer's copy while it grows; static / compiled, the static cache of
-  cache_length(prompt + completion) slots (up to 2× the length) next to the prefill's cache, which
+  cache_length(prompt + completion) slots (up to 1.5× the length) next to the prefill's cache, which
   both exist while the one is copied into the other; plus the sampler's (N, vocab) float32
   temporaries.
 - kept: what stays allocated between rollouts, under every training pass: the compiled decode's
-  static caches (fast_decode.KEPT_CACHES of the largest shape) and, on CUDA, an estimate of each
-  graph's private pool. 0 for eager and uncompiled static decoding, which free their caches.
+  static cache (one: the run reserves the shape of its largest decode, fast_decode.reserve_shape,
+  and every rollout and eval decodes in it) and, on CUDA, an estimate of its graph's private pool.
+  0 for eager and uncompiled static decoding, which free their caches.
 - optimizer states: AdamW's two float32 moments per policy parameter (one byte each for the
   8-bit optimizers); they appear at the first step.
 
@@ -52,13 +58,12 @@ import torch
 from .device import available_bytes, measure_peak  # how much memory there is and a pass takes: per device
 from .model import set_gradient_checkpointing
 from .rng import rng_state, set_rng_state
-from .rollout.fast_decode import KEPT_CACHES, kv_bytes_per_slot, resolve_decode_mode, static_cache_bytes
+from .rollout.fast_decode import kv_bytes_per_slot, reserve_shape, resolve_decode_mode, static_cache_bytes
 
 MiB = 2**20
 BUSY_TOKENS = 4096  # tokens per pass above which an extra pass costs little next to recompute's ~1/3
 MAX_PROBES = 6  # measured sizes per checkpointing mode
 MAX_GROWTH = 8  # a candidate is at most this many times the largest size known to fit
-EVAL_DECODE_PROMPTS = 64  # evaluation.Evaluator decodes at least this many prompts' samples at once (its batch_prompts)
 
 
 class MemoryBudgetError(RuntimeError):
@@ -81,7 +86,13 @@ class MemoryPlan:
     seconds: float
     largest: dict[bool, int | None] = field(default_factory=dict)  # checkpointing → largest size found to fit
     measured: dict[bool, dict[int, float]] = field(default_factory=dict)  # checkpointing → {m: pass bytes}
-    kept: float = 0.0  # allocated between rollouts, under every pass (the compiled decode's static caches)
+    kept: float = 0.0  # allocated between rollouts, under every pass (the compiled decode's static cache)
+    decode_rows: int = 0  # the most sequences a decode runs at once (training rollout and eval alike)
+
+    @property
+    def forward_rows(self) -> int:
+        """The most sequences any forward takes but a decode's: training, log-prob, eval and reward-model forwards."""
+        return self.micro_batch_size
 
     def fits(self, micro_batch_size: int, gradient_checkpointing: bool) -> bool:
         """Whether sizes chosen elsewhere (a checkpoint's) are known to fit: recompute never needs more."""
@@ -123,18 +134,23 @@ def decode_memory(model_config, shapes: list[tuple[int, int, int]], dtype: torch
     """(peak of the largest rollout, bytes kept between rollouts) for a run whose rollouts decode
     `shapes` = [(sequences, prompt tokens, completion tokens)] with the resolved sampler `mode`.
 
-    Only the compiled sampler keeps memory: up to fast_decode.KEPT_CACHES static caches, bounded
-    here by that many of the largest shape's, and on CUDA each graph's private pool, estimated as
-    the step's (N, vocab) logits in the model's dtype and in float32. A compiled rollout decodes in
-    one of the kept caches, so its peak is what is kept plus its prefill cache and sampler."""
-    caches = [static_cache_bytes(model_config, n, p + c, dtype) for n, p, c in shapes]
+    Only the compiled sampler keeps memory: one static cache of the run's reserved shape (the most
+    rows and the longest prompt + completion of `shapes`: fast_decode.reserve_shape, so every decode
+    runs in it), and on CUDA its graph's private pool, estimated as the step's (rows, vocab) logits
+    in the model's dtype and in float32. A compiled rollout decodes in the kept cache, so its peak is
+    what is kept plus its prefill cache (and one layer of it padded to the cache's rows) and sampler."""
     peaks = [rollout_bytes(model_config, n, p + c, dtype, vocab_size, mode=mode, prompt_length=p) for n, p, c in shapes]
     if mode != "compiled":
         return max(peaks), 0.0
+    rows, needed = max(n for n, _, _ in shapes), max(p + c for _, p, c in shapes)
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    pool = max(n for n, _, _ in shapes) * vocab_size * (itemsize + 4) if device.type == "cuda" else 0
-    kept = KEPT_CACHES * (max(caches) + pool)
-    return kept + max(peak - cache for peak, cache in zip(peaks, caches)), float(kept)
+    pool = rows * vocab_size * (itemsize + 4) if device.type == "cuda" else 0
+    kept = static_cache_bytes(model_config, rows, needed, dtype) + pool
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    slot = kv_bytes_per_slot(model_config, dtype)
+    padded = max(rows * p * slot / cfg.num_hidden_layers for _, p, _ in shapes)
+    own = [peak - static_cache_bytes(model_config, n, p + c, dtype) for peak, (n, p, c) in zip(peaks, shapes)]
+    return kept + max(own) + padded, float(kept)
 
 
 def optimizer_state_bytes(params, optimizer: str) -> float:
@@ -227,12 +243,17 @@ def plan_memory(
     rollout_hint: str,
     device: torch.device,
     kept: float = 0.0,
+    side_passes: tuple[Callable[[int], None], ...] = (),
+    decode_rows: int = 0,
+    estimate: Callable[[int, bool], float] | None = None,
 ) -> MemoryPlan:
     """Choose micro_batch_size and gradient_checkpointing (either may be fixed by the config).
 
     run_pass(m, train): one worst-case pass of m sequences, with backward when train (the caller
     leaves no gradients, optimizer state or RNG change behind); set_checkpointing(on) turns
-    recompute on or off. rollout: the largest rollout's peak, `kept` included; kept: bytes that stay
+    recompute on or off; side_passes: other no-grad forwards of m sequences (a reward model's
+    scoring), measured with the pass at every size. estimate(m, checkpointing): bytes of a pass
+    computed instead of measured (memory_estimate.py: a plan from a model's shapes alone). rollout: the largest rollout's peak, `kept` included; kept: bytes that stay
     allocated between rollouts, under every training pass (decode_memory). Raises
     MemoryBudgetError when one sequence, or the rollout, does not fit.
     """
@@ -255,8 +276,11 @@ def plan_memory(
 
     def measure(on: bool) -> Callable[[int], float]:
         def at(m: int) -> float:
+            if estimate is not None:
+                return estimate(m, on)
             set_checkpointing(on)
-            return max(measure_peak(lambda: run_pass(m, True), device), measure_peak(lambda: run_pass(m, False), device))
+            passes = [lambda: run_pass(m, True), lambda: run_pass(m, False), *(lambda f=f: f(m) for f in side_passes)]
+            return max(measure_peak(p, device) for p in passes)
         return at
 
     room_for_pass = room - kept  # the kept caches sit under every pass
@@ -300,16 +324,20 @@ def plan_memory(
     set_checkpointing(on)
     need = optimizer + max(rollout, kept + measured[on][size])
     return MemoryPlan(size, on, need, budget, available_bytes_, source, rollout, optimizer, tokens,
-                      time.perf_counter() - t0, largest, measured, kept=kept)
+                      time.perf_counter() - t0, largest, measured, kept=kept, decode_rows=decode_rows)
 
 
 # ------------------------------------------------------------------------------ the run's plan
-def probe_pass(update, m: int, train: bool, tokens: tuple[int, int], device: torch.device) -> None:
+def probe_pass(update, m: int, train: bool, tokens: tuple[int, int], device: torch.device,
+               eval_tokens: tuple[int, int] | None = None) -> None:
     """One worst-case micro-batch of m sequences of tokens = (prompt, completion) through the run's
     own loss path (update.PolicyUpdate): `accumulate` with backward (train), or the no-grad
-    log-prob `forward`. The gradients are dropped, no optimizer step; the caller restores the RNG
+    log-prob `forward`, at eval_tokens when longer (eval/kl_to_base's forward over the eval's
+    longest prompt). The gradients are dropped, no optimizer step; the caller restores the RNG
     states and the training flag."""
     vocab = update.model.get_input_embeddings().weight.shape[0]
+    if not train and eval_tokens is not None and sum(eval_tokens) > sum(tokens):
+        tokens = eval_tokens
     mb = worst_case_micro_batch(m, *tokens, vocab, device, old_logp=update.config.num_iterations > 1)
     update.model.train(train)
     if not train:
@@ -323,28 +351,45 @@ def probe_pass(update, m: int, train: bool, tokens: tuple[int, int], device: tor
             p.grad = None
 
 
+def decode_rows(config) -> int:
+    """The most sequences a run decodes at once: the training rollout's generation_batch; an eval
+    decodes in chunks of as many rows (evaluation.Evaluator), or of one prompt's samples when
+    eval_num_samples / max(eval_pass_k) is more."""
+    samples = max(max(config.eval_pass_k or [0]), config.eval_num_samples or 0)
+    return max(config.generation_batch, samples)
+
+
 def rollout_shapes(config, longest_prompt: int, eval_longest_prompt: int | None = None) -> list[tuple[int, int, int]]:
     """[(sequences, prompt tokens, completion tokens)] of the run's largest rollouts: the training
-    rollout (generation_batch sequences), and with an eval dataset the evaluator's decode (at least
-    EVAL_DECODE_PROMPTS prompts' samples, or the generation batch, at once: Evaluator.evaluate)."""
+    rollout (generation_batch sequences), and with an eval dataset the evaluator's decodes
+    (decode_rows sequences at once)."""
     shapes = [(config.generation_batch, longest_prompt, config.max_completion_length)]
     if eval_longest_prompt is not None:
-        n = max(1, max(config.eval_pass_k or [0]), config.eval_num_samples or 0)
-        rows = max(EVAL_DECODE_PROMPTS, config.generation_batch, n)
-        shapes.append((rows, eval_longest_prompt, config.max_completion_length))
+        shapes.append((decode_rows(config), eval_longest_prompt, config.max_completion_length))
     return shapes
 
 
+def reserve_decode_shape(config, model, longest_prompt: int, eval_longest_prompt: int | None = None) -> None:
+    """Reserve the run's largest decode for the compiled sampler (fast_decode.reserve_shape): its
+    training rollouts and evals then share one static cache and one graph, as decode_memory plans."""
+    shapes = rollout_shapes(config, longest_prompt, eval_longest_prompt)
+    reserve_shape(model, max(n for n, _, _ in shapes), max(p + c for _, p, c in shapes))
+
+
 def plan_run_memory(update, *, device: torch.device, num_processes: int, longest_prompt: int,
-                    eval_longest_prompt: int | None = None) -> MemoryPlan:
+                    eval_longest_prompt: int | None = None,
+                    side_passes: tuple[Callable[[int, tuple[int, int]], None], ...] = ()) -> MemoryPlan:
     """micro_batch_size / gradient_checkpointing 'auto' and the preflight for a run: worst-case
     probes (probe_pass) of the longest prompt + max_completion_length through `update`, the run's
     update.PolicyUpdate, next to the rollouts' memory for the sampler the run's decode_mode resolves
-    to (decode_memory; eval_longest_prompt: the eval dataset's longest prompt, None without one).
+    to (decode_memory; eval_longest_prompt: the eval dataset's longest prompt, None without one);
+    side_passes(m, tokens): the reward models' scoring of m worst-case sequences (scorer.RolloutScorer).
     The RNG states and the training flag are restored afterwards. Several processes plan for the
     tightest one and all take process 0's sizes."""
     cfg, model = update.config, update.model
     tokens = (longest_prompt, cfg.max_completion_length)
+    eval_tokens = None if eval_longest_prompt is None else (eval_longest_prompt, cfg.max_completion_length)
+    longest = max([tokens] + ([eval_tokens] if eval_tokens else []), key=sum)
     embeddings = model.get_input_embeddings().weight
     vocab = embeddings.shape[0]
     mode = resolve_decode_mode(cfg.decode_mode, model, device)
@@ -360,11 +405,13 @@ def plan_run_memory(update, *, device: torch.device, num_processes: int, longest
     rng, was_training = rng_state(), model.training
     try:
         plan = plan_memory(
-            lambda m, train: probe_pass(update, m, train, tokens, device), lambda on: set_gradient_checkpointing(model, on),
+            lambda m, train: probe_pass(update, m, train, tokens, device, eval_tokens),
+            lambda on: set_gradient_checkpointing(model, on),
             batch=cfg.step_batch, rollout_sequences=cfg.generation_batch, micro_batch_size=cfg.micro_batch_size,
             gradient_checkpointing=cfg.gradient_checkpointing, budget_fraction=cfg.memory_budget,
             available=available, optimizer=optimizer_state_bytes(update.params, cfg.optimizer),
-            rollout=rollout, kept=kept, tokens=tokens, device=device,
+            rollout=rollout, kept=kept, tokens=tokens, device=device, decode_rows=decode_rows(cfg),
+            side_passes=tuple(lambda m, f=f: f(m, longest) for f in side_passes),
             fix_hint=size_hint + ("" if cfg.quantization == "4bit" else "quantization=4bit (frees the weights' memory); ")
             + f"a smaller lora_r (now {cfg.lora_r}) or logprob_chunk_size (now {cfg.logprob_chunk_size}: the LM head's "
             f"float32 logits are chunk × vocab {vocab}); a smaller model; or free memory / raise memory_budget.",

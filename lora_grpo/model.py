@@ -26,18 +26,20 @@ logger = logging.getLogger(__name__)
 
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
     """The config's torch_dtype as a torch dtype; 'auto' says in one line what it chose and why
-    (device.auto_dtype: bfloat16 only where the GPU computes it natively, else float32)."""
+    (device.auto_dtype: bfloat16 only where the GPU computes it natively, else float32; float32 for
+    a run on the CPU `device`, use_cpu on a GPU machine included)."""
+    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
     if name == "auto":
-        dtype, why = auto_dtype()
+        dtype, why = auto_dtype(device)
         # A GPU without native bf16 gets float32, which the user should know about: a warning there.
-        level = logging.INFO if dtype == torch.bfloat16 or not torch.cuda.is_available() else logging.WARNING
+        level = logging.INFO if dtype == torch.bfloat16 or not on_gpu else logging.WARNING
         logger.log(level, "torch_dtype auto → %s (%s)", str(dtype).removeprefix("torch."), why)
         return dtype
     if name == "float16":
         logger.warning("torch_dtype=float16: there is no loss scaling; prefer bfloat16, or float32 on GPUs without bf16")
-    if name == "bfloat16" and torch.cuda.is_available() and not native_bf16():
+    if name == "bfloat16" and on_gpu and not native_bf16():
         logger.warning("torch_dtype=bfloat16 on %s: emulated, slower than float32; set torch_dtype to float32 or auto",
                        describe_gpu())
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -113,10 +115,12 @@ def load_tokenizer(config: GRPOConfig, model_path: str | None = None):
 
 
 def load_base_model(config: GRPOConfig, model_path: str | None = None, device_map=None) -> nn.Module:
-    """The frozen base causal LM, quantized as configured."""
+    """The frozen base causal LM, quantized as configured, on device_map ({"": device}; None: a
+    quantized base goes to the current GPU when there is one, else everything stays on the CPU)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = resolve_dtype(config.torch_dtype)
+    device = device_map.get("") if isinstance(device_map, dict) else None
+    dtype = resolve_dtype(config.torch_dtype, device)
     kwargs = {}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation

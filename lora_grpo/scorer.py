@@ -6,6 +6,11 @@
 
 The reward functions see `trainer_state`: the run's TrainState (transformers' TrainerState, as TRL
 passes it), or the TRL front door's own.
+
+A reward model (rewards.RewardModel) scores on the run's device, a loaded one (a hub id or path) in
+the run's compute dtype, as TRL loads it with the policy's model_init_kwargs; its forwards take at
+most `forward_rows()` completions each (the run's micro_batch_size), and the memory plan measures
+its scoring forward at every candidate size (probe_passes).
 """
 
 from __future__ import annotations
@@ -36,9 +41,7 @@ class RolloutScorer:
         check_reward_weights(config.reward_weights, len(self.reward_funcs))
         self.weights = None if config.reward_weights is None else list(config.reward_weights)
         self.names = reward_names(self.reward_funcs)
-        for fn in self.reward_funcs:
-            if isinstance(fn, RewardModel):
-                fn.model.to(accelerator.device)  # a reward model scores on the trainer's device
+        self.forward_rows: Callable[[], int] | None = None  # the run's micro_batch_size, set by the trainer
         self.trainer_state = trainer_state  # what reward functions get as trainer_state
         self.extra: dict[str, list] = {}  # log_extra's columns of the last scoring (for completions.jsonl)
         self.logged: dict[str, list[float]] = {}  # log_metric's values of the last scoring
@@ -61,12 +64,45 @@ class RolloutScorer:
         if self.environments() is not None:
             columns["environments"] = self.environments()
         self.extra, self.logged = {}, {}
+        if self.forward_rows is not None:  # a reward model's forwards are sized as the run's others
+            rows = self.forward_rows()
+            for fn in self.reward_models:
+                fn.batch_size = min(fn.requested_batch_size, rows)
         columns["log_extra"] = lambda column, values: self.extra.setdefault(column, []).extend(values)
         columns["log_metric"] = lambda name, value: self.logged.setdefault(name, []).append(float(value))
         rewards, per_func, metrics = compute_rewards(self.reward_funcs, prompts, completions, columns,
                                                      weights=self.weights)
         self.completions = completions  # as the reward functions saw them (completions.jsonl keeps the conversation)
         return rewards, per_func, {**metrics, **{k: sum(v) / len(v) for k, v in self.logged.items()}}
+
+    def place_reward_models(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Each reward model onto the run's device; one loaded from a path (not the caller's object)
+        also into the run's compute dtype, in the same move (no float32 copy on the GPU first)."""
+        for fn in self.reward_models:
+            fn.model.to(device, **({"dtype": dtype} if getattr(fn, "loaded", False) else {}))
+
+    @property
+    def reward_models(self) -> list[RewardModel]:
+        for fn in self.reward_funcs:
+            if isinstance(fn, RewardModel) and not hasattr(fn, "requested_batch_size"):
+                fn.requested_batch_size = fn.batch_size  # what the user asked for: the cap over the run's size
+        return [fn for fn in self.reward_funcs if isinstance(fn, RewardModel)]
+
+    def probe_passes(self) -> tuple[Callable[[int, tuple[int, int]], None], ...]:
+        """For the memory plan: each reward model's scoring forward of m worst-case sequences of
+        (prompt, completion) tokens (the policy tokenizer's count, capped at the reward model's
+        context), no grad."""
+        def probe(fn: RewardModel) -> Callable[[int, tuple[int, int]], None]:
+            def run(m: int, tokens: tuple[int, int]) -> None:
+                config = fn.model.config
+                limit = getattr(config.get_text_config(), "max_position_embeddings", None) or sum(tokens)
+                length = min(sum(tokens), limit)
+                vocab = fn.model.get_input_embeddings().weight.shape[0]
+                ids = (torch.arange(m * length, device=fn.model.device) % vocab).view(m, length)
+                with torch.no_grad():
+                    fn.model.eval()(input_ids=ids, attention_mask=torch.ones_like(ids))
+            return run
+        return tuple(probe(fn) for fn in self.reward_models)
 
     def advantages(self, rollout, rows: dict[str, list]) -> tuple[Tensor, dict[str, float]]:
         """Rewards → group-relative advantages (B,), with the step's reward and completion metrics."""

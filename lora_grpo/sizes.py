@@ -2,21 +2,29 @@
 'auto' (the start-up memory probe, memory.plan_run_memory), and what a resume keeps of a checkpoint's.
 
 The probe runs once, when training starts (or when a size is first needed); a trainer that only
-evaluates never probes. The sizes in use live in the TrainState (saved in checkpoints).
+evaluates never probes, and its forwards take at most UNPLANNED_FORWARD_ROWS sequences. The sizes in
+use live in the TrainState (saved in checkpoints). The run's largest decode shape is reserved for the
+compiled sampler here too (memory.reserve_decode_shape), so rollouts and evals share one cache.
 """
 
 from __future__ import annotations
 
-from .memory import MemoryPlan, plan_run_memory, resume_sizes
+from .memory import MemoryPlan, plan_run_memory, reserve_decode_shape, resume_sizes
 from .model import set_gradient_checkpointing
+
+UNPLANNED_FORWARD_ROWS = 8  # sequences per eval / reward-model forward of a trainer that only evaluates ('auto', no probe)
 
 
 class RunSizes:
-    """update: the run's update.PolicyUpdate (what the probe measures); state: its TrainState."""
+    """update: the run's update.PolicyUpdate (what the probe measures); state: its TrainState;
+    side_passes: the reward models' scoring forwards (scorer.RolloutScorer.probe_passes), planned too."""
 
-    def __init__(self, config, update, accelerator, state, longest_prompt: int, eval_longest_prompt: int | None = None):
+    def __init__(self, config, update, accelerator, state, longest_prompt: int, eval_longest_prompt: int | None = None,
+                 side_passes: tuple = ()):
         self.config, self.update, self.accelerator, self.state = config, update, accelerator, state
         self.longest_prompt, self.eval_longest_prompt = longest_prompt, eval_longest_prompt
+        self.side_passes = side_passes
+        reserve_decode_shape(config, update.model, longest_prompt, eval_longest_prompt)
         self.plan: MemoryPlan | None = None
         self._planned = False
 
@@ -28,7 +36,7 @@ class RunSizes:
             if cfg.micro_batch_size == "auto" or cfg.gradient_checkpointing == "auto":
                 self.plan = plan_run_memory(self.update, device=self.accelerator.device,
                                             num_processes=self.accelerator.num_processes, longest_prompt=self.longest_prompt,
-                                            eval_longest_prompt=self.eval_longest_prompt)
+                                            eval_longest_prompt=self.eval_longest_prompt, side_passes=self.side_passes)
                 self.state.micro_batch_size = self.plan.micro_batch_size
                 self.state.gradient_checkpointing = self.plan.gradient_checkpointing
         return self.plan
@@ -38,6 +46,14 @@ class RunSizes:
         if self.state.micro_batch_size == "auto":
             self.make_plan()
         return self.state.micro_batch_size
+
+    @property
+    def forward_rows(self) -> int:
+        """The most sequences a forward other than the decode's takes (eval/kl_to_base's, a reward
+        model's scoring): micro_batch_size when it is known (fixed, planned or resumed), without
+        probing; UNPLANNED_FORWARD_ROWS (at most the step's batch) for an 'auto' trainer that only evaluates."""
+        size = self.state.micro_batch_size
+        return size if size != "auto" else min(UNPLANNED_FORWARD_ROWS, self.config.step_batch)
 
     @property
     def gradient_checkpointing(self) -> bool:

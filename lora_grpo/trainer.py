@@ -27,7 +27,7 @@ from .adapters import POLICY, policy_parameters, reference_forward, set_training
 from .batch import Batch
 from .config import ConfigError, GRPOConfig
 from .data import PromptBatches, named_eval_sets, process_shard, resolve_datasets, resolve_eval_dataset
-from .device import now, place_model
+from .device import mixed_precision_dtype, now, place_model
 from .evaluation import Evaluator, headline_score
 from .failures import LastFinishedStep, StepFailed, describe_stages, stage, stages_of
 from .memory import MemoryPlan
@@ -120,15 +120,17 @@ class GRPOTrainer:
         # The same seed on every process: the adapters must start identical (sampling has its own
         # per-process generator below).
         seed_everything(config.seed)
-        if model is None:
-            device_map = {"": self.accelerator.device} if self.accelerator.device.type == "cuda" else None
-            model, tokenizer = load_model(config, device_map=device_map)
+        # accelerate's mixed_precision is honoured as torch_dtype bfloat16, or refused by name (device.py)
+        config.torch_dtype = mixed_precision_dtype(self.accelerator.mixed_precision, config.torch_dtype)
+        if model is None:  # on this process's device, the CPU too (use_cpu: not a GPU's)
+            model, tokenizer = load_model(config, device_map={"": self.accelerator.device})
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
         self.model, self.tokenizer = model, tokenizer
         keep_4bit_weights_fixed(model)  # also for a model the caller built (see model.py)
         set_training(model, False)  # eval mode between updates, where sampling and log-probs run (adapters.train_mode)
         place_model(self.model, self.accelerator.device)  # moves a plain model; refuses a quantized one on another device
+        self.scorer.place_reward_models(self.accelerator.device, model.get_input_embeddings().weight.dtype)
         self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
             config.seed + 1000 * self.accelerator.process_index
         )
@@ -172,7 +174,8 @@ class GRPOTrainer:
         lengths = self.prompt_lengths
         eval_longest = [lengths[label].longest for label in eval_set_labels(self.eval_dataset)]
         self.sizes = RunSizes(config, self.update, self.accelerator, self.state, lengths["train_dataset"].longest,
-                              max(eval_longest) if eval_longest else None)
+                              max(eval_longest) if eval_longest else None, side_passes=self.scorer.probe_passes())
+        self.scorer.forward_rows = lambda: self.sizes.forward_rows  # a reward model's forwards: the run's rows
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
         self.reporter = RunReporter(config, self.accelerator, self.reward_names, self.total_steps)
@@ -180,7 +183,7 @@ class GRPOTrainer:
             config, self.accelerator, self.reward_names, model=self.model,
             sample=self.generate,
             score=lambda rollout, rows, n: self.scorer.rewards(rollout, rows, n)[1],
-            log_probs=lambda mb: self.update.forward(mb)[0],
+            log_probs=lambda mb: self.update.forward(mb)[0], forward_rows=lambda: self.sizes.forward_rows,
         )
         self.hooks: list[Callable[..., None]] = []  # named points of the loop call hook(event, trainer, **payload)
         self.stop_requested = False  # set by a hook (a callback's should_training_stop): the run ends after this step

@@ -135,3 +135,56 @@ def test_place_model_refuses_a_model_spread_over_devices():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
     with pytest.raises(ValueError, match=r"spread over cpu, meta.*trains on one device"):
         place_model(model, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------ use_cpu, mixed_precision
+# Failed before the fix: use_cpu on a GPU machine loaded a 4-bit base onto cuda:0 (then refused it), and
+# torch_dtype auto picked the GPU's bfloat16 for the CPU run.
+def test_use_cpu_on_a_gpu_machine_gets_float32_and_the_cpu_device_map(gpu, monkeypatch, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from lora_grpo import GRPOConfig
+    from lora_grpo.model import load_base_model
+
+    gpu("NVIDIA H200")
+    assert auto_dtype(torch.device("cpu"))[0] == torch.float32 and auto_dtype(CUDA)[0] == torch.bfloat16
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.model"):
+        assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert not caplog.records  # float32 on the CPU is no GPU's slow path: nothing to warn about
+    passed = {}
+
+    def from_pretrained(path, **kwargs):
+        passed.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    config = GRPOConfig(model_name_or_path="some/model", quantization="4bit", use_cpu=True)
+    with pytest.raises(RuntimeError, match="stop here"):
+        load_base_model(config, device_map={"": torch.device("cpu")})  # what the trainer passes under use_cpu
+    assert passed["device_map"] == {"": torch.device("cpu")} and passed["dtype"] == torch.float32
+    assert passed["quantization_config"].bnb_4bit_compute_dtype == torch.float32
+
+
+def test_accelerates_mixed_precision_is_honoured_as_bfloat16_or_refused_by_name():
+    from lora_grpo.device import mixed_precision_dtype
+
+    assert mixed_precision_dtype("no", "auto") == "auto" and mixed_precision_dtype(None, "float32") == "float32"
+    assert mixed_precision_dtype("bf16", "auto") == mixed_precision_dtype("bf16", "bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="mixed_precision=bf16 and torch_dtype=float32 disagree"):
+        mixed_precision_dtype("bf16", "float32")
+    with pytest.raises(ValueError, match="mixed_precision=fp16 is not supported.*--mixed_precision no"):
+        mixed_precision_dtype("fp16", "auto")
+
+
+def test_the_trainer_reads_accelerates_mixed_precision(tiny_base_dir, tmp_path, monkeypatch):
+    from conftest import make_trainer
+
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate launch --mixed_precision fp16` sets
+    AcceleratorState._reset_state(reset_partial_state=True)  # accelerate reads it once per process: as a fresh one
+    try:
+        with pytest.raises(ValueError, match="mixed_precision=fp16 is not supported"):
+            make_trainer(tiny_base_dir, tmp_path, quantization="none")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

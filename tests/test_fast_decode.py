@@ -208,9 +208,11 @@ def test_only_compiled_decoding_keeps_its_static_caches(tok, monkeypatch):
     # exactly the bytes the memory plan counts for it (prompts of at most 15 tokens + 10: 64 slots)
     assert fast_decode.kept_cache_bytes(model) == fast_decode.static_cache_bytes(model.config, len(PROMPTS) * 3, 25,
                                                                                   torch.float32)
-    rollout(model, tok, "compiled", max_new=60)  # other cache lengths (128, 256 slots): at most KEPT_CACHES kept
-    rollout(model, tok, "compiled", max_new=120)
-    assert len(fast_decode._state(model).caches) == fast_decode.KEPT_CACHES
+    rollout(model, tok, "compiled", max_new=60)  # a longer cache (96 slots) replaces the one it holds
+    assert [key[:2] for key in fast_decode._state(model).caches] == [(12, 96)]
+    # fewer rows, shorter: decoded in the kept cache (6 rows of 12, 64 of 96 slots needed), the same draws
+    assert_same_rollout(rollout(model, tok, "compiled", max_new=10, G=2), rollout(model, tok, "eager", max_new=10, G=2))
+    assert [key[:2] for key in fast_decode._state(model).caches] == [(12, 96)]
 
 
 # Failed before the fix (defect 2): after a failed compile the run decoded eagerly for good, but the
@@ -272,7 +274,9 @@ def test_config_decode_mode():
 
 
 def test_cache_length_buckets():
-    assert [fast_decode.cache_length(n) for n in (1, 64, 65, 128, 129, 700)] == [64, 64, 128, 128, 256, 1024]
+    # powers of two and 1.5x them: attention over at most 1.5x the slots needed
+    assert [fast_decode.cache_length(n) for n in (1, 64, 65, 96, 97, 128, 129, 700, 769)] == [
+        64, 64, 96, 96, 128, 128, 192, 768, 1024]
 
 
 def test_trainer_passes_decode_mode_to_the_rollout(tiny_base_dir, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import adapter_state, assert_same_adapters, make_trainer
+from conftest import PROMPTS, adapter_state, assert_same_adapters, digit_share, make_trainer
 
 from lora_grpo import GRPOConfig
 from lora_grpo import memory
@@ -297,18 +297,21 @@ def test_a_static_rollout_takes_what_the_plan_says_within_15_percent_and_frees_i
     assert device._PeakRss().rss() - before < 0.1 * cache  # nothing stays after an uncompiled static rollout
 
 
-def test_the_runs_plan_counts_the_compiled_decodes_kept_caches_and_the_eval_rollout(tiny_base_dir, tmp_path):
+def test_the_runs_plan_counts_one_kept_cache_that_the_eval_decodes_share(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", decode_mode="compiled", **AUTO)
     plan = trainer.plan_memory()
     cfg, cpu = trainer.config, torch.device("cpu")
     one = fast_decode.static_cache_bytes(trainer.model.config, cfg.generation_batch, sum(plan.tokens), torch.float32)
-    assert plan.kept == fast_decode.KEPT_CACHES * one and plan.need >= plan.kept + plan.measured[False][8]
+    assert plan.kept == one and plan.need >= plan.kept + plan.measured[False][8]
+    assert plan.decode_rows == cfg.generation_batch == 8
     assert "MiB of it the compiled decode's kept caches" in plan.describe(True, True)
+    # An eval in the run decodes in chunks of the training rollout's 8 rows, prompts up to 5 tokens longer:
+    # still one cache, of the longer length (the run reserves it: training rollouts decode in it too).
     with_eval = memory.plan_run_memory(trainer.update, device=cpu, num_processes=1, longest_prompt=plan.tokens[0],
-                                       eval_longest_prompt=plan.tokens[0])
-    rows = memory.EVAL_DECODE_PROMPTS  # the evaluator decodes 64 prompts at once, more than the 8 training sequences
-    assert with_eval.kept == fast_decode.KEPT_CACHES * fast_decode.static_cache_bytes(
-        trainer.model.config, rows, sum(plan.tokens), torch.float32)
+                                       eval_longest_prompt=plan.tokens[0] + 5)
+    assert with_eval.kept == fast_decode.static_cache_bytes(trainer.model.config, 8, sum(plan.tokens) + 5, torch.float32)
+    trainer.config.eval_pass_k = [12]  # one prompt's 12 samples are decoded together: 12 rows
+    assert memory.decode_rows(trainer.config) == 12
     trainer.config.decode_mode = "static"  # uncompiled: nothing kept
     assert memory.plan_run_memory(trainer.update, device=cpu, num_processes=1, longest_prompt=plan.tokens[0]).kept == 0
 
@@ -423,3 +426,65 @@ def test_resume_with_auto_is_exact_and_keeps_the_checkpoints_sizes(tiny_base_dir
     other.micro_batch_size = 2
     other.load_checkpoint(tmp_path / "a" / "run" / "checkpoint-2")
     assert other.micro_batch_size == full.micro_batch_size == 8
+
+
+# Failed before the fix: eval/kl_to_base ran one forward over a whole eval decode (8 rows here, 64 by
+# default), the greedy eval decoded all 20 prompts at once, and a reward model scored 32 completions per
+# forward: none of them in the plan, which sized only the training forwards.
+def test_no_forward_of_a_run_takes_more_rows_than_its_plan(tiny_base_dir, tmp_path):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    from lora_grpo.rewards import RewardModel
+
+    tok = AutoTokenizer.from_pretrained(tiny_base_dir)
+    torch.manual_seed(0)
+    scorer = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, num_labels=1, pad_token_id=tok.pad_token_id))
+    reward_model = RewardModel(scorer, tok)  # batch_size 32 by default
+    trainer = make_trainer(tiny_base_dir, tmp_path, reward_funcs=(digit_share, reward_model), eval_dataset=PROMPTS[:20],
+                           quantization="none", micro_batch_size=2, gradient_checkpointing="auto", eval_pass_k=[2])
+    plan = trainer.plan_memory()
+    assert (plan.forward_rows, plan.decode_rows) == (2, trainer.config.generation_batch) == (2, 8)
+    rows = {"decode": [], "forward": [], "reward model": []}
+
+    def record(kind):
+        def hook(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            rows[kind(kwargs) if callable(kind) else kind].append(ids.shape[0])
+        return hook
+
+    body = trainer.model.get_base_model().model  # every policy forward: decode, log-probs, loss
+    handles = [body.register_forward_pre_hook(record(lambda kw: "decode" if kw.get("use_cache") else "forward"),
+                                              with_kwargs=True),
+               scorer.model.register_forward_pre_hook(record("reward model"), with_kwargs=True)]
+    try:
+        metrics = trainer.evaluate()
+        assert "eval/kl_to_base" in metrics and "eval/pass@2" in metrics
+        eval_rows = {kind: list(found) for kind, found in rows.items()}
+        trainer.training_step(trainer.train_dataset[:2])
+    finally:
+        for handle in handles:
+            handle.remove()
+    for kind, found in eval_rows.items():  # the eval did every kind of forward, at the planned rows at most
+        assert found and max(found) <= (plan.decode_rows if kind == "decode" else plan.forward_rows), (kind, found)
+    assert max(eval_rows["decode"]) == 8  # the greedy eval's 20 prompts in parts of the training rollout's 8
+    assert len(rows["reward model"]) > len(eval_rows["reward model"])  # the training step scored too
+    assert max(rows["forward"]) <= 2 and max(rows["reward model"]) <= 2 and max(rows["decode"]) <= 8
+
+
+def test_the_shape_estimates_count_the_real_models_weights_and_adapters():
+    """memory_estimate's weights and LoRA sizes against a real model's parameters and peft's adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_grpo import memory_estimate
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    real = sum(p.numel() for p in model.parameters()) * 4  # float32, the tied head counted once
+    assert memory_estimate.weight_bytes(config, "none", torch.float32) == real
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    lora = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert memory_estimate.lora_parameters(config, 4) == lora

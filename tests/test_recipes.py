@@ -76,3 +76,50 @@ def test_the_clones_recipes_directory_links_to_the_shipped_recipes():
         link = root / "recipes" / f"{name}.yaml"
         assert link.is_symlink() and link.resolve() == Path(str(resource)).resolve(), link
     assert sorted(p.stem for p in (root / "recipes").glob("*.yaml")) == list(SHIPPED)
+
+
+# The hub configs' sizes (each model's config.json on the hub), written out: nothing is downloaded.
+HUB_SHAPES = {
+    "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", dict(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                                 hidden_size=896, intermediate_size=4864, vocab_size=151936)),
+    "Qwen/Qwen2.5-1.5B-Instruct": ("qwen2", dict(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                                 hidden_size=1536, intermediate_size=8960, vocab_size=151936)),
+    "HuggingFaceTB/SmolLM2-360M-Instruct": ("llama", dict(num_hidden_layers=32, num_attention_heads=15,
+                                                          num_key_value_heads=5, hidden_size=960, intermediate_size=2560,
+                                                          vocab_size=49152)),
+}
+
+
+def hub_config(name):
+    from transformers import LlamaConfig, Qwen2Config
+
+    kind, sizes = HUB_SHAPES[name]
+    return {"qwen2": Qwen2Config, "llama": LlamaConfig}[kind](tie_word_embeddings=True, **sizes)
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_recipe_memory_figure_is_the_plan_computed_from_the_models_shapes(name):
+    """The header's figure is the plan (lora_grpo.memory_estimate) of the recipe's own settings on the hub
+    model's shapes, bf16 with the compiled decode, at the smallest sizes; with the README's margin (20% slack,
+    a 0.5 GiB CUDA context) it fits the GPU the header names, and the start-up preflight on that card passes
+    with 'auto' sizes. A pre-Ampere card of that size (auto: float32, eager decode) fits too."""
+    import re
+
+    import torch
+
+    from lora_grpo.memory_estimate import GiB, recipe_floor, run_memory
+
+    text = SHIPPED[name].read_text()
+    with recipe_file(name) as path:
+        config = GRPOConfig.from_yaml(path)
+    assert config.torch_dtype == "auto"  # bf16 only where the GPU computes it natively
+    gpu = int(re.search(r"(\d+) GB GPU", text.splitlines()[0]).group(1)) * GiB
+    model = hub_config(config.model_name_or_path)
+    floor = recipe_floor(config, model, gpu)
+    stated = re.search(r"GPU memory ≈ ([\d.]+) GiB", text)
+    assert stated, "the header states the computed figure as 'GPU memory ≈ X GiB'"
+    assert float(stated.group(1)) == round(floor.total / GiB, 1)
+    assert floor.total <= gpu and floor.plan.kept > 0  # the compiled decode's cache is in it
+    auto = run_memory(config, model, gpu)  # raises MemoryBudgetError where the preflight would refuse
+    assert auto.plan.micro_batch_size >= 1
+    assert recipe_floor(config, model, gpu, dtype=torch.float32, mode="eager").total <= gpu

@@ -81,7 +81,8 @@ class RewardModel:
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if isinstance(model, (str, os.PathLike)):
+        self.loaded = isinstance(model, (str, os.PathLike))  # loaded here: a trainer may cast it to the run's dtype
+        if self.loaded:
             with loading("reward model", "model", model):
                 model = AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1, **(model_kwargs or {}))
         source = str(getattr(model.config, "_name_or_path", "") or "")

@@ -15,12 +15,15 @@ can go the other way.
 
 What is kept per model (as an attribute, so it lives and dies with the model): the compiled
 forward (torch.compile caches one graph per shape; see :func:`cache_length` for why shapes are
-few), and, for compiled decoding only, the last KEPT_CACHES static caches: CUDA graphs read the
-cache at fixed addresses, so a compiled step reuses them on every rollout. That memory stays
-allocated between rollouts, and the memory plan counts it (memory.decode_memory, from
-:func:`static_cache_bytes`). An uncompiled static rollout frees its cache when it ends. Once
-compilation has failed, why (logged once): every later rollout is eager, and what the compiled
-path kept is freed.
+few), and, for compiled decoding only, its static caches: CUDA graphs read the cache at fixed
+addresses, so a compiled step reuses them on every rollout. A compiled decode of N rows and L slots
+runs in the smallest kept cache of at least N rows and L slots (the extra rows decode a pad token,
+their logits unused); a run reserves its largest decode's shape up front (:func:`reserve_shape`), so
+its training rollouts and its evals share one cache and one graph. A new cache that holds a kept
+one's shape replaces it; at most KEPT_CACHES stay. That memory stays allocated between rollouts, and
+the memory plan counts it (memory.decode_memory, from :func:`static_cache_bytes`). An uncompiled
+static rollout frees its cache when it ends. Once compilation has failed, why (logged once): every
+later rollout is eager, and what the compiled path kept is freed.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from ..device import compile_pays
 
 logger = logging.getLogger(__name__)
 
-# A compiled step keeps the caches of this many (rows, slots) shapes: a training rollout and an eval rollout.
+# A compiled step keeps at most this many static caches (a run reserves one shape: reserve_shape; a
+# decode larger than it, an evaluate() of longer prompts, adds a second).
 KEPT_CACHES = 2
 _STATE_ATTR = "_lora_grpo_fast_decode"
 # The samplers generate_rollout offers (config.DECODE_MODES repeats the names; config imports no torch).
@@ -44,12 +48,16 @@ DECODE_MODES = ("auto", "eager", "static", "compiled")
 
 
 def cache_length(needed: int) -> int:
-    """Slots of the static cache for ``needed`` = prompt width + max new tokens: the next power of
-    two, at least 64. Prompt widths change from batch to batch, and every new cache length is a new
-    graph to compile (tens of seconds; past torch's recompile limit, 8 by default, dynamo runs the
-    step uncompiled); buckets keep them to a handful, at the price of attention over at most 2× the
-    slots (masked, so the result is unchanged)."""
-    return max(64, 1 << (needed - 1).bit_length())
+    """Slots of the static cache for ``needed`` = prompt width + max new tokens: the next of
+    64, 96, 128, 192, 256, 384, ... (powers of two and 1.5× them). Prompt widths change from batch to
+    batch, and every new cache length is a new graph to compile (tens of seconds; past torch's
+    recompile limit, 8 by default, dynamo runs the step uncompiled); buckets keep them to a handful
+    (a run reserves one: :func:`reserve_shape`), at the price of attention over at most 1.5× the
+    slots (masked, so the result is unchanged) and of that much more cache memory."""
+    if needed <= 64:
+        return 64
+    power = 1 << (needed - 1).bit_length()  # the next power of two, ≥ needed
+    return power * 3 // 4 if power * 3 // 4 >= needed else power
 
 
 def kv_bytes_per_slot(model_config, dtype: torch.dtype) -> int:
@@ -84,6 +92,22 @@ class _ModelState:
         self.failed: str | None = None  # why fast decoding is off for this model (see unavailable)
         self.checked = False  # whether _unsupported ran
         self.auto: str | None = None  # what decode_mode 'auto' chose (said once)
+        self.reserved: tuple[int, int] = (0, 0)  # (rows, slots) every compiled cache has at least (reserve_shape)
+
+
+def reserve_shape(model, rows: int, needed: int) -> None:
+    """Make every compiled decode of `model` run in a static cache of at least `rows` rows and
+    cache_length(`needed`) slots (needed = prompt + new tokens): a run's largest decode, so that its
+    training rollouts and evals, whatever their prompt widths and row counts, share one cache and
+    one CUDA graph instead of one per shape (each a recompile, and gigabytes of KV kept)."""
+    _state(model).reserved = (int(rows), cache_length(int(needed)))
+
+
+def cache_shape(model, rows: int, needed: int) -> tuple[int, int]:
+    """(rows, slots) of the static cache a compiled decode of `rows` sequences of `needed` tokens
+    allocates when no kept cache holds it: the shape asked for, raised to the reserved one."""
+    reserved = _state(model).reserved
+    return max(rows, reserved[0]), max(cache_length(needed), reserved[1])
 
 
 def _state(model) -> _ModelState:
@@ -214,34 +238,55 @@ class StaticDecoder:
         self.forward = _one_token_forward(self.model)
         N, P = attention_mask.shape
         self.slot = P  # the cache slot the next token is written to, the same for every row
-        L = cache_length(P + max_new)
+        self.rows = N  # the decode's rows; the cache may hold more (a kept cache of a larger shape)
         compiled = compiled and self.state.failed is None
         # Only a compiled step keeps its cache (CUDA graphs' fixed addresses); this decoder owns an
-        # uncompiled one, freed with it when the rollout ends.
-        self.cache = self._static_cache(prefill_cache, N, L, keep=compiled)
-        self.attn = torch.zeros((N, L), dtype=attention_mask.dtype, device=attention_mask.device)
-        self.attn[:, :P] = attention_mask
+        # uncompiled one, of exactly its shape, freed with it when the rollout ends.
+        self.cache, R, L = self._static_cache(prefill_cache, N, P + max_new, keep=compiled)
+        self.attn = torch.zeros((R, L), dtype=attention_mask.dtype, device=attention_mask.device)
+        self.attn[:N, :P] = attention_mask
+        self.attn[N:, 0] = 1  # rows beyond the decode's attend to one (zero) slot: finite, and unused
         self.compiled = self._compiled() if compiled else None
 
     # ------------------------------------------------------------------ setup
-    def _static_cache(self, prefill_cache, N: int, L: int, *, keep: bool):
+    def _static_cache(self, prefill_cache, N: int, needed: int, *, keep: bool):
+        """(cache, its rows R ≥ N, its slots L), slots [0, P) holding the prefill's keys and values
+        (zeros in rows N..R). Kept (compiled): the smallest kept cache of at least N rows and
+        cache_length(needed) slots, else a new one of cache_shape(...), which replaces the kept
+        caches it holds."""
         from transformers import StaticCache
 
         layers = prefill_cache.layers
         first = layers[0].keys
-        key = (N, L, first.dtype, first.device)
-        cache = self.state.caches.pop(key, None) if keep else None
+        caches = self.state.caches
+        cache = None
+        if keep:
+            fits = [key for key in caches if key[2:] == (first.dtype, first.device) and key[0] >= N
+                    and key[1] >= cache_length(needed)]
+            if fits:
+                key = min(fits, key=lambda k: k[0] * k[1])
+                cache = caches.pop(key)
+                cache.reset()  # same buffers (same addresses for CUDA graphs), zeroed, slot 0
+            else:
+                R, L = cache_shape(self.owner, N, needed)
+                key = (R, L, first.dtype, first.device)
+                for held in [k for k in caches if k[2:] == key[2:] and k[0] <= R and k[1] <= L]:
+                    del caches[held]  # the new cache serves whatever that one did
+        else:
+            key = (N, cache_length(needed), first.dtype, first.device)
+        R, L = key[:2]
         if cache is None:
             cache = StaticCache(config=self.model.config, max_cache_len=L)
-        else:
-            cache.reset()  # same buffers (same addresses for CUDA graphs), zeroed, slot 0
         if keep:
-            self.state.caches[key] = cache  # most recently used last
-            while len(self.state.caches) > KEPT_CACHES:
-                self.state.caches.popitem(last=False)
+            caches[key] = cache  # most recently used last
+            while len(caches) > KEPT_CACHES:
+                caches.popitem(last=False)
         for i, layer in enumerate(layers):  # slots [0, P) ← the prompt's keys and values
-            cache.update(layer.keys, layer.values, i)
-        return cache
+            keys, values = layer.keys, layer.values
+            if R > N:  # the cache's extra rows: zeros
+                keys, values = (torch.cat([t, t.new_zeros((R - N, *t.shape[1:]))]) for t in (keys, values))
+            cache.update(keys, values, i)
+        return cache, R, L
 
     def _compiled(self):
         if self.state.compiled is None:
@@ -261,19 +306,23 @@ class StaticDecoder:
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Feed one token per row (N,) at ``positions`` (N,) → next-token logits (N, V)."""
         self.attn[:, self.slot] = 1
+        R, N = self.attn.shape[0], self.rows
+        if R > N:  # the cache's extra rows decode token 0 at position 0; their logits are dropped
+            tokens = torch.cat([tokens, tokens.new_zeros(R - N)])
+            positions = torch.cat([positions, positions.new_zeros(R - N)])
         args = (tokens[:, None], self.attn, positions[:, None], self.cache)
         logits = None
         if self.compiled is not None:
             try:
                 if self.attn.device.type == "cuda":
                     torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-                logits = self.compiled(*args).clone()  # a CUDA graph reuses its output buffer
+                logits = self.compiled(*args)[:N].clone()  # a CUDA graph reuses its output buffer
             except Exception as e:  # compiling failed (no C++ compiler, an op dynamo cannot trace, ...)
                 _give_up(self.owner, f"compiling the decode step failed: {_reason(e)}")
                 self.compiled = None
                 for layer in self.cache.layers:  # undo a partial write, if the failure came mid-run
                     layer.cumulative_length.fill_(self.slot)
         if logits is None:
-            logits = self.forward(*args)  # a genuine error (not compilation's) raises here again
+            logits = self.forward(*args)[:N]  # a genuine error (not compilation's) raises here again
         self.slot += 1
         return logits
