@@ -20,14 +20,42 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the --dtype c
 # Qwen2.5-0.5B (its 151,936-token vocabulary: for a GPU); "qwen2.5-0.5b-cpu" is the same body with
 # a vocabulary of 8,192, so that a step fits a CPU run.
 QWEN2_SHAPES = {
-    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True),  # 0.09 M parameters
-    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False),  # 20 M
-    "qwen2.5-0.5b-cpu": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                             num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=True),  # 365 M
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),  # 494 M
+    "tiny": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        tie_word_embeddings=True,
+    ),  # 0.09 M parameters
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    ),  # 20 M
+    "qwen2.5-0.5b-cpu": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=8192,
+        tie_word_embeddings=True,
+    ),  # 365 M
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),  # 494 M
 }
 
 
@@ -40,7 +68,7 @@ def add_threads_argument(parser, help: str = "torch.set_num_threads (see the doc
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
-    """"2x256,8x256" -> [(2, 256), (8, 256)]: comma-separated AxB pairs of whole numbers."""
+    """ "2x256,8x256" -> [(2, 256), (8, 256)]: comma-separated AxB pairs of whole numbers."""
     out = []
     for item in text.split(","):
         a, b = item.strip().lower().split("x")
@@ -48,8 +76,9 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def build_qwen2(shape: str, path, dtype: torch.dtype = torch.float32, chat_template: str | None = None,
-                **overrides) -> None:
+def build_qwen2(
+    shape: str, path, dtype: torch.dtype = torch.float32, chat_template: str | None = None, **overrides
+) -> None:
     """Save a random-init Qwen2 of QWEN2_SHAPES[shape] (seed 0; `overrides` replace its fields, e.g.
     num_hidden_layers) to `path`, and a word-level tokenizer over its vocabulary (ids 0-2 "<pad>",
     "<eos>", "<unk>", then "t3", "t4", ... one word per id; with `chat_template` if given) to
@@ -67,11 +96,14 @@ def build_qwen2(shape: str, path, dtype: torch.dtype = torch.float32, chat_templ
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, spec["vocab_size"])}}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     tokenizer.chat_template = chat_template
     torch.manual_seed(0)
-    config = Qwen2Config(max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None, **spec)
+    config = Qwen2Config(
+        max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None, **spec
+    )
     Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
     tokenizer.save_pretrained(f"{path}/tokenizer")
 
@@ -87,8 +119,12 @@ def load_peer_model(path: str, base: str):
 
     quantization = None
     if base == "4bit":
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_compute_dtype=torch.float32, bnb_4bit_use_double_quant=True)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.float32,
+            bnb_4bit_use_double_quant=True,
+        )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=quantization)
     keep_4bit_weights_fixed(model)
     return model
@@ -103,13 +139,15 @@ def run_worker(command: list[str], what: str) -> dict:
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{what} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def token_prompts(vocab_size: int, length: int, count: int = 64) -> list[dict[str, str]]:
     """`count` prompts of `length` pseudo-random tokens of build_qwen2's vocabulary (none special)."""
-    return [{"prompt": " ".join(f"t{3 + (i * 7919 + j * 104729) % (vocab_size - 3)}" for j in range(length))}
-            for i in range(count)]
+    return [
+        {"prompt": " ".join(f"t{3 + (i * 7919 + j * 104729) % (vocab_size - 3)}" for j in range(length))}
+        for i in range(count)
+    ]
 
 
 def even_token_share(prompts, completions, **kwargs):
@@ -125,7 +163,9 @@ def train_steps(trainer) -> list[tuple[dict, float]]:
     import io
 
     begins = []
-    trainer.hooks.append(lambda event, _trainer, **_: begins.append(time.perf_counter()) if event == "step_begin" else None)
+    trainer.hooks.append(
+        lambda event, _trainer, **_: begins.append(time.perf_counter()) if event == "step_begin" else None
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
     history = [m for m in trainer.state.log_history if "time/train" in m]
@@ -196,8 +236,10 @@ def environment(*modules) -> str:
     imported modules besides torch (e.g. transformers, peft), named with their __version__.
     """
     versions = ", ".join(f"{m.__name__} {m.__version__}" for m in (torch, *modules))
-    return (f"{versions}; threads {torch.get_num_threads()}; CPU {cpu_name()} ({os.cpu_count()} cores, "
-            f"load average {load_average():.1f})")
+    return (
+        f"{versions}; threads {torch.get_num_threads()}; CPU {cpu_name()} ({os.cpu_count()} cores, "
+        f"load average {load_average():.1f})"
+    )
 
 
 def print_markdown_table(header: list[str], table: list[list[str]], text_columns: int = 2) -> None:
@@ -205,7 +247,9 @@ def print_markdown_table(header: list[str], table: list[list[str]], text_columns
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
 
     def line(cells):
-        padded = [c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        padded = [
+            c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
         return "| " + " | ".join(padded) + " |"
 
     print(line(header))

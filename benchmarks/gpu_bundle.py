@@ -29,11 +29,31 @@ import zipfile
 from pathlib import Path
 
 # name==version: what the lent machine lacks (and the transformers, peft and TRL this project is tested with).
-PACKAGES = ["bitsandbytes==0.50.2", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19", "xxhash==4.1.0",
-            "peft==0.21.2", "transformers==5.24.0", "trl==1.16.0"]
-PLATFORM = ["--python-version", "3.12", "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
-            "--platform", "manylinux_2_24_x86_64", "--platform", "manylinux_2_17_x86_64",
-            "--platform", "manylinux2014_x86_64", "--implementation", "cp"]
+PACKAGES = [
+    "bitsandbytes==0.50.2",
+    "datasets==5.2.0",
+    "dill==0.4.1",
+    "multiprocess==0.70.19",
+    "xxhash==4.1.0",
+    "peft==0.21.2",
+    "transformers==5.24.0",
+    "trl==1.16.0",
+]
+PLATFORM = [
+    "--python-version",
+    "3.12",
+    "--only-binary=:all:",
+    "--platform",
+    "manylinux_2_28_x86_64",
+    "--platform",
+    "manylinux_2_24_x86_64",
+    "--platform",
+    "manylinux_2_17_x86_64",
+    "--platform",
+    "manylinux2014_x86_64",
+    "--implementation",
+    "cp",
+]
 KEEP_LIBRARY = re.compile(r"libbitsandbytes_(cpu|cuda13\d*)\.(so|dylib)$")  # CUDA 13 and CPU only
 MiB = 2**20
 
@@ -78,16 +98,24 @@ def build(out: Path, limit_mib: float, packages: list[str] = PACKAGES) -> dict[s
         print(f"{size / MiB:8.2f} MiB  {name}")
     print(f"{total / MiB:8.2f} MiB  in all (limit {limit_mib} MiB)")
     if total > limit_mib * MiB:
-        raise SystemExit(f"the bundle is {total / MiB:.1f} MiB, over --limit-mib {limit_mib}: drop a package "
-                         "(peft is the largest that may already be on the machine)")
+        raise SystemExit(
+            f"the bundle is {total / MiB:.1f} MiB, over --limit-mib {limit_mib}: drop a package "
+            "(peft is the largest that may already be on the machine)"
+        )
     return sizes
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="gpu_bundle", help="the folder of wheels (gitignored)")
-    parser.add_argument("--limit-mib", type=float, default=60.0,
-                        help="the most the wheels may take (the carry limit is 64 MiB with the working tree)")
+    parser.add_argument(
+        "--limit-mib",
+        type=float,
+        default=60.0,
+        help="the most the wheels may take (the carry limit is 64 MiB with the working tree)",
+    )
     args = parser.parse_args()
     build(Path(args.out), args.limit_mib)
     return 0

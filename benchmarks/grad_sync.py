@@ -20,9 +20,16 @@ import torch
 
 # (in, out) of every LoRA-wrapped linear of one decoder layer: q, k, v, o, gate, up, down.
 SHAPES = {
-    "toy (2 layers, hidden 128, r 8)": (2, 8, [(128, 128), (128, 64), (128, 64), (128, 128), (128, 512), (128, 512), (512, 128)]),
+    "toy (2 layers, hidden 128, r 8)": (
+        2,
+        8,
+        [(128, 128), (128, 64), (128, 64), (128, 128), (128, 512), (128, 512), (512, 128)],
+    ),
     "qwen2.5-0.5b (24 layers, hidden 896, r 16)": (
-        24, 16, [(896, 896), (896, 128), (896, 128), (896, 896), (896, 4864), (896, 4864), (4864, 896)]),
+        24,
+        16,
+        [(896, 896), (896, 128), (896, 128), (896, 896), (896, 4864), (896, 4864), (4864, 896)],
+    ),
 }
 
 
@@ -64,18 +71,32 @@ def worker(repeats: int) -> None:
         if acc.is_main_process:
             a, b = (statistics.median(times[k]) * 1e3 for k in ("per tensor", "flat"))
             numel = sum(t.numel() for t in grads)
-            print(f"{name}: {len(grads)} tensors, {numel / 1e6:.2f} M values | per tensor {a:.2f} ms | "
-                  f"flat {b:.2f} ms | flat / per tensor {b / a:.2f}", flush=True)
+            print(
+                f"{name}: {len(grads)} tensors, {numel / 1e6:.2f} M values | per tensor {a:.2f} ms | "
+                f"flat {b:.2f} ms | flat / per tensor {b / a:.2f}",
+                flush=True,
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     if "LOCAL_RANK" in os.environ:
         return worker(args.repeats)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__, "--repeats", str(args.repeats)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        "--repeats",
+        str(args.repeats),
+    ]
     sys.exit(subprocess.run(cmd, env=env).returncode)
 
 

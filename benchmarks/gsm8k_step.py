@@ -78,14 +78,23 @@ def questions(vocab: int, count: int = PROMPTS, seed: int = 0) -> list[dict]:
     how long a random model's completions run depends on the prompt, and the step's cost on them."""
     rng = random.Random(seed)
     words = lambda n: " ".join(f"t{rng.randrange(100, vocab)}" for _ in range(n))  # noqa: E731
-    return [{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": words(rng.randint(120, 160))}]}
-            for _ in range(count)]
+    return [
+        {
+            "prompt": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": words(rng.randint(120, 160))},
+            ]
+        }
+        for _ in range(count)
+    ]
 
 
 def even_share(completions, **kwargs):
     """The share of even-numbered tokens in each completion's content (text or a message list)."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [sum(int(t[1:]) % 2 == 0 for t in s.split() if t[1:].isdigit()) / max(1, len(s.split())) for s in texts]
+    return [
+        sum(int(t[1:]) % 2 == 0 for t in s.split() if t[1:].isdigit()) / max(1, len(s.split())) for s in texts
+    ]
 
 
 def eos_probability(mean: float, cap: int) -> float:
@@ -110,16 +119,34 @@ def build(path: Path, layers: int, mean_completion: float, cap: int) -> float:
         # Text as the model samples it (min_new_tokens holds EOS back): its hidden states set EOS's bias.
         tokenizer = AutoTokenizer.from_pretrained(f"{path}/tokenizer")
         row = questions(embedding.shape[0], 1)[0]["prompt"]
-        prompt = tokenizer(tokenizer.apply_chat_template(row, add_generation_prompt=True, tokenize=False),
-                           return_tensors="pt")["input_ids"]
+        prompt = tokenizer(
+            tokenizer.apply_chat_template(row, add_generation_prompt=True, tokenize=False),
+            return_tensors="pt",
+        )["input_ids"]
         torch.manual_seed(1)
-        text = model.generate(prompt.repeat(8, 1), do_sample=True, max_new_tokens=96, min_new_tokens=96, top_k=0,
-                              top_p=1.0, temperature=1.0, pad_token_id=0, eos_token_id=1)
-        hidden = model.model(input_ids=text).last_hidden_state[:, prompt.shape[1]:].reshape(-1, embedding.shape[1])
+        text = model.generate(
+            prompt.repeat(8, 1),
+            do_sample=True,
+            max_new_tokens=96,
+            min_new_tokens=96,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+        hidden = (
+            model.model(input_ids=text)
+            .last_hidden_state[:, prompt.shape[1] :]
+            .reshape(-1, embedding.shape[1])
+        )
         logits = hidden @ embedding.T
         eos = logits[:, 1]
         others = torch.cat([logits[:, :1], logits[:, 2:]], dim=1).logsumexp(dim=1)
-        lo, hi = -50.0, 50.0  # EOS's logit gains delta * hidden[:, 0]: the mean probability is monotone in delta
+        lo, hi = (
+            -50.0,
+            50.0,
+        )  # EOS's logit gains delta * hidden[:, 0]: the mean probability is monotone in delta
         for _ in range(60):
             delta = (lo + hi) / 2
             p = torch.sigmoid(eos + delta * hidden[:, 0] - others).mean().item()
@@ -136,27 +163,56 @@ def run_ours(args) -> dict:
     from lora_grpo import GRPOConfig, GRPOTrainer
 
     config = GRPOConfig(
-        model_name_or_path=args.path, tokenizer_name_or_path=f"{args.path}/tokenizer", torch_dtype="float32",
+        model_name_or_path=args.path,
+        tokenizer_name_or_path=f"{args.path}/tokenizer",
+        torch_dtype="float32",
         quantization="4bit" if args.base == "4bit" else "none",
-        lora_r=LORA_R, lora_alpha=2 * LORA_R, lora_target_modules=TARGETS, num_generations=G, prompts_per_step=PROMPTS,
-        max_prompt_length=None, max_completion_length=args.completion_length, beta=BETA, ref_sync_steps=2,
-        ref_sync_alpha=0.6, ref_sync_mode="exact", learning_rate=LR, max_steps=args.warmup + args.steps,
-        save_steps=0, logging_steps=1, output_dir=tempfile.mkdtemp(), disable_tqdm=True, seed=args.seed,
+        lora_r=LORA_R,
+        lora_alpha=2 * LORA_R,
+        lora_target_modules=TARGETS,
+        num_generations=G,
+        prompts_per_step=PROMPTS,
+        max_prompt_length=None,
+        max_completion_length=args.completion_length,
+        beta=BETA,
+        ref_sync_steps=2,
+        ref_sync_alpha=0.6,
+        ref_sync_mode="exact",
+        learning_rate=LR,
+        max_steps=args.warmup + args.steps,
+        save_steps=0,
+        logging_steps=1,
+        output_dir=tempfile.mkdtemp(),
+        disable_tqdm=True,
+        seed=args.seed,
     )
     trainer = GRPOTrainer(config, reward_funcs=[even_share], train_dataset=questions(args.vocab))
     begins, ends = [], []
-    trainer.hooks.append(lambda event, _t, **_: (begins if event == "step_begin" else ends).append(time.perf_counter())
-                         if event in ("step_begin", "step_end") else None)
+    trainer.hooks.append(
+        lambda event, _t, **_: (
+            (begins if event == "step_begin" else ends).append(time.perf_counter())
+            if event in ("step_begin", "step_end")
+            else None
+        )
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
     history = [m for m in trainer.state.log_history if "time/train" in m]
-    measured = list(zip(history, [b - a for a, b in zip(begins, ends)]))[args.warmup:]
+    measured = list(zip(history, [b - a for a, b in zip(begins, ends)]))[args.warmup :]
     med = lambda key: statistics.median(m[key] for m, _ in measured)  # noqa: E731
     step = statistics.median(seconds for _, seconds in measured)
-    stages = {"rollout": med("time/rollout"), "reference log-probs": med("time/log_probs"), "train": med("time/train")}
-    return {"step_s": step, "stages": stages, "completion_length": med("completion_length/mean"),
-            "tokens_per_s": statistics.median(m["completion_length/mean"] * PROMPTS * G / s for m, s in measured),
-            "setup": f"micro-batch {trainer.micro_batch_size}, checkpointing {trainer.gradient_checkpointing}"}
+    stages = {
+        "rollout": med("time/rollout"),
+        "reference log-probs": med("time/log_probs"),
+        "train": med("time/train"),
+    }
+    return {
+        "step_s": step,
+        "stages": stages,
+        "completion_length": med("completion_length/mean"),
+        "tokens_per_s": statistics.median(m["completion_length/mean"] * PROMPTS * G / s for m, s in measured),
+        "setup": f"micro-batch {trainer.micro_batch_size}, checkpointing {trainer.gradient_checkpointing}",
+    }
 
 
 def run_trl(args) -> dict:
@@ -174,6 +230,7 @@ def run_trl(args) -> dict:
             out = fn(*a, **k)
             timed[name].append(time.perf_counter() - start)
             return out
+
         return wrapper
 
     type(model).generate = timer("generate", type(model).generate)  # PeftModel.generate calls the base's
@@ -191,37 +248,77 @@ def run_trl(args) -> dict:
                 lengths.append(logs["completions/mean_length"])
 
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, gradient_accumulation_steps=PROMPTS * G // 8,
-        num_generations=G, max_completion_length=args.completion_length, gradient_checkpointing=True, beta=BETA,
-        learning_rate=LR, max_steps=args.steps, logging_steps=1, save_strategy="no",
-        report_to="none", disable_tqdm=True, bf16=False, fp16=False, use_cpu=True, seed=args.seed,
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=PROMPTS * G // 8,
+        num_generations=G,
+        max_completion_length=args.completion_length,
+        gradient_checkpointing=True,
+        beta=BETA,
+        learning_rate=LR,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        seed=args.seed,
     )
-    peft_config = LoraConfig(r=LORA_R, lora_alpha=2 * LORA_R, lora_dropout=0.0, target_modules=TARGETS,
-                             task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=[even_share], args=config,
-                          train_dataset=Dataset.from_list(questions(args.vocab)),
-                          processing_class=AutoTokenizer.from_pretrained(f"{args.path}/tokenizer"),
-                          peft_config=peft_config, callbacks=[StepTimes()])
+    peft_config = LoraConfig(
+        r=LORA_R, lora_alpha=2 * LORA_R, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[even_share],
+        args=config,
+        train_dataset=Dataset.from_list(questions(args.vocab)),
+        processing_class=AutoTokenizer.from_pretrained(f"{args.path}/tokenizer"),
+        peft_config=peft_config,
+        callbacks=[StepTimes()],
+    )
     trainer._generate_and_score_completions = timer("score", trainer._generate_and_score_completions)
     trainer.train()
     intervals = [b - a for a, b in zip(begins, ends)]  # every step: TRL's first is a step like the others
     rollout = statistics.median(timed["generate"])
     score = statistics.median(timed["score"])  # generate + rewards + the reference forward
     step = statistics.median(intervals)
-    return {"step_s": step, "completion_length": statistics.median(lengths),
-            "stages": {"rollout": rollout, "reference log-probs": score - rollout, "train": step - score},
-            "tokens_per_s": statistics.median(n * PROMPTS * G / t for n, t in zip(lengths, intervals)),
-            "setup": f"per-device batch 8 × {PROMPTS * G // 8} accumulation, checkpointing true"}
+    return {
+        "step_s": step,
+        "completion_length": statistics.median(lengths),
+        "stages": {"rollout": rollout, "reference log-probs": score - rollout, "train": step - score},
+        "tokens_per_s": statistics.median(n * PROMPTS * G / t for n, t in zip(lengths, intervals)),
+        "setup": f"per-device batch 8 × {PROMPTS * G // 8} accumulation, checkpointing true",
+    }
 
 
 # ------------------------------------------------------------------ the comparison
 
 
 def child(trainer: str, path: Path, args) -> dict:
-    command = [sys.executable, __file__, "--worker", trainer, "--path", str(path), "--base", args.base,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--vocab", str(args.vocab),
-               "--completion-length", str(args.completion_length), "--threads", str(args.threads),
-               "--seed", str(args.seed)]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        trainer,
+        "--path",
+        str(path),
+        "--base",
+        args.base,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--vocab",
+        str(args.vocab),
+        "--completion-length",
+        str(args.completion_length),
+        "--threads",
+        str(args.threads),
+        "--seed",
+        str(args.seed),
+    ]
     return run_worker(command, trainer)
 
 
@@ -238,12 +335,17 @@ def compare(args) -> None:
         path = Path(tmp)
         p_eos = build(path, args.layers, args.mean_completion, args.completion_length)
         tokenizer = AutoTokenizer.from_pretrained(f"{path}/tokenizer")
-        P = statistics.mean(len(tokenizer(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
-                                                                         tokenize=False))["input_ids"])
-                            for row in questions(args.vocab))
+        P = statistics.mean(
+            len(
+                tokenizer(
+                    tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+                )["input_ids"]
+            )
+            for row in questions(args.vocab)
+        )
         results = {}
         for r in range(args.repeats):
-            for trainer in (["ours", "trl"] if r % 2 == 0 else ["trl", "ours"]):
+            for trainer in ["ours", "trl"] if r % 2 == 0 else ["trl", "ours"]:
                 results.setdefault(trainer, []).append(child(trainer, path, args))
                 print(f"  round {r + 1} {trainer}: {results[trainer][-1]}", file=sys.stderr)
     pick = lambda runs: sorted(runs, key=lambda x: x["step_s"])[len(runs) // 2]  # noqa: E731  the median run
@@ -253,46 +355,91 @@ def compare(args) -> None:
     peak, _ = matmul_peak([(2048, 2048, 2048), (B * S // 4, H, I), (B * S // 4, I, H)])
     bandwidth = read_bandwidth()
     print(f"# {environment(transformers, peft, trl)}")
-    print(f"# Qwen2.5-0.5B's shape with {args.layers} of its 24 layers and its {spec['vocab_size']}-token vocabulary "
-          f"({args.base} base); {PROMPTS} prompts × G={G}, chat-templated prompts of {P:.0f} tokens (mean), completions "
-          f"up to {args.completion_length} (EOS's bias tuned on sampled text to p = {p_eos:.4f} a token, for a mean of "
-          f"{args.mean_completion:.0f}; the means measured are below), "
-          f"LoRA r {LORA_R}, beta {BETA}; median of {args.steps} step(s) (ours after {args.warmup}), "
-          f"{args.repeats} round(s), each run in a fresh process")
+    print(
+        f"# Qwen2.5-0.5B's shape with {args.layers} of its 24 layers and its {spec['vocab_size']}-token vocabulary "
+        f"({args.base} base); {PROMPTS} prompts × G={G}, chat-templated prompts of {P:.0f} tokens (mean), completions "
+        f"up to {args.completion_length} (EOS's bias tuned on sampled text to p = {p_eos:.4f} a token, for a mean of "
+        f"{args.mean_completion:.0f}; the means measured are below), "
+        f"LoRA r {LORA_R}, beta {BETA}; median of {args.steps} step(s) (ours after {args.warmup}), "
+        f"{args.repeats} round(s), each run in a fresh process"
+    )
     print(f"# ours: {ours['setup']}, soft exact syncs every 2 steps; TRL: {peer['setup']}")
     print(f"# limits: float32 matmul peak {peak:.1f} GFLOP/s, memory read bandwidth {bandwidth:.1f} GB/s")
-    flops = step_flops(spec, prompts=PROMPTS, G=G, P=P, T=ours["completion_length"], lora_r=LORA_R, ref_rank=LORA_R,
-                       recompute=ours["setup"].endswith("True"))
-    passes = {"rollout": 1 + round(ours["completion_length"]), "reference log-probs": 1,
-              "train": 2 + ours["setup"].endswith("True")}
+    flops = step_flops(
+        spec,
+        prompts=PROMPTS,
+        G=G,
+        P=P,
+        T=ours["completion_length"],
+        lora_r=LORA_R,
+        ref_rank=LORA_R,
+        recompute=ours["setup"].endswith("True"),
+    )
+    passes = {
+        "rollout": 1 + round(ours["completion_length"]),
+        "reference log-probs": 1,
+        "train": 2 + ours["setup"].endswith("True"),
+    }
     rows, floor_total = [], 0.0
     for stage, f in flops.items():
         floor = max(f / (peak * 1e9), passes[stage] * weight_bytes(spec, args.base) / (bandwidth * 1e9))
         floor_total += floor
         a, b = ours["stages"][stage], peer["stages"][stage]
-        rows.append([stage, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}", f"{floor:.2f}", f"{100 * floor / a:.0f}%",
-                     f"{100 * floor / b:.0f}%"])
-    rows.append(["whole step", f"{ours['step_s']:.2f}", f"{peer['step_s']:.2f}", f"{ours['step_s'] / peer['step_s']:.2f}",
-                 f"{floor_total:.2f}", f"{100 * floor_total / ours['step_s']:.0f}%",
-                 f"{100 * floor_total / peer['step_s']:.0f}%"])
-    print_markdown_table(["stage", "ours s", "TRL s", "ours / TRL", "floor s", "floor / ours", "floor / TRL"], rows,
-                         text_columns=1)
-    print(f"\ncompletion tokens/s: ours {ours['tokens_per_s']:.0f}, TRL {peer['tokens_per_s']:.0f} "
-          f"(mean completion: ours {ours['completion_length']:.0f}, TRL {peer['completion_length']:.0f} tokens); "
-          f"step ours/TRL {ours['step_s'] / peer['step_s']:.2f} (target ≤ 0.6)")
-    print("# TRL's 'reference log-probs' row is its _generate_and_score_completions less generate: rewards, "
-          "tokenisation and the reference forward; ours is time/log_probs (rewards are in neither of our rows)")
+        rows.append(
+            [
+                stage,
+                f"{a:.2f}",
+                f"{b:.2f}",
+                f"{a / b:.2f}",
+                f"{floor:.2f}",
+                f"{100 * floor / a:.0f}%",
+                f"{100 * floor / b:.0f}%",
+            ]
+        )
+    rows.append(
+        [
+            "whole step",
+            f"{ours['step_s']:.2f}",
+            f"{peer['step_s']:.2f}",
+            f"{ours['step_s'] / peer['step_s']:.2f}",
+            f"{floor_total:.2f}",
+            f"{100 * floor_total / ours['step_s']:.0f}%",
+            f"{100 * floor_total / peer['step_s']:.0f}%",
+        ]
+    )
+    print_markdown_table(
+        ["stage", "ours s", "TRL s", "ours / TRL", "floor s", "floor / ours", "floor / TRL"],
+        rows,
+        text_columns=1,
+    )
+    print(
+        f"\ncompletion tokens/s: ours {ours['tokens_per_s']:.0f}, TRL {peer['tokens_per_s']:.0f} "
+        f"(mean completion: ours {ours['completion_length']:.0f}, TRL {peer['completion_length']:.0f} tokens); "
+        f"step ours/TRL {ours['step_s'] / peer['step_s']:.2f} (target ≤ 0.6)"
+    )
+    print(
+        "# TRL's 'reference log-probs' row is its _generate_and_score_completions less generate: rewards, "
+        "tokenisation and the reference forward; ours is time/log_probs (rewards are in neither of our rows)"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of Qwen2.5-0.5B's 24 to keep")
     parser.add_argument("--base", choices=["fp32", "4bit"], default="fp32")
     parser.add_argument("--completion-length", type=int, default=256, help="max_completion_length")
-    parser.add_argument("--mean-completion", type=float, default=110.0, help="mean completion tokens to tune EOS to")
+    parser.add_argument(
+        "--mean-completion", type=float, default=110.0, help="mean completion tokens to tune EOS to"
+    )
     parser.add_argument("--steps", type=int, default=1, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="ours: steps before measuring (its first skips the reference forward: the slot is the policy)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="ours: steps before measuring (its first skips the reference forward: the slot is the policy)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="rounds of (ours, TRL), alternating the order")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

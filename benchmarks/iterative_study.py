@@ -41,13 +41,20 @@ SCHEDULES = {  # name → (label, config overrides); "N" is replaced by --sync-e
     "none": ("no reference (beta 0)", {"beta": 0.0}),
     "fixed": ("fixed reference", {}),
     "hard": ("hard every N", {"ref_sync_steps": "N", "ref_sync_alpha": 1.0}),
-    "soft": ("soft exact every N (alpha 0.6)", {"ref_sync_steps": "N", "ref_sync_alpha": 0.6, "ref_sync_mode": "exact"}),
-    "factors": ("factors every N (alpha 0.6)", {"ref_sync_steps": "N", "ref_sync_alpha": 0.6, "ref_sync_mode": "factors",
-                                                "ref_rank": 8}),
+    "soft": (
+        "soft exact every N (alpha 0.6)",
+        {"ref_sync_steps": "N", "ref_sync_alpha": 0.6, "ref_sync_mode": "exact"},
+    ),
+    "factors": (
+        "factors every N (alpha 0.6)",
+        {"ref_sync_steps": "N", "ref_sync_alpha": 0.6, "ref_sync_mode": "factors", "ref_rank": 8},
+    ),
     "kl": ("KL trigger (hard)", {"ref_sync_kl": "KL", "ref_sync_alpha": 1.0}),
     "plateau": ("plateau trigger (hard)", {"ref_sync_on_plateau": True, "ref_sync_alpha": 1.0}),
-    "reset": ("hard every N + optimizer reset", {"ref_sync_steps": "N", "ref_sync_alpha": 1.0,
-                                                 "ref_sync_reset_optimizer": True}),
+    "reset": (
+        "hard every N + optimizer reset",
+        {"ref_sync_steps": "N", "ref_sync_alpha": 1.0, "ref_sync_reset_optimizer": True},
+    ),
 }
 ACCURACY, DRIFT = "eval/toy_reward", "eval/kl_to_base"
 
@@ -55,29 +62,49 @@ ACCURACY, DRIFT = "eval/toy_reward", "eval/kl_to_base"
 def run_one(schedule: str, seed: int, args) -> dict:
     from lora_grpo import GRPOConfig, GRPOTrainer
 
-    overrides = {k: {"N": args.sync_every, "KL": args.kl_threshold}.get(v, v) if isinstance(v, str) else v
-                 for k, v in SCHEDULES[schedule][1].items()}
+    overrides = {
+        k: {"N": args.sync_every, "KL": args.kl_threshold}.get(v, v) if isinstance(v, str) else v
+        for k, v in SCHEDULES[schedule][1].items()
+    }
     recipe = resources.files("lora_grpo") / "recipes" / "toy-addition.yaml"
-    config = GRPOConfig.from_yaml(str(recipe), {
-        "beta": args.beta, "ref_sync_steps": 0, "max_steps": args.steps, "eval_steps": args.eval_steps,
-        "eval_pass_k": [], "seed": seed, "output_dir": tempfile.mkdtemp(prefix=f"study-{schedule}-{seed}-"),
-        "disable_tqdm": True, "logging_steps": 10**6, **overrides,
-    })
+    config = GRPOConfig.from_yaml(
+        str(recipe),
+        {
+            "beta": args.beta,
+            "ref_sync_steps": 0,
+            "max_steps": args.steps,
+            "eval_steps": args.eval_steps,
+            "eval_pass_k": [],
+            "seed": seed,
+            "output_dir": tempfile.mkdtemp(prefix=f"study-{schedule}-{seed}-"),
+            "disable_tqdm": True,
+            "logging_steps": 10**6,
+            **overrides,
+        },
+    )
     start = time.perf_counter()
     trainer = GRPOTrainer(config)
     summary = trainer.train()
     seconds = time.perf_counter() - start
     curve = [(0, summary["eval_before"][ACCURACY], summary["eval_before"].get(DRIFT, 0.0))]
-    curve += [(i + 1, m[ACCURACY], m[DRIFT]) for i, m in enumerate(trainer.state.log_history) if ACCURACY in m]
+    curve += [
+        (i + 1, m[ACCURACY], m[DRIFT]) for i, m in enumerate(trainer.state.log_history) if ACCURACY in m
+    ]
     curve.append((trainer.state.global_step, summary["eval_after"][ACCURACY], summary["eval_after"][DRIFT]))
     last = trainer.state.log_history[-10:]
     penalty = [config.beta * m.get("kl", 0.0) for m in last]
     return {
-        "schedule": schedule, "seed": seed, "curve": curve, "accuracy": summary["accuracy_after"],
-        "kl_to_base": summary["eval_after"][DRIFT], "seconds": seconds, "syncs": summary["syncs"],
+        "schedule": schedule,
+        "seed": seed,
+        "curve": curve,
+        "accuracy": summary["accuracy_after"],
+        "kl_to_base": summary["eval_after"][DRIFT],
+        "seconds": seconds,
+        "syncs": summary["syncs"],
         # |β·KL| against |loss − β·KL| (the policy-gradient term), over the last 10 steps
-        "kl_share": statistics.mean(p / (p + abs(m["loss"] - p)) if p + abs(m["loss"] - p) > 0 else 0.0
-                                    for p, m in zip(penalty, last)),
+        "kl_share": statistics.mean(
+            p / (p + abs(m["loss"] - p)) if p + abs(m["loss"] - p) > 0 else 0.0 for p, m in zip(penalty, last)
+        ),
     }
 
 
@@ -95,7 +122,8 @@ def write_table(results: dict[str, list[dict]], args, path: Path) -> str:
     ]
     for schedule, runs in results.items():
         lines.append(
-            f"| {SCHEDULES[schedule][0].replace('N', str(args.sync_every))} | {mean_std([r['accuracy'] for r in runs])} | "
+            f"| {SCHEDULES[schedule][0].replace('N', str(args.sync_every))} | "
+            f"{mean_std([r['accuracy'] for r in runs])} | "
             f"{', '.join(format(r['accuracy'], '.3f') for r in runs)} | {mean_std([r['kl_to_base'] for r in runs])} | "
             f"{statistics.mean(r['kl_share'] for r in runs):.2f} | {statistics.mean(r['seconds'] for r in runs):.1f} | "
             f"{statistics.mean(r['syncs'] for r in runs):.1f} |"
@@ -117,10 +145,19 @@ def plot(results: dict[str, list[dict]], args, path: Path) -> None:
         for ax, column in ((acc_ax, 1), (kl_ax, 2)):
             values = [[c[column] for c in r["curve"]] for r in runs]
             mean = [statistics.mean(v) for v in zip(*values)]
-            line, = ax.plot(steps, mean, label=SCHEDULES[schedule][0].replace("N", str(args.sync_every)))
-            ax.fill_between(steps, [min(v) for v in zip(*values)], [max(v) for v in zip(*values)],
-                            color=line.get_color(), alpha=0.12)
-    acc_ax.set(xlabel="step", ylabel="held-out greedy accuracy", title=f"accuracy (mean, min–max over {len(args.seeds)} seeds)")
+            (line,) = ax.plot(steps, mean, label=SCHEDULES[schedule][0].replace("N", str(args.sync_every)))
+            ax.fill_between(
+                steps,
+                [min(v) for v in zip(*values)],
+                [max(v) for v in zip(*values)],
+                color=line.get_color(),
+                alpha=0.12,
+            )
+    acc_ax.set(
+        xlabel="step",
+        ylabel="held-out greedy accuracy",
+        title=f"accuracy (mean, min–max over {len(args.seeds)} seeds)",
+    )
     kl_ax.set(xlabel="step", ylabel="nats per token", title="eval/kl_to_base: KL of the policy to the start")
     acc_ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"Iterative GRPO on the toy task: beta {args.beta}, {args.steps} steps")
@@ -129,7 +166,9 @@ def plot(results: dict[str, list[dict]], args, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--steps", type=int, default=40)
@@ -149,8 +188,11 @@ def main() -> None:
         for seed in args.seeds:
             r = run_one(schedule, seed, args)
             results.setdefault(schedule, []).append(r)
-            print(f"{schedule} seed {seed}: accuracy {r['accuracy']:.3f}, kl_to_base {r['kl_to_base']:.4f}, "
-                  f"kl share {r['kl_share']:.2f}, {r['syncs']} syncs, {r['seconds']:.1f} s", flush=True)
+            print(
+                f"{schedule} seed {seed}: accuracy {r['accuracy']:.3f}, kl_to_base {r['kl_to_base']:.4f}, "
+                f"kl share {r['kl_share']:.2f}, {r['syncs']} syncs, {r['seconds']:.1f} s",
+                flush=True,
+            )
     (out / "iterative_study.json").write_text(json.dumps(results, indent=1))
     print(write_table(results, args, out / "iterative_study.md"))
     plot(results, args, out / "iterative_study.png")

@@ -41,8 +41,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (QWEN2_SHAPES, build_qwen2, environment, even_token_share, print_markdown_table, train_steps,
-                     token_prompts)
+from _common import (
+    QWEN2_SHAPES,
+    build_qwen2,
+    environment,
+    even_token_share,
+    print_markdown_table,
+    token_prompts,
+    train_steps,
+)
 
 # ------------------------------------------------------------------ the limit
 
@@ -83,17 +90,28 @@ def weight_bytes(spec: dict, base: str) -> float:
     plus the absmax) and the LM head (kept in float32 by the 4-bit load too)."""
     H, I, L, V = spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"], spec["vocab_size"]
     d = H // spec["num_attention_heads"]
-    linear = L * (2 * H * spec["num_attention_heads"] * d + 2 * H * spec["num_key_value_heads"] * d + 3 * H * I)
+    linear = L * (
+        2 * H * spec["num_attention_heads"] * d + 2 * H * spec["num_key_value_heads"] * d + 3 * H * I
+    )
     return linear * (4 if base == "fp32" else 0.5 + 4 / 64) + 4 * H * V
 
 
-def step_flops(spec: dict, *, prompts: int, G: int, P: int, T: float, lora_r: int, ref_rank: int,
-               recompute: bool) -> dict[str, float]:
+def step_flops(
+    spec: dict, *, prompts: int, G: int, P: int, T: float, lora_r: int, ref_rank: int, recompute: bool
+) -> dict[str, float]:
     """FLOPs of one GRPO step's stages (see the docstring) for a Qwen2-like `spec`."""
     H, I, L, V = spec["hidden_size"], spec["intermediate_size"], spec["num_hidden_layers"], spec["vocab_size"]
     heads, kv = spec["num_attention_heads"], spec["num_key_value_heads"]
     d = H // heads
-    shapes = [(H, heads * d), (H, kv * d), (H, kv * d), (heads * d, H), (H, I), (H, I), (I, H)]  # q k v o gate up down
+    shapes = [
+        (H, heads * d),
+        (H, kv * d),
+        (H, kv * d),
+        (heads * d, H),
+        (H, I),
+        (H, I),
+        (I, H),
+    ]  # q k v o gate up down
     linear = 2 * L * sum(i * o for i, o in shapes)
     lora = lambda r: 2 * L * r * sum(i + o for i, o in shapes)  # noqa: E731
     attend = lambda c: 4 * L * heads * d * c  # noqa: E731  one token attending to c positions
@@ -123,22 +141,41 @@ def measure_step(path: str, args) -> dict[str, float]:
     from lora_grpo import GRPOConfig, GRPOTrainer
 
     config = GRPOConfig(
-        model_name_or_path=path, tokenizer_name_or_path=f"{path}/tokenizer",
-        quantization="4bit" if args.base == "4bit" else "none", torch_dtype="float32",
-        lora_r=args.lora_r, lora_alpha=2 * args.lora_r, num_generations=args.generations, prompts_per_step=args.prompts,
-        max_prompt_length=None, max_completion_length=args.completion_length, micro_batch_size=args.micro_batch,
-        gradient_checkpointing=args.gradient_checkpointing, beta=0.04, ref_sync_steps=2, ref_sync_alpha=0.6,
-        learning_rate=1e-5, max_steps=args.warmup + args.steps + 1, save_steps=0, logging_steps=10**6,
-        output_dir=tempfile.mkdtemp(), disable_tqdm=True,
+        model_name_or_path=path,
+        tokenizer_name_or_path=f"{path}/tokenizer",
+        quantization="4bit" if args.base == "4bit" else "none",
+        torch_dtype="float32",
+        lora_r=args.lora_r,
+        lora_alpha=2 * args.lora_r,
+        num_generations=args.generations,
+        prompts_per_step=args.prompts,
+        max_prompt_length=None,
+        max_completion_length=args.completion_length,
+        micro_batch_size=args.micro_batch,
+        gradient_checkpointing=args.gradient_checkpointing,
+        beta=0.04,
+        ref_sync_steps=2,
+        ref_sync_alpha=0.6,
+        learning_rate=1e-5,
+        max_steps=args.warmup + args.steps + 1,
+        save_steps=0,
+        logging_steps=10**6,
+        output_dir=tempfile.mkdtemp(),
+        disable_tqdm=True,
     )
     vocab = QWEN2_SHAPES[args.shape]["vocab_size"]
-    trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=token_prompts(vocab, args.prompt_length))
+    trainer = GRPOTrainer(
+        config, reward_funcs=[even_token_share], train_dataset=token_prompts(vocab, args.prompt_length)
+    )
     # The soft syncs keep the reference slot apart from the policy: its forward runs.
-    measured = [metrics for metrics, _ in train_steps(trainer)[args.warmup:]]  # train(), as a user runs it
+    measured = [metrics for metrics, _ in train_steps(trainer)[args.warmup :]]  # train(), as a user runs it
     med = lambda key: statistics.median(m[key] for m in measured)  # noqa: E731
     return {
-        "rollout": med("time/rollout"), "reference log-probs": med("time/log_probs"), "train": med("time/train"),
-        "step": med("time/step"), "completion_length": med("completion_length/mean"),
+        "rollout": med("time/rollout"),
+        "reference log-probs": med("time/log_probs"),
+        "train": med("time/train"),
+        "step": med("time/step"),
+        "completion_length": med("completion_length/mean"),
         "micro_batch": getattr(trainer, "micro_batch_size", config.micro_batch_size),
         "gradient_checkpointing": getattr(trainer, "gradient_checkpointing", config.gradient_checkpointing),
         "ref_rank": config.ref_rank,
@@ -146,7 +183,9 @@ def measure_step(path: str, args) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", choices=sorted(QWEN2_SHAPES), default="qwen2.5-0.5b-cpu")
     parser.add_argument("--base", choices=["fp32", "4bit"], default="fp32")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per step")
@@ -161,7 +200,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     args.micro_batch = args.micro_batch if args.micro_batch == "auto" else int(args.micro_batch)
-    args.gradient_checkpointing = {"true": True, "false": False}.get(args.gradient_checkpointing, args.gradient_checkpointing)
+    args.gradient_checkpointing = {"true": True, "false": False}.get(
+        args.gradient_checkpointing, args.gradient_checkpointing
+    )
     torch.set_num_threads(args.threads)
     import peft
     import transformers
@@ -175,31 +216,79 @@ def main() -> None:
         build_qwen2(args.shape, path)
         times = measure_step(path, args)
     recompute = times["gradient_checkpointing"] is True
-    flops = step_flops(spec, prompts=args.prompts, G=args.generations, P=args.prompt_length,
-                       T=times["completion_length"], lora_r=args.lora_r, ref_rank=times["ref_rank"], recompute=recompute)
+    flops = step_flops(
+        spec,
+        prompts=args.prompts,
+        G=args.generations,
+        P=args.prompt_length,
+        T=times["completion_length"],
+        lora_r=args.lora_r,
+        ref_rank=times["ref_rank"],
+        recompute=recompute,
+    )
     print(f"# {environment(transformers, peft)}")
-    print(f"# {args.shape} ({args.base} base), {args.prompts} prompts × G={args.generations}, prompt {args.prompt_length}, "
-          f"completion {times['completion_length']:.1f} tokens (mean), LoRA r {args.lora_r}, reference rank "
-          f"{times['ref_rank']}, micro-batch {times['micro_batch']}, gradient checkpointing {times['gradient_checkpointing']}; "
-          f"median of {args.steps} steps after {args.warmup}")
-    print(f"# limits: float32 matmul peak {peak:.1f} GFLOP/s (torch.mm {peak_shape[0]}×{peak_shape[1]} @ "
-          f"{peak_shape[1]}×{peak_shape[2]}, {args.threads} threads); memory read bandwidth {bandwidth:.1f} GB/s")
+    print(
+        f"# {args.shape} ({args.base} base), {args.prompts} prompts × G={args.generations}, prompt "
+        f"{args.prompt_length}, "
+        f"completion {times['completion_length']:.1f} tokens (mean), LoRA r {args.lora_r}, reference rank "
+        f"{times['ref_rank']}, micro-batch {times['micro_batch']}, gradient checkpointing "
+        f"{times['gradient_checkpointing']}; "
+        f"median of {args.steps} steps after {args.warmup}"
+    )
+    print(
+        f"# limits: float32 matmul peak {peak:.1f} GFLOP/s (torch.mm {peak_shape[0]}×{peak_shape[1]} @ "
+        f"{peak_shape[1]}×{peak_shape[2]}, {args.threads} threads); memory read bandwidth {bandwidth:.1f} GB/s"
+    )
     # Decoding reads every weight once per token step: its floor is the larger of compute and reads.
-    passes = {"rollout": 1 + round(times["completion_length"]), "reference log-probs": 1, "train": 2 + recompute}
+    passes = {
+        "rollout": 1 + round(times["completion_length"]),
+        "reference log-probs": 1,
+        "train": 2 + recompute,
+    }
     weights = weight_bytes(spec, args.base)
     rows, total_flops, total_floor = [], 0.0, 0.0
     for stage, f in flops.items():
         seconds = times[stage]
         floor = max(f / (peak * 1e9), passes[stage] * weights / (bandwidth * 1e9))
         total_flops, total_floor = total_flops + f, total_floor + floor
-        rows.append([stage, f"{f / 1e9:.1f}", f"{passes[stage] * weights / 1e9:.2f}", f"{seconds:.3f}",
-                     f"{f / seconds / 1e9:.1f}", f"{100 * f / seconds / 1e9 / peak:.0f}%", f"{floor:.3f}",
-                     f"{100 * floor / seconds:.0f}%"])
-    rows.append(["whole step (with rewards)", f"{total_flops / 1e9:.1f}", "", f"{times['step']:.3f}",
-                 f"{total_flops / times['step'] / 1e9:.1f}", f"{100 * total_flops / times['step'] / 1e9 / peak:.0f}%",
-                 f"{total_floor:.3f}", f"{100 * total_floor / times['step']:.0f}%"])
-    print_markdown_table(["stage", "GFLOP", "weights read GB", "seconds", "GFLOP/s", "of matmul peak",
-                          "floor s", "floor / seconds"], rows, text_columns=1)
+        rows.append(
+            [
+                stage,
+                f"{f / 1e9:.1f}",
+                f"{passes[stage] * weights / 1e9:.2f}",
+                f"{seconds:.3f}",
+                f"{f / seconds / 1e9:.1f}",
+                f"{100 * f / seconds / 1e9 / peak:.0f}%",
+                f"{floor:.3f}",
+                f"{100 * floor / seconds:.0f}%",
+            ]
+        )
+    rows.append(
+        [
+            "whole step (with rewards)",
+            f"{total_flops / 1e9:.1f}",
+            "",
+            f"{times['step']:.3f}",
+            f"{total_flops / times['step'] / 1e9:.1f}",
+            f"{100 * total_flops / times['step'] / 1e9 / peak:.0f}%",
+            f"{total_floor:.3f}",
+            f"{100 * total_floor / times['step']:.0f}%",
+        ]
+    )
+    print_markdown_table(
+        [
+            "stage",
+            "GFLOP",
+            "weights read GB",
+            "seconds",
+            "GFLOP/s",
+            "of matmul peak",
+            "floor s",
+            "floor / seconds",
+        ],
+        rows,
+        text_columns=1,
+    )
 
 
 if __name__ == "__main__":

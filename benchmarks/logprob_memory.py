@@ -57,10 +57,17 @@ import time
 from dataclasses import dataclass
 
 import torch
+from _common import (
+    DTYPES,
+    MiB,
+    add_threads_argument,
+    environment,
+    load_average,
+    parse_pairs,
+    peak_temporary_bytes,
+    print_markdown_table,
+)
 from torch import nn
-
-from _common import (DTYPES, MiB, add_threads_argument, environment, load_average, parse_pairs,
-                     peak_temporary_bytes, print_markdown_table)
 
 HIDDEN = 896  # Qwen2.5-0.5B
 VOCAB = 151936
@@ -179,17 +186,32 @@ def benchmark_shape(head, B: int, T: int, dtype, chunks: list[int], repeats: int
 
 
 def print_table(rows: list[Row]) -> None:
-    header = ["tokens", "method", "chunk", "time fwd+bwd (ms)", "peak extra (MiB)", "peak / block", "time vs full",
-              "memory vs full"]
+    header = [
+        "tokens",
+        "method",
+        "chunk",
+        "time fwd+bwd (ms)",
+        "peak extra (MiB)",
+        "peak / block",
+        "time vs full",
+        "memory vs full",
+    ]
     full = {r.tokens: r for r in rows if r.chunk is None}
     table = []
     for r in rows:
         f = full[r.tokens]
-        table.append([
-            r.tokens, r.method, "-" if r.chunk is None else str(r.chunk), f"{r.seconds * 1e3:.0f}",
-            f"{r.peak / MiB:.1f}", f"{r.peak / (min(r.chunk or r.n, r.n) * VOCAB * 4):.2f}",
-            f"{r.seconds / f.seconds:.3g}", f"{r.peak / f.peak:.3g}",
-        ])
+        table.append(
+            [
+                r.tokens,
+                r.method,
+                "-" if r.chunk is None else str(r.chunk),
+                f"{r.seconds * 1e3:.0f}",
+                f"{r.peak / MiB:.1f}",
+                f"{r.peak / (min(r.chunk or r.n, r.n) * VOCAB * 4):.2f}",
+                f"{r.seconds / f.seconds:.3g}",
+                f"{r.peak / f.peak:.3g}",
+            ]
+        )
     print_markdown_table(header, table)
 
 
@@ -197,7 +219,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="2x256,8x256", help="comma-separated BATCHxLENGTH token shapes")
     p.add_argument("--chunks", default="256,1024,4096", help="comma-separated chunk sizes for ours")
-    p.add_argument("--repeats", type=int, default=1, help="timed passes per method (median; the first is profiled)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed passes per method (median; the first is profiled)"
+    )
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of hidden and head")
     add_threads_argument(p)
     return p.parse_args(argv)
@@ -210,8 +234,10 @@ def main(argv=None) -> None:
     chunks = [int(c) for c in args.chunks.split(",")]
     shapes = parse_pairs(args.shapes)  # batch x length
 
-    print(f"# {environment()}; head {HIDDEN} → {VOCAB}, {args.dtype}, frozen; grad for hidden only; "
-          f"{args.repeats} timed pass(es), the first profiled, after a {WARMUP_TOKENS}-token warm-up")
+    print(
+        f"# {environment()}; head {HIDDEN} → {VOCAB}, {args.dtype}, frozen; grad for hidden only; "
+        f"{args.repeats} timed pass(es), the first profiled, after a {WARMUP_TOKENS}-token warm-up"
+    )
     start = time.perf_counter()
     head = build_head(dtype)
     warm_up(head, dtype, chunks)
@@ -220,8 +246,10 @@ def main(argv=None) -> None:
         rows += benchmark_shape(head, B, T, dtype, chunks, args.repeats)
     print_table(rows)
     for B, T in shapes:
-        print(f"# {B}×{T} = {B * T} tokens: one float32 (N, V) logits tensor is {B * T * VOCAB * 4 / MiB:.0f} MiB; "
-              f"one chunk of C tokens is C × {VOCAB * 4 / MiB:.3f} MiB")
+        print(
+            f"# {B}×{T} = {B * T} tokens: one float32 (N, V) logits tensor is {B * T * VOCAB * 4 / MiB:.0f} MiB; "
+            f"one chunk of C tokens is C × {VOCAB * 4 / MiB:.3f} MiB"
+        )
     print(f"# total {time.perf_counter() - start:.0f} s; load average at the end {load_average():.1f}")
 
 

@@ -25,9 +25,9 @@ import time
 import torch
 
 from lora_grpo import GRPOConfig, GRPOTrainer, memory
+from lora_grpo.batch import Batch
 from lora_grpo.model import set_gradient_checkpointing
 from lora_grpo.tasks.toy import save_tiny_base
-from lora_grpo.batch import Batch
 
 MiB = 2**20
 
@@ -42,35 +42,66 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        base = save_tiny_base(f"{tmp}/base", hidden_size=args.hidden, num_layers=args.layers, num_heads=8, num_kv_heads=4,
-                              intermediate_size=4 * args.hidden, max_positions=1024)
+        base = save_tiny_base(
+            f"{tmp}/base",
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=4 * args.hidden,
+            max_positions=1024,
+        )
         prompts = [{"prompt": f"{i:02d}+{i:02d}=" * 4} for i in range(64)]  # 24 characters, one token each
         batch = max(args.sizes)
-        cfg = GRPOConfig(model_name_or_path=base, quantization=args.quantization, torch_dtype="float32", lora_r=16,
-                         num_generations=batch // 2, prompts_per_step=2, max_completion_length=args.completion,
-                         max_prompt_length=64, output_dir=f"{tmp}/run", save_steps=0, beta=0.04)
+        cfg = GRPOConfig(
+            model_name_or_path=base,
+            quantization=args.quantization,
+            torch_dtype="float32",
+            lora_r=16,
+            num_generations=batch // 2,
+            prompts_per_step=2,
+            max_completion_length=args.completion,
+            max_prompt_length=64,
+            output_dir=f"{tmp}/run",
+            save_steps=0,
+            beta=0.04,
+        )
         t0 = time.perf_counter()
-        trainer = GRPOTrainer(cfg, reward_funcs=[lambda completions, **kw: [float(len(c)) for c in completions]],
-                              train_dataset=prompts)
+        trainer = GRPOTrainer(
+            cfg,
+            reward_funcs=[lambda completions, **kw: [float(len(c)) for c in completions]],
+            train_dataset=prompts,
+        )
         plan = trainer.plan_memory()  # what train() does first
         print(f"construction and plan {time.perf_counter() - t0:.1f} s, of which probe {plan.seconds:.2f} s")
         tokens, device = plan.tokens, trainer.accelerator.device
         rollout = trainer.generate([p["prompt"] for p in prompts[:2]])
-        real_batch = Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask,
-                           torch.linspace(-1, 1, rollout.input_ids.shape[0]))
-        print(f"rollout: {tuple(rollout.input_ids.shape)}, completion tokens {int(rollout.completion_mask.sum())} of "
-              f"{rollout.completion_mask.numel()}; worst case {tokens[0]}+{tokens[1]}")
+        real_batch = Batch(
+            rollout.input_ids,
+            rollout.attention_mask,
+            rollout.completion_mask,
+            torch.linspace(-1, 1, rollout.input_ids.shape[0]),
+        )
+        print(
+            f"rollout: {tuple(rollout.input_ids.shape)}, completion tokens {int(rollout.completion_mask.sum())} of "
+            f"{rollout.completion_mask.numel()}; worst case {tokens[0]}+{tokens[1]}"
+        )
         set_gradient_checkpointing(trainer.model, False)  # both columns without recompute
         trainer.micro_batch_size = batch
         trainer.optimize(real_batch)  # AdamW's states now exist, as in every step after the first
-        probe = {m: memory.measure_peak(lambda: memory.probe_pass(trainer.update, m, True, tokens, device), device) for m in args.sizes}
+        probe = {
+            m: memory.measure_peak(lambda: memory.probe_pass(trainer.update, m, True, tokens, device), device)
+            for m in args.sizes
+        }
         slope = probe[2] - probe[1]
         print(f"{'m':>4} {'probe MiB':>10} {'linear MiB':>11} {'real MiB':>9} {'probe/real':>10}")
         for m in args.sizes:
             trainer.micro_batch_size = m
             real = memory.measure_peak(lambda: trainer.optimize(real_batch), device)
             linear = probe[1] + slope * (m - 1)
-            print(f"{m:>4} {probe[m] / MiB:>10.1f} {linear / MiB:>11.1f} {real / MiB:>9.1f} {probe[m] / real:>10.2f}")
+            print(
+                f"{m:>4} {probe[m] / MiB:>10.1f} {linear / MiB:>11.1f} {real / MiB:>9.1f} {probe[m] / real:>10.2f}"
+            )
 
 
 if __name__ == "__main__":

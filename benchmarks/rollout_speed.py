@@ -69,12 +69,19 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-
 from _common import add_threads_argument, environment, load_average, parse_pairs, print_markdown_table
 
 VOCAB = 4096  # the model's vocab; the tokenizer adds <eos> as id VOCAB
-MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False, max_position_embeddings=1024)
+MODEL = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    tie_word_embeddings=False,
+    max_position_embeddings=1024,
+)
 LORA_R = 16
 
 
@@ -100,7 +107,9 @@ def build_tokenizer():
     vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, VOCAB)}, "<eos>": VOCAB}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     tok.padding_side = "left"
     return tok
 
@@ -117,20 +126,32 @@ def build_model(tokenizer, base_kind: str = "fp32"):
 
     torch.manual_seed(0)
     # EOS (id V) is outside the model's vocab: set on the generation config only, where both paths read it.
-    config = Qwen2Config(**{**MODEL, "vocab_size": VOCAB}, pad_token_id=tokenizer.pad_token_id, eos_token_id=None,
-                         bos_token_id=None)
+    config = Qwen2Config(
+        **{**MODEL, "vocab_size": VOCAB},
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if base_kind == "4bit":
         with tempfile.TemporaryDirectory() as tmp:
             base.save_pretrained(tmp)
-            quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                              bnb_4bit_compute_dtype=torch.float32)
-            base = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, quantization_config=quantization)
+            quantization = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.float32,
+            )
+            base = AutoModelForCausalLM.from_pretrained(
+                tmp, dtype=torch.float32, quantization_config=quantization
+            )
         keep_4bit_weights_fixed(base)  # the trainer's CPU path (lora_grpo.model)
     base.requires_grad_(False)
     base.generation_config.eos_token_id = tokenizer.eos_token_id
     base.generation_config.pad_token_id = tokenizer.pad_token_id
-    model = attach_adapters(base, GRPOConfig(model_name_or_path="local", lora_r=LORA_R, gradient_checkpointing=False))
+    model = attach_adapters(
+        base, GRPOConfig(model_name_or_path="local", lora_r=LORA_R, gradient_checkpointing=False)
+    )
     model.eval()
     return model
 
@@ -148,17 +169,35 @@ def run_ours(model, tokenizer, prompts, G, T, seed, decode_mode="eager"):
     from lora_grpo.rollout import generate_rollout
 
     g = torch.Generator().manual_seed(seed)
-    r = generate_rollout(model, tokenizer, prompts, num_generations=G, max_prompt_length=None,
-                         max_completion_length=T, temperature=1.0, generator=g, decode_mode=decode_mode)
+    r = generate_rollout(
+        model,
+        tokenizer,
+        prompts,
+        num_generations=G,
+        max_prompt_length=None,
+        max_completion_length=T,
+        temperature=1.0,
+        generator=g,
+        decode_mode=decode_mode,
+    )
     return r.completion_mask.sum().item(), r.completion_ids.shape
 
 
 def run_peer(model, tokenizer, prompts, G, T):
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=True,
-                         num_return_sequences=G, max_new_tokens=T, temperature=1.0, top_k=0, top_p=1.0,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    completion = out[:, enc["input_ids"].shape[1]:]
+    out = model.generate(
+        input_ids=enc["input_ids"],
+        attention_mask=enc["attention_mask"],
+        do_sample=True,
+        num_return_sequences=G,
+        max_new_tokens=T,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    completion = out[:, enc["input_ids"].shape[1] :]
     tokenizer.batch_decode(completion, skip_special_tokens=True)
     return (completion != tokenizer.eos_token_id).sum().item(), completion.shape
 
@@ -169,8 +208,10 @@ def benchmark_setting(model, tokenizer, L: int, T: int, P: int, G: int, repeats:
     setting = f"L={L}, T={T}, G={G}"
     rows = []
     torch.manual_seed(1)
-    methods = [(f"ours, {mode}", functools.partial(run_ours, model, tokenizer, prompts, G, T, 1, mode), P * L)
-               for mode in decoders]
+    methods = [
+        (f"ours, {mode}", functools.partial(run_ours, model, tokenizer, prompts, G, T, 1, mode), P * L)
+        for mode in decoders
+    ]
     methods.append(("peer generate", lambda: run_peer(model, tokenizer, prompts, G, T), P * G * L))
     firsts = {}
     for method, fn, _ in methods:  # two warm-up calls each; the first one's time is reported
@@ -185,9 +226,13 @@ def benchmark_setting(model, tokenizer, L: int, T: int, P: int, G: int, repeats:
             tokens, shape = fn()
             times[method].append(time.perf_counter() - start)
             if tokens != P * G * T or tuple(shape) != (P * G, T):
-                raise RuntimeError(f"{method}: expected {P * G}×{T} generated tokens, got {tokens} in {tuple(shape)}")
+                raise RuntimeError(
+                    f"{method}: expected {P * G}×{T} generated tokens, got {tokens} in {tuple(shape)}"
+                )
     for method, _, prefill in methods:
-        rows.append(Row(setting, method, statistics.median(times[method]), P * G, P * G * T, prefill, firsts[method]))
+        rows.append(
+            Row(setting, method, statistics.median(times[method]), P * G, P * G * T, prefill, firsts[method])
+        )
     return rows
 
 
@@ -195,31 +240,59 @@ def benchmark_setting(model, tokenizer, L: int, T: int, P: int, G: int, repeats:
 
 
 def print_table(rows: list[Row]) -> None:
-    header = ["setting", "method", "prefill tokens", "tokens", "time (s)", "completions/s", "tokens/s", "ours/peer",
-              "first call (s)"]
+    header = [
+        "setting",
+        "method",
+        "prefill tokens",
+        "tokens",
+        "time (s)",
+        "completions/s",
+        "tokens/s",
+        "ours/peer",
+        "first call (s)",
+    ]
     peer = {r.setting: r for r in rows if r.method.startswith("peer")}
     table = []
     for r in rows:
         p = peer[r.setting]
-        table.append([
-            r.setting, r.method, str(r.prefill), str(r.tokens), f"{r.seconds:.3f}", f"{r.completions / r.seconds:.1f}",
-            f"{r.tokens / r.seconds:.0f}", f"{p.seconds / r.seconds:.2f}×", f"{r.first:.1f}",
-        ])
+        table.append(
+            [
+                r.setting,
+                r.method,
+                str(r.prefill),
+                str(r.tokens),
+                f"{r.seconds:.3f}",
+                f"{r.completions / r.seconds:.1f}",
+                f"{r.tokens / r.seconds:.0f}",
+                f"{p.seconds / r.seconds:.2f}×",
+                f"{r.first:.1f}",
+            ]
+        )
     print_markdown_table(header, table)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", default="256x16,128x64,16x64,16x16",
-                   help="comma-separated PROMPTxCOMPLETION lengths in tokens (default 256x16,128x64,16x64,16x16)")
+    p.add_argument(
+        "--settings",
+        default="256x16,128x64,16x64,16x16",
+        help="comma-separated PROMPTxCOMPLETION lengths in tokens (default 256x16,128x64,16x64,16x16)",
+    )
     p.add_argument("--prompts", type=int, default=4, help="distinct prompts P per call")
     p.add_argument("--generations", default="1,8", help="samples G per prompt, comma-separated (default 1,8)")
-    p.add_argument("--bases", default="fp32,4bit", help="fp32 and/or 4bit (NF4, dequantised per matmul on a CPU)")
+    p.add_argument(
+        "--bases", default="fp32,4bit", help="fp32 and/or 4bit (NF4, dequantised per matmul on a CPU)"
+    )
     p.add_argument("--vocab", type=int, default=VOCAB, help="the model's vocabulary (Qwen2.5's: 151936)")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per method, alternating (median reported)")
-    p.add_argument("--decoders", default="eager,static",
-                   help="comma-separated decode_mode values of our sampler to measure (default eager,static; "
-                        "compiled compiles per shape, minutes on a CPU)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed calls per method, alternating (median reported)"
+    )
+    p.add_argument(
+        "--decoders",
+        default="eager,static",
+        help="comma-separated decode_mode values of our sampler to measure (default eager,static; "
+        "compiled compiles per shape, minutes on a CPU)",
+    )
     add_threads_argument(p)
     return p.parse_args(argv)
 
@@ -235,9 +308,11 @@ def main(argv=None) -> None:
 
     settings = parse_pairs(args.settings)  # prompt length x completion length, in tokens
     tokenizer = build_tokenizer()
-    print(f"# {environment(transformers, peft)}; model hidden {MODEL['hidden_size']}, "
-          f"{MODEL['num_hidden_layers']} layers, vocab {VOCAB}, float32 compute, lora_r {LORA_R} all-linear; "
-          f"P={args.prompts} prompts; EOS unsampleable; {args.repeats} repeats after 2 warm-ups")
+    print(
+        f"# {environment(transformers, peft)}; model hidden {MODEL['hidden_size']}, "
+        f"{MODEL['num_hidden_layers']} layers, vocab {VOCAB}, float32 compute, lora_r {LORA_R} all-linear; "
+        f"P={args.prompts} prompts; EOS unsampleable; {args.repeats} repeats after 2 warm-ups"
+    )
     for base_kind in args.bases.split(","):
         start = time.perf_counter()
         model = build_model(tokenizer, base_kind)
@@ -245,9 +320,13 @@ def main(argv=None) -> None:
         rows = []
         for G in [int(g) for g in args.generations.split(",")]:
             for L, T in settings:
-                rows += benchmark_setting(model, tokenizer, L, T, args.prompts, G, args.repeats, args.decoders.split(","))
+                rows += benchmark_setting(
+                    model, tokenizer, L, T, args.prompts, G, args.repeats, args.decoders.split(",")
+                )
         n_lora = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
-        print(f"\n## base {base_kind} (built in {built:.1f} s; {n_lora / 1e6:.2f} M LoRA parameters, both adapters)\n")
+        print(
+            f"\n## base {base_kind} (built in {built:.1f} s; {n_lora / 1e6:.2f} M LoRA parameters, both adapters)\n"
+        )
         print_table(rows)
         del model
     print(f"# load average at the end {load_average():.1f}")

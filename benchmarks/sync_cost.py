@@ -62,9 +62,15 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from _common import (DTYPES, MiB, add_threads_argument, environment, median_seconds, peak_temporary_bytes,
-                     print_markdown_table)
+from _common import (
+    DTYPES,
+    MiB,
+    add_threads_argument,
+    environment,
+    median_seconds,
+    peak_temporary_bytes,
+    print_markdown_table,
+)
 
 ALPHA = 0.6  # the soft-sync mix
 LORA_R = 16
@@ -72,11 +78,26 @@ LORA_ALPHA = 32
 POLICY_STEP = 0.1  # relative size of the random policy change between two syncs
 
 MODELS = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
-    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                       max_position_embeddings=32768, rope_theta=1_000_000.0),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
+    "qwen2-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+    ),
 }
 LARGE = 100_000_000  # models with more parameters than this use --repeats-large
 
@@ -108,8 +129,14 @@ def build_base(name: str, dtype: torch.dtype):
 def lora_grpo_config(mode: str):
     from lora_grpo.config import GRPOConfig
 
-    return GRPOConfig(model_name_or_path="local", lora_r=LORA_R, lora_alpha=LORA_ALPHA,
-                      lora_target_modules="all-linear", ref_sync_alpha=ALPHA, ref_sync_mode=mode)
+    return GRPOConfig(
+        model_name_or_path="local",
+        lora_r=LORA_R,
+        lora_alpha=LORA_ALPHA,
+        lora_target_modules="all-linear",
+        ref_sync_alpha=ALPHA,
+        ref_sync_mode=mode,
+    )
 
 
 def tensor_bytes(tensors) -> int:
@@ -185,14 +212,22 @@ def measure_ours(model, name: str, method: str, alpha: float, mode: str, repeats
 
     g = torch.Generator().manual_seed(seed)
     steady_state(model, g)
-    seconds, _ = median_seconds(lambda: sync_reference(model, alpha, mode), repeats,
-                                before=lambda: policy_step(model, g))
+    seconds, _ = median_seconds(
+        lambda: sync_reference(model, alpha, mode), repeats, before=lambda: policy_step(model, g)
+    )
     policy_step(model, g)
     peak = peak_temporary_bytes(lambda: sync_reference(model, alpha, mode))
     policy_step(model, g)
     reported, dense = checked_sync(model, alpha, mode)
-    return Row(name, method, seconds, tensor_bytes(adapter_state_dict(model, REFERENCE).values()), peak,
-               reported if mode == "exact" and alpha < 1 else None, dense)
+    return Row(
+        name,
+        method,
+        seconds,
+        tensor_bytes(adapter_state_dict(model, REFERENCE).values()),
+        peak,
+        reported if mode == "exact" and alpha < 1 else None,
+        dense,
+    )
 
 
 def worst_case_truncation(model, seed: int) -> float:
@@ -228,10 +263,22 @@ def measure_full(base, name: str, repeats: int) -> list[Row]:
             r.copy_(p)
 
     return [  # the reference copy is freed on return
-        Row(name, f"full EMA (a={ALPHA})", median_seconds(ema, repeats)[0], persistent, peak_temporary_bytes(ema),
-            mix_error=0.0),
-        Row(name, "full copy (a=1)", median_seconds(hard_copy, repeats)[0], persistent,
-            peak_temporary_bytes(hard_copy), mix_error=0.0),
+        Row(
+            name,
+            f"full EMA (a={ALPHA})",
+            median_seconds(ema, repeats)[0],
+            persistent,
+            peak_temporary_bytes(ema),
+            mix_error=0.0,
+        ),
+        Row(
+            name,
+            "full copy (a=1)",
+            median_seconds(hard_copy, repeats)[0],
+            persistent,
+            peak_temporary_bytes(hard_copy),
+            mix_error=0.0,
+        ),
     ]
 
 
@@ -248,17 +295,23 @@ def benchmark_model(name: str, dtype: torch.dtype, repeats: int, repeats_large: 
     rows = measure_full(base, name, repeats)
 
     model = attach_adapters(base, lora_grpo_config("exact"))
-    rows.append(measure_ours(model, name, f"ours exact (a={ALPHA}, rank {2 * LORA_R})", ALPHA, "exact", repeats, 1))
+    rows.append(
+        measure_ours(model, name, f"ours exact (a={ALPHA}, rank {2 * LORA_R})", ALPHA, "exact", repeats, 1)
+    )
     rows.append(measure_ours(model, name, f"ours copy (a=1, rank {2 * LORA_R})", 1.0, "exact", repeats, 2))
     worst = worst_case_truncation(model, 3)
     base = model.unload()  # the bare base again, for the factors slot
 
     model = attach_adapters(base, lora_grpo_config("factors"))
-    rows.append(measure_ours(model, name, f"ours factors (a={ALPHA}, rank {LORA_R})", ALPHA, "factors", repeats, 4))
+    rows.append(
+        measure_ours(model, name, f"ours factors (a={ALPHA}, rank {LORA_R})", ALPHA, "factors", repeats, 4)
+    )
     n_layers = sum(1 for n, _ in model.named_modules() if n.endswith("lora_A"))
-    note = (f"{name}: {n_params / 1e6:.1f} M params, {n_layers} LoRA layers, {repeats} repeats, "
-            f"built in {built:.1f} s; worst case, every sync meets an unrelated random policy: the exact "
-            f"sync reports truncation error {worst:.3g}")
+    note = (
+        f"{name}: {n_params / 1e6:.1f} M params, {n_layers} LoRA layers, {repeats} repeats, "
+        f"built in {built:.1f} s; worst case, every sync meets an unrelated random policy: the exact "
+        f"sync reports truncation error {worst:.3g}"
+    )
     return rows, note
 
 
@@ -266,8 +319,17 @@ def benchmark_model(name: str, dtype: torch.dtype, repeats: int, repeats_large: 
 
 
 def print_table(rows: list[Row]) -> None:
-    header = ["model", "method", "sync time (ms)", "persistent extra (MiB)", "peak temporary (MiB)",
-              "time vs full EMA", "memory vs full EMA", "trunc. err", "err vs mix"]
+    header = [
+        "model",
+        "method",
+        "sync time (ms)",
+        "persistent extra (MiB)",
+        "peak temporary (MiB)",
+        "time vs full EMA",
+        "memory vs full EMA",
+        "trunc. err",
+        "err vs mix",
+    ]
     full = {r.model: r for r in rows if r.method.startswith("full EMA")}
 
     def fmt(x):
@@ -276,11 +338,19 @@ def print_table(rows: list[Row]) -> None:
     table = []
     for r in rows:
         f = full[r.model]
-        table.append([
-            r.model, r.method, f"{r.seconds * 1e3:.3f}", f"{r.persistent / MiB:.3f}", f"{r.peak / MiB:.3f}",
-            f"{r.seconds / f.seconds:.3g}", f"{(r.persistent + r.peak) / (f.persistent + f.peak):.3g}",
-            fmt(r.truncation_error), fmt(r.mix_error),
-        ])
+        table.append(
+            [
+                r.model,
+                r.method,
+                f"{r.seconds * 1e3:.3f}",
+                f"{r.persistent / MiB:.3f}",
+                f"{r.peak / MiB:.3f}",
+                f"{r.seconds / f.seconds:.3g}",
+                f"{(r.persistent + r.peak) / (f.persistent + f.peak):.3g}",
+                fmt(r.truncation_error),
+                fmt(r.mix_error),
+            ]
+        )
     print_markdown_table(header, table)
 
 
@@ -288,8 +358,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tiny,qwen2-0.5b", help=f"comma-separated, from {list(MODELS)}")
     p.add_argument("--repeats", type=int, default=7, help="timed syncs per method (median reported)")
-    p.add_argument("--repeats-large", type=int, default=3,
-                   help=f"timed syncs for models over {LARGE / 1e6:.0f} M params")
+    p.add_argument(
+        "--repeats-large", type=int, default=3, help=f"timed syncs for models over {LARGE / 1e6:.0f} M params"
+    )
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of the base weights")
     add_threads_argument(p, help="torch.set_num_threads (see the docstring before raising it)")
     return p.parse_args(argv)
@@ -302,8 +373,10 @@ def main(argv=None) -> None:
     import peft
     import transformers
 
-    print(f"# {environment(transformers, peft)}; base dtype {args.dtype}, adapters float32; lora_r {LORA_R}, "
-          f"lora_alpha {LORA_ALPHA}, all-linear; policy step {POLICY_STEP} between syncs")
+    print(
+        f"# {environment(transformers, peft)}; base dtype {args.dtype}, adapters float32; lora_r {LORA_R}, "
+        f"lora_alpha {LORA_ALPHA}, all-linear; policy step {POLICY_STEP} between syncs"
+    )
     rows, notes = [], []
     for name in args.models.split(","):
         model_rows, note = benchmark_model(name.strip(), dtype, args.repeats, args.repeats_large)

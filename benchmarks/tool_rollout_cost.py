@@ -83,7 +83,9 @@ def script_table(prompts: list[list[int]], completion: list[int], vocab: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--settings", default="1x8,3x8,1x256", help="RxK: R tool rounds, replies of K characters")
+    parser.add_argument(
+        "--settings", default="1x8,3x8,1x256", help="RxK: R tool rounds, replies of K characters"
+    )
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
@@ -99,36 +101,65 @@ def main() -> None:
     prompt_texts = [box.render_prompt([{"role": "user", "content": c}]) for c in contents]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    print(f"# tool rollout cost: {P} prompts x {G} samples, hidden {args.hidden}, {args.layers} layers; "
-          f"{environment()}\n")
+    print(
+        f"# tool rollout cost: {P} prompts x {G} samples, hidden {args.hidden}, {args.layers} layers; "
+        f"{environment()}\n"
+    )
     rows = []
     for R, K in parse_pairs(args.settings):
         reply_text = "x" * K
-        call = ids(f'<tool_call>{{"name": "echo", "arguments": {json.dumps({"text": reply_text})}}}</tool_call>')
+        call = ids(
+            f'<tool_call>{{"name": "echo", "arguments": {json.dumps({"text": reply_text})}}}</tool_call>'
+        )
         call = call + [tok.eos_token_id]
         reply = box.reply_ids([{"role": "tool", "name": "echo", "content": reply_text}])
         rounds = [call + reply] * R
         answer = ids("= 42") + [tok.eos_token_id]
         completion = [t for r in rounds for t in r] + answer
         T = len(completion)
-        model = toy.make_tiny_model(tok, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
-                                    max_positions=max(map(len, prompts)) + T + len(call) + 8).eval()
+        model = toy.make_tiny_model(
+            tok,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=4,
+            num_kv_heads=2,
+            max_positions=max(map(len, prompts)) + T + len(call) + 8,
+        ).eval()
         newline = ids("\n")[0]
         flat = [newline if t == tok.eos_token_id else t for t in completion[:-1]] + completion[-1:]
         writer = Writer(model, script_table(prompts, flat, len(tok)))
         tools_table = script_table(prompts, completion, len(tok))
 
         def run(**kw):
-            return generate_rollout(model, tok, prompt_texts, num_generations=G, max_prompt_length=None, temperature=1.0,
-                                    max_completion_length=T, generator=torch.Generator().manual_seed(0), **kw)
+            return generate_rollout(
+                model,
+                tok,
+                prompt_texts,
+                num_generations=G,
+                max_prompt_length=None,
+                temperature=1.0,
+                max_completion_length=T,
+                generator=torch.Generator().manual_seed(0),
+                **kw,
+            )
 
         def reprefill():  # TRL's loop: each row re-prefilled with its whole history every round
             history = [t for t in prompt_texts for _ in range(G)]
             for turn in [*rounds, answer]:
-                r = generate_rollout(model, tok, history, num_generations=1, max_prompt_length=None, temperature=1.0,
-                                     max_completion_length=len(call) + 4, generator=torch.Generator().manual_seed(0))
+                r = generate_rollout(
+                    model,
+                    tok,
+                    history,
+                    num_generations=1,
+                    max_prompt_length=None,
+                    temperature=1.0,
+                    max_completion_length=len(call) + 4,
+                    generator=torch.Generator().manual_seed(0),
+                )
                 expected = answer if turn is answer else call
-                assert r.completion_ids[0, : len(expected)].tolist() == expected, "the script was not followed"
+                assert r.completion_ids[0, : len(expected)].tolist() == expected, (
+                    "the script was not followed"
+                )
                 history = [h + tok.decode(turn, skip_special_tokens=False) for h in history]
             return r
 
@@ -138,11 +169,33 @@ def main() -> None:
         re_t, _ = median_seconds(reprefill, args.repeats)
         for r, seq in ((single, flat), (multi, completion)):
             assert (r.completion_ids[:, :T] == torch.tensor(seq)).all(), "the rows did not write the script"
-        assert multi.tool_calls.tolist() == [R] * P * G and int(multi.tool_mask.sum()) == P * G * (T - R * len(reply))
-        rows.append([f"{R} x {K}", str(T), f"{single_t:.3f}", f"{multi_t:.3f}", f"{re_t:.3f}",
-                     f"{multi_t / single_t:.2f}", f"{re_t / single_t:.2f}"])
-    print_markdown_table(["rounds x reply chars", "tokens/row", "single (s)", "multi (s)", "reprefill (s)",
-                          "multi/single", "reprefill/single"], rows, text_columns=1)
+        assert multi.tool_calls.tolist() == [R] * P * G and int(multi.tool_mask.sum()) == P * G * (
+            T - R * len(reply)
+        )
+        rows.append(
+            [
+                f"{R} x {K}",
+                str(T),
+                f"{single_t:.3f}",
+                f"{multi_t:.3f}",
+                f"{re_t:.3f}",
+                f"{multi_t / single_t:.2f}",
+                f"{re_t / single_t:.2f}",
+            ]
+        )
+    print_markdown_table(
+        [
+            "rounds x reply chars",
+            "tokens/row",
+            "single (s)",
+            "multi (s)",
+            "reprefill (s)",
+            "multi/single",
+            "reprefill/single",
+        ],
+        rows,
+        text_columns=1,
+    )
 
 
 if __name__ == "__main__":

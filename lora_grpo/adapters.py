@@ -37,8 +37,12 @@ def lora_layers(model: nn.Module, adapters=(POLICY, REFERENCE)) -> list[tuple[st
 
 def policy_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable LoRA factors of the policy (found through the LoRA layers, not by name)."""
-    return [p for _, m in lora_layers(model, (POLICY,)) for p in (m.lora_A[POLICY].weight, m.lora_B[POLICY].weight)
-            if p.requires_grad]
+    return [
+        p
+        for _, m in lora_layers(model, (POLICY,))
+        for p in (m.lora_A[POLICY].weight, m.lora_B[POLICY].weight)
+        if p.requires_grad
+    ]
 
 
 @contextmanager

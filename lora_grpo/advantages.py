@@ -133,14 +133,19 @@ def _normalize_then_sum(per_func, weights, group_size, scale):
 class MultiObjective:
     """One multi_objective_aggregation: (N, F) rewards per function → (N,) advantages."""
 
-    apply: Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor]  # (per_func, weights (F,), G, scale)
+    apply: Callable[
+        [torch.Tensor, torch.Tensor, int, str], torch.Tensor
+    ]  # (per_func, weights (F,), G, scale)
     help: str
 
 
 MULTI_OBJECTIVE_AGGREGATIONS: dict[str, MultiObjective] = {
-    "sum_then_normalize": MultiObjective(_sum_then_normalize, "weighted sum of the functions, then scale_rewards"),
+    "sum_then_normalize": MultiObjective(
+        _sum_then_normalize, "weighted sum of the functions, then scale_rewards"
+    ),
     "normalize_then_sum": MultiObjective(
-        _normalize_then_sum, "each function normalised in its group, weighted sum normalised over the batch (GDPO)"
+        _normalize_then_sum,
+        "each function normalised in its group, weighted sum normalised over the batch (GDPO)",
     ),
 }
 
@@ -169,5 +174,7 @@ def multi_objective_advantages(
     n_funcs = per_func.shape[1]
     w = torch.ones(n_funcs) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
     if w.shape != (n_funcs,):
-        raise ValueError(f"{w.numel()} reward weights for {n_funcs} reward functions; give one weight per function")
+        raise ValueError(
+            f"{w.numel()} reward weights for {n_funcs} reward functions; give one weight per function"
+        )
     return MULTI_OBJECTIVE_AGGREGATIONS[aggregation].apply(per_func, w.to(per_func.device), group_size, scale)

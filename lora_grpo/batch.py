@@ -1,8 +1,8 @@
 """The training batch: a rollout made ready for the loss, cut into optimizer steps and micro-batches.
 
-    Rollout ─► Batch.from_rollout (loss mask, advantages) ─► steps (one per optimizer step)
-            ─► micro_batches(size): dicts the loss path takes (memory.worst_case_micro_batch
-               builds the same format for the start-up probe)
+Rollout ─► Batch.from_rollout (loss mask, advantages) ─► steps (one per optimizer step)
+        ─► micro_batches(size): dicts the loss path takes (memory.worst_case_micro_batch
+           builds the same format for the start-up probe)
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class Batch:
         return cls(rollout.input_ids, rollout.attention_mask, mask, advantages.to(mask.device))
 
     def to(self, device) -> Batch:
-        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v.to(device) for f in fields(self)})
+        return Batch(
+            **{f.name: None if (v := getattr(self, f.name)) is None else v.to(device) for f in fields(self)}
+        )
 
     @property
     def completion_length(self) -> int:
@@ -60,12 +62,16 @@ class Batch:
         if num_steps == 1:
             return [self]
         if n % num_steps:
-            raise ValueError(f"a generation batch of {n} sequences cannot be cut into {num_steps} equal steps")
+            raise ValueError(
+                f"a generation batch of {n} sequences cannot be cut into {num_steps} equal steps"
+            )
         size = n // num_steps
         return [self.rows(slice(i, i + size)) for i in range(0, n, size)]
 
     def rows(self, rows: slice | Tensor) -> Batch:
-        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else v[rows] for f in fields(self)})
+        return Batch(
+            **{f.name: None if (v := getattr(self, f.name)) is None else v[rows] for f in fields(self)}
+        )
 
     def micro_batches(self, size: int):
         """Slices of `size` sequences, each trimmed to the columns it really uses."""

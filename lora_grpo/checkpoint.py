@@ -52,7 +52,6 @@ STATE_JSON = "trainer_state.json"
 STRUCTURAL_FIELDS = ("model_name_or_path", "lora_r", "lora_alpha", "use_rslora", "ref_rank")
 
 
-
 class CheckpointError(ValueError):
     """A checkpoint cannot be used: the message names the file or field and what to do."""
 
@@ -272,13 +271,19 @@ def resolve_adapter(path: str | Path) -> tuple[Path, str]:
     if (path / "adapter" / ADAPTER_CONFIG).is_file():
         return path / "adapter", f"the final adapter of the run {path}"
     if not path.is_dir():
-        raise CheckpointError(f"{path} does not exist or is no directory; pass an adapter, checkpoint or run directory")
+        raise CheckpointError(
+            f"{path} does not exist or is no directory; pass an adapter, checkpoint or run directory"
+        )
     inner = list_checkpoints(path)
     if inner:
-        raise CheckpointError(f"{path} is a run directory without a final adapter/ (the run did not finish?); pass one "
-                              f"of its checkpoints, e.g. {inner[-1]} (its policy adapter is used)")
-    raise CheckpointError(f"{path} holds no adapter ({ADAPTER_CONFIG}), checkpoint or final adapter/; pass an adapter "
-                          "directory, a checkpoint-N directory or a run directory")
+        raise CheckpointError(
+            f"{path} is a run directory without a final adapter/ (the run did not finish?); pass one "
+            f"of its checkpoints, e.g. {inner[-1]} (its policy adapter is used)"
+        )
+    raise CheckpointError(
+        f"{path} holds no adapter ({ADAPTER_CONFIG}), checkpoint or final adapter/; pass an adapter "
+        "directory, a checkpoint-N directory or a run directory"
+    )
 
 
 def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
@@ -299,7 +304,9 @@ def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"resume_from_checkpoint={str(path)!r} does not exist")
     if not path.is_dir():
-        raise CheckpointError(f"resume_from_checkpoint={str(path)!r} is a file; pass a checkpoint-N directory")
+        raise CheckpointError(
+            f"resume_from_checkpoint={str(path)!r} is a file; pass a checkpoint-N directory"
+        )
     if (path / ADAPTER_CONFIG).exists() and (path.parent / STATE_JSON).exists():
         raise CheckpointError(
             f"{path} is the {path.name} adapter inside checkpoint {path.parent}; pass the checkpoint itself: "
@@ -350,8 +357,13 @@ def _target_modules(config_file: Path) -> set[str]:
     return {targets} if isinstance(targets, str) else set(targets or ())
 
 
-def check_compatible(path: Path, config_values: dict[str, Any], num_processes: int, saved_processes: int,
-                     policy_targets: set[str] | None = None) -> None:
+def check_compatible(
+    path: Path,
+    config_values: dict[str, Any],
+    num_processes: int,
+    saved_processes: int,
+    policy_targets: set[str] | None = None,
+) -> None:
     """Refuse a checkpoint saved with other adapter-shaping fields or another number of processes.
 
     policy_targets: the resolved target modules of this run's policy adapter ('all-linear' and the
@@ -366,15 +378,19 @@ def check_compatible(path: Path, config_values: dict[str, Any], num_processes: i
     diffs = [
         f"{name}: checkpoint {saved.get(name)!r}, this run {config_values.get(name)!r}"
         for name in STRUCTURAL_FIELDS
-        if name in saved and not (
-            _same_model(saved[name], config_values.get(name)) if name == "model_name_or_path"
+        if name in saved
+        and not (
+            _same_model(saved[name], config_values.get(name))
+            if name == "model_name_or_path"
             else saved[name] == config_values.get(name)
         )
     ]
     if policy_targets is not None:
         theirs = _target_modules(path / POLICY / ADAPTER_CONFIG)
         if theirs != set(policy_targets):
-            diffs.append(f"lora_target_modules: checkpoint {sorted(theirs)}, this run {sorted(policy_targets)}")
+            diffs.append(
+                f"lora_target_modules: checkpoint {sorted(theirs)}, this run {sorted(policy_targets)}"
+            )
     if diffs:
         raise CheckpointError(
             f"{path} was saved under a different config ({'; '.join(diffs)}). Resume with the checkpoint's values "
@@ -392,7 +408,11 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(trainer_state.json, trainer_state.pt) of a resolved checkpoint, with clear errors when damaged."""
     try:
         state = json.loads((path / STATE_JSON).read_text())
-        missing = [k for k in ("global_step", "batches") if k not in state and not (k == "global_step" and "step" in state)]
+        missing = [
+            k
+            for k in ("global_step", "batches")
+            if k not in state and not (k == "global_step" and "step" in state)
+        ]
         if missing:
             raise ValueError(f"no {', '.join(missing)}")
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
@@ -407,15 +427,22 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     except Exception as e:  # noqa: BLE001 - pickle/zip errors of many kinds mean one thing here
         # A refused global is an object a checkpoint never holds; other weights-only errors (an unknown
         # opcode) are what random bytes give: a damaged file, below.
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
+        found = (
+            re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            if isinstance(e, pickle.UnpicklingError)
+            else None
+        )
         if found:
             raise CheckpointError(
                 f"{path / STATE_BLOBS} holds a reference to {found.group(1)}, which a lora_grpo checkpoint never "
                 "contains: refused, not loaded (unpickling it could run code). It was written by something else, or "
-                "altered; resume only from checkpoints you trust. " + _earlier_hint(path)) from None
+                "altered; resume only from checkpoints you trust. " + _earlier_hint(path)
+            ) from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"{path / STATE_BLOBS} is damaged or truncated ({type(e).__name__}: {first_line}). "
-                              + _earlier_hint(path)) from None
+        raise CheckpointError(
+            f"{path / STATE_BLOBS} is damaged or truncated ({type(e).__name__}: {first_line}). "
+            + _earlier_hint(path)
+        ) from None
     return state, blobs
 
 
@@ -439,30 +466,51 @@ def truncate_log(path: Path, step: int) -> None:
         try:
             record_step = json.loads(line)["step"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            logger.warning("%s line %d is not a complete record (an interrupted write?); dropped", path, number)
+            logger.warning(
+                "%s line %d is not a complete record (an interrupted write?); dropped", path, number
+            )
             continue
         if record_step <= step:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def restore_training_state(path: Path, *, model: nn.Module, optimizer, scheduler, state, generator: torch.Generator,
-                           config_values: dict[str, Any], num_processes: int, process_index: int) -> dict[str, Any]:
+def restore_training_state(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    state,
+    generator: torch.Generator,
+    config_values: dict[str, Any],
+    num_processes: int,
+    process_index: int,
+) -> dict[str, Any]:
     """Resume from the resolved checkpoint `path` into the run's parts: both adapters, optimizer and
     LR scheduler, the TrainState (state.py) and this process's RNG states. Checks first that the
     checkpoint fits (check_compatible). Returns the saved TrainState dict (its sizes, for the caller)."""
     saved, blobs = load_checkpoint_state(path)
-    check_compatible(path, config_values, num_processes, int(saved.get("num_processes", len(blobs["rng"]))),
-                     policy_targets=set(model.peft_config[POLICY].target_modules))
+    check_compatible(
+        path,
+        config_values,
+        num_processes,
+        int(saved.get("num_processes", len(blobs["rng"]))),
+        policy_targets=set(model.peft_config[POLICY].target_modules),
+    )
     load_checkpoint_adapters(model, path)
     optimizer.load_state_dict(optimizer_state_on_devices(blobs["optimizer"], optimizer))
     scheduler.load_state_dict(blobs["scheduler"])
     state.load_state_dict(saved)
     rng = blobs["rng"][process_index]  # this process's own states
     set_rng_state(rng)
-    line = restore_sampling(generator, rng["sampling"], seed=int(config_values.get("seed", 0)),
-                            process_index=process_index, step=int(saved.get("global_step", saved.get("step", 0))))
+    line = restore_sampling(
+        generator,
+        rng["sampling"],
+        seed=int(config_values.get("seed", 0)),
+        process_index=process_index,
+        step=int(saved.get("global_step", saved.get("step", 0))),
+    )
     if line:
         logger.warning("%s: %s", path, line)
     return saved
-

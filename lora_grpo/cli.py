@@ -103,12 +103,19 @@ def cmd_train(args) -> int:
 
 
 def resume_command(recipe: str, sets: list[str]) -> str:
-    """The command that resumes this `lora-grpo train`: its recipe and --set overrides, resuming the latest checkpoint."""
+    """The command that resumes this `lora-grpo train`: its recipe and --set overrides, resuming the
+    latest checkpoint."""
     import shlex
 
     kept = [s for s in sets if s.split("=", 1)[0].strip() != "resume_from_checkpoint"]
-    return " ".join(["lora-grpo train", shlex.quote(recipe), *(f"--set {shlex.quote(s)}" for s in kept),
-                     "--set resume_from_checkpoint=latest"])
+    return " ".join(
+        [
+            "lora-grpo train",
+            shlex.quote(recipe),
+            *(f"--set {shlex.quote(s)}" for s in kept),
+            "--set resume_from_checkpoint=latest",
+        ]
+    )
 
 
 def _end_processes() -> None:
@@ -155,7 +162,9 @@ def cmd_eval(args) -> int:
     config = load_config(args.recipe, sets)
     if not config.eval_dataset:
         raise ConfigError("eval needs eval_dataset in the recipe or --set eval_dataset=...")
-    adapter, what = resolve_adapter(args.adapter) if args.adapter else (None, "no adapter: the base model itself")
+    adapter, what = (
+        resolve_adapter(args.adapter) if args.adapter else (None, "no adapter: the base model itself")
+    )
     trainer = GRPOTrainer(config)
     if adapter is not None:
         load_adapter_weights(trainer.model, adapter, POLICY)
@@ -192,18 +201,27 @@ def cmd_merge(args) -> int:
     with loading("merge", "adapter", adapter):
         policy = PeftModel.from_pretrained(load_base_model(config, path), str(adapter)).eval()
     if args.base == "trained" and config.quantization != "none":
-        base, into = load_base_model(config, path).dequantize(), f"the dequantised {config.quantization} base it was trained on"
+        base, into = (
+            load_base_model(config, path).dequantize(),
+            f"the dequantised {config.quantization} base it was trained on",
+        )
     else:
         with loading("merge", "base model", path):
-            base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=config.trust_remote_code)
-        into = "the original weights" + (f" (it was trained on the {config.quantization} base)" if config.quantization != "none" else "")
+            base = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=config.trust_remote_code
+            )
+        into = "the original weights" + (
+            f" (it was trained on the {config.quantization} base)" if config.quantization != "none" else ""
+        )
     with loading("merge", "adapter", adapter):
         merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
     gap = largest_logit_difference(policy, merged, tokenizer, MERGE_CHECK_PROMPTS)
     merged.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
-    print(f"merged {what} into {into} of {path} ({str(dtype).removeprefix('torch.')}) → {args.out}; the merged model's "
-          f"logits differ from the trained policy's by at most {gap:.3g} on {len(MERGE_CHECK_PROMPTS)} prompts")
+    print(
+        f"merged {what} into {into} of {path} ({str(dtype).removeprefix('torch.')}) → {args.out}; the merged model's "
+        f"logits differ from the trained policy's by at most {gap:.3g} on {len(MERGE_CHECK_PROMPTS)} prompts"
+    )
     return 0
 
 
@@ -226,29 +244,58 @@ def largest_logit_difference(a, b, tokenizer, prompts) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lora-grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lora-grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p, recipe_positional: bool):
         if recipe_positional:
-            p.add_argument("recipe", nargs="?",
-                           help=f"a YAML file or a shipped recipe's name (`lora-grpo recipes`; default: {DEFAULT_RECIPE})")
+            p.add_argument(
+                "recipe",
+                nargs="?",
+                help=f"a YAML file or a shipped recipe's name (`lora-grpo recipes`; default: {DEFAULT_RECIPE})",
+            )
         else:
-            p.add_argument("--recipe", help="the recipe the run was trained with: a YAML file or a shipped recipe's name")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+            p.add_argument(
+                "--recipe", help="the recipe the run was trained with: a YAML file or a shipped recipe's name"
+            )
+        p.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+        )
 
-    p = sub.add_parser("train", help="train with GRPO", epilog=_help_config(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "train",
+        help="train with GRPO",
+        epilog=_help_config(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common(p, True)
     p.set_defaults(func=cmd_train)
-    p = sub.add_parser("recipes", help="list the shipped recipes (train one with `lora-grpo train NAME`), or print one")
-    p.add_argument("name", nargs="?", help="print this recipe (to copy and edit: lora-grpo recipes NAME > my.yaml)")
+    p = sub.add_parser(
+        "recipes", help="list the shipped recipes (train one with `lora-grpo train NAME`), or print one"
+    )
+    p.add_argument(
+        "name", nargs="?", help="print this recipe (to copy and edit: lora-grpo recipes NAME > my.yaml)"
+    )
     p.set_defaults(func=cmd_recipes)
-    p = sub.add_parser("eval", help="greedy eval (and pass@k) of an adapter on eval_dataset with the recipe's rewards")
-    p.add_argument("adapter", nargs="?", help="an adapter dir, a checkpoint dir (its policy adapter) or a run dir (its "
-                                              "final adapter/); default: the fresh policy = the base model")
-    p.add_argument("--k", action="append", default=[], metavar="K[,K...]",
-                   help="also report pass@k for these k (--k 1 --k 8, or --k 1,8): max(k) sampled completions per "
-                        "prompt, or eval_num_samples; sets eval_pass_k")
+    p = sub.add_parser(
+        "eval", help="greedy eval (and pass@k) of an adapter on eval_dataset with the recipe's rewards"
+    )
+    p.add_argument(
+        "adapter",
+        nargs="?",
+        help="an adapter dir, a checkpoint dir (its policy adapter) or a run dir (its "
+        "final adapter/); default: the fresh policy = the base model",
+    )
+    p.add_argument(
+        "--k",
+        action="append",
+        default=[],
+        metavar="K[,K...]",
+        help="also report pass@k for these k (--k 1 --k 8, or --k 1,8): max(k) sampled completions per "
+        "prompt, or eval_num_samples; sets eval_pass_k",
+    )
     common(p, False)
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("plot", help="plot metrics.jsonl of a run dir to PNG (needs matplotlib)")
@@ -256,16 +303,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", nargs="*", help="metric names to plot")
     p.add_argument("--out", help="output PNG path (default: RUN_DIR/metrics.png)")
     p.set_defaults(func=cmd_plot)
-    p = sub.add_parser("trl", help="run a TRL GRPO recipe: --config recipe.yaml and TRL's flags (ScriptArguments, GRPOConfig, ModelConfig)",
-                       add_help=False)
-    p.add_argument("trl_args", nargs=argparse.REMAINDER, help="--config recipe.yaml and TRL's flags (--help lists them)")
+    p = sub.add_parser(
+        "trl",
+        help="run a TRL GRPO recipe: --config recipe.yaml and TRL's flags (ScriptArguments, GRPOConfig, ModelConfig)",
+        add_help=False,
+    )
+    p.add_argument(
+        "trl_args", nargs=argparse.REMAINDER, help="--config recipe.yaml and TRL's flags (--help lists them)"
+    )
     p.set_defaults(func=cmd_trl)
     p = sub.add_parser("merge", help="merge a trained adapter into its base and save the merged model")
-    p.add_argument("adapter", help="an adapter dir, a checkpoint dir (its policy adapter) or a run dir (its final adapter/)")
+    p.add_argument(
+        "adapter",
+        help="an adapter dir, a checkpoint dir (its policy adapter) or a run dir (its final adapter/)",
+    )
     p.add_argument("--out", required=True)
-    p.add_argument("--base", choices=("trained", "full"), default="trained",
-                   help="trained (default): the weights the adapter was trained against (a 4-bit base dequantised); "
-                        "full: the original full-precision weights")
+    p.add_argument(
+        "--base",
+        choices=("trained", "full"),
+        default="trained",
+        help="trained (default): the weights the adapter was trained against (a 4-bit base dequantised); "
+        "full: the original full-precision weights",
+    )
     common(p, False)
     p.set_defaults(func=cmd_merge)
     return parser

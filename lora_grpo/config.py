@@ -20,9 +20,24 @@ from typing import Any
 import yaml
 
 from .config_checks import (  # noqa: F401  (the option names are part of config's public names)
-    CHOICES, DECODE_MODES, DTYPES, IMPORTANCE_SAMPLING, LOSS_TYPES, MULTI_OBJECTIVE, OPTIMIZERS, QUANT_TYPES_4BIT,
-    QUANTIZATIONS, SCALES, SCHEDULERS, SYNC_MODES, TRACKERS, ConfigError, check_generation_batch_size, validate,
+    CHOICES,
+    DECODE_MODES,
+    DTYPES,
+    IMPORTANCE_SAMPLING,
+    LOSS_TYPES,
+    MULTI_OBJECTIVE,
+    OPTIMIZERS,
+    QUANT_TYPES_4BIT,
+    QUANTIZATIONS,
+    SCALES,
+    SCHEDULERS,
+    SYNC_MODES,
+    TRACKERS,
+    ConfigError,
+    check_generation_batch_size,
+    validate,
 )
+
 
 def _f(default, help: str, **kw):
     """A config field with its one-line help (the source of the CLI's, help()'s and the docs' text)."""
@@ -50,100 +65,274 @@ class GRPOConfig:
     """
 
     # --- model -------------------------------------------------------------------------------
-    model_name_or_path: str | None = _f(None, "hub id or local path of the base causal LM; 'toy' builds the offline toy base")
+    model_name_or_path: str | None = _f(
+        None, "hub id or local path of the base causal LM; 'toy' builds the offline toy base"
+    )
     tokenizer_name_or_path: str | None = _f(None, "tokenizer to load (default: model_name_or_path)")
     quantization: str = _f("none", "base model quantization: none | 8bit | 4bit (bitsandbytes; 4bit = QLoRA)")
     bnb_4bit_quant_type: str = _f("nf4", "4-bit data type: nf4 | fp4")
-    bnb_4bit_use_double_quant: bool = _f(True, "quantize the 4-bit quantization constants too (saves ~0.4 bit/param)")
-    torch_dtype: str = _f("auto", "dtype of the unquantized weights and 4-bit compute: auto | float32 | bfloat16 | float16")
+    bnb_4bit_use_double_quant: bool = _f(
+        True, "quantize the 4-bit quantization constants too (saves ~0.4 bit/param)"
+    )
+    torch_dtype: str = _f(
+        "auto", "dtype of the unquantized weights and 4-bit compute: auto | float32 | bfloat16 | float16"
+    )
     trust_remote_code: bool = _f(False, "allow custom model code from the hub")
-    attn_implementation: str | None = _f(None, "attention kernel (e.g. sdpa, flash_attention_2); None = transformers' default")
-    revision: str | None = _f(None, "model revision (a branch, tag or commit) on the hub; None = the default branch")
+    attn_implementation: str | None = _f(
+        None, "attention kernel (e.g. sdpa, flash_attention_2); None = transformers' default"
+    )
+    revision: str | None = _f(
+        None, "model revision (a branch, tag or commit) on the hub; None = the default branch"
+    )
     use_cpu: bool = _f(False, "train on the CPU even when a GPU is there")
     # --- policy adapter ----------------------------------------------------------------------
     lora_r: int = _f(16, "rank of the policy LoRA adapter")
-    lora_alpha: float = _f(32, "LoRA alpha of the policy adapter (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA)")
-    lora_dropout: float = _f(0.0, "dropout on the LoRA input (0 keeps rollout and training log-probs consistent)")
-    lora_target_modules: Any = _f("all-linear", "modules that get LoRA: 'all-linear' or a list of module names")
+    lora_alpha: float = _f(
+        32, "LoRA alpha of the policy adapter (scaling = alpha / r, or alpha / sqrt(r) with rsLoRA)"
+    )
+    lora_dropout: float = _f(
+        0.0, "dropout on the LoRA input (0 keeps rollout and training log-probs consistent)"
+    )
+    lora_target_modules: Any = _f(
+        "all-linear", "modules that get LoRA: 'all-linear' or a list of module names"
+    )
     use_rslora: bool = _f(False, "rank-stabilised LoRA scaling alpha / sqrt(r)")
-    init_adapter: str | None = _f(None, "a saved peft LoRA adapter to warm-start the policy (and the initial reference)")
+    init_adapter: str | None = _f(
+        None, "a saved peft LoRA adapter to warm-start the policy (and the initial reference)"
+    )
     # --- reference slot and iterative GRPO ---------------------------------------------------
-    ref_rank: int | None = _f(None, "rank of the reference slot (default 2 × lora_r for 'exact', lora_r for 'factors')")
+    ref_rank: int | None = _f(
+        None, "rank of the reference slot (default 2 × lora_r for 'exact', lora_r for 'factors')"
+    )
     ref_sync_steps: int = _f(0, "sync the reference to the policy every N optimizer steps (0 = off)")
-    ref_sync_every_epoch: bool = _f(False, "sync the reference at every epoch boundary (DeepSeekMath iterative RL)")
-    ref_sync_kl: float | None = _f(None, "adaptive: sync when the step's mean KL to the reference exceeds this")
+    ref_sync_every_epoch: bool = _f(
+        False, "sync the reference at every epoch boundary (DeepSeekMath iterative RL)"
+    )
+    ref_sync_kl: float | None = _f(
+        None, "adaptive: sync when the step's mean KL to the reference exceeds this"
+    )
     ref_sync_alpha: float = _f(1.0, "sync mix: ref ← alpha·policy + (1−alpha)·ref; 1 = hard copy")
-    ref_sync_mode: str = _f("exact", "exact (weight-space mix, recompressed to ref_rank) | factors (blend A and B separately; approximate)")
-    ref_sync_on_plateau: bool = _f(False, "also sync when the greedy eval score of the first reward function has not beaten its best by more than ref_sync_plateau_min_delta for ref_sync_plateau_patience evals (ProRL, Liu et al. 2025); needs eval_dataset and eval_steps")
-    ref_sync_plateau_patience: int = _f(2, "with ref_sync_on_plateau: evals in a row without improvement that trigger a sync (the count restarts after it)")
-    ref_sync_plateau_min_delta: float = _f(0.01, "with ref_sync_on_plateau: the smallest rise over the best eval score so far that counts as an improvement")
-    ref_sync_reset_optimizer: bool = _f(False, "at each sync also reset the optimizer's moments and step counts (ProRL's reference reset, Liu et al. 2025 §2.3.1)")
-    ref_sync_restart_warmup: bool = _f(False, "at each sync restart the linear LR warmup of warmup_steps (the LR multiplier becomes warmup(step − last sync) × schedule(step))")
+    ref_sync_mode: str = _f(
+        "exact",
+        "exact (weight-space mix, recompressed to ref_rank) | factors (blend A and B separately; approximate)",
+    )
+    ref_sync_on_plateau: bool = _f(
+        False,
+        "also sync when the greedy eval score of the first reward function has not beaten its "
+        "best by more than ref_sync_plateau_min_delta for ref_sync_plateau_patience evals (ProRL, "
+        "Liu et al. 2025); needs eval_dataset and eval_steps",
+    )
+    ref_sync_plateau_patience: int = _f(
+        2,
+        "with ref_sync_on_plateau: evals in a row without improvement that trigger a sync (the "
+        "count restarts after it)",
+    )
+    ref_sync_plateau_min_delta: float = _f(
+        0.01,
+        "with ref_sync_on_plateau: the smallest rise over the best eval score so far that counts as an improvement",
+    )
+    ref_sync_reset_optimizer: bool = _f(
+        False,
+        "at each sync also reset the optimizer's moments and step counts (ProRL's reference "
+        "reset, Liu et al. 2025 §2.3.1)",
+    )
+    ref_sync_restart_warmup: bool = _f(
+        False,
+        "at each sync restart the linear LR warmup of warmup_steps (the LR multiplier becomes "
+        "warmup(step − last sync) × schedule(step))",
+    )
     # --- data --------------------------------------------------------------------------------
-    dataset: str | None = _f(None, "training prompts: a hub dataset name or a local json/jsonl/csv/parquet file or saved dataset dir; 'toy' / 'countdown' = offline tasks generated locally")
-    dataset_config: str | None = _f(None, "configuration name of a hub dataset that has several (gsm8k: 'main')")
+    dataset: str | None = _f(
+        None,
+        "training prompts: a hub dataset name or a local json/jsonl/csv/parquet file or saved "
+        "dataset dir; 'toy' / 'countdown' = offline tasks generated locally",
+    )
+    dataset_config: str | None = _f(
+        None, "configuration name of a hub dataset that has several (gsm8k: 'main')"
+    )
     dataset_split: str = _f("train", "split of `dataset` to use")
     eval_dataset: str | None = _f(None, "held-out prompts for evaluation (same formats as `dataset`)")
     eval_split: str = _f("test", "split of `eval_dataset` to use")
     eval_limit: int = _f(0, "evaluate on the first N eval prompts only (0 = all)")
-    eval_pass_k: list[int] = _f([], "also report eval/pass@k for each k, e.g. [1, 8]: eval_num_samples sampled completions per eval prompt (Chen et al. 2021's unbiased estimator), n× the greedy eval's completions; [] = greedy only")
-    eval_num_samples: int | None = _f(None, "completions sampled per eval prompt for pass@k, n ≥ every k (a larger n lowers the estimate's variance); None = max(eval_pass_k)")
-    eval_temperature: float | None = _f(None, "sampling temperature for pass@k (None = temperature; top_p, top_k, min_p, repetition_penalty as in training)")
-    eval_kl_to_base: bool = _f(True, "report eval/kl_to_base, the k3 KL per token of the policy to the model the run started from (base, or init_adapter), on sampled completions: pass@k's when drawn at the training temperature, else one more per eval prompt")
-    eval_correct_threshold: float = _f(1.0, "pass@k counts a sampled completion correct when the first reward function gives ≥ this (toy_reward and accuracy give 1.0 for a right answer, None counts as wrong)")
+    eval_pass_k: list[int] = _f(
+        [],
+        "also report eval/pass@k for each k, e.g. [1, 8]: eval_num_samples sampled completions "
+        "per eval prompt (Chen et al. 2021's unbiased estimator), n× the greedy eval's "
+        "completions; [] = greedy only",
+    )
+    eval_num_samples: int | None = _f(
+        None,
+        "completions sampled per eval prompt for pass@k, n ≥ every k (a larger n lowers the "
+        "estimate's variance); None = max(eval_pass_k)",
+    )
+    eval_temperature: float | None = _f(
+        None,
+        "sampling temperature for pass@k (None = temperature; top_p, top_k, min_p, repetition_penalty as in training)",
+    )
+    eval_kl_to_base: bool = _f(
+        True,
+        "report eval/kl_to_base, the k3 KL per token of the policy to the model the run started "
+        "from (base, or init_adapter), on sampled completions: pass@k's when drawn at the "
+        "training temperature, else one more per eval prompt",
+    )
+    eval_correct_threshold: float = _f(
+        1.0,
+        "pass@k counts a sampled completion correct when the first reward function gives ≥ this "
+        "(toy_reward and accuracy give 1.0 for a right answer, None counts as wrong)",
+    )
     prompt_column: str = _f("prompt", "column holding the prompt text (or a list of chat messages)")
-    messages_column: str | None = _f("messages", "column holding chat messages, rendered with the tokenizer's chat template (None: only prompt_column, as TRL)")
-    prompt_template: str | None = _f(None, "a Python format string over the row's columns, e.g. 'Q: {question}\\nA:'")
+    messages_column: str | None = _f(
+        "messages",
+        "column holding chat messages, rendered with the tokenizer's chat template (None: only prompt_column, as TRL)",
+    )
+    prompt_template: str | None = _f(
+        None, "a Python format string over the row's columns, e.g. 'Q: {question}\\nA:'"
+    )
     system_prompt: str | None = _f(None, "system message prepended to chat prompts")
-    use_chat_template: bool = _f(False, "render text prompts as a user message through the tokenizer's chat template (instruct models)")
-    chat_template_kwargs: dict = _f({}, "extra keyword arguments of the chat template when prompts are rendered, e.g. {enable_thinking: false}")
-    shuffle_dataset: bool = _f(True, "visit the prompts in a fresh seeded order each epoch (false: dataset order)")
+    use_chat_template: bool = _f(
+        False, "render text prompts as a user message through the tokenizer's chat template (instruct models)"
+    )
+    chat_template_kwargs: dict = _f(
+        {},
+        "extra keyword arguments of the chat template when prompts are rendered, e.g. {enable_thinking: false}",
+    )
+    shuffle_dataset: bool = _f(
+        True, "visit the prompts in a fresh seeded order each epoch (false: dataset order)"
+    )
     # --- rewards -----------------------------------------------------------------------------
-    reward_funcs: list = _f([], "reward functions: built-in names (format, accuracy, countdown, soft_overlong, length) or dotted paths 'pkg.module:fn'")
+    reward_funcs: list = _f(
+        [],
+        "reward functions: built-in names (format, accuracy, countdown, soft_overlong, length) or "
+        "dotted paths 'pkg.module:fn'",
+    )
     reward_weights: list | None = _f(None, "one weight per reward function (default all 1)")
-    multi_objective_aggregation: str = _f("sum_then_normalize", "several reward functions: sum_then_normalize (weighted sum, then group advantages) | normalize_then_sum (GDPO: each function normalised in its group, then the weighted sum, renormalised over the batch)")
+    multi_objective_aggregation: str = _f(
+        "sum_then_normalize",
+        "several reward functions: sum_then_normalize (weighted sum, then group advantages) | "
+        "normalize_then_sum (GDPO: each function normalised in its group, then the weighted sum, "
+        "renormalised over the batch)",
+    )
     # --- generation --------------------------------------------------------------------------
     num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
     prompts_per_step: int = _f(8, "prompts per optimizer step, each sampled num_generations times")
-    steps_per_generation: int = _f(1, "optimizer steps each generation batch is cut into: one rollout of steps_per_generation × prompts_per_step prompts feeds that many steps, each on its share (TRL's steps_per_generation / gradient_accumulation_steps)")
-    generation_batch_size: int | None = _f(None, "alternatively, sequences per rollout (all steps_per_generation steps of it); divisible by num_generations and by steps_per_generation; prompts_per_step then follows from it")
-    max_prompt_length: int | None = _f(512, "prompts longer than this keep their last tokens (with a warning); None = no limit")
+    steps_per_generation: int = _f(
+        1,
+        "optimizer steps each generation batch is cut into: one rollout of steps_per_generation × "
+        "prompts_per_step prompts feeds that many steps, each on its share (TRL's "
+        "steps_per_generation / gradient_accumulation_steps)",
+    )
+    generation_batch_size: int | None = _f(
+        None,
+        "alternatively, sequences per rollout (all steps_per_generation steps of it); divisible "
+        "by num_generations and by steps_per_generation; prompts_per_step then follows from it",
+    )
+    max_prompt_length: int | None = _f(
+        512, "prompts longer than this keep their last tokens (with a warning); None = no limit"
+    )
     max_completion_length: int = _f(256, "maximum new tokens per completion")
     temperature: float = _f(1.0, "sampling temperature (also divides the logits in the loss)")
-    top_p: float = _f(1.0, "nucleus sampling threshold (1 = off); like every filter, not in the loss: ratio and KL use unfiltered log-probs")
-    top_k: int = _f(0, "top-k sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)")
-    min_p: float = _f(0.0, "min-p sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)")
-    repetition_penalty: float = _f(1.0, "CTRL repetition penalty (1 = off); not in the loss (ratio and KL use the unfiltered distribution)")
-    decode_mode: str = _f("auto", "sampler: auto (compiled where it pays: a CUDA GPU with Triton, compute capability ≥ 7.0, ≥ 8.0 for bfloat16; eager elsewhere; one line says what it chose) | eager | static (fixed-shape KV cache) | compiled (static + torch.compile, CUDA graphs on GPU; eager if compiling fails). The same tokens as eager in float32 on CPU; on a GPU and in bf16 the static path's kernels change the logits' last bits, so a near-tie can be drawn differently")
-    tools: list = _f([], "tools the policy may call during a rollout: dotted paths 'pkg.module:fn' of typed, documented functions (their JSON schema goes into the chat template); [] = single-turn")
-    max_tool_calling_iterations: int | None = _f(None, "with tools: tool-call rounds per completion at most (None = until the completion budget is spent)")
-    environment_factory: str | None = _f(None, "with tools or alone: dotted path 'pkg.module:Class' of an environment whose public methods are the tools; one instance per completion, reset(**row) may return text appended to the prompt, get_reward() (optional) is a reward")
-    tool_timeout: float = _f(10.0, "with tools: seconds a tool call may take; longer calls become an error reply the model sees")
+    top_p: float = _f(
+        1.0,
+        "nucleus sampling threshold (1 = off); like every filter, not in the loss: ratio and KL "
+        "use unfiltered log-probs",
+    )
+    top_k: int = _f(
+        0, "top-k sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)"
+    )
+    min_p: float = _f(
+        0.0, "min-p sampling (0 = off); not in the loss (ratio and KL use the unfiltered distribution)"
+    )
+    repetition_penalty: float = _f(
+        1.0,
+        "CTRL repetition penalty (1 = off); not in the loss (ratio and KL use the unfiltered distribution)",
+    )
+    decode_mode: str = _f(
+        "auto",
+        "sampler: auto (compiled where it pays: a CUDA GPU with Triton, compute capability ≥ 7.0, "
+        "≥ 8.0 for bfloat16; eager elsewhere; one line says what it chose) | eager | static "
+        "(fixed-shape KV cache) | compiled (static + torch.compile, CUDA graphs on GPU; eager if "
+        "compiling fails). The same tokens as eager in float32 on CPU; on a GPU and in bf16 the "
+        "static path's kernels change the logits' last bits, so a near-tie can be drawn "
+        "differently",
+    )
+    tools: list = _f(
+        [],
+        "tools the policy may call during a rollout: dotted paths 'pkg.module:fn' of typed, "
+        "documented functions (their JSON schema goes into the chat template); [] = single-turn",
+    )
+    max_tool_calling_iterations: int | None = _f(
+        None,
+        "with tools: tool-call rounds per completion at most (None = until the completion budget is spent)",
+    )
+    environment_factory: str | None = _f(
+        None,
+        "with tools or alone: dotted path 'pkg.module:Class' of an environment whose public "
+        "methods are the tools; one instance per completion, reset(**row) may return text "
+        "appended to the prompt, get_reward() (optional) is a reward",
+    )
+    tool_timeout: float = _f(
+        10.0, "with tools: seconds a tool call may take; longer calls become an error reply the model sees"
+    )
     # --- loss --------------------------------------------------------------------------------
     beta: float = _f(0.04, "weight of the k3 KL penalty to the reference (0 = no reference forward)")
-    loss_type: str = _f("dapo", "objective and token aggregation: grpo | bnpo | dapo | dr_grpo | cispo | sapo | vespo | luspo (loss.LOSS_TYPES; TRL's names and formulas)")
+    loss_type: str = _f(
+        "dapo",
+        "objective and token aggregation: grpo | bnpo | dapo | dr_grpo | cispo | sapo | vespo | "
+        "luspo (loss.LOSS_TYPES; TRL's names and formulas)",
+    )
     epsilon_low: float = _f(0.2, "lower clip: ratio ≥ 1 − epsilon_low")
-    epsilon_high: float = _f(0.28, "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025); cispo: the cap on the ratio itself (MiniMax-M1; ScaleRL uses about 5)")
-    delta: float | None = _f(None, "two-sided clipping: also cap the unclipped ratio at delta (> 1 + epsilon_high; INTELLECT-2); None = off")
+    epsilon_high: float = _f(
+        0.28,
+        "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025); cispo: the cap "
+        "on the ratio itself (MiniMax-M1; ScaleRL uses about 5)",
+    )
+    delta: float | None = _f(
+        None,
+        "two-sided clipping: also cap the unclipped ratio at delta (> 1 + epsilon_high; INTELLECT-2); None = off",
+    )
     sapo_temperature_pos: float = _f(1.0, "sapo: temperature of the soft gate for positive advantages")
     sapo_temperature_neg: float = _f(1.05, "sapo: temperature of the soft gate for negative advantages")
     vespo_k_pos: float = _f(2.0, "vespo: shape k of the gamma weight for positive advantages")
     vespo_lambda_pos: float = _f(3.0, "vespo: rate lambda of the gamma weight for positive advantages")
     vespo_k_neg: float = _f(3.0, "vespo: shape k of the gamma weight for negative advantages")
     vespo_lambda_neg: float = _f(2.0, "vespo: rate lambda of the gamma weight for negative advantages")
-    top_entropy_quantile: float = _f(1.0, "only tokens whose entropy is in this top share (over every process's tokens of the micro-batch) carry the policy gradient (Wang et al. 2025, '80/20'); 1 = all tokens")
-    off_policy_mask_threshold: float | None = _f(None, "drop negative-advantage sequences whose mean KL from the sampling policy exceeds this (DeepSeek-V3.2's off-policy sequence mask); None = off")
-    entropy_coef: float = _f(0.0, "entropy bonus: subtract entropy_coef × the token-mean entropy from the loss (0 = off); the starting value with use_adaptive_entropy")
-    use_adaptive_entropy: bool = _f(False, "move entropy_coef each step towards entropy_target (Skywork-OR1's adaptive controller, as TRL)")
+    top_entropy_quantile: float = _f(
+        1.0,
+        "only tokens whose entropy is in this top share (over every process's tokens of the "
+        "micro-batch) carry the policy gradient (Wang et al. 2025, '80/20'); 1 = all tokens",
+    )
+    off_policy_mask_threshold: float | None = _f(
+        None,
+        "drop negative-advantage sequences whose mean KL from the sampling policy exceeds this "
+        "(DeepSeek-V3.2's off-policy sequence mask); None = off",
+    )
+    entropy_coef: float = _f(
+        0.0,
+        "entropy bonus: subtract entropy_coef × the token-mean entropy from the loss (0 = off); "
+        "the starting value with use_adaptive_entropy",
+    )
+    use_adaptive_entropy: bool = _f(
+        False,
+        "move entropy_coef each step towards entropy_target (Skywork-OR1's adaptive controller, as TRL)",
+    )
     entropy_target: float = _f(0.2, "use_adaptive_entropy: the token-mean entropy the controller aims for")
     entropy_coef_delta: float = _f(0.005, "use_adaptive_entropy: how much entropy_coef moves per step")
     entropy_coef_min: float = _f(0.0, "use_adaptive_entropy: the smallest entropy_coef")
     entropy_coef_max: float = _f(1.0, "use_adaptive_entropy: the largest entropy_coef")
-    scale_rewards: str = _f("group", "advantage scaling: group | batch (std of this process's batch) | none (Dr. GRPO)")
-    importance_sampling: str = _f("token", "importance ratio: token (one per token) | sequence (one length-normalised ratio per sequence, GSPO)")
+    scale_rewards: str = _f(
+        "group", "advantage scaling: group | batch (std of this process's batch) | none (Dr. GRPO)"
+    )
+    importance_sampling: str = _f(
+        "token",
+        "importance ratio: token (one per token) | sequence (one length-normalised ratio per sequence, GSPO)",
+    )
     kl_ratio_correction: bool = _f(True, "multiply k3 by pi/pi_old (unbiased KL gradient, DeepSeek-V3.2)")
     mask_truncated_completions: bool = _f(False, "exclude completions without EOS from the loss")
-    num_iterations: int = _f(1, "passes over each generation batch, each pass steps_per_generation optimizer steps (>1 uses old log-probs and clipping); every update counts as a step, as in TRL")
+    num_iterations: int = _f(
+        1,
+        "passes over each generation batch, each pass steps_per_generation optimizer steps (>1 "
+        "uses old log-probs and clipping); every update counts as a step, as in TRL",
+    )
     logprob_chunk_size: int = _f(1024, "tokens per chunk through the LM head when computing log-probs")
     # --- optimisation ------------------------------------------------------------------------
     learning_rate: float = _f(2e-5, "peak learning rate of the policy adapter")
@@ -153,42 +342,87 @@ class GRPOConfig:
     adam_beta2: float = _f(0.99, "AdamW beta2")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
-    max_nonfinite_updates: int = _f(5, "a NaN/inf loss or gradient skips the update; stop with an error after this many in a row")
-    lr_scheduler: str = _f("constant", "constant | linear | cosine | cosine_with_restarts | polynomial | inverse_sqrt | cosine_with_min_lr | warmup_stable_decay (after warmup; transformers' schedules)")
-    lr_scheduler_kwargs: dict = _f({}, "extra arguments of the schedule, e.g. {num_cycles: 2} or {min_lr_rate: 0.1}")
-    warmup_steps: float = _f(0, "linear warmup: steps, or below 1 a share of max_steps (0.1 = the first tenth)")
-    micro_batch_size: int | str = _f("auto", "sequences per forward/backward (gradient accumulation over the step); 'auto' = the largest that fits memory_budget, measured once at start (memory.py)")
-    gradient_checkpointing: bool | str = _f("auto", "recompute activations in backward to save memory: true | false | auto (on only when the start-up memory probe needs it)")
-    memory_budget: float = _f(0.9, "share of free GPU memory (on CPU: of available RAM) that the 'auto' sizes and the start-up preflight may plan for, in (0, 1]")
+    max_nonfinite_updates: int = _f(
+        5, "a NaN/inf loss or gradient skips the update; stop with an error after this many in a row"
+    )
+    lr_scheduler: str = _f(
+        "constant",
+        "constant | linear | cosine | cosine_with_restarts | polynomial | inverse_sqrt | "
+        "cosine_with_min_lr | warmup_stable_decay (after warmup; transformers' schedules)",
+    )
+    lr_scheduler_kwargs: dict = _f(
+        {}, "extra arguments of the schedule, e.g. {num_cycles: 2} or {min_lr_rate: 0.1}"
+    )
+    warmup_steps: float = _f(
+        0, "linear warmup: steps, or below 1 a share of max_steps (0.1 = the first tenth)"
+    )
+    micro_batch_size: int | str = _f(
+        "auto",
+        "sequences per forward/backward (gradient accumulation over the step); 'auto' = the "
+        "largest that fits memory_budget, measured once at start (memory.py)",
+    )
+    gradient_checkpointing: bool | str = _f(
+        "auto",
+        "recompute activations in backward to save memory: true | false | auto (on only when the "
+        "start-up memory probe needs it)",
+    )
+    memory_budget: float = _f(
+        0.9,
+        "share of free GPU memory (on CPU: of available RAM) that the 'auto' sizes and the "
+        "start-up preflight may plan for, in (0, 1]",
+    )
     max_steps: int = _f(100, "optimizer steps to run (0 = run num_epochs)")
-    num_epochs: float = _f(1, "epochs over the prompts when max_steps = 0 (may be fractional: the steps are rounded up)")
+    num_epochs: float = _f(
+        1, "epochs over the prompts when max_steps = 0 (may be fractional: the steps are rounded up)"
+    )
     # --- run ---------------------------------------------------------------------------------
     output_dir: str = _f("runs/grpo", "run directory: config, metrics.jsonl, checkpoints, final adapter")
     save_steps: int = _f(50, "checkpoint every N steps (0 = only at the end)")
     save_total_limit: int = _f(2, "keep at most this many checkpoints (0 = all)")
     resume_from_checkpoint: str | None = _f(None, "a checkpoint dir, or 'latest' in output_dir")
-    overwrite_output_dir: bool = _f(False, "a new run into a directory that holds another run's files moves them to output_dir/previous-run-K/ first (else it is refused)")
+    overwrite_output_dir: bool = _f(
+        False,
+        "a new run into a directory that holds another run's files moves them to "
+        "output_dir/previous-run-K/ first (else it is refused)",
+    )
     logging_steps: float = _f(1, "print metrics every N steps (below 1: a share of max_steps)")
-    eval_steps: float = _f(0, "evaluate on eval_dataset every N steps (below 1: a share of max_steps; 0 = only at the start and end)")
+    eval_steps: float = _f(
+        0,
+        "evaluate on eval_dataset every N steps (below 1: a share of max_steps; 0 = only at the start and end)",
+    )
     eval_on_start: bool = _f(True, "with an eval_dataset: evaluate before the first step")
     eval_on_end: bool = _f(True, "with an eval_dataset: evaluate after the last step")
     seed: int = _f(42, "random seed (sampling, data order, adapter init)")
     # --- reporting (TRL / transformers names where they have them) -----------------------------
-    report_to: Any = _f("none", "experiment trackers: none | tensorboard | wandb | trackio, or a list of them (pip extras of the same names)")
-    project: str = _f("lora-grpo", "tracker project: the wandb / trackio project, TensorBoard's subdirectory of logging_dir")
+    report_to: Any = _f(
+        "none",
+        "experiment trackers: none | tensorboard | wandb | trackio, or a list of them (pip extras of the same names)",
+    )
+    project: str = _f(
+        "lora-grpo", "tracker project: the wandb / trackio project, TensorBoard's subdirectory of logging_dir"
+    )
     run_name: str | None = _f(None, "run name shown by wandb / trackio (default: the name of output_dir)")
-    logging_dir: str | None = _f(None, "directory for TensorBoard events and wandb files (default: output_dir/runs)")
+    logging_dir: str | None = _f(
+        None, "directory for TensorBoard events and wandb files (default: output_dir/runs)"
+    )
     disable_tqdm: bool = _f(False, "turn off the progress bar (the logging_steps lines stay)")
-    log_completions: bool = _f(False, "append every completion with its rewards and advantage to output_dir/completions.jsonl (and tracker tables)")
+    log_completions: bool = _f(
+        False,
+        "append every completion with its rewards and advantage to output_dir/completions.jsonl (and tracker tables)",
+    )
     log_completions_steps: int = _f(1, "with log_completions: log the completions of every N-th step")
-    num_completions_to_print: int = _f(0, "print this many of the step's completions (prompt, completion, rewards) at each logging step")
+    num_completions_to_print: int = _f(
+        0, "print this many of the step's completions (prompt, completion, rewards) at each logging step"
+    )
 
     def __post_init__(self):
         """Fill the derived fields (prompts_per_step from generation_batch_size, ref_rank) and validate."""
         if self.generation_batch_size is not None:
             check_generation_batch_size(self)
             per_step = self.generation_batch_size // self.steps_per_generation
-            if per_step % self.num_generations == 0:  # else a step holds part of a group (advantages are per rollout)
+            if (
+                per_step % self.num_generations == 0
+            ):  # else a step holds part of a group (advantages are per rollout)
                 self.prompts_per_step = per_step // self.num_generations
         if self.ref_rank is None:
             self.ref_rank = self.lora_r if self.ref_sync_mode == "factors" else 2 * self.lora_r
@@ -199,7 +433,12 @@ class GRPOConfig:
     # -----------------------------------------------------------------------------------------
     @property
     def sync_enabled(self) -> bool:
-        return self.ref_sync_steps > 0 or self.ref_sync_every_epoch or self.ref_sync_kl is not None or self.ref_sync_on_plateau
+        return (
+            self.ref_sync_steps > 0
+            or self.ref_sync_every_epoch
+            or self.ref_sync_kl is not None
+            or self.ref_sync_on_plateau
+        )
 
     @property
     def generation_batch(self) -> int:
@@ -222,7 +461,10 @@ class GRPOConfig:
     def field_docs(cls) -> list[FieldDoc]:
         """Every field's name, type, default and help, in declaration order: the one source of the
         CLI's help (:meth:`field_help`), ``help(GRPOConfig)`` and the docs' configuration reference."""
-        return [FieldDoc(f.name, str(f.type), _default(f), f.metadata.get("help", "")) for f in dataclasses.fields(cls)]
+        return [
+            FieldDoc(f.name, str(f.type), _default(f), f.metadata.get("help", ""))
+            for f in dataclasses.fields(cls)
+        ]
 
     @classmethod
     def field_help(cls) -> dict[str, str]:
@@ -269,7 +511,9 @@ class GRPOConfig:
         text = Path(path).read_text()
         values = yaml.safe_load(text) or {}
         if not isinstance(values, dict):
-            raise ConfigError(f"{path}: a recipe is a mapping of config fields to values, got {type(values).__name__}")
+            raise ConfigError(
+                f"{path}: a recipe is a mapping of config fields to values, got {type(values).__name__}"
+            )
         values.update(overrides or {})
         return cls.from_dict(values, source=str(path))
 
@@ -291,9 +535,13 @@ class GRPOConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
-            raise ConfigError(f"unknown config field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(
+                f"unknown config field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+            )
         expected = typing.get_type_hints(cls)[key]
-        optional = typing.get_origin(expected) in (typing.Union, types.UnionType) and type(None) in typing.get_args(expected)
+        optional = typing.get_origin(expected) in (typing.Union, types.UnionType) and type(
+            None
+        ) in typing.get_args(expected)
         if optional:
             if raw.strip().lower() in ("null", "none", "~", ""):
                 return None
@@ -333,10 +581,17 @@ def _attributes_section(docs: list[FieldDoc], width: int = 100) -> str:
     """The Google-style ``Attributes:`` section of every field: ``name (type, default: X): help``."""
     lines = ["", "Attributes:"]
     for d in docs:
-        lines += textwrap.wrap(f"{d.name} ({d.type}, default: {d.default!r}): {d.help}", width,
-                               initial_indent="    ", subsequent_indent="        ", break_on_hyphens=False)
+        lines += textwrap.wrap(
+            f"{d.name} ({d.type}, default: {d.default!r}): {d.help}",
+            width,
+            initial_indent="    ",
+            subsequent_indent="        ",
+            break_on_hyphens=False,
+        )
     return "\n".join(lines) + "\n"
 
 
 # help(GRPOConfig) lists every field with its type, default and help: the CLI's text, from the metadata.
-GRPOConfig.__doc__ = inspect.cleandoc(GRPOConfig.__doc__ or "") + "\n" + _attributes_section(GRPOConfig.field_docs())
+GRPOConfig.__doc__ = (
+    inspect.cleandoc(GRPOConfig.__doc__ or "") + "\n" + _attributes_section(GRPOConfig.field_docs())
+)

@@ -17,7 +17,8 @@ class ConfigError(ValueError):
 
 # The names of the options; what each one does lives in its module's table, which this module
 # cannot import (it loads before torch): loss.LOSS_TYPES, loss.IMPORTANCE_SAMPLING,
-# advantages.SCALES, advantages.MULTI_OBJECTIVE_AGGREGATIONS, reference.SYNC_MODES. tests/test_config.py checks that the names agree.
+# advantages.SCALES, advantages.MULTI_OBJECTIVE_AGGREGATIONS, reference.SYNC_MODES. tests/test_config.py
+# checks that the names agree.
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "vespo", "luspo")
 IMPORTANCE_SAMPLING = ("token", "sequence")
 SCALES = ("group", "batch", "none")
@@ -26,24 +27,46 @@ SYNC_MODES = ("exact", "factors")
 QUANTIZATIONS = ("none", "8bit", "4bit")
 QUANT_TYPES_4BIT = ("nf4", "fp4")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
-SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt", "cosine_with_min_lr",
-              "warmup_stable_decay")  # optim.build_scheduler: transformers.get_scheduler names
+SCHEDULERS = (
+    "constant",
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)  # optim.build_scheduler: transformers.get_scheduler names
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (reporting.py maps each to its package)
-DECODE_MODES = ("auto", "eager", "static", "compiled")  # the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
+DECODE_MODES = (
+    "auto",
+    "eager",
+    "static",
+    "compiled",
+)  # the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
 
 CHOICES = {  # field → its options: validate() checks the value, and each field's help names every option
-    "quantization": QUANTIZATIONS, "loss_type": LOSS_TYPES, "ref_sync_mode": SYNC_MODES, "scale_rewards": SCALES,
-    "optimizer": OPTIMIZERS, "lr_scheduler": SCHEDULERS, "torch_dtype": DTYPES,
-    "bnb_4bit_quant_type": QUANT_TYPES_4BIT, "importance_sampling": IMPORTANCE_SAMPLING, "decode_mode": DECODE_MODES,
+    "quantization": QUANTIZATIONS,
+    "loss_type": LOSS_TYPES,
+    "ref_sync_mode": SYNC_MODES,
+    "scale_rewards": SCALES,
+    "optimizer": OPTIMIZERS,
+    "lr_scheduler": SCHEDULERS,
+    "torch_dtype": DTYPES,
+    "bnb_4bit_quant_type": QUANT_TYPES_4BIT,
+    "importance_sampling": IMPORTANCE_SAMPLING,
+    "decode_mode": DECODE_MODES,
     "multi_objective_aggregation": MULTI_OBJECTIVE,
 }
 
 
-
 def warn_about_sampling_filters(cfg) -> None:
-    filters = [f"{k}={getattr(cfg, k)}" for k, off in
-               (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)) if getattr(cfg, k) != off]
+    filters = [
+        f"{k}={getattr(cfg, k)}"
+        for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0))
+        if getattr(cfg, k) != off
+    ]
     if filters and (cfg.num_iterations > 1 or cfg.beta > 0):
         warnings.warn(
             f"sampling filters {', '.join(filters)} change the distribution completions are drawn from, but the "
@@ -51,6 +74,7 @@ def warn_about_sampling_filters(cfg) -> None:
             "KL are those of the unfiltered policy. Turn the filters off for an exact on-policy loss.",
             stacklevel=5,
         )
+
 
 def _validate_fields(cfg) -> None:
     def choice(name, options):
@@ -69,14 +93,48 @@ def _validate_fields(cfg) -> None:
         raise ConfigError("model_name_or_path is required: a hub id, a local model dir, or 'toy'")
     for name, options in CHOICES.items():
         choice(name, options)
-    for name in ["lora_r", "lora_alpha", "ref_rank", "prompts_per_step", "max_completion_length", "logging_steps",
-                 "repetition_penalty", "steps_per_generation", "adam_epsilon", "tool_timeout",
-                 "sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg",
-                 "num_iterations", "max_nonfinite_updates", "logprob_chunk_size", "learning_rate", "num_epochs"]:
+    for name in [
+        "lora_r",
+        "lora_alpha",
+        "ref_rank",
+        "prompts_per_step",
+        "max_completion_length",
+        "logging_steps",
+        "repetition_penalty",
+        "steps_per_generation",
+        "adam_epsilon",
+        "tool_timeout",
+        "sapo_temperature_pos",
+        "sapo_temperature_neg",
+        "vespo_lambda_pos",
+        "vespo_lambda_neg",
+        "num_iterations",
+        "max_nonfinite_updates",
+        "logprob_chunk_size",
+        "learning_rate",
+        "num_epochs",
+    ]:
         positive(name)
-    for name in ["eval_limit", "ref_sync_steps", "max_steps", "save_steps", "eval_steps", "warmup_steps", "weight_decay",
-                 "max_grad_norm", "beta", "top_k", "min_p", "epsilon_low", "epsilon_high", "save_total_limit",
-                 "vespo_k_pos", "vespo_k_neg", "entropy_coef_delta", "entropy_coef_min"]:
+    for name in [
+        "eval_limit",
+        "ref_sync_steps",
+        "max_steps",
+        "save_steps",
+        "eval_steps",
+        "warmup_steps",
+        "weight_decay",
+        "max_grad_norm",
+        "beta",
+        "top_k",
+        "min_p",
+        "epsilon_low",
+        "epsilon_high",
+        "save_total_limit",
+        "vespo_k_pos",
+        "vespo_k_neg",
+        "entropy_coef_delta",
+        "entropy_coef_min",
+    ]:
         positive(name, allow_zero=True)
     # Reporting.
     trackers = [cfg.report_to] if isinstance(cfg.report_to, str) else cfg.report_to or []  # None = none
@@ -95,7 +153,9 @@ def _validate_fields(cfg) -> None:
             f"micro_batch_size={mbs!r} must be an integer ≥ 1 or 'auto' (the largest that fits memory_budget)"
         )
     if not (isinstance(cfg.gradient_checkpointing, bool) or cfg.gradient_checkpointing == "auto"):
-        raise ConfigError(f"gradient_checkpointing={cfg.gradient_checkpointing!r} must be true, false or 'auto'")
+        raise ConfigError(
+            f"gradient_checkpointing={cfg.gradient_checkpointing!r} must be true, false or 'auto'"
+        )
     if not 0 < cfg.memory_budget <= 1:
         raise ConfigError(
             f"memory_budget={cfg.memory_budget} must be in (0, 1]: the share of free GPU memory (available RAM "
@@ -103,9 +163,12 @@ def _validate_fields(cfg) -> None:
         )
     # Evaluation: pass@k.
     ks = cfg.eval_pass_k
-    if not isinstance(ks, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks):
+    if not isinstance(ks, list) or not all(
+        isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks
+    ):
         raise ConfigError(
-            f"eval_pass_k={ks!r} must be a list of integers ≥ 1, e.g. [1, 8] (--set eval_pass_k=[1,8]); [] turns pass@k off"
+            f"eval_pass_k={ks!r} must be a list of integers ≥ 1, e.g. [1, 8] (--set "
+            "eval_pass_k=[1,8]); [] turns pass@k off"
         )
     if cfg.eval_num_samples is not None and cfg.eval_num_samples < max(ks, default=1):
         raise ConfigError(
@@ -134,7 +197,9 @@ def _validate_fields(cfg) -> None:
     if not 0 < cfg.top_p <= 1:
         raise ConfigError(f"top_p={cfg.top_p} must be in (0, 1]")
     if cfg.epsilon_low >= 1:
-        raise ConfigError(f"epsilon_low={cfg.epsilon_low} must be < 1 (the ratio's lower clip is 1 − epsilon_low)")
+        raise ConfigError(
+            f"epsilon_low={cfg.epsilon_low} must be < 1 (the ratio's lower clip is 1 − epsilon_low)"
+        )
     if not 0 <= cfg.lora_dropout < 1:
         raise ConfigError(f"lora_dropout={cfg.lora_dropout} must be in [0, 1)")
     # Reference slot.
@@ -157,8 +222,10 @@ def _validate_fields(cfg) -> None:
                 "ref_sync_every_epoch, ref_sync_kl or ref_sync_on_plateau, or turn it off"
             )
     if cfg.ref_sync_restart_warmup and cfg.warmup_steps == 0:
-        raise ConfigError("ref_sync_restart_warmup=true restarts a warmup of warmup_steps steps, but warmup_steps=0: "
-                          "set warmup_steps > 0 (e.g. 5), or turn it off")
+        raise ConfigError(
+            "ref_sync_restart_warmup=true restarts a warmup of warmup_steps steps, but warmup_steps=0: "
+            "set warmup_steps > 0 (e.g. 5), or turn it off"
+        )
     if cfg.ref_sync_on_plateau:
         if cfg.eval_steps == 0:
             raise ConfigError(
@@ -166,7 +233,9 @@ def _validate_fields(cfg) -> None:
                 "before and after it: set eval_steps > 0 (and an eval_dataset)"
             )
         if isinstance(cfg.ref_sync_plateau_patience, bool) or cfg.ref_sync_plateau_patience < 1:
-            raise ConfigError(f"ref_sync_plateau_patience={cfg.ref_sync_plateau_patience} must be an integer ≥ 1 (evals)")
+            raise ConfigError(
+                f"ref_sync_plateau_patience={cfg.ref_sync_plateau_patience} must be an integer ≥ 1 (evals)"
+            )
         if not cfg.ref_sync_plateau_min_delta >= 0:
             raise ConfigError(f"ref_sync_plateau_min_delta={cfg.ref_sync_plateau_min_delta} must be ≥ 0")
     if cfg.ref_rank < cfg.lora_r:
@@ -188,7 +257,8 @@ def check_generation_batch_size(cfg) -> None:
     if gbs % G != 0:
         raise ConfigError(
             f"generation_batch_size={gbs} is not divisible by num_generations={G}: each prompt's whole group must be "
-            "in the rollout. Set generation_batch_size to a multiple of num_generations, or set prompts_per_step instead."
+            "in the rollout. Set generation_batch_size to a multiple of num_generations, or set "
+            "prompts_per_step instead."
         )
     if not isinstance(S, int) or S < 1 or gbs % S != 0:
         raise ConfigError(
@@ -200,14 +270,22 @@ def check_generation_batch_size(cfg) -> None:
 def _check_objective(cfg) -> None:
     """The loss options of TRL 1.16 (loss.py): ranges, and the combinations TRL warns about."""
     if cfg.delta is not None and cfg.delta <= 1:
-        raise ConfigError(f"delta={cfg.delta} must be > 1 (it caps the unclipped ratio; INTELLECT-2 uses 1 + epsilon_high or more)")
+        raise ConfigError(
+            f"delta={cfg.delta} must be > 1 (it caps the unclipped ratio; INTELLECT-2 uses 1 + epsilon_high or more)"
+        )
     if not 0 < cfg.top_entropy_quantile <= 1:
-        raise ConfigError(f"top_entropy_quantile={cfg.top_entropy_quantile} must be in (0, 1]: the share of tokens, by "
-                          "entropy, that carry the gradient")
+        raise ConfigError(
+            f"top_entropy_quantile={cfg.top_entropy_quantile} must be in (0, 1]: the share of tokens, by "
+            "entropy, that carry the gradient"
+        )
     if cfg.off_policy_mask_threshold is not None and cfg.off_policy_mask_threshold < 0:
-        raise ConfigError(f"off_policy_mask_threshold={cfg.off_policy_mask_threshold} must be ≥ 0 (a KL) or None")
+        raise ConfigError(
+            f"off_policy_mask_threshold={cfg.off_policy_mask_threshold} must be ≥ 0 (a KL) or None"
+        )
     if cfg.entropy_coef_min > cfg.entropy_coef_max:
-        raise ConfigError(f"entropy_coef_min={cfg.entropy_coef_min} is above entropy_coef_max={cfg.entropy_coef_max}")
+        raise ConfigError(
+            f"entropy_coef_min={cfg.entropy_coef_min} is above entropy_coef_max={cfg.entropy_coef_max}"
+        )
     if cfg.use_adaptive_entropy and not cfg.entropy_target > 0:
         raise ConfigError(f"entropy_target={cfg.entropy_target} must be > 0 with use_adaptive_entropy")
     if cfg.loss_type == "cispo" and cfg.epsilon_high < 1:
@@ -217,10 +295,15 @@ def _check_objective(cfg) -> None:
             stacklevel=5,
         )
     if cfg.loss_type == "luspo" and cfg.importance_sampling != "sequence":
-        warnings.warn("loss_type='luspo' is meant for importance_sampling='sequence' (its paper's setup)", stacklevel=5)
+        warnings.warn(
+            "loss_type='luspo' is meant for importance_sampling='sequence' (its paper's setup)", stacklevel=5
+        )
     if cfg.loss_type == "vespo" and cfg.importance_sampling != "token":
-        warnings.warn("loss_type='vespo' computes its own sequence weights from the token ratios; importance_sampling "
-                      "'sequence' has no effect on it", stacklevel=5)
+        warnings.warn(
+            "loss_type='vespo' computes its own sequence weights from the token ratios; importance_sampling "
+            "'sequence' has no effect on it",
+            stacklevel=5,
+        )
 
 
 def _check_schedule(cfg) -> None:
@@ -228,13 +311,19 @@ def _check_schedule(cfg) -> None:
     for name in ("warmup_steps", "logging_steps", "eval_steps"):
         value = getattr(cfg, name)
         if value >= 1 and value != int(value):
-            raise ConfigError(f"{name}={value}: a number of steps (an integer) or, below 1, a share of max_steps")
+            raise ConfigError(
+                f"{name}={value}: a number of steps (an integer) or, below 1, a share of max_steps"
+            )
     if not isinstance(cfg.steps_per_generation, int) or isinstance(cfg.steps_per_generation, bool):
         raise ConfigError(f"steps_per_generation={cfg.steps_per_generation!r} must be an integer ≥ 1")
     if cfg.max_tool_calling_iterations is not None and cfg.max_tool_calling_iterations < 1:
-        raise ConfigError(f"max_tool_calling_iterations={cfg.max_tool_calling_iterations} must be ≥ 1 or None (no limit)")
+        raise ConfigError(
+            f"max_tool_calling_iterations={cfg.max_tool_calling_iterations} must be ≥ 1 or None (no limit)"
+        )
     if not isinstance(cfg.tools, list) or not all(isinstance(t, str) or callable(t) for t in cfg.tools):
-        raise ConfigError(f"tools={cfg.tools!r} must be a list of dotted paths 'pkg.module:fn' (or functions, from Python)")
+        raise ConfigError(
+            f"tools={cfg.tools!r} must be a list of dotted paths 'pkg.module:fn' (or functions, from Python)"
+        )
 
 
 def validate(cfg) -> None:

@@ -1,4 +1,5 @@
-"""`lora_grpo.countdown` is `lora_grpo.tasks.countdown`: kept so that recipes naming `lora_grpo.countdown:...` still work."""
+"""`lora_grpo.countdown` is `lora_grpo.tasks.countdown`: kept so that recipes naming
+`lora_grpo.countdown:...` still work."""
 
 import sys
 

@@ -32,7 +32,14 @@ from .tasks.calculator import calculator_problems
 from .tasks.countdown import countdown_problems
 from .tasks.toy import toy_problems
 
-__all__ = ["PROMPT_MESSAGES", "PromptBatches", "load_prompt_dataset", "process_shard", "resolve_dataset", "resolve_datasets"]
+__all__ = [
+    "PROMPT_MESSAGES",
+    "PromptBatches",
+    "load_prompt_dataset",
+    "process_shard",
+    "resolve_dataset",
+    "resolve_datasets",
+]
 
 # The column holding each row's prompt as chat messages (None for a text prompt); see the module docstring.
 PROMPT_MESSAGES = "prompt_messages"
@@ -53,14 +60,17 @@ def _load_source(source: Any, split: str, config_name: str | None = None) -> dat
     if isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         raise TypeError(
             "a streamed datasets.IterableDataset has no length: pass it to GRPOTrainer with max_steps set (the rows "
-            "the run needs are read once), or read rows yourself: Dataset.from_list(list(stream.take(n)))")
+            "the run needs are read once), or read rows yourself: Dataset.from_list(list(stream.take(n)))"
+        )
     if isinstance(source, (list, tuple)):
         if not all(isinstance(row, Mapping) for row in source):
             raise TypeError("a list source must be a list of dicts (one per row)")
         return datasets.Dataset.from_list([dict(row) for row in source])
     if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"unsupported dataset source of type {type(source).__name__}: pass a datasets.Dataset, "
-                        "a list of dicts, a .json/.jsonl/.csv/.parquet file, a save_to_disk directory or a hub name")
+        raise TypeError(
+            f"unsupported dataset source of type {type(source).__name__}: pass a datasets.Dataset, "
+            "a list of dicts, a .json/.jsonl/.csv/.parquet file, a save_to_disk directory or a hub name"
+        )
     path = Path(source).expanduser()
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
@@ -70,7 +80,9 @@ def _load_source(source: Any, split: str, config_name: str | None = None) -> dat
     suffix = path.suffix.lower()
     if path.is_file():
         if suffix not in _FILE_BUILDERS:
-            raise ValueError(f"cannot load {path}: unknown file type {suffix!r}; supported: {sorted(_FILE_BUILDERS)}")
+            raise ValueError(
+                f"cannot load {path}: unknown file type {suffix!r}; supported: {sorted(_FILE_BUILDERS)}"
+            )
         # A single file is one split; `split` does not apply to it.
         return datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
     if suffix in _FILE_BUILDERS or str(source).startswith((".", "/", "~")):
@@ -103,15 +115,21 @@ def _check_rows(ds: datasets.Dataset, column: str, ok, expected: str, keep: str)
         problem = next(filter(None, map(_message_problem, (values[i] for i in bad))), None)
         if problem:  # rows of messages lacking a role or content: a filter that keeps only whole ones
             keep = f"row[{column!r}] and all(m.get('role') and m.get('content') is not None for m in row[{column!r}])"
-        raise ValueError(f"column {column!r} must hold {expected}, but {len(bad)} of {len(ds)} rows do not: rows "
-                         f"[{rows}] (row {bad[0]} holds {values[bad[0]]!r:.120}{f'; {problem}' if problem else ''}); "
-                         f"filter them out before loading, e.g. ds = ds.filter(lambda row: {keep})")
+        raise ValueError(
+            f"column {column!r} must hold {expected}, but {len(bad)} of {len(ds)} rows do not: rows "
+            f"[{rows}] (row {bad[0]} holds {values[bad[0]]!r:.120}{f'; {problem}' if problem else ''}); "
+            f"filter them out before loading, e.g. ds = ds.filter(lambda row: {keep})"
+        )
 
 
 def _message_problem(value: Any) -> str | None:
     """The first message of a non-empty list of dicts without a 'role' (a non-empty str) or a
     'content' (datasets stores a missing key as None); None for anything else or a good list."""
-    if isinstance(value, Sequence) and not isinstance(value, str) and all(isinstance(m, Mapping) for m in value):
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(isinstance(m, Mapping) for m in value)
+    ):
         for j, m in enumerate(value):
             for key in ("role", "content"):
                 if m.get(key) is None or (key == "role" and not (isinstance(m[key], str) and m[key])):
@@ -120,15 +138,26 @@ def _message_problem(value: Any) -> str | None:
 
 
 def _is_messages(value: Any) -> bool:
-    return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
-            and all(isinstance(m, Mapping) for m in value) and _message_problem(value) is None)
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and len(value) > 0
+        and all(isinstance(m, Mapping) for m in value)
+        and _message_problem(value) is None
+    )
 
 
 class _Renderer:
     """Renders one row's prompt to text; holds the options shared by every row."""
 
-    def __init__(self, tokenizer, system_prompt: str | None, use_chat_template: bool, template_kwargs: dict | None):
-        self.tokenizer, self.system_prompt, self.use_chat_template = tokenizer, system_prompt, use_chat_template
+    def __init__(
+        self, tokenizer, system_prompt: str | None, use_chat_template: bool, template_kwargs: dict | None
+    ):
+        self.tokenizer, self.system_prompt, self.use_chat_template = (
+            tokenizer,
+            system_prompt,
+            use_chat_template,
+        )
         self.template_kwargs = dict(template_kwargs or {})  # chat_template_kwargs, e.g. enable_thinking
         if use_chat_template:
             self._check_tokenizer("use_chat_template=True")
@@ -137,9 +166,11 @@ class _Renderer:
         if self.tokenizer is None:
             raise ValueError(f"{why} needs a chat template: pass tokenizer=... (one with a chat_template)")
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"{why} needs a chat template, but the tokenizer has none (tokenizer.chat_template is None); "
-                             "set tokenizer.chat_template (a Jinja template string), or give the prompts as text "
-                             "(prompt_column / prompt_template)")
+            raise ValueError(
+                f"{why} needs a chat template, but the tokenizer has none (tokenizer.chat_template is None); "
+                "set tokenizer.chat_template (a Jinja template string), or give the prompts as text "
+                "(prompt_column / prompt_template)"
+            )
 
     def messages(self, messages: Sequence[Mapping]) -> list[dict]:
         """The conversation the policy is prompted with: system prompt (replacing a leading system
@@ -154,8 +185,9 @@ class _Renderer:
     def chat(self, messages: Sequence[Mapping], where: str) -> str:
         """Messages (system prompt already applied, see ``messages``) -> chat-template text."""
         self._check_tokenizer(where)
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                                  **self.template_kwargs)
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        )
 
     def text(self, text: str, where: str) -> str:
         """A plain-text prompt: wrapped as a user message when use_chat_template, else raw."""
@@ -165,9 +197,17 @@ class _Renderer:
 
 
 def load_prompt_dataset(
-    source: Any, *, split: str = "train", prompt_column: str = "prompt", messages_column: str = "messages",
-    prompt_template: str | None = None, system_prompt: str | None = None, tokenizer=None,
-    use_chat_template: bool = False, config_name: str | None = None, chat_template_kwargs: dict | None = None,
+    source: Any,
+    *,
+    split: str = "train",
+    prompt_column: str = "prompt",
+    messages_column: str = "messages",
+    prompt_template: str | None = None,
+    system_prompt: str | None = None,
+    tokenizer=None,
+    use_chat_template: bool = False,
+    config_name: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> datasets.Dataset:
     """Load prompts from anywhere and render each to text in a ``prompt`` column.
 
@@ -215,24 +255,38 @@ def load_prompt_dataset(
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"expected a map-style datasets.Dataset, got {type(ds).__name__}")
     if len(ds) == 0:
-        raise ValueError(f"the prompt dataset from {_describe(source)} is empty: check its file, split and filters")
+        raise ValueError(
+            f"the prompt dataset from {_describe(source)} is empty: check its file, split and filters"
+        )
     columns = list(ds.column_names)
     render = _Renderer(tokenizer, system_prompt, use_chat_template, chat_template_kwargs)
 
     if prompt_template is not None:
         for field in _template_fields(prompt_template):
             if field not in columns:
-                raise KeyError(f"prompt_template uses field {field!r}, which is not a column; available columns: {columns}")
+                raise KeyError(
+                    f"prompt_template uses field {field!r}, which is not a column; available columns: {columns}"
+                )
             # A None would be rendered as the text "None".
-            _check_rows(ds, field, lambda v: v is not None, "a value for prompt_template in every row",
-                        f"row[{field!r}] is not None")
+            _check_rows(
+                ds,
+                field,
+                lambda v: v is not None,
+                "a value for prompt_template in every row",
+                f"row[{field!r}] is not None",
+            )
 
         def one(row: dict, i: int) -> tuple[str, list[dict] | None]:
             return render.text(prompt_template.format(**row), f"prompt_template (row {i})"), None
 
     elif messages_column in columns:
-        _check_rows(ds, messages_column, _is_messages, "a non-empty list of {'role', 'content'} chat messages",
-                    f"bool(row[{messages_column!r}])")
+        _check_rows(
+            ds,
+            messages_column,
+            _is_messages,
+            "a non-empty list of {'role', 'content'} chat messages",
+            f"bool(row[{messages_column!r}])",
+        )
         render._check_tokenizer(f"column {messages_column!r} (chat messages)")
 
         def one(row: dict, i: int) -> tuple[str, list[dict] | None]:
@@ -240,8 +294,13 @@ def load_prompt_dataset(
             return render.chat(messages, f"column {messages_column!r} (chat messages, row {i})"), messages
 
     elif prompt_column in columns:
-        _check_rows(ds, prompt_column, lambda v: (isinstance(v, str) and v != "") or _is_messages(v),
-                    "non-empty text or a non-empty list of chat messages", f"bool(row[{prompt_column!r}])")
+        _check_rows(
+            ds,
+            prompt_column,
+            lambda v: (isinstance(v, str) and v != "") or _is_messages(v),
+            "non-empty text or a non-empty list of chat messages",
+            f"bool(row[{prompt_column!r}])",
+        )
 
         def one(row: dict, i: int) -> tuple[str, list[dict] | None]:
             value = row[prompt_column]
@@ -251,9 +310,11 @@ def load_prompt_dataset(
             return render.chat(messages, f"column {prompt_column!r} (chat messages, row {i})"), messages
 
     else:
-        raise ValueError(f"cannot find the prompts: no column {prompt_column!r} (prompt_column) or {messages_column!r} "
-                         f"(messages_column) in columns {columns}; set prompt_column=..., messages_column=..., or "
-                         "prompt_template='...{column}...'")
+        raise ValueError(
+            f"cannot find the prompts: no column {prompt_column!r} (prompt_column) or {messages_column!r} "
+            f"(messages_column) in columns {columns}; set prompt_column=..., messages_column=..., or "
+            "prompt_template='...{column}...'"
+        )
 
     prompts: list[str] = []
     chats: list[list[dict] | None] = []
@@ -267,7 +328,9 @@ def load_prompt_dataset(
     if any(m is not None for m in chats):
         new[PROMPT_MESSAGES] = chats
         # The messages reach reward functions once, as `prompts`: not also under their column's name.
-        replaced.add(messages_column if prompt_template is None and messages_column in columns else prompt_column)
+        replaced.add(
+            messages_column if prompt_template is None and messages_column in columns else prompt_column
+        )
     # Add before removing: a dataset left with no columns would also be left with no rows.
     for name, values in new.items():
         ds = ds.add_column(f"_new_{name}", values)
@@ -282,9 +345,13 @@ def _describe(source: Any) -> str:
 
 
 # ------------------------------------------------------------------------------- from a config
-# Datasets generated locally, by name (nothing is downloaded): name -> (problems(n, seed, split), train rows, eval rows).
-LOCAL_DATASETS = {"toy": (toy_problems, 2000, 200), "countdown": (countdown_problems, 10_000, 500),
-                  "calculator": (calculator_problems, 2000, 200)}
+# Datasets generated locally, by name (nothing is downloaded):
+# name -> (problems(n, seed, split), train rows, eval rows).
+LOCAL_DATASETS = {
+    "toy": (toy_problems, 2000, 200),
+    "countdown": (countdown_problems, 10_000, 500),
+    "calculator": (calculator_problems, 2000, 200),
+}
 
 
 def stream_rows(config, split: str, num_processes: int | None = None) -> int:
@@ -292,14 +359,23 @@ def stream_rows(config, split: str, num_processes: int | None = None) -> int:
     on every process), or a streamed eval dataset (eval_limit); ValueError when nothing bounds it."""
     if split == "eval":
         if not config.eval_limit:
-            raise ValueError("eval_dataset is a streamed IterableDataset, which may never end: set eval_limit "
-                             "(the eval prompts read from it), or pass a map-style Dataset")
+            raise ValueError(
+                "eval_dataset is a streamed IterableDataset, which may never end: set eval_limit "
+                "(the eval prompts read from it), or pass a map-style Dataset"
+            )
         return config.eval_limit
     if not config.max_steps:
-        raise ValueError("train_dataset is a streamed IterableDataset, which has no length, so epochs (num_epochs) "
-                         "cannot be counted: set max_steps, as TRL requires too, or pass a map-style Dataset")
-    updates = config.num_iterations * getattr(config, "steps_per_generation", 1)  # optimizer steps per rollout
-    rollouts, processes = -(-config.max_steps // updates), num_processes or int(os.environ.get("WORLD_SIZE", "1"))
+        raise ValueError(
+            "train_dataset is a streamed IterableDataset, which has no length, so epochs (num_epochs) "
+            "cannot be counted: set max_steps, as TRL requires too, or pass a map-style Dataset"
+        )
+    updates = config.num_iterations * getattr(
+        config, "steps_per_generation", 1
+    )  # optimizer steps per rollout
+    rollouts, processes = (
+        -(-config.max_steps // updates),
+        num_processes or int(os.environ.get("WORLD_SIZE", "1")),
+    )
     return rollouts * getattr(config, "prompts_per_generation", config.prompts_per_step) * processes
 
 
@@ -308,12 +384,18 @@ def read_stream(stream, config, split: str) -> datasets.Dataset:
     reading at start the rows the run consumes, so every prompt is checked and the batches stay seeded,
     sharded and resumable. A stream that ends sooner gives fewer rows, visited in epochs."""
     if isinstance(stream, datasets.IterableDatasetDict):
-        stream = _pick_split(stream, config.dataset_split if split == "train" else config.eval_split, "the stream")
+        stream = _pick_split(
+            stream, config.dataset_split if split == "train" else config.eval_split, "the stream"
+        )
     rows = list(stream.take(stream_rows(config, split)))
-    return datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({config.prompt_column: []})
+    return (
+        datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({config.prompt_column: []})
+    )
 
 
-def resolve_dataset(source, config, tokenizer, split: str, template_kwargs: dict | None = None) -> datasets.Dataset | None:
+def resolve_dataset(
+    source, config, tokenizer, split: str, template_kwargs: dict | None = None
+) -> datasets.Dataset | None:
     """The train or eval prompts a config names (or `source` as given), loaded and rendered; None stays
     None. A streamed dataset is read (read_stream); errors name the dataset (train_dataset / eval_dataset)."""
     if source is None:
@@ -321,19 +403,31 @@ def resolve_dataset(source, config, tokenizer, split: str, template_kwargs: dict
     if isinstance(source, str) and source in LOCAL_DATASETS:
         problems, train_rows, eval_rows = LOCAL_DATASETS[source]
         source = problems(eval_rows if split == "eval" else train_rows, seed=config.seed, split=split)
-    name, streamed = f"{split}_dataset", isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict))
+    name, streamed = (
+        f"{split}_dataset",
+        isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)),
+    )
     try:
         return load_prompt_dataset(
             read_stream(source, config, split) if streamed else source,
             split=config.dataset_split if split == "train" else config.eval_split,
-            prompt_column=config.prompt_column, messages_column=config.messages_column,
-            prompt_template=config.prompt_template, system_prompt=config.system_prompt,
-            use_chat_template=config.use_chat_template, config_name=config.dataset_config, tokenizer=tokenizer,
-            chat_template_kwargs=config.chat_template_kwargs if template_kwargs is None else template_kwargs)
+            prompt_column=config.prompt_column,
+            messages_column=config.messages_column,
+            prompt_template=config.prompt_template,
+            system_prompt=config.system_prompt,
+            use_chat_template=config.use_chat_template,
+            config_name=config.dataset_config,
+            tokenizer=tokenizer,
+            chat_template_kwargs=config.chat_template_kwargs if template_kwargs is None else template_kwargs,
+        )
     except (ValueError, KeyError, TypeError) as e:
         if type(e) not in (ValueError, KeyError, TypeError) or str(e).startswith(name):
             raise
-        fix = " (leave eval_dataset unset to train without evaluation)" if "is empty" in str(e) and split == "eval" else ""
+        fix = (
+            " (leave eval_dataset unset to train without evaluation)"
+            if "is empty" in str(e) and split == "eval"
+            else ""
+        )
         raise type(e)(f"{name}: {e.args[0] if e.args else e}{fix}") from e
 
 
@@ -341,10 +435,15 @@ def resolve_eval_dataset(source, config, tokenizer, template_kwargs: dict | None
     """The eval prompts of a run (None when there are none), each set cut to eval_limit rows: one
     Dataset, or {name: Dataset} for a plain dict of named sets (each evaluated on its own; metrics
     eval/<name>/...). A DatasetDict is not a dict of sets here: its eval_split is taken."""
-    if isinstance(source, dict) and not isinstance(source, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+    if isinstance(source, dict) and not isinstance(
+        source, (datasets.DatasetDict, datasets.IterableDatasetDict)
+    ):
         if not source:
             raise ValueError("eval_dataset: an empty dict of eval sets; pass at least one {name: dataset}")
-        return {str(name): resolve_eval_dataset(ds, config, tokenizer, template_kwargs) for name, ds in source.items()}
+        return {
+            str(name): resolve_eval_dataset(ds, config, tokenizer, template_kwargs)
+            for name, ds in source.items()
+        }
     held_out = resolve_dataset(source, config, tokenizer, "eval", template_kwargs)
     if held_out is not None and config.eval_limit:
         held_out = held_out.select(range(min(config.eval_limit, len(held_out))))
@@ -366,8 +465,9 @@ def resolve_datasets(config, train_dataset, eval_dataset, tokenizer, template_kw
     if train_source is None:
         raise ValueError("no training prompts: pass train_dataset=... or set `dataset` in the config")
     train = resolve_dataset(train_source, config, tokenizer, "train", template_kwargs)
-    held_out = resolve_eval_dataset(eval_dataset if eval_dataset is not None else config.eval_dataset, config, tokenizer,
-                                    template_kwargs)
+    held_out = resolve_eval_dataset(
+        eval_dataset if eval_dataset is not None else config.eval_dataset, config, tokenizer, template_kwargs
+    )
     return train, held_out
 
 

@@ -63,8 +63,10 @@ def auto_dtype(device: torch.device | None = None) -> tuple[torch.dtype, str]:
     gpu = "ROCm GPU" if torch.version.hip else describe_gpu(device)
     if native_bf16(device):
         return torch.bfloat16, f"native on {gpu}"
-    return torch.float32, (f"{gpu} has no native bfloat16 (it would be emulated, slower than float32); float16 "
-                           "would need loss scaling, which lora_grpo does not do")
+    return torch.float32, (
+        f"{gpu} has no native bfloat16 (it would be emulated, slower than float32); float16 "
+        "would need loss scaling, which lora_grpo does not do"
+    )
 
 
 def mixed_precision_dtype(mixed_precision: str | None, torch_dtype: str) -> str:
@@ -77,12 +79,16 @@ def mixed_precision_dtype(mixed_precision: str | None, torch_dtype: str) -> str:
     if mixed_precision == "bf16" and torch_dtype in ("auto", "bfloat16"):
         return "bfloat16"
     if mixed_precision == "bf16":
-        raise ValueError(f"accelerate's mixed_precision=bf16 and torch_dtype={torch_dtype} disagree: lora_grpo does "
-                         "not autocast, the model computes in torch_dtype. Set torch_dtype to bfloat16 (or auto), or "
-                         "launch with --mixed_precision no")
-    raise ValueError(f"accelerate's mixed_precision={mixed_precision} is not supported: lora_grpo does not autocast "
-                     "or scale the loss (the model computes in torch_dtype). Launch with --mixed_precision no (or bf16) "
-                     "and set torch_dtype")
+        raise ValueError(
+            f"accelerate's mixed_precision=bf16 and torch_dtype={torch_dtype} disagree: lora_grpo does "
+            "not autocast, the model computes in torch_dtype. Set torch_dtype to bfloat16 (or auto), or "
+            "launch with --mixed_precision no"
+        )
+    raise ValueError(
+        f"accelerate's mixed_precision={mixed_precision} is not supported: lora_grpo does not autocast "
+        "or scale the loss (the model computes in torch_dtype). Launch with --mixed_precision no (or bf16) "
+        "and set torch_dtype"
+    )
 
 
 def _triton_installed() -> bool:
@@ -191,15 +197,23 @@ def optimizer_state_on_devices(saved: dict[str, Any], optimizer) -> dict[str, An
             return value.to(device)
         return {k: to(v, device) for k, v in value.items()} if isinstance(value, dict) else value
 
-    state = {i: {k: v if k == "step" or i not in device_of else to(v, device_of[i]) for k, v in entry.items()}
-             for i, entry in saved.get("state", {}).items()}
+    state = {
+        i: {k: v if k == "step" or i not in device_of else to(v, device_of[i]) for k, v in entry.items()}
+        for i, entry in saved.get("state", {}).items()
+    }
     return {**saved, "state": state}
 
 
 # What a failed allocation says when it is not a torch.OutOfMemoryError: cuBLAS / cuSOLVER / cuDNN
 # handles and workspaces are allocated outside torch's allocator and fail as RuntimeErrors.
-ALLOCATION_FAILURES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUSOLVER_STATUS_ALLOC_FAILED",
-                       "CUDNN_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation", "CUDA error: out of memory")
+ALLOCATION_FAILURES = (
+    "out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUSOLVER_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "cudaErrorMemoryAllocation",
+    "CUDA error: out of memory",
+)
 
 
 # ------------------------------------------------------------------------------ memory
@@ -246,7 +260,8 @@ class _PeakRss(threading.Thread):
 def is_out_of_memory(error: BaseException) -> bool:
     """A failed allocation: torch's own OutOfMemoryError, or a CUDA library's (a RuntimeError)."""
     return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and any(text in str(error) for text in ALLOCATION_FAILURES))
+        isinstance(error, RuntimeError) and any(text in str(error) for text in ALLOCATION_FAILURES)
+    )
 
 
 def measure_peak(fn: Callable[[], None], device: torch.device) -> float:
@@ -270,8 +285,12 @@ def measure_peak(fn: Callable[[], None], device: torch.device) -> float:
             torch.cuda.empty_cache()
             return math.inf
         # Reserved growth counts the blocks the pass took from the device, fragmentation included.
-        return float(max(torch.cuda.max_memory_allocated(device) - allocated,
-                         torch.cuda.max_memory_reserved(device) - reserved))
+        return float(
+            max(
+                torch.cuda.max_memory_allocated(device) - allocated,
+                torch.cuda.max_memory_reserved(device) - reserved,
+            )
+        )
     _release_freed_memory()
     sampler = _PeakRss()
     start = sampler.rss()
@@ -282,5 +301,3 @@ def measure_peak(fn: Callable[[], None], device: torch.device) -> float:
         sampler.done.set()
         sampler.join()
     return float(max(sampler.peak, sampler.rss()) - start)
-
-

@@ -88,7 +88,9 @@ def pass_at_k(num_samples, num_correct, k: int):
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k={k!r} must be an integer ≥ 1")
     n, c = np.broadcast_arrays(np.asarray(num_samples), np.asarray(num_correct))
-    out = np.array([_pass_at_k_one(int(ni), int(ci), int(k)) for ni, ci in zip(n.ravel(), c.ravel())], dtype=np.float64)
+    out = np.array(
+        [_pass_at_k_one(int(ni), int(ci), int(k)) for ni, ci in zip(n.ravel(), c.ravel())], dtype=np.float64
+    )
     return float(out[0]) if n.ndim == 0 else out.reshape(n.shape)
 
 
@@ -157,8 +159,14 @@ class PromptResult:
     tool_calls: int | None = None  # tool calls of its greedy completion (a tool run)
 
 
-def prompt_results(start: int, scores: Tensor, lengths: Tensor, num_correct: Tensor | None,
-                   kl: Tensor | None = None, tool_calls: Tensor | None = None) -> list[PromptResult]:
+def prompt_results(
+    start: int,
+    scores: Tensor,
+    lengths: Tensor,
+    num_correct: Tensor | None,
+    kl: Tensor | None = None,
+    tool_calls: Tensor | None = None,
+) -> list[PromptResult]:
     """A chunk's results: scores (m, F), lengths (m,), num_correct (m,) or None, kl (m, 2) of
     (Σ k3, tokens) or None; prompt i is start + i."""
     scores, lengths = scores.cpu().tolist(), lengths.cpu().tolist()
@@ -172,7 +180,11 @@ def prompt_results(start: int, scores: Tensor, lengths: Tensor, num_correct: Ten
 
 
 def eval_metrics(
-    results: Sequence[PromptResult], names: Sequence[str], pass_k: Sequence[int], num_samples: int, num_prompts: int
+    results: Sequence[PromptResult],
+    names: Sequence[str],
+    pass_k: Sequence[int],
+    num_samples: int,
+    num_prompts: int,
 ) -> dict[str, float]:
     """Every process's results -> eval/<name> (mean over prompts where the function applied; NaN
     where it never did), eval/completion_length (greedy), eval/pass@k for each k in ``pass_k``,
@@ -196,7 +208,9 @@ def eval_metrics(
     if all(r.kl_sum is not None for r in results):
         tokens = sum(r.kl_tokens for r in results)
         metrics["eval/kl_to_base"] = math.fsum(r.kl_sum for r in results) / tokens if tokens else math.nan
-    if all(r.tool_calls is not None for r in results):  # greedy completions that call a tool, calls per completion
+    if all(
+        r.tool_calls is not None for r in results
+    ):  # greedy completions that call a tool, calls per completion
         metrics["eval/tools/calling_fraction"] = float(np.mean([r.tool_calls > 0 for r in results]))
         metrics["eval/tools/call_frequency"] = float(np.mean([r.tool_calls for r in results]))
     return metrics
@@ -227,8 +241,18 @@ class Evaluator:
     The config is read at each call (a test may turn eval_kl_to_base off between two evals).
     """
 
-    def __init__(self, config, accelerator, reward_names: Sequence[str], *, model, sample: Callable,
-                 score: Callable, log_probs: Callable, forward_rows: Callable[[], int]):
+    def __init__(
+        self,
+        config,
+        accelerator,
+        reward_names: Sequence[str],
+        *,
+        model,
+        sample: Callable,
+        score: Callable,
+        log_probs: Callable,
+        forward_rows: Callable[[], int],
+    ):
         self.config, self.accelerator, self.reward_names = config, accelerator, list(reward_names)
         self.model, self.sample, self.score, self.log_probs = model, sample, score, log_probs
         self.forward_rows = forward_rows
@@ -245,12 +269,20 @@ class Evaluator:
         n = num_eval_samples(cfg.eval_pass_k, cfg.eval_num_samples)
         temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
         rows_at_once = decode_rows(cfg)  # the training rollout's rows: one decode shape for the run
-        kl_on_pass_k = cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature  # samples of the policy itself
+        kl_on_pass_k = (
+            cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature
+        )  # samples of the policy itself
         results = []
-        for chunk, start, stop in eval_chunks(len(dataset), batch_prompts, acc.num_processes, acc.process_index):
+        for chunk, start, stop in eval_chunks(
+            len(dataset), batch_prompts, acc.num_processes, acc.process_index
+        ):
             rows = dataset[start:stop]
-            greedy = [(sub, self.sample(sub["prompt"], 1, 0.0, None, sub)) for sub in _parts(rows, rows_at_once)]
-            scores = torch.cat([self.score(rollout, sub, 1) for sub, rollout in greedy])  # greedy draws nothing
+            greedy = [
+                (sub, self.sample(sub["prompt"], 1, 0.0, None, sub)) for sub in _parts(rows, rows_at_once)
+            ]
+            scores = torch.cat(
+                [self.score(rollout, sub, 1) for sub, rollout in greedy]
+            )  # greedy draws nothing
             lengths = torch.cat([rollout.completion_lengths for _, rollout in greedy])
             calls = None if greedy[0][1].tool_calls is None else torch.cat([r.tool_calls for _, r in greedy])
             del greedy
@@ -266,10 +298,14 @@ class Evaluator:
                     if kl_on_pass_k:
                         kl.append(self.kl_to_base(sampled, n))
                 correct = count_correct(torch.cat(first), n, cfg.eval_correct_threshold)
-            if cfg.eval_kl_to_base and not kl_on_pass_k:  # one sample per prompt, from the chunk's second stream
+            if (
+                cfg.eval_kl_to_base and not kl_on_pass_k
+            ):  # one sample per prompt, from the chunk's second stream
                 generator = chunk_generator(cfg.seed, chunk, acc.device, stream=1)
                 for sub in _parts(rows, rows_at_once):
-                    kl.append(self.kl_to_base(self.sample(sub["prompt"], 1, cfg.temperature, generator, sub), 1))
+                    kl.append(
+                        self.kl_to_base(self.sample(sub["prompt"], 1, cfg.temperature, generator, sub), 1)
+                    )
             results += prompt_results(start, scores, lengths, correct, torch.cat(kl) if kl else None, calls)
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
@@ -285,8 +321,14 @@ class Evaluator:
         sizes), as the training log-prob forwards do."""
         rows, width = self.forward_rows(), rollout.completion_ids.shape[1]
         ids, attention = rollout.input_ids, rollout.attention_mask
-        parts = [{"input_ids": ids[s : s + rows], "attention_mask": attention[s : s + rows], "completion_length": width}
-                 for s in range(0, ids.shape[0], rows)]
+        parts = [
+            {
+                "input_ids": ids[s : s + rows],
+                "attention_mask": attention[s : s + rows],
+                "completion_length": width,
+            }
+            for s in range(0, ids.shape[0], rows)
+        ]
         with eval_mode(self.model):
             logp = torch.cat([self.log_probs(mb) for mb in parts])
             with base_forward(self.model):

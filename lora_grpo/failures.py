@@ -74,7 +74,9 @@ class StepFailed(RuntimeError):
     ``checkpoint`` the checkpoint to resume from (None when there is none).
     """
 
-    def __init__(self, message: str, stage: str | None = None, global_step: int | None = None, checkpoint=None):
+    def __init__(
+        self, message: str, stage: str | None = None, global_step: int | None = None, checkpoint=None
+    ):
         super().__init__(message)
         self.stage, self.global_step, self.checkpoint = stage, global_step, checkpoint
 
@@ -101,10 +103,17 @@ class LastFinishedStep:
         self.saveable = Saveable(_copy(state), len(state.log_history), rng, optimizer_steps)
         self.failing_step = state.global_step + 1
 
-    def update_done(self, state, rng: dict[str, Any], optimizer_steps: int, metrics: dict, epoch_ended: bool) -> None:
+    def update_done(
+        self, state, rng: dict[str, Any], optimizer_steps: int, metrics: dict, epoch_ended: bool
+    ) -> None:
         self.failing_step = state.global_step
-        self.saveable = Saveable(_copy(state), len(state.log_history), rng, optimizer_steps,
-                                 pending={"metrics": dict(metrics), "epoch_ended": epoch_ended})
+        self.saveable = Saveable(
+            _copy(state),
+            len(state.log_history),
+            rng,
+            optimizer_steps,
+            pending={"metrics": dict(metrics), "epoch_ended": epoch_ended},
+        )
 
     def changing(self) -> None:
         self.saveable = None

@@ -50,7 +50,9 @@ class HealthMonitor:
     zero_std_steps: int = 5  # steps in a row with no reward spread in any group before no_signal
     kl_jump: float = 10.0  # an order of magnitude in one step
     kl_floor: float = 1e-3  # a jump is measured from at least this KL (a KL near 0 after a sync is no base)
-    kl_window: int = 5  # ... and from the highest KL of this many previous steps (one low step is no base either)
+    kl_window: int = (
+        5  # ... and from the highest KL of this many previous steps (one low step is no base either)
+    )
     kl_warmup_steps: int = 5  # steps after the start and after each sync whose KL only sets the base
     baseline_steps: int = 3  # the first steps whose entropy and completion length are the baselines
     entropy_ratio: float = 0.1
@@ -63,12 +65,16 @@ class HealthMonitor:
     kl_steps: int = 0  # steps with a KL since the start or the last sync
     entropy_start: list[float] = field(default_factory=list)  # the first baseline_steps values
     length_start: list[float] = field(default_factory=list)
-    episodes: dict[str, list] = field(default_factory=dict)  # condition -> [warned in this episode, steps off]
+    episodes: dict[str, list] = field(
+        default_factory=dict
+    )  # condition -> [warned in this episode, steps off]
 
     # ------------------------------------------------------------------ per step
     def observe(self, step: int, metrics: dict[str, Any]) -> list[str]:
         """Read step `step`'s metrics, add the health/* flags to them, return the warnings that start now."""
-        holds = {name: None for name in CONDITIONS}  # None: nothing to say this step (no metric); counts as off
+        holds = {
+            name: None for name in CONDITIONS
+        }  # None: nothing to say this step (no metric); counts as off
         zero_std, truncated = _number(metrics, "frac_reward_zero_std"), _number(metrics, "truncated_fraction")
         if zero_std is not None:
             self.zero_std_streak = self.zero_std_streak + 1 if zero_std >= 1.0 else 0
@@ -78,16 +84,28 @@ class HealthMonitor:
         kl, previous_kl = _number(metrics, "kl"), max(self.recent_kl, default=None)
         if kl is not None:
             warm = self.kl_steps >= self.kl_warmup_steps
-            holds["kl_spike"] = warm and previous_kl is not None and kl > self.kl_jump * max(previous_kl, self.kl_floor)
-            self.recent_kl, self.kl_steps = [*self.recent_kl, kl][-self.kl_window:], self.kl_steps + 1
-        if metrics.get("sync/event"):  # the next steps measure from the new reference: the KL starts again from ~0
+            holds["kl_spike"] = (
+                warm and previous_kl is not None and kl > self.kl_jump * max(previous_kl, self.kl_floor)
+            )
+            self.recent_kl, self.kl_steps = [*self.recent_kl, kl][-self.kl_window :], self.kl_steps + 1
+        if metrics.get(
+            "sync/event"
+        ):  # the next steps measure from the new reference: the KL starts again from ~0
             self.recent_kl, self.kl_steps = [], 0
-        holds["entropy_collapse"] = self._collapsed(self.entropy_start, _number(metrics, "entropy"), self.entropy_ratio, 0.0)
-        holds["length_collapse"] = self._collapsed(self.length_start, _number(metrics, "completion_length/mean"),
-                                                   self.length_ratio, self.min_baseline_length)
+        holds["entropy_collapse"] = self._collapsed(
+            self.entropy_start, _number(metrics, "entropy"), self.entropy_ratio, 0.0
+        )
+        holds["length_collapse"] = self._collapsed(
+            self.length_start,
+            _number(metrics, "completion_length/mean"),
+            self.length_ratio,
+            self.min_baseline_length,
+        )
         for key in [k for k in metrics if k.startswith("rewards/") and k.endswith("/mean")]:
             value = metrics[key]
-            holds[f"reward_none/{key[len('rewards/'):-len('/mean')]}"] = isinstance(value, float) and math.isnan(value)
+            holds[f"reward_none/{key[len('rewards/') : -len('/mean')]}"] = isinstance(
+                value, float
+            ) and math.isnan(value)
 
         warnings = []
         for name, on in holds.items():
@@ -95,7 +113,10 @@ class HealthMonitor:
             episode = self.episodes.setdefault(name, [False, 0])
             if on:
                 if not episode[0]:
-                    warnings.append(f"step {step}: " + self._message(name, metrics, previous_kl if name == "kl_spike" else None))
+                    warnings.append(
+                        f"step {step}: "
+                        + self._message(name, metrics, previous_kl if name == "kl_spike" else None)
+                    )
                 episode[0], episode[1] = True, 0
             else:
                 episode[1] += 1
@@ -104,7 +125,9 @@ class HealthMonitor:
         metrics["health/zero_std_streak"] = float(self.zero_std_streak)
         return warnings
 
-    def _collapsed(self, start: list[float], value: float | None, ratio: float, minimum: float) -> bool | None:
+    def _collapsed(
+        self, start: list[float], value: float | None, ratio: float, minimum: float
+    ) -> bool | None:
         """Whether `value` fell under `ratio` × the mean of the first values (collected into `start`)."""
         if value is None:
             return None
@@ -117,8 +140,11 @@ class HealthMonitor:
     # ------------------------------------------------------------------ messages
     def _message(self, name: str, m: dict[str, Any], previous_kl: float | None) -> str:
         reward = _number(m, "reward/mean")
-        parts = ", ".join(f"{k[len('rewards/'):-len('/mean')]} {v:.3g}" for k, v in m.items()
-                          if k.startswith("rewards/") and k.endswith("/mean") and isinstance(v, (int, float)))
+        parts = ", ".join(
+            f"{k[len('rewards/') : -len('/mean')]} {v:.3g}"
+            for k, v in m.items()
+            if k.startswith("rewards/") and k.endswith("/mean") and isinstance(v, (int, float))
+        )
         if name == "no_signal":
             return (
                 f"every group's rewards have been equal for {self.zero_std_streak} steps in a row "
@@ -127,7 +153,8 @@ class HealthMonitor:
                 "All right: the prompts are too easy for the policy (or it has learnt them: stop here); all wrong: "
                 "too hard, or the reward never pays. Look at the completions log (log_completions: true writes "
                 "completions.jsonl) and the reward; use prompts of the right difficulty, a reward with partial "
-                "credit, or more num_generations")
+                "credit, or more num_generations"
+            )
         if name == "all_truncated":
             longest = _number(m, "completion_length/max")
             return (
@@ -135,14 +162,17 @@ class HealthMonitor:
                 "without ending: the rewards read cut-off text. Look at the completions log (does the model ever "
                 "stop? is its EOS the tokenizer's eos_token / generation_config.eos_token_id?); raise "
                 "max_completion_length, penalise overlong answers (the soft_overlong reward), or leave them out "
-                "of the loss (mask_truncated_completions: true)")
+                "of the loss (mask_truncated_completions: true)"
+            )
         if name == "kl_spike":
             base = max(previous_kl or 0.0, self.kl_floor)
             return (
                 f"the KL to the reference jumped to {m['kl']:.3g} in one step, from at most {previous_kl:.3g} over the "
-                f"steps before (×{m['kl'] / base:.0f}): one update moved the policy far. Look at the learning rate (lower it, or "
+                f"steps before (×{m['kl'] / base:.0f}): one update moved the policy far. Look at the "
+                "learning rate (lower it, or "
                 "warm up), beta (a larger one holds the policy nearer the reference), max_grad_norm, and this "
-                "step's completions in the completions log (a reward exploit?)")
+                "step's completions in the completions log (a reward exploit?)"
+            )
         if name == "entropy_collapse":
             baseline = sum(self.entropy_start) / len(self.entropy_start)
             return (
@@ -150,26 +180,34 @@ class HealthMonitor:
                 f"over the first {len(self.entropy_start)} steps: the policy samples nearly the same completion each "
                 "time, so groups agree and the learning signal fades. Look at the completions log (one answer "
                 "repeated?), the learning rate, beta and the temperature; with the reward at its best this is "
-                "convergence")
+                "convergence"
+            )
         if name == "length_collapse":
             baseline = sum(self.length_start) / len(self.length_start)
             return (
                 f"completions shrank to {m['completion_length/mean']:.3g} tokens on average, under "
                 f"{self.length_ratio:g} × the {baseline:.3g} of the first {len(self.length_start)} steps. Look at the "
                 "completions log (empty or one-word answers that a reward still pays?), the length rewards and "
-                "their weights (reward_weights), and the learning rate")
+                "their weights (reward_weights), and the learning rate"
+            )
         function = name.split("/", 1)[1]
         return (
             f"reward function {function!r} returned None for every completion (it applied to none of them), so it "
             "added nothing to the rewards. Look at the completions log and the dataset column it reads (an answer "
-            "it cannot parse?); None means 'does not apply' (lora_grpo.rewards)")
+            "it cannot parse?); None means 'does not apply' (lora_grpo.rewards)"
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The monitor's state, JSON-ready (thresholds are not state: they come from construction)."""
-        return {"zero_std_streak": self.zero_std_streak, "recent_kl": list(self.recent_kl), "kl_steps": self.kl_steps,
-                "entropy_start": list(self.entropy_start), "length_start": list(self.length_start),
-                "episodes": {k: list(v) for k, v in self.episodes.items()}}
+        return {
+            "zero_std_streak": self.zero_std_streak,
+            "recent_kl": list(self.recent_kl),
+            "kl_steps": self.kl_steps,
+            "entropy_start": list(self.entropy_start),
+            "length_start": list(self.length_start),
+            "episodes": {k: list(v) for k, v in self.episodes.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.zero_std_streak = int(state.get("zero_std_streak", 0))

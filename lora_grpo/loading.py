@@ -16,8 +16,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-_NO_NETWORK = ("couldn't connect", "could not connect", "connection error", "failed to resolve", "name resolution",
-               "network is unreachable", "max retries exceeded", "timed out")
+_NO_NETWORK = (
+    "couldn't connect",
+    "could not connect",
+    "connection error",
+    "failed to resolve",
+    "name resolution",
+    "network is unreachable",
+    "max retries exceeded",
+    "timed out",
+)
 
 
 class LoadError(OSError):
@@ -26,8 +34,14 @@ class LoadError(OSError):
 
 def hub_offline() -> str | None:
     """The environment variable that turns the Hugging Face hub off, when one does."""
-    return next((name for name in _OFFLINE_VARIABLES if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")),
-                None)
+    return next(
+        (
+            name
+            for name in _OFFLINE_VARIABLES
+            if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+        ),
+        None,
+    )
 
 
 def _chain(error: BaseException):
@@ -46,17 +60,31 @@ def explain(role: str, what: str, path, error: BaseException) -> str:
         if local.is_dir() and not any(local.iterdir()):
             message += "; the directory is empty"
         return message
-    looks_local = str(path).startswith((".", "/", "~")) or str(path).count("/") > 1 or os.sep == "\\" and "\\" in str(path)
-    message += "there is no such local path" + (" (it looks like one: is the path right?)" if looks_local else "")
+    looks_local = (
+        str(path).startswith((".", "/", "~"))
+        or str(path).count("/") > 1
+        or os.sep == "\\"
+        and "\\" in str(path)
+    )
+    message += "there is no such local path" + (
+        " (it looks like one: is the path right?)" if looks_local else ""
+    )
     offline = hub_offline()
     text = " ".join(f"{type(e).__name__} {e}" for e in _chain(error)).lower()
     if offline:
-        message += (f", and {offline} is set, so the Hugging Face hub is not reachable: download it first (without "
-                    f"{offline}) or give a local path")
+        message += (
+            f", and {offline} is set, so the Hugging Face hub is not reachable: download it first (without "
+            f"{offline}) or give a local path"
+        )
     elif any(marker in text for marker in _NO_NETWORK):
-        message += ", and the Hugging Face hub is not reachable (no network?): give a local path, or check the connection"
+        message += (
+            ", and the Hugging Face hub is not reachable (no network?): give a local path, or check "
+            "the connection"
+        )
     else:
-        message += f"; as a hub id it failed too ({type(error).__name__}: {first}): check the id (and access to it)"
+        message += (
+            f"; as a hub id it failed too ({type(error).__name__}: {first}): check the id (and access to it)"
+        )
     return message
 
 

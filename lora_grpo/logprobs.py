@@ -90,8 +90,15 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             h, z = hidden[start:end], _chunk_logits(hidden[start:end], weight, bias, ctx.temperature)
             if ctx.entropy_grad:
-                g = _logits_grad_with_entropy(z, lse[start:end], entropy[start:end], targets[start:end],
-                                              grad_logp[start:end], grad_entropy[start:end], ctx.temperature)
+                g = _logits_grad_with_entropy(
+                    z,
+                    lse[start:end],
+                    entropy[start:end],
+                    targets[start:end],
+                    grad_logp[start:end],
+                    grad_entropy[start:end],
+                    ctx.temperature,
+                )
             else:
                 # d logp[target] / d logits = onehot(target) − softmax, then chain through 1/temperature;
                 # built in place in the recomputed logits' storage.
@@ -133,9 +140,11 @@ class _Float32Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (hidden, weight, bias), (need_h, need_w, need_b) = ctx.saved_tensors, ctx.needs_input_grad
-        return ((grad.to(weight.dtype) @ weight).to(hidden.dtype) if need_h else None,
-                (grad.t() @ hidden.float()).to(weight.dtype) if need_w else None,
-                grad.sum(0).to(bias.dtype) if need_b else None)
+        return (
+            (grad.to(weight.dtype) @ weight).to(hidden.dtype) if need_h else None,
+            (grad.t() @ hidden.float()).to(weight.dtype) if need_w else None,
+            grad.sum(0).to(bias.dtype) if need_b else None,
+        )
 
 
 def _generic_head_log_probs(hidden, head, targets, chunk_size, temperature, want_entropy, entropy_grad):
@@ -166,9 +175,16 @@ def _generic_head_log_probs(hidden, head, targets, chunk_size, temperature, want
     return torch.cat(pieces), entropy
 
 
-def chunked_log_probs(hidden: Tensor, head: nn.Module, targets: Tensor, *, chunk_size: int = 1024,
-                      temperature: float = 1.0, return_entropy: bool = False,
-                      entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+def chunked_log_probs(
+    hidden: Tensor,
+    head: nn.Module,
+    targets: Tensor,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Log-probs of `targets` under softmax(head(hidden) / temperature).
 
     hidden (B, T, H) — the hidden states that predict targets (B, T) (already shifted by one).
@@ -185,11 +201,13 @@ def chunked_log_probs(hidden: Tensor, head: nn.Module, targets: Tensor, *, chunk
     weight = getattr(head, "weight", None)
     plain_linear = type(head) is nn.Linear and weight is not None and weight.is_floating_point()
     if plain_linear:
-        logp, entropy = _ChunkedLinearLogProbs.apply(flat_h, weight, head.bias, flat_t, chunk_size, temperature,
-                                                     return_entropy, entropy_grad)
+        logp, entropy = _ChunkedLinearLogProbs.apply(
+            flat_h, weight, head.bias, flat_t, chunk_size, temperature, return_entropy, entropy_grad
+        )
     else:
-        logp, entropy = _generic_head_log_probs(flat_h, head, flat_t, chunk_size, temperature, return_entropy,
-                                                entropy_grad)
+        logp, entropy = _generic_head_log_probs(
+            flat_h, head, flat_t, chunk_size, temperature, return_entropy, entropy_grad
+        )
     return logp.view(batch, length), (entropy.view(batch, length) if return_entropy else None)
 
 
@@ -228,8 +246,10 @@ def _minicpm(causal_lm) -> _LogitTransform:
 def _inkling(causal_lm) -> _LogitTransform:
     # lm_head(hidden / logits_mup_width_multiplier)[..., :unpadded_vocab_size]
     text = _text_config(causal_lm)
-    return _LogitTransform(hidden_scale=1.0 / _factor(getattr(text, "logits_mup_width_multiplier", None)),
-                           vocab_limit=getattr(text, "unpadded_vocab_size", None))
+    return _LogitTransform(
+        hidden_scale=1.0 / _factor(getattr(text, "logits_mup_width_multiplier", None)),
+        vocab_limit=getattr(text, "unpadded_vocab_size", None),
+    )
 
 
 # Keyed by config.model_type, each read from where that model's own forward (transformers 5.24) reads
@@ -240,35 +260,68 @@ def _inkling(causal_lm) -> _LogitTransform:
 # catches a model that applies one anyway.
 _LOGIT_TRANSFORMS = {
     # logits * logit_scale (Cohere): the module attribute, set from the config
-    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass", "cohere_compass_text"),
-                    lambda m: _LogitTransform(logit_scale=_factor(getattr(m, "logit_scale", None)))),
+    **dict.fromkeys(
+        ("cohere", "cohere2", "cohere2_moe", "cohere_compass", "cohere_compass_text"),
+        lambda m: _LogitTransform(logit_scale=_factor(getattr(m, "logit_scale", None))),
+    ),
     # logits / logits_scaling (Granite)
-    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
-                    lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.logits_scaling))),
-    **dict.fromkeys(("granite4_vision", "granite_docling"),
-                    lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.text_config.logits_scaling))),
+    **dict.fromkeys(
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+        lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.logits_scaling)),
+    ),
+    **dict.fromkeys(
+        ("granite4_vision", "granite_docling"),
+        lambda m: _LogitTransform(logit_scale=1.0 / _factor(m.config.text_config.logits_scaling)),
+    ),
     # logits * logits_scaling (HyperCLOVAX's MuP: the opposite of Granite)
     "hyperclovax": lambda m: _LogitTransform(logit_scale=_factor(m.config.logits_scaling)),
-    "hyperclovax_vision_v2": lambda m: _LogitTransform(logit_scale=_factor(m.config.text_config.logits_scaling)),
+    "hyperclovax_vision_v2": lambda m: _LogitTransform(
+        logit_scale=_factor(m.config.text_config.logits_scaling)
+    ),
     # logits * self.model.lm_head_multiplier (Falcon-H1)
-    "falcon_h1": lambda m: _LogitTransform(logit_scale=_factor(getattr(m.model, "lm_head_multiplier",
-                                                                        getattr(m.config, "lm_head_multiplier", None)))),
+    "falcon_h1": lambda m: _LogitTransform(
+        logit_scale=_factor(
+            getattr(m.model, "lm_head_multiplier", getattr(m.config, "lm_head_multiplier", None))
+        )
+    ),
     # hidden states scaled before the head
     "minicpm": _minicpm,
     "minicpm3": _minicpm,
     "inkling_text": _inkling,
     "inkling_mm_model": _inkling,
     # cap · tanh(logits / cap)
-    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
-                     "gemma4_unified_text", "vaultgemma", "nanochat", "paligemma", "beam"), _softcap_from_config),
+    **dict.fromkeys(
+        (
+            "gemma2",
+            "gemma3_text",
+            "gemma3n",
+            "gemma3n_text",
+            "gemma4",
+            "gemma4_text",
+            "gemma4_unified",
+            "gemma4_unified_text",
+            "vaultgemma",
+            "nanochat",
+            "paligemma",
+            "beam",
+        ),
+        _softcap_from_config,
+    ),
     "mistral_large4": lambda m: _LogitTransform(softcap=m.final_logit_softcapping),
     "recurrent_gemma": lambda m: _LogitTransform(softcap=m.config.logits_soft_cap),
     "xlstm": lambda m: _LogitTransform(softcap=m.config.output_logit_soft_cap),
-    **dict.fromkeys(("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
-                    lambda m: _LogitTransform(softcap=m.logit_softcap.softcap)),
+    **dict.fromkeys(
+        ("inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
+        lambda m: _LogitTransform(softcap=m.logit_softcap.softcap),
+    ),
     # cap · tanh(logits * output_multiplier / cap)
-    **dict.fromkeys(("muse_glimmer", "muse_spark"), lambda m: _LogitTransform(
-        logit_scale=_factor(m.config.text_config.output_multiplier), softcap=m.config.text_config.final_logit_softcapping)),
+    **dict.fromkeys(
+        ("muse_glimmer", "muse_spark"),
+        lambda m: _LogitTransform(
+            logit_scale=_factor(m.config.text_config.output_multiplier),
+            softcap=m.config.text_config.final_logit_softcapping,
+        ),
+    ),
 }
 
 
@@ -288,7 +341,9 @@ class _TransformedHead(nn.Module):
         t, head = self.transform, self.head
         h = hidden * t.hidden_scale if t.hidden_scale != 1.0 else hidden
         if type(head) is nn.Linear and head.weight.dtype in (torch.bfloat16, torch.float16):  # float32 logits
-            logits = _Float32Linear.apply(h.reshape(-1, h.shape[-1]), head.weight, head.bias).view(*h.shape[:-1], -1)
+            logits = _Float32Linear.apply(h.reshape(-1, h.shape[-1]), head.weight, head.bias).view(
+                *h.shape[:-1], -1
+            )
         else:
             logits = head(h).float()
         if t.vocab_limit is not None and t.vocab_limit < logits.shape[-1]:
@@ -300,7 +355,9 @@ class _TransformedHead(nn.Module):
         return logits
 
 
-def _with_logit_transform(head: nn.Module, causal_lm: nn.Module, temperature: float) -> tuple[nn.Module, float]:
+def _with_logit_transform(
+    head: nn.Module, causal_lm: nn.Module, temperature: float
+) -> tuple[nn.Module, float]:
     """(head, temperature) whose softmax(head(h) / temperature) is the model's own sampling distribution.
 
     Rollout samples from the model's transformed logits, so the loss must use them too. A positive
@@ -318,9 +375,17 @@ def _with_logit_transform(head: nn.Module, causal_lm: nn.Module, temperature: fl
     return _TransformedHead(head, t), temperature
 
 
-def sequence_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_length: int, *,
-                       chunk_size: int = 1024, temperature: float = 1.0, return_entropy: bool = False,
-                       entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+def sequence_log_probs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_length: int,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs of the last `completion_length` tokens of each row of input_ids.
 
     model: a causal LM (or a peft model around one) whose decoder body and output head are
@@ -333,13 +398,22 @@ def sequence_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tens
     head, temperature = _with_logit_transform(head, causal_lm, temperature)
     # Left padding: positions count real tokens only, as generate() does.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hidden = body(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
     hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
     # hidden at position j predicts token j + 1: keep only the states that predict completion tokens.
     hidden = hidden[:, -completion_length - 1 : -1]
     targets = input_ids[:, -completion_length:]
-    return chunked_log_probs(hidden, head, targets, chunk_size=chunk_size, temperature=temperature,
-                             return_entropy=return_entropy, entropy_grad=entropy_grad)
+    return chunked_log_probs(
+        hidden,
+        head,
+        targets,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        entropy_grad=entropy_grad,
+    )
 
 
 # check_log_probs tolerance. Both paths run the same decoder body on the same inputs, so the hidden
@@ -371,14 +445,25 @@ def _coarsest_float_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _is_quantized(causal_lm: nn.Module) -> bool:
-    return (getattr(causal_lm, "hf_quantizer", None) is not None or getattr(causal_lm, "is_loaded_in_4bit", False)
-            or getattr(causal_lm, "is_loaded_in_8bit", False)
-            or getattr(causal_lm.config, "quantization_config", None) is not None)
+    return (
+        getattr(causal_lm, "hf_quantizer", None) is not None
+        or getattr(causal_lm, "is_loaded_in_4bit", False)
+        or getattr(causal_lm, "is_loaded_in_8bit", False)
+        or getattr(causal_lm.config, "quantization_config", None) is not None
+    )
 
 
-def check_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, completion_length: int | None = None,
-                    adapters: tuple[str, ...] = ("policy", "reference"), temperature: float = 1.0,
-                    chunk_size: int = 1024, atol: float | None = None) -> float:
+def check_log_probs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    completion_length: int | None = None,
+    adapters: tuple[str, ...] = ("policy", "reference"),
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    atol: float | None = None,
+) -> float:
     """Check sequence_log_probs against log_softmax of the model's own logits; return the max |difference|.
 
     The load-time guarantee behind `_LOGIT_TRANSFORMS`: a model whose forward transforms its logits
@@ -400,7 +485,9 @@ def check_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     available = set(getattr(model, "peft_config", {})) if hasattr(model, "get_base_model") else set()
     names: list[str | None] = [name for name in adapters if name in available] or [None]
     # Compare only where the target token is real and so is the position that predicts it.
-    real = attention_mask[:, -completion_length:].bool() & attention_mask[:, -completion_length - 1 : -1].bool()
+    real = (
+        attention_mask[:, -completion_length:].bool() & attention_mask[:, -completion_length - 1 : -1].bool()
+    )
     if not real.any():
         raise ValueError("check_log_probs needs at least one real completion token")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -413,11 +500,21 @@ def check_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     worst = 0.0
     try:
         for name in names:
-            with (use_adapter(model, name) if name else nullcontext()), torch.no_grad():
+            with use_adapter(model, name) if name else nullcontext(), torch.no_grad():
                 ours, _ = sequence_log_probs(
-                    model, input_ids, attention_mask, completion_length, chunk_size=chunk_size, temperature=temperature
+                    model,
+                    input_ids,
+                    attention_mask,
+                    completion_length,
+                    chunk_size=chunk_size,
+                    temperature=temperature,
                 )
-                out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+                out = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                )
                 logits = out.logits[:, -completion_length - 1 : -1].float() / temperature
                 if not torch.isfinite(logits[real]).all():
                     where = f" with adapter {name!r}" if name is not None else ""
@@ -436,7 +533,8 @@ def check_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
                 raise ValueError(
                     f"lora_grpo's log-probs do not match this model's own logits (model type {model_type!r}{where}): "
                     f"max difference {diff:.4g} nats per token over {int(real.sum())} completion tokens, tolerance "
-                    f"{tolerance:.3g} for {str(dtype).removeprefix('torch.')}. The model applies a transform around its "
+                    f"{tolerance:.3g} for {str(dtype).removeprefix('torch.')}. The model applies a transform "
+                    "around its "
                     f"LM head (a logit scale, multiplier or softcap) that lora_grpo does not know, so training would "
                     f"optimise a different distribution from the one rollout samples; please report the model type "
                     f"{model_type!r} to lora_grpo."

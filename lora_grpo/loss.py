@@ -131,8 +131,10 @@ def _clipped(p: PolicyInputs):
     # As TRL, the clip fractions look at the delta-capped ratio.
     low = (ratio < 1 - s["epsilon_low"]) & (p.adv < 0)
     high = (ratio > 1 + s["epsilon_high"]) & (p.adv > 0)
-    return per_token, {name: _token_mean(x, p.mask) for name, x in
-                       [("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio/region", low | high)]}
+    return per_token, {
+        name: _token_mean(x, p.mask)
+        for name, x in [("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio/region", low | high)]
+    }
 
 
 def _cispo(p: PolicyInputs):
@@ -145,14 +147,25 @@ def _cispo(p: PolicyInputs):
 def _sapo(p: PolicyInputs):
     # A smooth gate instead of a hard clip: d/dρ = 4σ(1−σ) is 1 at ρ = 1 and decays off-policy.
     s = p.settings
-    tau = torch.where(p.adv > 0, torch.full_like(p.adv, s["sapo_temperature_pos"]),
-                      torch.full_like(p.adv, s["sapo_temperature_neg"]))
+    tau = torch.where(
+        p.adv > 0,
+        torch.full_like(p.adv, s["sapo_temperature_pos"]),
+        torch.full_like(p.adv, s["sapo_temperature_neg"]),
+    )
     return -torch.sigmoid(tau * (p.ratio - 1)) * 4 / tau * p.adv, {}
 
 
 @torch.no_grad()
-def vespo_weights(token_log_ratio: Tensor, advantages: Tensor, mask: Tensor, *, k_pos: float = 2.0,
-                  lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+def vespo_weights(
+    token_log_ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> Tensor:
     """VESPO's gamma weights φ(w) = exp(λ + k·log w − λ·w), (B, 1), no grad. token_log_ratio (B, T):
     logp − old_logp; advantages (B,) pick (k, λ) by A ≥ 0 or not; mask (B, T). As TRL: log w =
     Σ_t clamp(log ρ_t, ±20), clamped to [log 1e-8, 20]; a non-finite φ becomes 0."""
@@ -160,14 +173,23 @@ def vespo_weights(token_log_ratio: Tensor, advantages: Tensor, mask: Tensor, *, 
     log_w = (token_log_ratio.clamp(-20.0, 20.0) * mask).sum(dim=-1, keepdim=True).clamp(math.log(1e-8), 20.0)
     nonneg = adv >= 0
     k = torch.where(nonneg, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
-    lam = torch.where(nonneg, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg)).clamp(min=1e-4)
+    lam = torch.where(nonneg, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg)).clamp(
+        min=1e-4
+    )
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _vespo(p: PolicyInputs):
     s = p.settings
-    phi = vespo_weights(p.token_log_ratio, p.adv, p.mask, k_pos=s["vespo_k_pos"], lambda_pos=s["vespo_lambda_pos"],
-                        k_neg=s["vespo_k_neg"], lambda_neg=s["vespo_lambda_neg"])
+    phi = vespo_weights(
+        p.token_log_ratio,
+        p.adv,
+        p.mask,
+        k_pos=s["vespo_k_pos"],
+        lambda_pos=s["vespo_lambda_pos"],
+        k_neg=s["vespo_k_neg"],
+        lambda_neg=s["vespo_lambda_neg"],
+    )
     return -phi * p.adv * p.logp, {"vespo/phi_seq_mean": phi.mean()}  # over sequences, as TRL
 
 
@@ -176,22 +198,39 @@ class LossType:
     """One loss_type: how it aggregates the token grid, how its micro-batch losses add up, and its
     per-token policy objective."""
 
-    aggregate: Callable[..., Tensor]  # (per_token (B, T), mask (B, T), *, num_tokens, max_completion_length) → ()
-    accumulation_scale: Callable[[int, int, int], float]  # (micro_sequences, total_sequences, num_micro_batches)
+    aggregate: Callable[
+        ..., Tensor
+    ]  # (per_token (B, T), mask (B, T), *, num_tokens, max_completion_length) → ()
+    accumulation_scale: Callable[
+        [int, int, int], float
+    ]  # (micro_sequences, total_sequences, num_micro_batches)
     help: str
-    objective: Callable[[PolicyInputs], tuple[Tensor, dict[str, Tensor]]] = _clipped  # → (loss (B, T), 0-d metrics)
+    objective: Callable[[PolicyInputs], tuple[Tensor, dict[str, Tensor]]] = (
+        _clipped  # → (loss (B, T), 0-d metrics)
+    )
 
 
 LOSS_TYPES: dict[str, LossType] = {
-    "grpo": LossType(_agg_grpo, _scale_sequence_share, "mean over each sequence's tokens, then over sequences"),
+    "grpo": LossType(
+        _agg_grpo, _scale_sequence_share, "mean over each sequence's tokens, then over sequences"
+    ),
     "bnpo": LossType(_agg_bnpo, _scale_per_micro_batch, "mean over the micro-batch's tokens"),
-    "dapo": LossType(_agg_dapo, _scale_one, "sum over tokens / the step's token count (DAPO token-level loss)"),
-    "dr_grpo": LossType(_agg_dr_grpo, _scale_sequence_share, "sum over tokens / (sequences × max_completion_length)"),
-    "cispo": LossType(_agg_dapo, _scale_one, "detached ratio capped at epsilon_high × A × logp, as dapo", _cispo),
+    "dapo": LossType(
+        _agg_dapo, _scale_one, "sum over tokens / the step's token count (DAPO token-level loss)"
+    ),
+    "dr_grpo": LossType(
+        _agg_dr_grpo, _scale_sequence_share, "sum over tokens / (sequences × max_completion_length)"
+    ),
+    "cispo": LossType(
+        _agg_dapo, _scale_one, "detached ratio capped at epsilon_high × A × logp, as dapo", _cispo
+    ),
     "sapo": LossType(_agg_grpo, _scale_sequence_share, "sigmoid soft gate for the clip, as grpo", _sapo),
-    "vespo": LossType(_agg_dapo, _scale_one, "detached gamma weight of the sequence ratio × A × logp, as dapo",
-                      _vespo),
-    "luspo": LossType(_agg_luspo, _scale_sequence_share, "clipped; sum over each sequence's tokens, mean of those"),
+    "vespo": LossType(
+        _agg_dapo, _scale_one, "detached gamma weight of the sequence ratio × A × logp, as dapo", _vespo
+    ),
+    "luspo": LossType(
+        _agg_luspo, _scale_sequence_share, "clipped; sum over each sequence's tokens, mean of those"
+    ),
 }
 
 
@@ -225,7 +264,9 @@ def _variant(table: dict, kind: str, name: str):
     return table[name]
 
 
-def accumulation_scale(loss_type: str, micro_sequences: int, total_sequences: int, num_micro_batches: int) -> float:
+def accumulation_scale(
+    loss_type: str, micro_sequences: int, total_sequences: int, num_micro_batches: int
+) -> float:
     """Factor that makes the sum of micro-batch losses equal the loss of the whole step (LOSS_TYPES)."""
     scale = _variant(LOSS_TYPES, "loss_type", loss_type).accumulation_scale
     return scale(micro_sequences, total_sequences, num_micro_batches)
@@ -244,8 +285,9 @@ def _linear_quantile(values: Tensor, q: float, limit: int = QUANTILE_LIMIT) -> T
     return torch.lerp(ordered[below], ordered[above], rank - below)
 
 
-def entropy_threshold(entropies: Tensor, mask: Tensor, quantile: float,
-                      gather: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
+def entropy_threshold(
+    entropies: Tensor, mask: Tensor, quantile: float, gather: Callable[[Tensor], Tensor] | None = None
+) -> Tensor | None:
     """The entropy above which a token is in the top ``quantile`` of every process's tokens, or None
     when there are no tokens anywhere.
 
@@ -258,8 +300,9 @@ def entropy_threshold(entropies: Tensor, mask: Tensor, quantile: float,
     return None if values.numel() == 0 else _linear_quantile(values, 1 - quantile)
 
 
-def high_entropy_mask(entropies: Tensor, mask: Tensor, quantile: float,
-                      gather: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+def high_entropy_mask(
+    entropies: Tensor, mask: Tensor, quantile: float, gather: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
     """(B, T) bool: masked tokens whose entropy is ≥ the threshold (ties at it are kept), as TRL."""
     threshold = entropy_threshold(entropies, mask, quantile, gather)
     if threshold is None:
@@ -278,7 +321,9 @@ def padded_gather(accelerator) -> Callable[[Tensor], Tensor]:
     return gather
 
 
-def off_policy_mask(advantages: Tensor, logp: Tensor, sampling_logp: Tensor, mask: Tensor, threshold: float) -> Tensor:
+def off_policy_mask(
+    advantages: Tensor, logp: Tensor, sampling_logp: Tensor, mask: Tensor, threshold: float
+) -> Tensor:
     """(B, 1) float, 0 for a sequence to drop: A < 0 and mean_t(sampling_logp − logp) > threshold
     (DeepSeek-V3.2's off-policy sequence mask, eq. 9). Tokens whose sampling log-prob is NaN count as 0 KL."""
     kl = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
@@ -342,20 +387,31 @@ def grpo_loss(
     if beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp (reference log-probs); pass them or set beta = 0")
     if (top_entropy_quantile < 1.0 or entropy_coef != 0.0) and entropies is None:
-        raise ValueError("top_entropy_quantile < 1 or entropy_coef != 0 needs entropies= (B, T) per-token entropies")
+        raise ValueError(
+            "top_entropy_quantile < 1 or entropy_coef != 0 needs entropies= (B, T) per-token entropies"
+        )
     if entropy_coef != 0.0 and logp.requires_grad and not entropies.requires_grad:
-        raise ValueError("entropy_coef != 0 needs entropies with grad (they carry none, so the bonus would not train); "
-                         "compute them differentiably or set entropy_coef = 0")
+        raise ValueError(
+            "entropy_coef != 0 needs entropies with grad (they carry none, so the bonus would not train); "
+            "compute them differentiably or set entropy_coef = 0"
+        )
     mask = mask.to(logp.dtype)
     if old_logp is None:
         old_logp = logp.detach()
     token_log_ratio = logp - old_logp
     ratio = torch.exp(ratio_log(token_log_ratio, mask))
     adv = advantages.to(logp.dtype).unsqueeze(1)
-    settings = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta,
-                    sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                    vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-                    vespo_lambda_neg=vespo_lambda_neg)
+    settings = dict(
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        delta=delta,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg,
+    )
     per_token, extra = spec.objective(PolicyInputs(ratio, token_log_ratio, logp, adv, mask, settings))
 
     # The masks act on the policy term only; the KL below still counts on every token (TRL).
@@ -364,7 +420,9 @@ def grpo_loss(
         per_token = per_token * off_policy_mask(advantages, logp, sampled, mask, off_policy_mask_threshold)
     bonus_mask = mask
     if top_entropy_quantile < 1.0:  # bonus_mask: the tokens the policy term acts on (TRL's effective mask)
-        bonus_mask = mask * high_entropy_mask(entropies, mask, top_entropy_quantile, entropy_gather).to(mask.dtype)
+        bonus_mask = mask * high_entropy_mask(entropies, mask, top_entropy_quantile, entropy_gather).to(
+            mask.dtype
+        )
         per_token = per_token * bonus_mask
 
     kl = None
@@ -381,8 +439,11 @@ def grpo_loss(
         loss = loss - entropy_coef * mean_entropy(entropies, bonus_mask) / num_micro_batches
 
     with torch.no_grad():
-        metrics = {"kl": _token_mean(kl, mask) if kl is not None else torch.zeros((), device=mask.device),
-                   "ratio": _token_mean(ratio, mask), **extra}
+        metrics = {
+            "kl": _token_mean(kl, mask) if kl is not None else torch.zeros((), device=mask.device),
+            "ratio": _token_mean(ratio, mask),
+            **extra,
+        }
         if entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
     return loss, metrics if tensor_metrics else {name: x.item() for name, x in metrics.items()}
@@ -412,8 +473,13 @@ class AdaptiveEntropy:
         """The entropy_coef for grpo_loss during this step."""
         return self.coef if self.last_world_entropy <= self.target else 0.0
 
-    def accumulate(self, entropies: Tensor, mask: Tensor, top_entropy_quantile: float = 1.0,
-                   gather: Callable[[Tensor], Tensor] | None = None) -> None:
+    def accumulate(
+        self,
+        entropies: Tensor,
+        mask: Tensor,
+        top_entropy_quantile: float = 1.0,
+        gather: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         """Add one micro-batch's entropies (B, T) over mask (B, T), restricted as grpo_loss does by
         top_entropy_quantile (every process must then call it, as entropy_threshold gathers)."""
         mask = mask.to(entropies.dtype)

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -101,16 +101,29 @@ class MemoryPlan:
 
     def describe(self, auto_size: bool, auto_checkpointing: bool) -> str:
         size = f"micro_batch_size {'auto → ' if auto_size else ''}{self.micro_batch_size}"
-        ckpt = f"gradient_checkpointing {'auto → ' if auto_checkpointing else ''}{'on' if self.gradient_checkpointing else 'off'}"
+        ckpt = (
+            "gradient_checkpointing "
+            f"{'auto → ' if auto_checkpointing else ''}{'on' if self.gradient_checkpointing else 'off'}"
+        )
         kept = f", {self.kept / MiB:,.0f} MiB of it the compiled decode's kept caches" if self.kept else ""
-        return (f"{size} (peak ~{self.need / MiB:,.0f} MiB over the loaded model{kept}, budget {self.budget / MiB:,.0f} "
-                f"MiB of {self.available / MiB:,.0f} MiB {self.source}; worst case {self.tokens[0]}+{self.tokens[1]} "
-                f"tokens, probe {self.seconds:.1f} s); {ckpt}")
+        return (
+            f"{size} (peak ~{self.need / MiB:,.0f} MiB over the loaded model{kept}, budget {self.budget / MiB:,.0f} "
+            f"MiB of {self.available / MiB:,.0f} MiB {self.source}; worst case {self.tokens[0]}+{self.tokens[1]} "
+            f"tokens, probe {self.seconds:.1f} s); {ckpt}"
+        )
 
 
 # ------------------------------------------------------------------------------ estimating
-def rollout_bytes(model_config, sequences: int, length: int, dtype: torch.dtype, vocab_size: int, *,
-                  mode: str = "eager", prompt_length: int | None = None) -> float:
+def rollout_bytes(
+    model_config,
+    sequences: int,
+    length: int,
+    dtype: torch.dtype,
+    vocab_size: int,
+    *,
+    mode: str = "eager",
+    prompt_length: int | None = None,
+) -> float:
     """Peak of one rollout of `sequences` decoded together to `length` = prompt + completion tokens
     by the sampler `mode` (resolved: eager / static / compiled), over what was allocated before it.
 
@@ -129,8 +142,14 @@ def rollout_bytes(model_config, sequences: int, length: int, dtype: torch.dtype,
     return float(static_cache_bytes(model_config, sequences, length, dtype) + prefill + sampler)
 
 
-def decode_memory(model_config, shapes: list[tuple[int, int, int]], dtype: torch.dtype, vocab_size: int, mode: str,
-                  device: torch.device) -> tuple[float, float]:
+def decode_memory(
+    model_config,
+    shapes: list[tuple[int, int, int]],
+    dtype: torch.dtype,
+    vocab_size: int,
+    mode: str,
+    device: torch.device,
+) -> tuple[float, float]:
     """(peak of the largest rollout, bytes kept between rollouts) for a run whose rollouts decode
     `shapes` = [(sequences, prompt tokens, completion tokens)] with the resolved sampler `mode`.
 
@@ -139,7 +158,10 @@ def decode_memory(model_config, shapes: list[tuple[int, int, int]], dtype: torch
     runs in it), and on CUDA its graph's private pool, estimated as the step's (rows, vocab) logits
     in the model's dtype and in float32. A compiled rollout decodes in the kept cache, so its peak is
     what is kept plus its prefill cache (and one layer of it padded to the cache's rows) and sampler."""
-    peaks = [rollout_bytes(model_config, n, p + c, dtype, vocab_size, mode=mode, prompt_length=p) for n, p, c in shapes]
+    peaks = [
+        rollout_bytes(model_config, n, p + c, dtype, vocab_size, mode=mode, prompt_length=p)
+        for n, p, c in shapes
+    ]
     if mode != "compiled":
         return max(peaks), 0.0
     rows, needed = max(n for n, _, _ in shapes), max(p + c for _, p, c in shapes)
@@ -158,8 +180,9 @@ def optimizer_state_bytes(params, optimizer: str) -> float:
     return float(n * (2 if "8bit" in optimizer else 8))
 
 
-def worst_case_micro_batch(m: int, prompt_length: int, completion_length: int, vocab_size: int,
-                           device: torch.device, old_logp: bool) -> dict:
+def worst_case_micro_batch(
+    m: int, prompt_length: int, completion_length: int, vocab_size: int, device: torch.device, old_logp: bool
+) -> dict:
     """A micro-batch (trainer.Batch.micro_batches' format) of m full-length sequences, every
     completion token in the loss. The first token of the first row is padding, as in any real
     batch of unequal prompts: a padded mask takes other attention kernels than a full one (on CPU,
@@ -253,20 +276,29 @@ def plan_memory(
     leaves no gradients, optimizer state or RNG change behind); set_checkpointing(on) turns
     recompute on or off; side_passes: other no-grad forwards of m sequences (a reward model's
     scoring), measured with the pass at every size. estimate(m, checkpointing): bytes of a pass
-    computed instead of measured (memory_estimate.py: a plan from a model's shapes alone). rollout: the largest rollout's peak, `kept` included; kept: bytes that stay
-    allocated between rollouts, under every training pass (decode_memory). Raises
-    MemoryBudgetError when one sequence, or the rollout, does not fit.
+    computed instead of measured (memory_estimate.py: a plan from a model's shapes alone). rollout:
+    the largest rollout's peak, `kept` included; kept: bytes that stay allocated between rollouts,
+    under every training pass (decode_memory). Raises MemoryBudgetError when one sequence, or the
+    rollout, does not fit.
     """
     t0 = time.perf_counter()
     available_bytes_, source = available
     budget = budget_fraction * available_bytes_
     room = budget - optimizer  # for the larger of the rollout and the training pass (over what is kept)
-    where = f"budget {budget / MiB:,.0f} MiB = memory_budget {budget_fraction} × {available_bytes_ / MiB:,.0f} MiB {source}"
+    where = (
+        f"budget {budget / MiB:,.0f} MiB = memory_budget {budget_fraction} × "
+        f"{available_bytes_ / MiB:,.0f} MiB {source}"
+    )
     if rollout > room:
         raise MemoryBudgetError(
-            f"memory preflight: the rollout decodes {rollout_sequences or batch} sequences of up to {sum(tokens)} tokens at once "
+            f"memory preflight: the rollout decodes {rollout_sequences or batch} sequences of up to "
+            f"{sum(tokens)} tokens at once "
             f"({tokens[0]} prompt + {tokens[1]} completion); their KV cache and sampler need ~{rollout / MiB:,.0f} MiB "
-            + (f"(of it {kept / MiB:,.0f} MiB the compiled decode's kept caches: decode_mode eager keeps none) " if kept else "")
+            + (
+                f"(of it {kept / MiB:,.0f} MiB the compiled decode's kept caches: decode_mode eager keeps none) "
+                if kept
+                else ""
+            )
             + f"(+{optimizer / MiB:,.0f} MiB optimizer states) over the loaded model, over the {where}. {rollout_hint}"
         )
     modes = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
@@ -279,8 +311,13 @@ def plan_memory(
             if estimate is not None:
                 return estimate(m, on)
             set_checkpointing(on)
-            passes = [lambda: run_pass(m, True), lambda: run_pass(m, False), *(lambda f=f: f(m) for f in side_passes)]
+            passes = [
+                lambda: run_pass(m, True),
+                lambda: run_pass(m, False),
+                *(lambda f=f: f(m) for f in side_passes),
+            ]
             return max(measure_peak(p, device) for p in passes)
+
         return at
 
     room_for_pass = room - kept  # the kept caches sit under every pass
@@ -316,20 +353,44 @@ def plan_memory(
             f"memory preflight: {what} of {sum(tokens)} tokens ({tokens[0]} prompt + {tokens[1]} completion) needs "
             f"~{peak / MiB:,.0f} MiB for its training pass (forward + backward, gradient checkpointing "
             f"{'on' if on else 'off'}) + {optimizer / MiB:,.0f} MiB optimizer states"
-            + (f" + {kept / MiB:,.0f} MiB the compiled decode keeps (decode_mode eager keeps none)" if kept else "")
+            + (
+                f" + {kept / MiB:,.0f} MiB the compiled decode keeps (decode_mode eager keeps none)"
+                if kept
+                else ""
+            )
             + " over the loaded model, "
             f"over the {where}.{extra} {fix_hint}"
         )
     size, on = choice
     set_checkpointing(on)
     need = optimizer + max(rollout, kept + measured[on][size])
-    return MemoryPlan(size, on, need, budget, available_bytes_, source, rollout, optimizer, tokens,
-                      time.perf_counter() - t0, largest, measured, kept=kept, decode_rows=decode_rows)
+    return MemoryPlan(
+        size,
+        on,
+        need,
+        budget,
+        available_bytes_,
+        source,
+        rollout,
+        optimizer,
+        tokens,
+        time.perf_counter() - t0,
+        largest,
+        measured,
+        kept=kept,
+        decode_rows=decode_rows,
+    )
 
 
 # ------------------------------------------------------------------------------ the run's plan
-def probe_pass(update, m: int, train: bool, tokens: tuple[int, int], device: torch.device,
-               eval_tokens: tuple[int, int] | None = None) -> None:
+def probe_pass(
+    update,
+    m: int,
+    train: bool,
+    tokens: tuple[int, int],
+    device: torch.device,
+    eval_tokens: tuple[int, int] | None = None,
+) -> None:
     """One worst-case micro-batch of m sequences of tokens = (prompt, completion) through the run's
     own loss path (update.PolicyUpdate): `accumulate` with backward (train), or the no-grad
     log-prob `forward`, at eval_tokens when longer (eval/kl_to_base's forward over the eval's
@@ -359,7 +420,9 @@ def decode_rows(config) -> int:
     return max(config.generation_batch, samples)
 
 
-def rollout_shapes(config, longest_prompt: int, eval_longest_prompt: int | None = None) -> list[tuple[int, int, int]]:
+def rollout_shapes(
+    config, longest_prompt: int, eval_longest_prompt: int | None = None
+) -> list[tuple[int, int, int]]:
     """[(sequences, prompt tokens, completion tokens)] of the run's largest rollouts: the training
     rollout (generation_batch sequences), and with an eval dataset the evaluator's decodes
     (decode_rows sequences at once)."""
@@ -376,9 +439,15 @@ def reserve_decode_shape(config, model, longest_prompt: int, eval_longest_prompt
     reserve_shape(model, max(n for n, _, _ in shapes), max(p + c for _, p, c in shapes))
 
 
-def plan_run_memory(update, *, device: torch.device, num_processes: int, longest_prompt: int,
-                    eval_longest_prompt: int | None = None,
-                    side_passes: tuple[Callable[[int, tuple[int, int]], None], ...] = ()) -> MemoryPlan:
+def plan_run_memory(
+    update,
+    *,
+    device: torch.device,
+    num_processes: int,
+    longest_prompt: int,
+    eval_longest_prompt: int | None = None,
+    side_passes: tuple[Callable[[int, tuple[int, int]], None], ...] = (),
+) -> MemoryPlan:
     """micro_batch_size / gradient_checkpointing 'auto' and the preflight for a run: worst-case
     probes (probe_pass) of the longest prompt + max_completion_length through `update`, the run's
     update.PolicyUpdate, next to the rollouts' memory for the sampler the run's decode_mode resolves
@@ -393,30 +462,49 @@ def plan_run_memory(update, *, device: torch.device, num_processes: int, longest
     embeddings = model.get_input_embeddings().weight
     vocab = embeddings.shape[0]
     mode = resolve_decode_mode(cfg.decode_mode, model, device)
-    rollout, kept = decode_memory(model.config, rollout_shapes(cfg, longest_prompt, eval_longest_prompt),
-                                  embeddings.dtype, vocab, mode, device)
+    rollout, kept = decode_memory(
+        model.config,
+        rollout_shapes(cfg, longest_prompt, eval_longest_prompt),
+        embeddings.dtype,
+        vocab,
+        mode,
+        device,
+    )
     available = available_bytes(device)
     if num_processes > 1:  # plan for the tightest process
         least = torch.tensor([available[0]], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
         available = (float(least.item()), available[1])
-    size_hint = (f"To fit: lower max_completion_length (now {cfg.max_completion_length}) or max_prompt_length (now "
-                 f"{cfg.max_prompt_length}); ")
+    size_hint = (
+        f"To fit: lower max_completion_length (now {cfg.max_completion_length}) or max_prompt_length (now "
+        f"{cfg.max_prompt_length}); "
+    )
     rng, was_training = rng_state(), model.training
     try:
         plan = plan_memory(
             lambda m, train: probe_pass(update, m, train, tokens, device, eval_tokens),
             lambda on: set_gradient_checkpointing(model, on),
-            batch=cfg.step_batch, rollout_sequences=cfg.generation_batch, micro_batch_size=cfg.micro_batch_size,
-            gradient_checkpointing=cfg.gradient_checkpointing, budget_fraction=cfg.memory_budget,
-            available=available, optimizer=optimizer_state_bytes(update.params, cfg.optimizer),
-            rollout=rollout, kept=kept, tokens=tokens, device=device, decode_rows=decode_rows(cfg),
+            batch=cfg.step_batch,
+            rollout_sequences=cfg.generation_batch,
+            micro_batch_size=cfg.micro_batch_size,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            budget_fraction=cfg.memory_budget,
+            available=available,
+            optimizer=optimizer_state_bytes(update.params, cfg.optimizer),
+            rollout=rollout,
+            kept=kept,
+            tokens=tokens,
+            device=device,
+            decode_rows=decode_rows(cfg),
             side_passes=tuple(lambda m, f=f: f(m, longest) for f in side_passes),
-            fix_hint=size_hint + ("" if cfg.quantization == "4bit" else "quantization=4bit (frees the weights' memory); ")
+            fix_hint=size_hint
+            + ("" if cfg.quantization == "4bit" else "quantization=4bit (frees the weights' memory); ")
             + f"a smaller lora_r (now {cfg.lora_r}) or logprob_chunk_size (now {cfg.logprob_chunk_size}: the LM head's "
             f"float32 logits are chunk × vocab {vocab}); a smaller model; or free memory / raise memory_budget.",
             rollout_hint=f"Lower prompts_per_step (now {cfg.prompts_per_step}) or num_generations (now "
-            f"{cfg.num_generations}); " + size_hint + "a smaller model; or free memory / raise memory_budget.",
+            f"{cfg.num_generations}); "
+            + size_hint
+            + "a smaller model; or free memory / raise memory_budget.",
         )
     finally:
         set_rng_state(rng)
@@ -437,9 +525,14 @@ def resume_sizes(plan: MemoryPlan | None, config, current: tuple, saved: tuple) 
     if plan is None or saved == current or None in saved:
         return current, None
     if not plan.fits(*saved):
-        return current, (f"the checkpoint ran micro_batch_size {saved[0]}, gradient_checkpointing {saved[1]}; that "
-                         f"does not fit now: using {current[0]}, {current[1]}")
+        return current, (
+            f"the checkpoint ran micro_batch_size {saved[0]}, gradient_checkpointing {saved[1]}; that "
+            f"does not fit now: using {current[0]}, {current[1]}"
+        )
     size = saved[0] if config.micro_batch_size == "auto" else current[0]
     on = saved[1] if config.gradient_checkpointing == "auto" else current[1]
     plan.micro_batch_size, plan.gradient_checkpointing = size, on
-    return (size, on), f"resumed with the checkpoint's micro_batch_size {size}, gradient_checkpointing {'on' if on else 'off'}"
+    return (
+        (size, on),
+        f"resumed with the checkpoint's micro_batch_size {size}, gradient_checkpointing {'on' if on else 'off'}",
+    )

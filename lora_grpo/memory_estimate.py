@@ -68,14 +68,18 @@ def weight_bytes(model_config, quantization: str, dtype: torch.dtype) -> float:
     s = torch.empty(0, dtype=dtype).element_size()
     linear = cfg.num_hidden_layers * sum(a * b for a, b in _linear_shapes(model_config))
     per_weight = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0, "none": float(s)}[quantization]
-    embeddings = cfg.vocab_size * cfg.hidden_size * s * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
+    embeddings = (
+        cfg.vocab_size * cfg.hidden_size * s * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
+    )
     norms = (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size * s
     return linear * per_weight + embeddings + norms
 
 
 def lora_parameters(model_config, rank: int) -> int:
     """Parameters of one adapter of `rank` on every linear layer of the body (all-linear)."""
-    return _text(model_config).num_hidden_layers * sum(rank * (a + b) for a, b in _linear_shapes(model_config))
+    return _text(model_config).num_hidden_layers * sum(
+        rank * (a + b) for a, b in _linear_shapes(model_config)
+    )
 
 
 def layer_activation_bytes(model_config, dtype: torch.dtype) -> float:
@@ -87,14 +91,19 @@ def layer_activation_bytes(model_config, dtype: torch.dtype) -> float:
     return s * (11 * h + 3 * kv + 4 * i) + 4 * (6 * h + i)
 
 
-def training_pass_bytes(model_config, m: int, tokens: tuple[int, int], checkpointing: bool, dtype: torch.dtype,
-                        chunk_size: int) -> float:
+def training_pass_bytes(
+    model_config, m: int, tokens: tuple[int, int], checkpointing: bool, dtype: torch.dtype, chunk_size: int
+) -> float:
     """Estimated peak of one training forward + backward of m sequences of tokens = (prompt, completion)."""
     cfg = _text(model_config)
     s = torch.empty(0, dtype=dtype).element_size()
     n = m * sum(tokens)
     a = layer_activation_bytes(model_config, dtype)
-    body = (cfg.num_hidden_layers * s * cfg.hidden_size + 2 * a) if checkpointing else (cfg.num_hidden_layers + 1) * a
+    body = (
+        (cfg.num_hidden_layers * s * cfg.hidden_size + 2 * a)
+        if checkpointing
+        else (cfg.num_hidden_layers + 1) * a
+    )
     chunk = min(chunk_size, m * tokens[1])
     head = n * cfg.hidden_size * s + 2 * chunk * cfg.vocab_size * 4 + (_HEAD_CAST if s < 4 else 0)
     return n * body + head
@@ -114,9 +123,18 @@ class RunMemory:
         return SLACK * (self.weights + self.adapters + self.plan.need) + CUDA_CONTEXT
 
 
-def run_memory(config, model_config, gpu_bytes: float, *, dtype: torch.dtype = torch.bfloat16, mode: str = "compiled",
-               longest_prompt: int | None = None, eval_longest_prompt: int | None = None,
-               micro_batch_size: int | str | None = None, gradient_checkpointing: bool | str | None = None) -> RunMemory:
+def run_memory(
+    config,
+    model_config,
+    gpu_bytes: float,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    mode: str = "compiled",
+    longest_prompt: int | None = None,
+    eval_longest_prompt: int | None = None,
+    micro_batch_size: int | str | None = None,
+    gradient_checkpointing: bool | str | None = None,
+) -> RunMemory:
     """The plan a run of `config` on a model of `model_config` would make on a GPU of `gpu_bytes`, with
     the pass estimated (training_pass_bytes) and the decode of `mode` (resolved: eager / static /
     compiled). Prompts default to max_prompt_length (the worst case the rollout cuts to); an eval set
@@ -130,23 +148,40 @@ def run_memory(config, model_config, gpu_bytes: float, *, dtype: torch.dtype = t
     policy = lora_parameters(model_config, config.lora_r)
     adapters = 4.0 * (policy + lora_parameters(model_config, config.ref_rank))
     vocab, device = _text(model_config).vocab_size, torch.device("cuda")
-    rollout, kept = decode_memory(model_config, rollout_shapes(config, longest, eval_longest), dtype, vocab, mode, device)
+    rollout, kept = decode_memory(
+        model_config, rollout_shapes(config, longest, eval_longest), dtype, vocab, mode, device
+    )
     eval_tokens = (eval_longest or 0, config.max_completion_length)
     worst = max(tokens, eval_tokens, key=sum)
 
-    def estimate(m: int, on: bool) -> float:  # the training pass, and the no-grad forward at the longest prompt
-        return max(training_pass_bytes(model_config, m, tokens, on, dtype, config.logprob_chunk_size),
-                   training_pass_bytes(model_config, m, worst, True, dtype, config.logprob_chunk_size) / 2)
+    def estimate(
+        m: int, on: bool
+    ) -> float:  # the training pass, and the no-grad forward at the longest prompt
+        return max(
+            training_pass_bytes(model_config, m, tokens, on, dtype, config.logprob_chunk_size),
+            training_pass_bytes(model_config, m, worst, True, dtype, config.logprob_chunk_size) / 2,
+        )
 
     available = gpu_bytes - CUDA_CONTEXT - weights - adapters
     plan = plan_memory(
-        None, lambda on: None, batch=config.step_batch, rollout_sequences=config.generation_batch,
+        None,
+        lambda on: None,
+        batch=config.step_batch,
+        rollout_sequences=config.generation_batch,
         micro_batch_size=config.micro_batch_size if micro_batch_size is None else micro_batch_size,
-        gradient_checkpointing=config.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing,
+        gradient_checkpointing=config.gradient_checkpointing
+        if gradient_checkpointing is None
+        else gradient_checkpointing,
         budget_fraction=config.memory_budget,
         available=(available, "GPU memory left once the model is loaded"),
-        optimizer=optimizer_state_bytes([torch.empty(policy, device="meta")], config.optimizer), rollout=rollout,
-        kept=kept, tokens=tokens, fix_hint="", rollout_hint="", device=device, estimate=estimate,
+        optimizer=optimizer_state_bytes([torch.empty(policy, device="meta")], config.optimizer),
+        rollout=rollout,
+        kept=kept,
+        tokens=tokens,
+        fix_hint="",
+        rollout_hint="",
+        device=device,
+        estimate=estimate,
     )
     return RunMemory(weights, adapters, plan)
 
@@ -155,4 +190,6 @@ def recipe_floor(config, model_config, gpu_bytes: float, **kwargs) -> RunMemory:
     """The smallest footprint of a run of `config` (one sequence per pass, recomputed): what must fit
     for the start-up probe to find any size; the figure a recipe's header states. The probe then
     grows micro_batch_size into the memory_budget left over."""
-    return run_memory(config, model_config, gpu_bytes, micro_batch_size=1, gradient_checkpointing=True, **kwargs)
+    return run_memory(
+        config, model_config, gpu_bytes, micro_batch_size=1, gradient_checkpointing=True, **kwargs
+    )

@@ -25,7 +25,6 @@ from .reference import check_syncable, sync_reference
 logger = logging.getLogger(__name__)
 
 
-
 def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
     """The config's torch_dtype as a torch dtype; 'auto' says in one line what it chose and why
     (device.auto_dtype: bfloat16 only where the GPU computes it natively, else float32; float32 for
@@ -38,16 +37,29 @@ def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.
         logger.log(level, "torch_dtype auto → %s (%s)", str(dtype).removeprefix("torch."), why)
         return dtype
     if name == "float16":
-        logger.warning("torch_dtype=float16: there is no loss scaling; prefer bfloat16, or float32 on GPUs without bf16")
+        logger.warning(
+            "torch_dtype=float16: there is no loss scaling; prefer bfloat16, or float32 on GPUs without bf16"
+        )
     if name == "bfloat16" and on_gpu and not native_bf16():
-        logger.warning("torch_dtype=bfloat16 on %s: emulated, slower than float32; set torch_dtype to float32 or auto",
-                       describe_gpu())
+        logger.warning(
+            "torch_dtype=bfloat16 on %s: emulated, slower than float32; set torch_dtype to float32 or auto",
+            describe_gpu(),
+        )
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 # Config attributes that hold dropout probabilities in transformers' model configs.
-DROPOUT_ATTRS = ("attention_dropout", "hidden_dropout", "dropout", "activation_dropout", "resid_pdrop",
-                 "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
+DROPOUT_ATTRS = (
+    "attention_dropout",
+    "hidden_dropout",
+    "dropout",
+    "activation_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+)
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -169,7 +181,9 @@ def keep_4bit_weights_fixed(model: nn.Module) -> int:
         if getattr(module, "support_avx512bf16_for_cpu", False):
             module.support_avx512bf16_for_cpu = False
             pinned += 1
-        if getattr(getattr(getattr(module, "weight", None), "quant_state", None), "packing_format_for_cpu", False):
+        if getattr(
+            getattr(getattr(module, "weight", None), "quant_state", None), "packing_format_for_cpu", False
+        ):
             packed.append(name)
     if packed:
         # Undoing the repack re-quantises (lossy), and training through it would drop gradients.
@@ -233,7 +247,11 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
         with loading("policy", "init_adapter", config.init_adapter):
             saved = LoraConfig.from_pretrained(config.init_adapter)
         if saved.lora_dropout != config.lora_dropout:  # SFT adapters often carry 0.05–0.1
-            logger.warning("init_adapter's lora_dropout %s replaced by the config's %s", saved.lora_dropout, config.lora_dropout)
+            logger.warning(
+                "init_adapter's lora_dropout %s replaced by the config's %s",
+                saved.lora_dropout,
+                config.lora_dropout,
+            )
             saved.lora_dropout = config.lora_dropout
         with loading("policy", "init_adapter", config.init_adapter):
             model = PeftModel.from_pretrained(
@@ -244,7 +262,9 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
     else:
         policy = lora_config(config) if lora is None else copy.deepcopy(lora)
         if policy.target_modules is not None:  # None: peft's default for the model type
-            check_target_modules(base, policy.target_modules)  # an entry matching nothing, with the closest names
+            check_target_modules(
+                base, policy.target_modules
+            )  # an entry matching nothing, with the closest names
         model = get_peft_model(base, policy, adapter_name=POLICY, autocast_adapter_dtype=True)
     # The largest rank of any layer (an adapter may carry a per-module rank_pattern).
     policy_rank = max(m.lora_A[POLICY].weight.shape[0] for _, m in lora_layers(model, (POLICY,)))

@@ -11,8 +11,12 @@ from .config import GRPOConfig
 
 
 def build_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
-    kwargs = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
-                  weight_decay=config.weight_decay)
+    kwargs = dict(
+        lr=config.learning_rate,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        weight_decay=config.weight_decay,
+    )
     if config.optimizer == "adamw":
         return torch.optim.AdamW(params, **kwargs)
     import bitsandbytes as bnb
@@ -90,10 +94,14 @@ def build_scheduler(optimizer, config: GRPOConfig, total_steps: int, restarts: W
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
     scheduler = get_scheduler(
-        name, optimizer, num_warmup_steps=steps_of(config.warmup_steps, total_steps), num_training_steps=total_steps,
+        name,
+        optimizer,
+        num_warmup_steps=steps_of(config.warmup_steps, total_steps),
+        num_training_steps=total_steps,
         scheduler_specific_kwargs=dict(config.lr_scheduler_kwargs) or None,
     )
     if restarts is not None:
+
         def restarted(schedule):
             return lambda update: schedule(update) * restarts.factor(update)
 
@@ -108,8 +116,11 @@ def apply_config(optimizer, scheduler, config: GRPOConfig) -> float:
     saved_lr = scheduler.base_lrs[0]
     scheduler.base_lrs = [config.learning_rate for _ in scheduler.base_lrs]
     for group in optimizer.param_groups:
-        group.update(initial_lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                     weight_decay=config.weight_decay)
+        group.update(
+            initial_lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )
     refresh_lr(optimizer, scheduler)  # the new learning rate × the multiplier at the current update
     return saved_lr
 

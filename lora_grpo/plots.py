@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -42,8 +43,8 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
 
 def metrics_figure(records: list[dict[str, Any]], keys: Sequence[str] | None = None):
     """(matplotlib Figure, PlotInfo) of a run's metrics records: reward (total and per function),
-    eval metrics, KL to the reference, KL to the base (eval), completion length and entropy over steps (or one panel per key of `keys`),
-    with a vertical line at each reference sync. Panels without data are left out."""
+    eval metrics, KL to the reference, KL to the base (eval), completion length and entropy over steps
+    (or one panel per key of `keys`), with a vertical line at each reference sync. Panels without data are left out."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
     from matplotlib.ticker import MaxNLocator
 
@@ -51,10 +52,15 @@ def metrics_figure(records: list[dict[str, Any]], keys: Sequence[str] | None = N
     if keys:
         panels = {key: [key] for key in keys}
     else:
-        panels = {title: sorted((k for k in present if wanted(k)), key=lambda k: k != "reward/mean") for title, wanted in PANELS}
+        panels = {
+            title: sorted((k for k in present if wanted(k)), key=lambda k: k != "reward/mean")
+            for title, wanted in PANELS
+        }
     panels = {t: ks for t, ks in panels.items() if any(k in present for k in ks)}
     if not panels:
-        raise ValueError(f"no metrics to plot among {len(records)} records" + (f" for keys {list(keys)}" if keys else ""))
+        raise ValueError(
+            f"no metrics to plot among {len(records)} records" + (f" for keys {list(keys)}" if keys else "")
+        )
     syncs = [r["step"] for r in records if r.get("sync/event")]
     fig = Figure(figsize=(7.5, 2.3 * len(panels)))
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
@@ -63,10 +69,17 @@ def metrics_figure(records: list[dict[str, Any]], keys: Sequence[str] | None = N
             points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             sparse = key.startswith("eval/") or len(points) < 3
             total = key == "reward/mean" and len(ks) > 1  # the weighted sum, over its parts
-            ax.plot(*zip(*points), marker="o" if sparse else None, ms=3, label=key,
-                    **({"color": "black", "lw": 1.8} if total else {"lw": 1.1}))
+            ax.plot(
+                *zip(*points),
+                marker="o" if sparse else None,
+                ms=3,
+                label=key,
+                **({"color": "black", "lw": 1.8} if total else {"lw": 1.1}),
+            )
         for i, s in enumerate(syncs):
-            ax.axvline(s, color="gray", alpha=0.4, lw=0.8, ls="--", label="reference sync" if i == 0 else None)
+            ax.axvline(
+                s, color="gray", alpha=0.4, lw=0.8, ls="--", label="reference sync" if i == 0 else None
+            )
         ax.set_ylabel(title)
         ax.grid(alpha=0.2)
         if len(ks) > 1 or (syncs and ax is axes[0]):
@@ -77,7 +90,9 @@ def metrics_figure(records: list[dict[str, Any]], keys: Sequence[str] | None = N
     return fig, PlotInfo(None, panels, syncs)
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None, keys: Sequence[str] | None = None) -> PlotInfo:
+def plot_run(
+    run_dir: str | Path, out: str | Path | None = None, keys: Sequence[str] | None = None
+) -> PlotInfo:
     """Plot RUN_DIR/metrics.jsonl to `out` (default RUN_DIR/metrics.png); written atomically."""
     run_dir = Path(run_dir)
     source = run_dir / METRICS_FILE

@@ -28,14 +28,25 @@ class PromptBatches:
     [0, 0, 1, 1, 2]
     """
 
-    def __init__(self, dataset: datasets.Dataset, prompts_per_step: int, *, seed: int = 0, shuffle: bool = True,
-                 start_epoch: int = 0, start_index: int = 0, num_epochs: int | None = None):
+    def __init__(
+        self,
+        dataset: datasets.Dataset,
+        prompts_per_step: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        start_epoch: int = 0,
+        start_index: int = 0,
+        num_epochs: int | None = None,
+    ):
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         if len(dataset) < prompts_per_step:
-            raise ValueError(f"the train dataset has {len(dataset)} rows (per process, under several), "
-                             f"fewer than one batch of prompts_per_step={prompts_per_step} (the prompts one rollout draws: "
-                             "prompts_per_step × steps_per_generation); lower prompts_per_step, or add prompts")
+            raise ValueError(
+                f"the train dataset has {len(dataset)} rows (per process, under several), "
+                f"fewer than one batch of prompts_per_step={prompts_per_step} (the prompts one rollout draws: "
+                "prompts_per_step × steps_per_generation); lower prompts_per_step, or add prompts"
+            )
         self.dataset, self.prompts_per_step, self.seed = dataset, int(prompts_per_step), int(seed)
         self.shuffle, self.num_epochs = shuffle, num_epochs
         self._order_epoch: int | None = None
@@ -52,7 +63,9 @@ class PromptBatches:
 
     def _set_position(self, epoch: int, index: int) -> None:
         if epoch < 0 or not 0 <= index <= len(self.dataset):
-            raise ValueError(f"invalid start position epoch={epoch}, index={index} for {len(self.dataset)} rows")
+            raise ValueError(
+                f"invalid start position epoch={epoch}, index={index} for {len(self.dataset)} rows"
+            )
         self.epoch, self.index = int(epoch), int(index)
         if self.index + self.prompts_per_step > len(self.dataset):  # a partial batch: next epoch
             self.epoch, self.index = self.epoch + 1, 0
@@ -61,7 +74,9 @@ class PromptBatches:
         """The row order of ``epoch``: a permutation seeded by ``(seed, epoch)``; shape (len(dataset),)."""
         if self._order_epoch != epoch:
             n = len(self.dataset)
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._order = (
+                np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            )
             self._order_epoch = epoch
         return self._order
 
@@ -78,8 +93,13 @@ class PromptBatches:
 
     def state_dict(self) -> dict[str, int]:
         """The position of the next batch, plus what must match on resume."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_rows": len(self.dataset),
-                "prompts_per_step": self.prompts_per_step}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "num_rows": len(self.dataset),
+            "prompts_per_step": self.prompts_per_step,
+        }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Resume at ``state``'s position. The seed and the dataset size must match (ValueError
@@ -91,10 +111,12 @@ class PromptBatches:
                 f"dataset has {len(self.dataset)} (counted per process, after filters); the data position ({where} "
                 "of a seeded order of those rows) means nothing for other rows. Resume with the same dataset (the same "
                 "file, split, filters and prompt settings), or start a new run from the checkpoint's weights: "
-                "init_adapter=<checkpoint>/policy (the optimizer state and step count start afresh)")
+                "init_adapter=<checkpoint>/policy (the optimizer state and step count start afresh)"
+            )
         if "seed" in state and int(state["seed"]) != self.seed:
             raise ValueError(
                 f"cannot resume: the checkpoint's run ordered its prompts with seed={state['seed']}, this run has "
                 f"seed={self.seed}, so the rest of the epoch ({where}) would repeat and skip prompts; resume with "
-                f"seed={state['seed']}")
+                f"seed={state['seed']}"
+            )
         self._set_position(int(state["epoch"]), int(state["index"]))

@@ -39,7 +39,9 @@ def check_syncable(model: nn.Module, policy: str = POLICY, reference: str = REFE
     if getattr(cfg, "bias", "none") != "none" or getattr(cfg, "lora_bias", False):
         problems.append(f"trained biases (bias={cfg.bias!r}, lora_bias={getattr(cfg, 'lora_bias', False)})")
     if getattr(cfg, "modules_to_save", None):
-        problems.append(f"modules_to_save={cfg.modules_to_save}: fully trained modules outside the LoRA factors")
+        problems.append(
+            f"modules_to_save={cfg.modules_to_save}: fully trained modules outside the LoRA factors"
+        )
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and policy in getattr(module, "lora_embedding_A", {}):
             problems.append(f"an embedding LoRA at {name}")
@@ -73,10 +75,13 @@ def exact_mix(B_p, A_p, s_p, B_r, A_r, s_r, alpha: float, rank: int):
     total² (...)): B·A is the best rank-`rank` approximation of the mix (Eckart–Young), with
     scaling 1 (divide B by s_r to store it in the slot).
     """
+
     def scale(s):  # a float or (...,) → broadcastable over (..., rows, cols)
         return torch.as_tensor(s, dtype=torch.float32, device=B_p.device)[..., None, None]
 
-    L = torch.cat([math.sqrt(alpha) * scale(s_p) * B_p.float(), math.sqrt(1 - alpha) * scale(s_r) * B_r.float()], dim=-1)
+    L = torch.cat(
+        [math.sqrt(alpha) * scale(s_p) * B_p.float(), math.sqrt(1 - alpha) * scale(s_r) * B_r.float()], dim=-1
+    )
     R = torch.cat([math.sqrt(alpha) * A_p.float(), math.sqrt(1 - alpha) * A_r.float()], dim=-2)
     q_l, r_l = torch.linalg.qr(L)  # (..., out, k), (..., k, k)
     q_r, r_r = torch.linalg.qr(R.mT)  # (..., in, k), (..., k, k)
@@ -126,7 +131,10 @@ def _sync_exact(pairs: Pairs, alpha: float) -> tuple[float, float]:
         A_r.copy_(A)
         dropped.append(d)
         energy.append(e)
-    dropped, energy = torch.stack(dropped), torch.stack(energy)  # one host sync for all layers, not one per layer
+    dropped, energy = (
+        torch.stack(dropped),
+        torch.stack(energy),
+    )  # one host sync for all layers, not one per layer
     if energy.sum() == 0:
         return 0.0, 0.0
     error = (dropped.sum() / energy.sum()).sqrt().item()
@@ -144,12 +152,16 @@ def _sync_factors(pairs: Pairs, alpha: float) -> tuple[float, float]:
 class SyncMode:
     """One ref_sync_mode: how a soft sync (0 < alpha < 1) moves the reference slot towards the policy."""
 
-    blend: Callable[[Pairs, float], tuple[float, float]]  # (pairs, alpha) → (truncation_error, max_layer_error)
+    blend: Callable[
+        [Pairs, float], tuple[float, float]
+    ]  # (pairs, alpha) → (truncation_error, max_layer_error)
     help: str
 
 
 SYNC_MODES: dict[str, SyncMode] = {
-    "exact": SyncMode(_sync_exact, "weight-space mix α·ΔW_policy + (1−α)·ΔW_ref, recompressed to the slot's rank"),
+    "exact": SyncMode(
+        _sync_exact, "weight-space mix α·ΔW_policy + (1−α)·ΔW_ref, recompressed to the slot's rank"
+    ),
     "factors": SyncMode(_sync_factors, "blend A and B name by name, like a parameter EMA (approximate)"),
 }
 
@@ -168,7 +180,9 @@ def sync_reference(
         raise ValueError(f"alpha={alpha} must be in (0, 1]")
     if mode not in SYNC_MODES:
         raise ValueError(f"unknown sync mode {mode!r}; choose one of {list(SYNC_MODES)}")
-    pairs = [(_factors(m, policy), _factors(m, reference)) for _, m in lora_layers(model, (policy, reference))]
+    pairs = [
+        (_factors(m, policy), _factors(m, reference)) for _, m in lora_layers(model, (policy, reference))
+    ]
     # The sync's kernels run asynchronously on a GPU: a clock that waits for them (device.now), or
     # sync/seconds would time the launches and the next stage would pay for the work.
     device = pairs[0][0][0].device if pairs else torch.device("cpu")
@@ -209,18 +223,27 @@ class SyncSchedule:
     @classmethod
     def from_config(cls, config) -> "SyncSchedule":
         patience = config.ref_sync_plateau_patience if config.ref_sync_on_plateau else 0
-        return cls(config.ref_sync_steps, config.ref_sync_every_epoch, config.ref_sync_kl, patience,
-                   config.ref_sync_plateau_min_delta if patience else 0.0)
+        return cls(
+            config.ref_sync_steps,
+            config.ref_sync_every_epoch,
+            config.ref_sync_kl,
+            patience,
+            config.ref_sync_plateau_min_delta if patience else 0.0,
+        )
 
     def observe_eval(self, score: float) -> None:
         """One eval's score (higher is better). It improves when it beats the best by more than
         min_delta (the first finite score sets the best); a NaN score never improves."""
         if not self.plateau_patience:
             return
-        if math.isfinite(score) and (self.best_eval is None or score > self.best_eval + self.plateau_min_delta):
+        if math.isfinite(score) and (
+            self.best_eval is None or score > self.best_eval + self.plateau_min_delta
+        ):
             self.best_eval, self.evals_without_improvement = score, 0
         else:
-            self.evals_without_improvement += 1  # as Keras' EarlyStopping: a smaller rise leaves the best as it was
+            self.evals_without_improvement += (
+                1  # as Keras' EarlyStopping: a smaller rise leaves the best as it was
+            )
 
     @property
     def plateau_due(self) -> bool:

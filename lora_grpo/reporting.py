@@ -21,8 +21,9 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -189,7 +190,10 @@ def progress_line(step: int, total_steps: int, m: dict[str, Any]) -> str:
         parts += [f"reward {m['reward/mean']:.3f}±{m.get('reward/std', float('nan')):.3f}"]
     parts += [f"kl {m.get('kl', 0.0):.4f}"]
     if "completion_length/mean" in m:
-        parts += [f"len {m['completion_length/mean']:.1f}", f"zero-std {m.get('frac_reward_zero_std', 0.0):.2f}"]
+        parts += [
+            f"len {m['completion_length/mean']:.1f}",
+            f"zero-std {m.get('frac_reward_zero_std', 0.0):.2f}",
+        ]
     parts += [f"{m.get('time/step', 0.0):.1f}s"]
     if m.get("sync/event"):
         parts.append(f"sync({m['sync/reason']}, err {m['sync/truncation_error']:.1e})")
@@ -198,9 +202,20 @@ def progress_line(step: int, total_steps: int, m: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def run_summary(history: Sequence[dict[str, Any]], *, steps: int, seconds: float, total_seconds: float,
-                log_prob_check: float | None, micro_batch_size, gradient_checkpointing, memory_plan,
-                headline: str, before: dict, after: dict) -> dict[str, Any]:
+def run_summary(
+    history: Sequence[dict[str, Any]],
+    *,
+    steps: int,
+    seconds: float,
+    total_seconds: float,
+    log_prob_check: float | None,
+    micro_batch_size,
+    gradient_checkpointing,
+    memory_plan,
+    headline: str,
+    before: dict,
+    after: dict,
+) -> dict[str, Any]:
     """summary.json: the reward curve's first and last tenth, syncs, the sizes in use, the memory
     plan and the eval before / after (`headline`: the eval metric of the first reward function)."""
     rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
@@ -219,8 +234,12 @@ def run_summary(history: Sequence[dict[str, Any]], *, steps: int, seconds: float
     }
     if memory_plan is not None:
         plan = memory_plan
-        summary["memory"] = {"peak_mib": round(plan.need / MiB, 1), "budget_mib": round(plan.budget / MiB, 1),
-                             "rollout_mib": round(plan.rollout / MiB, 1), "probe_seconds": round(plan.seconds, 2)}
+        summary["memory"] = {
+            "peak_mib": round(plan.need / MiB, 1),
+            "budget_mib": round(plan.budget / MiB, 1),
+            "rollout_mib": round(plan.rollout / MiB, 1),
+            "probe_seconds": round(plan.seconds, 2),
+        }
     if before or after:
         summary["accuracy_before"] = before.get(headline)
         summary["accuracy_after"] = after.get(headline)
@@ -244,7 +263,9 @@ class RunReporter:
         reporter.finish()                     # plot, trackers closed
     """
 
-    def __init__(self, config: GRPOConfig, accelerator: Accelerator, reward_names: Sequence[str], total_steps: int):
+    def __init__(
+        self, config: GRPOConfig, accelerator: Accelerator, reward_names: Sequence[str], total_steps: int
+    ):
         self.config = config
         self.accelerator = accelerator
         self.reward_names = list(reward_names)
@@ -312,8 +333,13 @@ class RunReporter:
         terminal (a log file gets its updates), as transformers' Trainer does; disable_tqdm turns it
         off. If training raises (a stop signal, NaNs), the plot is written and the trackers closed."""
         self.bar = tqdm(
-            total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-            disable=self.config.disable_tqdm or not self.is_main, file=sys.stderr,
+            total=self.total_steps,
+            initial=step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=self.config.disable_tqdm or not self.is_main,
+            file=sys.stderr,
         )
         try:
             yield self.bar
@@ -337,7 +363,9 @@ class RunReporter:
         if self._started:
             self.accelerator.log(numbers_only(record), step=record["step"])
 
-    def log_step(self, step: int, metrics: dict[str, Any], samples: tuple | None = None, show: bool = False) -> None:
+    def log_step(
+        self, step: int, metrics: dict[str, Any], samples: tuple | None = None, show: bool = False
+    ) -> None:
         """A training step's record, its completions when due, and the bar. Call on every process.
 
         samples: (prompts (B,), completions (B,), per_func (B, F), rewards (B,), advantages (B,),
@@ -350,8 +378,15 @@ class RunReporter:
         if cfg.log_completions and samples is not None and step % cfg.log_completions_steps == 0:
             prompts, completions, per_func, rewards, advantages, extra = samples
             records = completion_records(
-                step, prompts, completions, self.reward_names, per_func, rewards, advantages,
-                synced=bool(metrics.get("sync/event")), extra=extra,
+                step,
+                prompts,
+                completions,
+                self.reward_names,
+                per_func,
+                rewards,
+                advantages,
+                synced=bool(metrics.get("sync/event")),
+                extra=extra,
             )
             if self.accelerator.num_processes > 1:
                 from accelerate.utils import gather_object
@@ -360,11 +395,14 @@ class RunReporter:
             self.log_completions(step, records)
         if self.bar is not None:
             self._reward = metrics.get("reward/mean", getattr(self, "_reward", float("nan")))  # the rollout's
-            self.bar.set_postfix({  # a dict keeps this order (keyword arguments get sorted)
-                "reward": f"{self._reward:.3f}",
-                "kl": f"{metrics.get('kl', 0.0):.3g}",
-                "step_time": f"{metrics.get('time/step', 0.0):.1f}s",
-            }, refresh=False)
+            self.bar.set_postfix(
+                {  # a dict keeps this order (keyword arguments get sorted)
+                    "reward": f"{self._reward:.3f}",
+                    "kl": f"{metrics.get('kl', 0.0):.3g}",
+                    "step_time": f"{metrics.get('time/step', 0.0):.1f}s",
+                },
+                refresh=False,
+            )
             self.bar.update(1)
 
     def print_samples(self, step: int, samples: tuple, n: int) -> None:
@@ -372,8 +410,10 @@ class RunReporter:
         prompts, completions, per_func, rewards, advantages, _ = samples
         for i in range(min(n, len(completions))):
             scores = " ".join(f"{name}={v:.3g}" for name, v in zip(self.reward_names, per_func[i].tolist()))
-            self.print(f"  step {step} sample {i}: {str(prompts[i])[-60:]!r} → {str(completions[i])[:120]!r} | {scores} "
-                       f"| reward {float(rewards[i]):.3g} advantage {float(advantages[i]):.3g}")
+            self.print(
+                f"  step {step} sample {i}: {str(prompts[i])[-60:]!r} → {str(completions[i])[:120]!r} | {scores} "
+                f"| reward {float(rewards[i]):.3g} advantage {float(advantages[i]):.3g}"
+            )
 
     def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
         """Append the records to completions.jsonl (the whole history) and send them as a table to
@@ -417,5 +457,7 @@ class RunReporter:
             self._plotted_records = len(records)
             return info
         except Exception as e:  # noqa: BLE001 - any failure of the plot is only a warning
-            warnings.warn(f"could not plot {self.output_dir / PLOT_FILE}: {type(e).__name__}: {e}", stacklevel=2)
+            warnings.warn(
+                f"could not plot {self.output_dir / PLOT_FILE}: {type(e).__name__}: {e}", stacklevel=2
+            )
             return None

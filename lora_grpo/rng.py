@@ -22,8 +22,11 @@ logger = logging.getLogger(__name__)
 def rng_state() -> dict[str, Any]:
     """This process's RNG states: python, numpy, torch CPU and (where present) every CUDA device."""
     name, key, pos, has_gauss, cached_gaussian = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, cached_gaussian),
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": (name, key.tolist(), pos, has_gauss, cached_gaussian),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -50,8 +53,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         for device, cuda_state in enumerate(saved[:visible]):
             torch.cuda.set_rng_state(cuda_state, device)
         if len(saved) > visible:
-            logger.warning("the checkpoint holds RNG states of %d CUDA devices, %d are visible: restored those, "
-                           "dropped the rest", len(saved), visible)
+            logger.warning(
+                "the checkpoint holds RNG states of %d CUDA devices, %d are visible: restored those, "
+                "dropped the rest",
+                len(saved),
+                visible,
+            )
 
 
 def _derived_seed(seed: int, process_index: int, step: int) -> int:
@@ -60,8 +67,9 @@ def _derived_seed(seed: int, process_index: int, step: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes a non-negative 64-bit int
 
 
-def restore_sampling(generator: torch.Generator, saved: torch.Tensor, *, seed: int, process_index: int,
-                     step: int) -> str | None:
+def restore_sampling(
+    generator: torch.Generator, saved: torch.Tensor, *, seed: int, process_index: int, step: int
+) -> str | None:
     """Set the sampling generator to its saved state (a CPU byte tensor). A state saved by a
     generator of another device type (a CUDA generator's 16 bytes of seed and offset against a CPU
     one's 5056 bytes of Mersenne twister, or the reverse) cannot be converted: the generator is then
@@ -75,15 +83,24 @@ def restore_sampling(generator: torch.Generator, saved: torch.Tensor, *, seed: i
             pass
     generator.manual_seed(_derived_seed(seed, process_index, step))
     kind = {16: "a CUDA", 5056: "a CPU"}.get(saved.numel(), "another")
-    return (f"the checkpoint's sampling generator state comes from {kind} generator ({saved.numel()} bytes); this "
-            f"process samples on {generator.device.type}: reseeded the sampling generator from seed {seed}, process "
-            f"{process_index} and step {step} instead. The run continues reproducibly (every resume of this "
-            "checkpoint on this device type draws alike), but not with the draws of a run that was never interrupted")
+    return (
+        f"the checkpoint's sampling generator state comes from {kind} generator ({saved.numel()} bytes); this "
+        f"process samples on {generator.device.type}: reseeded the sampling generator from seed {seed}, process "
+        f"{process_index} and step {step} instead. The run continues reproducibly (every resume of this "
+        "checkpoint on this device type draws alike), but not with the draws of a run that was never interrupted"
+    )
 
 
 def legacy_numpy_globals() -> list:
     """What NumPy's RNG state (an ndarray of uint32) pickles as, in checkpoints written before rng.py
     stored it as a list: array reconstruction and dtypes, no code. Under NumPy 1's module name too."""
-    reconstruct = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
-    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
-            type(np.dtype(np.uint32))]
+    reconstruct = (
+        np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+    )
+    return [
+        reconstruct,
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]

@@ -35,7 +35,15 @@ from .checkpoint import list_checkpoints
 LOCK_NAME = ".lora_grpo.lock"
 OVERWRITE_FIELD = "overwrite_output_dir"  # the config field that lets a new run set an old one aside
 # A run's own files: what is set aside (config.yaml, metrics.png and runs/ go along, but alone they are no run).
-RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "summary.json", "metrics.png", "adapter", "runs")
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "completions.jsonl",
+    "summary.json",
+    "metrics.png",
+    "adapter",
+    "runs",
+)
 _CHECKPOINT_GLOB = "checkpoint-*"
 
 
@@ -68,13 +76,27 @@ def previous_run(output_dir: str | Path) -> dict | None:
     if not root.is_dir():
         return None
     checkpoints = sorted(p.name for p in root.glob(_CHECKPOINT_GLOB) if p.is_dir())  # with .superseded-K ones
-    resumable = sorted((n for n in checkpoints if n.split("-", 1)[1].isdigit()), key=lambda n: int(n.split("-", 1)[1]))
-    evidence = [name for name, present in (
-        ("summary.json", (root / "summary.json").is_file()),
-        ("adapter/", (root / "adapter").is_dir()),
-        ("metrics.jsonl", _records_after_start(root / "metrics.jsonl") > 0),
-        ("completions.jsonl", (root / "completions.jsonl").is_file() and (root / "completions.jsonl").stat().st_size > 0),
-    ) if present] + resumable + [n for n in checkpoints if n not in resumable]
+    resumable = sorted(
+        (n for n in checkpoints if n.split("-", 1)[1].isdigit()), key=lambda n: int(n.split("-", 1)[1])
+    )
+    evidence = (
+        [
+            name
+            for name, present in (
+                ("summary.json", (root / "summary.json").is_file()),
+                ("adapter/", (root / "adapter").is_dir()),
+                ("metrics.jsonl", _records_after_start(root / "metrics.jsonl") > 0),
+                (
+                    "completions.jsonl",
+                    (root / "completions.jsonl").is_file()
+                    and (root / "completions.jsonl").stat().st_size > 0,
+                ),
+            )
+            if present
+        ]
+        + resumable
+        + [n for n in checkpoints if n not in resumable]
+    )
     if not evidence:
         return None
     steps = None
@@ -83,7 +105,12 @@ def previous_run(output_dir: str | Path) -> dict | None:
             steps = json.loads((root / "summary.json").read_text()).get("steps")
         except (ValueError, AttributeError):
             pass
-    return {"finished": (root / "summary.json").is_file(), "steps": steps, "checkpoints": resumable, "evidence": evidence}
+    return {
+        "finished": (root / "summary.json").is_file(),
+        "steps": steps,
+        "checkpoints": resumable,
+        "evidence": evidence,
+    }
 
 
 def set_aside(output_dir: str | Path) -> Path:
@@ -101,10 +128,15 @@ def set_aside(output_dir: str | Path) -> Path:
 
 
 def _describe(found: dict) -> str:
-    state = (f"a finished run ({found['steps']} steps, summary.json)" if found["finished"] and found["steps"] is not None
-             else "a finished run (summary.json)" if found["finished"]
-             else f"an unfinished run (last checkpoint {found['checkpoints'][-1]})" if found["checkpoints"]
-             else "an unfinished run without checkpoints")
+    state = (
+        f"a finished run ({found['steps']} steps, summary.json)"
+        if found["finished"] and found["steps"] is not None
+        else "a finished run (summary.json)"
+        if found["finished"]
+        else f"an unfinished run (last checkpoint {found['checkpoints'][-1]})"
+        if found["checkpoints"]
+        else "an unfinished run without checkpoints"
+    )
     shown = ", ".join(found["evidence"][:6]) + (", ..." if len(found["evidence"]) > 6 else "")
     return f"{state}: {shown}"
 
@@ -134,21 +166,31 @@ def _holder_text(holder: dict) -> str:
     if not holder:
         return "a run that has not written its details yet"
     mine = holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
-    return (f"{'this process' if mine else 'pid'} {holder.get('pid')} on host {holder.get('host')!r}, started "
-            f"{holder.get('started')}" + (f" ({holder['command']})" if holder.get("command") else ""))
+    return (
+        f"{'this process' if mine else 'pid'} {holder.get('pid')} on host {holder.get('host')!r}, started "
+        f"{holder.get('started')}" + (f" ({holder['command']})" if holder.get("command") else "")
+    )
 
 
 def _in_use(output_dir: Path, lock: Path, holder: dict, how: str) -> OutputDirInUse:
     return OutputDirInUse(
-        f"output_dir {str(output_dir)!r} is in use by another run: {_holder_text(holder)}; its lock is {lock}. Wait for "
-        f"it to finish, stop it, or train into another output_dir. {how}")
+        f"output_dir {str(output_dir)!r} is in use by another run: {_holder_text(holder)}; its "
+        f"lock is {lock}. Wait for "
+        f"it to finish, stop it, or train into another output_dir. {how}"
+    )
 
 
 def _my_record() -> str:
     import sys
 
-    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": " ".join(sys.argv)[:200]})
+    return json.dumps(
+        {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "command": " ".join(sys.argv)[:200],
+        }
+    )
 
 
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
@@ -169,8 +211,13 @@ def _acquire(output_dir: Path) -> tuple[int | None, str | None]:
             os.close(fd)
             if e.errno in _NO_LOCKS:
                 return None, _acquire_file_only(output_dir, lock)
-            raise _in_use(output_dir, lock, _read_holder(lock), "The lock goes with its process: once that run has "
-                          "ended, however it ended, the next run takes it over.") from None
+            raise _in_use(
+                output_dir,
+                lock,
+                _read_holder(lock),
+                "The lock goes with its process: once that run has "
+                "ended, however it ended, the next run takes it over.",
+            ) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(lock).st_ino
         except FileNotFoundError:  # released and removed between our open and our lock: try again
@@ -182,10 +229,18 @@ def _acquire(output_dir: Path) -> tuple[int | None, str | None]:
         os.ftruncate(fd, 0)
         os.write(fd, _my_record().encode())
         os.fsync(fd)
-        note = (f"{lock}: a lock left by {_holder_text(left)}, which has ended without releasing it (a crash?); "
-                "taken over") if left else None
+        note = (
+            (
+                f"{lock}: a lock left by {_holder_text(left)}, which has ended without releasing it (a crash?); "
+                "taken over"
+            )
+            if left
+            else None
+        )
         return fd, note
-    raise OutputDirError(f"could not take the lock {lock}: it keeps being replaced; is another run starting there?")
+    raise OutputDirError(
+        f"could not take the lock {lock}: it keeps being replaced; is another run starting there?"
+    )
 
 
 def _acquire_file_only(output_dir: Path, lock: Path) -> str | None:
@@ -195,17 +250,29 @@ def _acquire_file_only(output_dir: Path, lock: Path) -> str | None:
             fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             holder = _read_holder(lock)
-            if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
-                    and not _process_alive(holder["pid"]):
+            if (
+                holder.get("host") == socket.gethostname()
+                and isinstance(holder.get("pid"), int)
+                and not _process_alive(holder["pid"])
+            ):
                 lock.unlink(missing_ok=True)  # its process is gone: stale
-                note = f"{lock}: a lock left by {_holder_text(holder)}, which is no longer running; taken over"
+                note = (
+                    f"{lock}: a lock left by {_holder_text(holder)}, which is no longer running; taken over"
+                )
                 continue
-            raise _in_use(output_dir, lock, holder, "This file system has no file locks, so if that run is gone "
-                          f"(another host cannot tell), delete {lock}.") from None
+            raise _in_use(
+                output_dir,
+                lock,
+                holder,
+                "This file system has no file locks, so if that run is gone "
+                f"(another host cannot tell), delete {lock}.",
+            ) from None
         os.write(fd, _my_record().encode())
         os.close(fd)
         return note
-    raise OutputDirError(f"could not take the lock {lock}: it keeps coming back; is another run starting there?")
+    raise OutputDirError(
+        f"could not take the lock {lock}: it keeps coming back; is another run starting there?"
+    )
 
 
 # ----------------------------------------------------------------------------- the claim
@@ -214,8 +281,16 @@ class RunDirClaim:
     `notes`: lines to print (a stale lock taken over, a previous run set aside); `set_aside`: where
     a previous run's files went (overwrite), else None."""
 
-    def __init__(self, output_dir: Path, fd: int | None, locked: bool, notes: list[str], set_aside: Path | None = None):
-        self.output_dir, self._fd, self._locked, self.notes, self.set_aside = output_dir, fd, locked, notes, set_aside
+    def __init__(
+        self, output_dir: Path, fd: int | None, locked: bool, notes: list[str], set_aside: Path | None = None
+    ):
+        self.output_dir, self._fd, self._locked, self.notes, self.set_aside = (
+            output_dir,
+            fd,
+            locked,
+            notes,
+            set_aside,
+        )
 
     @property
     def lock_path(self) -> Path:
@@ -247,8 +322,13 @@ class RunDirClaim:
         self.release()
 
 
-def claim_output_dir(output_dir: str | Path, *, resume_from: str | Path | None = None, overwrite: bool = False,
-                     is_main: bool = True) -> RunDirClaim:
+def claim_output_dir(
+    output_dir: str | Path,
+    *,
+    resume_from: str | Path | None = None,
+    overwrite: bool = False,
+    is_main: bool = True,
+) -> RunDirClaim:
     """Claim `output_dir` for a training run (see the module docstring): take its lock, then make
     sure a new run does not land on another run's files.
 
@@ -274,16 +354,22 @@ def claim_output_dir(output_dir: str | Path, *, resume_from: str | Path | None =
     try:
         leftovers = remove_leftovers(root)  # the lock is ours: no live writer owns them
         if leftovers:
-            claim.notes.append(f"{root}: removed {len(leftovers)} temporary dir(s) of a checkpoint write that never "
-                               f"finished (its process died): {', '.join(leftovers)}")
-        continues = resume_from is not None and (str(resume_from) == "latest" or _inside(Path(resume_from), root))
+            claim.notes.append(
+                f"{root}: removed {len(leftovers)} temporary dir(s) of a checkpoint write that never "
+                f"finished (its process died): {', '.join(leftovers)}"
+            )
+        continues = resume_from is not None and (
+            str(resume_from) == "latest" or _inside(Path(resume_from), root)
+        )
         found = None if continues else previous_run(root)
         if found is not None:
             if not overwrite:
                 raise OutputDirError(_refusal(root, found, resume_from))
             claim.set_aside = set_aside(root)
-            claim.notes.append(f"{OVERWRITE_FIELD}=true: the previous run's files in {root} moved to "
-                               f"{claim.set_aside} (nothing deleted)")
+            claim.notes.append(
+                f"{OVERWRITE_FIELD}=true: the previous run's files in {root} moved to "
+                f"{claim.set_aside} (nothing deleted)"
+            )
     except BaseException:
         claim.release()
         raise
@@ -308,15 +394,23 @@ def remove_leftovers(root: Path) -> list[str]:
 
 def _not_writable(root: Path, error: OSError) -> str:
     """Our words for an output_dir that cannot be created or locked (read-only, no permission, full)."""
-    why = {errno.EROFS: "it is on a read-only file system", errno.ENOSPC: "its disk is full",
-           errno.EDQUOT: "the disk quota is used up", errno.EACCES: "this user may not write there",
-           errno.EPERM: "this user may not write there"}.get(error.errno, error.strerror or str(error))
-    fix = ("free space there (old checkpoints, previous-run-K/ dirs) or train into another output_dir"
-           if error.errno in (errno.ENOSPC, errno.EDQUOT) else
-           "give output_dir a writable place (--set output_dir=runs/NAME in the CLI, GRPOConfig(output_dir=...) in "
-           "Python) or fix its permissions")
-    return (f"output_dir {str(root)!r} cannot be used: {why} (creating {error.filename or root / LOCK_NAME} failed: "
-            f"{error.strerror or error}). A run writes its lock, logs and checkpoints there before step 1; {fix}")
+    why = {
+        errno.EROFS: "it is on a read-only file system",
+        errno.ENOSPC: "its disk is full",
+        errno.EDQUOT: "the disk quota is used up",
+        errno.EACCES: "this user may not write there",
+        errno.EPERM: "this user may not write there",
+    }.get(error.errno, error.strerror or str(error))
+    fix = (
+        "free space there (old checkpoints, previous-run-K/ dirs) or train into another output_dir"
+        if error.errno in (errno.ENOSPC, errno.EDQUOT)
+        else "give output_dir a writable place (--set output_dir=runs/NAME in the CLI, GRPOConfig(output_dir=...) in "
+        "Python) or fix its permissions"
+    )
+    return (
+        f"output_dir {str(root)!r} cannot be used: {why} (creating {error.filename or root / LOCK_NAME} failed: "
+        f"{error.strerror or error}). A run writes its lock, logs and checkpoints there before step 1; {fix}"
+    )
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -330,17 +424,25 @@ def _refusal(root: Path, found: dict, resume_from) -> str:
     what = "resuming from a checkpoint elsewhere into it" if resume_from is not None else "a new run there"
     fixes = [f"train into another output_dir (--set output_dir={root}-2)"]
     if found["checkpoints"]:
-        fixes.append("continue that run: --set resume_from_checkpoint=latest"
-                     + (" with a larger max_steps" if found["finished"] else ""))
-    fixes.append(f"or set {OVERWRITE_FIELD}=true: its files then move to {root}/previous-run-K/ first (nothing is "
-                 "deleted)")
-    return (f"output_dir {str(root)!r} holds {_describe(found)}. {what[0].upper() + what[1:]} would overwrite its "
-            "metrics.jsonl, completions.jsonl and summary.json and mix its checkpoints with the new run's "
-            f"(resume_from_checkpoint=latest would pick the newest of either). Either {'; '.join(fixes)}")
+        fixes.append(
+            "continue that run: --set resume_from_checkpoint=latest"
+            + (" with a larger max_steps" if found["finished"] else "")
+        )
+    fixes.append(
+        f"or set {OVERWRITE_FIELD}=true: its files then move to {root}/previous-run-K/ first (nothing is "
+        "deleted)"
+    )
+    return (
+        f"output_dir {str(root)!r} holds {_describe(found)}. {what[0].upper() + what[1:]} would overwrite its "
+        "metrics.jsonl, completions.jsonl and summary.json and mix its checkpoints with the new run's "
+        f"(resume_from_checkpoint=latest would pick the newest of either). Either {'; '.join(fixes)}"
+    )
 
 
 # ----------------------------------------------------------------------------- resume at the end
-def nothing_to_train(global_step: int, total_steps: int, checkpoint: str | Path, adapter_missing: bool = False) -> str | None:
+def nothing_to_train(
+    global_step: int, total_steps: int, checkpoint: str | Path, adapter_missing: bool = False
+) -> str | None:
     """The line for a resumed checkpoint with no step left (global_step ≥ total_steps), else None.
     What train() does then: no step, no eval, no checkpoint; the run directory stays as it is, but
     for a final adapter/ that is missing (a run that ended between its last checkpoint and it),
@@ -348,14 +450,26 @@ def nothing_to_train(global_step: int, total_steps: int, checkpoint: str | Path,
     if global_step < total_steps:
         return None
     name = Path(checkpoint).name
-    where = (f"{name} is at step {global_step}, the run's last (max_steps={total_steps})" if global_step == total_steps
-             else f"{name} is at step {global_step}, past this run's max_steps={total_steps}")
-    kept = ("the run directory stays as it is but for adapter/, which was missing and is written from its policy"
-            if adapter_missing else "the run directory stays as it is")
-    return (f"{where}: nothing left to train, so nothing is trained, evaluated or saved again and {kept}. To train "
-            f"further, raise max_steps: --set max_steps={max(total_steps, global_step) * 2} "
-            "--set resume_from_checkpoint=latest" + ("" if global_step == total_steps else
-                                                    "; to end at an earlier step, resume from an earlier checkpoint"))
+    where = (
+        f"{name} is at step {global_step}, the run's last (max_steps={total_steps})"
+        if global_step == total_steps
+        else f"{name} is at step {global_step}, past this run's max_steps={total_steps}"
+    )
+    kept = (
+        "the run directory stays as it is but for adapter/, which was missing and is written from its policy"
+        if adapter_missing
+        else "the run directory stays as it is"
+    )
+    return (
+        f"{where}: nothing left to train, so nothing is trained, evaluated or saved again and {kept}. To train "
+        f"further, raise max_steps: --set max_steps={max(total_steps, global_step) * 2} "
+        "--set resume_from_checkpoint=latest"
+        + (
+            ""
+            if global_step == total_steps
+            else "; to end at an earlier step, resume from an earlier checkpoint"
+        )
+    )
 
 
 def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:
@@ -364,8 +478,9 @@ def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:
     problem, claim = [None], None
     if accelerator.is_main_process:
         try:
-            claim = claim_output_dir(output_dir, resume_from=config.resume_from_checkpoint,
-                                     overwrite=config.overwrite_output_dir)
+            claim = claim_output_dir(
+                output_dir, resume_from=config.resume_from_checkpoint, overwrite=config.overwrite_output_dir
+            )
         except OutputDirError as e:
             problem = [(type(e), str(e))]
     if accelerator.num_processes > 1:
@@ -377,7 +492,9 @@ def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:
     return claim or claim_output_dir(output_dir, is_main=False)
 
 
-def kept_work(output_dir: Path, written: Path | None, resume: str, fix: str = "the cause", trained: bool = False) -> str:
+def kept_work(
+    output_dir: Path, written: Path | None, resume: str, fix: str = "the cause", trained: bool = False
+) -> str:
     """What a run that stops on an error keeps, and how to go on (`resume`: the entry point's words): the
     checkpoint just written, the last one, or nothing (`trained`: steps were done, none could be kept)."""
     kept = list_checkpoints(Path(output_dir))

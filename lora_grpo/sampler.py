@@ -26,26 +26,49 @@ def resolve_callable(spec, what: str) -> Callable:
     try:
         return _import_object(str(spec))
     except Exception as e:  # noqa: BLE001 - any import failure means: this path does not name it
-        raise ValueError(f"cannot import {what} {spec!r} ({type(e).__name__}: {e}); give a dotted path "
-                         "'package.module:name' importable from here (`lora-grpo` imports from the current directory "
-                         "first; a script, from its own directory)") from e
+        raise ValueError(
+            f"cannot import {what} {spec!r} ({type(e).__name__}: {e}); give a dotted path "
+            "'package.module:name' importable from here (`lora-grpo` imports from the current directory "
+            "first; a script, from its own directory)"
+        ) from e
 
 
 class PolicySampler:
     """sample(prompts, ...) → a Rollout of the policy, with the run's tools when it has any."""
 
-    def __init__(self, config, model, tokenizer, generator: torch.Generator, *, tools: Sequence = (),
-                 environment_factory=None):
+    def __init__(
+        self,
+        config,
+        model,
+        tokenizer,
+        generator: torch.Generator,
+        *,
+        tools: Sequence = (),
+        environment_factory=None,
+    ):
         self.config, self.model, self.tokenizer, self.generator = config, model, tokenizer, generator
         tools = [resolve_callable(t, "tool") for t in tools]
         if isinstance(environment_factory, Mapping):  # TRL's dict of named environments
-            factory = {name: resolve_callable(f, f"environment_factory[{name!r}]") for name, f in environment_factory.items()}
+            factory = {
+                name: resolve_callable(f, f"environment_factory[{name!r}]")
+                for name, f in environment_factory.items()
+            }
         else:
-            factory = None if environment_factory is None else resolve_callable(environment_factory, "environment_factory")
+            factory = (
+                None
+                if environment_factory is None
+                else resolve_callable(environment_factory, "environment_factory")
+            )
         self.toolbox = None
         if tools or factory is not None:
-            self.toolbox = Toolbox(tokenizer, tools, factory, stop_ids=eos_token_ids(model, tokenizer),
-                                   timeout=config.tool_timeout, chat_template_kwargs=config.chat_template_kwargs)
+            self.toolbox = Toolbox(
+                tokenizer,
+                tools,
+                factory,
+                stop_ids=eos_token_ids(model, tokenizer),
+                timeout=config.tool_timeout,
+                chat_template_kwargs=config.chat_template_kwargs,
+            )
         self.environments = None  # the last rollout's environment instances (reward functions get them)
 
     @property
@@ -54,8 +77,14 @@ class PolicySampler:
         extra = {} if self.toolbox is None else {"tools": self.toolbox.schemas}
         return {**self.config.chat_template_kwargs, **extra}
 
-    def sample(self, prompts: list[str], num_generations: int | None = None, temperature: float | None = None,
-               generator: torch.Generator | None = None, rows: dict[str, list] | None = None) -> Rollout:
+    def sample(
+        self,
+        prompts: list[str],
+        num_generations: int | None = None,
+        temperature: float | None = None,
+        generator: torch.Generator | None = None,
+        rows: dict[str, list] | None = None,
+    ) -> Rollout:
         """num_generations completions per prompt; `generator` defaults to the training sampling stream.
         `rows` (the prompts' dataset columns) reset a tool run's environments."""
         cfg, G = self.config, num_generations or self.config.num_generations
@@ -63,7 +92,9 @@ class PolicySampler:
         if self.toolbox is not None:
             row_dicts = [dict(zip(rows, values)) for values in zip(*rows.values())] if rows else None
             with stage("environment"):  # the environments' constructors and reset(**row): the user's code
-                tools = self.toolbox.episode([r for r in row_dicts for _ in range(G)] if row_dicts else len(prompts) * G)
+                tools = self.toolbox.episode(
+                    [r for r in row_dicts for _ in range(G)] if row_dicts else len(prompts) * G
+                )
             if (any(tools.observations) or self.toolbox.named) and rows and rows.get(PROMPT_MESSAGES):
                 # reset texts join the prompts; with named environments each row lists its own one's tools
                 prompts, G = self.toolbox.prompts(rows[PROMPT_MESSAGES], tools, G)
@@ -71,10 +102,19 @@ class PolicySampler:
             if not self.toolbox.has_tools:  # environments without tool methods: a single-turn rollout
                 tools = None
         return generate_rollout(
-            self.model, self.tokenizer, prompts,
-            num_generations=G, max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
-            temperature=cfg.temperature if temperature is None else temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, decode_mode=cfg.decode_mode,
+            self.model,
+            self.tokenizer,
+            prompts,
+            num_generations=G,
+            max_prompt_length=cfg.max_prompt_length,
+            max_completion_length=cfg.max_completion_length,
+            temperature=cfg.temperature if temperature is None else temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            min_p=cfg.min_p,
+            repetition_penalty=cfg.repetition_penalty,
+            decode_mode=cfg.decode_mode,
             generator=self.generator if generator is None else generator,
-            tools=tools, max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+            tools=tools,
+            max_tool_calling_iterations=cfg.max_tool_calling_iterations,
         )

@@ -21,8 +21,15 @@ import torch
 
 from .advantages import multi_objective_advantages, zero_std_fraction
 from .data import PROMPT_MESSAGES
-from .rewards import RewardModel, check_reward_weights, compute_rewards, resolve_reward_funcs, reward_metrics, reward_names
-from .rewards import rollout_keywords
+from .rewards import (
+    RewardModel,
+    check_reward_weights,
+    compute_rewards,
+    resolve_reward_funcs,
+    reward_metrics,
+    reward_names,
+    rollout_keywords,
+)
 from .rollout import tool_metrics
 
 Tensor = torch.Tensor
@@ -35,7 +42,9 @@ class RolloutScorer:
         """reward_specs: functions, built-in names or dotted paths (rewards.resolve_reward_funcs). With an
         environment (`environment`), none is fine here: its get_reward may be the reward (`add`)."""
         self.config, self.accelerator = config, accelerator
-        self.reward_funcs = resolve_reward_funcs(reward_specs, context={"max_completion_length": config.max_completion_length})
+        self.reward_funcs = resolve_reward_funcs(
+            reward_specs, context={"max_completion_length": config.max_completion_length}
+        )
         if not self.reward_funcs and not environment:
             raise ValueError("no reward functions: pass reward_funcs=[...] or set reward_funcs in the config")
         check_reward_weights(config.reward_weights, len(self.reward_funcs))
@@ -45,8 +54,12 @@ class RolloutScorer:
         self.trainer_state = trainer_state  # what reward functions get as trainer_state
         self.extra: dict[str, list] = {}  # log_extra's columns of the last scoring (for completions.jsonl)
         self.logged: dict[str, list[float]] = {}  # log_metric's values of the last scoring
-        self.last_samples = None  # the last scored training step's (prompts, completions, per_func, rewards, advantages)
-        self.environments: Callable[[], list | None] = lambda: None  # a tool run's environment instances (TRL's keyword)
+        self.last_samples = (
+            None  # the last scored training step's (prompts, completions, per_func, rewards, advantages)
+        )
+        self.environments: Callable[[], list | None] = lambda: (
+            None
+        )  # a tool run's environment instances (TRL's keyword)
 
     def add(self, fn) -> None:
         """One more reward function of weight 1 (an environment's get_reward, as TRL adds it)."""
@@ -58,9 +71,15 @@ class RolloutScorer:
         """(rewards (B,), per-function (B, F) with NaN where a function returned None, metrics). Reward
         functions may log_extra(column, values) and log_metric(name, value), as in TRL; the metrics
         get each logged name's mean."""
-        prompts, completions, columns = rollout_keywords(rollout, rows, group_size, self.trainer_state, PROMPT_MESSAGES)
-        if rollout.messages is not None:  # a tool run: a conversational completion is its turns and tool replies
-            completions = [m if isinstance(p, list) else c for p, c, m in zip(prompts, completions, rollout.messages)]
+        prompts, completions, columns = rollout_keywords(
+            rollout, rows, group_size, self.trainer_state, PROMPT_MESSAGES
+        )
+        if (
+            rollout.messages is not None
+        ):  # a tool run: a conversational completion is its turns and tool replies
+            completions = [
+                m if isinstance(p, list) else c for p, c, m in zip(prompts, completions, rollout.messages)
+            ]
         if self.environments() is not None:
             columns["environments"] = self.environments()
         self.extra, self.logged = {}, {}
@@ -70,9 +89,12 @@ class RolloutScorer:
                 fn.batch_size = min(fn.requested_batch_size, rows)
         columns["log_extra"] = lambda column, values: self.extra.setdefault(column, []).extend(values)
         columns["log_metric"] = lambda name, value: self.logged.setdefault(name, []).append(float(value))
-        rewards, per_func, metrics = compute_rewards(self.reward_funcs, prompts, completions, columns,
-                                                     weights=self.weights)
-        self.completions = completions  # as the reward functions saw them (completions.jsonl keeps the conversation)
+        rewards, per_func, metrics = compute_rewards(
+            self.reward_funcs, prompts, completions, columns, weights=self.weights
+        )
+        self.completions = (
+            completions  # as the reward functions saw them (completions.jsonl keeps the conversation)
+        )
         return rewards, per_func, {**metrics, **{k: sum(v) / len(v) for k, v in self.logged.items()}}
 
     def place_reward_models(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -85,13 +107,16 @@ class RolloutScorer:
     def reward_models(self) -> list[RewardModel]:
         for fn in self.reward_funcs:
             if isinstance(fn, RewardModel) and not hasattr(fn, "requested_batch_size"):
-                fn.requested_batch_size = fn.batch_size  # what the user asked for: the cap over the run's size
+                fn.requested_batch_size = (
+                    fn.batch_size
+                )  # what the user asked for: the cap over the run's size
         return [fn for fn in self.reward_funcs if isinstance(fn, RewardModel)]
 
     def probe_passes(self) -> tuple[Callable[[int, tuple[int, int]], None], ...]:
         """For the memory plan: each reward model's scoring forward of m worst-case sequences of
         (prompt, completion) tokens (the policy tokenizer's count, capped at the reward model's
         context), no grad."""
+
         def probe(fn: RewardModel) -> Callable[[int, tuple[int, int]], None]:
             def run(m: int, tokens: tuple[int, int]) -> None:
                 config = fn.model.config
@@ -101,30 +126,41 @@ class RolloutScorer:
                 ids = (torch.arange(m * length, device=fn.model.device) % vocab).view(m, length)
                 with torch.no_grad():
                     fn.model.eval()(input_ids=ids, attention_mask=torch.ones_like(ids))
+
             return run
+
         return tuple(probe(fn) for fn in self.reward_models)
 
     def advantages(self, rollout, rows: dict[str, list]) -> tuple[Tensor, dict[str, float]]:
         """Rewards → group-relative advantages (B,), with the step's reward and completion metrics."""
         cfg, acc = self.config, self.accelerator
         rewards, per_func, metrics = self.rewards(rollout, rows, cfg.num_generations)
-        advantages = multi_objective_advantages(per_func, self.weights, cfg.num_generations, cfg.scale_rewards,
-                                                cfg.multi_objective_aggregation)
+        advantages = multi_objective_advantages(
+            per_func, self.weights, cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation
+        )
         self.last_samples = (rollout.prompts, self.completions, per_func, rewards, advantages, self.extra)
         lengths, truncated = rollout.completion_lengths.float(), rollout.truncated.float()
-        calls = None if rollout.tool_calls is None else (rollout.tool_calls.float(), rollout.tool_failures.float())
+        calls = (
+            None
+            if rollout.tool_calls is None
+            else (rollout.tool_calls.float(), rollout.tool_failures.float())
+        )
         if acc.num_processes > 1:  # metrics over every process's groups, not just this one's
             rewards, per_func, lengths, truncated = (
                 acc.gather(t.to(acc.device)).cpu() for t in (rewards, per_func, lengths, truncated)
             )
             calls = None if calls is None else tuple(acc.gather(t.to(acc.device)).cpu() for t in calls)
-            metrics = {**reward_metrics(rewards, per_func, self.names),
-                       **{k: v for k, v in metrics.items() if k in self.logged}}  # log_metric's: this process's
-        metrics.update({
-            "frac_reward_zero_std": zero_std_fraction(rewards, cfg.num_generations),
-            "completion_length/mean": lengths.mean().item(),
-            "completion_length/max": lengths.max().item(),
-            "truncated_fraction": truncated.mean().item(),
-            **({} if calls is None else tool_metrics(*calls)),
-        })
+            metrics = {
+                **reward_metrics(rewards, per_func, self.names),
+                **{k: v for k, v in metrics.items() if k in self.logged},
+            }  # log_metric's: this process's
+        metrics.update(
+            {
+                "frac_reward_zero_std": zero_std_fraction(rewards, cfg.num_generations),
+                "completion_length/mean": lengths.mean().item(),
+                "completion_length/max": lengths.max().item(),
+                "truncated_fraction": truncated.mean().item(),
+                **({} if calls is None else tool_metrics(*calls)),
+            }
+        )
         return advantages, metrics

@@ -12,15 +12,25 @@ from __future__ import annotations
 from .memory import MemoryPlan, plan_run_memory, reserve_decode_shape, resume_sizes
 from .model import set_gradient_checkpointing
 
-UNPLANNED_FORWARD_ROWS = 8  # sequences per eval / reward-model forward of a trainer that only evaluates ('auto', no probe)
+UNPLANNED_FORWARD_ROWS = (
+    8  # sequences per eval / reward-model forward of a trainer that only evaluates ('auto', no probe)
+)
 
 
 class RunSizes:
     """update: the run's update.PolicyUpdate (what the probe measures); state: its TrainState;
     side_passes: the reward models' scoring forwards (scorer.RolloutScorer.probe_passes), planned too."""
 
-    def __init__(self, config, update, accelerator, state, longest_prompt: int, eval_longest_prompt: int | None = None,
-                 side_passes: tuple = ()):
+    def __init__(
+        self,
+        config,
+        update,
+        accelerator,
+        state,
+        longest_prompt: int,
+        eval_longest_prompt: int | None = None,
+        side_passes: tuple = (),
+    ):
         self.config, self.update, self.accelerator, self.state = config, update, accelerator, state
         self.longest_prompt, self.eval_longest_prompt = longest_prompt, eval_longest_prompt
         self.side_passes = side_passes
@@ -34,9 +44,14 @@ class RunSizes:
         if not self._planned:
             self._planned = True
             if cfg.micro_batch_size == "auto" or cfg.gradient_checkpointing == "auto":
-                self.plan = plan_run_memory(self.update, device=self.accelerator.device,
-                                            num_processes=self.accelerator.num_processes, longest_prompt=self.longest_prompt,
-                                            eval_longest_prompt=self.eval_longest_prompt, side_passes=self.side_passes)
+                self.plan = plan_run_memory(
+                    self.update,
+                    device=self.accelerator.device,
+                    num_processes=self.accelerator.num_processes,
+                    longest_prompt=self.longest_prompt,
+                    eval_longest_prompt=self.eval_longest_prompt,
+                    side_passes=self.side_passes,
+                )
                 self.state.micro_batch_size = self.plan.micro_batch_size
                 self.state.gradient_checkpointing = self.plan.gradient_checkpointing
         return self.plan

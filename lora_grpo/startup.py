@@ -29,7 +29,13 @@ import torch
 from .data import PROMPT_MESSAGES
 from .logprobs import check_log_probs
 from .rewards import check_reward_columns
-from .rollout import check_prompt_lengths, context_limit, prompt_token_rows, special_token_ids, tokenize_prompts
+from .rollout import (
+    check_prompt_lengths,
+    context_limit,
+    prompt_token_rows,
+    special_token_ids,
+    tokenize_prompts,
+)
 
 # Datasets longer than this are not tokenised whole at start when max_prompt_length bounds them:
 # their worst case is taken to be max_prompt_length (every rollout still checks its own prompts).
@@ -58,16 +64,21 @@ def prompt_lengths(tokenizer, prompts: list[str], max_prompt_length: int | None)
     for i in range(0, len(prompts), 4096):
         rows = prompt_token_rows(tokenizer, prompts[i : i + 4096])
         raw.append(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)))
-        kept = rows if max_prompt_length is None else [r[-max_prompt_length:] for r in rows]  # as the rollout cuts
+        kept = (
+            rows if max_prompt_length is None else [r[-max_prompt_length:] for r in rows]
+        )  # as the rollout cuts
         highest.append(np.fromiter(map(max, kept), dtype=np.int64, count=len(rows)))
     raw, top = np.concatenate(raw), np.concatenate(highest)
     if max_prompt_length is None:
         return PromptLengths(raw, 0, scanned=True, highest=top)
-    return PromptLengths(np.minimum(raw, max_prompt_length), int((raw > max_prompt_length).sum()), scanned=True,
-                         highest=top)
+    return PromptLengths(
+        np.minimum(raw, max_prompt_length), int((raw > max_prompt_length).sum()), scanned=True, highest=top
+    )
 
 
-def check_context(prompts: list[str], lengths: PromptLengths, max_completion_length: int, model, name: str) -> None:
+def check_context(
+    prompts: list[str], lengths: PromptLengths, max_completion_length: int, model, name: str
+) -> None:
     """Refuse, naming the first prompt, when a prompt as the rollout cuts it plus max_completion_length
     does not fit the model's context; nothing to check for a model without max_position_embeddings."""
     limit = context_limit(model)
@@ -98,18 +109,23 @@ def embedding_rows(model) -> int | None:
 
 
 def _token(tokenizer, token_id: int) -> str:
-    """"'<s>' (id 82, the tokenizer's bos_token)": a token as a message names it."""
-    roles = [name for name in ("pad_token", "eos_token", "bos_token", "unk_token")
-             if getattr(tokenizer, f"{name}_id", None) == token_id]
+    """ "'<s>' (id 82, the tokenizer's bos_token)": a token as a message names it."""
+    roles = [
+        name
+        for name in ("pad_token", "eos_token", "bos_token", "unk_token")
+        if getattr(tokenizer, f"{name}_id", None) == token_id
+    ]
     text = tokenizer.convert_ids_to_tokens(int(token_id))
     return f"{text!r} (id {token_id}" + (f", the tokenizer's {' and '.join(roles)})" if roles else ")")
 
 
 def _resize_fix(tokenizer, rows: int) -> str:
-    return (f"The tokenizer ({len(tokenizer)} tokens) has ids the model's {rows} input embeddings (ids 0-{rows - 1}) "
-            "do not cover: tokens added without resizing the model. Use the tokenizer saved with this model "
-            "(tokenizer_name_or_path), or call model.resize_token_embeddings(len(tokenizer)) before handing the model "
-            "to GRPOTrainer (the new rows are untrained and the base stays frozen, so prefer tokens the model knows)")
+    return (
+        f"The tokenizer ({len(tokenizer)} tokens) has ids the model's {rows} input embeddings (ids 0-{rows - 1}) "
+        "do not cover: tokens added without resizing the model. Use the tokenizer saved with this model "
+        "(tokenizer_name_or_path), or call model.resize_token_embeddings(len(tokenizer)) before handing the model "
+        "to GRPOTrainer (the new rows are untrained and the base stays frozen, so prefer tokens the model knows)"
+    )
 
 
 def check_special_tokens(model, tokenizer) -> list[int]:
@@ -130,11 +146,14 @@ def check_special_tokens(model, tokenizer) -> list[int]:
     if out_rows > rows:
         raise ValueError(
             f"the model's LM head scores {out_rows} tokens but its input embeddings have {rows} rows: a sampled "
-            f"token id >= {rows} could not be fed back. Resize the model (model.resize_token_embeddings({out_rows}))")
+            f"token id >= {rows} could not be fed back. Resize the model (model.resize_token_embeddings({out_rows}))"
+        )
     usable_eos = [i for i in eos if 0 <= i < rows]
     if not usable_eos:
-        raise ValueError(f"every EOS token ({', '.join(_token(tokenizer, i) for i in eos)}) is beyond the model's "
-                         f"{rows} input embeddings, so no completion could end. {_resize_fix(tokenizer, rows)}")
+        raise ValueError(
+            f"every EOS token ({', '.join(_token(tokenizer, i) for i in eos)}) is beyond the model's "
+            f"{rows} input embeddings, so no completion could end. {_resize_fix(tokenizer, rows)}"
+        )
     pad = tokenizer.pad_token_id
     if not 0 <= pad < rows:
         end = tokenizer.eos_token_id if tokenizer.eos_token_id in usable_eos else usable_eos[0]
@@ -142,22 +161,28 @@ def check_special_tokens(model, tokenizer) -> list[int]:
             f"the tokenizer's pad token {_token(tokenizer, pad)} is beyond the model's {rows} input embeddings "
             "(transformers adds one to a tokenizer saved without a pad token); padding with "
             f"{_token(tokenizer, end)} instead, which changes nothing else (padding is masked). To silence this, "
-            "set tokenizer.pad_token = tokenizer.eos_token before handing it to GRPOTrainer", stacklevel=2)
+            "set tokenizer.pad_token = tokenizer.eos_token before handing it to GRPOTrainer",
+            stacklevel=2,
+        )
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(end)
         replaced = pad  # said above: not said again below
     else:
         replaced = None
     bos = tokenizer.bos_token_id
     if bos is not None and not 0 <= bos < rows and tokenizer("a")["input_ids"][:1] == [bos]:
-        raise ValueError(f"the tokenizer prepends {_token(tokenizer, bos)} to every prompt, beyond the model's {rows} "
-                         f"input embeddings. {_resize_fix(tokenizer, rows)}")
+        raise ValueError(
+            f"the tokenizer prepends {_token(tokenizer, bos)} to every prompt, beyond the model's {rows} "
+            f"input embeddings. {_resize_fix(tokenizer, rows)}"
+        )
     beyond = [i for i in range(rows, len(tokenizer)) if i != replaced]
     if beyond:
         shown = ", ".join(_token(tokenizer, i) for i in beyond[:5]) + (", ..." if len(beyond) > 5 else "")
         warnings.warn(
             f"the tokenizer has {len(beyond)} token(s) beyond the model's {rows} input embeddings ({shown}); no prompt "
             "measured at start holds one, but a prompt, chat template or system prompt that produced one would "
-            f"stop the run. {_resize_fix(tokenizer, rows)}", stacklevel=2)
+            f"stop the run. {_resize_fix(tokenizer, rows)}",
+            stacklevel=2,
+        )
     return eos
 
 
@@ -174,7 +199,9 @@ def check_prompt_ids(prompts: list[str], lengths: PromptLengths, tokenizer, mode
         token = next(t for t in ids if t >= rows)
         raise ValueError(
             f"{name}: {bad.size} of {len(prompts)} prompts hold token ids beyond the model's {rows} input embeddings; "
-            f"the first, prompt {i} ({prompts[i][:80]!r}), holds {_token(tokenizer, token)}. {_resize_fix(tokenizer, rows)}")
+            f"the first, prompt {i} ({prompts[i][:80]!r}), holds {_token(tokenizer, token)}. "
+            f"{_resize_fix(tokenizer, rows)}"
+        )
 
 
 def check_datasets(reward_funcs, datasets: dict, tokenizer, model, config) -> dict[str, PromptLengths]:
@@ -231,8 +258,11 @@ _LORA_TYPES = ("Linear", "Linear4bit", "Linear8bitLt", "Conv1D", "Embedding", "C
 
 def _lora_leaves(model) -> dict[str, str]:
     """{last name component: class name} of the modules LoRA can wrap (lm_head left out, as 'all-linear' does)."""
-    return {name.rsplit(".", 1)[-1]: type(m).__name__ for name, m in model.named_modules()
-            if name and type(m).__name__ in _LORA_TYPES and not name.endswith("lm_head")}
+    return {
+        name.rsplit(".", 1)[-1]: type(m).__name__
+        for name, m in model.named_modules()
+        if name and type(m).__name__ in _LORA_TYPES and not name.endswith("lm_head")
+    }
 
 
 def check_target_modules(model, targets) -> None:
@@ -256,12 +286,16 @@ def check_target_modules(model, targets) -> None:
             continue
         key = entry.rsplit(".", 1)[-1]
         close = difflib.get_close_matches(key, sorted(leaves), n=3, cutoff=0.5)
-        what = (f"matches only {sorted({t for _, t in hits})} modules (e.g. {hits[0][0]}), which LoRA cannot wrap"
-                if hits else "matches no module of this model")
+        what = (
+            f"matches only {sorted({t for _, t in hits})} modules (e.g. {hits[0][0]}), which LoRA cannot wrap"
+            if hits
+            else "matches no module of this model"
+        )
         raise ValueError(
             f"lora_target_modules entry {entry!r} {what}"
             + (f"; closest: {', '.join(map(repr, close))}" if close else "")
-            + f". The layers LoRA can wrap here: {sorted(leaves)}. Use those names, or lora_target_modules: all-linear")
+            + f". The layers LoRA can wrap here: {sorted(leaves)}. Use those names, or lora_target_modules: all-linear"
+        )
 
 
 def _saved_adapter_tensors(path: Path) -> dict[str, tuple[int, ...]] | None:
@@ -272,8 +306,10 @@ def _saved_adapter_tensors(path: Path) -> dict[str, tuple[int, ...]] | None:
         with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     if (path / "adapter_model.bin").is_file():
-        return {k: tuple(v.shape) for k, v in torch.load(path / "adapter_model.bin", map_location="cpu",
-                                                         weights_only=True).items()}
+        return {
+            k: tuple(v.shape)
+            for k, v in torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True).items()
+        }
     return None
 
 
@@ -284,20 +320,35 @@ def check_init_adapter(model, init_adapter: str, model_name: str | None = None) 
     path = Path(init_adapter).expanduser()
     if not path.exists():
         if init_adapter.startswith((".", "/", "~")) or len(Path(init_adapter).parts) > 2:
-            raise ValueError(f"init_adapter={init_adapter!r} does not exist; pass a directory saved by "
-                             "save_pretrained / lora-grpo (it holds adapter_config.json)")
+            raise ValueError(
+                f"init_adapter={init_adapter!r} does not exist; pass a directory saved by "
+                "save_pretrained / lora-grpo (it holds adapter_config.json)"
+            )
         return  # a hub adapter id: peft downloads and checks it
     if not (path / "adapter_config.json").is_file():
         inside = [p.parent.name for p in sorted(path.glob("*/adapter_config.json"))]
-        hint = (f"; it is a checkpoint or run directory: pass {str(path / 'policy')!r}" if "policy" in inside else
-                f"; adapters inside it: {inside}" if inside else "")
-        raise ValueError(f"init_adapter={init_adapter!r} has no adapter_config.json, so it is not a peft adapter{hint}")
+        hint = (
+            f"; it is a checkpoint or run directory: pass {str(path / 'policy')!r}"
+            if "policy" in inside
+            else f"; adapters inside it: {inside}"
+            if inside
+            else ""
+        )
+        raise ValueError(
+            f"init_adapter={init_adapter!r} has no adapter_config.json, so it is not a peft adapter{hint}"
+        )
     shapes = _saved_adapter_tensors(path)
     if not shapes:
         return
     saved_for = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    origin = (f" (its adapter_config.json names base_model_name_or_path={saved_for!r}; this run's model is "
-              f"{model_name!r})") if saved_for else ""
+    origin = (
+        (
+            f" (its adapter_config.json names base_model_name_or_path={saved_for!r}; this run's model is "
+            f"{model_name!r})"
+        )
+        if saved_for
+        else ""
+    )
     modules = dict(model.named_modules())
     for key, shape in shapes.items():
         match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
@@ -308,11 +359,17 @@ def check_init_adapter(model, init_adapter: str, model_name: str | None = None) 
         if module is None:
             raise ValueError(
                 f"init_adapter={init_adapter!r} was saved for another model: it adapts {name!r}, which this model "
-                f"does not have{origin}. Use an adapter trained on this base, or drop init_adapter")
-        size, axis = (getattr(module, "in_features", None), 1) if factor == "A" else (getattr(module, "out_features", None), 0)
+                f"does not have{origin}. Use an adapter trained on this base, or drop init_adapter"
+            )
+        size, axis = (
+            (getattr(module, "in_features", None), 1)
+            if factor == "A"
+            else (getattr(module, "out_features", None), 0)
+        )
         if size is not None and len(shape) == 2 and shape[axis] != size:
             raise ValueError(
                 f"init_adapter={init_adapter!r} was saved for another model: its lora_{factor} of {name} has shape "
                 f"{shape}, but this model's {name.rsplit('.', 1)[-1]} has {size} "
                 f"{'inputs' if factor == 'A' else 'outputs'}{origin}. Use an adapter trained on this base, or drop "
-                "init_adapter")
+                "init_adapter"
+            )

@@ -24,8 +24,18 @@ from .reference import SyncSchedule
 
 # Fields that a run takes from its config, not from the checkpoint it resumes: a resumed run may
 # train for more steps, log or save at another rate.
-FROM_CONFIG = frozenset({"max_steps", "logging_steps", "eval_steps", "save_steps", "num_train_epochs",
-                         "train_batch_size", "is_local_process_zero", "is_world_process_zero"})
+FROM_CONFIG = frozenset(
+    {
+        "max_steps",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "num_train_epochs",
+        "train_batch_size",
+        "is_local_process_zero",
+        "is_world_process_zero",
+    }
+)
 # Keys older checkpoints wrote for fields that have another name now.
 _RENAMED = {"step": "global_step", "history": "log_history", "warmup_restart_update": "warmup_restarts"}
 # What a field means when an older checkpoint did not save it: an unknown reference slot is not
@@ -59,7 +69,9 @@ class TrainState(TrainerState):
     warmup_restarts: Any = None  # optim.WarmupRestarts: the update of the last warmup restart
     health: Any = None  # health.HealthMonitor: streaks, recent KLs, first-steps baselines, warnings given
     adaptive_entropy: Any = None  # loss.AdaptiveEntropy: the entropy coefficient and its last measurement
-    extra: dict = dataclasses.field(default_factory=dict)  # a front door's own state (the TRL front door's log history)
+    extra: dict = dataclasses.field(
+        default_factory=dict
+    )  # a front door's own state (the TRL front door's log history)
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
     # (failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
     unfinished_step: dict | None = None
@@ -68,13 +80,26 @@ class TrainState(TrainerState):
     def for_run(cls, config, accelerator, total_steps: int, batches, warmup_restarts) -> "TrainState":
         """A fresh run's state: transformers' fields from the config, our parts at their start."""
         return cls(
-            max_steps=total_steps, logging_steps=config.logging_steps, eval_steps=config.eval_steps,
-            save_steps=config.save_steps, is_local_process_zero=accelerator.is_local_main_process,
-            is_world_process_zero=accelerator.is_main_process, num_processes=accelerator.num_processes,
-            batches=batches, sync_schedule=SyncSchedule.from_config(config), warmup_restarts=warmup_restarts,
-            health=HealthMonitor(), micro_batch_size=config.micro_batch_size, gradient_checkpointing=config.gradient_checkpointing,
-            adaptive_entropy=AdaptiveEntropy(config.entropy_coef, config.entropy_target, config.entropy_coef_delta,
-                                             config.entropy_coef_min, config.entropy_coef_max),
+            max_steps=total_steps,
+            logging_steps=config.logging_steps,
+            eval_steps=config.eval_steps,
+            save_steps=config.save_steps,
+            is_local_process_zero=accelerator.is_local_main_process,
+            is_world_process_zero=accelerator.is_main_process,
+            num_processes=accelerator.num_processes,
+            batches=batches,
+            sync_schedule=SyncSchedule.from_config(config),
+            warmup_restarts=warmup_restarts,
+            health=HealthMonitor(),
+            micro_batch_size=config.micro_batch_size,
+            gradient_checkpointing=config.gradient_checkpointing,
+            adaptive_entropy=AdaptiveEntropy(
+                config.entropy_coef,
+                config.entropy_target,
+                config.entropy_coef_delta,
+                config.entropy_coef_min,
+                config.entropy_coef_max,
+            ),
         )
 
     @property

@@ -46,8 +46,11 @@ class StopSignals:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
         self.received = signum
         # os.write, not print: a handler that interrupts a print must not print (reentrant call).
-        os.write(2, f"\n{signal.Signals(signum).name} received: finishing the current step, then writing a "
-                    "checkpoint (send it again to stop at once)\n".encode())
+        os.write(
+            2,
+            f"\n{signal.Signals(signum).name} received: finishing the current step, then writing a "
+            "checkpoint (send it again to stop at once)\n".encode(),
+        )
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -17,8 +17,9 @@ import json
 import math
 import signal
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,8 +33,8 @@ from .evaluation import Evaluator, headline_score
 from .failures import LastFinishedStep, StepFailed, describe_stages, stage, stages_of
 from .memory import MemoryPlan
 from .model import keep_4bit_weights_fixed, load_model
-from .optim import apply_config as apply_optimizer_config
 from .optim import WarmupRestarts, build_optimizer, build_scheduler, reset_optimizer_state, steps_of
+from .optim import apply_config as apply_optimizer_config
 from .reference import sync_reference
 from .reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
 from .rewards.scoring import RewardFunctionError
@@ -54,8 +55,10 @@ Tensor = torch.Tensor
 def eval_set_labels(eval_dataset) -> dict:
     """{label: Dataset} of a run's eval sets for the start-up checks' messages: eval_dataset, or
     eval_dataset[name] for each named set."""
-    return {"eval_dataset" if name is None else f"eval_dataset[{name!r}]": rows
-            for name, rows in named_eval_sets(eval_dataset).items()}
+    return {
+        "eval_dataset" if name is None else f"eval_dataset[{name!r}]": rows
+        for name, rows in named_eval_sets(eval_dataset).items()
+    }
 
 
 class GRPOTrainer:
@@ -112,11 +115,17 @@ class GRPOTrainer:
         self._created = time.perf_counter()
         self.config = config
         # report_to's trackers; a missing tracker package fails here, before the model loads
-        self.accelerator = Accelerator(cpu=config.use_cpu or not torch.cuda.is_available(), **accelerator_kwargs(config))
+        self.accelerator = Accelerator(
+            cpu=config.use_cpu or not torch.cuda.is_available(), **accelerator_kwargs(config)
+        )
         # Reward functions first: a wrong one fails before the model loads (scorer.RolloutScorer).
         environment_factory = environment_factory or config.environment_factory
-        self.scorer = RolloutScorer(config, reward_funcs if reward_funcs is not None else config.reward_funcs, self.accelerator,
-                                    environment=environment_factory is not None)
+        self.scorer = RolloutScorer(
+            config,
+            reward_funcs if reward_funcs is not None else config.reward_funcs,
+            self.accelerator,
+            environment=environment_factory is not None,
+        )
         # The same seed on every process: the adapters must start identical (sampling has its own
         # per-process generator below).
         seed_everything(config.seed)
@@ -128,33 +137,61 @@ class GRPOTrainer:
             raise ValueError("pass the tokenizer together with the model")
         self.model, self.tokenizer = model, tokenizer
         keep_4bit_weights_fixed(model)  # also for a model the caller built (see model.py)
-        set_training(model, False)  # eval mode between updates, where sampling and log-probs run (adapters.train_mode)
-        place_model(self.model, self.accelerator.device)  # moves a plain model; refuses a quantized one on another device
+        set_training(
+            model, False
+        )  # eval mode between updates, where sampling and log-probs run (adapters.train_mode)
+        place_model(
+            self.model, self.accelerator.device
+        )  # moves a plain model; refuses a quantized one on another device
         self.scorer.place_reward_models(self.accelerator.device, model.get_input_embeddings().weight.dtype)
         self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
             config.seed + 1000 * self.accelerator.process_index
         )
         # The rollout stage (sampler.py), with the tools a rollout may call (a multi-turn rollout).
-        self.sampler = PolicySampler(config, model, tokenizer, self.generator, tools=config.tools if tools is None else tools,
-                                     environment_factory=environment_factory)
-        for env_reward in self.sampler.toolbox.environment_rewards() if self.sampler.toolbox is not None else ():
+        self.sampler = PolicySampler(
+            config,
+            model,
+            tokenizer,
+            self.generator,
+            tools=config.tools if tools is None else tools,
+            environment_factory=environment_factory,
+        )
+        for env_reward in (
+            self.sampler.toolbox.environment_rewards() if self.sampler.toolbox is not None else ()
+        ):
             self.scorer.add(env_reward)  # each environment class's get_reward, weight 1, as TRL adds them
         if not self.scorer.reward_funcs:
-            raise ValueError("no reward functions: the environment defines no get_reward(); pass reward_funcs=[...] "
-                             "or set reward_funcs in the config")
+            raise ValueError(
+                "no reward functions: the environment defines no get_reward(); pass reward_funcs=[...] "
+                "or set reward_funcs in the config"
+            )
         self.reward_funcs, self.reward_names = self.scorer.reward_funcs, self.scorer.names
-        self.train_dataset, self.eval_dataset = resolve_datasets(config, train_dataset, eval_dataset, tokenizer,
-                                                                 self.sampler.prompt_template_kwargs)
+        self.train_dataset, self.eval_dataset = resolve_datasets(
+            config, train_dataset, eval_dataset, tokenizer, self.sampler.prompt_template_kwargs
+        )
         # Start-up checks (startup.py): reward columns, every prompt against the context (tokenised
         # once), special tokens, the log-probs against the model's own logits.
-        self.prompt_lengths = check_datasets(self.reward_funcs, {"train_dataset": self.train_dataset,
-                                             **eval_set_labels(self.eval_dataset)}, tokenizer, model, config)
+        self.prompt_lengths = check_datasets(
+            self.reward_funcs,
+            {"train_dataset": self.train_dataset, **eval_set_labels(self.eval_dataset)},
+            tokenizer,
+            model,
+            config,
+        )
         check_special_tokens(self.model, self.tokenizer)
-        self.log_prob_check = check_model_log_probs(self.model, self.tokenizer, list(self.train_dataset[:2]["prompt"]), config)
+        self.log_prob_check = check_model_log_probs(
+            self.model, self.tokenizer, list(self.train_dataset[:2]["prompt"]), config
+        )
         # Each process samples its own prompts, an equal share (data.process_shard).
-        self.train_dataset = process_shard(self.train_dataset, self.accelerator.num_processes, self.accelerator.process_index)
-        batches = PromptBatches(self.train_dataset, config.prompts_per_generation, seed=config.seed,
-                                shuffle=config.shuffle_dataset)
+        self.train_dataset = process_shard(
+            self.train_dataset, self.accelerator.num_processes, self.accelerator.process_index
+        )
+        batches = PromptBatches(
+            self.train_dataset,
+            config.prompts_per_generation,
+            seed=config.seed,
+            shuffle=config.shuffle_dataset,
+        )
         # Every optimizer update is a step (TRL's count): a rollout feeds num_iterations × steps_per_generation.
         self.steps_per_epoch = batches.steps_per_epoch * config.num_iterations * config.steps_per_generation
         self.total_steps = config.max_steps or math.ceil(config.num_epochs * self.steps_per_epoch)
@@ -162,39 +199,68 @@ class GRPOTrainer:
         self.optimizer = build_optimizer(self.params, config)
         # ref_sync_restart_warmup: the warmup restarts at each sync (its state is in the TrainState)
         warmup_restarts = WarmupRestarts(steps_of(config.warmup_steps, self.total_steps))
-        self.scheduler = build_scheduler(self.optimizer, config, self.total_steps,
-                                         warmup_restarts if config.ref_sync_restart_warmup else None)
+        self.scheduler = build_scheduler(
+            self.optimizer,
+            config,
+            self.total_steps,
+            warmup_restarts if config.ref_sync_restart_warmup else None,
+        )
         if config.ref_sync_on_plateau and self.eval_dataset is None:
-            raise ConfigError("ref_sync_on_plateau=true watches the eval score, but there are no eval prompts: set "
-                              "eval_dataset (or pass eval_dataset=...), or turn it off")
+            raise ConfigError(
+                "ref_sync_on_plateau=true watches the eval score, but there are no eval prompts: set "
+                "eval_dataset (or pass eval_dataset=...), or turn it off"
+            )
         # The loop's mutable state, saved and restored whole (state.py).
         self.state = TrainState.for_run(config, self.accelerator, self.total_steps, batches, warmup_restarts)
-        self.update = PolicyUpdate(config, self.model, self.params, self.optimizer, self.scheduler, self.accelerator,
-                                   self.state)  # one optimizer update (update.py)
+        self.update = PolicyUpdate(
+            config, self.model, self.params, self.optimizer, self.scheduler, self.accelerator, self.state
+        )  # one optimizer update (update.py)
         lengths = self.prompt_lengths
         eval_longest = [lengths[label].longest for label in eval_set_labels(self.eval_dataset)]
-        self.sizes = RunSizes(config, self.update, self.accelerator, self.state, lengths["train_dataset"].longest,
-                              max(eval_longest) if eval_longest else None, side_passes=self.scorer.probe_passes())
-        self.scorer.forward_rows = lambda: self.sizes.forward_rows  # a reward model's forwards: the run's rows
+        self.sizes = RunSizes(
+            config,
+            self.update,
+            self.accelerator,
+            self.state,
+            lengths["train_dataset"].longest,
+            max(eval_longest) if eval_longest else None,
+            side_passes=self.scorer.probe_passes(),
+        )
+        self.scorer.forward_rows = lambda: (
+            self.sizes.forward_rows
+        )  # a reward model's forwards: the run's rows
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
         self.reporter = RunReporter(config, self.accelerator, self.reward_names, self.total_steps)
         self.evaluator = Evaluator(
-            config, self.accelerator, self.reward_names, model=self.model,
+            config,
+            self.accelerator,
+            self.reward_names,
+            model=self.model,
             sample=self.generate,
             score=lambda rollout, rows, n: self.scorer.rewards(rollout, rows, n)[1],
-            log_probs=lambda mb: self.update.forward(mb)[0], forward_rows=lambda: self.sizes.forward_rows,
+            log_probs=lambda mb: self.update.forward(mb)[0],
+            forward_rows=lambda: self.sizes.forward_rows,
         )
-        self.hooks: list[Callable[..., None]] = []  # named points of the loop call hook(event, trainer, **payload)
-        self.stop_requested = False  # set by a hook (a callback's should_training_stop): the run ends after this step
+        self.hooks: list[
+            Callable[..., None]
+        ] = []  # named points of the loop call hook(event, trainer, **payload)
+        self.stop_requested = (
+            False  # set by a hook (a callback's should_training_stop): the run ends after this step
+        )
         self.scorer.trainer_state = self.state  # what reward functions get as trainer_state
         self.scorer.environments = lambda: self.sampler.environments
-        self.logging_every, self.eval_every = steps_of(config.logging_steps, self.total_steps), steps_of(config.eval_steps, self.total_steps)
+        self.logging_every, self.eval_every = (
+            steps_of(config.logging_steps, self.total_steps),
+            steps_of(config.eval_steps, self.total_steps),
+        )
         self.last_finished = LastFinishedStep()  # what a failure mid-run can still checkpoint (failures.py)
         # How a stopped run resumes, in the words of its entry point: the Python API's here; the CLI and
         # the TRL front door set theirs.
-        self.resume_hint = (f"set resume_from_checkpoint='latest' in the GRPOConfig (output_dir={str(self.output_dir)!r}) "
-                            "and call train() again")
+        self.resume_hint = (
+            f"set resume_from_checkpoint='latest' in the GRPOConfig (output_dir={str(self.output_dir)!r}) "
+            "and call train() again"
+        )
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -210,7 +276,10 @@ class GRPOTrainer:
         start = time.perf_counter()
         plan = self.plan_memory()  # before any rollout: the probe is also the preflight
         if cfg.resume_from_checkpoint:
-            resumed, no_adapter = self.load_checkpoint(cfg.resume_from_checkpoint), not (self.output_dir / "adapter").exists()
+            resumed, no_adapter = (
+                self.load_checkpoint(cfg.resume_from_checkpoint),
+                not (self.output_dir / "adapter").exists(),
+            )
             line = nothing_to_train(state.global_step, self.total_steps, resumed, no_adapter)
             if line:  # a finished run: nothing trained, evaluated or saved again
                 self._print(line)
@@ -220,7 +289,9 @@ class GRPOTrainer:
         if self.is_main:  # after the resume checks: a refused or finished resume leaves config.yaml as it was
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.to_yaml(self.output_dir / "config.yaml")
-        self.reporter.start(state.global_step, resumed=bool(cfg.resume_from_checkpoint))  # logs truncated or fresh; trackers
+        self.reporter.start(
+            state.global_step, resumed=bool(cfg.resume_from_checkpoint)
+        )  # logs truncated or fresh; trackers
         if plan is not None:  # what 'auto' chose
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
         self._event("train_begin")
@@ -228,11 +299,17 @@ class GRPOTrainer:
         self._finished_step()
         try:  # whatever raises from here on: keep the last finished step, then one error (_step_failed)
             with stage("eval"):
-                eval_before = self._evaluate_and_log("before") if has_eval and cfg.eval_on_start and state.global_step == 0 else {}
+                eval_before = (
+                    self._evaluate_and_log("before")
+                    if has_eval and cfg.eval_on_start and state.global_step == 0
+                    else {}
+                )
             # Stop signals are deferred until the end of the run, final eval and saves included.
             with StopSignals() as stop:
                 with self.reporter.progress(state.global_step):
-                    if state.unfinished_step:  # resumed after a failed eval: that step ends first, as it would have
+                    if (
+                        state.unfinished_step
+                    ):  # resumed after a failed eval: that step ends first, as it would have
                         pending, state.unfinished_step = state.unfinished_step, None
                         self._end_step(pending["metrics"], epoch_ended=pending["epoch_ended"], stop=stop)
                     while state.global_step < self.total_steps and not self.stop_requested:
@@ -245,12 +322,19 @@ class GRPOTrainer:
                             if k:
                                 self._event("step_begin")
                             with stage("update"):
-                                metrics = {**(round_metrics if k == 0 else {}), **self.timed_update(step_batch)}
-                            metrics["time/step"] = metrics["time/train"] + (metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0))
+                                metrics = {
+                                    **(round_metrics if k == 0 else {}),
+                                    **self.timed_update(step_batch),
+                                }
+                            metrics["time/step"] = metrics["time/train"] + (
+                                metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0)
+                            )
                             state.global_step += 1
                             state.epoch = state.global_step / self.steps_per_epoch
                             metrics["epoch"] = epoch
-                            self._end_step(metrics, epoch_ended=epoch_ended and k == len(steps) - 1, stop=stop)
+                            self._end_step(
+                                metrics, epoch_ended=epoch_ended and k == len(steps) - 1, stop=stop
+                            )
                             if state.global_step >= self.total_steps or self.stop_requested:
                                 break
                 with stage("eval"):
@@ -258,8 +342,11 @@ class GRPOTrainer:
                 with stage("checkpoint"):
                     self.save_checkpoint()
                     if self.is_main:
-                        ckpt.explain_write_failure("the final adapter", self.output_dir,
-                                                   lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY))
+                        ckpt.explain_write_failure(
+                            "the final adapter",
+                            self.output_dir,
+                            lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY),
+                        )
         except Exception as error:  # noqa: BLE001 - kept, explained and raised again, chained
             self._step_failed(error)
         summary = self._summary(start, eval_before, eval_after)
@@ -271,10 +358,17 @@ class GRPOTrainer:
 
     def _summary(self, start: float, before: dict, after: dict) -> dict[str, Any]:
         return run_summary(
-            self.state.log_history, steps=self.state.global_step, seconds=time.perf_counter() - start,
-            total_seconds=time.perf_counter() - self._created, log_prob_check=self.log_prob_check,
-            micro_batch_size=self.micro_batch_size, gradient_checkpointing=self.gradient_checkpointing,
-            memory_plan=self.memory_plan, headline=f"eval/{self.reward_names[0]}", before=before, after=after,
+            self.state.log_history,
+            steps=self.state.global_step,
+            seconds=time.perf_counter() - start,
+            total_seconds=time.perf_counter() - self._created,
+            log_prob_check=self.log_prob_check,
+            micro_batch_size=self.micro_batch_size,
+            gradient_checkpointing=self.gradient_checkpointing,
+            memory_plan=self.memory_plan,
+            headline=f"eval/{self.reward_names[0]}",
+            before=before,
+            after=after,
         )
 
     def _finished_step(self) -> None:
@@ -292,16 +386,25 @@ class GRPOTrainer:
         saved = self.last_finished.for_failure(stages, self.update.optimizer_steps)
         if saved is not None and saved.state["global_step"] > 0 and self.accelerator.num_processes == 1:
             state.load_state_dict(saved.state)
-            del state.log_history[saved.history:]
+            del state.log_history[saved.history :]
             state.unfinished_step = saved.pending
             try:
                 target = self.save_checkpoint(rng=saved.rng)
-            except OSError as write_error:  # the disk that failed the step fails this write too: the last checkpoint stays
-                self._print(f"the checkpoint of step {state.global_step} could not be written either: {write_error}")
+            except (
+                OSError
+            ) as write_error:  # the disk that failed the step fails this write too: the last checkpoint stays
+                self._print(
+                    f"the checkpoint of step {state.global_step} could not be written either: {write_error}"
+                )
         reward = isinstance(error, RewardFunctionError)
         what = str(error) if reward else f"{describe_stages(stages)} raised {type(error).__name__}: {error}"
-        kept = kept_work(self.output_dir, target, self.resume_hint, "the function" if reward else "the cause",
-                         trained=state.global_step > 0)
+        kept = kept_work(
+            self.output_dir,
+            target,
+            self.resume_hint,
+            "the function" if reward else "the cause",
+            trained=state.global_step > 0,
+        )
         message = f"step {step}/{self.total_steps} stopped: {what}. {kept}"
         self._print(message)
         if reward:
@@ -315,7 +418,10 @@ class GRPOTrainer:
         step, last = state.global_step, state.global_step >= self.total_steps
         self.last_finished.update_done(state, self._rng(), self.update.optimizer_steps, metrics, epoch_ended)
         due = StepFlow(
-            evaluate=self.eval_dataset is not None and bool(self.eval_every) and step % self.eval_every == 0 and not last,
+            evaluate=self.eval_dataset is not None
+            and bool(self.eval_every)
+            and step % self.eval_every == 0
+            and not last,
             log=step % self.logging_every == 0 or last,
             save=bool(self.config.save_steps) and step % self.config.save_steps == 0 and not last,
         )
@@ -337,10 +443,14 @@ class GRPOTrainer:
             metrics["sync/event"] = 1.0
             metrics["sync/reason"] = reason
         with stage("log"):
-            for line in state.health.observe(step, metrics):  # health/* flags go into this step's metrics (health.py)
+            for line in state.health.observe(
+                step, metrics
+            ):  # health/* flags go into this step's metrics (health.py)
                 self._print(line)
             state.log_history.append(metrics)
-            first = "time/rollout" in metrics  # a rollout's first optimizer step: its completions are logged once
+            first = (
+                "time/rollout" in metrics
+            )  # a rollout's first optimizer step: its completions are logged once
             self.reporter.log_step(step, metrics, self.scorer.last_samples if first else None, show=due.log)
             if due.log:
                 self._print(progress_line(step, self.total_steps, metrics))
@@ -363,7 +473,9 @@ class GRPOTrainer:
         t_gen = now(self.accelerator.device)
         with stage("reward"):
             advantages, metrics = self.scorer.advantages(rollout, rows)  # rewards → group-relative advantages
-        batch = Batch.from_rollout(rollout, advantages, mask_truncated_completions=cfg.mask_truncated_completions)
+        batch = Batch.from_rollout(
+            rollout, advantages, mask_truncated_completions=cfg.mask_truncated_completions
+        )
         with stage("update"):  # the log-probs the update needs
             if cfg.num_iterations > 1 or cfg.steps_per_generation > 1:  # trained on after its first update
                 batch.old_logp = self.log_probs(batch)
@@ -373,13 +485,24 @@ class GRPOTrainer:
                 with reference_forward(self.model):
                     batch.ref_logp = self.log_probs(batch)
         metrics["reference_reused_policy"] = float(cfg.beta != 0 and self.state.reference_is_policy)
-        if cfg.steps_per_generation > 1:  # each step a random share of the rollout, as TRL shuffles before cutting
+        if (
+            cfg.steps_per_generation > 1
+        ):  # each step a random share of the rollout, as TRL shuffles before cutting
             order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step)
-            batch = batch.rows(torch.randperm(batch.input_ids.shape[0], generator=order).to(batch.input_ids.device))
+            batch = batch.rows(
+                torch.randperm(batch.input_ids.shape[0], generator=order).to(batch.input_ids.device)
+            )
         t_ref = now(self.accelerator.device)
-        metrics.update({"time/rollout": t_gen - t0, "time/log_probs": t_ref - t_gen,
-                        "tokens_per_second": int(rollout.completion_mask.sum()) / (t_ref - t0)})
-        return batch.steps(cfg.steps_per_generation) * cfg.num_iterations, metrics  # where a rollout is cut into steps
+        metrics.update(
+            {
+                "time/rollout": t_gen - t0,
+                "time/log_probs": t_ref - t_gen,
+                "tokens_per_second": int(rollout.completion_mask.sum()) / (t_ref - t0),
+            }
+        )
+        return batch.steps(
+            cfg.steps_per_generation
+        ) * cfg.num_iterations, metrics  # where a rollout is cut into steps
 
     def training_step(self, rows: dict[str, list]) -> dict[str, float]:
         """One generation round on one batch of prompts and all its optimizer steps (one, at the defaults);
@@ -397,8 +520,14 @@ class GRPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------ stages
-    def generate(self, prompts: list[str], num_generations: int | None = None, temperature: float | None = None,
-                 generator: torch.Generator | None = None, rows: dict[str, list] | None = None) -> Rollout:
+    def generate(
+        self,
+        prompts: list[str],
+        num_generations: int | None = None,
+        temperature: float | None = None,
+        generator: torch.Generator | None = None,
+        rows: dict[str, list] | None = None,
+    ) -> Rollout:
         """Sample with the policy (sampler.PolicySampler); `generator` defaults to the training sampling stream."""
         return self.sampler.sample(prompts, num_generations, temperature, generator, rows)
 
@@ -433,24 +562,35 @@ class GRPOTrainer:
         the payload of an "evaluate" event (metrics=, name=, seconds=, rows=)."""
         sets = named_eval_sets(self.eval_dataset if dataset is None else self._resolve_eval(dataset))
         if not sets:
-            raise ValueError("evaluate: this run has no eval prompts; pass evaluate(dataset) or set eval_dataset")
+            raise ValueError(
+                "evaluate: this run has no eval prompts; pass evaluate(dataset) or set eval_dataset"
+            )
         metrics = {}
         for name, rows in sets.items():
             start = time.perf_counter()
             found = self.evaluator.evaluate(rows, batch_prompts)
-            self._event("evaluate", metrics=found, set_name=name, seconds=time.perf_counter() - start, rows=len(rows))
-            metrics.update(found if name is None else {f"eval/{name}/{k.removeprefix('eval/')}": v for k, v in found.items()})
+            self._event(
+                "evaluate", metrics=found, set_name=name, seconds=time.perf_counter() - start, rows=len(rows)
+            )
+            metrics.update(
+                found
+                if name is None
+                else {f"eval/{name}/{k.removeprefix('eval/')}": v for k, v in found.items()}
+            )
         return metrics
 
     def _resolve_eval(self, source):
         """An eval source passed to evaluate(): rendered with the run's template and checked against
         the rewards and the context, as the run's own eval prompts were."""
-        resolved = resolve_eval_dataset(source, self.config, self.tokenizer, self.sampler.prompt_template_kwargs)
+        resolved = resolve_eval_dataset(
+            source, self.config, self.tokenizer, self.sampler.prompt_template_kwargs
+        )
         check_datasets(self.reward_funcs, eval_set_labels(resolved), self.tokenizer, self.model, self.config)
         return resolved
 
     def _evaluate_and_log(self, when: str) -> dict[str, float]:
-        """The eval before or after training: printed, logged at the current step; 'before' feeds the plateau trigger."""
+        """The eval before or after training: printed, logged at the current step; 'before' feeds
+        the plateau trigger."""
         metrics = self.evaluate()
         self._print(f"eval {when} training: {format_metrics(metrics)}")
         self.reporter.log({"step": self.state.global_step, **metrics})
@@ -495,10 +635,19 @@ class GRPOTrainer:
         rngs = gather_object([rng]) if self.accelerator.num_processes > 1 else [rng]
         target = self.output_dir / f"checkpoint-{self.state.global_step}"
         if self.is_main:
-            blobs = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rngs}
+            blobs = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rngs,
+            }
             state = self.state.state_dict()
-            ckpt.explain_write_failure(f"checkpoint {target.name}", self.output_dir, lambda: ckpt.save_checkpoint(
-                target, self.model, blobs=blobs, state=state, config_yaml=self.config.to_yaml()))
+            ckpt.explain_write_failure(
+                f"checkpoint {target.name}",
+                self.output_dir,
+                lambda: ckpt.save_checkpoint(
+                    target, self.model, blobs=blobs, state=state, config_yaml=self.config.to_yaml()
+                ),
+            )
             if self.config.save_total_limit:  # 0: keep them all
                 ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit)
             self.reporter.plot()  # metrics.png so far (a failure is only a warning)
@@ -512,20 +661,32 @@ class GRPOTrainer:
         self.plan_memory()  # the sizes this start can use (a checkpoint's 'auto' sizes are taken when they fit)
         state, current = self.state, (self.state.micro_batch_size, self.state.gradient_checkpointing)
         saved = ckpt.restore_training_state(
-            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, state=state,
-            generator=self.generator, config_values=self.config.to_dict(),
-            num_processes=self.accelerator.num_processes, process_index=self.accelerator.process_index,
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            state=state,
+            generator=self.generator,
+            config_values=self.config.to_dict(),
+            num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index,
         )
-        saved_lr = apply_optimizer_config(self.optimizer, self.scheduler, self.config)  # after the warmup state
+        saved_lr = apply_optimizer_config(
+            self.optimizer, self.scheduler, self.config
+        )  # after the warmup state
         if saved_lr != self.config.learning_rate:
-            self._print(f"learning_rate {saved_lr:g} in the checkpoint, {self.config.learning_rate:g} in this config: "
-                        f"using {self.config.learning_rate:g}")
+            self._print(
+                f"learning_rate {saved_lr:g} in the checkpoint, {self.config.learning_rate:g} in this config: "
+                f"using {self.config.learning_rate:g}"
+            )
         line = self.sizes.resume(current, saved)
         if line:
             self._print(line)
         if self.is_main:
             for moved in ckpt.set_aside_later_checkpoints(self.output_dir, state.global_step):
-                self._print(f"{moved.name}: a later checkpoint of the run this one resumes, set aside (not deleted)")
+                self._print(
+                    f"{moved.name}: a later checkpoint of the run this one resumes, set aside (not deleted)"
+                )
         self._print(f"resumed from {path} at step {state.global_step}")
         return path
 
@@ -534,8 +695,10 @@ class GRPOTrainer:
         with stage("checkpoint"):
             target = self.save_checkpoint()
         name = signal.Signals(signum).name
-        message = (f"{name}: stopped after step {self.state.global_step}/{self.total_steps}; checkpoint written to "
-                   f"{target}. Resume: {self.resume_hint}")
+        message = (
+            f"{name}: stopped after step {self.state.global_step}/{self.total_steps}; checkpoint written to "
+            f"{target}. Resume: {self.resume_hint}"
+        )
         self._print(message)
         raise TrainingInterrupted(message, signum, target)
 

@@ -35,15 +35,28 @@ class PolicyUpdate:
 
     def __init__(self, config, model, params, optimizer, scheduler, accelerator, state):
         self.config, self.model, self.params = config, model, params
-        self.optimizer, self.scheduler, self.accelerator, self.state = optimizer, scheduler, accelerator, state
+        self.optimizer, self.scheduler, self.accelerator, self.state = (
+            optimizer,
+            scheduler,
+            accelerator,
+            state,
+        )
         self.loss_settings = dict(  # grpo_loss's settings (TRL 1.16's options under their names)
-            loss_type=config.loss_type, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
-            beta=config.beta, max_completion_length=config.max_completion_length,
-            importance_sampling=config.importance_sampling, kl_ratio_correction=config.kl_ratio_correction,
-            delta=config.delta, sapo_temperature_pos=config.sapo_temperature_pos,
-            sapo_temperature_neg=config.sapo_temperature_neg, vespo_k_pos=config.vespo_k_pos,
-            vespo_lambda_pos=config.vespo_lambda_pos, vespo_k_neg=config.vespo_k_neg,
-            vespo_lambda_neg=config.vespo_lambda_neg, off_policy_mask_threshold=config.off_policy_mask_threshold,
+            loss_type=config.loss_type,
+            epsilon_low=config.epsilon_low,
+            epsilon_high=config.epsilon_high,
+            beta=config.beta,
+            max_completion_length=config.max_completion_length,
+            importance_sampling=config.importance_sampling,
+            kl_ratio_correction=config.kl_ratio_correction,
+            delta=config.delta,
+            sapo_temperature_pos=config.sapo_temperature_pos,
+            sapo_temperature_neg=config.sapo_temperature_neg,
+            vespo_k_pos=config.vespo_k_pos,
+            vespo_lambda_pos=config.vespo_lambda_pos,
+            vespo_k_neg=config.vespo_k_neg,
+            vespo_lambda_neg=config.vespo_lambda_neg,
+            off_policy_mask_threshold=config.off_policy_mask_threshold,
             top_entropy_quantile=config.top_entropy_quantile,
         )
         # The entropy quantile is over every process's tokens of the micro-batch (each process calls the gather).
@@ -58,8 +71,13 @@ class PolicyUpdate:
         """(log-probs (B, T), entropy (B, T) or None) of a micro-batch under the active adapter."""
         extra = {"entropy_grad": True} if entropy_grad else {}
         return sequence_log_probs(
-            self.model, mb["input_ids"], mb["attention_mask"], mb["completion_length"],
-            chunk_size=self.config.logprob_chunk_size, temperature=self.config.temperature, return_entropy=return_entropy,
+            self.model,
+            mb["input_ids"],
+            mb["attention_mask"],
+            mb["completion_length"],
+            chunk_size=self.config.logprob_chunk_size,
+            temperature=self.config.temperature,
+            return_entropy=return_entropy,
             **extra,
         )
 
@@ -67,7 +85,9 @@ class PolicyUpdate:
     def log_probs(self, batch: Batch, micro_batch_size: int) -> Tensor:
         """(B, T) per-token log-probs under the active adapter, in eval mode (as sampled)."""
         with eval_mode(self.model):
-            out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_mask.device)
+            out = torch.zeros(
+                batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_mask.device
+            )
             row = 0
             for mb in batch.micro_batches(micro_batch_size):
                 logp, _ = self.forward(mb)
@@ -83,10 +103,14 @@ class PolicyUpdate:
         n_micro = math.ceil(n_seq / micro_batch_size)
         # dapo's denominator: the step's tokens over every process, divided by the number of
         # processes because their gradients are averaged.
-        num_tokens = sum_over_processes({"t": batch.completion_mask.sum().item()}, acc)["t"] / acc.num_processes
+        num_tokens = (
+            sum_over_processes({"t": batch.completion_mask.sum().item()}, acc)["t"] / acc.num_processes
+        )
         with train_mode(self.model):  # checkpointing on; the model goes back to eval mode for sampling
-            parts = [self.accumulate(mb, num_tokens, n_seq, n_micro, read=False)
-                     for mb in batch.micro_batches(micro_batch_size)]
+            parts = [
+                self.accumulate(mb, num_tokens, n_seq, n_micro, read=False)
+                for mb in batch.micro_batches(micro_batch_size)
+            ]
         sums: dict[str, float] = {}
         for m, weight, loss in _read_once(parts):  # one device sync for every micro-batch's metrics
             for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss)]:
@@ -98,32 +122,52 @@ class PolicyUpdate:
         if cfg.use_adaptive_entropy:  # one move of the coefficient per step, on every process's entropy
             control.step(reduce=(lambda t: acc.reduce(t, "sum")) if acc.num_processes > 1 else None)
         if cfg.use_adaptive_entropy or cfg.entropy_coef:
-            sums["entropy_coef"] = control.coef * sums["tokens"]  # reported as TRL does (a token mean of a constant)
+            sums["entropy_coef"] = (
+                control.coef * sums["tokens"]
+            )  # reported as TRL does (a token mean of a constant)
         loss_total, tokens = sums.pop("loss") / acc.num_processes, max(sums.pop("tokens"), 1.0)
         # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
         lr = self.scheduler.get_last_lr()[0]
         skipped = self._step_unless_nonfinite(loss_total, grad_norm)
-        return {**{k: v / tokens for k, v in sums.items()}, "loss": loss_total, "grad_norm": grad_norm, "lr": lr,
-                "skipped_nonfinite": float(skipped)}
+        return {
+            **{k: v / tokens for k, v in sums.items()},
+            "loss": loss_total,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped_nonfinite": float(skipped),
+        }
 
-    def accumulate(self, mb: dict[str, Any], num_tokens: float, n_seq: int, n_micro: int,
-                   read: bool = True) -> tuple[dict[str, float], float, float]:
+    def accumulate(
+        self, mb: dict[str, Any], num_tokens: float, n_seq: int, n_micro: int, read: bool = True
+    ) -> tuple[dict[str, float], float, float]:
         """Forward, loss and backward of one micro-batch (gradients add up in .grad); returns
         (loss metrics, the micro-batch's loss tokens, its scaled loss) as floats, or as 0-d tensors
         with read=False (no device sync: the step reads every micro-batch's at once)."""
         cfg = self.config
         logp, entropy = self.forward(mb, return_entropy=True, entropy_grad=self.entropy_grad)
         ref = mb["ref_logp"]
-        if ref is None and cfg.beta != 0:  # the reference equals the policy this step (trainer.generation_round)
+        if (
+            ref is None and cfg.beta != 0
+        ):  # the reference equals the policy this step (trainer.generation_round)
             ref = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
         control = self.state.adaptive_entropy
         coef = control.applied_coef if cfg.use_adaptive_entropy else cfg.entropy_coef
         # accumulation=: the returned loss is this micro-batch's share of the step (loss.LOSS_TYPES' scales).
-        loss, m = grpo_loss(logp, mb["old_logp"], ref, mb["advantages"], mb["completion_mask"], num_tokens=num_tokens,
-                            entropies=entropy, entropy_gather=self.gather, entropy_coef=coef,
-                            accumulation=(mb["input_ids"].shape[0], n_seq, n_micro), tensor_metrics=True,
-                            **self.loss_settings)
+        loss, m = grpo_loss(
+            logp,
+            mb["old_logp"],
+            ref,
+            mb["advantages"],
+            mb["completion_mask"],
+            num_tokens=num_tokens,
+            entropies=entropy,
+            entropy_gather=self.gather,
+            entropy_coef=coef,
+            accumulation=(mb["input_ids"].shape[0], n_seq, n_micro),
+            tensor_metrics=True,
+            **self.loss_settings,
+        )
         loss.backward()
         if cfg.use_adaptive_entropy:
             control.accumulate(entropy, mb["completion_mask"], cfg.top_entropy_quantile, self.gather)
@@ -142,13 +186,20 @@ class PolicyUpdate:
         self.scheduler.step()  # the schedule follows the step count, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
         if not finite:
-            logger.warning("step %d: loss %s, grad norm %s: update skipped (%d in a row)",
-                           self.state.global_step + 1, loss, grad_norm, self.state.nonfinite_in_a_row + 1)
+            logger.warning(
+                "step %d: loss %s, grad norm %s: update skipped (%d in a row)",
+                self.state.global_step + 1,
+                loss,
+                grad_norm,
+                self.state.nonfinite_in_a_row + 1,
+            )
         count_nonfinite(self.state, finite, self.config)
         return not finite
 
 
-def _read_once(parts: list[tuple[dict[str, Tensor], Tensor, Tensor]]) -> list[tuple[dict[str, float], float, float]]:
+def _read_once(
+    parts: list[tuple[dict[str, Tensor], Tensor, Tensor]],
+) -> list[tuple[dict[str, float], float, float]]:
     """Micro-batches' (metrics, tokens, loss) 0-d tensors -> Python floats, in one transfer; each value
     is the float .item() would give. The entropy is a token mean of the micro-batch, as before."""
     flat = [t.detach().double() for m, weight, loss in parts for t in (*m.values(), weight, loss)]

@@ -17,7 +17,9 @@ def tiny_base_dir(tmp_path_factory):
     """A tiny random Llama-style model and char tokenizer saved to disk, built once per session."""
     from lora_grpo.tasks.toy import save_tiny_base
 
-    return save_tiny_base(tmp_path_factory.mktemp("tiny_base"), max_positions=1024)  # room for the GPU recipes' lengths
+    return save_tiny_base(
+        tmp_path_factory.mktemp("tiny_base"), max_positions=1024
+    )  # room for the GPU recipes' lengths
 
 
 # Appended to every torchrun script: leave the process group before exiting (a gloo group still up
@@ -42,9 +44,20 @@ def run_torchrun(source: str, workdir, *args, nproc: int = 2, timeout: int = 300
     with open(script, "w") as f:
         f.write(textwrap.dedent(source) + _CLEAN_EXIT)
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), script, *map(str, args)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        script,
+        *map(str, args),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if result.returncode != 0 and "gloo" in result.stderr.lower() and "unavailable" in result.stderr.lower():
         pytest.skip("torch.distributed gloo backend unavailable")
@@ -59,10 +72,22 @@ def write_recipe(tmp_path, base_dir, rows: int = 8, **fields) -> "os.PathLike":
     import yaml
 
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(rows)))
-    recipe = dict(model_name_or_path=str(base_dir), dataset=str(data), eval_dataset=str(data),
-                  prompt_template="Q: {question} A:", reward_funcs=["accuracy"], num_generations=2, prompts_per_step=2,
-                  max_completion_length=4, gradient_checkpointing=False, lora_r=4, output_dir=str(tmp_path / "run"))
+    data.write_text(
+        "".join(json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(rows))
+    )
+    recipe = dict(
+        model_name_or_path=str(base_dir),
+        dataset=str(data),
+        eval_dataset=str(data),
+        prompt_template="Q: {question} A:",
+        reward_funcs=["accuracy"],
+        num_generations=2,
+        prompts_per_step=2,
+        max_completion_length=4,
+        gradient_checkpointing=False,
+        lora_r=4,
+        output_dir=str(tmp_path / "run"),
+    )
     recipe.update(fields)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -88,28 +113,54 @@ PROMPTS = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(
 
 # make_trainer's settings: 4 QLoRA steps of 2 prompts × 4 completions of at most 6 tokens.
 TINY_RUN = dict(
-    quantization="4bit", lora_r=4, lora_alpha=8, num_generations=4, prompts_per_step=2, max_completion_length=6,
-    micro_batch_size=3, max_steps=4, beta=0.04, learning_rate=5e-3, save_steps=0, seed=0, gradient_checkpointing=True,
+    quantization="4bit",
+    lora_r=4,
+    lora_alpha=8,
+    num_generations=4,
+    prompts_per_step=2,
+    max_completion_length=6,
+    micro_batch_size=3,
+    max_steps=4,
+    beta=0.04,
+    learning_rate=5e-3,
+    save_steps=0,
+    seed=0,
+    gradient_checkpointing=True,
 )
 # The plainer run some regression tests were found with, as overrides of TINY_RUN (no max_steps: each
 # test sets its own): no quantization, 2 completions of 4 tokens, 12 prompts without answers;
 # lora_alpha, micro_batch_size and seed at the config's defaults.
 SMALL_RUN = dict(
-    quantization="none", lora_alpha=32, num_generations=2, max_prompt_length=32, max_completion_length=4,
-    micro_batch_size=8, seed=42, gradient_checkpointing=False, learning_rate=1e-2,
+    quantization="none",
+    lora_alpha=32,
+    num_generations=2,
+    max_prompt_length=32,
+    max_completion_length=4,
+    micro_batch_size=8,
+    seed=42,
+    gradient_checkpointing=False,
+    learning_rate=1e-2,
     train_dataset=[{"prompt": row["prompt"]} for row in PROMPTS[:12]],
 )
 
 
-def make_trainer(base_dir, out_dir, *, reward_funcs=(digit_share,), train_dataset=PROMPTS, eval_dataset=None,
-                 **overrides):
+def make_trainer(
+    base_dir, out_dir, *, reward_funcs=(digit_share,), train_dataset=PROMPTS, eval_dataset=None, **overrides
+):
     """A GRPOTrainer of TINY_RUN on the model at `base_dir`, writing to `out_dir`/run; `overrides` replace
     config fields (TINY_RUN's or any other)."""
     from lora_grpo import GRPOConfig, GRPOTrainer
 
-    fields = {**TINY_RUN, "model_name_or_path": base_dir, "output_dir": os.path.join(out_dir, "run"), **overrides}
+    fields = {
+        **TINY_RUN,
+        "model_name_or_path": base_dir,
+        "output_dir": os.path.join(out_dir, "run"),
+        **overrides,
+    }
     config = GRPOConfig(**fields)
-    return GRPOTrainer(config, reward_funcs=list(reward_funcs), train_dataset=train_dataset, eval_dataset=eval_dataset)
+    return GRPOTrainer(
+        config, reward_funcs=list(reward_funcs), train_dataset=train_dataset, eval_dataset=eval_dataset
+    )
 
 
 def adapter_state(model, adapter: str) -> dict[str, torch.Tensor]:
@@ -157,7 +208,9 @@ def frozen_4bit(model) -> dict[str, torch.Tensor]:
 def assert_same_4bit(a: dict, b: dict) -> None:
     """Two frozen_4bit snapshots are bit-identical."""
     assert a.keys() == b.keys()
-    moved = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
+    moved = [
+        k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])
+    ]
     assert not moved, f"frozen base changed: {moved[:4]}"
 
 
@@ -174,30 +227,31 @@ QWEN25_TEMPLATE = (
     "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
     "        {{- messages[0]['content'] }}\n    {%- else %}\n"
     "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n"
-    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are "
-    "provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n    {%- for tool in tools %}\n"
-    "        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n"
-    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are '
+    'provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n    {%- for tool in tools %}\n'
+    '        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n'
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
     "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n"
     "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+    "helpful assistant.<|im_end|>\\n' }}\n"
     "    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n"
-    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or (message.role == "
-    "\"assistant\" and not message.tool_calls) %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == '
+    '"assistant" and not message.tool_calls) %}\n'
     "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
     "    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n"
     "        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n"
     "        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n"
     "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
-    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n            {{- tool_call.name }}\n"
-    "            {{- '\", \"arguments\": ' }}\n            {{- tool_call.arguments | tojson }}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n'
+    '            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n'
     "            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n"
-    "    {%- elif message.role == \"tool\" %}\n"
-    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'
     "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
     "        {{- message.content }}\n        {{- '\\n</tool_response>' }}\n"
-    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
     "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
 )
@@ -207,8 +261,13 @@ QWEN_RESPONSE_TEMPLATE = {
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {
         "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
-        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
-                       "transform": {"type": "function", "function": "{content}"}},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
 }
@@ -221,13 +280,16 @@ def qwen_style_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>",
-                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tok.add_tokens(["<tool_call>", "</tool_call>"])
     tok.chat_template = QWEN25_TEMPLATE
     return tok
-
-
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from lora_grpo.advantages import (
-    EPS, MULTI_OBJECTIVE_AGGREGATIONS, SCALES, group_advantages, multi_objective_advantages, zero_std_fraction,
+    EPS,
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    SCALES,
+    group_advantages,
+    multi_objective_advantages,
+    zero_std_fraction,
 )
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])

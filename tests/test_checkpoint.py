@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL_RUN, assert_same_adapters, make_trainer
 
 import lora_grpo.checkpoint as ckpt
 from lora_grpo.adapters import POLICY, REFERENCE
@@ -16,14 +17,14 @@ from lora_grpo.checkpoint import CheckpointError
 from lora_grpo.failures import StepFailed
 from lora_grpo.rng import rng_state, set_rng_state
 
-from conftest import SMALL_RUN, assert_same_adapters, make_trainer
-
 
 @pytest.fixture(scope="module")
 def saved_run(tiny_base_dir, tmp_path_factory):
     """A finished 2-step run with checkpoint-1 and checkpoint-2 (copied per test before damaging)."""
     root = tmp_path_factory.mktemp("saved")
-    make_trainer(tiny_base_dir, root, quantization="none", max_steps=2, save_steps=1, save_total_limit=5).train()
+    make_trainer(
+        tiny_base_dir, root, quantization="none", max_steps=2, save_steps=1, save_total_limit=5
+    ).train()
     return root / "run"
 
 
@@ -43,11 +44,18 @@ def run_copy(saved_run, tmp_path):
 @pytest.mark.parametrize(
     "damage, match",
     [
-        (lambda c: (c / POLICY / ckpt.ADAPTER_WEIGHTS).write_bytes((c / POLICY / ckpt.ADAPTER_WEIGHTS).read_bytes()[:100]),
-         r"policy/adapter_model.safetensors is damaged or truncated"),
+        (
+            lambda c: (c / POLICY / ckpt.ADAPTER_WEIGHTS).write_bytes(
+                (c / POLICY / ckpt.ADAPTER_WEIGHTS).read_bytes()[:100]
+            ),
+            r"policy/adapter_model.safetensors is damaged or truncated",
+        ),
         (lambda c: (c / ckpt.STATE_BLOBS).write_bytes(b"not a torch file"), r"trainer_state.pt is damaged"),
         (lambda c: (c / ckpt.STATE_JSON).write_text('{"step": 2, "batc'), r"trainer_state.json is damaged"),
-        (lambda c: (c / REFERENCE / ckpt.ADAPTER_WEIGHTS).unlink(), r"missing reference/adapter_model.safetensors"),
+        (
+            lambda c: (c / REFERENCE / ckpt.ADAPTER_WEIGHTS).unlink(),
+            r"missing reference/adapter_model.safetensors",
+        ),
         (lambda c: (c / "config.yaml").unlink(), r"missing config.yaml"),
     ],
     ids=["truncated-adapter", "corrupt-blobs", "truncated-json", "missing-adapter", "missing-config"],
@@ -62,8 +70,11 @@ def test_a_damaged_checkpoint_names_the_file(tiny_base_dir, tmp_path, run_copy, 
 
 @pytest.mark.parametrize(
     "overrides, field",
-    [({"lora_r": 8}, "lora_r"), ({"lora_target_modules": ["q_proj", "v_proj"]}, "lora_target_modules"),
-     ({"ref_rank": 4}, "ref_rank")],
+    [
+        ({"lora_r": 8}, "lora_r"),
+        ({"lora_target_modules": ["q_proj", "v_proj"]}, "lora_target_modules"),
+        ({"ref_rank": 4}, "ref_rank"),
+    ],
 )
 def test_a_checkpoint_of_another_config_is_refused(tiny_base_dir, tmp_path, saved_run, overrides, field):
     with pytest.raises(CheckpointError, match=rf"different config \({field}: checkpoint") as info:
@@ -73,7 +84,9 @@ def test_a_checkpoint_of_another_config_is_refused(tiny_base_dir, tmp_path, save
 
 def test_a_checkpoint_of_another_model_is_refused(tiny_base_dir, tmp_path, run_copy):
     cfg = run_copy / "checkpoint-2" / "config.yaml"
-    cfg.write_text(cfg.read_text().replace(f"model_name_or_path: {tiny_base_dir}", "model_name_or_path: other/model"))
+    cfg.write_text(
+        cfg.read_text().replace(f"model_name_or_path: {tiny_base_dir}", "model_name_or_path: other/model")
+    )
     with pytest.raises(CheckpointError, match=r"model_name_or_path: checkpoint 'other/model'"):
         resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
 
@@ -83,7 +96,9 @@ def test_a_checkpoint_of_another_process_count_is_refused(tiny_base_dir, tmp_pat
     state = json.loads(state_file.read_text())
     state["num_processes"] = 2
     state_file.write_text(json.dumps(state))
-    with pytest.raises(CheckpointError, match=r"saved by 2 process\(es\); this run has 1.*--nproc_per_node 2"):
+    with pytest.raises(
+        CheckpointError, match=r"saved by 2 process\(es\); this run has 1.*--nproc_per_node 2"
+    ):
         resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
 
 
@@ -116,7 +131,9 @@ def test_resume_from_a_run_dir_or_an_adapter_says_what_to_pass(tiny_base_dir, tm
 def test_a_failed_write_keeps_the_previous_checkpoint_and_stops_clearly(
     tiny_base_dir, tmp_path, monkeypatch, failure, where
 ):
-    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=3, save_steps=1, save_total_limit=5)
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, quantization="none", max_steps=3, save_steps=1, save_total_limit=5
+    )
     real_save = ckpt.save_adapter
     calls = {"n": 0}
 
@@ -125,13 +142,21 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_stops_clearly(
         calls["n"] += 1
         fail = calls["n"] == 3 if where == "checkpoint" else path.name == "adapter"
         if fail:
-            raise OSError(failure, errno.errorcode[failure] + ": " + ("No space left on device" if failure == errno.ENOSPC else "Permission denied"))
+            raise OSError(
+                failure,
+                errno.errorcode[failure]
+                + ": "
+                + ("No space left on device" if failure == errno.ENOSPC else "Permission denied"),
+            )
         return real_save(model, path, adapter)
 
     monkeypatch.setattr(ckpt, "save_adapter", failing_save)
-    with pytest.raises(StepFailed, match=r"stopped: the checkpoint raised \w+Error: .*could not write .*the previous checkpoint "
-                                         r".*checkpoint-\d is intact.*the last checkpoint, .*checkpoint-\d, is kept.*"
-                                         r"resume_from_checkpoint='latest'") as info:
+    with pytest.raises(
+        StepFailed,
+        match=r"stopped: the checkpoint raised \w+Error: .*could not write .*the previous checkpoint "
+        r".*checkpoint-\d is intact.*the last checkpoint, .*checkpoint-\d, is kept.*"
+        r"resume_from_checkpoint='latest'",
+    ) as info:
         trainer.train()
     assert info.value.stage == "checkpoint" and info.value.__cause__.errno == failure
     run = tmp_path / "run"
@@ -146,7 +171,12 @@ def test_resume_is_exact_with_a_4bit_base_and_lora_dropout(tiny_base_dir, tmp_pa
     kw = dict(quantization="4bit", lora_dropout=0.2, ref_sync_steps=3, ref_sync_alpha=0.5, max_steps=4)
     full = make_trainer(tiny_base_dir, tmp_path / "a", save_steps=2, **kw)
     full.train()
-    resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"), **kw)
+    resumed = make_trainer(
+        tiny_base_dir,
+        tmp_path / "b",
+        resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"),
+        **kw,
+    )
     resumed.train()
     assert_same_adapters(full.model, resumed.model)
     assert [m["loss"] for m in full.state.log_history] == [m["loss"] for m in resumed.state.log_history]
@@ -163,9 +193,17 @@ def test_each_process_restores_its_own_rng_slot(tiny_base_dir, tmp_path, saved_r
     # Process 1 of 2 must get slot 1 (its own dropout and sampling streams), not process 0's.
     trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none")
     _, blobs = ckpt.load_checkpoint_state(saved_run / "checkpoint-2")
-    other = {**blobs["rng"][0], "torch": torch.manual_seed(123).get_state(), "sampling": torch.Generator().manual_seed(7).get_state()}
+    other = {
+        **blobs["rng"][0],
+        "torch": torch.manual_seed(123).get_state(),
+        "sampling": torch.Generator().manual_seed(7).get_state(),
+    }
     blobs["rng"] = [blobs["rng"][0], other]
-    monkeypatch.setattr(ckpt, "load_checkpoint_state", lambda path: ({"step": 2, "batches": trainer.state.batches.state_dict(), "num_processes": 2}, blobs))
+    monkeypatch.setattr(
+        ckpt,
+        "load_checkpoint_state",
+        lambda path: ({"step": 2, "batches": trainer.state.batches.state_dict(), "num_processes": 2}, blobs),
+    )
     monkeypatch.setattr(ckpt, "check_compatible", lambda *a, **k: None)
     monkeypatch.setattr(type(trainer.accelerator), "process_index", property(lambda self: 1))
     trainer.load_checkpoint(saved_run / "checkpoint-2")
@@ -188,11 +226,17 @@ def test_a_real_full_disk_gives_the_clear_error(tiny_base_dir, tmp_path):
 
     mount = tmp_path / "small"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        trainer = make_trainer(tiny_base_dir, mount, quantization="none", max_steps=3, save_steps=1, save_total_limit=5)
-        with pytest.raises(StepFailed, match=r"could not write checkpoint checkpoint-\d.*No space left.*is intact") as info:
+        trainer = make_trainer(
+            tiny_base_dir, mount, quantization="none", max_steps=3, save_steps=1, save_total_limit=5
+        )
+        with pytest.raises(
+            StepFailed, match=r"could not write checkpoint checkpoint-\d.*No space left.*is intact"
+        ) as info:
             trainer.train()
         assert info.value.__cause__.errno == errno.ENOSPC
         kept = ckpt.list_checkpoints(mount / "run")
@@ -212,8 +256,15 @@ def test_resume_takes_the_configs_learning_rate(tiny_base_dir, tmp_path, saved_r
 def test_resuming_an_earlier_checkpoint_sets_later_ones_aside(tiny_base_dir, tmp_path, run_copy):
     # Resume from checkpoint-1 of a run that went on to checkpoint-2: rotation must keep this run's
     # new checkpoints, and 'latest' must mean this run's.
-    resume(tiny_base_dir, run_copy.parent, run_copy / "checkpoint-1", output_dir=str(run_copy), max_steps=3,
-           save_steps=1, save_total_limit=2)
+    resume(
+        tiny_base_dir,
+        run_copy.parent,
+        run_copy / "checkpoint-1",
+        output_dir=str(run_copy),
+        max_steps=3,
+        save_steps=1,
+        save_total_limit=2,
+    )
     names = sorted(p.name for p in run_copy.iterdir() if p.name.startswith("checkpoint"))
     assert names == ["checkpoint-2", "checkpoint-2.superseded-1", "checkpoint-3"]
 
@@ -255,8 +306,9 @@ def test_a_half_written_log_line_is_dropped_on_resume(tmp_path):
 def test_resume_rewrites_the_metrics_log_from_the_checkpoint(tiny_base_dir, tmp_path):
     make_trainer(tiny_base_dir, tmp_path, **SMALL_RUN, max_steps=4, save_steps=2, save_total_limit=5).train()
     run = tmp_path / "run"
-    make_trainer(tiny_base_dir, tmp_path, **SMALL_RUN, max_steps=4,
-                 resume_from_checkpoint=str(run / "checkpoint-2")).train()
+    make_trainer(
+        tiny_base_dir, tmp_path, **SMALL_RUN, max_steps=4, resume_from_checkpoint=str(run / "checkpoint-2")
+    ).train()
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
 
@@ -265,13 +317,17 @@ def test_target_modules_compare_as_resolved_sets(tiny_base_dir, tmp_path, saved_
     # The saved run used 'all-linear'; the same modules written out (in another order) are the same run.
     import json as _json
 
-    written = sorted(_json.loads((saved_run / "checkpoint-2" / POLICY / ckpt.ADAPTER_CONFIG).read_text())["target_modules"])
+    written = sorted(
+        _json.loads((saved_run / "checkpoint-2" / POLICY / ckpt.ADAPTER_CONFIG).read_text())["target_modules"]
+    )
     summary = resume(tiny_base_dir, tmp_path, saved_run / "checkpoint-2", lora_target_modules=written[::-1])
     assert summary["steps"] == 3
 
 
 def test_misplaced_paths_inside_a_run_say_what_to_pass(tiny_base_dir, tmp_path, saved_run, run_copy):
-    with pytest.raises(CheckpointError, match=r"is the policy adapter inside checkpoint .*checkpoint-2; pass the checkpoint"):
+    with pytest.raises(
+        CheckpointError, match=r"is the policy adapter inside checkpoint .*checkpoint-2; pass the checkpoint"
+    ):
         ckpt.resolve_checkpoint(saved_run / "checkpoint-2" / POLICY, saved_run)
     with pytest.raises(CheckpointError, match=r"is a file; pass a checkpoint-N directory"):
         ckpt.resolve_checkpoint(saved_run / "checkpoint-2" / ckpt.STATE_BLOBS, saved_run)
@@ -299,7 +355,9 @@ def test_saved_adapter_keys_match_peft_when_a_module_is_named_policy(tmp_path):
             return self.norm(self.policy(x))
 
     torch.manual_seed(0)
-    model = get_peft_model(Net(), LoraConfig(r=2, target_modules=["policy.0"], init_lora_weights=False), adapter_name=POLICY)
+    model = get_peft_model(
+        Net(), LoraConfig(r=2, target_modules=["policy.0"], init_lora_weights=False), adapter_name=POLICY
+    )
     ckpt.save_adapter(model, tmp_path / "a", POLICY)
     from safetensors.torch import load_file
 
@@ -332,7 +390,9 @@ class _CreatesAFile:
 
 
 # Failed before the fix (a): trainer_state.pt was read with weights_only=False, so a payload ran on resume.
-def test_a_checkpoint_whose_pickle_would_run_code_is_refused_without_running_it(tiny_base_dir, tmp_path, run_copy):
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_without_running_it(
+    tiny_base_dir, tmp_path, run_copy
+):
     marker = tmp_path / "payload-ran"
     _rewrite_blobs(run_copy / "checkpoint-2", lambda blobs: blobs.update(extra=_CreatesAFile(marker)))
     with pytest.raises(CheckpointError) as info:
@@ -350,20 +410,34 @@ def test_trainer_state_is_read_onto_the_cpu_with_weights_only(saved_run, monkeyp
     monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k) or real_load(*a, **k))
     _, blobs = ckpt.load_checkpoint_state(saved_run / "checkpoint-2")
     assert calls == [{"map_location": "cpu", "weights_only": True}]
-    assert isinstance(blobs["rng"][0]["numpy"][1], list)  # stored as plain ints: nothing of NumPy's to unpickle
+    assert isinstance(
+        blobs["rng"][0]["numpy"][1], list
+    )  # stored as plain ints: nothing of NumPy's to unpickle
 
 
 def test_optimizer_states_go_to_their_parameters_device_but_step_stays():
     # bitsandbytes' 8-bit optimizers only cast loaded states; torch keeps 'step' on the CPU unless fused.
     params = [torch.nn.Parameter(torch.zeros(3, device="meta")), torch.nn.Parameter(torch.zeros(2))]
     optimizer = torch.optim.AdamW(params)
-    saved = {"param_groups": [{"params": [0, 1]}],
-             "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(3),
-                           "__bnb_optimizer_quant_state__": {"state1": torch.ones(3)}},
-                       1: {"step": 3, "exp_avg": torch.ones(2)}}}
+    saved = {
+        "param_groups": [{"params": [0, 1]}],
+        "state": {
+            0: {
+                "step": torch.tensor(3.0),
+                "exp_avg": torch.ones(3),
+                "__bnb_optimizer_quant_state__": {"state1": torch.ones(3)},
+            },
+            1: {"step": 3, "exp_avg": torch.ones(2)},
+        },
+    }
     moved = ckpt.optimizer_state_on_devices(saved, optimizer)
-    assert moved["state"][0]["exp_avg"].is_meta and moved["state"][0]["__bnb_optimizer_quant_state__"]["state1"].is_meta
-    assert moved["state"][0]["step"].device.type == "cpu" and moved["state"][1]["exp_avg"].device.type == "cpu"
+    assert (
+        moved["state"][0]["exp_avg"].is_meta
+        and moved["state"][0]["__bnb_optimizer_quant_state__"]["state1"].is_meta
+    )
+    assert (
+        moved["state"][0]["step"].device.type == "cpu" and moved["state"][1]["exp_avg"].device.type == "cpu"
+    )
     assert saved["state"][0]["exp_avg"].device.type == "cpu"  # the loaded dict is not changed in place
 
 
@@ -373,11 +447,14 @@ def _cuda_generator_state(seed: int = 1234, offset: int = 96) -> torch.Tensor:
 
 
 # Failed before the fix (defect 4): "Expected a CPUGeneratorImplState of size 5056 but found 16".
-def test_a_sampling_state_saved_on_cuda_resumes_on_a_cpu_reseeded_deterministically(tiny_base_dir, tmp_path, run_copy,
-                                                                                     caplog):
+def test_a_sampling_state_saved_on_cuda_resumes_on_a_cpu_reseeded_deterministically(
+    tiny_base_dir, tmp_path, run_copy, caplog
+):
     from lora_grpo.rng import restore_sampling
 
-    _rewrite_blobs(run_copy / "checkpoint-2", lambda blobs: blobs["rng"][0].update(sampling=_cuda_generator_state()))
+    _rewrite_blobs(
+        run_copy / "checkpoint-2", lambda blobs: blobs["rng"][0].update(sampling=_cuda_generator_state())
+    )
     states = []
     for attempt in ("a", "b"):
         trainer = make_trainer(tiny_base_dir, tmp_path / attempt, quantization="none", max_steps=3)
@@ -393,7 +470,9 @@ def test_a_sampling_state_saved_on_cuda_resumes_on_a_cpu_reseeded_deterministica
     assert restore_sampling(other, _cuda_generator_state(), seed=0, process_index=0, step=3) is not None
     assert not torch.equal(other.get_state(), states[0])
     same = torch.Generator()
-    assert restore_sampling(same, states[0], seed=0, process_index=0, step=2) is None  # a CPU state: restored as is
+    assert (
+        restore_sampling(same, states[0], seed=0, process_index=0, step=2) is None
+    )  # a CPU state: restored as is
     assert torch.equal(same.get_state(), states[0])
 
 
@@ -402,7 +481,9 @@ def test_fewer_visible_gpus_than_at_save_time_restore_the_ones_there(monkeypatch
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((state, device)))
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((state, device))
+    )
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", list)
     state = {**rng_state(), "cuda": ["state of cuda:0", "state of cuda:1"]}
     with caplog.at_level("WARNING", logger="lora_grpo.rng"):
@@ -412,8 +493,12 @@ def test_fewer_visible_gpus_than_at_save_time_restore_the_ones_there(monkeypatch
 
 
 def test_an_older_checkpoint_with_a_numpy_array_rng_state_still_loads(saved_run, run_copy):
-    _rewrite_blobs(run_copy / "checkpoint-2", lambda blobs: blobs["rng"][0].update(numpy=np.random.get_state()))
-    _, blobs = ckpt.load_checkpoint_state(run_copy / "checkpoint-2")  # NumPy's array globals are allowed, nothing else
+    _rewrite_blobs(
+        run_copy / "checkpoint-2", lambda blobs: blobs["rng"][0].update(numpy=np.random.get_state())
+    )
+    _, blobs = ckpt.load_checkpoint_state(
+        run_copy / "checkpoint-2"
+    )  # NumPy's array globals are allowed, nothing else
     expected = np.random.rand()
     set_rng_state(blobs["rng"][0])
     assert np.random.rand() == expected
@@ -424,7 +509,11 @@ def test_resume_is_exact_with_an_8bit_optimizer(tiny_base_dir, tmp_path):
     kw = dict(quantization="none", optimizer="adamw_8bit", max_steps=3)
     full = make_trainer(tiny_base_dir, tmp_path / "a", save_steps=2, **kw)
     full.train()
-    resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"),
-                           **kw)
+    resumed = make_trainer(
+        tiny_base_dir,
+        tmp_path / "b",
+        resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"),
+        **kw,
+    )
     resumed.train()
     assert_same_adapters(full.model, resumed.model)

@@ -10,8 +10,14 @@ from lora_grpo.config import ConfigError, GRPOConfig
 
 @pytest.fixture
 def recipe(tiny_base_dir, tmp_path):
-    return write_recipe(tmp_path, tiny_base_dir, reward_funcs=["accuracy", {"name": "length", "kwargs": {"target_length": 2}}],
-                        max_steps=2, save_steps=0, learning_rate=1e-3)
+    return write_recipe(
+        tmp_path,
+        tiny_base_dir,
+        reward_funcs=["accuracy", {"name": "length", "kwargs": {"target_length": 2}}],
+        max_steps=2,
+        save_steps=0,
+        learning_rate=1e-3,
+    )
 
 
 def test_train_from_recipe_with_overrides(recipe, tmp_path, capsys):
@@ -55,7 +61,9 @@ def test_plot_and_merge(recipe, tmp_path, tiny_base_dir):
     assert main(["merge", str(run / "adapter"), "--recipe", str(recipe), "--out", str(out)]) == 0
     x = torch.tensor([[5, 6, 7, 8]])
     merged = AutoModelForCausalLM.from_pretrained(out)
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(run / "adapter"))
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(run / "adapter")
+    )
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=x).logits, peft(input_ids=x).logits, rtol=0, atol=1e-5)
 
@@ -113,7 +121,9 @@ def test_recipes_name_prints_the_recipe_to_copy(capsys):
 # ------------------------------------------------------------------ eval and merge of what a run leaves
 
 
-def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_the_policy(tiny_base_dir, tmp_path, capsys):
+def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_the_policy(
+    tiny_base_dir, tmp_path, capsys
+):
     import re
 
     from peft import PeftModel
@@ -123,13 +133,24 @@ def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_
     from lora_grpo.config import GRPOConfig as Config
     from lora_grpo.model import load_base_model, load_tokenizer
 
-    recipe = write_recipe(tmp_path, tiny_base_dir, quantization="4bit", max_steps=2, save_steps=1, learning_rate=5e-2,
-                          eval_on_start=False, eval_on_end=False)
+    recipe = write_recipe(
+        tmp_path,
+        tiny_base_dir,
+        quantization="4bit",
+        max_steps=2,
+        save_steps=1,
+        learning_rate=5e-2,
+        eval_on_start=False,
+        eval_on_end=False,
+    )
     assert main(["train", str(recipe)]) == 0
     run = tmp_path / "run"
     capsys.readouterr()
     assert main(["eval", str(run / "checkpoint-1"), "--recipe", str(recipe)]) == 0
-    assert f"lora-grpo: evaluated the policy adapter of checkpoint {run / 'checkpoint-1'}" in capsys.readouterr().err
+    assert (
+        f"lora-grpo: evaluated the policy adapter of checkpoint {run / 'checkpoint-1'}"
+        in capsys.readouterr().err
+    )
     assert main(["eval", str(run), "--recipe", str(recipe)]) == 0
     assert f"lora-grpo: evaluated the final adapter of the run {run}" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
@@ -138,17 +159,28 @@ def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_
 
     gaps = {}
     for base in ("trained", "full"):
-        assert main(["merge", str(run), "--recipe", str(recipe), "--out", str(tmp_path / base), "--base", base]) == 0
+        assert (
+            main(["merge", str(run), "--recipe", str(recipe), "--out", str(tmp_path / base), "--base", base])
+            == 0
+        )
         line = capsys.readouterr().out
-        assert ("the dequantised 4bit base it was trained on" if base == "trained" else "the original weights") in line
-        gaps[base] = float(re.search(r"differ from the trained policy's by at most (\S+) on 3 prompts", line).group(1))
+        assert (
+            "the dequantised 4bit base it was trained on" if base == "trained" else "the original weights"
+        ) in line
+        gaps[base] = float(
+            re.search(r"differ from the trained policy's by at most (\S+) on 3 prompts", line).group(1)
+        )
     # Checked independently: the policy as trained (4-bit base + adapter) against each saved merged model.
     config = Config(model_name_or_path=tiny_base_dir, quantization="4bit")
     policy = PeftModel.from_pretrained(load_base_model(config), str(run / "adapter")).eval()
     tokenizer = load_tokenizer(config)
     prompts = ["12+7=", "Question: what is 3 + 4? Answer:", "The capital of France is"]
-    measured = {base: largest_logit_difference(policy, AutoModelForCausalLM.from_pretrained(tmp_path / base).eval(),
-                                               tokenizer, prompts) for base in gaps}
+    measured = {
+        base: largest_logit_difference(
+            policy, AutoModelForCausalLM.from_pretrained(tmp_path / base).eval(), tokenizer, prompts
+        )
+        for base in gaps
+    }
     assert measured["trained"] < 1e-4 < measured["full"]  # what you trained is what you get, by default
     assert gaps["trained"] == pytest.approx(measured["trained"], abs=1e-5)
     assert gaps["full"] == pytest.approx(measured["full"], rel=1e-2)

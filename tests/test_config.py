@@ -12,8 +12,16 @@ BASE = dict(model_name_or_path="some/model")
 
 
 def test_design_md_example_constructs():
-    c = GRPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", quantization="4bit", lora_r=16,
-                   num_generations=8, beta=0.04, ref_sync_steps=64, ref_sync_alpha=0.6, ref_sync_mode="exact")
+    c = GRPOConfig(
+        model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct",
+        quantization="4bit",
+        lora_r=16,
+        num_generations=8,
+        beta=0.04,
+        ref_sync_steps=64,
+        ref_sync_alpha=0.6,
+        ref_sync_mode="exact",
+    )
     assert c.ref_rank == 32 and c.generation_batch == 64 and c.sync_enabled
 
 
@@ -23,7 +31,11 @@ def test_every_field_has_help():
 
 
 def test_yaml_round_trip(tmp_path):
-    c = GRPOConfig(**BASE, learning_rate=3e-5, reward_funcs=["format", {"name": "length", "kwargs": {"target_length": 9}}])
+    c = GRPOConfig(
+        **BASE,
+        learning_rate=3e-5,
+        reward_funcs=["format", {"name": "length", "kwargs": {"target_length": 9}}],
+    )
     path = tmp_path / "c.yaml"
     c.to_yaml(path)
     assert GRPOConfig.from_yaml(path) == c
@@ -44,7 +56,10 @@ def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"generation_batch_size": 30, "num_generations": 8}, "generation_batch_size=30 is not divisible by num_generations=8"),
+        (
+            {"generation_batch_size": 30, "num_generations": 8},
+            "generation_batch_size=30 is not divisible by num_generations=8",
+        ),
         ({"num_generations": 1}, "num_generations=1"),
         ({"loss_type": "dappo"}, r"loss_type='dappo'.*did you mean 'dapo'"),
         ({"quantization": "4-bit"}, "quantization"),
@@ -88,8 +103,10 @@ def test_config_names_the_options_of_the_math_tables():
     from lora_grpo import advantages, loss, reference
 
     tables = {
-        "LOSS_TYPES": loss.LOSS_TYPES, "IMPORTANCE_SAMPLING": loss.IMPORTANCE_SAMPLING,
-        "SCALES": advantages.SCALES, "SYNC_MODES": reference.SYNC_MODES,
+        "LOSS_TYPES": loss.LOSS_TYPES,
+        "IMPORTANCE_SAMPLING": loss.IMPORTANCE_SAMPLING,
+        "SCALES": advantages.SCALES,
+        "SYNC_MODES": reference.SYNC_MODES,
     }
     for name, table in tables.items():
         assert getattr(config_module, name) == tuple(table), name
@@ -118,7 +135,9 @@ def test_field_help_carries_the_default():
 
 def _fresh_import(modules: str, absent: tuple[str, ...]) -> None:
     check = f"import sys, {modules}; loaded = [m for m in {absent!r} if m in sys.modules]; assert not loaded, loaded"
-    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -128,5 +147,7 @@ def test_config_imports_without_torch():
 
 
 def test_math_modules_import_without_yaml_or_transformers():
-    _fresh_import("lora_grpo.loss, lora_grpo.advantages, lora_grpo.logprobs, lora_grpo.reference",
-                  ("yaml", "transformers"))
+    _fresh_import(
+        "lora_grpo.loss, lora_grpo.advantages, lora_grpo.logprobs, lora_grpo.reference",
+        ("yaml", "transformers"),
+    )

@@ -89,21 +89,28 @@ def test_messages_column_with_chat_template(tokenizer):
     assert sorted(ds.column_names) == ["answer", "prompt", "prompt_messages"]
     ds = load_prompt_dataset(rows, tokenizer=tokenizer, system_prompt="Think.")
     assert ds["prompt"] == ["system: Think.\nuser: 2+2?\nassistant: "]
-    assert ds[PROMPT_MESSAGES] == [[{"role": "system", "content": "Think."}, *rows[0]["messages"]]]  # as prompted
+    assert ds[PROMPT_MESSAGES] == [
+        [{"role": "system", "content": "Think."}, *rows[0]["messages"]]
+    ]  # as prompted
 
 
 def test_prompt_messages_only_for_chat_prompts(tokenizer):
     chat = [{"role": "system", "content": "old"}, {"role": "user", "content": "hi"}]
     ds = load_prompt_dataset([{"prompt": chat, "id": 7}], tokenizer=tokenizer, system_prompt="new")
     assert ds.column_names == ["id", "prompt", "prompt_messages"]
-    assert ds[0] == {"id": 7, "prompt": "system: new\nuser: hi\nassistant: ",
-                     "prompt_messages": [{"role": "system", "content": "new"}, chat[1]]}
+    assert ds[0] == {
+        "id": 7,
+        "prompt": "system: new\nuser: hi\nassistant: ",
+        "prompt_messages": [{"role": "system", "content": "new"}, chat[1]],
+    }
     # A messages column that is not the prompt's source (the template wins) stays a plain column.
     rows = [{"messages": chat, "question": "t"}]
     ds = load_prompt_dataset(rows, prompt_template="{question}!", tokenizer=tokenizer)
     assert sorted(ds.column_names) == ["messages", "prompt", "question"] and ds["messages"] == [chat]
     # Text prompts (even wrapped by use_chat_template) are not conversational; a stale column goes.
-    ds = load_prompt_dataset([{"prompt": "q", PROMPT_MESSAGES: "stale"}], tokenizer=tokenizer, use_chat_template=True)
+    ds = load_prompt_dataset(
+        [{"prompt": "q", PROMPT_MESSAGES: "stale"}], tokenizer=tokenizer, use_chat_template=True
+    )
     assert ds.column_names == ["prompt"] and ds["prompt"] == ["user: q\nassistant: "]
     # A chat prompt_column other than "prompt" is consumed too.
     ds = load_prompt_dataset([{"conv": chat[1:], "a": 1}], prompt_column="conv", tokenizer=tokenizer)
@@ -173,11 +180,17 @@ def test_chat_dataset_without_chat_template_names_column_and_fix():
     [
         ([{"prompt": "a"}, {"prompt": ""}, {"prompt": "b"}, {"prompt": None}], "prompt", 2, "[1, 3]"),
         ([{"q": "a"}] + [{"q": None}] * 12, "q", 12, "[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ...]"),
-        ([{"messages": [{"role": "user", "content": "q"}]}, {"messages": None}, {"messages": []}],
-         "messages", 2, "[1, 2]"),
+        (
+            [{"messages": [{"role": "user", "content": "q"}]}, {"messages": None}, {"messages": []}],
+            "messages",
+            2,
+            "[1, 2]",
+        ),
     ],
 )
-def test_empty_or_none_prompts_fail_at_load_naming_column_rows_and_fix(tokenizer, rows, column, n_bad, bad_rows):
+def test_empty_or_none_prompts_fail_at_load_naming_column_rows_and_fix(
+    tokenizer, rows, column, n_bad, bad_rows
+):
     with pytest.raises(ValueError) as info:
         load_prompt_dataset(rows, prompt_column="q" if column == "q" else "prompt", tokenizer=tokenizer)
     msg = str(info.value)
@@ -258,7 +271,9 @@ def test_batches_no_shuffle_and_num_epochs():
 
 def test_batches_exact_fit_and_too_small():
     assert _take(PromptBatches(_ds(4), 4, shuffle=False), 2) == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]
-    with pytest.raises(ValueError, match=r"3 rows \(per process, under several\), fewer than one batch of prompts_per_step=4"):
+    with pytest.raises(
+        ValueError, match=r"3 rows \(per process, under several\), fewer than one batch of prompts_per_step=4"
+    ):
         PromptBatches(_ds(3), 4)
 
 
@@ -281,7 +296,9 @@ def test_state_dict_position_and_mismatch_errors():
     assert batches.state_dict() == {"epoch": 0, "index": 0, "seed": 0, "num_rows": 7, "prompts_per_step": 3}
     _take(batches, 2)  # the 7th row is dropped: the next batch starts epoch 1
     assert (batches.state_dict()["epoch"], batches.state_dict()["index"]) == (1, 0)
-    with pytest.raises(ValueError, match=r"ordered its prompts with seed=0, this run has seed=1.*resume with seed=0"):
+    with pytest.raises(
+        ValueError, match=r"ordered its prompts with seed=0, this run has seed=1.*resume with seed=0"
+    ):
         PromptBatches(_ds(7), 3, seed=1).load_state_dict(batches.state_dict())
     # issue 17: a resumed run whose dataset changed length is told what happened and the ways on
     with pytest.raises(ValueError) as info:
@@ -303,8 +320,9 @@ def test_prompt_only_dataset_keeps_its_rows():
 def _config(**fields):
     from lora_grpo import GRPOConfig
 
-    return GRPOConfig(**{"model_name_or_path": "x", "prompts_per_step": 2, "num_generations": 2, "max_steps": 3,
-                         **fields})
+    return GRPOConfig(
+        **{"model_name_or_path": "x", "prompts_per_step": 2, "num_generations": 2, "max_steps": 3, **fields}
+    )
 
 
 def _resolve(train, eval_=None, tokenizer=None, **fields):
@@ -315,28 +333,45 @@ def _resolve(train, eval_=None, tokenizer=None, **fields):
 
 def test_an_empty_train_or_eval_dataset_is_named_with_the_fix():
     empty = datasets.Dataset.from_dict({"prompt": []})
-    with pytest.raises(ValueError, match=r"^train_dataset: the prompt dataset from Dataset is empty: check its file"):
+    with pytest.raises(
+        ValueError, match=r"^train_dataset: the prompt dataset from Dataset is empty: check its file"
+    ):
         _resolve(empty)
-    with pytest.raises(ValueError, match=r"^eval_dataset: .* is empty.*leave eval_dataset unset to train without evaluation"):
+    with pytest.raises(
+        ValueError, match=r"^eval_dataset: .* is empty.*leave eval_dataset unset to train without evaluation"
+    ):
         _resolve([{"prompt": "a"}, {"prompt": "b"}], empty)
     with pytest.raises(ValueError, match=r"^eval_dataset: .* from list is empty"):
         _resolve([{"prompt": "a"}], [])
 
 
 def test_no_prompt_column_names_the_dataset():
-    with pytest.raises(ValueError, match=r"^eval_dataset: cannot find the prompts: no column 'prompt'.*\['q'\]"):
+    with pytest.raises(
+        ValueError, match=r"^eval_dataset: cannot find the prompts: no column 'prompt'.*\['q'\]"
+    ):
         _resolve([{"prompt": "a"}], [{"q": "b"}])
 
 
-@pytest.mark.parametrize("rows, column, problem", [
-    ([{"messages": [{"content": "hi"}]}], "messages", "its message 0 has no 'role' ({'content': 'hi'})"),
-    ([{"messages": [{"role": "user", "content": "q"}]}, {"messages": [{"role": "user"}]}], "messages",
-     "its message 0 has no 'content' ({'role': 'user', 'content': None})"),  # datasets fills a missing key with None
-    ([{"prompt": [{"role": "", "content": "q"}]}], "prompt", "its message 0 has an empty 'role'"),
-    ([{"messages": [{"role": "system", "content": "s"}, {"role": None, "content": "q"}]}], "messages",
-     "its message 1 has no 'role'"),
-])
-def test_chat_messages_without_role_or_content_name_the_message_and_a_filter_that_works(tokenizer, rows, column, problem):
+@pytest.mark.parametrize(
+    "rows, column, problem",
+    [
+        ([{"messages": [{"content": "hi"}]}], "messages", "its message 0 has no 'role' ({'content': 'hi'})"),
+        (
+            [{"messages": [{"role": "user", "content": "q"}]}, {"messages": [{"role": "user"}]}],
+            "messages",
+            "its message 0 has no 'content' ({'role': 'user', 'content': None})",
+        ),  # datasets fills a missing key with None
+        ([{"prompt": [{"role": "", "content": "q"}]}], "prompt", "its message 0 has an empty 'role'"),
+        (
+            [{"messages": [{"role": "system", "content": "s"}, {"role": None, "content": "q"}]}],
+            "messages",
+            "its message 1 has no 'role'",
+        ),
+    ],
+)
+def test_chat_messages_without_role_or_content_name_the_message_and_a_filter_that_works(
+    tokenizer, rows, column, problem
+):
     with pytest.raises(ValueError) as info:
         load_prompt_dataset(rows, tokenizer=tokenizer)
     msg = str(info.value)
@@ -345,19 +380,25 @@ def test_chat_messages_without_role_or_content_name_the_message_and_a_filter_tha
 
     bad = int(re.search(r"(\d+) of \d+ rows do not", msg).group(1))
     keep = msg.split("ds.filter(lambda row: ", 1)[1][:-1]  # up to the closing parenthesis
-    kept = datasets.Dataset.from_list(rows).filter(eval(f"lambda row: {keep}"))  # the filter the message gives
+    kept = datasets.Dataset.from_list(rows).filter(
+        eval(f"lambda row: {keep}")
+    )  # the filter the message gives
     assert len(kept) == len(rows) - bad  # drops exactly the bad rows
     if len(kept):
         assert len(load_prompt_dataset(kept, tokenizer=tokenizer)) == len(kept)
 
 
 def test_a_streamed_dataset_is_read_once_the_rows_the_run_needs():
-    stream = datasets.Dataset.from_list([{"prompt": f"p{i}", "i": i} for i in range(100)]).to_iterable_dataset()
+    stream = datasets.Dataset.from_list(
+        [{"prompt": f"p{i}", "i": i} for i in range(100)]
+    ).to_iterable_dataset()
     train, _ = _resolve(stream)  # max_steps 3 × prompts_per_step 2
     assert isinstance(train, datasets.Dataset) and train["i"] == list(range(6))
     train, _ = _resolve(stream, steps_per_generation=2, max_steps=4)  # 2 rollouts of 4 prompts
     assert len(train) == 8
-    short = datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}]).to_iterable_dataset()
+    short = datasets.Dataset.from_list(
+        [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}]
+    ).to_iterable_dataset()
     assert len(_resolve(short)[0]) == 3  # a stream that ends sooner: its rows, visited in epochs
     held_out = datasets.IterableDatasetDict({"test": stream})
     assert _resolve(stream, held_out, eval_limit=5)[1]["i"] == list(range(5))
@@ -365,11 +406,17 @@ def test_a_streamed_dataset_is_read_once_the_rows_the_run_needs():
 
 def test_a_streamed_dataset_without_a_bound_is_refused_clearly():
     stream = datasets.Dataset.from_list([{"prompt": "a"}] * 4).to_iterable_dataset()
-    with pytest.raises(ValueError, match=r"^train_dataset is a streamed IterableDataset, which has no length.*set max_steps"):
+    with pytest.raises(
+        ValueError, match=r"^train_dataset is a streamed IterableDataset, which has no length.*set max_steps"
+    ):
         _resolve(stream, max_steps=0)
-    with pytest.raises(ValueError, match=r"^eval_dataset is a streamed IterableDataset, which may never end: set eval_limit"):
+    with pytest.raises(
+        ValueError, match=r"^eval_dataset is a streamed IterableDataset, which may never end: set eval_limit"
+    ):
         _resolve([{"prompt": "a"}], stream)
     with pytest.raises(ValueError, match=r"^train_dataset: .* is empty"):
         _resolve(datasets.Dataset.from_list([{"prompt": "a"}]).to_iterable_dataset().filter(lambda r: False))
-    with pytest.raises(TypeError, match=r"streamed datasets\.IterableDataset has no length: pass it to GRPOTrainer"):
+    with pytest.raises(
+        TypeError, match=r"streamed datasets\.IterableDataset has no length: pass it to GRPOTrainer"
+    ):
         load_prompt_dataset(stream)  # the loader alone does not guess how many rows to read

@@ -12,7 +12,13 @@ from lora_grpo import device as device_module
 from lora_grpo.device import auto_dtype, compile_pays, native_bf16, now, place_model
 from lora_grpo.model import resolve_dtype
 
-GPUS = {"Tesla V100": (7, 0), "Tesla T4": (7, 5), "NVIDIA A100": (8, 0), "NVIDIA H200": (9, 0), "Tesla P100": (6, 0)}
+GPUS = {
+    "Tesla V100": (7, 0),
+    "Tesla T4": (7, 5),
+    "NVIDIA A100": (8, 0),
+    "NVIDIA H200": (9, 0),
+    "Tesla P100": (6, 0),
+}
 CUDA = torch.device("cuda", 0)
 
 
@@ -34,15 +40,25 @@ def gpu(monkeypatch):
 # ------------------------------------------------------------------------------ dtype
 # Failed before the fix (defect 3): torch_dtype auto took torch.cuda.is_bf16_supported(), which counts
 # emulation, and gave bf16 to a T4.
-@pytest.mark.parametrize("name, expected", [("Tesla T4", torch.float32), ("Tesla V100", torch.float32),
-                                            ("NVIDIA A100", torch.bfloat16), ("NVIDIA H200", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("Tesla T4", torch.float32),
+        ("Tesla V100", torch.float32),
+        ("NVIDIA A100", torch.bfloat16),
+        ("NVIDIA H200", torch.bfloat16),
+    ],
+)
 def test_auto_dtype_is_bfloat16_only_where_the_gpu_computes_it_natively(gpu, caplog, name, expected):
     gpu(name)
     assert native_bf16() == (expected == torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="lora_grpo.model"):
         assert resolve_dtype("auto") == expected
     [line] = [r for r in caplog.records if r.name == "lora_grpo.model"]
-    assert f"torch_dtype auto → {str(expected).removeprefix('torch.')}" in line.getMessage() and name in line.getMessage()
+    assert (
+        f"torch_dtype auto → {str(expected).removeprefix('torch.')}" in line.getMessage()
+        and name in line.getMessage()
+    )
     # float32 on a GPU is worth a warning: the user asked for "auto" and gets the slow dtype
     assert line.levelno == (logging.WARNING if expected == torch.float32 else logging.INFO)
 
@@ -60,12 +76,16 @@ def test_an_explicit_bfloat16_on_a_gpu_without_native_bf16_is_warned_about(gpu, 
 
 
 # ------------------------------------------------------------------------------ compiling
-@pytest.mark.parametrize("name, dtype, pays", [
-    ("NVIDIA H200", torch.bfloat16, True), ("NVIDIA A100", torch.bfloat16, True),
-    ("Tesla T4", torch.float32, True),  # Triton serves sm_75 in float32
-    ("Tesla T4", torch.bfloat16, False),  # but not emulated bf16: inductor would skip the frame
-    ("Tesla P100", torch.float32, False),  # older than Triton
-])
+@pytest.mark.parametrize(
+    "name, dtype, pays",
+    [
+        ("NVIDIA H200", torch.bfloat16, True),
+        ("NVIDIA A100", torch.bfloat16, True),
+        ("Tesla T4", torch.float32, True),  # Triton serves sm_75 in float32
+        ("Tesla T4", torch.bfloat16, False),  # but not emulated bf16: inductor would skip the frame
+        ("Tesla P100", torch.float32, False),  # older than Triton
+    ],
+)
 def test_compiling_the_decode_step_pays_only_where_triton_serves_the_gpu_and_dtype(gpu, name, dtype, pays):
     gpu(name)
     chosen, why = compile_pays(CUDA, dtype)
@@ -100,8 +120,10 @@ def test_sync_seconds_come_from_the_synchronised_clock(monkeypatch):
     from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
 
     tok = make_tokenizer()
-    model = attach_adapters(make_tiny_model(tok, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, seed=0),
-                            GRPOConfig(model_name_or_path="tiny", lora_r=2, lora_alpha=4, gradient_checkpointing=False))
+    model = attach_adapters(
+        make_tiny_model(tok, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, seed=0),
+        GRPOConfig(model_name_or_path="tiny", lora_r=2, lora_alpha=4, gradient_checkpointing=False),
+    )
     reads = []
     monkeypatch.setattr(reference, "now", lambda device: reads.append(device) or 10.0 * len(reads))
     metrics = reference.sync_reference(model, 0.5, "exact")
@@ -126,7 +148,11 @@ def test_place_model_refuses_a_4bit_model_on_another_device_saying_how_to_load_i
     with pytest.raises(ValueError) as e:
         place_model(model, CUDA)
     text = str(e.value)
-    assert "4-bit (bitsandbytes) on cpu" in text and "trains on cuda:0" in text and "device_map={'': 'cuda:0'}" in text
+    assert (
+        "4-bit (bitsandbytes) on cpu" in text
+        and "trains on cuda:0" in text
+        and "device_map={'': 'cuda:0'}" in text
+    )
     assert "model_name_or_path" in text
     assert all(p.device.type == "cpu" for p in model.parameters())  # untouched
 
@@ -168,7 +194,9 @@ def test_use_cpu_on_a_gpu_machine_gets_float32_and_the_cpu_device_map(gpu, monke
 def test_accelerates_mixed_precision_is_honoured_as_bfloat16_or_refused_by_name():
     from lora_grpo.device import mixed_precision_dtype
 
-    assert mixed_precision_dtype("no", "auto") == "auto" and mixed_precision_dtype(None, "float32") == "float32"
+    assert (
+        mixed_precision_dtype("no", "auto") == "auto" and mixed_precision_dtype(None, "float32") == "float32"
+    )
     assert mixed_precision_dtype("bf16", "auto") == mixed_precision_dtype("bf16", "bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match="mixed_precision=bf16 and torch_dtype=float32 disagree"):
         mixed_precision_dtype("bf16", "float32")
@@ -177,12 +205,15 @@ def test_accelerates_mixed_precision_is_honoured_as_bfloat16_or_refused_by_name(
 
 
 def test_the_trainer_reads_accelerates_mixed_precision(tiny_base_dir, tmp_path, monkeypatch):
+    from accelerate.state import AcceleratorState
     from conftest import make_trainer
 
-    from accelerate.state import AcceleratorState
-
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate launch --mixed_precision fp16` sets
-    AcceleratorState._reset_state(reset_partial_state=True)  # accelerate reads it once per process: as a fresh one
+    monkeypatch.setenv(
+        "ACCELERATE_MIXED_PRECISION", "fp16"
+    )  # what `accelerate launch --mixed_precision fp16` sets
+    AcceleratorState._reset_state(
+        reset_partial_state=True
+    )  # accelerate reads it once per process: as a fresh one
     try:
         with pytest.raises(ValueError, match="mixed_precision=fp16 is not supported"):
             make_trainer(tiny_base_dir, tmp_path, quantization="none")

@@ -1,5 +1,5 @@
-"""Two processes (torchrun, CPU, gloo; what `accelerate launch` starts on GPUs): gradients are averaged, so both processes
-hold identical policy and reference adapters after training, though each sampled its own prompts."""
+"""Two processes (torchrun, CPU, gloo; what `accelerate launch` starts on GPUs): gradients are averaged,
+so both processes hold identical policy and reference adapters after training, though each sampled its own prompts."""
 
 import json
 import textwrap
@@ -28,7 +28,8 @@ SCRIPT = PRELUDE + textwrap.dedent(
     t.train()
     rank = t.accelerator.process_index
     sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
-    json.dump({"prompts": list(t.train_dataset["prompt"]), "sums": sums, "history": t.state.log_history}, open(f"{out}/rank{rank}.json", "w"))
+    record = {"prompts": list(t.train_dataset["prompt"]), "sums": sums, "history": t.state.log_history}
+    json.dump(record, open(f"{out}/rank{rank}.json", "w"))
     """
 )
 
@@ -62,8 +63,10 @@ RESUME_SCRIPT = PRELUDE + textwrap.dedent(
     full = run(out + "/full", save_steps=1, save_total_limit=5)
     resumed = run(out + "/resumed", save_steps=0, resume_from_checkpoint=out + "/full/checkpoint-1")
     rank = full.accelerator.process_index
-    same = all(torch.equal(p, q) for (_, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()))
-    json.dump({"same": same, "loss": [[m["loss"] for m in t.state.log_history] for t in (full, resumed)]}, open(f"{out}/resume{rank}.json", "w"))
+    pairs = zip(full.model.named_parameters(), resumed.model.named_parameters())
+    same = all(torch.equal(p, q) for (_, p), (_, q) in pairs)
+    loss = [[m["loss"] for m in t.state.log_history] for t in (full, resumed)]
+    json.dump({"same": same, "loss": loss}, open(f"{out}/resume{rank}.json", "w"))
     """
 )
 

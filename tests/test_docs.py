@@ -3,12 +3,12 @@ site), error hints whose commands exist, local modules found from the current di
 subcommand, and the documentation site building without a warning."""
 
 import ast
-import shlex
 import doctest
 import importlib.util
 import inspect
 import json
 import re
+import shlex
 import subprocess
 import sys
 import uuid

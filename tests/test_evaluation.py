@@ -8,6 +8,15 @@ from fractions import Fraction
 
 import pytest
 import torch
+from conftest import (
+    PROMPTS,
+    assert_same_adapters,
+    digit_share,
+    has_digit,
+    make_trainer,
+    run_torchrun,
+    write_recipe,
+)
 
 from lora_grpo import GRPOConfig
 from lora_grpo.cli import main
@@ -20,8 +29,6 @@ from lora_grpo.evaluation import (
     mean_pass_at_k,
     pass_at_k,
 )
-
-from conftest import PROMPTS, assert_same_adapters, digit_share, has_digit, make_trainer, run_torchrun, write_recipe
 
 
 def exact_pass_at_k(n, c, k):
@@ -36,7 +43,9 @@ def test_pass_at_k_hand_values():
     assert pass_at_k(5, 2, 2) == pytest.approx(0.7, abs=1e-15)  # 1 − C(3,2)/C(5,2) = 1 − 3/10
     assert pass_at_k(5, 2, 3) == pytest.approx(0.9, abs=1e-15)  # 1 − C(3,3)/C(5,3) = 1 − 1/10
     assert [pass_at_k(5, 0, k) for k in range(1, 6)] == [0.0] * 5  # nothing correct
-    assert pass_at_k(5, 4, 2) == 1.0 and pass_at_k(5, 2, 4) == 1.0  # n − c < k: every k-subset has a correct one
+    assert (
+        pass_at_k(5, 4, 2) == 1.0 and pass_at_k(5, 2, 4) == 1.0
+    )  # n − c < k: every k-subset has a correct one
     assert pass_at_k(5, 5, 1) == 1.0
     assert pass_at_k(1000, 1, 500) == pytest.approx(0.5, abs=1e-12)  # 1 − C(999,500)/C(1000,500) = 500/1000
 
@@ -121,7 +130,9 @@ def test_config_fields_and_errors():
     assert GRPOConfig.parse_value("eval_pass_k", "[1,8]") == [1, 8]
     assert GRPOConfig(**base, eval_pass_k=[1, 8], eval_num_samples=16).eval_num_samples == 16
     for bad in (8, [0, 2], ["8"], [True]):
-        with pytest.raises(ConfigError, match=r"eval_pass_k=.* must be a list of integers ≥ 1, e.g. \[1, 8\]"):
+        with pytest.raises(
+            ConfigError, match=r"eval_pass_k=.* must be a list of integers ≥ 1, e.g. \[1, 8\]"
+        ):
             GRPOConfig(**base, eval_pass_k=bad)
     with pytest.raises(ConfigError, match=r"eval_num_samples=4: pass@k needs n ≥ k .* n ≥ 8"):
         GRPOConfig(**base, eval_pass_k=[1, 8], eval_num_samples=4)
@@ -138,7 +149,12 @@ def test_cli_eval_k(recipe, capsys):
     assert main(["eval", "--recipe", str(recipe), "--k", "1,2", "--k", "4", "--k", "2"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert sorted(metrics) == [
-        "eval/answer_accuracy", "eval/completion_length", "eval/kl_to_base", "eval/pass@1", "eval/pass@2", "eval/pass@4"
+        "eval/answer_accuracy",
+        "eval/completion_length",
+        "eval/kl_to_base",
+        "eval/pass@1",
+        "eval/pass@2",
+        "eval/pass@4",
     ]
     assert all(0 <= metrics[f"eval/pass@{k}"] <= 1 for k in (1, 2, 4))
     assert main(["eval", "--recipe", str(recipe)]) == 0  # no --k: greedy only, as before
@@ -159,17 +175,35 @@ def always_right(prompts, completions, **kwargs):
 
 
 # make_trainer's run, without quantization, in one micro-batch, 3 steps; 7 eval prompts.
-EVAL_RUN = dict(quantization="none", micro_batch_size=8, max_steps=3, gradient_checkpointing=False,
-                eval_dataset=PROMPTS[:7])
+EVAL_RUN = dict(
+    quantization="none",
+    micro_batch_size=8,
+    max_steps=3,
+    gradient_checkpointing=False,
+    eval_dataset=PROMPTS[:7],
+)
 
 
 def test_evaluate_reports_pass_at_k_beside_greedy(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN, reward_funcs=[has_digit, digit_share],
-                           eval_pass_k=[4, 1, 2], eval_num_samples=6)
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **EVAL_RUN,
+        reward_funcs=[has_digit, digit_share],
+        eval_pass_k=[4, 1, 2],
+        eval_num_samples=6,
+    )
     generator_state = trainer.generator.get_state()
     metrics = trainer.evaluate(batch_prompts=3)
-    assert list(metrics) == ["eval/has_digit", "eval/digit_share", "eval/completion_length",
-                             "eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/kl_to_base"]
+    assert list(metrics) == [
+        "eval/has_digit",
+        "eval/digit_share",
+        "eval/completion_length",
+        "eval/pass@1",
+        "eval/pass@2",
+        "eval/pass@4",
+        "eval/kl_to_base",
+    ]
     assert all(0 <= metrics[k] <= 1 for k in metrics if k != "eval/completion_length")
     assert 1 <= metrics["eval/completion_length"] <= 6
     assert metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= metrics["eval/pass@4"]
@@ -185,15 +219,23 @@ def test_named_eval_sets_are_each_evaluated_as_alone(tiny_base_dir, tmp_path):
     """A dict of eval sets: each set's metrics under eval/<name>/, equal to evaluating that set alone; a
     new source passed to evaluate() is rendered and checked as the run's own."""
     easy, hard = PROMPTS[12:16], PROMPTS[16:22]
-    trainer = make_trainer(tiny_base_dir, tmp_path, **{**EVAL_RUN, "eval_dataset": {"easy": easy, "hard": hard}},
-                           ref_sync_on_plateau=True, eval_steps=1)  # the plateau trigger reads the first set
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **{**EVAL_RUN, "eval_dataset": {"easy": easy, "hard": hard}},
+        ref_sync_on_plateau=True,
+        eval_steps=1,
+    )  # the plateau trigger reads the first set
     both = trainer.evaluate()
-    assert [k for k in both if k.endswith("/completion_length")] == ["eval/easy/completion_length",
-                                                                     "eval/hard/completion_length"]
+    assert [k for k in both if k.endswith("/completion_length")] == [
+        "eval/easy/completion_length",
+        "eval/hard/completion_length",
+    ]
     for name, rows in (("easy", easy), ("hard", hard)):
         alone = trainer.evaluate(rows)  # a list of rows, resolved as the run resolves its own
         assert {f"eval/{name}/{k.removeprefix('eval/')}": v for k, v in alone.items()} == {
-            k: v for k, v in both.items() if k.startswith(f"eval/{name}/")}
+            k: v for k, v in both.items() if k.startswith(f"eval/{name}/")
+        }
     from lora_grpo.evaluation import headline_score
 
     assert headline_score(both, trainer.reward_names) == both[f"eval/easy/{trainer.reward_names[0]}"]
@@ -202,13 +244,21 @@ def test_named_eval_sets_are_each_evaluated_as_alone(tiny_base_dir, tmp_path):
 
 
 def test_a_reward_that_is_always_right_gives_pass_at_k_one(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN, reward_funcs=[always_right], eval_pass_k=[1, 3])
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, **EVAL_RUN, reward_funcs=[always_right], eval_pass_k=[1, 3]
+    )
     metrics = trainer.evaluate()
     assert metrics["eval/always_right"] == 1.0
     assert metrics["eval/pass@1"] == 1.0 and metrics["eval/pass@3"] == 1.0
     # A threshold above every value: nothing is correct.
-    trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN, reward_funcs=[always_right], eval_pass_k=[1, 3],
-                           eval_correct_threshold=1.5)
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **EVAL_RUN,
+        reward_funcs=[always_right],
+        eval_pass_k=[1, 3],
+        eval_correct_threshold=1.5,
+    )
     assert trainer.evaluate()["eval/pass@3"] == 0.0
 
 
@@ -216,8 +266,13 @@ def test_eval_during_training_leaves_the_training_trajectory_unchanged(tiny_base
     """Eval (greedy and sampled) every step gives the same adapters as no eval at all: it draws
     nothing from the training sampler or the global RNGs."""
     runs = []
-    for name, extra in (("plain", {}), ("evaluated", dict(eval_steps=1, eval_pass_k=[1, 2], eval_temperature=1.3))):
-        trainer = make_trainer(tiny_base_dir, tmp_path / name, **EVAL_RUN, ref_sync_steps=2, lora_dropout=0.1, **extra)
+    for name, extra in (
+        ("plain", {}),
+        ("evaluated", dict(eval_steps=1, eval_pass_k=[1, 2], eval_temperature=1.3)),
+    ):
+        trainer = make_trainer(
+            tiny_base_dir, tmp_path / name, **EVAL_RUN, ref_sync_steps=2, lora_dropout=0.1, **extra
+        )
         if not extra:
             trainer.eval_dataset = None  # no eval at all, not even before and after
         trainer.train()
@@ -225,7 +280,9 @@ def test_eval_during_training_leaves_the_training_trajectory_unchanged(tiny_base
     plain, evaluated = runs
     assert "eval/pass@2" in evaluated.state.log_history[0] and "eval/pass@2" not in plain.state.log_history[0]
     assert_same_adapters(plain.model, evaluated.model)
-    assert [m["reward/mean"] for m in plain.state.log_history] == [m["reward/mean"] for m in evaluated.state.log_history]
+    assert [m["reward/mean"] for m in plain.state.log_history] == [
+        m["reward/mean"] for m in evaluated.state.log_history
+    ]
 
 
 # ---------------------------------------------------------------------------------- two processes
@@ -259,7 +316,9 @@ SHARDED = textwrap.dedent(
 def test_sharded_eval_matches_one_process_and_counts_every_prompt_once(tiny_base_dir, tmp_path):
     run_torchrun(SHARDED, tmp_path, tiny_base_dir, tmp_path, nproc=1)
     run_torchrun(SHARDED, tmp_path, tiny_base_dir, tmp_path, nproc=2)
-    single, *sharded = (json.loads((tmp_path / f"eval-{w}-{r}.json").read_text()) for w, r in ((1, 0), (2, 0), (2, 1)))
+    single, *sharded = (
+        json.loads((tmp_path / f"eval-{w}-{r}.json").read_text()) for w, r in ((1, 0), (2, 0), (2, 1))
+    )
     assert sharded[0] == single and sharded[1] == single  # every process returns the single-process metrics
     assert single["eval/weight"] == pytest.approx((1 + 10 + 100 + 1000 + 10000) / 5)  # each prompt once
     assert single["eval/pass@1"] <= single["eval/pass@2"] <= single["eval/pass@3"]

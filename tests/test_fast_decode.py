@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from lora_grpo import config as config_module
-from lora_grpo.rollout import fast_decode
-from lora_grpo.rollout import generate as rollout_module
 from lora_grpo.adapters import POLICY, REFERENCE, lora_layers, use_adapter
 from lora_grpo.config import ConfigError, GRPOConfig
 from lora_grpo.model import attach_adapters, keep_4bit_weights_fixed
-from lora_grpo.rollout import generate_rollout
+from lora_grpo.rollout import fast_decode, generate_rollout
+from lora_grpo.rollout import generate as rollout_module
 from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
 
 # Ragged (left-padded) prompts; with the model below, sampling ends some rows at EOS within the
@@ -21,7 +20,12 @@ PROMPTS = ["1+2=", "what is 12*3? ", "hi", "7"]
 SAMPLING = {  # name → generate_rollout sampling arguments
     "temperature 1": {"temperature": 1.0},
     "greedy": {"temperature": 0.0},
-    "filters + repetition penalty": {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.3},
+    "filters + repetition penalty": {
+        "temperature": 0.8,
+        "top_k": 20,
+        "top_p": 0.9,
+        "repetition_penalty": 1.3,
+    },
 }
 
 
@@ -36,8 +40,9 @@ def lora_model(tok, *, seed: int = 0):
     base = make_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=seed)
     with torch.no_grad():
         base.lm_head.weight[tok.eos_token_id] *= 12
-    model = attach_adapters(base, GRPOConfig(model_name_or_path="tiny", lora_r=4, lora_alpha=8,
-                                             gradient_checkpointing=False))
+    model = attach_adapters(
+        base, GRPOConfig(model_name_or_path="tiny", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
+    )
     randomize_lora(model, seed)
     return model
 
@@ -51,9 +56,18 @@ def randomize_lora(model, seed: int) -> None:
 
 
 def rollout(model, tok, mode: str, *, G: int = 3, max_new: int = 10, micro_batch_prompts=None, **sampling):
-    return generate_rollout(model, tok, PROMPTS, num_generations=G, max_prompt_length=None, max_completion_length=max_new,
-                            generator=torch.Generator().manual_seed(0), micro_batch_prompts=micro_batch_prompts,
-                            decode_mode=mode, **sampling)
+    return generate_rollout(
+        model,
+        tok,
+        PROMPTS,
+        num_generations=G,
+        max_prompt_length=None,
+        max_completion_length=max_new,
+        generator=torch.Generator().manual_seed(0),
+        micro_batch_prompts=micro_batch_prompts,
+        decode_mode=mode,
+        **sampling,
+    )
 
 
 def assert_same_rollout(got, expected) -> None:
@@ -80,8 +94,10 @@ def test_static_cache_sampler_matches_eager(tok, sampling):
     assert eager.truncated.any() and (~eager.truncated).any()
     assert_same_rollout(rollout(model, tok, "static", **SAMPLING[sampling]), eager)
     # Chunks of different sizes (3 prompts, then 1): two static caches, the same draws.
-    assert_same_rollout(rollout(model, tok, "static", micro_batch_prompts=3, **SAMPLING[sampling]),
-                        rollout(model, tok, "eager", micro_batch_prompts=3, **SAMPLING[sampling]))
+    assert_same_rollout(
+        rollout(model, tok, "static", micro_batch_prompts=3, **SAMPLING[sampling]),
+        rollout(model, tok, "eager", micro_batch_prompts=3, **SAMPLING[sampling]),
+    )
 
 
 def test_compiled_sampler_matches_eager_and_compiles_once(tok):
@@ -133,6 +149,7 @@ def test_failure_while_compiling_finishes_the_rollout_then_goes_eager(tok, monke
         def compiled(*args):
             calls.append(1)
             raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
         return compiled
 
     static_chunks = []
@@ -158,9 +175,18 @@ def test_sliding_window_model_is_refused_with_one_message(tok, caplog):
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, sliding_window=4,
-                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    config = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=4,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     model = MistralForCausalLM(config).eval()
     with caplog.at_level(logging.WARNING, logger="lora_grpo.rollout.fast_decode"):
         got = rollout(model, tok, "static", max_new=6)
@@ -177,24 +203,30 @@ def test_static_sampler_on_a_4bit_base(tiny_base_dir):
     base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=bnb, device_map="cpu")
     tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
     keep_4bit_weights_fixed(base)  # as the trainer does: the same 4-bit kernel on every CPU, in both samplers
-    model = attach_adapters(base, GRPOConfig(model_name_or_path="tiny", lora_r=4, lora_alpha=8,
-                                             gradient_checkpointing=False))
+    model = attach_adapters(
+        base, GRPOConfig(model_name_or_path="tiny", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
+    )
     randomize_lora(model, seed=0)
     assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
-    assert_same_rollout(rollout(model, tokenizer, "static", G=2, max_new=6),
-                        rollout(model, tokenizer, "eager", G=2, max_new=6))
+    assert_same_rollout(
+        rollout(model, tokenizer, "static", G=2, max_new=6),
+        rollout(model, tokenizer, "eager", G=2, max_new=6),
+    )
 
 
 def identity_compile(fail: dict):
     """A torch.compile stand-in that returns the function itself (no inductor: seconds, not tens of
     seconds), so "compiled" runs the static path as compiled decoding does; fail["now"] makes the
     compiled call raise, as a compile that fails mid-run does."""
+
     def compile(fn, **kwargs):
         def compiled(*args):
             if fail["now"]:
                 raise RuntimeError("InductorError: out of memory while recording a CUDA graph")
             return fn(*args)
+
         return compiled
+
     return compile
 
 
@@ -206,12 +238,15 @@ def test_only_compiled_decoding_keeps_its_static_caches(tok, monkeypatch):
     assert fast_decode.kept_cache_bytes(model) == 0
     rollout(model, tok, "compiled")  # CUDA graphs need the same cache addresses on every rollout: kept
     # exactly the bytes the memory plan counts for it (prompts of at most 15 tokens + 10: 64 slots)
-    assert fast_decode.kept_cache_bytes(model) == fast_decode.static_cache_bytes(model.config, len(PROMPTS) * 3, 25,
-                                                                                  torch.float32)
+    assert fast_decode.kept_cache_bytes(model) == fast_decode.static_cache_bytes(
+        model.config, len(PROMPTS) * 3, 25, torch.float32
+    )
     rollout(model, tok, "compiled", max_new=60)  # a longer cache (96 slots) replaces the one it holds
     assert [key[:2] for key in fast_decode._state(model).caches] == [(12, 96)]
     # fewer rows, shorter: decoded in the kept cache (6 rows of 12, 64 of 96 slots needed), the same draws
-    assert_same_rollout(rollout(model, tok, "compiled", max_new=10, G=2), rollout(model, tok, "eager", max_new=10, G=2))
+    assert_same_rollout(
+        rollout(model, tok, "compiled", max_new=10, G=2), rollout(model, tok, "eager", max_new=10, G=2)
+    )
     assert [key[:2] for key in fast_decode._state(model).caches] == [(12, 96)]
 
 
@@ -257,7 +292,9 @@ def test_auto_compiles_only_where_it_pays_and_says_what_it_chose_once(tok, monke
         assert fast_decode.resolve_decode_mode("auto", bf16, cuda) == "eager"
     lines = [r for r in caplog.records if r.name == "lora_grpo.rollout.fast_decode"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING, [r.getMessage() for r in lines]
-    assert "decode_mode auto → eager" in lines[0].getMessage() and "no native bfloat16" in lines[0].getMessage()
+    assert (
+        "decode_mode auto → eager" in lines[0].getMessage() and "no native bfloat16" in lines[0].getMessage()
+    )
     # forced modes are what they say
     assert fast_decode.resolve_decode_mode("static", model, torch.device("cpu")) == "static"
     assert fast_decode.resolve_decode_mode("compiled", bf16, cuda) == "compiled"
@@ -276,7 +313,16 @@ def test_config_decode_mode():
 def test_cache_length_buckets():
     # powers of two and 1.5x them: attention over at most 1.5x the slots needed
     assert [fast_decode.cache_length(n) for n in (1, 64, 65, 96, 97, 128, 129, 700, 769)] == [
-        64, 64, 96, 96, 128, 128, 192, 768, 1024]
+        64,
+        64,
+        96,
+        96,
+        128,
+        128,
+        192,
+        768,
+        1024,
+    ]
 
 
 def test_trainer_passes_decode_mode_to_the_rollout(tiny_base_dir, tmp_path, monkeypatch):

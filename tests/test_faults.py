@@ -6,10 +6,9 @@ import math
 
 import datasets
 import pytest
+from conftest import PROMPTS, SMALL_RUN, digit_share, make_trainer
 
 from lora_grpo.rewards.scoring import RewardFunctionError, compute_rewards
-
-from conftest import PROMPTS, SMALL_RUN, digit_share, make_trainer
 
 # A plain, quick run: 2 prompts × 2 completions of 4 tokens per step, fp32.
 QUICK = {k: v for k, v in SMALL_RUN.items() if k != "train_dataset"}
@@ -20,6 +19,7 @@ QUICK = {k: v for k, v in SMALL_RUN.items() if k != "train_dataset"}
 
 def _failing_from(step: int, failure):
     """A reward that works until `step` optimizer steps are done, then fails as `failure(completions)` says."""
+
     def flaky_reward(completions, trainer_state, **kwargs):
         if trainer_state.global_step >= step:
             return failure(completions)
@@ -32,33 +32,81 @@ def _raises(completions):
     raise KeyError("score")
 
 
-@pytest.mark.parametrize("failure, message", [
-    (_raises, r"reward function 'flaky_reward' raised KeyError: 'score'; first failing sample 0"),
-    (lambda c: [1.0] * (len(c) - 1), r"reward function 'flaky_reward' returned 3 values for 4 completions"),
-    (lambda c: [1.0] * (len(c) + 2), r"reward function 'flaky_reward' returned 6 values for 4 completions"),
-    (lambda c: [math.nan] * len(c), r"reward function 'flaky_reward' returned NaN for every one of the 4 completions"),
-])
-def test_a_reward_function_failing_at_step_1_names_itself_and_the_step(tiny_base_dir, tmp_path, failure, message):
-    trainer = make_trainer(tiny_base_dir, tmp_path, **QUICK, max_steps=3, save_steps=1,
-                           reward_funcs=[_failing_from(0, failure)], train_dataset=PROMPTS[:8])
-    with pytest.raises(RewardFunctionError, match=r"^step 1/3 stopped: after 0 of 3 optimizer steps: " + message + r".*nothing was trained yet; fix the function") as info:
+@pytest.mark.parametrize(
+    "failure, message",
+    [
+        (_raises, r"reward function 'flaky_reward' raised KeyError: 'score'; first failing sample 0"),
+        (
+            lambda c: [1.0] * (len(c) - 1),
+            r"reward function 'flaky_reward' returned 3 values for 4 completions",
+        ),
+        (
+            lambda c: [1.0] * (len(c) + 2),
+            r"reward function 'flaky_reward' returned 6 values for 4 completions",
+        ),
+        (
+            lambda c: [math.nan] * len(c),
+            r"reward function 'flaky_reward' returned NaN for every one of the 4 completions",
+        ),
+    ],
+)
+def test_a_reward_function_failing_at_step_1_names_itself_and_the_step(
+    tiny_base_dir, tmp_path, failure, message
+):
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **QUICK,
+        max_steps=3,
+        save_steps=1,
+        reward_funcs=[_failing_from(0, failure)],
+        train_dataset=PROMPTS[:8],
+    )
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"^step 1/3 stopped: after 0 of 3 optimizer steps: "
+        + message
+        + r".*nothing was trained yet; fix the function",
+    ) as info:
         trainer.train()
     assert info.value.function == "flaky_reward" and info.value.global_step == 0
-    assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)  # either except catches it
+    assert isinstance(info.value, RuntimeError) and isinstance(
+        info.value, ValueError
+    )  # either except catches it
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # nothing trained, nothing to keep
 
 
-def test_a_reward_function_failing_after_hours_keeps_the_last_checkpoint_to_resume_from(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path, **QUICK, max_steps=4, save_steps=1, save_total_limit=5,
-                           reward_funcs=[_failing_from(2, _raises)], train_dataset=PROMPTS[:8])
-    with pytest.raises(RewardFunctionError, match=r"^step 3/4 stopped: after 2 of 4 optimizer steps: reward function 'flaky_reward' raised.*"
-                                                  r"checkpoint written to .*checkpoint-2; fix the function, then resume: .*resume_from_checkpoint='latest'"):
+def test_a_reward_function_failing_after_hours_keeps_the_last_checkpoint_to_resume_from(
+    tiny_base_dir, tmp_path
+):
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **QUICK,
+        max_steps=4,
+        save_steps=1,
+        save_total_limit=5,
+        reward_funcs=[_failing_from(2, _raises)],
+        train_dataset=PROMPTS[:8],
+    )
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"^step 3/4 stopped: after 2 of 4 optimizer steps: reward function 'flaky_reward' raised.*"
+        r"checkpoint written to .*checkpoint-2; fix the function, then resume: .*resume_from_checkpoint='latest'",
+    ):
         trainer.train()
     run = tmp_path / "run"
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     # With the function fixed, the run continues from there.
-    resumed = make_trainer(tiny_base_dir, tmp_path, **QUICK, max_steps=4, reward_funcs=[_failing_from(99, _raises)],
-                           train_dataset=PROMPTS[:8], resume_from_checkpoint="latest")
+    resumed = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **QUICK,
+        max_steps=4,
+        reward_funcs=[_failing_from(99, _raises)],
+        train_dataset=PROMPTS[:8],
+        resume_from_checkpoint="latest",
+    )
     assert resumed.train()["steps"] == 4
 
 
@@ -74,13 +122,28 @@ def test_none_for_every_completion_is_does_not_apply_not_an_error():
 # ----------------------------------------------------------------------------- datasets
 
 
-@pytest.mark.parametrize("train, eval_, message", [
-    (datasets.Dataset.from_dict({"prompt": []}), None, r"^train_dataset: the prompt dataset from Dataset is empty"),
-    (PROMPTS[:1], None, r"the train dataset has 1 rows .*fewer than one batch of prompts_per_step=2"),
-    ([{"question": "1+1"}] * 4, None, r"^train_dataset: cannot find the prompts: no column 'prompt'.*prompt_template"),
-    ([{"messages": [{"content": "hi"}]}] * 4, None, r"^train_dataset: column 'messages'.*its message 0 has no 'role'"),
-    (PROMPTS, [], r"^eval_dataset: .* is empty.*leave eval_dataset unset to train without evaluation"),
-])
+@pytest.mark.parametrize(
+    "train, eval_, message",
+    [
+        (
+            datasets.Dataset.from_dict({"prompt": []}),
+            None,
+            r"^train_dataset: the prompt dataset from Dataset is empty",
+        ),
+        (PROMPTS[:1], None, r"the train dataset has 1 rows .*fewer than one batch of prompts_per_step=2"),
+        (
+            [{"question": "1+1"}] * 4,
+            None,
+            r"^train_dataset: cannot find the prompts: no column 'prompt'.*prompt_template",
+        ),
+        (
+            [{"messages": [{"content": "hi"}]}] * 4,
+            None,
+            r"^train_dataset: column 'messages'.*its message 0 has no 'role'",
+        ),
+        (PROMPTS, [], r"^eval_dataset: .* is empty.*leave eval_dataset unset to train without evaluation"),
+    ],
+)
 def test_a_faulty_dataset_stops_the_run_at_start_naming_it(tiny_base_dir, tmp_path, train, eval_, message):
     with pytest.raises(ValueError, match=message):
         make_trainer(tiny_base_dir, tmp_path, **QUICK, max_steps=2, train_dataset=train, eval_dataset=eval_)
@@ -100,11 +163,17 @@ def test_a_streamed_dataset_trains_with_max_steps(tiny_base_dir, tmp_path):
 
 
 def test_target_modules_that_match_nothing_and_a_reward_path_that_does_not_import(tiny_base_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"lora_target_modules entry 'q_prj' matches no module of this model; closest: "
-                                         r"'q_proj'"):
+    with pytest.raises(
+        ValueError,
+        match=r"lora_target_modules entry 'q_prj' matches no module of this model; closest: "
+        r"'q_proj'",
+    ):
         make_trainer(tiny_base_dir, tmp_path, **QUICK, lora_target_modules=["q_prj", "v_proj"])
-    with pytest.raises(ValueError, match=r"cannot import reward 'my_rewardz\.mod:fn'.*'my_rewardz' is not importable "
-                                         r"from here.*run from the directory that holds my_rewardz/ or my_rewardz\.py"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot import reward 'my_rewardz\.mod:fn'.*'my_rewardz' is not importable "
+        r"from here.*run from the directory that holds my_rewardz/ or my_rewardz\.py",
+    ):
         make_trainer(tiny_base_dir, tmp_path, **QUICK, reward_funcs=["my_rewardz.mod:fn"])
 
 
@@ -112,9 +181,20 @@ def test_target_modules_that_match_nothing_and_a_reward_path_that_does_not_impor
 
 
 def test_a_resume_whose_dataset_changed_length_says_what_happened(tiny_base_dir, tmp_path):
-    make_trainer(tiny_base_dir, tmp_path, **QUICK, max_steps=2, save_steps=1, train_dataset=PROMPTS[:8]).train()
-    resumed = make_trainer(tiny_base_dir, tmp_path, **QUICK, max_steps=4, train_dataset=PROMPTS[:10],
-                           resume_from_checkpoint="latest")
-    with pytest.raises(ValueError, match=r"cannot resume: the checkpoint's run drew its prompts from 8 rows, this run's "
-                                         r"train dataset has 10.*Resume with the same dataset.*init_adapter="):
+    make_trainer(
+        tiny_base_dir, tmp_path, **QUICK, max_steps=2, save_steps=1, train_dataset=PROMPTS[:8]
+    ).train()
+    resumed = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **QUICK,
+        max_steps=4,
+        train_dataset=PROMPTS[:10],
+        resume_from_checkpoint="latest",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"cannot resume: the checkpoint's run drew its prompts from 8 rows, this run's "
+        r"train dataset has 10.*Resume with the same dataset.*init_adapter=",
+    ):
         resumed.train()

@@ -3,23 +3,34 @@ path). Skipped without a GPU; `pytest -m gpu` runs only these."""
 
 import pytest
 import torch
+from conftest import PROMPTS, adapter_state, assert_same_4bit, changed, frozen_4bit, make_trainer
 
 from lora_grpo.batch import Batch
 from lora_grpo.model import POLICY, reference_forward
 
-from conftest import PROMPTS, adapter_state, assert_same_4bit, changed, frozen_4bit, make_trainer
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def test_a_qlora_run_on_cuda_moves_the_policy_keeps_the_base_and_hard_syncs_exactly(tiny_base_dir, tmp_path):
     # float32 compute (GPUs default to bfloat16): the reference slot holds the policy's ΔW in other
     # factors, and in bfloat16 their rounding differs by far more than the 1e-5 checked here.
-    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="4bit", torch_dtype="float32", max_steps=2,
-                           ref_sync_steps=2, ref_sync_alpha=1.0)
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        quantization="4bit",
+        torch_dtype="float32",
+        max_steps=2,
+        ref_sync_steps=2,
+        ref_sync_alpha=1.0,
+    )
     model = trainer.model
     base_before, policy_before = frozen_4bit(model), adapter_state(model, POLICY)
-    assert all(t.is_cuda for k, t in base_before.items() if k.endswith(".weight"))  # the CUDA kernels, not CPU
+    assert all(
+        t.is_cuda for k, t in base_before.items() if k.endswith(".weight")
+    )  # the CUDA kernels, not CPU
     trainer.train()
 
     assert changed(policy_before, adapter_state(model, POLICY))
@@ -27,8 +38,12 @@ def test_a_qlora_run_on_cuda_moves_the_policy_keeps_the_base_and_hard_syncs_exac
     # Step 2 trained against the initial reference (KL > 0), then the reference was hard-synced.
     assert trainer.state.log_history[1]["kl"] > 0 and trainer.state.log_history[1]["sync/event"] == 1.0
     rollout = trainer.generate([row["prompt"] for row in PROMPTS[:2]])
-    batch = Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask,
-                                 torch.zeros(rollout.input_ids.shape[0], device=rollout.input_ids.device))
+    batch = Batch(
+        rollout.input_ids,
+        rollout.attention_mask,
+        rollout.completion_mask,
+        torch.zeros(rollout.input_ids.shape[0], device=rollout.input_ids.device),
+    )
     policy = trainer.log_probs(batch)
     with reference_forward(model):
         reference = trainer.log_probs(batch)
@@ -58,30 +73,55 @@ def test_bf16_log_probs_on_cuda_keep_float32_logits():
 def test_bf16_qlora_run_on_cuda_kl_is_zero_between_identical_adapters(tiny_base_dir, tmp_path):
     from lora_grpo.loss import k3_kl
 
-    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="4bit", torch_dtype="bfloat16", max_steps=2,
-                           decode_mode="eager")
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, quantization="4bit", torch_dtype="bfloat16", max_steps=2, decode_mode="eager"
+    )
     trainer.train()
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in trainer.state.log_history)
     rollout = trainer.generate([row["prompt"] for row in PROMPTS[:2]])
-    batch = Batch(rollout.input_ids, rollout.attention_mask, rollout.completion_mask,
-                  torch.zeros(rollout.input_ids.shape[0], device=rollout.input_ids.device))
+    batch = Batch(
+        rollout.input_ids,
+        rollout.attention_mask,
+        rollout.completion_mask,
+        torch.zeros(rollout.input_ids.shape[0], device=rollout.input_ids.device),
+    )
     first, second = trainer.log_probs(batch), trainer.log_probs(batch)
-    assert first.dtype == torch.float32 and torch.equal(first, second)  # deterministic: identical adapters, KL 0
+    assert first.dtype == torch.float32 and torch.equal(
+        first, second
+    )  # deterministic: identical adapters, KL 0
     assert k3_kl(first, second).abs().max().item() == 0.0
 
 
-def test_compiled_decode_on_cuda_matches_eager_in_float32_and_the_plan_counts_its_caches(tiny_base_dir, tmp_path):
+def test_compiled_decode_on_cuda_matches_eager_in_float32_and_the_plan_counts_its_caches(
+    tiny_base_dir, tmp_path
+):
     from lora_grpo.rollout import fast_decode, generate_rollout
 
-    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", torch_dtype="float32", decode_mode="compiled",
-                           micro_batch_size="auto", gradient_checkpointing="auto", max_steps=1)
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        quantization="none",
+        torch_dtype="float32",
+        decode_mode="compiled",
+        micro_batch_size="auto",
+        gradient_checkpointing="auto",
+        max_steps=1,
+    )
     plan = trainer.plan_memory()
     prompts = [row["prompt"] for row in PROMPTS[:2]]
 
     def sample(mode):
-        return generate_rollout(trainer.model, trainer.tokenizer, prompts, num_generations=4, max_prompt_length=None,
-                                max_completion_length=6, temperature=0.0, generator=torch.Generator(device="cuda"),
-                                decode_mode=mode)
+        return generate_rollout(
+            trainer.model,
+            trainer.tokenizer,
+            prompts,
+            num_generations=4,
+            max_prompt_length=None,
+            max_completion_length=6,
+            temperature=0.0,
+            generator=torch.Generator(device="cuda"),
+            decode_mode=mode,
+        )
 
     eager, compiled = sample("eager"), sample("compiled")
     assert fast_decode.unavailable(trainer.model) is None, fast_decode.unavailable(trainer.model)

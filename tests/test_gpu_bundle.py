@@ -16,10 +16,17 @@ import gpu_bundle  # noqa: E402
 
 def test_trimming_keeps_the_python_files_and_the_cuda13_and_cpu_libraries(tmp_path):
     wheel = tmp_path / "bitsandbytes-0.0-py3-none-manylinux_2_24_x86_64.whl"
-    files = {"bitsandbytes/__init__.py": b"x = 1\n", "bitsandbytes/libbitsandbytes_cpu.so": b"c" * 10,
-             "bitsandbytes/libbitsandbytes_cuda130.so": b"a" * 10, "bitsandbytes/libbitsandbytes_cuda128.so": b"b" * 1000,
-             "bitsandbytes/libbitsandbytes_rocm72.so": b"r" * 1000}
-    record = "".join(f"{name},sha256=x,{len(data)}\n" for name, data in files.items()) + "bitsandbytes-0.0.dist-info/RECORD,,\n"
+    files = {
+        "bitsandbytes/__init__.py": b"x = 1\n",
+        "bitsandbytes/libbitsandbytes_cpu.so": b"c" * 10,
+        "bitsandbytes/libbitsandbytes_cuda130.so": b"a" * 10,
+        "bitsandbytes/libbitsandbytes_cuda128.so": b"b" * 1000,
+        "bitsandbytes/libbitsandbytes_rocm72.so": b"r" * 1000,
+    }
+    record = (
+        "".join(f"{name},sha256=x,{len(data)}\n" for name, data in files.items())
+        + "bitsandbytes-0.0.dist-info/RECORD,,\n"
+    )
     with zipfile.ZipFile(wheel, "w") as z:
         for name, data in files.items():
             z.writestr(name, data)
@@ -28,8 +35,12 @@ def test_trimming_keeps_the_python_files_and_the_cuda13_and_cpu_libraries(tmp_pa
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         kept_record = z.read("bitsandbytes-0.0.dist-info/RECORD").decode()
-    assert names == {"bitsandbytes/__init__.py", "bitsandbytes/libbitsandbytes_cpu.so",
-                     "bitsandbytes/libbitsandbytes_cuda130.so", "bitsandbytes-0.0.dist-info/RECORD"}
+    assert names == {
+        "bitsandbytes/__init__.py",
+        "bitsandbytes/libbitsandbytes_cpu.so",
+        "bitsandbytes/libbitsandbytes_cuda130.so",
+        "bitsandbytes-0.0.dist-info/RECORD",
+    }
     assert "cuda128" not in kept_record and "rocm72" not in kept_record and "cuda130" in kept_record
 
 
@@ -49,8 +60,13 @@ def test_the_bundle_downloads_and_fits_the_carry_limit(tmp_path):
 @pytest.mark.slow
 def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--steps", "1", "--out", str(out)],
-                            capture_output=True, text=True, timeout=900, cwd=BENCHMARKS.parent)
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--steps", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=BENCHMARKS.parent,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["passed"] and len(summary["sections"]) == 5

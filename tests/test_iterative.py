@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import PROMPTS, adapter_state, assert_same_adapters, make_trainer
 
 from lora_grpo import GRPOConfig
 from lora_grpo.adapters import BASE, POLICY, REFERENCE
@@ -12,10 +13,8 @@ from lora_grpo.checkpoint import save_adapter
 from lora_grpo.config import ConfigError
 from lora_grpo.evaluation import chunk_generator
 from lora_grpo.optim import WarmupRestarts, build_optimizer, build_scheduler, reset_optimizer_state
-from lora_grpo.reference import SyncSchedule
 from lora_grpo.plots import metrics_figure
-
-from conftest import PROMPTS, adapter_state, assert_same_adapters, make_trainer
+from lora_grpo.reference import SyncSchedule
 
 # make_trainer's run without quantization, in one micro-batch; 6 eval prompts.
 PLAIN = dict(quantization="none", micro_batch_size=8, gradient_checkpointing=False, eval_dataset=PROMPTS[:6])
@@ -65,8 +64,12 @@ def test_kl_to_base_matches_a_dense_computation(tiny_base_dir, tmp_path, pass_k)
     # each) when they are at the training temperature, else one per prompt from stream 1.
     if pass_k:
         generator, per_decode, n = chunk_generator(cfg.seed, 0, trainer.accelerator.device), 8 // 2, 2
-        rollouts = [trainer.generate(prompts[s : s + per_decode], num_generations=n, temperature=0.8, generator=generator)
-                    for s in range(0, 6, per_decode)]
+        rollouts = [
+            trainer.generate(
+                prompts[s : s + per_decode], num_generations=n, temperature=0.8, generator=generator
+            )
+            for s in range(0, 6, per_decode)
+        ]
     else:
         generator = chunk_generator(cfg.seed, 0, trainer.accelerator.device, stream=1)
         rollouts = [trainer.generate(prompts, num_generations=1, temperature=0.8, generator=generator)]
@@ -95,7 +98,10 @@ def test_kl_to_base_is_zero_at_the_start_grows_with_training_and_ignores_syncs(t
     assert summary["kl_to_base_after"] > 0
     assert summary["eval_after"]["eval/kl_to_base"] == summary["kl_to_base_after"]
     # In the step's metrics beside the training KL to the (just synced) reference; in metrics.jsonl.
-    assert trainer.state.log_history[1]["sync/reason"] == "steps" and trainer.state.log_history[1]["eval/kl_to_base"] > 0
+    assert (
+        trainer.state.log_history[1]["sync/reason"] == "steps"
+        and trainer.state.log_history[1]["eval/kl_to_base"] > 0
+    )
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval/kl_to_base" in r] == [0, 2, 4]
     # A sync moves the reference, never the policy or the start: the KL to the base stays.
@@ -113,13 +119,16 @@ def test_kl_to_base_of_a_warm_start_is_measured_from_the_warm_start_adapter(tiny
     assert first.evaluate()["eval/kl_to_base"] > 1e-3  # this adapter is far from the bare base
     save_adapter(first.model, tmp_path / "sft-adapter", POLICY)
 
-    trainer = make_trainer(tiny_base_dir, tmp_path / "rl", **PLAIN, init_adapter=str(tmp_path / "sft-adapter"),
-                           max_steps=3)
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path / "rl", **PLAIN, init_adapter=str(tmp_path / "sft-adapter"), max_steps=3
+    )
     assert BASE in trainer.model.peft_config
     start = adapter_state(trainer.model, BASE)
     assert trainer.evaluate()["eval/kl_to_base"] == 0.0  # the policy is the warm start, bit for bit
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    assert not any(id(p) in optimized or p.requires_grad for n, p in trainer.model.named_parameters() if f".{BASE}." in n)
+    assert not any(
+        id(p) in optimized or p.requires_grad for n, p in trainer.model.named_parameters() if f".{BASE}." in n
+    )
     summary = trainer.train()
     assert summary["kl_to_base_before"] == 0.0 and summary["kl_to_base_after"] > 0
     after = adapter_state(trainer.model, BASE)
@@ -162,10 +171,14 @@ def test_a_reset_optimizer_steps_exactly_like_a_fresh_one(name):
         _step(fresh, fresh_params, g)
     for a, b in zip(params, fresh_params):
         assert torch.equal(a, b)
-    for ours, theirs in zip(optimizer.state.values(), fresh.state.values(), strict=True):  # and so is the state
+    for ours, theirs in zip(
+        optimizer.state.values(), fresh.state.values(), strict=True
+    ):  # and so is the state
         assert ours.keys() == theirs.keys()
         for key, value in ours.items():
-            same = torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key]
+            same = (
+                torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key]
+            )
             assert same, key
 
 
@@ -189,13 +202,23 @@ def test_warmup_restarts_multiply_the_schedule():
 
 
 def test_reset_and_warmup_restart_at_each_sync(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path, **PLAIN, max_steps=6, ref_sync_steps=3, warmup_steps=2,
-                           ref_sync_reset_optimizer=True, ref_sync_restart_warmup=True)
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **PLAIN,
+        max_steps=6,
+        ref_sync_steps=3,
+        warmup_steps=2,
+        ref_sync_reset_optimizer=True,
+        ref_sync_restart_warmup=True,
+    )
     trainer.train()
     lr = trainer.config.learning_rate
     assert [m["lr"] for m in trainer.state.log_history] == pytest.approx([0, lr / 2, lr, 0, lr / 2, lr])
     synced = [m for m in trainer.state.log_history if m.get("sync/event")]
-    assert len(synced) == 2 and all(m["sync/optimizer_reset"] == m["sync/warmup_restart"] == 1.0 for m in synced)
+    assert len(synced) == 2 and all(
+        m["sync/optimizer_reset"] == m["sync/warmup_restart"] == 1.0 for m in synced
+    )
     # The last sync (after step 6) left the state as a fresh optimizer's: zeros everywhere.
     states = list(trainer.optimizer.state.values())
     assert states and all(not v.any() for s in states for v in s.values())
@@ -205,17 +228,41 @@ def test_resume_is_exact_with_resets_restarts_and_the_plateau_trigger(tiny_base_
     # min_delta 10: no eval ever improves, so the plateau is due at every second eval (steps 2 and 4);
     # the step trigger fires at 3. checkpoint-3 holds a plateau count of 1, a warmup restarted at
     # step 2 and an optimizer reset then.
-    kw = dict(PLAIN, eval_dataset=PROMPTS[:4], max_steps=5, eval_steps=1, ref_sync_on_plateau=True,
-              ref_sync_plateau_min_delta=10.0, ref_sync_plateau_patience=2, ref_sync_steps=3,
-              ref_sync_reset_optimizer=True, ref_sync_restart_warmup=True, warmup_steps=2, lr_scheduler="cosine")
+    kw = dict(
+        PLAIN,
+        eval_dataset=PROMPTS[:4],
+        max_steps=5,
+        eval_steps=1,
+        ref_sync_on_plateau=True,
+        ref_sync_plateau_min_delta=10.0,
+        ref_sync_plateau_patience=2,
+        ref_sync_steps=3,
+        ref_sync_reset_optimizer=True,
+        ref_sync_restart_warmup=True,
+        warmup_steps=2,
+        lr_scheduler="cosine",
+    )
     full = make_trainer(tiny_base_dir, tmp_path / "a", save_steps=3, **kw)
     full.train()
-    assert [m.get("sync/reason") for m in full.state.log_history] == [None, "plateau", "steps", "plateau", None]
-    resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-3"), **kw)
+    assert [m.get("sync/reason") for m in full.state.log_history] == [
+        None,
+        "plateau",
+        "steps",
+        "plateau",
+        None,
+    ]
+    resumed = make_trainer(
+        tiny_base_dir,
+        tmp_path / "b",
+        resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-3"),
+        **kw,
+    )
     resumed.train()
     assert_same_adapters(full.model, resumed.model)
     assert [m["lr"] for m in full.state.log_history] == [m["lr"] for m in resumed.state.log_history]
-    assert [m.get("sync/reason") for m in resumed.state.log_history] == [m.get("sync/reason") for m in full.state.log_history]
+    assert [m.get("sync/reason") for m in resumed.state.log_history] == [
+        m.get("sync/reason") for m in full.state.log_history
+    ]
     assert resumed.state.sync_schedule.state_dict() == full.state.sync_schedule.state_dict()
 
 
@@ -260,7 +307,9 @@ def test_plateau_schedule_counts_evals_without_improvement():
 
 def test_config_refuses_resets_and_plateaus_that_cannot_act(tiny_base_dir, tmp_path):
     base = dict(model_name_or_path="toy")
-    with pytest.raises(ConfigError, match="ref_sync_reset_optimizer=true acts at each reference sync, but no sync"):
+    with pytest.raises(
+        ConfigError, match="ref_sync_reset_optimizer=true acts at each reference sync, but no sync"
+    ):
         GRPOConfig(**base, ref_sync_reset_optimizer=True)
     with pytest.raises(ConfigError, match="ref_sync_restart_warmup=true acts at each"):
         GRPOConfig(**base, ref_sync_restart_warmup=True)

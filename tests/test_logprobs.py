@@ -21,7 +21,9 @@ def test_chunked_equals_full_log_softmax(chunk_size, bias, temperature):
     head = nn.Linear(16, 50, bias=bias)
     hidden = torch.randn(2, 5, 16, requires_grad=True)
     targets = torch.randint(0, 50, (2, 5))
-    logp, entropy = chunked_log_probs(hidden, head, targets, chunk_size=chunk_size, temperature=temperature, return_entropy=True)
+    logp, entropy = chunked_log_probs(
+        hidden, head, targets, chunk_size=chunk_size, temperature=temperature, return_entropy=True
+    )
     ref_logp, ref_entropy = _reference(hidden, head, targets, temperature)
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-5)
@@ -51,8 +53,8 @@ def test_generic_head_path_matches():
     ref_logp, ref_entropy = _reference(hidden, head, targets)
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-5)
-    g, = torch.autograd.grad(logp.sum(), hidden)
-    rg, = torch.autograd.grad(ref_logp.sum(), hidden)
+    (g,) = torch.autograd.grad(logp.sum(), hidden)
+    (rg,) = torch.autograd.grad(ref_logp.sum(), hidden)
     torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-5)
 
 
@@ -107,8 +109,16 @@ def test_sequence_log_probs_matches_full_model_forward(tiny_base_dir):
 
 # ---- the model's own post-head logit transforms, and the load-time check --------------------------
 
-_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+_TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 
 
 def _hyperclovax():
@@ -121,8 +131,18 @@ def _falcon_h1():
     # On CPU the mamba mixer falls back to transformers' reference PyTorch kernels.
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
-    return FalconH1ForCausalLM(FalconH1Config(**_TINY, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
-                                              mamba_n_groups=1, mamba_chunk_size=4, lm_head_multiplier=3.0))
+    return FalconH1ForCausalLM(
+        FalconH1Config(
+            **_TINY,
+            mamba_d_ssm=32,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_chunk_size=4,
+            lm_head_multiplier=3.0,
+        )
+    )
 
 
 def _granite():
@@ -150,25 +170,51 @@ def _minicpm3():
     # hidden states ÷ (hidden_size / dim_model_base) = ÷4 before the head
     from transformers import MiniCPM3Config, MiniCPM3ForCausalLM
 
-    tiny = {k: v for k, v in _TINY.items() if k != "head_dim"} | {"num_key_value_heads": 2}  # MLA: no grouping
-    return MiniCPM3ForCausalLM(MiniCPM3Config(**tiny, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=8,
-                                              qk_rope_head_dim=8, v_head_dim=16, dim_model_base=8))
+    tiny = {k: v for k, v in _TINY.items() if k != "head_dim"} | {
+        "num_key_value_heads": 2
+    }  # MLA: no grouping
+    return MiniCPM3ForCausalLM(
+        MiniCPM3Config(
+            **tiny,
+            kv_lora_rank=8,
+            q_lora_rank=8,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            dim_model_base=8,
+        )
+    )
 
 
 def _cohere2_vision():
     # Its text config carries a logit_scale its forward never applies: no transform.
     from transformers import Cohere2VisionConfig, Cohere2VisionForConditionalGeneration
 
-    return Cohere2VisionForConditionalGeneration(Cohere2VisionConfig(
-        text_config=dict(model_type="cohere2", **_TINY, logit_scale=0.25),
-        vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=28, patch_size=14),
-    ))
+    return Cohere2VisionForConditionalGeneration(
+        Cohere2VisionConfig(
+            text_config=dict(model_type="cohere2", **_TINY, logit_scale=0.25),
+            vision_config=dict(
+                model_type="siglip_vision_model",
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+        )
+    )
 
 
-_LOGIT_TRANSFORM_MODELS = {"hyperclovax": _hyperclovax, "falcon_h1": _falcon_h1, "granite": _granite,
-                           "gemma2": _gemma2, "cohere": _cohere, "minicpm3": _minicpm3,
-                           "cohere2_vision": _cohere2_vision}
+_LOGIT_TRANSFORM_MODELS = {
+    "hyperclovax": _hyperclovax,
+    "falcon_h1": _falcon_h1,
+    "granite": _granite,
+    "gemma2": _gemma2,
+    "cohere": _cohere,
+    "minicpm3": _minicpm3,
+    "cohere2_vision": _cohere2_vision,
+}
 
 
 def _batch(vocab=64, pad=0):
@@ -289,7 +335,9 @@ def test_check_log_probs_rejects_an_unknown_logit_transform():
     torch.manual_seed(0)
     model = _with_adapters(_tripled_llama()).train()
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=r"model type 'tripled_llama'.*max difference [0-9.]+ nats.*please report"):
+    with pytest.raises(
+        ValueError, match=r"model type 'tripled_llama'.*max difference [0-9.]+ nats.*please report"
+    ):
         check_log_probs(model, *_batch())
     assert model.training and model.active_adapter == "policy"
     assert flags == {n: p.requires_grad for n, p in model.named_parameters()}
@@ -324,10 +372,14 @@ def test_a_hidden_scale_before_an_adapter_wrapped_head():
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(_minicpm3(), LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False)).eval()
+    model = get_peft_model(
+        _minicpm3(), LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False)
+    ).eval()
     ids, mask = _batch()
     real = mask[:, -4:].bool()
-    logp, entropy = sequence_log_probs(model, ids, mask, 4, chunk_size=3, temperature=0.7, return_entropy=True)
+    logp, entropy = sequence_log_probs(
+        model, ids, mask, 4, chunk_size=3, temperature=0.7, return_entropy=True
+    )
     ref = _model_log_probs(model, ids, mask, 4, temperature=0.7)
     torch.testing.assert_close(logp[real], ref[real], rtol=0, atol=1e-5)
     assert (entropy > 0).all()
@@ -339,8 +391,16 @@ def test_check_log_probs_names_nan_logits_as_such():
     from lora_grpo.logprobs import check_log_probs
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("nan")
     ids = torch.randint(0, 40, (1, 6))
@@ -354,8 +414,17 @@ def test_log_probs_apply_the_models_logit_softcapping():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=16, final_logit_softcapping=2.0, max_position_embeddings=64)
+    cfg = Gemma2Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=2.0,
+        max_position_embeddings=64,
+    )
     model = Gemma2ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(50)  # large logits, so the cap matters
@@ -368,6 +437,7 @@ def test_log_probs_apply_the_models_logit_softcapping():
 
 
 # ---- float32 logits from a bf16 head; the entropy's gradient ----------------------------------------
+
 
 def _dense_float64(hidden, weight, bias, targets, temperature):
     """log p[target] and entropy from float64 logits of the same (possibly bf16) numbers."""
@@ -393,11 +463,17 @@ def test_bf16_head_log_probs_match_float64(monkeypatch, sliced, generic):
     hidden = torch.randn(2, 6, 32).to(torch.bfloat16)
     ref, _ = _dense_float64(hidden, head.weight, head.bias, targets, 0.9)
     assert ref.abs().max() > 5 and (hidden.double() @ head.weight.double().t()).abs().max() > 25
-    wrapped = logprobs._TransformedHead(head, logprobs._LogitTransform(softcap=1e6)) if generic else head  # cap ≈ identity
+    wrapped = (
+        logprobs._TransformedHead(head, logprobs._LogitTransform(softcap=1e6)) if generic else head
+    )  # cap ≈ identity
     logp, _ = chunked_log_probs(hidden, wrapped, targets, chunk_size=5, temperature=0.9)
     assert logp.dtype == torch.float32 and (logp.double() - ref).abs().max() < 1e-4
     # what the old path computed: bf16 logits, then float32
-    rounded = torch.log_softmax((head(hidden).float() / 0.9).double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    rounded = (
+        torch.log_softmax((head(hidden).float() / 0.9).double(), -1)
+        .gather(-1, targets[..., None])
+        .squeeze(-1)
+    )
     assert (rounded - ref).abs().max() > 1e-2  # so the check above can tell the two apart
 
 
@@ -415,7 +491,9 @@ def test_bf16_head_gradients_flow_in_float32_and_match_float64():
         ref_grads = torch.autograd.grad(ref.sum(), [h64, w64, b64])
         for g, rg in zip(grads, ref_grads):
             assert g.dtype == torch.bfloat16
-            torch.testing.assert_close(g.double(), rg, rtol=2e-2, atol=2e-2)  # bf16 gradients: their own rounding
+            torch.testing.assert_close(
+                g.double(), rg, rtol=2e-2, atol=2e-2
+            )  # bf16 gradients: their own rounding
 
 
 @pytest.mark.parametrize("generic", [False, True], ids=["chunked-linear", "checkpointed-generic-head"])
@@ -425,8 +503,9 @@ def test_entropy_gradient_matches_dense_float64(generic):
     head, targets = nn.Sequential(linear) if generic else linear, torch.randint(0, 50, (2, 7))
     hidden = torch.randn(2, 7, 16, requires_grad=True)
     up_logp, up_entropy = torch.randn(2, 7), torch.randn(2, 7)  # random upstream gradients on both outputs
-    logp, entropy = chunked_log_probs(hidden, head, targets, chunk_size=3, temperature=0.7, return_entropy=True,
-                                      entropy_grad=True)
+    logp, entropy = chunked_log_probs(
+        hidden, head, targets, chunk_size=3, temperature=0.7, return_entropy=True, entropy_grad=True
+    )
     params = [hidden, linear.weight, linear.bias]
     grads = torch.autograd.grad((logp * up_logp + entropy * up_entropy).sum(), params)
 
@@ -441,7 +520,11 @@ def test_entropy_gradient_matches_dense_float64(generic):
 
 
 def test_without_entropy_grad_the_entropy_stays_a_metric():
-    head, hidden, targets = nn.Linear(8, 20), torch.randn(1, 4, 8, requires_grad=True), torch.randint(0, 20, (1, 4))
+    head, hidden, targets = (
+        nn.Linear(8, 20),
+        torch.randn(1, 4, 8, requires_grad=True),
+        torch.randint(0, 20, (1, 4)),
+    )
     for h in (head, nn.Sequential(head)):
         logp, entropy = chunked_log_probs(hidden, h, targets, chunk_size=3, return_entropy=True)
         assert logp.requires_grad and not entropy.requires_grad

@@ -32,7 +32,9 @@ def test_four_loss_types_give_four_numbers():
     # The four aggregations of the clipped objective (the others: tests/test_loss_variants.py).
     logp = torch.zeros(2, 3)
     values = {
-        lt: grpo_loss(logp, None, None, ADV, MASK, loss_type=lt, num_tokens=8, max_completion_length=3)[0].item()
+        lt: grpo_loss(logp, None, None, ADV, MASK, loss_type=lt, num_tokens=8, max_completion_length=3)[
+            0
+        ].item()
         for lt in ("grpo", "bnpo", "dapo", "dr_grpo")
     }
     assert len({round(v, 6) for v in values.values()}) == 4, values
@@ -57,7 +59,9 @@ def test_clipping_both_sides_with_clip_higher():
     old = torch.zeros(5, 1)
     logp = torch.log(ratios).unsqueeze(1).requires_grad_(True)
     mask = torch.ones(5, 1)
-    loss, m = grpo_loss(logp, old, None, adv, mask, loss_type="bnpo", epsilon_low=eps_low, epsilon_high=eps_high)
+    loss, m = grpo_loss(
+        logp, old, None, adv, mask, loss_type="bnpo", epsilon_low=eps_low, epsilon_high=eps_high
+    )
     # Token objectives −min(ρA, clip(ρ)A):
     #   ρ=1.5, A=+1 → −min(1.5, 1.28) = −1.28  (clipped high)
     #   ρ=0.5, A=−1 → −min(−0.5, −0.8) = 0.8   (clipped low)
@@ -103,13 +107,17 @@ def test_kl_ratio_correction_off_policy_value_and_on_policy_gradient():
     rho, k3 = math.exp(0.3), math.exp(-1) + 1 - 1
     loss, _ = grpo_loss(logp, old, ref, torch.zeros(1), mask, beta=1.0, loss_type="bnpo")
     assert loss.item() == pytest.approx(rho * k3, abs=1e-6)
-    loss, _ = grpo_loss(logp, old, ref, torch.zeros(1), mask, beta=1.0, loss_type="bnpo", kl_ratio_correction=False)
+    loss, _ = grpo_loss(
+        logp, old, ref, torch.zeros(1), mask, beta=1.0, loss_type="bnpo", kl_ratio_correction=False
+    )
     assert loss.item() == pytest.approx(k3, abs=1e-6)
     # On-policy: same value as plain k3, gradient gains k3 (d/dlogp of ρ·k3 at ρ = 1 is dk3 + k3).
     grads = {}
     for corr in (True, False):
         lp = torch.tensor([[-1.0]], requires_grad=True)
-        loss, _ = grpo_loss(lp, None, ref, torch.zeros(1), mask, beta=1.0, loss_type="bnpo", kl_ratio_correction=corr)
+        loss, _ = grpo_loss(
+            lp, None, ref, torch.zeros(1), mask, beta=1.0, loss_type="bnpo", kl_ratio_correction=corr
+        )
         assert loss.item() == pytest.approx(k3, abs=1e-6)
         loss.backward()
         grads[corr] = lp.grad.item()
@@ -124,12 +132,21 @@ def test_sequence_importance_sampling_gspo():
     logp = torch.tensor([[0.1, 0.3, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     loss, m = grpo_loss(
-        logp, old, None, torch.tensor([1.0]), mask, loss_type="bnpo", importance_sampling="sequence",
-        epsilon_low=0.5, epsilon_high=0.5,
+        logp,
+        old,
+        None,
+        torch.tensor([1.0]),
+        mask,
+        loss_type="bnpo",
+        importance_sampling="sequence",
+        epsilon_low=0.5,
+        epsilon_high=0.5,
     )
     assert loss.item() == pytest.approx(-math.exp(0.2), abs=1e-6)
     assert m["ratio"] == pytest.approx(math.exp(0.2), abs=1e-6)
-    tok_loss, _ = grpo_loss(logp, old, None, torch.tensor([1.0]), mask, loss_type="bnpo", epsilon_low=0.5, epsilon_high=0.5)
+    tok_loss, _ = grpo_loss(
+        logp, old, None, torch.tensor([1.0]), mask, loss_type="bnpo", epsilon_low=0.5, epsilon_high=0.5
+    )
     assert tok_loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(0.3)) / 2, abs=1e-6)
 
 
@@ -163,8 +180,17 @@ def test_gradient_matches_finite_differences(loss_type, importance_sampling, kl_
 
     def f(lp):
         return grpo_loss(
-            lp, old, ref, adv, mask, loss_type=loss_type, beta=0.3, max_completion_length=T, num_tokens=9,
-            importance_sampling=importance_sampling, kl_ratio_correction=kl_ratio_correction,
+            lp,
+            old,
+            ref,
+            adv,
+            mask,
+            loss_type=loss_type,
+            beta=0.3,
+            max_completion_length=T,
+            num_tokens=9,
+            importance_sampling=importance_sampling,
+            kl_ratio_correction=kl_ratio_correction,
         )[0]
 
     assert torch.autograd.gradcheck(f, (logp,), eps=1e-6, atol=1e-7)
@@ -192,8 +218,19 @@ def test_accumulation_scale_makes_micro_batches_sum_to_the_full_loss():
 def test_accumulation_scale_is_each_loss_types_own():
     # A step of 5 sequences in 3 micro-batches; this micro-batch holds 1 of them.
     scales = {lt: accumulation_scale(lt, 1, 5, 3) for lt in LOSS_TYPES}
-    assert scales == {"grpo": 1 / 5, "bnpo": 1 / 3, "dapo": 1.0, "dr_grpo": 1 / 5,
-                      "cispo": 1.0, "sapo": 1 / 5, "vespo": 1.0, "luspo": 1 / 5}
-    with pytest.raises(ValueError, match=r"unknown loss_type 'ppo'; choose one of \['bnpo', 'cispo', 'dapo', 'dr_grpo', "
-                                         r"'grpo', 'luspo', 'sapo', 'vespo'\]"):
+    assert scales == {
+        "grpo": 1 / 5,
+        "bnpo": 1 / 3,
+        "dapo": 1.0,
+        "dr_grpo": 1 / 5,
+        "cispo": 1.0,
+        "sapo": 1 / 5,
+        "vespo": 1.0,
+        "luspo": 1 / 5,
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"unknown loss_type 'ppo'; choose one of \['bnpo', 'cispo', 'dapo', 'dr_grpo', "
+        r"'grpo', 'luspo', 'sapo', 'vespo'\]",
+    ):
         accumulation_scale("ppo", 1, 5, 3)

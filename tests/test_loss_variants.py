@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from lora_grpo.loss import (
-    LOSS_TYPES, AdaptiveEntropy, _linear_quantile, accumulation_scale, entropy_threshold, grpo_loss,
-    high_entropy_mask, padded_gather,
+    LOSS_TYPES,
+    AdaptiveEntropy,
+    _linear_quantile,
+    accumulation_scale,
+    entropy_threshold,
+    grpo_loss,
+    high_entropy_mask,
+    padded_gather,
 )
 
 # A ragged batch: sequence 0 has 3 tokens, sequence 1 has 2 (its third is padding, with values
@@ -27,8 +33,13 @@ LENGTHS = [3, 2]
 def tensors(**overrides):
     d = dict(logp=LOGP, old=OLD, ref=REF, adv=ADV, mask=MASK) | overrides
     logp = torch.tensor(d["logp"], dtype=torch.float64, requires_grad=True)
-    return (logp, torch.tensor(d["old"], dtype=torch.float64), torch.tensor(d["ref"], dtype=torch.float64),
-            torch.tensor(d["adv"], dtype=torch.float64), torch.tensor(d["mask"], dtype=torch.float64))
+    return (
+        logp,
+        torch.tensor(d["old"], dtype=torch.float64),
+        torch.tensor(d["ref"], dtype=torch.float64),
+        torch.tensor(d["adv"], dtype=torch.float64),
+        torch.tensor(d["mask"], dtype=torch.float64),
+    )
 
 
 def log_ratio(i, t):
@@ -57,8 +68,18 @@ def grad_grid(values: dict) -> torch.Tensor:
 def test_cispo_value_gradient_and_clip_metric(level, beta):
     eps = 1.3  # caps the token ratios exp(0.9) = 2.46 and exp(0.5) = 1.65
     logp, old, ref, adv, mask = tensors()
-    loss, m = grpo_loss(logp, old, ref, adv, mask, loss_type="cispo", epsilon_high=eps, beta=beta,
-                        num_tokens=N_TOKENS, importance_sampling=level)
+    loss, m = grpo_loss(
+        logp,
+        old,
+        ref,
+        adv,
+        mask,
+        loss_type="cispo",
+        epsilon_high=eps,
+        beta=beta,
+        num_tokens=N_TOKENS,
+        importance_sampling=level,
+    )
     value, grads, clipped = 0.0, {}, 0
     for i, t in TOKENS:
         w = min(ratio(i, t, level), eps)  # detached: the gradient is w·A·∇logp, whatever w's own slope
@@ -74,7 +95,9 @@ def test_cispo_value_gradient_and_clip_metric(level, beta):
     assert clipped == (1 if level == "token" else 0)  # the case the metric is meant to see
     # On-policy ρ = 1, and epsilon_high = 0.2 caps it at 0.2: the cap is ε_high itself, not 1 + ε_high (TRL).
     loss, _ = grpo_loss(logp, None, None, adv, mask, loss_type="cispo", epsilon_high=0.2, num_tokens=N_TOKENS)
-    assert loss.item() == pytest.approx(sum(-0.2 * ADV[i] * LOGP[i][t] for i, t in TOKENS) / N_TOKENS, abs=1e-12)
+    assert loss.item() == pytest.approx(
+        sum(-0.2 * ADV[i] * LOGP[i][t] for i, t in TOKENS) / N_TOKENS, abs=1e-12
+    )
 
 
 # ---------------------------------------------------------------- sapo
@@ -89,7 +112,9 @@ def test_sapo_value_and_gradient(level, beta):
         rho = ratio(i, t, level)
         sig = 1 / (1 + math.exp(-tau * (rho - 1)))
         kl, dkl = kl_value_and_grad(i, t)
-        value += (-sig * 4 / tau * ADV[i] + beta * kl) / LENGTHS[i] / 2  # grpo: per-sequence means, then their mean
+        value += (
+            (-sig * 4 / tau * ADV[i] + beta * kl) / LENGTHS[i] / 2
+        )  # grpo: per-sequence means, then their mean
         # d/dρ [σ(τ(ρ−1))·4/τ] = 4σ(1−σ). Token level dρ/dlogp_t = ρ; sequence level every token of
         # the sequence carries the same ρ_i with dρ_i/dlogp_t = ρ_i / L_i, summed over its L_i tokens.
         dpolicy = -4 * sig * (1 - sig) * ADV[i] * rho
@@ -131,15 +156,25 @@ def test_vespo_value_gradient_and_phi_metric(beta):
 
 def test_vespo_settings_on_policy_weight_and_extreme_ratio():
     logp, old, ref, adv, mask = tensors()
-    kw = dict(vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5, num_tokens=N_TOKENS)
+    kw = dict(
+        vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5, num_tokens=N_TOKENS
+    )
     _, m = grpo_loss(logp, old, None, adv, mask, loss_type="vespo", **kw)
-    assert m["vespo/phi_seq_mean"] == pytest.approx((phi(0, 1.0, 0.5, 4.0, 1.5) + phi(1, 1.0, 0.5, 4.0, 1.5)) / 2)
+    assert m["vespo/phi_seq_mean"] == pytest.approx(
+        (phi(0, 1.0, 0.5, 4.0, 1.5) + phi(1, 1.0, 0.5, 4.0, 1.5)) / 2
+    )
     _, m = grpo_loss(logp, None, None, adv, mask, loss_type="vespo")
     assert m["vespo/phi_seq_mean"] == pytest.approx(1.0)  # φ(1) = 1 on-policy
     # A sequence ratio of e^60 is clamped to e^20, where φ underflows to 0: finite, no gradient.
     far = torch.tensor([[30.0, 30.0, 0.0]], dtype=torch.float64, requires_grad=True)
-    loss, m = grpo_loss(far, torch.zeros(1, 3, dtype=torch.float64), None, torch.ones(1, dtype=torch.float64),
-                        torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64), loss_type="vespo")
+    loss, m = grpo_loss(
+        far,
+        torch.zeros(1, 3, dtype=torch.float64),
+        None,
+        torch.ones(1, dtype=torch.float64),
+        torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64),
+        loss_type="vespo",
+    )
     loss.backward()
     assert math.isfinite(loss.item()) and m["vespo/phi_seq_mean"] == 0.0 and far.grad.abs().sum() == 0
 
@@ -149,13 +184,25 @@ def test_vespo_settings_on_policy_weight_and_extreme_ratio():
 def test_luspo_value_and_gradient(level, beta):
     eps = 10.0  # no clipping: the objective is −ρA everywhere
     logp, old, ref, adv, mask = tensors()
-    loss, m = grpo_loss(logp, old, ref, adv, mask, loss_type="luspo", beta=beta, importance_sampling=level,
-                        epsilon_low=0.99, epsilon_high=eps)
+    loss, m = grpo_loss(
+        logp,
+        old,
+        ref,
+        adv,
+        mask,
+        loss_type="luspo",
+        beta=beta,
+        importance_sampling=level,
+        epsilon_low=0.99,
+        epsilon_high=eps,
+    )
     value, grads = 0.0, {}
     for i, t in TOKENS:
         rho = ratio(i, t, level)
         kl, dkl = kl_value_and_grad(i, t)
-        value += (-rho * ADV[i] + beta * kl) / 2  # a sum over the sequence's tokens, mean over the 2 sequences
+        value += (
+            -rho * ADV[i] + beta * kl
+        ) / 2  # a sum over the sequence's tokens, mean over the 2 sequences
         # sequence level: L_i tokens each −ρ_i·A with dρ_i/dlogp_t = ρ_i/L_i, so again −ρ_i·A per token.
         grads[i, t] = (-rho * ADV[i] + beta * dkl) / 2
     assert loss.item() == pytest.approx(value, abs=1e-12)
@@ -163,7 +210,9 @@ def test_luspo_value_and_gradient(level, beta):
     torch.testing.assert_close(logp.grad, grad_grid(grads), rtol=0, atol=1e-12)
     assert m["clip_ratio/region"] == 0.0
     # On-policy: luspo weighs each sequence by its length, grpo does not.
-    on_policy = {lt: grpo_loss(logp, None, None, adv, mask, loss_type=lt)[0].item() for lt in ("luspo", "grpo")}
+    on_policy = {
+        lt: grpo_loss(logp, None, None, adv, mask, loss_type=lt)[0].item() for lt in ("luspo", "grpo")
+    }
     assert on_policy == pytest.approx({"luspo": (-1.5 * 3 + 0.8 * 2) / 2, "grpo": (-1.5 + 0.8) / 2})
 
 
@@ -174,15 +223,30 @@ def test_accumulation_scale_makes_micro_batches_sum_to_the_full_loss(loss_type):
     logp = -torch.rand(B, T, generator=g, dtype=torch.float64)
     old = logp + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)
     adv = torch.randn(B, generator=g, dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float64)
+    mask = torch.tensor(
+        [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float64
+    )
     kw = dict(loss_type=loss_type, num_tokens=mask.sum().item(), epsilon_high=1.1)
     full = grpo_loss(logp, old, None, adv, mask, **kw)[0]
-    parts = sum(grpo_loss(logp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], **kw)[0]
-                * accumulation_scale(loss_type, 2, B, 2) for i in (0, 2))
+    parts = sum(
+        grpo_loss(logp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2], **kw)[0]
+        * accumulation_scale(loss_type, 2, B, 2)
+        for i in (0, 2)
+    )
     assert parts.item() == pytest.approx(full.item(), abs=1e-12)
     # accumulation= does the same scaling inside grpo_loss.
-    inside = sum(grpo_loss(logp[i : i + 2], old[i : i + 2], None, adv[i : i + 2], mask[i : i + 2],
-                           accumulation=(2, B, 2), **kw)[0] for i in (0, 2))
+    inside = sum(
+        grpo_loss(
+            logp[i : i + 2],
+            old[i : i + 2],
+            None,
+            adv[i : i + 2],
+            mask[i : i + 2],
+            accumulation=(2, B, 2),
+            **kw,
+        )[0]
+        for i in (0, 2)
+    )
     assert inside.item() == pytest.approx(full.item(), abs=1e-12)
 
 
@@ -206,7 +270,9 @@ def test_delta_caps_the_ratio_of_negative_advantages(loss_type):
     assert diff > 0
     assert lp.grad[0, 0] != 0 and lp2.grad[0, 0] == 0
     torch.testing.assert_close(lp.grad[mask.bool()][1:], lp2.grad[mask.bool()][1:], rtol=0, atol=1e-12)
-    per_token_weight = {"grpo": 1 / 3 / 2, "bnpo": 1 / 5, "dapo": 1 / 5, "dr_grpo": 1 / 6, "luspo": 1 / 2}[loss_type]
+    per_token_weight = {"grpo": 1 / 3 / 2, "bnpo": 1 / 5, "dapo": 1 / 5, "dr_grpo": 1 / 6, "luspo": 1 / 2}[
+        loss_type
+    ]
     assert diff == pytest.approx((3 - 2) * per_token_weight, abs=1e-12)
 
 
@@ -217,8 +283,10 @@ def test_delta_is_not_applied_where_trl_does_not(loss_type):
     with_delta = grpo_loss(lp, old, None, a, mask, delta=1.1, **kw)[0].item()
     assert with_delta == grpo_loss(lp, old, None, a, mask, **kw)[0].item()
     # while the clipped loss types do see a delta of 1.1 on this batch
-    assert grpo_loss(lp, old, None, a, mask, loss_type="dapo", delta=1.1)[0].item() != grpo_loss(
-        lp, old, None, a, mask, loss_type="dapo")[0].item()
+    assert (
+        grpo_loss(lp, old, None, a, mask, loss_type="dapo", delta=1.1)[0].item()
+        != grpo_loss(lp, old, None, a, mask, loss_type="dapo")[0].item()
+    )
 
 
 # ---------------------------------------------------------------- the high-entropy token mask
@@ -257,8 +325,14 @@ def test_entropy_threshold_over_two_processes_equals_one_process_over_the_union(
     union_mask[:3, :4], union_mask[3:] = mask_a, mask_b
     for q in (0.2, 0.5, 0.8):
         single = entropy_threshold(union_ent, union_mask, q)
-        assert entropy_threshold(ent_a, mask_a, q, gather) == single == entropy_threshold(ent_b, mask_b, q, gather)
-        assert entropy_threshold(ent_a, mask_a, q) != single  # the local threshold differs: the gather matters
+        assert (
+            entropy_threshold(ent_a, mask_a, q, gather)
+            == single
+            == entropy_threshold(ent_b, mask_b, q, gather)
+        )
+        assert (
+            entropy_threshold(ent_a, mask_a, q) != single
+        )  # the local threshold differs: the gather matters
         whole = high_entropy_mask(union_ent, union_mask, q)
         assert torch.equal(high_entropy_mask(ent_a, mask_a, q, gather), whole[:3, :4])
         assert torch.equal(high_entropy_mask(ent_b, mask_b, q, gather), whole[3:])
@@ -269,8 +343,14 @@ def test_padded_gather_drops_the_padding():
         return torch.cat([x, torch.full((5 - len(x),), pad_index)])
 
     other = torch.tensor([0.4, 0.0, 2.5])  # the other process's entropies
-    accelerator = type("TwoProcesses", (), {"pad_across_processes": staticmethod(pad),
-                                            "gather": staticmethod(lambda x: torch.cat([x, pad(other, 0, -1.0)]))})
+    accelerator = type(
+        "TwoProcesses",
+        (),
+        {
+            "pad_across_processes": staticmethod(pad),
+            "gather": staticmethod(lambda x: torch.cat([x, pad(other, 0, -1.0)])),
+        },
+    )
     out = padded_gather(accelerator())(torch.tensor([1.0, 0.0, 3.0, 0.5, 0.2]))
     assert out.tolist() == pytest.approx([1.0, 0.0, 3.0, 0.5, 0.2, 0.4, 0.0, 2.5])  # zeros are entropies too
 
@@ -278,22 +358,45 @@ def test_padded_gather_drops_the_padding():
 def test_quantile_fallback_beyond_torch_limit_matches_torch_quantile():
     values = torch.rand(1001, generator=torch.Generator().manual_seed(1))
     for q in (0.0, 0.13, 0.5, 0.8, 1.0):
-        assert _linear_quantile(values, q, limit=0).item() == pytest.approx(torch.quantile(values, q).item(), abs=1e-7)
+        assert _linear_quantile(values, q, limit=0).item() == pytest.approx(
+            torch.quantile(values, q).item(), abs=1e-7
+        )
 
 
 def test_entropy_mask_applies_to_the_policy_term_not_the_kl():
     logp, old, ref, adv, mask = tensors()
     ent = torch.tensor([[0.1, 2.0, 0.3], [0.2, 1.5, 9.0]], dtype=torch.float64)  # top 40%: (0, 1) and (1, 1)
     beta = 0.3
-    loss, _ = grpo_loss(logp, old, ref, adv, mask, loss_type="bnpo", beta=beta, epsilon_low=0.99, epsilon_high=10,
-                        entropies=ent, top_entropy_quantile=0.4)
+    loss, _ = grpo_loss(
+        logp,
+        old,
+        ref,
+        adv,
+        mask,
+        loss_type="bnpo",
+        beta=beta,
+        epsilon_low=0.99,
+        epsilon_high=10,
+        entropies=ent,
+        top_entropy_quantile=0.4,
+    )
     kept = {(0, 1), (1, 1)}
-    value = sum((-ratio(i, t, "token") * ADV[i] if (i, t) in kept else 0.0) + beta * kl_value_and_grad(i, t)[0]
-                for i, t in TOKENS) / N_TOKENS  # the denominator still counts every token
+    value = (
+        sum(
+            (-ratio(i, t, "token") * ADV[i] if (i, t) in kept else 0.0) + beta * kl_value_and_grad(i, t)[0]
+            for i, t in TOKENS
+        )
+        / N_TOKENS
+    )  # the denominator still counts every token
     assert loss.item() == pytest.approx(value, abs=1e-12)
     loss.backward()
-    grads = {(i, t): ((-ratio(i, t, "token") * ADV[i] if (i, t) in kept else 0.0) + beta * kl_value_and_grad(i, t)[1])
-             / N_TOKENS for i, t in TOKENS}
+    grads = {
+        (i, t): (
+            (-ratio(i, t, "token") * ADV[i] if (i, t) in kept else 0.0) + beta * kl_value_and_grad(i, t)[1]
+        )
+        / N_TOKENS
+        for i, t in TOKENS
+    }
     torch.testing.assert_close(logp.grad, grad_grid(grads), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="entropies"):
         grpo_loss(logp, old, ref, adv, mask, top_entropy_quantile=0.4)
@@ -302,15 +405,28 @@ def test_entropy_mask_applies_to_the_policy_term_not_the_kl():
 # ---------------------------------------------------------------- the off-policy sequence mask
 def test_off_policy_mask_drops_negative_advantage_sequences_far_from_the_sampler():
     # Three sequences of one token each plus a padded one: mean KL = sampling_logp − logp.
-    logp = torch.tensor([[-1.0, 0.0], [-1.0, 0.0], [-1.0, 0.0], [-1.0, -1.0]], dtype=torch.float64, requires_grad=True)
-    sampling = torch.tensor([[-0.2, 50.0], [-0.9, 50.0], [-0.2, 50.0], [-0.2, float("nan")]], dtype=torch.float64)
+    logp = torch.tensor(
+        [[-1.0, 0.0], [-1.0, 0.0], [-1.0, 0.0], [-1.0, -1.0]], dtype=torch.float64, requires_grad=True
+    )
+    sampling = torch.tensor(
+        [[-0.2, 50.0], [-0.9, 50.0], [-0.2, 50.0], [-0.2, float("nan")]], dtype=torch.float64
+    )
     mask = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
     ref = torch.full((4, 2), -1.5, dtype=torch.float64)
     # KL 0.8 (A < 0: dropped), 0.1 (kept), 0.8 (A > 0: kept), (0.8 + NaN→0)/2 = 0.4 (kept at 0.5).
     beta = 0.2
-    loss, _ = grpo_loss(logp, None, ref, adv, mask, loss_type="bnpo", beta=beta, off_policy_mask_threshold=0.5,
-                        sampling_logp=sampling)
+    loss, _ = grpo_loss(
+        logp,
+        None,
+        ref,
+        adv,
+        mask,
+        loss_type="bnpo",
+        beta=beta,
+        off_policy_mask_threshold=0.5,
+        sampling_logp=sampling,
+    )
     d = -0.5
     k3 = math.exp(d) - d - 1
     policy = [0.0, 1.0, -1.0, 1.0, 1.0]  # −ρA with ρ = 1 on the 5 tokens; the first sequence's is dropped
@@ -328,7 +444,10 @@ def test_off_policy_mask_defaults_to_old_logp():
     base = grpo_loss(logp, old, None, adv, mask, **kw)[0].item()
     assert grpo_loss(logp, old, None, adv, mask, off_policy_mask_threshold=0.0, **kw)[0].item() == base
     dropped = grpo_loss(logp, old, None, adv, mask, off_policy_mask_threshold=-0.3, **kw)[0].item()
-    seq0 = sum(-min(ratio(0, t, "token") * ADV[0], min(max(ratio(0, t, "token"), 0.8), 1.2) * ADV[0]) for t in range(3))
+    seq0 = sum(
+        -min(ratio(0, t, "token") * ADV[0], min(max(ratio(0, t, "token"), 0.8), 1.2) * ADV[0])
+        for t in range(3)
+    )
     assert dropped == pytest.approx(seq0 / N_TOKENS, abs=1e-12)
 
 
@@ -348,14 +467,27 @@ def test_entropy_bonus_value_gradient_accumulation_tokens_and_grad():
     # micro-batch) by 1 / num_micro_batches (4), whatever the loss type (TRL).
     for loss_type, share in [("grpo", 2 / 8), ("dapo", 1.0)]:
         pol = grpo_loss(logp, old, None, adv, mask, loss_type=loss_type, num_tokens=20)[0].item()
-        acc = grpo_loss(logp, old, None, adv, mask, loss_type=loss_type, num_tokens=20, entropies=ent,
-                        entropy_coef=coef, accumulation=(2, 8, 4))[0].item()
+        acc = grpo_loss(
+            logp,
+            old,
+            None,
+            adv,
+            mask,
+            loss_type=loss_type,
+            num_tokens=20,
+            entropies=ent,
+            entropy_coef=coef,
+            accumulation=(2, 8, 4),
+        )[0].item()
         assert acc == pytest.approx(pol * share - coef * h / 4, abs=1e-12)
     # With top_entropy_quantile the bonus is the mean over the tokens the policy term keeps.
     plain, _ = grpo_loss(logp, old, None, adv, mask, entropies=ent, top_entropy_quantile=0.4, num_tokens=5)
-    loss, _ = grpo_loss(logp, old, None, adv, mask, entropies=ent, top_entropy_quantile=0.4, num_tokens=5,
-                        entropy_coef=0.1)
-    assert loss.item() == pytest.approx(plain.item() - 0.1 * (2.2 + 1.8) / 2, abs=1e-12)  # over the 2 kept tokens
+    loss, _ = grpo_loss(
+        logp, old, None, adv, mask, entropies=ent, top_entropy_quantile=0.4, num_tokens=5, entropy_coef=0.1
+    )
+    assert loss.item() == pytest.approx(
+        plain.item() - 0.1 * (2.2 + 1.8) / 2, abs=1e-12
+    )  # over the 2 kept tokens
     with pytest.raises(ValueError, match="entropies with grad"):
         grpo_loss(logp, old, None, adv, mask, entropies=ent.detach(), entropy_coef=0.1)
     with pytest.raises(ValueError, match="entropies"):
@@ -413,9 +545,19 @@ def test_adaptive_entropy_state_dict_resumes_exactly():
 # ---------------------------------------------------------------- the per-token KL correction (a deviation)
 def test_kl_correction_uses_the_token_ratio_even_at_sequence_level():
     logp, old, ref, adv, mask = tensors()
-    loss, _ = grpo_loss(logp, old, ref, torch.zeros(2, dtype=torch.float64), mask, loss_type="bnpo", beta=1.0,
-                        importance_sampling="sequence")
-    assert loss.item() == pytest.approx(sum(kl_value_and_grad(i, t)[0] for i, t in TOKENS) / N_TOKENS, abs=1e-12)
+    loss, _ = grpo_loss(
+        logp,
+        old,
+        ref,
+        torch.zeros(2, dtype=torch.float64),
+        mask,
+        loss_type="bnpo",
+        beta=1.0,
+        importance_sampling="sequence",
+    )
+    assert loss.item() == pytest.approx(
+        sum(kl_value_and_grad(i, t)[0] for i, t in TOKENS) / N_TOKENS, abs=1e-12
+    )
 
 
 # ---------------------------------------------------------------- every loss type
@@ -431,10 +573,25 @@ def test_every_loss_type_gives_a_finite_loss_and_gradient(loss_type, level, beta
     ent = (torch.rand(B, T, generator=g) * 2).requires_grad_(True)
     mask = (torch.rand(B, T, generator=g) > 0.3).float()
     mask[:, 0] = 1
-    loss, m = grpo_loss(logp, old, ref, torch.randn(B, generator=g), mask, loss_type=loss_type, beta=beta,
-                        importance_sampling=level, max_completion_length=T, num_tokens=mask.sum().item(),
-                        delta=1.5, off_policy_mask_threshold=0.1, sampling_logp=old, entropies=ent,
-                        top_entropy_quantile=0.5, entropy_coef=0.01, accumulation=(B, 2 * B, 2))
+    loss, m = grpo_loss(
+        logp,
+        old,
+        ref,
+        torch.randn(B, generator=g),
+        mask,
+        loss_type=loss_type,
+        beta=beta,
+        importance_sampling=level,
+        max_completion_length=T,
+        num_tokens=mask.sum().item(),
+        delta=1.5,
+        off_policy_mask_threshold=0.1,
+        sampling_logp=old,
+        entropies=ent,
+        top_entropy_quantile=0.5,
+        entropy_coef=0.01,
+        accumulation=(B, 2 * B, 2),
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and torch.isfinite(ent.grad).all()
     assert logp.grad.abs().sum() > 0 and all(math.isfinite(v) for v in m.values())
@@ -443,6 +600,19 @@ def test_every_loss_type_gives_a_finite_loss_and_gradient(loss_type, level, beta
 
 def test_eight_loss_types_give_eight_numbers():
     logp, old, ref, adv, mask = tensors()
-    values = {lt: grpo_loss(logp, old, ref, adv, mask, loss_type=lt, beta=0.1, epsilon_high=1.3, num_tokens=8,
-                            max_completion_length=3)[0].item() for lt in LOSS_TYPES}
+    values = {
+        lt: grpo_loss(
+            logp,
+            old,
+            ref,
+            adv,
+            mask,
+            loss_type=lt,
+            beta=0.1,
+            epsilon_high=1.3,
+            num_tokens=8,
+            max_completion_length=3,
+        )[0].item()
+        for lt in LOSS_TYPES
+    }
     assert len(values) == 8 and len({round(v, 9) for v in values.values()}) == 8, values

@@ -21,7 +21,12 @@ def test_toy_recipe_learns(tmp_path, monkeypatch):
     # An ordinary run cries no wolf: no health condition held at any step (health.py; the planted faults
     # that do raise each their own are in test_health.py).
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    raised = {k for r in records for k, v in r.items() if k.startswith("health/") and k != "health/zero_std_streak" and v}
+    raised = {
+        k
+        for r in records
+        for k, v in r.items()
+        if k.startswith("health/") and k != "health/zero_std_streak" and v
+    }
     assert not raised, raised
     # micro_batch_size / gradient_checkpointing 'auto': the whole 128-sequence step in one pass, no recompute
     assert (summary["micro_batch_size"], summary["gradient_checkpointing"]) == (128, False), summary

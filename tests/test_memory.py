@@ -13,8 +13,7 @@ import pytest
 import torch
 from conftest import PROMPTS, adapter_state, assert_same_adapters, digit_share, make_trainer
 
-from lora_grpo import GRPOConfig
-from lora_grpo import memory
+from lora_grpo import GRPOConfig, memory
 from lora_grpo.adapters import POLICY, REFERENCE
 from lora_grpo.config import ConfigError
 from lora_grpo.memory import MemoryBudgetError, largest_fitting, plan_memory
@@ -49,17 +48,36 @@ def test_config_accepts_auto_and_integers_and_names_bad_values(tmp_path):
     p = GRPOConfig.parse_value
     assert p("micro_batch_size", "auto") == "auto" and p("micro_batch_size", "16") == 16
     assert p("gradient_checkpointing", "auto") == "auto" and p("gradient_checkpointing", "true") is True
-    assert GRPOConfig(model_name_or_path="toy", micro_batch_size=4, gradient_checkpointing=False).micro_batch_size == 4
+    assert (
+        GRPOConfig(
+            model_name_or_path="toy", micro_batch_size=4, gradient_checkpointing=False
+        ).micro_batch_size
+        == 4
+    )
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model_name_or_path: toy\nmicro_batch_size: auto\ngradient_checkpointing: auto\n")
-    assert GRPOConfig.from_yaml(recipe, {"micro_batch_size": GRPOConfig.parse_value("micro_batch_size", "32")}).micro_batch_size == 32
-    for field, bad in [("micro_batch_size", 0), ("micro_batch_size", "big"), ("micro_batch_size", 2.5),
-                       ("micro_batch_size", True), ("gradient_checkpointing", "sometimes"), ("gradient_checkpointing", 1),
-                       ("memory_budget", 0.0), ("memory_budget", 1.5)]:
+    assert (
+        GRPOConfig.from_yaml(
+            recipe, {"micro_batch_size": GRPOConfig.parse_value("micro_batch_size", "32")}
+        ).micro_batch_size
+        == 32
+    )
+    for field, bad in [
+        ("micro_batch_size", 0),
+        ("micro_batch_size", "big"),
+        ("micro_batch_size", 2.5),
+        ("micro_batch_size", True),
+        ("gradient_checkpointing", "sometimes"),
+        ("gradient_checkpointing", 1),
+        ("memory_budget", 0.0),
+        ("memory_budget", 1.5),
+    ]:
         with pytest.raises(ConfigError, match=field):
             GRPOConfig(model_name_or_path="toy", **{field: bad})
     with pytest.raises(ConfigError, match="'auto'"):
-        GRPOConfig(model_name_or_path="toy", micro_batch_size=GRPOConfig.parse_value("micro_batch_size", "autoo"))
+        GRPOConfig(
+            model_name_or_path="toy", micro_batch_size=GRPOConfig.parse_value("micro_batch_size", "autoo")
+        )
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -70,7 +88,9 @@ def test_budget_is_free_gpu_memory_plus_torch_cache_or_available_ram(monkeypatch
     assert memory.available_bytes(torch.device("cuda", 0)) == (1200 * MiB, "free GPU memory")
     import psutil
 
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: collections.namedtuple("vm", "available")(5000 * MiB))
+    monkeypatch.setattr(
+        psutil, "virtual_memory", lambda: collections.namedtuple("vm", "available")(5000 * MiB)
+    )
     assert memory.available_bytes(torch.device("cpu")) == (5000 * MiB, "available RAM")
 
 
@@ -90,8 +110,11 @@ def fake_cuda_allocator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: stats["allocated"])
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: stats["reserved"])
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
-                        lambda device=None: stats.update(peak_allocated=stats["allocated"], peak_reserved=stats["reserved"]))
+    monkeypatch.setattr(
+        torch.cuda,
+        "reset_peak_memory_stats",
+        lambda device=None: stats.update(peak_allocated=stats["allocated"], peak_reserved=stats["reserved"]),
+    )
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["peak_allocated"])
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: stats["peak_reserved"])
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: stats.update(empty_cache=stats["empty_cache"] + 1))
@@ -123,15 +146,22 @@ def test_measure_peak_on_cuda_counts_reserved_growth_when_it_is_larger(fake_cuda
 
 # Failed before the fix (defect 6): a cuBLAS / cuSOLVER allocation failure is a RuntimeError, which
 # escaped the probe instead of counting as "does not fit".
-@pytest.mark.parametrize("message", ["CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
-                                     "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate`"])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate`",
+    ],
+)
 def test_a_cuda_library_allocation_failure_counts_as_out_of_memory(fake_cuda_allocator, message):
     def fail():
         raise RuntimeError(message)
 
     assert memory.measure_peak(fail, torch.device("cuda", 0)) == math.inf
     with pytest.raises(RuntimeError, match="an unrelated bug"):  # a genuine error is not swallowed
-        memory.measure_peak(lambda: (_ for _ in ()).throw(RuntimeError("an unrelated bug")), torch.device("cuda", 0))
+        memory.measure_peak(
+            lambda: (_ for _ in ()).throw(RuntimeError("an unrelated bug")), torch.device("cuda", 0)
+        )
 
 
 # Failed before the fix (defect 6): empty_cache ran inside the except block, while the traceback's
@@ -155,13 +185,16 @@ def test_empty_cache_runs_after_the_failed_pass_is_released(fake_cuda_allocator,
 
 
 # ------------------------------------------------------------------------------ search and rule
-@pytest.mark.parametrize("fixed,per_seq,room,limit,expected", [
-    (10, 3, 1000, 128, 128),  # all fit
-    (10, 3, 100, 128, 30),  # 10 + 3·30 = 100
-    (10, 3, 12, 128, 0),  # not even one
-    (10, 3, 15, 128, 1),
-    (0, 7, 70, 64, 10),
-])
+@pytest.mark.parametrize(
+    "fixed,per_seq,room,limit,expected",
+    [
+        (10, 3, 1000, 128, 128),  # all fit
+        (10, 3, 100, 128, 30),  # 10 + 3·30 = 100
+        (10, 3, 12, 128, 0),  # not even one
+        (10, 3, 15, 128, 1),
+        (0, 7, 70, 64, 10),
+    ],
+)
 def test_secant_search_finds_the_largest_fitting_size_measuring_it(fixed, per_seq, room, limit, expected):
     m, points = largest_fitting(lambda m: fixed + per_seq * m, limit, room)
     assert m == expected
@@ -175,7 +208,9 @@ def test_secant_search_survives_noise_and_out_of_memory():
 
     m, points = largest_fitting(lambda m: noisy.get(m, 2.0 * m), 128, 1000)
     assert m == 128 and sorted(points) == [1, 2, 16, 128]
-    m, points = largest_fitting(lambda m: math.inf if m > 20 else 10.0 * m, 64, 10_000)  # OOM above 20: bisect
+    m, points = largest_fitting(
+        lambda m: math.inf if m > 20 else 10.0 * m, 64, 10_000
+    )  # OOM above 20: bisect
     assert 16 <= m <= 20 and all(points[k] == math.inf for k in points if k > m)
 
 
@@ -199,9 +234,19 @@ def plan(monkeypatch, off, on, room, *, batch=64, tokens=(10, 20), rollout=0.0, 
     state, run_pass, set_ckpt, measure = fake_probe(off, on)
     monkeypatch.setattr(memory, "measure_peak", measure)
     settings = dict(micro_batch_size="auto", gradient_checkpointing="auto", budget_fraction=1.0) | kw
-    result = plan_memory(run_pass, set_ckpt, batch=batch, available=(room, "test memory"), optimizer=optimizer,
-                         rollout=rollout, tokens=tokens, fix_hint="FIX", rollout_hint="ROLLOUT", device=torch.device("cpu"),
-                         **settings)
+    result = plan_memory(
+        run_pass,
+        set_ckpt,
+        batch=batch,
+        available=(room, "test memory"),
+        optimizer=optimizer,
+        rollout=rollout,
+        tokens=tokens,
+        fix_hint="FIX",
+        rollout_hint="ROLLOUT",
+        device=torch.device("cpu"),
+        **settings,
+    )
     assert state["on"] == result.gradient_checkpointing  # the model is left in the chosen mode
     return result, state
 
@@ -241,7 +286,9 @@ def test_preflight_names_the_numbers_and_the_fix(monkeypatch):
     assert "checkpointing on" in text and text.endswith("FIX")
     with pytest.raises(MemoryBudgetError, match="Turn gradient_checkpointing on"):
         plan(monkeypatch, off=300 * MiB, on=1, room=100 * MiB, gradient_checkpointing=False)
-    with pytest.raises(MemoryBudgetError, match="micro_batch_size=32 sequences.*Lower micro_batch_size, or set it to auto"):
+    with pytest.raises(
+        MemoryBudgetError, match="micro_batch_size=32 sequences.*Lower micro_batch_size, or set it to auto"
+    ):
         plan(monkeypatch, off=10 * MiB, on=5 * MiB, room=100 * MiB, micro_batch_size=32)
     with pytest.raises(MemoryBudgetError, match=r"rollout decodes 64 sequences.*~150 MiB.*ROLLOUT"):
         plan(monkeypatch, off=1, on=1, room=100 * MiB, rollout=150 * MiB)
@@ -254,7 +301,9 @@ def test_what_the_decoder_keeps_is_counted_under_every_pass(monkeypatch):
     # 60 bytes are left for a pass: 6 sequences without recompute, 15 with it (a short pass: on)
     assert (p.micro_batch_size, p.gradient_checkpointing, p.kept) == (15, True, 40)
     assert p.need == 40 + 4 * 15 and "of it the compiled decode's kept caches" in p.describe(True, True)
-    with pytest.raises(MemoryBudgetError, match=r"\+ 0 MiB the compiled decode keeps \(decode_mode eager keeps none\)"):
+    with pytest.raises(
+        MemoryBudgetError, match=r"\+ 0 MiB the compiled decode keeps \(decode_mode eager keeps none\)"
+    ):
         plan(monkeypatch, off=10, on=4, room=100, kept=99)
 
 
@@ -280,13 +329,22 @@ def test_a_static_rollout_takes_what_the_plan_says_within_15_percent_and_frees_i
     prompts, G, new = [f"{i}+{i}=" for i in range(10, 18)], 8, 64
 
     def run(n_prompts=None, max_new=new):
-        generate_rollout(model, tok, prompts[:n_prompts], num_generations=G, max_prompt_length=None,
-                         max_completion_length=max_new, generator=torch.Generator().manual_seed(0), decode_mode="static")
+        generate_rollout(
+            model,
+            tok,
+            prompts[:n_prompts],
+            num_generations=G,
+            max_prompt_length=None,
+            max_completion_length=max_new,
+            generator=torch.Generator().manual_seed(0),
+            decode_mode="static",
+        )
 
     run(1, 4)  # once, small: code paths, thread pools and lazy imports are resident before measuring
     width = tokenize_prompts(tok, prompts, None)[0].shape[1]
-    planned, kept = memory.decode_memory(model.config, [(len(prompts) * G, width, new)], torch.float32, len(tok),
-                                         "static", torch.device("cpu"))
+    planned, kept = memory.decode_memory(
+        model.config, [(len(prompts) * G, width, new)], torch.float32, len(tok), "static", torch.device("cpu")
+    )
     cache = fast_decode.static_cache_bytes(model.config, len(prompts) * G, width + new, torch.float32)
     assert kept == 0 and cache > 0.9 * planned  # the cache dominates the figure, so the test measures it
     device._release_freed_memory()
@@ -301,19 +359,33 @@ def test_the_runs_plan_counts_one_kept_cache_that_the_eval_decodes_share(tiny_ba
     trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", decode_mode="compiled", **AUTO)
     plan = trainer.plan_memory()
     cfg, cpu = trainer.config, torch.device("cpu")
-    one = fast_decode.static_cache_bytes(trainer.model.config, cfg.generation_batch, sum(plan.tokens), torch.float32)
+    one = fast_decode.static_cache_bytes(
+        trainer.model.config, cfg.generation_batch, sum(plan.tokens), torch.float32
+    )
     assert plan.kept == one and plan.need >= plan.kept + plan.measured[False][8]
     assert plan.decode_rows == cfg.generation_batch == 8
     assert "MiB of it the compiled decode's kept caches" in plan.describe(True, True)
     # An eval in the run decodes in chunks of the training rollout's 8 rows, prompts up to 5 tokens longer:
     # still one cache, of the longer length (the run reserves it: training rollouts decode in it too).
-    with_eval = memory.plan_run_memory(trainer.update, device=cpu, num_processes=1, longest_prompt=plan.tokens[0],
-                                       eval_longest_prompt=plan.tokens[0] + 5)
-    assert with_eval.kept == fast_decode.static_cache_bytes(trainer.model.config, 8, sum(plan.tokens) + 5, torch.float32)
+    with_eval = memory.plan_run_memory(
+        trainer.update,
+        device=cpu,
+        num_processes=1,
+        longest_prompt=plan.tokens[0],
+        eval_longest_prompt=plan.tokens[0] + 5,
+    )
+    assert with_eval.kept == fast_decode.static_cache_bytes(
+        trainer.model.config, 8, sum(plan.tokens) + 5, torch.float32
+    )
     trainer.config.eval_pass_k = [12]  # one prompt's 12 samples are decoded together: 12 rows
     assert memory.decode_rows(trainer.config) == 12
     trainer.config.decode_mode = "static"  # uncompiled: nothing kept
-    assert memory.plan_run_memory(trainer.update, device=cpu, num_processes=1, longest_prompt=plan.tokens[0]).kept == 0
+    assert (
+        memory.plan_run_memory(
+            trainer.update, device=cpu, num_processes=1, longest_prompt=plan.tokens[0]
+        ).kept
+        == 0
+    )
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -343,7 +415,9 @@ def tight_budget(trainer, monkeypatch, size: int):
 
     def measured(m, on):
         set_gradient_checkpointing(trainer.model, on)
-        return saved_bytes(lambda: memory.probe_pass(trainer.update, m, True, tokens, trainer.accelerator.device), None)
+        return saved_bytes(
+            lambda: memory.probe_pass(trainer.update, m, True, tokens, trainer.accelerator.device), None
+        )
 
     on_fit, on_miss, off = measured(size, True), measured(size + 1, True), measured(size, False)
     room = (on_fit + on_miss) / 2
@@ -369,14 +443,20 @@ def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp
     from lora_grpo.model import set_gradient_checkpointing
 
     monkeypatch.setattr(memory, "measure_peak", saved_bytes)
-    kw = dict(memory_budget=1.0, num_generations=2, prompts_per_step=1, **AUTO)  # a small rollout: one sequence is the limit
+    kw = dict(
+        memory_budget=1.0, num_generations=2, prompts_per_step=1, **AUTO
+    )  # a small rollout: one sequence is the limit
     probe = make_trainer(tiny_base_dir, tmp_path / "a", **kw)
     tokens, rollout = probe.plan_memory().tokens, probe.memory_plan.rollout
     set_gradient_checkpointing(probe.model, True)
-    one = saved_bytes(lambda: memory.probe_pass(probe.update, 1, True, tokens, probe.accelerator.device), None)  # with recompute, the least it can need
+    one = saved_bytes(
+        lambda: memory.probe_pass(probe.update, 1, True, tokens, probe.accelerator.device), None
+    )  # with recompute, the least it can need
     assert rollout * 1.01 < one  # what the test relies on
     optimizer = memory.optimizer_state_bytes(probe.params, "adamw")
-    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (rollout * 1.01 + optimizer, "test RAM"))
+    monkeypatch.setattr(
+        "lora_grpo.memory.available_bytes", lambda device: (rollout * 1.01 + optimizer, "test RAM")
+    )
 
     def no_rollout(*args, **kwargs):
         raise AssertionError("a rollout ran before the preflight")
@@ -387,7 +467,13 @@ def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp
     text = str(e.value)
     assert f"one sequence of {sum(tokens)} tokens ({tokens[0]} prompt + 6 completion) needs ~" in text
     assert "gradient checkpointing on" in text and "MiB test RAM" in text
-    for fix in ["max_completion_length (now 6)", "lora_r (now 4)", "logprob_chunk_size", "a smaller model", "memory_budget"]:
+    for fix in [
+        "max_completion_length (now 6)",
+        "lora_r (now 4)",
+        "logprob_chunk_size",
+        "a smaller model",
+        "memory_budget",
+    ]:
         assert fix in text
     monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (1.0, "test RAM"))
     with pytest.raises(MemoryBudgetError, match=r"rollout decodes 2 sequences.*prompts_per_step \(now 1\)"):
@@ -406,8 +492,14 @@ def test_the_probe_leaves_adapters_rng_and_gradients_as_they_were(tiny_base_dir,
     assert all(p.grad is None for p in trainer.params) and not trainer.optimizer.state
     # One step with 'auto' is the step with the sizes it chose, written out, from the same seed.
     trainer.train()
-    fixed = make_trainer(tiny_base_dir, tmp_path / "b", max_steps=1, quantization="none",
-                         micro_batch_size=trainer.micro_batch_size, gradient_checkpointing=trainer.gradient_checkpointing)
+    fixed = make_trainer(
+        tiny_base_dir,
+        tmp_path / "b",
+        max_steps=1,
+        quantization="none",
+        micro_batch_size=trainer.micro_batch_size,
+        gradient_checkpointing=trainer.gradient_checkpointing,
+    )
     fixed.train()
     assert_same_adapters(trainer.model, fixed.model)
     assert [m["loss"] for m in trainer.state.log_history] == [m["loss"] for m in fixed.state.log_history]
@@ -417,7 +509,12 @@ def test_resume_with_auto_is_exact_and_keeps_the_checkpoints_sizes(tiny_base_dir
     kw = dict(max_steps=3, quantization="none", **AUTO)
     full = make_trainer(tiny_base_dir, tmp_path / "a", save_steps=2, **kw)
     full.train()
-    resumed = make_trainer(tiny_base_dir, tmp_path / "b", resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"), **kw)
+    resumed = make_trainer(
+        tiny_base_dir,
+        tmp_path / "b",
+        resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"),
+        **kw,
+    )
     resumed.train()
     assert_same_adapters(full.model, resumed.model)
     # A start that would choose other sizes takes the checkpoint's when they fit.
@@ -438,12 +535,30 @@ def test_no_forward_of_a_run_takes_more_rows_than_its_plan(tiny_base_dir, tmp_pa
 
     tok = AutoTokenizer.from_pretrained(tiny_base_dir)
     torch.manual_seed(0)
-    scorer = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=256, num_labels=1, pad_token_id=tok.pad_token_id))
+    scorer = LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            num_labels=1,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
     reward_model = RewardModel(scorer, tok)  # batch_size 32 by default
-    trainer = make_trainer(tiny_base_dir, tmp_path, reward_funcs=(digit_share, reward_model), eval_dataset=PROMPTS[:20],
-                           quantization="none", micro_batch_size=2, gradient_checkpointing="auto", eval_pass_k=[2])
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        reward_funcs=(digit_share, reward_model),
+        eval_dataset=PROMPTS[:20],
+        quantization="none",
+        micro_batch_size=2,
+        gradient_checkpointing="auto",
+        eval_pass_k=[2],
+    )
     plan = trainer.plan_memory()
     assert (plan.forward_rows, plan.decode_rows) == (2, trainer.config.generation_batch) == (2, 8)
     rows = {"decode": [], "forward": [], "reward model": []}
@@ -452,12 +567,16 @@ def test_no_forward_of_a_run_takes_more_rows_than_its_plan(tiny_base_dir, tmp_pa
         def hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
             rows[kind(kwargs) if callable(kind) else kind].append(ids.shape[0])
+
         return hook
 
     body = trainer.model.get_base_model().model  # every policy forward: decode, log-probs, loss
-    handles = [body.register_forward_pre_hook(record(lambda kw: "decode" if kw.get("use_cache") else "forward"),
-                                              with_kwargs=True),
-               scorer.model.register_forward_pre_hook(record("reward model"), with_kwargs=True)]
+    handles = [
+        body.register_forward_pre_hook(
+            record(lambda kw: "decode" if kw.get("use_cache") else "forward"), with_kwargs=True
+        ),
+        scorer.model.register_forward_pre_hook(record("reward model"), with_kwargs=True),
+    ]
     try:
         metrics = trainer.evaluate()
         assert "eval/kl_to_base" in metrics and "eval/pass@2" in metrics
@@ -467,7 +586,10 @@ def test_no_forward_of_a_run_takes_more_rows_than_its_plan(tiny_base_dir, tmp_pa
         for handle in handles:
             handle.remove()
     for kind, found in eval_rows.items():  # the eval did every kind of forward, at the planned rows at most
-        assert found and max(found) <= (plan.decode_rows if kind == "decode" else plan.forward_rows), (kind, found)
+        assert found and max(found) <= (plan.decode_rows if kind == "decode" else plan.forward_rows), (
+            kind,
+            found,
+        )
     assert max(eval_rows["decode"]) == 8  # the greedy eval's 20 prompts in parts of the training rollout's 8
     assert len(rows["reward model"]) > len(eval_rows["reward model"])  # the training step scored too
     assert max(rows["forward"]) <= 2 and max(rows["reward model"]) <= 2 and max(rows["decode"]) <= 8
@@ -480,8 +602,15 @@ def test_the_shape_estimates_count_the_real_models_weights_and_adapters():
 
     from lora_grpo import memory_estimate
 
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config)
     real = sum(p.numel() for p in model.parameters()) * 4  # float32, the tied head counted once
     assert memory_estimate.weight_bytes(config, "none", torch.float32) == real

@@ -5,19 +5,18 @@ are refused."""
 
 import copy
 
-import pytest
-import torch
-
 import bitsandbytes.functional as bnb_F
 import bitsandbytes.nn.modules as bnb_modules
+import pytest
+import torch
+from conftest import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer
+
 from lora_grpo.adapters import POLICY
 from lora_grpo.checkpoint import save_adapter
 from lora_grpo.config import GRPOConfig
 from lora_grpo.model import load_model
 from lora_grpo.reference import lora_layers
 from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
-
-from conftest import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer
 
 
 @pytest.fixture
@@ -42,7 +41,9 @@ def avx512bf16_cpu(monkeypatch):
 def test_base_is_bit_identical_after_rollouts_steps_syncs_and_saves_on_the_avx512bf16_path(
     avx512bf16_cpu, tiny_base_dir, tmp_path
 ):
-    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=4, save_steps=1, ref_sync_steps=2, ref_sync_alpha=0.5)
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, max_steps=4, save_steps=1, ref_sync_steps=2, ref_sync_alpha=0.5
+    )
     before = frozen_4bit(trainer.model)
     trainer.train()  # rollouts (eval, no grad), steps, syncs, 4 checkpoints and the final adapter
     trainer.evaluate(trainer.train_dataset.select(range(4)))
@@ -73,19 +74,27 @@ def test_gradients_through_the_4bit_base_survive_a_rollout(avx512bf16_cpu, tiny_
 def test_saving_an_adapter_never_serialises_the_base(tiny_base_dir, tmp_path):
     # Even with every layer in the packed CPU layout, writing an adapter must not touch the base
     # (Linear4bit._save_to_state_dict unpacks and re-quantises whatever state_dict() visits).
-    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4,
-                                     gradient_checkpointing=False))
+    model, _ = load_model(
+        GRPOConfig(
+            model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4, gradient_checkpointing=False
+        )
+    )
     for m in model.modules():
         if isinstance(m, bnb_modules.Linear4bit):
-            m.weight.data, m.weight.quant_state = bnb_F._convert_weight_packed_for_cpu(m.weight.data, m.weight.quant_state)
+            m.weight.data, m.weight.quant_state = bnb_F._convert_weight_packed_for_cpu(
+                m.weight.data, m.weight.quant_state
+            )
     before = frozen_4bit(model)
     save_adapter(model, tmp_path / "policy", POLICY)
     assert_same_4bit(before, frozen_4bit(model))
 
 
 def test_every_4bit_layer_is_pinned_to_the_portable_path(avx512bf16_cpu, tiny_base_dir):
-    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4,
-                                     gradient_checkpointing=False))
+    model, _ = load_model(
+        GRPOConfig(
+            model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4, gradient_checkpointing=False
+        )
+    )
     layers = [m for m in model.modules() if isinstance(m, bnb_modules.Linear4bit)]
     assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
 
@@ -93,10 +102,15 @@ def test_every_4bit_layer_is_pinned_to_the_portable_path(avx512bf16_cpu, tiny_ba
 def test_a_model_repacked_before_the_trainer_got_it_is_refused(tiny_base_dir, tmp_path):
     from lora_grpo.model import keep_4bit_weights_fixed
 
-    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4,
-                                     gradient_checkpointing=False))
+    model, _ = load_model(
+        GRPOConfig(
+            model_name_or_path=tiny_base_dir, quantization="4bit", lora_r=4, gradient_checkpointing=False
+        )
+    )
     layer = next(m for m in model.modules() if isinstance(m, bnb_modules.Linear4bit))
-    layer.weight.data, layer.weight.quant_state = bnb_F._convert_weight_packed_for_cpu(layer.weight.data, layer.weight.quant_state)
+    layer.weight.data, layer.weight.quant_state = bnb_F._convert_weight_packed_for_cpu(
+        layer.weight.data, layer.weight.quant_state
+    )
     with pytest.raises(ValueError, match=r"already repacked by bitsandbytes.*Load the model again"):
         keep_4bit_weights_fixed(model)
 
@@ -106,18 +120,35 @@ def test_a_tokenizer_that_cannot_pad_or_stop_is_refused_at_start(tiny_base_dir, 
     from lora_grpo import GRPOTrainer
     from lora_grpo.model import load_tokenizer
 
-    config = GRPOConfig(model_name_or_path=tiny_base_dir, lora_r=4, num_generations=2, prompts_per_step=2,
-                        max_prompt_length=32, max_completion_length=4, output_dir=str(tmp_path), gradient_checkpointing=False)
+    config = GRPOConfig(
+        model_name_or_path=tiny_base_dir,
+        lora_r=4,
+        num_generations=2,
+        prompts_per_step=2,
+        max_prompt_length=32,
+        max_completion_length=4,
+        output_dir=str(tmp_path),
+        gradient_checkpointing=False,
+    )
     model, _ = load_model(config)
     tokenizer = load_tokenizer(config)
     tokenizer.pad_token = None
     if drop == "pad_and_eos":
         tokenizer.eos_token = None
         model.generation_config.eos_token_id = None
-    match = r"no pad token.*tokenizer.pad_token = tokenizer.eos_token" if drop == "pad" else r"no EOS token.*set tokenizer.eos_token"
+    match = (
+        r"no pad token.*tokenizer.pad_token = tokenizer.eos_token"
+        if drop == "pad"
+        else r"no EOS token.*set tokenizer.eos_token"
+    )
     with pytest.raises(ValueError, match=match):
-        GRPOTrainer(config, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-                    train_dataset=[{"prompt": "1+2="}] * 4, model=model, tokenizer=tokenizer)
+        GRPOTrainer(
+            config,
+            reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+            train_dataset=[{"prompt": "1+2="}] * 4,
+            model=model,
+            tokenizer=tokenizer,
+        )
 
 
 def save_base_with_attention_dropout(path, p: float) -> str:
@@ -142,7 +173,9 @@ def test_base_model_dropout_is_off(tmp_path):
 # Failed before the fix it guards (code review): with the base's dropout on, the KL against an
 # identical reference was > 0.
 def test_trainer_kl_is_exactly_zero_against_an_identical_reference_with_a_dropout_config(tmp_path):
-    trainer = make_trainer(save_base_with_attention_dropout(tmp_path / "drop", 0.3), tmp_path, **SMALL_RUN, max_steps=1)
+    trainer = make_trainer(
+        save_base_with_attention_dropout(tmp_path / "drop", 0.3), tmp_path, **SMALL_RUN, max_steps=1
+    )
     trainer.train()
     assert trainer.state.log_history[0]["kl"] == 0.0
 
@@ -153,10 +186,19 @@ def test_init_adapter_takes_the_configs_dropout(tiny_base_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    sft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir),
-                         LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear"), adapter_name=POLICY)
+    sft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_base_dir),
+        LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear"),
+        adapter_name=POLICY,
+    )
     save_adapter(sft, tmp_path / "sft", POLICY)
-    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, lora_r=4, init_adapter=str(tmp_path / "sft"),
-                                     gradient_checkpointing=False))
+    model, _ = load_model(
+        GRPOConfig(
+            model_name_or_path=tiny_base_dir,
+            lora_r=4,
+            init_adapter=str(tmp_path / "sft"),
+            gradient_checkpointing=False,
+        )
+    )
     dropouts = [m.lora_dropout[POLICY] for _, m in lora_layers(model)]
     assert dropouts and all(not isinstance(d, torch.nn.Dropout) or d.p == 0.0 for d in dropouts)

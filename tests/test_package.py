@@ -23,8 +23,14 @@ SOURCE_RECIPES = sorted(p.name for p in (ROOT / "lora_grpo" / "recipes").glob("*
 
 
 def _pip(*args, cwd):
-    result = subprocess.run([sys.executable, "-m", "pip", *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
 
@@ -44,7 +50,9 @@ def wheel(tmp_path_factory) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "lora_grpo", src / "lora_grpo", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        ROOT / "lora_grpo", src / "lora_grpo", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
     isolation = ["--no-build-isolation"] if _setuptools_here() else []
     _pip("wheel", "--no-deps", *isolation, "-q", "-w", str(base / "dist"), str(src), cwd=base)
     (built,) = (base / "dist").glob("lora_grpo-*.whl")
@@ -76,10 +84,18 @@ def _run(installed: Path, cwd: Path, *args: str, env: dict | None = None, timeou
     # and the toy pretraining runs several times slower (measured 2.6x), not faster.
     environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     pythonpath = os.pathsep.join([str(installed), str(installed.parent / "no_editable")])
-    environ.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
-                   **(env or {}))
-    result = subprocess.run([sys.executable, *args], cwd=cwd, env=environ, capture_output=True, text=True,
-                            timeout=timeout, check=False)
+    environ.update(
+        PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {})
+    )
+    result = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -93,14 +109,21 @@ def outside(tmp_path) -> Path:
 def test_the_wheel_ships_every_recipe(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert SOURCE_RECIPES and {f"lora_grpo/recipes/{name}" for name in SOURCE_RECIPES} <= set(names)
-    for module in ("lora_grpo/cli.py", "lora_grpo/tasks/countdown.py", "lora_grpo/rewards/scoring.py", "lora_grpo/rollout/generate.py"):
+    for module in (
+        "lora_grpo/cli.py",
+        "lora_grpo/tasks/countdown.py",
+        "lora_grpo/rewards/scoring.py",
+        "lora_grpo/rollout/generate.py",
+    ):
         assert module in names, module  # the subpackages ship too
 
 
 def test_the_installed_package_lists_its_recipes_outside_the_clone(installed, outside):
     probe = "import sys, lora_grpo.cli, lora_grpo.tasks.countdown; print(sys.meta_path); print(lora_grpo.__file__)"
     meta_path, where = _run(installed, outside, "-c", probe).strip().splitlines()[-2:]
-    assert Path(where).parent == installed / "lora_grpo", f"lora_grpo imported from {where}, not from the wheel"
+    assert Path(where).parent == installed / "lora_grpo", (
+        f"lora_grpo imported from {where}, not from the wheel"
+    )
     assert "__editable__" not in meta_path
     listed = _run(installed, outside, "-m", "lora_grpo.cli", "recipes").splitlines()
     assert sorted(f"{line.split()[0]}.yaml" for line in listed) == SOURCE_RECIPES
@@ -112,8 +135,17 @@ def test_the_installed_package_trains_the_default_recipe_outside_the_clone(insta
     cache (~40 s), two steps, the eval on 8 prompts."""
     run = outside / "run"
     out = _run(
-        installed, outside, "-m", "lora_grpo.cli", "train",
-        "--set", "max_steps=2", "--set", f"output_dir={run}", "--set", "eval_limit=8",
+        installed,
+        outside,
+        "-m",
+        "lora_grpo.cli",
+        "train",
+        "--set",
+        "max_steps=2",
+        "--set",
+        f"output_dir={run}",
+        "--set",
+        "eval_limit=8",
         env={"LORA_GRPO_CACHE": str(outside / "cache")},
     )
     assert "(recipe toy-addition)" in out

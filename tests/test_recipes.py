@@ -14,10 +14,13 @@ GPU_RECIPES = [name for name in SHIPPED if "toy" not in name]  # the toy recipe:
 
 
 def _gsm8k(path: Path) -> None:
-    path.write_text("".join(
-        json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}) + "\n"
-        for i in range(8)
-    ))
+    path.write_text(
+        "".join(
+            json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"})
+            + "\n"
+            for i in range(8)
+        )
+    )
 
 
 def _countdown(path: Path) -> None:
@@ -31,24 +34,41 @@ LOCAL_STAND_INS = {"openai/gsm8k": _gsm8k, "countdown": _countdown}
 
 
 def test_the_shipped_recipes():
-    assert set(SHIPPED) >= {"toy-addition", "qwen2.5-0.5b-gsm8k-qlora", "qwen2.5-1.5b-gsm8k-24gb",
-                            "smollm2-360m-countdown-qlora"}
+    assert set(SHIPPED) >= {
+        "toy-addition",
+        "qwen2.5-0.5b-gsm8k-qlora",
+        "qwen2.5-1.5b-gsm8k-24gb",
+        "smollm2-360m-countdown-qlora",
+    }
 
 
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_recipe_runs_one_step_offline(name, tiny_base_dir, qwen_tool_base_dir, tmp_path):
     with recipe_file(name) as path:
         config = GRPOConfig.from_yaml(path)
-    base = qwen_tool_base_dir if config.tools else tiny_base_dir  # a tool recipe needs a template that renders tools
+    base = (
+        qwen_tool_base_dir if config.tools else tiny_base_dir
+    )  # a tool recipe needs a template that renders tools
     assert config.quantization == "4bit" and config.beta > 0 and config.sync_enabled
-    assert config.dataset in LOCAL_STAND_INS, f"add a local stand-in for {config.dataset!r} to LOCAL_STAND_INS"
+    assert config.dataset in LOCAL_STAND_INS, (
+        f"add a local stand-in for {config.dataset!r} to LOCAL_STAND_INS"
+    )
     data = tmp_path / "data.jsonl"
     LOCAL_STAND_INS[config.dataset](data)
     overrides = {
-        "model_name_or_path": base, "dataset": str(data), "dataset_config": "null",
-        "eval_dataset": str(data), "eval_limit": 3, "num_generations": 2, "prompts_per_step": 2,
-        "max_completion_length": 4, "micro_batch_size": 4, "max_steps": 1, "num_epochs": 1,
-        "output_dir": str(tmp_path / "run"), "torch_dtype": "float32",
+        "model_name_or_path": base,
+        "dataset": str(data),
+        "dataset_config": "null",
+        "eval_dataset": str(data),
+        "eval_limit": 3,
+        "num_generations": 2,
+        "prompts_per_step": 2,
+        "max_completion_length": 4,
+        "micro_batch_size": 4,
+        "max_steps": 1,
+        "num_epochs": 1,
+        "output_dir": str(tmp_path / "run"),
+        "torch_dtype": "float32",
     }
     args = ["train", name]
     for key, value in overrides.items():
@@ -64,7 +84,9 @@ def test_recipe_runs_one_step_offline(name, tiny_base_dir, qwen_tool_base_dir, t
 def test_recipe_header_says_what_how_and_how_much_memory(name):
     text = SHIPPED[name].read_text()
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-    assert len(recipe_summary(text)) > 20, "the first comment line is the recipe's summary in `lora-grpo recipes`"
+    assert len(recipe_summary(text)) > 20, (
+        "the first comment line is the recipe's summary in `lora-grpo recipes`"
+    )
     assert "GPU memory" in header
     assert f"lora-grpo train {name}" in header
 
@@ -80,13 +102,39 @@ def test_the_clones_recipes_directory_links_to_the_shipped_recipes():
 
 # The hub configs' sizes (each model's config.json on the hub), written out: nothing is downloaded.
 HUB_SHAPES = {
-    "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2", dict(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                                 hidden_size=896, intermediate_size=4864, vocab_size=151936)),
-    "Qwen/Qwen2.5-1.5B-Instruct": ("qwen2", dict(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                                 hidden_size=1536, intermediate_size=8960, vocab_size=151936)),
-    "HuggingFaceTB/SmolLM2-360M-Instruct": ("llama", dict(num_hidden_layers=32, num_attention_heads=15,
-                                                          num_key_value_heads=5, hidden_size=960, intermediate_size=2560,
-                                                          vocab_size=49152)),
+    "Qwen/Qwen2.5-0.5B-Instruct": (
+        "qwen2",
+        dict(
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            hidden_size=896,
+            intermediate_size=4864,
+            vocab_size=151936,
+        ),
+    ),
+    "Qwen/Qwen2.5-1.5B-Instruct": (
+        "qwen2",
+        dict(
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            hidden_size=1536,
+            intermediate_size=8960,
+            vocab_size=151936,
+        ),
+    ),
+    "HuggingFaceTB/SmolLM2-360M-Instruct": (
+        "llama",
+        dict(
+            num_hidden_layers=32,
+            num_attention_heads=15,
+            num_key_value_heads=5,
+            hidden_size=960,
+            intermediate_size=2560,
+            vocab_size=49152,
+        ),
+    ),
 }
 
 

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from lora_grpo.checkpoint import save_adapter
 from lora_grpo.config import ConfigError, GRPOConfig
 from lora_grpo.model import (
     POLICY,
@@ -14,15 +15,21 @@ from lora_grpo.model import (
     reference_forward,
     use_adapter,
 )
-from lora_grpo.checkpoint import save_adapter
 from lora_grpo.reference import SyncSchedule, check_syncable, delta_weight, lora_layers, sync_reference
 
 QUANT = ["none", "4bit"]
 
 
 def make(tiny_base_dir, quantization="none", **overrides):
-    kw = dict(model_name_or_path=tiny_base_dir, quantization=quantization, lora_r=4, lora_alpha=8, beta=0.04,
-              gradient_checkpointing=False, seed=0)
+    kw = dict(
+        model_name_or_path=tiny_base_dir,
+        quantization=quantization,
+        lora_r=4,
+        lora_alpha=8,
+        beta=0.04,
+        gradient_checkpointing=False,
+        seed=0,
+    )
     kw.update(overrides)
     torch.manual_seed(0)
     model, _ = load_model(GRPOConfig(**kw))
@@ -119,8 +126,14 @@ def test_factor_mode_is_the_name_wise_blend_not_the_weight_space_mix(tiny_base_d
     alpha = 0.4
     layers = lora_layers(model)
     before = {
-        n: (m.lora_A[POLICY].weight.clone(), m.lora_B[POLICY].weight.clone(), m.scaling[POLICY],
-            m.lora_A[REFERENCE].weight.clone(), m.lora_B[REFERENCE].weight.clone(), m.scaling[REFERENCE])
+        n: (
+            m.lora_A[POLICY].weight.clone(),
+            m.lora_B[POLICY].weight.clone(),
+            m.scaling[POLICY],
+            m.lora_A[REFERENCE].weight.clone(),
+            m.lora_B[REFERENCE].weight.clone(),
+            m.scaling[REFERENCE],
+        )
         for n, m in layers
     }
     p, r = dense(model, POLICY), dense(model, REFERENCE)
@@ -167,7 +180,9 @@ def test_training_moves_only_the_policy_and_syncs_move_only_the_reference(tiny_b
     assert all(p.grad is None for p in ref_params.values())
     for n, p in ref_params.items():
         assert torch.equal(p, ref_before[n]), n
-    moved = [n for n, p in model.named_parameters() if f".{POLICY}." in n and not torch.equal(p, policy_before[n])]
+    moved = [
+        n for n, p in model.named_parameters() if f".{POLICY}." in n and not torch.equal(p, policy_before[n])
+    ]
     assert moved
     sync_reference(model, alpha=0.5)
     assert any(not torch.equal(p, ref_before[n]) for n, p in ref_params.items())
@@ -250,10 +265,15 @@ def test_dora_and_modules_to_save_are_refused(tiny_base_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    for kwargs, match in [({"use_dora": True}, "DoRA"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-                          ({"bias": "lora_only"}, "biases")]:
+    for kwargs, match in [
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "lora_only"}, "biases"),
+    ]:
         base = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
-        model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", **kwargs), adapter_name=POLICY)
+        model = get_peft_model(
+            base, LoraConfig(r=4, target_modules="all-linear", **kwargs), adapter_name=POLICY
+        )
         model.add_adapter(REFERENCE, LoraConfig(r=8, target_modules="all-linear"))
         with pytest.raises(ValueError, match=match):
             check_syncable(model)
@@ -294,8 +314,15 @@ def test_schedule():
 # Failed before the fix it guards (code review): the initial reference was copied from the policy by
 # a sync, which a slot of lower rank than the policy could not take; a fresh policy's ΔW is 0.
 def test_a_reference_slot_smaller_than_the_policy_builds_for_soft_syncs(tiny_base_dir):
-    model, _ = load_model(GRPOConfig(model_name_or_path=tiny_base_dir, lora_r=8, ref_rank=4, ref_sync_alpha=0.5,
-                                     gradient_checkpointing=False))
+    model, _ = load_model(
+        GRPOConfig(
+            model_name_or_path=tiny_base_dir,
+            lora_r=8,
+            ref_rank=4,
+            ref_sync_alpha=0.5,
+            gradient_checkpointing=False,
+        )
+    )
     for _, m in lora_layers(model):
         assert m.lora_A[REFERENCE].weight.shape[0] == 4
         assert not m.lora_B[REFERENCE].weight.any()  # ΔW_ref = 0 = ΔW_policy of a fresh LoRA

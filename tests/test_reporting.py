@@ -17,13 +17,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import PROMPTS, digit_share, make_trainer, run_torchrun
 
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.config import ConfigError
 from lora_grpo.plots import metrics_figure, plot_run
 from lora_grpo.reporting import RunReporter, numbers_only, require_tracker_packages
-
-from conftest import PROMPTS, digit_share, make_trainer, run_torchrun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WEIGHTS = [1.0, 0.5]
@@ -53,11 +52,20 @@ def read_jsonl(path):
 @pytest.fixture(scope="module")
 def tb_run(tiny_base_dir, tmp_path_factory):
     """3 steps: TensorBoard, completions every step, a sync after step 2, checkpoints at 2 and 3."""
-    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed (pip install 'lora_grpo[test]')")
+    pytest.importorskip(
+        "tensorboard", reason="the tensorboard extra is not installed (pip install 'lora_grpo[test]')"
+    )
     tmp = tmp_path_factory.mktemp("tb_run")
     trainer = make_trainer(
-        tiny_base_dir, tmp, **TWO_REWARDS, max_steps=3, report_to="tensorboard", log_completions=True,
-        ref_sync_steps=2, save_steps=2, **FAST,
+        tiny_base_dir,
+        tmp,
+        **TWO_REWARDS,
+        max_steps=3,
+        report_to="tensorboard",
+        log_completions=True,
+        ref_sync_steps=2,
+        save_steps=2,
+        **FAST,
     )
     run = Path(trainer.config.output_dir)
     seen_at_checkpoint = []
@@ -71,7 +79,9 @@ def tb_run(tiny_base_dir, tmp_path_factory):
 
     trainer.save_checkpoint = save_and_look
     summary, out, err = run_captured(trainer)
-    return SimpleNamespace(trainer=trainer, run=run, out=out, err=err, summary=summary, checkpoints=seen_at_checkpoint)
+    return SimpleNamespace(
+        trainer=trainer, run=run, out=out, err=err, summary=summary, checkpoints=seen_at_checkpoint
+    )
 
 
 # ----------------------------------------------------------------------------- progress bar
@@ -84,8 +94,15 @@ def test_bar_on_stderr_with_reward_and_kl_and_lines_on_stdout(tb_run):
 
 
 def test_disable_tqdm_hides_the_bar_and_log_completions_steps(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=4, disable_tqdm=True, log_completions=True,
-                           log_completions_steps=2, **FAST)
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        max_steps=4,
+        disable_tqdm=True,
+        log_completions=True,
+        log_completions_steps=2,
+        **FAST,
+    )
     _, out, err = run_captured(trainer)
     assert "train:" not in err and "reward=" not in err
     assert "step 4/4" in out
@@ -103,7 +120,14 @@ def test_tensorboard_events_hold_every_step_and_the_config(tb_run):
     events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     scalars = events.Tags()["scalars"]
-    for key in ["reward/mean", "kl", "rewards/digit_share/mean", "rewards/answer_start/mean", "entropy", "sync/event"]:
+    for key in [
+        "reward/mean",
+        "kl",
+        "rewards/digit_share/mean",
+        "rewards/answer_start/mean",
+        "entropy",
+        "sync/event",
+    ]:
         assert key in scalars, key
     assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
     logged = [m["reward/mean"] for m in read_jsonl(tb_run.run / "metrics.jsonl")]
@@ -128,7 +152,16 @@ def test_completions_have_every_field_with_the_right_values(tb_run):
     G, B = cfg.num_generations, cfg.num_generations * cfg.prompts_per_step
     records = read_jsonl(tb_run.run / "completions.jsonl")
     assert len(records) == 3 * B
-    assert list(records[0]) == ["step", "prompt", "completion", "digit_share", "answer_start", "reward", "advantage", "sync"]
+    assert list(records[0]) == [
+        "step",
+        "prompt",
+        "completion",
+        "digit_share",
+        "answer_start",
+        "reward",
+        "advantage",
+        "sync",
+    ]
     metrics = read_jsonl(tb_run.run / "metrics.jsonl")
     by_step = {m["step"]: m for m in metrics}
     nones = 0
@@ -137,7 +170,9 @@ def test_completions_have_every_field_with_the_right_values(tb_run):
         assert len(rows) == B
         assert all(r["sync"] == (step == 2) for r in rows)  # the sync after step 2
         for r in rows:
-            assert r["digit_share"] == pytest.approx(digit_share([r["prompt"]], [r["completion"]])[0], rel=1e-6)
+            assert r["digit_share"] == pytest.approx(
+                digit_share([r["prompt"]], [r["completion"]])[0], rel=1e-6
+            )
             # the weighted sum, a None counting as 0
             nones += r["answer_start"] is None
             expected = WEIGHTS[0] * r["digit_share"] + WEIGHTS[1] * (r["answer_start"] or 0.0)
@@ -151,7 +186,9 @@ def test_completions_have_every_field_with_the_right_values(tb_run):
             for r in group:
                 expected = 0.0 if max(rewards) == min(rewards) else (r["reward"] - mean) / (std + 1e-4)
                 assert r["advantage"] == pytest.approx(expected, abs=1e-4)
-        assert statistics.mean(r["reward"] for r in rows) == pytest.approx(by_step[step]["reward/mean"], abs=1e-6)
+        assert statistics.mean(r["reward"] for r in rows) == pytest.approx(
+            by_step[step]["reward/mean"], abs=1e-6
+        )
     assert nones > 0  # the None case was exercised
 
 
@@ -159,8 +196,16 @@ def test_resume_truncates_completions_like_metrics(tb_run, tiny_base_dir, tmp_pa
     run = tmp_path / "run"
     shutil.copytree(tb_run.run, run)
     trainer = make_trainer(
-        tiny_base_dir, tmp_path, **TWO_REWARDS, max_steps=3, log_completions=True, ref_sync_steps=2, save_steps=2,
-        resume_from_checkpoint=str(run / "checkpoint-2"), disable_tqdm=True, **FAST,
+        tiny_base_dir,
+        tmp_path,
+        **TWO_REWARDS,
+        max_steps=3,
+        log_completions=True,
+        ref_sync_steps=2,
+        save_steps=2,
+        resume_from_checkpoint=str(run / "checkpoint-2"),
+        disable_tqdm=True,
+        **FAST,
     )
     run_captured(trainer)
     B = trainer.config.generation_batch
@@ -186,8 +231,15 @@ def test_metrics_png_after_each_checkpoint_and_after_train(tb_run):
 def records_with_syncs():
     out = []
     for step in range(1, 7):
-        r = {"step": step, "reward/mean": step / 10, "rewards/a/mean": step / 20, "rewards/b/mean": 0.1,
-             "kl": 0.01 * step, "completion_length/mean": 20.0 + step, "entropy": 1.0 - step / 100}
+        r = {
+            "step": step,
+            "reward/mean": step / 10,
+            "rewards/a/mean": step / 20,
+            "rewards/b/mean": 0.1,
+            "kl": 0.01 * step,
+            "completion_length/mean": 20.0 + step,
+            "entropy": 1.0 - step / 100,
+        }
         if step in (2, 5):
             r.update({"sync/event": 1.0, "sync/reason": "steps"})
         out.append(r)
@@ -240,13 +292,17 @@ def test_a_failing_plot_is_a_warning(tmp_path):
 
 def test_trackers_get_numbers_only():
     assert numbers_only({"step": 3, "kl": 0.1, "sync/event": 1.0, "sync/reason": "steps", "ok": True}) == {
-        "kl": 0.1, "sync/event": 1.0, "ok": 1.0,
+        "kl": 0.1,
+        "sync/event": 1.0,
+        "ok": 1.0,
     }
 
 
 # ----------------------------------------------------------------------------- missing packages, bad names
-@pytest.mark.parametrize("tracker, modules", [("wandb", ["wandb"]), ("trackio", ["trackio"]),
-                                              ("tensorboard", ["tensorboard", "tensorboardX"])])
+@pytest.mark.parametrize(
+    "tracker, modules",
+    [("wandb", ["wandb"]), ("trackio", ["trackio"]), ("tensorboard", ["tensorboard", "tensorboardX"])],
+)
 def test_missing_tracker_package_names_the_extra(tracker, modules, monkeypatch, tiny_base_dir, tmp_path):
     for module in modules:
         monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
@@ -298,25 +354,44 @@ def test_wandb_offline(tiny_base_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)
-    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=2, report_to="wandb", log_completions=True,
-                           run_name="tiny", disable_tqdm=True, **FAST)
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        max_steps=2,
+        report_to="wandb",
+        log_completions=True,
+        run_name="tiny",
+        disable_tqdm=True,
+        **FAST,
+    )
     run_captured(trainer)
     (wandb_file,) = glob.glob(str(tmp_path / "run" / "runs" / "wandb" / "offline-run-*" / "run-*.wandb"))
     # wandb's service process writes the file; under load it can still be flushing when finish() returns
     deadline = time.monotonic() + 60
-    while (records := read_wandb_records(wandb_file))[-1:] == [] or records[-1].WhichOneof("record_type") != "exit":
+    while (records := read_wandb_records(wandb_file))[-1:] == [] or records[-1].WhichOneof(
+        "record_type"
+    ) != "exit":
         assert time.monotonic() < deadline, f"{wandb_file} has no exit record after 60 s"
         time.sleep(0.5)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.display_name == "tiny" and run.project == "lora-grpo"
-    config = {item.key: json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
-              for item in r.config.update}
+    config = {
+        item.key: json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for item in r.config.update
+    }
     assert config["lora_r"] == 4 and config["report_to"] == "wandb"
-    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     steps_with_reward = sorted(h["_step"] for h in history if "reward/mean" in h)
     assert steps_with_reward == [1, 2]
-    tables = sorted(glob.glob(str(Path(wandb_file).parent / "files" / "media" / "table" / "completions_*.table.json")))
+    tables = sorted(
+        glob.glob(str(Path(wandb_file).parent / "files" / "media" / "table" / "completions_*.table.json"))
+    )
     assert len(tables) == 2
     table = json.loads(Path(tables[0]).read_text())
     assert table["columns"] == ["step", "prompt", "completion", "digit_share", "reward", "advantage", "sync"]
@@ -327,19 +402,38 @@ def test_trackio_offline(tiny_base_dir, tmp_path, monkeypatch):
     # trackio is local-first: it writes a SQLite file under TRACKIO_DIR and needs no network.
     if "trackio" not in sys.modules:
         monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read at import
-    pytest.importorskip("trackio", reason="the trackio extra is not installed (pip install 'lora_grpo[trackio]')")
+    pytest.importorskip(
+        "trackio", reason="the trackio extra is not installed (pip install 'lora_grpo[trackio]')"
+    )
     from trackio.sqlite_storage import SQLiteStorage
 
     project = f"lora-grpo-test-{uuid.uuid4().hex[:8]}"  # unique, should TRACKIO_DIR have been fixed earlier
-    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=2, report_to="trackio", project=project,
-                           run_name="tiny", log_completions=True, disable_tqdm=True, **FAST)
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        max_steps=2,
+        report_to="trackio",
+        project=project,
+        run_name="tiny",
+        log_completions=True,
+        disable_tqdm=True,
+        **FAST,
+    )
     try:
         run_captured(trainer)
         logs = SQLiteStorage.get_logs(project, "tiny")
         assert sorted(log["step"] for log in logs if "reward/mean" in log) == [1, 2]
         tables = [log["completions"] for log in logs if "completions" in log]
         assert len(tables) == 2 and len(tables[0]["_value"]) == trainer.config.generation_batch
-        assert set(tables[0]["_value"][0]) >= {"step", "prompt", "completion", "digit_share", "reward", "advantage", "sync"}
+        assert set(tables[0]["_value"][0]) >= {
+            "step",
+            "prompt",
+            "completion",
+            "digit_share",
+            "reward",
+            "advantage",
+            "sync",
+        }
         assert SQLiteStorage.get_run_config(project, "tiny")["lora_r"] == 4
     finally:
         db = SQLiteStorage.get_project_db_path(project)
@@ -365,7 +459,9 @@ GRPOTrainer(cfg, reward_funcs=[digit_share], train_dataset=prompts).train()
 
 
 def test_two_processes_one_bar_one_log_and_every_completion(tiny_base_dir, tmp_path):
-    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed (pip install 'lora_grpo[test]')")
+    pytest.importorskip(
+        "tensorboard", reason="the tensorboard extra is not installed (pip install 'lora_grpo[test]')"
+    )
     result = run_torchrun(TWO_PROCESS_SCRIPT, tmp_path, tiny_base_dir, tmp_path)
     assert result.stderr.count("train:   0%") == 1  # one bar, the main process's
     assert result.stdout.count("step 2/2") == 1

@@ -10,22 +10,40 @@ from lora_grpo.toy import make_tokenizer
 
 PROMPTS = ["07+45=", "9+9=", "1+22="]
 COMPLETIONS = ["052", "18", "abc 23\n"]
-CHAT_PROMPTS = [[{"role": "user", "content": "hi"}],
-                [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2="}],
-                [{"role": "user", "content": "3+4=?"}]]
-CHAT_COMPLETIONS = [[{"role": "assistant", "content": "hello"}], [{"role": "assistant", "content": "4"}],
-                    [{"role": "assistant", "content": "7 it is"}]]
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2="}],
+    [{"role": "user", "content": "3+4=?"}],
+]
+CHAT_COMPLETIONS = [
+    [{"role": "assistant", "content": "hello"}],
+    [{"role": "assistant", "content": "4"}],
+    [{"role": "assistant", "content": "7 it is"}],
+]
 # The toy chat template, written out: "role: content\n" per message, no generation prompt.
-CHAT_TEXTS = ["user: hi\nassistant: hello\n", "system: add\nuser: 2+2=\nassistant: 4\n",
-              "user: 3+4=?\nassistant: 7 it is\n"]
+CHAT_TEXTS = [
+    "user: hi\nassistant: hello\n",
+    "system: add\nuser: 2+2=\nassistant: 4\n",
+    "user: 3+4=?\nassistant: 7 it is\n",
+]
 
 
 def tiny_reward_model(tokenizer, seed=0, dropout=0.0):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-                         attention_dropout=dropout)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        attention_dropout=dropout,
+    )
     return LlamaForSequenceClassification(config).eval()
 
 
@@ -73,12 +91,15 @@ def test_conversational_rows_go_through_the_chat_template(model, tok):
 def test_batching_gives_the_same_numbers(model, tok, batch_size):
     # Mixed lengths, so batches are right-padded; the model reads each row at its last real token.
     prompts, completions = PROMPTS + CHAT_PROMPTS, COMPLETIONS + CHAT_COMPLETIONS
-    one_at_a_time = [RewardModel(model, tok, batch_size=1)(prompts=[p], completions=[c])[0]
-                     for p, c in zip(prompts, completions)]
+    one_at_a_time = [
+        RewardModel(model, tok, batch_size=1)(prompts=[p], completions=[c])[0]
+        for p, c in zip(prompts, completions)
+    ]
     scores = RewardModel(model, tok, batch_size=batch_size)(prompts=prompts, completions=completions)
     assert scores == pytest.approx(one_at_a_time, abs=1e-5)
-    assert scores == pytest.approx(by_hand(model, tok, [p + c for p, c in zip(PROMPTS, COMPLETIONS)] + CHAT_TEXTS),
-                                   abs=1e-5)
+    assert scores == pytest.approx(
+        by_hand(model, tok, [p + c for p, c in zip(PROMPTS, COMPLETIONS)] + CHAT_TEXTS), abs=1e-5
+    )
 
 
 def test_eval_mode_and_no_grad(tok):
@@ -103,8 +124,9 @@ def test_saved_and_loaded_by_path(model, tok, tmp_path):
     assert rm.model.config.num_labels == 1
     expected = RewardModel(model, tok)(prompts=PROMPTS, completions=COMPLETIONS)
     assert rm(prompts=PROMPTS, completions=COMPLETIONS) == pytest.approx(expected, abs=1e-6)
-    assert RewardModel(path, batch_size=2)(prompts=CHAT_PROMPTS, completions=CHAT_COMPLETIONS) == pytest.approx(
-        by_hand(model, tok, CHAT_TEXTS), abs=1e-5)
+    assert RewardModel(path, batch_size=2)(
+        prompts=CHAT_PROMPTS, completions=CHAT_COMPLETIONS
+    ) == pytest.approx(by_hand(model, tok, CHAT_TEXTS), abs=1e-5)
 
 
 def test_missing_pad_token_becomes_eos_and_the_model_learns_it(tok):
@@ -116,7 +138,9 @@ def test_missing_pad_token_becomes_eos_and_the_model_learns_it(tok):
     rm = RewardModel(model, no_pad, batch_size=3)
     assert no_pad.pad_token_id == no_pad.eos_token_id == model.config.pad_token_id
     scores = rm(prompts=PROMPTS, completions=COMPLETIONS)  # padded with eos, read before it
-    assert scores == pytest.approx(by_hand(model, tok, [p + c for p, c in zip(PROMPTS, COMPLETIONS)]), abs=1e-5)
+    assert scores == pytest.approx(
+        by_hand(model, tok, [p + c for p, c in zip(PROMPTS, COMPLETIONS)]), abs=1e-5
+    )
 
 
 def test_name_and_errors(model, tok):

@@ -9,9 +9,8 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import make_trainer
 
-from lora_grpo.rewards import builtins as reward_builtins
-from lora_grpo.rewards import specs as reward_specs
 from lora_grpo import rewards as R
 from lora_grpo.rewards import (
     answer_accuracy,
@@ -24,8 +23,8 @@ from lora_grpo.rewards import (
     soft_overlong_penalty,
     think_answer_format,
 )
-
-from conftest import make_trainer
+from lora_grpo.rewards import builtins as reward_builtins
+from lora_grpo.rewards import specs as reward_specs
 
 
 def _q(n):
@@ -58,7 +57,10 @@ def test_think_answer_format(completion, expected):
 def test_format_accepts_extra_kwargs_and_conversational_completions():
     got = think_answer_format(
         prompts=_q(2),
-        completions=["<think>a</think><answer>b</answer>", [{"role": "assistant", "content": "<answer>b</answer>"}]],
+        completions=[
+            "<think>a</think><answer>b</answer>",
+            [{"role": "assistant", "content": "<answer>b</answer>"}],
+        ],
         answer=["x", "y"],
         completion_lengths=[3, 4],
         truncated=[False, False],
@@ -164,7 +166,9 @@ def test_answer_accuracy_text_answers(accuracy_backend):
 
 def test_answer_accuracy_math_verify_symbolic(monkeypatch):
     monkeypatch.setattr(reward_builtins, "_math_verify", pytest.importorskip("math_verify"))
-    got = answer_accuracy(completions=["<answer>1+x^2</answer>", "<answer>x^2-1</answer>"], answer=["x^2+1"] * 2)
+    got = answer_accuracy(
+        completions=["<answer>1+x^2</answer>", "<answer>x^2-1</answer>"], answer=["x^2+1"] * 2
+    )
     assert got == [1.0, 0.0]
 
 
@@ -172,7 +176,9 @@ def test_answer_accuracy_none_without_reference_and_solution_column(monkeypatch)
     monkeypatch.setattr(reward_builtins, "_math_verify", None)
     got = answer_accuracy(completions=["<answer>4</answer>"] * 3, answer=["4", None, "  "])
     assert got == [1.0, None, None]
-    assert answer_accuracy(completions=[[{"role": "assistant", "content": "<answer>4</answer>"}]], solution=["#### 4"]) == [1.0]
+    assert answer_accuracy(
+        completions=[[{"role": "assistant", "content": "<answer>4</answer>"}]], solution=["#### 4"]
+    ) == [1.0]
     with pytest.raises(ValueError, match="'answer'.*'solution'"):
         answer_accuracy(completions=["4"], question=["q"])
 
@@ -198,7 +204,10 @@ def test_soft_overlong_penalty_validation():
     with pytest.raises(ValueError, match="completion_lengths"):
         soft_overlong_penalty(10, 5)(completions=["c"])
     # Without completion_lengths, the lengths of completion_ids (as TRL's soft overlong punishment).
-    assert soft_overlong_penalty(10, 5)(completions=["a", "b"], completion_ids=[[1] * 5, [1] * 10]) == [0.0, -1.0]
+    assert soft_overlong_penalty(10, 5)(completions=["a", "b"], completion_ids=[[1] * 5, [1] * 10]) == [
+        0.0,
+        -1.0,
+    ]
 
 
 def test_length_penalty():
@@ -482,10 +491,19 @@ def test_compute_rewards_argument_errors():
 @pytest.mark.parametrize(
     "value, expected",
     [
-        (True, 1.0), (False, 0.0), (3, 3.0), (np.float32(0.5), 0.5), (np.int64(2), 2.0),
-        (np.bool_(True), 1.0), (np.bool_(False), 0.0), (np.float64("nan"), None),
-        (torch.tensor(0.25), 0.25), (torch.tensor([0.75]), 0.75), (torch.tensor(True), 1.0),
-        (np.array([1.5]), 1.5), (float("nan"), None),
+        (True, 1.0),
+        (False, 0.0),
+        (3, 3.0),
+        (np.float32(0.5), 0.5),
+        (np.int64(2), 2.0),
+        (np.bool_(True), 1.0),
+        (np.bool_(False), 0.0),
+        (np.float64("nan"), None),
+        (torch.tensor(0.25), 0.25),
+        (torch.tensor([0.75]), 0.75),
+        (torch.tensor(True), 1.0),
+        (np.array([1.5]), 1.5),
+        (float("nan"), None),
     ],
 )
 def test_compute_rewards_value_types(value, expected):
@@ -495,7 +513,8 @@ def test_compute_rewards_value_types(value, expected):
 
 
 @pytest.mark.parametrize(
-    "values", [torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), np.array([True, False]), torch.tensor([[1.0], [2.0]])]
+    "values",
+    [torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), np.array([True, False]), torch.tensor([[1.0], [2.0]])],
 )
 def test_compute_rewards_whole_tensor_or_array_returned(values):
     _, per_func, _ = compute_rewards([lambda **kw: values], _q(2), ["a", "b"])
@@ -526,7 +545,10 @@ def test_compute_rewards_bad_value_names_function_index_sample_and_type(bad, wor
 def test_compute_rewards_non_list_return_value(bad):
     with pytest.raises(ValueError) as info:
         compute_rewards([named("whole", lambda **kw: bad)], _q(2), ["a", "b"])
-    expected = f"reward function 'whole' must return a list of 2 numbers (one per completion), got a {type(bad).__name__}"
+    expected = (
+        "reward function 'whole' must return a list of 2 numbers (one per completion), got a "
+        f"{type(bad).__name__}"
+    )
     assert expected in str(info.value)
 
 
@@ -554,7 +576,9 @@ def test_check_reward_columns_names_function_columns_and_dataset():
 
 def test_check_reward_columns_matches_every_parameter_by_name():
     def keyword_only(*, prompts, completions, completion_ids, answer, level=1, **kw): ...
-    def uses_trainer_names(prompts, completions, completion_lengths, truncated, trainer_state, completion_ids): ...
+    def uses_trainer_names(
+        prompts, completions, completion_lengths, truncated, trainer_state, completion_ids
+    ): ...
     def old_positional_style(p, c, answer, **kw): ...  # the first two are not prompts/completions any more
 
     class Scorer:
@@ -562,30 +586,47 @@ def test_check_reward_columns_matches_every_parameter_by_name():
 
         def __call__(self, completions, **kw): ...
 
-    check_reward_columns([uses_trainer_names, lambda **kw: [], accuracy_reward], ["solution"], "train_dataset")
+    check_reward_columns(
+        [uses_trainer_names, lambda **kw: [], accuracy_reward], ["solution"], "train_dataset"
+    )
     for fn, column in [
-        (keyword_only, "answer"), (Scorer(), "topic"), (old_positional_style, "p"),
-        (functools.partial(accuracy_reward), "solution"), (soft_overlong_penalty(10, 5), None),
+        (keyword_only, "answer"),
+        (Scorer(), "topic"),
+        (old_positional_style, "p"),
+        (functools.partial(accuracy_reward), "solution"),
+        (soft_overlong_penalty(10, 5), None),
     ]:
         if column is None:
             check_reward_columns([fn], [], "train_dataset")
             continue
-        with pytest.raises(ValueError, match=rf"needs column '{column}'.*train_dataset has columns \['prompt'\]"):
+        with pytest.raises(
+            ValueError, match=rf"needs column '{column}'.*train_dataset has columns \['prompt'\]"
+        ):
             check_reward_columns([fn], ["prompt"], "train_dataset")
     with pytest.raises(ValueError) as info:
         check_reward_columns([old_positional_style], ["answer"], "train_dataset")
     msg = str(info.value)
-    assert "needs column 'p', 'c'" in msg and "every argument by keyword" in msg and "rename the parameter" in msg
+    assert (
+        "needs column 'p', 'c'" in msg
+        and "every argument by keyword" in msg
+        and "rename the parameter" in msg
+    )
 
 
 def test_check_reward_columns_hints_and_clashes():
-    def docs_typo(completions_ids, **kwargs): ...  # TRL's docs example spells it so; the trainer passes completion_ids
+    def docs_typo(
+        completions_ids, **kwargs
+    ): ...  # TRL's docs example spells it so; the trainer passes completion_ids
 
-    with pytest.raises(ValueError, match=r"needs column 'completions_ids' \(did you mean 'completion_ids'\?\)"):
+    with pytest.raises(
+        ValueError, match=r"needs column 'completions_ids' \(did you mean 'completion_ids'\?\)"
+    ):
         check_reward_columns([docs_typo], ["answer"], "train_dataset")
     with pytest.raises(ValueError, match=r"positional-only parameters \['completions'\]"):
         check_reward_columns([lambda completions, /, **kw: []], [], "train_dataset")
-    with pytest.raises(ValueError, match=r"column\(s\) \['truncated'\], named like keywords the trainer passes"):
+    with pytest.raises(
+        ValueError, match=r"column\(s\) \['truncated'\], named like keywords the trainer passes"
+    ):
         check_reward_columns([accuracy_reward], ["solution", "truncated"], "eval_dataset")
     check_reward_columns([functools.partial(accuracy_reward, solution=["x"])], [], "train_dataset")
 
@@ -607,7 +648,9 @@ def test_compute_rewards_calls_every_function_by_keyword_only():
         return [float(len(c)) for c in completions]
 
     columns = {"solution": ["a", "x"], "completion_ids": [[1], [2, 3]], "trainer_state": "state"}
-    _, per_func, _ = compute_rewards([keyword_only, trl_accuracy, reward_len], ["p0", "p1"], ["a", "bb"], columns)
+    _, per_func, _ = compute_rewards(
+        [keyword_only, trl_accuracy, reward_len], ["p0", "p1"], ["a", "bb"], columns
+    )
     assert seen == [(["p0", "p1"], ["a", "bb"], ["completion_ids", "solution", "trainer_state"])]
     assert per_func.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 2.0]]
 
@@ -637,10 +680,15 @@ def test_compute_rewards_signature_that_cannot_take_the_keywords():
     with pytest.raises(ValueError) as info:
         compute_rewards([old_style], _q(1), ["c"], {"answer": ["4"]})
     msg = str(info.value)
-    assert "reward function 'old_style' cannot take the keywords" in msg and "missing a required argument: 'p'" in msg
+    assert (
+        "reward function 'old_style' cannot take the keywords" in msg
+        and "missing a required argument: 'p'" in msg
+    )
     assert "['p', 'c', 'kw']" in msg and "['answer', 'completions', 'prompts']" in msg
     assert "every argument is passed by keyword" in msg.lower() and "**kwargs" in msg
-    with pytest.raises(ValueError, match=r"'no_kwargs' cannot take the keywords.*unexpected keyword argument 'prompts'"):
+    with pytest.raises(
+        ValueError, match=r"'no_kwargs' cannot take the keywords.*unexpected keyword argument 'prompts'"
+    ):
         compute_rewards([no_kwargs], _q(1), ["c"])
 
 
@@ -649,7 +697,9 @@ def test_async_reward_functions_are_awaited_together():
 
     events = {}
 
-    async def judge_a(completions, **kwargs):  # each needs the other to have started: only concurrent calls finish
+    async def judge_a(
+        completions, **kwargs
+    ):  # each needs the other to have started: only concurrent calls finish
         events.setdefault("a", asyncio.Event()).set()
         await asyncio.wait_for(events.setdefault("b", asyncio.Event()).wait(), timeout=10)
         return [1.0] * len(completions)
@@ -663,8 +713,11 @@ def test_async_reward_functions_are_awaited_together():
         async def __call__(self, completions, **kwargs):
             return [3.0] * len(completions)
 
-    rewards, per_func, _ = compute_rewards(resolve_reward_funcs([judge_a, judge_b, AsyncScorer(), functools.partial(judge_a)])[:3],
-                                           _q(2), ["c", "d"])
+    rewards, per_func, _ = compute_rewards(
+        resolve_reward_funcs([judge_a, judge_b, AsyncScorer(), functools.partial(judge_a)])[:3],
+        _q(2),
+        ["c", "d"],
+    )
     assert per_func.tolist() == [[1.0, 2.0, 3.0]] * 2 and rewards.tolist() == [6.0, 6.0]
 
     async def fails(completions, **kwargs):
@@ -682,8 +735,9 @@ def test_log_extra_and_log_metric_reach_the_step_and_the_completions(tiny_base_d
         log_metric("judge/calls", 1.0)
         return [float(len(c)) for c in completions]
 
-    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=2, reward_funcs=[judged],
-                           log_completions=True)
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, quantization="none", max_steps=2, reward_funcs=[judged], log_completions=True
+    )
     trainer.train()
     assert [m["judge/calls"] for m in trainer.state.log_history] == [1.0, 1.0]
     records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
@@ -713,7 +767,10 @@ def test_split_modules_reexport_the_same_objects_and_import_downwards():
     for mod in (reward_builtins, reward_specs):
         for name in mod.__all__:
             assert getattr(R, name) is getattr(mod, name), name
-    for mod, allowed in ((reward_builtins, set()), (reward_specs, {"tasks.countdown", "builtins", "models", "loading"})):
+    for mod, allowed in (
+        (reward_builtins, set()),
+        (reward_specs, {"tasks.countdown", "builtins", "models", "loading"}),
+    ):
         tree = ast.parse(inspect.getsource(mod))
         local = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0}
         assert local <= allowed, (mod.__name__, local)

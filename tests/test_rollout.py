@@ -8,16 +8,16 @@ from tokenizers import processors
 
 from lora_grpo.rollout import (
     Rollout,
-    tokenize_prompts,
     apply_min_p,
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
     generate_rollout,
     sample_next,
+    tokenize_prompts,
     warp_logits,
 )
-from lora_grpo.tasks.toy import make_tokenizer, make_tiny_model
+from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
 
 NEG = float("-inf")
 # Different lengths, so the batch is really left-padded.
@@ -58,12 +58,23 @@ def test_sampling_logprobs_match_full_forward(tok, temperature, top_k, top_p, mi
     model = tiny_model(tok, eos_scale=25.0)
     g = torch.Generator().manual_seed(0)
     r = generate_rollout(
-        model, tok, RAGGED_PROMPTS, num_generations=4, max_prompt_length=None, max_completion_length=12,
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=g,
+        model,
+        tok,
+        RAGGED_PROMPTS,
+        num_generations=4,
+        max_prompt_length=None,
+        max_completion_length=12,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        generator=g,
     )
     # The case the test relies on: some rows stopped at EOS, some ran to the limit.
     assert r.truncated.any() and (~r.truncated).any()
-    warped = warp_logits(full_forward_logits(model, r), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    warped = warp_logits(
+        full_forward_logits(model, r), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
     expected = warped.log_softmax(-1).gather(2, r.completion_ids[..., None]).squeeze(2)
     m = r.completion_mask.bool()
     torch.testing.assert_close(r.sampling_logprobs[m], expected[m], atol=1e-5, rtol=0)
@@ -74,16 +85,30 @@ def test_sampling_logprobs_match_full_forward(tok, temperature, top_k, top_p, mi
 def test_greedy_equals_hf_generate(tok, repetition_penalty):
     model = tiny_model(tok, eos_scale=3.0)
     r = generate_rollout(
-        model, tok, RAGGED_PROMPTS, num_generations=2, max_prompt_length=None, max_completion_length=12,
-        temperature=0.0, repetition_penalty=repetition_penalty,
+        model,
+        tok,
+        RAGGED_PROMPTS,
+        num_generations=2,
+        max_prompt_length=None,
+        max_completion_length=12,
+        temperature=0.0,
+        repetition_penalty=repetition_penalty,
     )
-    enc = tok(RAGGED_PROMPTS, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    enc = tok(
+        RAGGED_PROMPTS, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+    )
     ref = model.generate(
-        **enc, do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, repetition_penalty=repetition_penalty,
+        **enc,
+        do_sample=False,
+        max_new_tokens=12,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        repetition_penalty=repetition_penalty,
     )[:, enc.input_ids.size(1) :]
     ref = torch.nn.functional.pad(ref, (0, 12 - ref.size(1)), value=tok.pad_token_id)
-    ours = torch.nn.functional.pad(r.completion_ids, (0, 12 - r.completion_ids.size(1)), value=tok.pad_token_id)
+    ours = torch.nn.functional.pad(
+        r.completion_ids, (0, 12 - r.completion_ids.size(1)), value=tok.pad_token_id
+    )
     assert torch.equal(ours, ref.repeat_interleave(2, 0))
     assert torch.equal(r.prompt_ids, enc.input_ids.repeat_interleave(2, 0))
     if repetition_penalty == 1.0:  # mixed case, so the comparison covers stopping too
@@ -120,7 +145,12 @@ def test_shapes_groups_masks_and_decoding(tok):
     model = tiny_model(tok, eos_scale=25.0)
     G, T = 4, 12
     r = generate_rollout(
-        model, tok, RAGGED_PROMPTS, num_generations=G, max_prompt_length=None, max_completion_length=T,
+        model,
+        tok,
+        RAGGED_PROMPTS,
+        num_generations=G,
+        max_prompt_length=None,
+        max_completion_length=T,
         generator=torch.Generator().manual_seed(1),
     )
     B, P = len(RAGGED_PROMPTS) * G, max(len(p) for p in RAGGED_PROMPTS)  # char tokenizer: one token per char
@@ -155,15 +185,29 @@ def test_left_truncation_keeps_last_tokens_and_warns(tok):
     model = tiny_model(tok, eos_scale=1.0)
     prompts = ["abcdefghij", "xyz"]
     with pytest.warns(UserWarning, match=r"1 of 2 prompts.*max_prompt_length=5"):
-        r = generate_rollout(model, tok, prompts, num_generations=2, max_prompt_length=5,
-                             max_completion_length=2, temperature=0.0)
+        r = generate_rollout(
+            model,
+            tok,
+            prompts,
+            num_generations=2,
+            max_prompt_length=5,
+            max_completion_length=2,
+            temperature=0.0,
+        )
     assert r.prompt_ids.size(1) == 5
     assert tok.decode(r.prompt_ids[0]) == "fghij"
     assert r.prompt_mask[2].tolist() == [0, 0, 1, 1, 1]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        generate_rollout(model, tok, prompts, num_generations=1, max_prompt_length=10,
-                         max_completion_length=2, temperature=0.0)
+        generate_rollout(
+            model,
+            tok,
+            prompts,
+            num_generations=1,
+            max_prompt_length=10,
+            max_completion_length=2,
+            temperature=0.0,
+        )
     assert not [w for w in caught if "max_prompt_length" in str(w.message)]
 
 
@@ -176,8 +220,15 @@ def test_prompt_longer_than_context_raises_before_the_model_runs(tok):
     model.register_forward_pre_hook(lambda *a: calls.append(1))
     prompts = ["1+2=", "x" * 30, "y" * 40]
     with pytest.raises(ValueError) as info:
-        generate_rollout(model, tok, prompts, num_generations=2, max_prompt_length=None,
-                         max_completion_length=8, temperature=0.0)
+        generate_rollout(
+            model,
+            tok,
+            prompts,
+            num_generations=2,
+            max_prompt_length=None,
+            max_completion_length=8,
+            temperature=0.0,
+        )
     msg = str(info.value)
     assert "2 of 3 prompts do not fit the model's context of 32 tokens" in msg
     assert "max_completion_length=8" in msg
@@ -185,8 +236,15 @@ def test_prompt_longer_than_context_raises_before_the_model_runs(tok):
     assert "Set max_prompt_length to at most 24" in msg and "filter" in msg
     assert not calls
     with pytest.warns(UserWarning, match="left-truncated"):  # the fix works
-        r = generate_rollout(model, tok, prompts, num_generations=2, max_prompt_length=24,
-                             max_completion_length=8, temperature=0.0)
+        r = generate_rollout(
+            model,
+            tok,
+            prompts,
+            num_generations=2,
+            max_prompt_length=24,
+            max_completion_length=8,
+            temperature=0.0,
+        )
     assert r.prompt_ids.size(1) == 24
 
 
@@ -196,9 +254,17 @@ def test_pad_token_equal_to_eos(tok):
     pad_is_eos = make_tokenizer()
     pad_is_eos.pad_token = pad_is_eos.eos_token
     assert pad_is_eos.pad_token_id == pad_is_eos.eos_token_id
-    kwargs = dict(num_generations=3, max_prompt_length=None, max_completion_length=12, temperature=0.0,
-                  micro_batch_prompts=2)
-    r, r_eos = generate_rollout(model, tok, RAGGED_PROMPTS, **kwargs), generate_rollout(model, pad_is_eos, RAGGED_PROMPTS, **kwargs)
+    kwargs = dict(
+        num_generations=3,
+        max_prompt_length=None,
+        max_completion_length=12,
+        temperature=0.0,
+        micro_batch_prompts=2,
+    )
+    r, r_eos = (
+        generate_rollout(model, tok, RAGGED_PROMPTS, **kwargs),
+        generate_rollout(model, pad_is_eos, RAGGED_PROMPTS, **kwargs),
+    )
     assert r.truncated.any() and (~r.truncated).any()
     for name in ("prompt_mask", "completion_mask", "truncated", "sampling_logprobs"):
         assert torch.equal(getattr(r, name), getattr(r_eos, name)), name
@@ -328,8 +394,17 @@ def test_buffer_reuse_draws_the_same_bits(dtype, temperature, penalty, overwrite
     seen = torch.rand(16, 3001, generator=torch.Generator().manual_seed(2)) < 0.05 if penalty != 1.0 else None
     want = _draw_as_before(logits, seen, temperature, penalty, torch.Generator().manual_seed(3))
     given = logits.clone()
-    got = sample_next(given, seen, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=penalty,
-                      generator=torch.Generator().manual_seed(3), overwrite=overwrite)
+    got = sample_next(
+        given,
+        seen,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=penalty,
+        generator=torch.Generator().manual_seed(3),
+        overwrite=overwrite,
+    )
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     if not overwrite:
         assert torch.equal(given, logits)  # the caller's logits are left alone unless it says otherwise
@@ -342,7 +417,11 @@ def test_without_filters_one_vocabulary_sized_temporary_is_made():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
         live = top = 0
-        for e in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
+        for e in sorted(
+            (e.start_ns(), e.nbytes())
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]"
+        ):
             live += e[1]
             top = max(top, live)
         return top
@@ -350,10 +429,18 @@ def test_without_filters_one_vocabulary_sized_temporary_is_made():
     N, V = 8, 151936  # Qwen2.5's vocabulary
     logits, row = torch.randn(N, V), N * V * 4
     args = dict(top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
-    ours = peak(lambda: sample_next(logits.clone(), None, temperature=0.7, generator=torch.Generator(), overwrite=True,
-                                    **args)) - row  # the clone is the caller's
+    ours = (
+        peak(
+            lambda: sample_next(
+                logits.clone(), None, temperature=0.7, generator=torch.Generator(), overwrite=True, **args
+            )
+        )
+        - row
+    )  # the clone is the caller's
     before = peak(lambda: _draw_as_before(logits, None, 0.7, 1.0, torch.Generator()))
-    assert ours < 2.2 * row < before  # the log-probs and multinomial's own scratch; before: 3 more (N, V) tensors
+    assert (
+        ours < 2.2 * row < before
+    )  # the log-probs and multinomial's own scratch; before: 3 more (N, V) tensors
 
 
 # --------------------------------------------------------------------------- peft + 4-bit
@@ -367,19 +454,34 @@ def test_peft_lora_on_4bit_base(tiny_base_dir):
     base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=bnb, device_map="cpu")
     tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
     # Random (non-zero) B so the adapter, and hence LoRA dropout, changes the output.
-    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.5, target_modules=["q_proj", "v_proj", "down_proj"],
-                           init_lora_weights=False, task_type="CAUSAL_LM")
+    lora = peft.LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.5,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
     model = peft.get_peft_model(base, lora)
     assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
-    enable_ckpt = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable_ckpt = (
+        getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    )
     enable_ckpt()  # the trainer's setting; the rollout must still use its KV cache
     model.train()
     model.base_model.model.model.layers[0].eval()  # a mixed state, restored exactly
     before = {name: m.training for name, m in model.named_modules()}
     with warnings.catch_warnings():  # the cache goes in under its current keyword, not a deprecated one
         warnings.filterwarnings("error", message=".*past_key_values.*")
-        r = generate_rollout(model, tokenizer, RAGGED_PROMPTS, num_generations=2, max_prompt_length=None,
-                             max_completion_length=8, temperature=0.0)
+        r = generate_rollout(
+            model,
+            tokenizer,
+            RAGGED_PROMPTS,
+            num_generations=2,
+            max_prompt_length=None,
+            max_completion_length=8,
+            temperature=0.0,
+        )
     assert {name: m.training for name, m in model.named_modules()} == before
     assert r.completion_ids.shape[0] == 6
     # Greedy tokens are the argmax of an eval-mode (dropout off) full forward at every real position.

@@ -11,16 +11,23 @@ import textwrap
 
 import pytest
 
-from lora_grpo.run_dir import (LOCK_NAME, OutputDirError, OutputDirInUse, claim_output_dir, nothing_to_train,
-                               previous_run)
+from lora_grpo.run_dir import (
+    LOCK_NAME,
+    OutputDirError,
+    OutputDirInUse,
+    claim_output_dir,
+    nothing_to_train,
+    previous_run,
+)
 
 
 def _finished_run(root, steps=4):
     """What a finished run leaves (as trainer.train writes it)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text("max_steps: 4\n")
-    (root / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.1 * s}) + "\n"
-                                                for s in range(1, steps + 1)))
+    (root / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "reward/mean": 0.1 * s}) + "\n" for s in range(1, steps + 1))
+    )
     (root / "completions.jsonl").write_text('{"step": 1, "completion": "x"}\n')
     for s in (2, steps):
         (root / f"checkpoint-{s}").mkdir()
@@ -39,10 +46,16 @@ def test_a_new_run_into_a_finished_runs_directory_is_refused_with_the_fixes(tmp_
     with pytest.raises(OutputDirError) as info:
         claim_output_dir(run)
     msg = str(info.value)
-    assert "holds a finished run (4 steps, summary.json): summary.json, adapter/, metrics.jsonl, completions.jsonl, " \
-           "checkpoint-2, checkpoint-4" in msg
-    assert "would overwrite its metrics.jsonl, completions.jsonl and summary.json and mix its checkpoints" in msg
-    assert f"--set output_dir={run}-2" in msg and "resume_from_checkpoint=latest with a larger max_steps" in msg
+    assert (
+        "holds a finished run (4 steps, summary.json): summary.json, adapter/, metrics.jsonl, completions.jsonl, "
+        "checkpoint-2, checkpoint-4" in msg
+    )
+    assert (
+        "would overwrite its metrics.jsonl, completions.jsonl and summary.json and mix its checkpoints" in msg
+    )
+    assert (
+        f"--set output_dir={run}-2" in msg and "resume_from_checkpoint=latest with a larger max_steps" in msg
+    )
     assert "overwrite_output_dir=true: its files then move to" in msg and "nothing is deleted" in msg
     assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before  # untouched, and no lock left
     assert not (run / LOCK_NAME).exists()
@@ -51,8 +64,11 @@ def test_a_new_run_into_a_finished_runs_directory_is_refused_with_the_fixes(tmp_
 def test_an_unfinished_run_is_refused_naming_its_last_checkpoint(tmp_path):
     run = _finished_run(tmp_path / "run")
     (run / "summary.json").unlink()
-    with pytest.raises(OutputDirError, match=r"holds an unfinished run \(last checkpoint checkpoint-4\).*"
-                                             r"continue that run: --set resume_from_checkpoint=latest;"):
+    with pytest.raises(
+        OutputDirError,
+        match=r"holds an unfinished run \(last checkpoint checkpoint-4\).*"
+        r"continue that run: --set resume_from_checkpoint=latest;",
+    ):
         claim_output_dir(run)
 
 
@@ -64,7 +80,14 @@ def test_overwrite_sets_the_previous_run_aside_and_deletes_nothing(tmp_path):
         assert "moved to" in claim.notes[0] and "nothing deleted" in claim.notes[0]
         assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME, "my_notes.txt", "previous-run-1"]
         assert sorted(p.name for p in claim.set_aside.iterdir()) == [
-            "adapter", "checkpoint-2", "checkpoint-4", "completions.jsonl", "config.yaml", "metrics.jsonl", "summary.json"]
+            "adapter",
+            "checkpoint-2",
+            "checkpoint-4",
+            "completions.jsonl",
+            "config.yaml",
+            "metrics.jsonl",
+            "summary.json",
+        ]
     _finished_run(run)
     with claim_output_dir(run, overwrite=True) as claim:
         assert claim.set_aside == run / "previous-run-2"
@@ -88,7 +111,9 @@ def test_a_resume_continues_its_own_run_but_not_another(tmp_path):
     claim_output_dir(run, resume_from="latest").release()
     claim_output_dir(run, resume_from=str(run / "checkpoint-2")).release()
     other = _finished_run(tmp_path / "other")
-    claim_output_dir(tmp_path / "fresh", resume_from=str(other / "checkpoint-2")).release()  # into an empty dir: fine
+    claim_output_dir(
+        tmp_path / "fresh", resume_from=str(other / "checkpoint-2")
+    ).release()  # into an empty dir: fine
     with pytest.raises(OutputDirError, match=r"Resuming from a checkpoint elsewhere into it would overwrite"):
         claim_output_dir(run, resume_from=str(other / "checkpoint-2"))
 
@@ -100,8 +125,11 @@ def test_a_second_run_at_the_same_time_is_refused_and_the_lock_goes_with_the_run
     first = claim_output_dir(tmp_path / "run")
     holder = json.loads(first.lock_path.read_text())
     assert holder["pid"] == os.getpid() and holder["host"] and holder["started"]
-    with pytest.raises(OutputDirInUse, match=r"is in use by another run: this process \d+ on host .*started .*"
-                                             r"Wait for it to finish, stop it, or train into another output_dir"):
+    with pytest.raises(
+        OutputDirInUse,
+        match=r"is in use by another run: this process \d+ on host .*started .*"
+        r"Wait for it to finish, stop it, or train into another output_dir",
+    ):
         claim_output_dir(tmp_path / "run")
     first.release()
     first.release()  # idempotent
@@ -123,7 +151,9 @@ time.sleep(120)
 def test_a_live_process_holds_the_directory_and_a_killed_one_leaves_no_lasting_lock(tmp_path):
     script = tmp_path / "holder.py"
     script.write_text(textwrap.dedent(_HOLDER))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "run")], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "claimed"
         with pytest.raises(OutputDirInUse, match=rf"in use by another run: pid {proc.pid} on host"):
@@ -133,7 +163,11 @@ def test_a_live_process_holds_the_directory_and_a_killed_one_leaves_no_lasting_l
         proc.wait(timeout=30)
     assert (tmp_path / "run" / LOCK_NAME).exists()
     with claim_output_dir(tmp_path / "run") as claim:
-        assert claim.notes and f"a lock left by pid {proc.pid}" in claim.notes[0] and "taken over" in claim.notes[0]
+        assert (
+            claim.notes
+            and f"a lock left by pid {proc.pid}" in claim.notes[0]
+            and "taken over" in claim.notes[0]
+        )
         assert json.loads(claim.lock_path.read_text())["pid"] == os.getpid()
 
 
@@ -150,20 +184,25 @@ def test_without_file_locks_a_lock_whose_process_is_gone_is_stale(tmp_path, monk
     root.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (root / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": run_dir.socket.gethostname(),
-                                              "started": "earlier"}))
+    (root / LOCK_NAME).write_text(
+        json.dumps({"pid": dead.pid, "host": run_dir.socket.gethostname(), "started": "earlier"})
+    )
     with claim_output_dir(root) as claim:
         assert "which is no longer running; taken over" in claim.notes[0]
         with pytest.raises(OutputDirInUse, match=r"this process .*has no file locks.*delete"):
             claim_output_dir(root)
     (root / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "another-host", "started": "earlier"}))
-    with pytest.raises(OutputDirInUse, match=r"pid 1 on host 'another-host'.*another host cannot tell.*delete"):
+    with pytest.raises(
+        OutputDirInUse, match=r"pid 1 on host 'another-host'.*another host cannot tell.*delete"
+    ):
         claim_output_dir(root)
 
 
 def test_other_processes_of_a_multi_process_run_claim_nothing(tmp_path):
     run = _finished_run(tmp_path / "run")
-    claim = claim_output_dir(run, is_main=False)  # the main process checks and locks; the others write nothing
+    claim = claim_output_dir(
+        run, is_main=False
+    )  # the main process checks and locks; the others write nothing
     assert not claim.held and not (run / LOCK_NAME).exists()
     claim.release()
 
@@ -175,7 +214,10 @@ def test_nothing_to_train_says_what_happens_and_how_to_go_on():
     assert nothing_to_train(3, 4, "runs/a/checkpoint-3") is None
     at_end = nothing_to_train(4, 4, "runs/a/checkpoint-4")
     assert at_end.startswith("checkpoint-4 is at step 4, the run's last (max_steps=4): nothing left to train")
-    assert "the run directory stays as it is" in at_end and "--set max_steps=8 --set resume_from_checkpoint=latest" in at_end
+    assert (
+        "the run directory stays as it is" in at_end
+        and "--set max_steps=8 --set resume_from_checkpoint=latest" in at_end
+    )
     past = nothing_to_train(6, 4, "checkpoint-6")
     assert "past this run's max_steps=4" in past and "resume from an earlier checkpoint" in past
     missing = nothing_to_train(4, 4, "checkpoint-4", adapter_missing=True)
@@ -206,11 +248,14 @@ def test_a_dead_writers_temporary_dirs_go_at_the_next_start_but_never_a_live_run
         assert [n for n in claim.notes if "removed 2 temporary dir(s)" in n and ".checkpoint-2.k3j9x_" in n]
 
 
-@pytest.mark.parametrize("code, why, fix", [
-    (errno.EROFS, "it is on a read-only file system", "give output_dir a writable place"),
-    (errno.EACCES, "this user may not write there", "or fix its permissions"),
-    (errno.ENOSPC, "its disk is full", "free space there"),
-])
+@pytest.mark.parametrize(
+    "code, why, fix",
+    [
+        (errno.EROFS, "it is on a read-only file system", "give output_dir a writable place"),
+        (errno.EACCES, "this user may not write there", "or fix its permissions"),
+        (errno.ENOSPC, "its disk is full", "free space there"),
+    ],
+)
 def test_an_output_dir_that_cannot_be_written_is_refused_in_our_words(tmp_path, monkeypatch, code, why, fix):
     import lora_grpo.run_dir as run_dir
 
@@ -222,7 +267,10 @@ def test_an_output_dir_that_cannot_be_written_is_refused_in_our_words(tmp_path, 
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(run_dir.os, "open", refuse)
-    with pytest.raises(OutputDirError, match=rf"^output_dir '{tmp_path}' cannot be used: {why} \(creating "
-                                             rf"{tmp_path / LOCK_NAME} failed: .*\)\. .*{fix}") as info:
+    with pytest.raises(
+        OutputDirError,
+        match=rf"^output_dir '{tmp_path}' cannot be used: {why} \(creating "
+        rf"{tmp_path / LOCK_NAME} failed: .*\)\. .*{fix}",
+    ) as info:
         claim_output_dir(tmp_path)
     assert info.value.__cause__.errno == code

@@ -4,10 +4,9 @@ fields added later (the test walks the dataclass, it names none of them)."""
 import dataclasses
 
 import pytest
+from conftest import make_trainer
 
 from lora_grpo.state import FROM_CONFIG, TrainState
-
-from conftest import make_trainer
 
 # Fields whose resume is a decision, tested on its own: the process count must match
 # (test_checkpoint), the sizes in use follow the memory plan (test_memory).
@@ -23,7 +22,11 @@ def _other(value, name):
     if isinstance(value, str):
         return value + "-changed"
     if isinstance(value, list):  # another element of the kind it holds (records, or numbers)
-        return value + [{"step": 99, "marker": name} if not value or isinstance(value[0], dict) else _other(value[0], name)]
+        return value + [
+            {"step": 99, "marker": name}
+            if not value or isinstance(value[0], dict)
+            else _other(value[0], name)
+        ]
     if isinstance(value, dict):
         return {**value, "marker": [False, 1] if name == "episodes" else name}
     if value is None:
@@ -35,16 +38,34 @@ def _change_part(part):
     """A part with its own state (data position, sync schedule, warmup restarts): every entry moved."""
     saved = part.state_dict()
     fixed = {"seed", "num_rows", "prompts_per_step"}  # what the data position must match on load
-    part.load_state_dict({k: v if k in fixed else (3 if v is None else [0.5] if v == [] else _other(v, k))
-                          for k, v in saved.items()})
+    part.load_state_dict(
+        {
+            k: v if k in fixed else (3 if v is None else [0.5] if v == [] else _other(v, k))
+            for k, v in saved.items()
+        }
+    )
 
 
 def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path / "a", quantization="none", max_steps=2, save_steps=0,
-                           ref_sync_steps=1, ref_sync_alpha=0.5)
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path / "a",
+        quantization="none",
+        max_steps=2,
+        save_steps=0,
+        ref_sync_steps=1,
+        ref_sync_alpha=0.5,
+    )
     trainer.train()
-    fresh = make_trainer(tiny_base_dir, tmp_path / "b", quantization="none", max_steps=2, save_steps=0,
-                         ref_sync_steps=1, ref_sync_alpha=0.5)
+    fresh = make_trainer(
+        tiny_base_dir,
+        tmp_path / "b",
+        quantization="none",
+        max_steps=2,
+        save_steps=0,
+        ref_sync_steps=1,
+        ref_sync_alpha=0.5,
+    )
     state = trainer.state
     for f in dataclasses.fields(TrainState):
         if f.name in FROM_CONFIG or f.name in DECIDED_ON_RESUME:
@@ -60,7 +81,9 @@ def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp
     before = fresh.state.state_dict()
     fresh.load_checkpoint(saved)
     after = fresh.state.state_dict()
-    checked = [f.name for f in dataclasses.fields(TrainState) if f.name not in FROM_CONFIG | DECIDED_ON_RESUME]
+    checked = [
+        f.name for f in dataclasses.fields(TrainState) if f.name not in FROM_CONFIG | DECIDED_ON_RESUME
+    ]
     assert len(checked) > 15  # transformers' fields and ours
     for name in checked:
         assert after[name] == expected[name], name
@@ -69,10 +92,20 @@ def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp
 
 def test_older_checkpoints_load_under_the_new_names(tiny_base_dir, tmp_path):
     state = make_trainer(tiny_base_dir, tmp_path, quantization="none").state
-    old = {"step": 5, "history": [{"loss": 1.0}], "warmup_restart_update": 4, "nonfinite_in_a_row": 1,
-           "batches": state.batches.state_dict(), "sync_schedule": {"best_eval": 0.5, "evals_without_improvement": 1}}
+    old = {
+        "step": 5,
+        "history": [{"loss": 1.0}],
+        "warmup_restart_update": 4,
+        "nonfinite_in_a_row": 1,
+        "batches": state.batches.state_dict(),
+        "sync_schedule": {"best_eval": 0.5, "evals_without_improvement": 1},
+    }
     state.load_state_dict(old)  # no reference_is_policy saved: unknown, so the reference forward runs
-    assert (state.global_step, state.log_history, state.warmup_restarts.restart_update) == (5, [{"loss": 1.0}], 4)
+    assert (state.global_step, state.log_history, state.warmup_restarts.restart_update) == (
+        5,
+        [{"loss": 1.0}],
+        4,
+    )
     assert state.reference_is_policy is False and state.sync_schedule.best_eval == 0.5
 
 

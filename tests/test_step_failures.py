@@ -6,6 +6,7 @@ steps exactly (metrics and both adapters, bit for bit); a run that finished no s
 import errno
 
 import pytest
+from conftest import PROMPTS, assert_same_adapters, digit_share, make_trainer, run_torchrun
 
 import lora_grpo.checkpoint as ckpt
 import lora_grpo.sampler as sampler_module
@@ -13,23 +14,39 @@ from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.failures import StepFailed
 from lora_grpo.rewards.scoring import RewardFunctionError
 
-from conftest import PROMPTS, assert_same_adapters, digit_share, make_trainer, run_torchrun
-
 # 3 steps of 2 prompts × 2 completions of 4 tokens, fp32; the reference moves (beta) but is never synced.
-RUN = dict(quantization="none", num_generations=2, max_prompt_length=32, max_completion_length=4, micro_batch_size=8,
-           seed=42, gradient_checkpointing=False, learning_rate=1e-2, max_steps=3, save_steps=0)
+RUN = dict(
+    quantization="none",
+    num_generations=2,
+    max_prompt_length=32,
+    max_completion_length=4,
+    micro_batch_size=8,
+    seed=42,
+    gradient_checkpointing=False,
+    learning_rate=1e-2,
+    max_steps=3,
+    save_steps=0,
+)
 TRAIN = [{"prompt": row["prompt"]} for row in PROMPTS[:12]]
-EVAL = dict(eval_dataset=[{"prompt": row["prompt"]} for row in PROMPTS[12:15]], eval_steps=1, eval_on_start=False,
-            eval_on_end=False)
+EVAL = dict(
+    eval_dataset=[{"prompt": row["prompt"]} for row in PROMPTS[12:15]],
+    eval_steps=1,
+    eval_on_start=False,
+    eval_on_end=False,
+)
 
 
 def _comparable(history):
     """A step's record but its timings: what a resumed step must repeat exactly."""
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"} for r in history]
+    return [
+        {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"}
+        for r in history
+    ]
 
 
 def _score(fail_in_step=None, box=None):
     """digit_share, raising in step `fail_in_step` (1-based) of the trainer in `box`."""
+
     def score(completions, trainer_state, **kwargs):
         if fail_in_step is not None and trainer_state.global_step + 1 == fail_in_step:
             raise KeyError("score")
@@ -40,6 +57,7 @@ def _score(fail_in_step=None, box=None):
 
 def _plant(stage, trainer, step, monkeypatch):
     """A fault raised inside `stage` of step `step` (1-based); 'eval' in step 1 is the eval before training."""
+
     def in_step():  # before the step's update
         return trainer.state.global_step + 1 == step
 
@@ -89,8 +107,12 @@ CASES = {
     "reward": ({}, r"after 1 of 3 optimizer steps: reward function 'score' raised KeyError", 1),
     "update": ({}, r"the update raised RuntimeError: CUDA out of memory", 1),
     "eval": (EVAL, r"the eval raised TimeoutError: the judge did not answer", 2),
-    "checkpoint": ({"save_steps": 1}, r"the checkpoint raised \w+Error: .*could not write checkpoint checkpoint-2.*No "
-                                      r"space left", 1),
+    "checkpoint": (
+        {"save_steps": 1},
+        r"the checkpoint raised \w+Error: .*could not write checkpoint checkpoint-2.*No "
+        r"space left",
+        1,
+    ),
 }
 
 
@@ -99,33 +121,57 @@ def uninterrupted(tiny_base_dir, tmp_path_factory):
     """The runs without a fault: the plain one and the one with an eval after every step."""
     runs = {}
     for name, extra in (("plain", {}), ("eval", EVAL)):
-        trainer = make_trainer(tiny_base_dir, tmp_path_factory.mktemp(name), **{**RUN, **extra},
-                               reward_funcs=[_score()], train_dataset=TRAIN)
+        trainer = make_trainer(
+            tiny_base_dir,
+            tmp_path_factory.mktemp(name),
+            **{**RUN, **extra},
+            reward_funcs=[_score()],
+            train_dataset=TRAIN,
+        )
         trainer.train()
         runs[name] = trainer
     return runs
 
 
 @pytest.mark.parametrize("stage", list(CASES))
-def test_a_fault_in_step_2_keeps_step_1_and_resumes_to_the_same_run(tiny_base_dir, tmp_path, uninterrupted, stage,
-                                                                    monkeypatch):
+def test_a_fault_in_step_2_keeps_step_1_and_resumes_to_the_same_run(
+    tiny_base_dir, tmp_path, uninterrupted, stage, monkeypatch
+):
     extra, message, kept = CASES[stage]
-    trainer = make_trainer(tiny_base_dir, tmp_path, **{**RUN, **extra}, train_dataset=TRAIN,
-                           reward_funcs=[_score(2 if stage == "reward" else None)])
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **{**RUN, **extra},
+        train_dataset=TRAIN,
+        reward_funcs=[_score(2 if stage == "reward" else None)],
+    )
     _plant(stage, trainer, 2, monkeypatch)
     error = RewardFunctionError if stage == "reward" else StepFailed
     with pytest.raises(error, match=r"^step 2/3 stopped: " + message) as info:
         trainer.train()
     run = tmp_path / "run"
-    assert info.value.stage == stage and str(info.value.__cause__) in str(info.value)  # the original error, chained
+    assert info.value.stage == stage and str(info.value.__cause__) in str(
+        info.value
+    )  # the original error, chained
     written = stage != "checkpoint"  # a failed write writes no other; the previous checkpoint is kept
     assert info.value.checkpoint == (run / f"checkpoint-{kept}" if written else None)
-    assert (f"checkpoint written to {run}/checkpoint-{kept}" if written else f"the last checkpoint, {run}/checkpoint-1, "
-            "is kept") in str(info.value) and "resume_from_checkpoint='latest'" in str(info.value)
-    assert sorted(p.name for p in run.iterdir() if p.name.startswith(("checkpoint", ".checkpoint"))) == [f"checkpoint-{kept}"]
+    assert (
+        f"checkpoint written to {run}/checkpoint-{kept}"
+        if written
+        else f"the last checkpoint, {run}/checkpoint-1, is kept"
+    ) in str(info.value) and "resume_from_checkpoint='latest'" in str(info.value)
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(("checkpoint", ".checkpoint"))) == [
+        f"checkpoint-{kept}"
+    ]
     monkeypatch.undo()
-    resumed = make_trainer(tiny_base_dir, tmp_path, **{**RUN, **extra}, train_dataset=TRAIN, reward_funcs=[_score()],
-                           resume_from_checkpoint="latest")
+    resumed = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **{**RUN, **extra},
+        train_dataset=TRAIN,
+        reward_funcs=[_score()],
+        resume_from_checkpoint="latest",
+    )
     resumed.train()
     reference = uninterrupted["eval" if stage == "eval" else "plain"]
     assert _comparable(resumed.state.log_history) == _comparable(reference.state.log_history)
@@ -137,8 +183,13 @@ def test_a_fault_in_step_1_writes_nothing(tiny_base_dir, tmp_path, stage, monkey
     extra, message, _ = CASES[stage]
     extra = {**extra, "eval_on_start": True} if stage == "eval" else extra
     message = message.replace("after 1 of", "after 0 of").replace("checkpoint-2", "checkpoint-1")
-    trainer = make_trainer(tiny_base_dir, tmp_path, **{**RUN, **extra}, train_dataset=TRAIN,
-                           reward_funcs=[_score(1 if stage == "reward" else None)])
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **{**RUN, **extra},
+        train_dataset=TRAIN,
+        reward_funcs=[_score(1 if stage == "reward" else None)],
+    )
     _plant(stage, trainer, 1, monkeypatch)
     with pytest.raises(StepFailed, match=r"^step 1/3 stopped: " + message) as info:
         trainer.train()
@@ -149,10 +200,13 @@ def test_a_fault_in_step_1_writes_nothing(tiny_base_dir, tmp_path, stage, monkey
     assert not [p.name for p in run.iterdir() if "checkpoint" in p.name or p.name == "adapter"]
 
 
-def test_a_failure_inside_the_optimizer_step_keeps_the_previous_checkpoint(tiny_base_dir, tmp_path, uninterrupted):
+def test_a_failure_inside_the_optimizer_step_keeps_the_previous_checkpoint(
+    tiny_base_dir, tmp_path, uninterrupted
+):
     # The adapters may be half-updated: nothing is written from them; checkpoint-1 (save_steps) is what is kept.
-    trainer = make_trainer(tiny_base_dir, tmp_path, **{**RUN, "save_steps": 1}, train_dataset=TRAIN,
-                           reward_funcs=[_score()])
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, **{**RUN, "save_steps": 1}, train_dataset=TRAIN, reward_funcs=[_score()]
+    )
     real_step = trainer.optimizer.step
 
     def step(*args, **kwargs):
@@ -161,13 +215,22 @@ def test_a_failure_inside_the_optimizer_step_keeps_the_previous_checkpoint(tiny_
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     trainer.optimizer.step = step
-    with pytest.raises(StepFailed, match=r"^step 2/3 stopped: the update raised RuntimeError: CUDA error.*the last "
-                                         r"checkpoint, .*checkpoint-1, is kept") as info:
+    with pytest.raises(
+        StepFailed,
+        match=r"^step 2/3 stopped: the update raised RuntimeError: CUDA error.*the last "
+        r"checkpoint, .*checkpoint-1, is kept",
+    ) as info:
         trainer.train()
     assert info.value.checkpoint is None
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]
-    resumed = make_trainer(tiny_base_dir, tmp_path, **RUN, train_dataset=TRAIN, reward_funcs=[_score()],
-                           resume_from_checkpoint="latest")
+    resumed = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **RUN,
+        train_dataset=TRAIN,
+        reward_funcs=[_score()],
+        resume_from_checkpoint="latest",
+    )
     resumed.train()
     assert_same_adapters(resumed.model, uninterrupted["plain"].model)
 
@@ -183,7 +246,12 @@ class Desk:
 
     @classmethod
     def _down(cls, what: str) -> None:
-        if cls.fail and cls.fail[0] == what and cls.trainer is not None and cls.trainer.state.global_step + 1 == cls.fail[1]:
+        if (
+            cls.fail
+            and cls.fail[0] == what
+            and cls.trainer is not None
+            and cls.trainer.state.global_step + 1 == cls.fail[1]
+        ):
             raise ConnectionError("cannot reach the environment server at localhost:8000")
 
     def __init__(self):
@@ -207,21 +275,36 @@ def _length(completions, **kwargs):
 
 def _desk_run(base, out, **fields):
     chat = [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in PROMPTS[:8]]
-    config = GRPOConfig(**{**RUN, "model_name_or_path": base, "output_dir": str(out), "max_completion_length": 12,
-                           "max_tool_calling_iterations": 1, "eval_on_start": False, "eval_on_end": False, **fields})
+    config = GRPOConfig(
+        **{
+            **RUN,
+            "model_name_or_path": base,
+            "output_dir": str(out),
+            "max_completion_length": 12,
+            "max_tool_calling_iterations": 1,
+            "eval_on_start": False,
+            "eval_on_end": False,
+            **fields,
+        }
+    )
     trainer = GRPOTrainer(config, reward_funcs=[_length], train_dataset=chat, environment_factory=Desk)
     Desk.trainer = trainer
     return trainer
 
 
 @pytest.mark.parametrize("what, step", [("reset", 2), ("reset", 1), ("constructor", 1)])
-def test_an_environment_that_goes_away_keeps_the_last_finished_step(qwen_tool_base_dir, tmp_path, monkeypatch, what, step):
+def test_an_environment_that_goes_away_keeps_the_last_finished_step(
+    qwen_tool_base_dir, tmp_path, monkeypatch, what, step
+):
     # The pool's instances are built in the first rollout: a constructor fails there, or in an eval's larger batch.
     monkeypatch.setattr(Desk, "trainer", None)
     monkeypatch.setattr(Desk, "fail", (what, step))
     trainer = _desk_run(qwen_tool_base_dir, tmp_path / "run")
-    with pytest.raises(StepFailed, match=rf"^step {step}/3 stopped: the environment \(in the rollout\) raised "
-                                         r"ConnectionError: cannot reach the environment server") as info:
+    with pytest.raises(
+        StepFailed,
+        match=rf"^step {step}/3 stopped: the environment \(in the rollout\) raised "
+        r"ConnectionError: cannot reach the environment server",
+    ) as info:
         trainer.train()
     assert info.value.stage == "environment" and isinstance(info.value.__cause__, ConnectionError)
     kept = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
@@ -273,10 +356,11 @@ except StepFailed as e:
     message = [str(e), e.stage, e.global_step, str(e.checkpoint)]
 full = run(out + "/full")
 resumed = run(out + "/failed", resume_from_checkpoint="latest")
-same = all(torch.equal(p, q) for (_, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()))
+pairs = zip(full.model.named_parameters(), resumed.model.named_parameters())
+same = all(torch.equal(p, q) for (_, p), (_, q) in pairs)
 rank = full.accelerator.process_index
-json.dump({"message": message, "same": same, "loss": [[m["loss"] for m in t.state.log_history] for t in (full, resumed)]},
-          open(f"{out}/failed{rank}.json", "w"))
+loss = [[m["loss"] for m in t.state.log_history] for t in (full, resumed)]
+json.dump({"message": message, "same": same, "loss": loss}, open(f"{out}/failed{rank}.json", "w"))
 """
 
 
@@ -287,8 +371,12 @@ def test_two_processes_that_fail_alike_keep_the_last_checkpoint_without_a_collec
     for rank in (0, 1):
         record = json.loads((tmp_path / f"failed{rank}.json").read_text())
         text, stage, step, checkpoint = record["message"]
-        assert stage == "rollout" and step == 1 and checkpoint == "None"  # nothing new written, no collective called
-        assert text.startswith("step 2/3 stopped: the rollout raised ConnectionError: the sampling server went away")
+        assert (
+            stage == "rollout" and step == 1 and checkpoint == "None"
+        )  # nothing new written, no collective called
+        assert text.startswith(
+            "step 2/3 stopped: the rollout raised ConnectionError: the sampling server went away"
+        )
         assert "the last checkpoint" in text and "checkpoint-1, is kept" in text
         assert record["same"], f"process {rank}: resumed adapters differ from the uninterrupted run"
         assert record["loss"][0] == record["loss"][1]
@@ -297,8 +385,9 @@ def test_two_processes_that_fail_alike_keep_the_last_checkpoint_without_a_collec
 # ----------------------------------------------------------------------------- the resume hint of each entry point
 
 
-def test_the_cli_says_the_command_that_resumes_and_the_trl_front_door_its_own_call(tiny_base_dir, tmp_path, monkeypatch,
-                                                                                   capsys):
+def test_the_cli_says_the_command_that_resumes_and_the_trl_front_door_its_own_call(
+    tiny_base_dir, tmp_path, monkeypatch, capsys
+):
     import shlex
 
     from conftest import write_recipe
@@ -316,19 +405,34 @@ def test_the_cli_says_the_command_that_resumes_and_the_trl_front_door_its_own_ca
             raise ConnectionError("gone")
         return real(*args, **kwargs)
 
-    recipe = write_recipe(tmp_path, tiny_base_dir, max_steps=3, save_steps=1, eval_on_start=False, eval_on_end=False)
+    recipe = write_recipe(
+        tmp_path, tiny_base_dir, max_steps=3, save_steps=1, eval_on_start=False, eval_on_end=False
+    )
     monkeypatch.setattr(sampler_module, "generate_rollout", generate)
     assert main(["train", str(recipe), "--set", "max_steps=3", "--set", "beta=0.1"]) == 1
     err = capsys.readouterr().err
     command = f"lora-grpo train {recipe} --set max_steps=3 --set beta=0.1 --set resume_from_checkpoint=latest"
-    assert "step 2/3 stopped: the rollout raised ConnectionError: gone" in err and command in err and "<recipe>" not in err
+    assert (
+        "step 2/3 stopped: the rollout raised ConnectionError: gone" in err
+        and command in err
+        and "<recipe>" not in err
+    )
     monkeypatch.setattr(sampler_module, "generate_rollout", real)
     assert main(shlex.split(command)[1:]) == 0  # the printed command, as it is, resumes the run
 
     steps.clear()
     monkeypatch.setattr(sampler_module, "generate_rollout", generate)
-    args = TRLConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, per_device_train_batch_size=2, num_generations=2,
-                     max_completion_length=4, max_steps=3, save_steps=1, logging_steps=1, report_to=[])
+    args = TRLConfig(
+        output_dir=str(tmp_path / "trl"),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=3,
+        save_steps=1,
+        logging_steps=1,
+        report_to=[],
+    )
     trainer = TRLTrainer(model=tiny_base_dir, reward_funcs=digit_share, args=args, train_dataset=TRAIN)
     with pytest.raises(StepFailed, match=r"then resume: trainer\.train\(resume_from_checkpoint=True\)$"):
         trainer.train()

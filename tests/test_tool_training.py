@@ -4,10 +4,9 @@ tool metrics and conversation in the logs, an environment's reward, and the TRL 
 import json
 
 import pytest
+from conftest import PROMPTS
 
 from lora_grpo import GRPOConfig, GRPOTrainer
-
-from conftest import PROMPTS
 
 
 def add(a: int, b: int) -> int:
@@ -21,7 +20,9 @@ def add(a: int, b: int) -> int:
 
 
 def _chat(n):
-    return [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in PROMPTS[:n]]
+    return [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in PROMPTS[:n]
+    ]
 
 
 def _calls_reward(completions, **kwargs):
@@ -30,12 +31,26 @@ def _calls_reward(completions, **kwargs):
 
 
 def _config(base, out, **fields):
-    return GRPOConfig(**{"model_name_or_path": base, "num_generations": 4, "prompts_per_step": 2,
-                         "max_completion_length": 48, "max_steps": 2, "save_steps": 0, "micro_batch_size": 8,
-                         "gradient_checkpointing": False, "output_dir": str(out), "learning_rate": 1e-3, **fields})
+    return GRPOConfig(
+        **{
+            "model_name_or_path": base,
+            "num_generations": 4,
+            "prompts_per_step": 2,
+            "max_completion_length": 48,
+            "max_steps": 2,
+            "save_steps": 0,
+            "micro_batch_size": 8,
+            "gradient_checkpointing": False,
+            "output_dir": str(out),
+            "learning_rate": 1e-3,
+            **fields,
+        }
+    )
 
 
-def test_a_4bit_run_with_tools_and_soft_syncs_trains_on_its_own_tokens_only(qwen_tool_base_dir, tmp_path, monkeypatch):
+def test_a_4bit_run_with_tools_and_soft_syncs_trains_on_its_own_tokens_only(
+    qwen_tool_base_dir, tmp_path, monkeypatch
+):
     import lora_grpo.update as update_module
 
     masks = []
@@ -46,9 +61,19 @@ def test_a_4bit_run_with_tools_and_soft_syncs_trains_on_its_own_tokens_only(qwen
         return real(logp, old, ref, adv, mask, **kw)
 
     monkeypatch.setattr(update_module, "grpo_loss", spy)
-    config = _config(qwen_tool_base_dir, tmp_path / "run", quantization="4bit", torch_dtype="float32", beta=0.04,
-                     ref_sync_steps=1, ref_sync_alpha=0.6, tools=["test_tool_training:add"], log_completions=True,
-                     max_tool_calling_iterations=2, temperature=1.5)
+    config = _config(
+        qwen_tool_base_dir,
+        tmp_path / "run",
+        quantization="4bit",
+        torch_dtype="float32",
+        beta=0.04,
+        ref_sync_steps=1,
+        ref_sync_alpha=0.6,
+        tools=["test_tool_training:add"],
+        log_completions=True,
+        max_tool_calling_iterations=2,
+        temperature=1.5,
+    )
     trainer = GRPOTrainer(config, reward_funcs=[_calls_reward], train_dataset=_chat(8))
     steps = []
     original = trainer.generation_round
@@ -64,7 +89,9 @@ def test_a_4bit_run_with_tools_and_soft_syncs_trains_on_its_own_tokens_only(qwen
     assert all("tools/call_frequency" in m and "tools/failure_frequency" in m for m in history)
     assert [m.get("sync/reason") for m in history] == ["steps", "steps"]  # the reference moves with tools too
     records = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    assert all(isinstance(r["completion"], list) and r["completion"][0]["role"] == "assistant" for r in records)
+    assert all(
+        isinstance(r["completion"], list) and r["completion"][0]["role"] == "assistant" for r in records
+    )
     assert masks  # the loss saw the completions; where a tool replied, those tokens were masked out
     replied = [r for r in records if any(m["role"] == "tool" for m in r["completion"])]
     if replied:  # a random tiny model calls rarely; when it did, its reply is context, not action
@@ -92,19 +119,30 @@ class Counter:
 
 
 def test_an_environment_is_reset_per_completion_and_its_reward_is_scored(qwen_tool_base_dir, tmp_path):
-    config = _config(qwen_tool_base_dir, tmp_path / "run", max_steps=1, eval_on_start=False, eval_on_end=False)
-    trainer = GRPOTrainer(config, reward_funcs=[_calls_reward], train_dataset=_chat(8), eval_dataset=_chat(3),
-                          environment_factory=Counter)
+    config = _config(
+        qwen_tool_base_dir, tmp_path / "run", max_steps=1, eval_on_start=False, eval_on_end=False
+    )
+    trainer = GRPOTrainer(
+        config,
+        reward_funcs=[_calls_reward],
+        train_dataset=_chat(8),
+        eval_dataset=_chat(3),
+        environment_factory=Counter,
+    )
     assert trainer.reward_names == ["_calls_reward", "Counter"]  # get_reward joins the rewards, as in TRL
     trainer.train()
     envs = trainer.sampler.environments
     assert len(envs) == 8 and all(isinstance(e, Counter) and e.answer for e in envs)
     assert "rewards/Counter/mean" in trainer.state.log_history[0]
-    metrics = trainer.evaluate()  # greedy, one completion per prompt, with the tools and the rows' environments
+    metrics = (
+        trainer.evaluate()
+    )  # greedy, one completion per prompt, with the tools and the rows' environments
     assert len(trainer.sampler.environments) == 3 and all(e.answer for e in trainer.sampler.environments)
     assert 0.0 <= metrics["eval/tools/calling_fraction"] <= 1.0
     assert metrics["eval/tools/call_frequency"] >= metrics["eval/tools/calling_fraction"]
-    assert metrics["eval/_calls_reward"] == metrics["eval/tools/calling_fraction"]  # same thing, counted twice
+    assert (
+        metrics["eval/_calls_reward"] == metrics["eval/tools/calling_fraction"]
+    )  # same thing, counted twice
 
 
 def test_the_trl_front_door_takes_tools(qwen_tool_base_dir, tmp_path):
@@ -113,11 +151,24 @@ def test_the_trl_front_door_takes_tools(qwen_tool_base_dir, tmp_path):
     from lora_grpo.trl import GRPOConfig as TRLConfig
     from lora_grpo.trl import GRPOTrainer as TRLTrainer
 
-    args = TRLConfig(output_dir=str(tmp_path / "run"), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
-                     max_completion_length=32, max_steps=1, logging_steps=1, save_strategy="no",
-                     max_tool_calling_iterations=1)
-    trainer = TRLTrainer(model=qwen_tool_base_dir, reward_funcs=_calls_reward, args=args,
-                         train_dataset=Dataset.from_list(_chat(8)), tools=[add])
+    args = TRLConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=32,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        max_tool_calling_iterations=1,
+    )
+    trainer = TRLTrainer(
+        model=qwen_tool_base_dir,
+        reward_funcs=_calls_reward,
+        args=args,
+        train_dataset=Dataset.from_list(_chat(8)),
+        tools=[add],
+    )
     trainer.train()
     assert trainer.state.global_step == 1 and "tools/call_frequency" in trainer.state.log_history[0]
 

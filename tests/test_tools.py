@@ -45,7 +45,13 @@ async def asleepy(x: str) -> str:
     return "late"
 
 
-for _tool in (ping, aping, boom, sleepy, asleepy):  # what get_json_schema reads: a description, each argument's
+for _tool in (
+    ping,
+    aping,
+    boom,
+    sleepy,
+    asleepy,
+):  # what get_json_schema reads: a description, each argument's
     _tool.__doc__ = f"The {_tool.__name__} test tool.\n\nArgs:\n    x: Anything.\n"
 
 
@@ -59,7 +65,9 @@ def ids(tok, text: str) -> list[int]:
 
 
 def call_ids(tok, name: str = "ping", x: str = "a") -> list[int]:
-    return ids(tok, f'<tool_call>{{"name": "{name}", "arguments": {{"x": "{x}"}}}}</tool_call>') + [tok.eos_token_id]
+    return ids(tok, f'<tool_call>{{"name": "{name}", "arguments": {{"x": "{x}"}}}}</tool_call>') + [
+        tok.eos_token_id
+    ]
 
 
 class Script:
@@ -87,16 +95,18 @@ class Script:
         L = out.shape[1]
         add = torch.zeros_like(out)
         for n, (row_ids, row_pos) in enumerate(zip(self.ids[:, -L:].tolist(), self.pos[:, -L:].tolist())):
-            for l, (t, p) in enumerate(zip(row_ids, row_pos)):
+            for col, (t, p) in enumerate(zip(row_ids, row_pos)):
                 for nxt in self.table.get((p + 1, t), ()):
-                    add[n, l, nxt] = self.bias
+                    add[n, col, nxt] = self.bias
         out = out + add
         self.calls.append((self.ids.clone(), self.pos.clone(), out.detach().clone()))
         return out
 
 
 def tiny(tok, seed: int = 0, **kw):
-    return toy.make_tiny_model(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=seed, **kw).eval()
+    return toy.make_tiny_model(
+        tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=seed, **kw
+    ).eval()
 
 
 def prompt_ids(tok, box, content: str) -> list[int]:
@@ -104,9 +114,17 @@ def prompt_ids(tok, box, content: str) -> list[int]:
 
 
 def rollout(model, tok, box, contents, **kw):
-    kw = {"num_generations": 1, "max_prompt_length": None, "max_completion_length": 120, "temperature": 0.0,
-          "tools": box, **kw}
-    return generate_rollout(model, tok, [box.render_prompt([{"role": "user", "content": c}]) for c in contents], **kw)
+    kw = {
+        "num_generations": 1,
+        "max_prompt_length": None,
+        "max_completion_length": 120,
+        "temperature": 0.0,
+        "tools": box,
+        **kw,
+    }
+    return generate_rollout(
+        model, tok, [box.render_prompt([{"role": "user", "content": c}]) for c in contents], **kw
+    )
 
 
 def reply(tok, box, content: str, name: str = "ping") -> list[int]:
@@ -169,7 +187,10 @@ def test_parsing_the_common_formats():
     hermes = 'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><eos>'
     assert parse_tool_calls(hermes, ["<eos>"]) == ("Sure.", [call])
     two = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><tool_call>{"name": "f"}</tool_call>'
-    assert parse_tool_calls(two)[1] == [call, {"type": "function", "function": {"name": "f", "arguments": {}}}]
+    assert parse_tool_calls(two)[1] == [
+        call,
+        {"type": "function", "function": {"name": "f", "arguments": {}}},
+    ]
     unclosed = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'  # stopped before </tool_call>
     assert parse_tool_calls(unclosed)[1] == [call]
     as_string = '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
@@ -191,17 +212,24 @@ def test_parsing_the_common_formats():
 def test_errors_and_timeouts_become_error_replies_the_model_sees(tok):
     box = Toolbox(tok, [ping, aping, boom, sleepy, asleepy], timeout=0.3)
     episode = box.episode(3)
+
     def call(name, **args):
         return {"type": "function", "function": {"name": name, "arguments": args or {"x": "a"}}}
+
     t0 = time.monotonic()
-    out = episode.run({
-        0: [call("ping"), call("boom"), call("sleepy")],
-        1: [call("aping"), call("asleepy"), call("nope")],
-        2: [call("ping", y=1), "could not parse the tool call '{'", call("aping", y=2)],
-    })
+    out = episode.run(
+        {
+            0: [call("ping"), call("boom"), call("sleepy")],
+            1: [call("aping"), call("asleepy"), call("nope")],
+            2: [call("ping", y=1), "could not parse the tool call '{'", call("aping", y=2)],
+        }
+    )
     assert time.monotonic() - t0 < 2.5  # each round waits at most the timeout, not the 3 s sleeps
-    assert out[0] == [("ping", "PONG", False), ("boom", "{'error': 'ZeroDivisionError: no way'}", True),
-                      ("sleepy", "{'error': 'sleepy timed out after 0.3 s'}", True)]
+    assert out[0] == [
+        ("ping", "PONG", False),
+        ("boom", "{'error': 'ZeroDivisionError: no way'}", True),
+        ("sleepy", "{'error': 'sleepy timed out after 0.3 s'}", True),
+    ]
     assert out[1][0] == ("aping", "APONG", False)
     assert out[1][1] == ("asleepy", "{'error': 'asleepy timed out after 0.3 s'}", True)
     assert out[1][2][2] and "no tool named 'nope'" in out[1][2][1] and "'ping'" in out[1][2][1]
@@ -210,7 +238,10 @@ def test_errors_and_timeouts_become_error_replies_the_model_sees(tok):
     assert out[2][1] == ("invalid", "{'error': \"could not parse the tool call '{'\"}", True)
     assert "TypeError" in out[2][2][1]
     assert tool_metrics(torch.tensor([3, 3, 3, 0]), torch.tensor([2, 2, 3, 0])) == {
-        "tools/call_frequency": 2.25, "tools/failure_frequency": 7 / 9, "tools/calling_fraction": 0.75}
+        "tools/call_frequency": 2.25,
+        "tools/failure_frequency": 7 / 9,
+        "tools/calling_fraction": 0.75,
+    }
 
 
 # --------------------------------------------------------------------------- the multi-turn sampler
@@ -232,8 +263,11 @@ def test_multi_turn_rollout_masks_replies_and_finishes_rows_without_calls(tok):
         assert r.tool_mask[row, :n].tolist() == [1] * len(first) + [0] * len(pong) + [1] * len(answer)
         assert (r.sampling_logprobs[row, len(first) : len(first) + len(pong)] == 0).all()
         assert r.messages[row] == [
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "ping", "arguments": {"x": "a"}}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "ping", "arguments": {"x": "a"}}}],
+            },
             {"role": "tool", "name": "ping", "content": "PONG"},
             {"role": "assistant", "content": "ok"},
         ]
@@ -322,7 +356,9 @@ def test_budget_and_max_tool_calling_iterations(tok):
     assert r.completion_mask.sum() == size + len(turn) and not r.truncated.any()
     assert r.tool_calls.tolist() == [2]  # run and counted, as TRL does, then rolled back
     assert [m["role"] for m in r.messages[0]] == ["assistant", "tool", "assistant"]
-    r = rollout(model, tok, box, ["a"], max_completion_length=size + 5)  # room for the reply, not the next call
+    r = rollout(
+        model, tok, box, ["a"], max_completion_length=size + 5
+    )  # room for the reply, not the next call
     assert r.truncated.tolist() == [True] and r.completion_mask.sum() == size + 5
     assert r.completion_ids.size(1) == size + 5 and r.tool_calls.tolist() == [1]
     assert r.messages[0][-1]["role"] == "assistant" and "tool_calls" not in r.messages[0][-1]
@@ -352,7 +388,18 @@ def test_async_tools_in_a_rollout(tok):
     box = Toolbox(tok, [aping], timeout=5.0)
     model = tiny(tok)
     p = prompt_ids(tok, box, "a")
-    Script(model, [(p, call_ids(tok, "aping") + reply(tok, box, "APONG", "aping") + ids(tok, "ok") + [tok.eos_token_id])])
+    Script(
+        model,
+        [
+            (
+                p,
+                call_ids(tok, "aping")
+                + reply(tok, box, "APONG", "aping")
+                + ids(tok, "ok")
+                + [tok.eos_token_id],
+            )
+        ],
+    )
     r = rollout(model, tok, box, ["a"])
     assert r.messages[0][1] == {"role": "tool", "name": "aping", "content": "APONG"}
     assert r.completions[0].endswith("tool: APONG\nassistant: ok") and r.tool_failures.tolist() == [0]
@@ -392,23 +439,43 @@ def test_environments_one_instance_per_row_with_reset_text_and_reward(tok):
     episode = box.episode(rows)
     assert Counter.made == 4 and episode.observations == [" from 10", " from 10", " from 20", " from 20"]
     texts, G = box.prompts([[{"role": "user", "content": "go"}]] * 2, episode, 2)
-    assert G == 2 and texts == [box.render_prompt([{"role": "user", "content": "go from 10"}]),
-                                box.render_prompt([{"role": "user", "content": "go from 20"}])]
+    assert G == 2 and texts == [
+        box.render_prompt([{"role": "user", "content": "go from 10"}]),
+        box.render_prompt([{"role": "user", "content": "go from 20"}]),
+    ]
     assert texts[0] == "tools: bump\nuser: go from 10\nassistant: "
     model = tiny(tok)
     p = ids(tok, texts[0])
-    two = call_ids(tok, "bump") + reply(tok, box, "11", "bump") + call_ids(tok, "bump", "b") + reply(tok, box, "12", "bump")
+    two = (
+        call_ids(tok, "bump")
+        + reply(tok, box, "11", "bump")
+        + call_ids(tok, "bump", "b")
+        + reply(tok, box, "12", "bump")
+    )
     Script(model, [(p, two + ids(tok, "ok") + [tok.eos_token_id])])
-    r = generate_rollout(model, tok, texts, num_generations=G, max_prompt_length=None, max_completion_length=200,
-                         temperature=0.0, tools=episode, micro_batch_prompts=1)  # chunks map to their own rows
+    r = generate_rollout(
+        model,
+        tok,
+        texts,
+        num_generations=G,
+        max_prompt_length=None,
+        max_completion_length=200,
+        temperature=0.0,
+        tools=episode,
+        micro_batch_prompts=1,
+    )  # chunks map to their own rows
     assert [e.count for e in episode.environments] == [2, 2, 2, 2]  # each row its own instance
     assert [m["content"] for m in r.messages[0] if m["role"] == "tool"] == ["11", "12"]
     assert [m["content"] for m in r.messages[2] if m["role"] == "tool"] == ["21", "22"]
     [reward] = box.environment_rewards()
-    assert reward.__name__ == "Counter" and reward(environments=episode.environments, prompts=None) == [2.0] * 4
+    assert (
+        reward.__name__ == "Counter" and reward(environments=episode.environments, prompts=None) == [2.0] * 4
+    )
     again = box.episode(rows[:2] + [{"start": 5}, {"start": 5}])  # pooled: reset, not rebuilt
     assert Counter.made == 4 and [e.count for e in again.environments] == [0] * 4
-    texts, G = box.prompts([[{"role": "user", "content": "go"}]] * 2, box.episode([{"start": i} for i in range(4)]), 2)
+    texts, G = box.prompts(
+        [[{"role": "user", "content": "go"}]] * 2, box.episode([{"start": i} for i in range(4)]), 2
+    )
     assert G == 1 and len(texts) == 4  # a group's rows got different reset texts: one prompt per row
     with pytest.raises(ValueError, match=r"must define a callable `reset`"):
         Toolbox(tok, environment_factory=lambda: object())
@@ -422,10 +489,14 @@ def test_a_4bit_base_with_lora_runs_tools(tok, tmp_path):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    toy.make_tiny_model(tok).save_pretrained(tmp_path)  # hidden 64: bitsandbytes' CPU kernels want >= its block
+    toy.make_tiny_model(tok).save_pretrained(
+        tmp_path
+    )  # hidden 64: bitsandbytes' CPU kernels want >= its block
     bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb, device_map="cpu")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    )
     assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
     box = Toolbox(tok, [ping], timeout=1.0)
     p = prompt_ids(tok, box, "a")

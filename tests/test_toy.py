@@ -8,15 +8,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from conftest import run_torchrun
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_grpo.tasks import toy
 
 # Pretraining settings small enough for a unit test (well under a second per run).
-TINY = dict(steps=30, batch_size=32, learning_rate=1e-2, warmup_steps=5, hidden_size=32, num_layers=1,
-            num_heads=2, num_kv_heads=1, intermediate_size=64, log_every=0)
+TINY = dict(
+    steps=30,
+    batch_size=32,
+    learning_rate=1e-2,
+    warmup_steps=5,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    log_every=0,
+)
 
 
 def _operands(prompt: str) -> tuple[int, int]:
@@ -62,9 +72,22 @@ def test_prompt_completion_and_carry_free_sum():
 
 @pytest.mark.parametrize(
     "text, value",
-    [("52", 52), ("052", 52), (" 52\n", 52), ("52<eos><pad><pad>", 52), ("52<eos>99", 52), ("-3", -3),
-     ([{"role": "assistant", "content": "125"}], 125),
-     ("", None), ("5 2", None), ("52x", None), ("x52", None), ("<eos>52", None), ("5.2", None), ([], None)],
+    [
+        ("52", 52),
+        ("052", 52),
+        (" 52\n", 52),
+        ("52<eos><pad><pad>", 52),
+        ("52<eos>99", 52),
+        ("-3", -3),
+        ([{"role": "assistant", "content": "125"}], 125),
+        ("", None),
+        ("5 2", None),
+        ("52x", None),
+        ("x52", None),
+        ("<eos>52", None),
+        ("5.2", None),
+        ([], None),
+    ],
 )
 def test_parse_answer(text, value):
     assert toy.parse_answer(text) == value
@@ -74,7 +97,12 @@ def test_toy_reward():
     prompts = ["57+68=", "57+68=", "57+68=", "12+35=", "00+00="]
     completions = ["125", "015", "12", "047", "000"]
     assert toy.toy_reward(prompts, completions, answer=["125", "125", "125", "47", "0"], extra=[1] * 5) == [
-        1.0, 0.0, 0.0, 1.0, 1.0]
+        1.0,
+        0.0,
+        0.0,
+        1.0,
+        1.0,
+    ]
 
 
 # --- greedy accuracy -------------------------------------------------------------------------

@@ -4,17 +4,16 @@ import json
 
 import pytest
 import torch
+from conftest import PROMPTS, SMALL_RUN, adapter_state, base_state, changed, digit_share, make_trainer
 
 import lora_grpo.trainer as trainer_module
 import lora_grpo.update as update_module
-from lora_grpo.batch import Batch
-from lora_grpo.stopping import NonFiniteError, TrainingInterrupted
 from lora_grpo import GRPOConfig, GRPOTrainer
+from lora_grpo.batch import Batch
 from lora_grpo.config import ConfigError
 from lora_grpo.failures import StepFailed
 from lora_grpo.model import POLICY, REFERENCE
-
-from conftest import PROMPTS, SMALL_RUN, adapter_state, base_state, changed, digit_share, make_trainer
+from lora_grpo.stopping import NonFiniteError, TrainingInterrupted
 
 
 def test_end_to_end_policy_moves_base_frozen_reference_synced_on_schedule(tiny_base_dir, tmp_path):
@@ -50,9 +49,23 @@ def test_end_to_end_policy_moves_base_frozen_reference_synced_on_schedule(tiny_b
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
     assert (run / "adapter" / "adapter_model.safetensors").exists()
     assert (run / "config.yaml").exists() and (run / "summary.json").exists()
-    for key in ["reward/mean", "reward/std", "rewards/digit_share/mean", "frac_reward_zero_std",
-                "completion_length/mean", "completion_length/max", "truncated_fraction", "kl", "clip_ratio/low",
-                "clip_ratio/high", "entropy", "grad_norm", "lr", "tokens_per_second", "time/step"]:
+    for key in [
+        "reward/mean",
+        "reward/std",
+        "rewards/digit_share/mean",
+        "frac_reward_zero_std",
+        "completion_length/mean",
+        "completion_length/max",
+        "truncated_fraction",
+        "kl",
+        "clip_ratio/low",
+        "clip_ratio/high",
+        "entropy",
+        "grad_norm",
+        "lr",
+        "tokens_per_second",
+        "time/step",
+    ]:
         assert key in lines[0], key
     assert "sync/truncation_error" in lines[1]
 
@@ -68,9 +81,13 @@ def test_beta_zero_skips_the_reference_forward(tiny_base_dir, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
-def test_num_iterations_uses_old_log_probs_only_when_reusing_the_batch(tiny_base_dir, tmp_path, monkeypatch, num_iterations):
+def test_num_iterations_uses_old_log_probs_only_when_reusing_the_batch(
+    tiny_base_dir, tmp_path, monkeypatch, num_iterations
+):
     # One rollout trained on num_iterations times: that many optimizer steps (each update is a step, as TRL counts).
-    trainer = make_trainer(tiny_base_dir, tmp_path, num_iterations=num_iterations, max_steps=num_iterations, micro_batch_size=8)
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, num_iterations=num_iterations, max_steps=num_iterations, micro_batch_size=8
+    )
     calls = []
     real = update_module.grpo_loss
 
@@ -102,7 +119,9 @@ def test_every_loss_type_trains(tiny_base_dir, tmp_path, loss_type):
 def test_micro_batching_gives_the_same_gradient_as_one_batch(tiny_base_dir, tmp_path):
     grads = []
     for micro in (8, 3):
-        trainer = make_trainer(tiny_base_dir, tmp_path, micro_batch_size=micro, quantization="none", max_grad_norm=0.0)
+        trainer = make_trainer(
+            tiny_base_dir, tmp_path, micro_batch_size=micro, quantization="none", max_grad_norm=0.0
+        )
         torch.manual_seed(0)
         rollout = trainer.generate([PROMPTS[0]["prompt"], PROMPTS[1]["prompt"]])
         adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.2, 0.3, -0.1, -0.4])
@@ -118,10 +137,16 @@ def test_micro_batching_gives_the_same_gradient_as_one_batch(tiny_base_dir, tmp_
 
 
 def test_resume_from_checkpoint_continues_exactly(tiny_base_dir, tmp_path):
-    full = make_trainer(tiny_base_dir, tmp_path / "a", max_steps=4, save_steps=2, ref_sync_steps=3, quantization="none")
+    full = make_trainer(
+        tiny_base_dir, tmp_path / "a", max_steps=4, save_steps=2, ref_sync_steps=3, quantization="none"
+    )
     full.train()
     resumed = make_trainer(
-        tiny_base_dir, tmp_path / "b", max_steps=4, ref_sync_steps=3, quantization="none",
+        tiny_base_dir,
+        tmp_path / "b",
+        max_steps=4,
+        ref_sync_steps=3,
+        quantization="none",
         resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"),
     )
     resumed.train()
@@ -130,13 +155,17 @@ def test_resume_from_checkpoint_continues_exactly(tiny_base_dir, tmp_path):
         a, b = adapter_state(full.model, adapter), adapter_state(resumed.model, adapter)
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
-    assert [m["reward/mean"] for m in full.state.log_history] == pytest.approx([m["reward/mean"] for m in resumed.state.log_history])
+    assert [m["reward/mean"] for m in full.state.log_history] == pytest.approx(
+        [m["reward/mean"] for m in resumed.state.log_history]
+    )
 
 
 # Failed before the fix it guards (code review): the schedule ran over steps, not updates, so with
 # num_iterations=3 the lr reached 0 a third of the way through the run.
 def test_lr_schedule_spans_every_update_when_the_batch_is_reused(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path, **SMALL_RUN, num_iterations=3, max_steps=12, lr_scheduler="linear")
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, **SMALL_RUN, num_iterations=3, max_steps=12, lr_scheduler="linear"
+    )
     trainer.train()
     lrs = [m["lr"] for m in trainer.state.log_history]  # lr of each update (each is a step)
     assert all(lr > 0 for lr in lrs) and len(lrs) == 12
@@ -145,17 +174,37 @@ def test_lr_schedule_spans_every_update_when_the_batch_is_reused(tiny_base_dir, 
 
 
 def test_checkpoints_rotate_and_leave_no_temp_dirs(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=4, save_steps=1, save_total_limit=2, quantization="none")
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, max_steps=4, save_steps=1, save_total_limit=2, quantization="none"
+    )
     trainer.train()
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
-    assert names == ["adapter", "checkpoint-3", "checkpoint-4", "config.yaml", "metrics.jsonl", "metrics.png", "summary.json"]
+    assert names == [
+        "adapter",
+        "checkpoint-3",
+        "checkpoint-4",
+        "config.yaml",
+        "metrics.jsonl",
+        "metrics.png",
+        "summary.json",
+    ]
 
 
 def test_eval_and_summary(tiny_base_dir, tmp_path):
     trainer = GRPOTrainer(
-        GRPOConfig(model_name_or_path=tiny_base_dir, num_generations=2, prompts_per_step=2, max_completion_length=4,
-                   max_steps=2, output_dir=str(tmp_path / "run"), save_steps=0, gradient_checkpointing=False),
-        reward_funcs=[digit_share], train_dataset=PROMPTS, eval_dataset=PROMPTS[:5],
+        GRPOConfig(
+            model_name_or_path=tiny_base_dir,
+            num_generations=2,
+            prompts_per_step=2,
+            max_completion_length=4,
+            max_steps=2,
+            output_dir=str(tmp_path / "run"),
+            save_steps=0,
+            gradient_checkpointing=False,
+        ),
+        reward_funcs=[digit_share],
+        train_dataset=PROMPTS,
+        eval_dataset=PROMPTS[:5],
     )
     summary = trainer.train()
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
@@ -194,10 +243,22 @@ def test_bitsandbytes_optimizers(tiny_base_dir, tmp_path, optimizer):
 def test_epoch_and_kl_schedules_in_the_loop(tiny_base_dir, tmp_path):
     # 4 prompts, 2 per step: an epoch is 2 steps, so epoch syncs land after steps 2 and 4.
     epoch = GRPOTrainer(
-        GRPOConfig(model_name_or_path=tiny_base_dir, lora_r=4, num_generations=2, prompts_per_step=2,
-                   max_completion_length=4, max_steps=5, beta=0.04, ref_sync_every_epoch=True,
-                   learning_rate=5e-3, output_dir=str(tmp_path / "e"), save_steps=0, gradient_checkpointing=False),
-        reward_funcs=[digit_share], train_dataset=PROMPTS[:4],
+        GRPOConfig(
+            model_name_or_path=tiny_base_dir,
+            lora_r=4,
+            num_generations=2,
+            prompts_per_step=2,
+            max_completion_length=4,
+            max_steps=5,
+            beta=0.04,
+            ref_sync_every_epoch=True,
+            learning_rate=5e-3,
+            output_dir=str(tmp_path / "e"),
+            save_steps=0,
+            gradient_checkpointing=False,
+        ),
+        reward_funcs=[digit_share],
+        train_dataset=PROMPTS[:4],
     )
     epoch.train()
     assert [m.get("sync/reason") for m in epoch.state.log_history] == [None, "epoch", None, "epoch", None]
@@ -223,7 +284,9 @@ def test_a_nonfinite_loss_skips_the_update_and_training_goes_on(tiny_base_dir, t
     monkeypatch.setattr(update_module, "grpo_loss", nan_on_second_step)
     snapshots = []
     original = trainer.generation_round
-    trainer.generation_round = lambda rows: snapshots.append(adapter_state(trainer.model, POLICY)) or original(rows)
+    trainer.generation_round = lambda rows: (
+        snapshots.append(adapter_state(trainer.model, POLICY)) or original(rows)
+    )
     trainer.train()
     snapshots.append(adapter_state(trainer.model, POLICY))
     assert [m["skipped_nonfinite"] for m in trainer.state.log_history] == [0.0, 1.0, 0.0]
@@ -235,9 +298,14 @@ def test_a_nonfinite_loss_skips_the_update_and_training_goes_on(tiny_base_dir, t
 def test_nonfinite_updates_in_a_row_stop_with_a_clear_error(tiny_base_dir, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=5, max_nonfinite_updates=2)
     real = update_module.grpo_loss
-    monkeypatch.setattr(update_module, "grpo_loss", lambda *a, **k: (lambda l, m: (l * float("inf"), m))(*real(*a, **k)))
+    monkeypatch.setattr(
+        update_module, "grpo_loss", lambda *a, **k: (lambda loss, m: (loss * float("inf"), m))(*real(*a, **k))
+    )
     before = adapter_state(trainer.model, POLICY)
-    with pytest.raises(StepFailed, match=r"the update raised NonFiniteError: .*NaN/inf for 2 updates in a row .*learning_rate") as info:
+    with pytest.raises(
+        StepFailed,
+        match=r"the update raised NonFiniteError: .*NaN/inf for 2 updates in a row .*learning_rate",
+    ) as info:
         trainer.train()
     assert isinstance(info.value.__cause__, NonFiniteError)
     assert not changed(before, adapter_state(trainer.model, POLICY))
@@ -264,11 +332,15 @@ def test_a_stop_signal_finishes_the_step_writes_a_checkpoint_and_says_how_to_res
     with pytest.raises(TrainingInterrupted) as info:
         trainer.train()
     assert info.value.exit_code == code
-    assert trainer.state.global_step == 2 and len(trainer.state.log_history) == 2  # the step in flight finished
+    assert (
+        trainer.state.global_step == 2 and len(trainer.state.log_history) == 2
+    )  # the step in flight finished
     assert info.value.checkpoint == tmp_path / "run" / "checkpoint-2"
     assert "resume_from_checkpoint='latest'" in str(info.value) and signame in capsys.readouterr().out
     assert signal.getsignal(signal.SIGINT) is handler_before  # handlers restored
-    resumed = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=5, resume_from_checkpoint="latest")
+    resumed = make_trainer(
+        tiny_base_dir, tmp_path, quantization="none", max_steps=5, resume_from_checkpoint="latest"
+    )
     assert resumed.train()["steps"] == 5
 
 
@@ -279,24 +351,42 @@ def test_sampling_filters_with_a_reference_warn_once_at_start(tiny_base_dir, tmp
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer(tiny_base_dir, tmp_path, quantization="none", top_k=5, beta=0.0)  # on-policy, no KL: exact
+        make_trainer(
+            tiny_base_dir, tmp_path, quantization="none", top_k=5, beta=0.0
+        )  # on-policy, no KL: exact
     assert not [w for w in caught if "unfiltered" in str(w.message)]
 
 
 def test_with_no_prompt_limit_a_prompt_over_the_context_fails_at_start(tiny_base_dir, tmp_path):
     # max_prompt_length=None cuts nothing: every prompt is checked before training, not when sampled.
     long_prompt = {"prompt": "1+2=" * 300, "answer": "3"}  # 1200 tokens, context 1024
-    with pytest.raises(ValueError, match=r"1 of 25 prompts do not fit the model's context of 1024 tokens.*prompt 24"):
-        GRPOTrainer(GRPOConfig(model_name_or_path=tiny_base_dir, max_prompt_length=None, max_completion_length=4,
-                               num_generations=2, prompts_per_step=2, output_dir=str(tmp_path), gradient_checkpointing=False),
-                    reward_funcs=[digit_share], train_dataset=PROMPTS + [long_prompt])
+    with pytest.raises(
+        ValueError, match=r"1 of 25 prompts do not fit the model's context of 1024 tokens.*prompt 24"
+    ):
+        GRPOTrainer(
+            GRPOConfig(
+                model_name_or_path=tiny_base_dir,
+                max_prompt_length=None,
+                max_completion_length=4,
+                num_generations=2,
+                prompts_per_step=2,
+                output_dir=str(tmp_path),
+                gradient_checkpointing=False,
+            ),
+            reward_funcs=[digit_share],
+            train_dataset=PROMPTS + [long_prompt],
+        )
 
 
 @pytest.mark.parametrize("num_iterations", [1, 2])
-def test_a_reference_equal_to_the_policy_costs_no_forward(tiny_base_dir, tmp_path, monkeypatch, num_iterations):
+def test_a_reference_equal_to_the_policy_costs_no_forward(
+    tiny_base_dir, tmp_path, monkeypatch, num_iterations
+):
     # Hard sync after every step: the reference always equals the policy, so no step runs the
     # reference forward; the result equals a run that does run it.
-    kw = dict(quantization="none", max_steps=3, ref_sync_steps=1, ref_sync_alpha=1.0, num_iterations=num_iterations)
+    kw = dict(
+        quantization="none", max_steps=3, ref_sync_steps=1, ref_sync_alpha=1.0, num_iterations=num_iterations
+    )
     calls = []
     real = trainer_module.reference_forward
     monkeypatch.setattr(trainer_module, "reference_forward", lambda model: calls.append(1) or real(model))
@@ -315,12 +405,16 @@ def test_a_reference_equal_to_the_policy_costs_no_forward(tiny_base_dir, tmp_pat
 
     forward.generation_round = always_forward
     forward.train()
-    assert len(calls) == -(-3 // num_iterations)  # one reference forward per rollout (a rollout feeds num_iterations steps)
+    assert len(calls) == -(
+        -3 // num_iterations
+    )  # one reference forward per rollout (a rollout feeds num_iterations steps)
     for k, v in adapter_state(reused.model, POLICY).items():
         torch.testing.assert_close(v, adapter_state(forward.model, POLICY)[k], rtol=1e-5, atol=1e-6)
 
 
 def test_a_soft_sync_runs_the_reference_forward_after_the_first_update(tiny_base_dir, tmp_path):
-    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=3, ref_sync_steps=1, ref_sync_alpha=0.5)
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, quantization="none", max_steps=3, ref_sync_steps=1, ref_sync_alpha=0.5
+    )
     trainer.train()
     assert [m["reference_reused_policy"] for m in trainer.state.log_history] == [1.0, 0.0, 0.0]

@@ -8,12 +8,11 @@ import re
 import textwrap
 
 import pytest
+from conftest import PROMPTS
 
 from lora_grpo.config import ConfigError
 from lora_grpo.trl import FIELDS
 from lora_grpo.trl import GRPOConfig as OurConfig
-
-from conftest import PROMPTS
 
 
 def _default(f):
@@ -36,10 +35,21 @@ def test_every_field_of_trls_config_is_mapped_or_refused_by_name():
     assert all(f.why for f in FIELDS.values())
 
 
-@pytest.mark.parametrize("field, value", [("use_vllm", True), ("push_to_hub", True), ("fp16", True),
-                                          ("torch_compile", True), ("use_liger_kernel", True),
-                                          ("num_generations_eval", 4), ("load_best_model_at_end", True)])
-def test_a_refused_field_set_away_from_its_default_names_itself_and_why(tiny_base_dir, tmp_path, field, value):
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("use_vllm", True),
+        ("push_to_hub", True),
+        ("fp16", True),
+        ("torch_compile", True),
+        ("use_liger_kernel", True),
+        ("num_generations_eval", 4),
+        ("load_best_model_at_end", True),
+    ],
+)
+def test_a_refused_field_set_away_from_its_default_names_itself_and_why(
+    tiny_base_dir, tmp_path, field, value
+):
     from lora_grpo.trl import GRPOTrainer
 
     kw = {"eval_strategy": "steps", "save_strategy": "steps"} if field == "load_best_model_at_end" else {}
@@ -47,17 +57,29 @@ def test_a_refused_field_set_away_from_its_default_names_itself_and_why(tiny_bas
         args = OurConfig(output_dir=str(tmp_path), use_cpu=True, **kw, **{field: value})
     except ValueError as e:  # transformers itself refuses some combinations on this machine (fp16 on CPU)
         pytest.skip(f"TrainingArguments refuses {field}={value} here: {e}")
-    evals = {"eval_dataset": _dataset(4)} if kw else {}  # eval_strategy without an eval_dataset is refused first
+    evals = (
+        {"eval_dataset": _dataset(4)} if kw else {}
+    )  # eval_strategy without an eval_dataset is refused first
     with pytest.raises(ConfigError, match=re.escape(f"{field}={value!r}: {FIELDS[field].why}")):
-        GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8), **evals)
+        GRPOTrainer(
+            model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8), **evals
+        )
 
 
 def test_batch_sizes_that_split_a_group_over_processes_are_refused_clearly(tiny_base_dir, tmp_path):
     from lora_grpo.trl import GRPOTrainer
 
-    args = OurConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                     steps_per_generation=3, num_generations=4)
-    with pytest.raises(ConfigError, match="steps_per_generation=3 is not a multiple of gradient_accumulation_steps=2"):
+    args = OurConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=3,
+        num_generations=4,
+    )
+    with pytest.raises(
+        ConfigError, match="steps_per_generation=3 is not a multiple of gradient_accumulation_steps=2"
+    ):
         GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
 
 
@@ -71,7 +93,9 @@ def _dataset(n, conversational=False):
 
     rows = PROMPTS[:n]
     if conversational:
-        return Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+        return Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+        )
     return Dataset.from_list(rows)
 
 
@@ -92,9 +116,11 @@ SCRIPTS = {
         def digits(completions, answer, **kwargs):
             return [float(a in c) for c, a in zip(completions, answer)]
         def short(completions, trainer_state, **kwargs):
-            return [-len(c) / 10 * min(1.0, trainer_state.global_step / max(1, trainer_state.max_steps)) for c in completions]
+            share = min(1.0, trainer_state.global_step / max(1, trainer_state.max_steps))
+            return [-len(c) / 10 * share for c in completions]
         args = GRPOConfig(output_dir=OUT, use_cpu=True, per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=6, max_steps=2, reward_weights=[1.0, 0.5], logging_steps=1, save_strategy="no")
+                          max_completion_length=6, max_steps=2, reward_weights=[1.0, 0.5], logging_steps=1,
+                          save_strategy="no")
         trainer = GRPOTrainer(model=MODEL, reward_funcs=[digits, short], args=args, train_dataset=DATA)
         trainer.train()
     """,
@@ -105,7 +131,8 @@ SCRIPTS = {
                           max_completion_length=6, max_steps=4, sync_ref_model=True, ref_model_sync_steps=2,
                           ref_model_mixup_alpha=0.6, learning_rate=1e-3, logging_steps=1, save_strategy="no")
         trainer = GRPOTrainer(model=MODEL, reward_funcs=REWARD, args=args, train_dataset=DATA,
-                              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+                              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     task_type="CAUSAL_LM"))
         trainer.train()
         trainer.save_model(OUT)
     """,
@@ -163,8 +190,14 @@ SCRIPTS = {
 
 def run_script(name, library, tiny_base_dir, out):
     source = textwrap.dedent(SCRIPTS[name]).replace("from trl import", f"from {library} import")
-    scope = {"MODEL": tiny_base_dir, "OUT": str(out), "DATA": _dataset(16), "CHAT_DATA": _dataset(16, conversational=True),
-             "REWARD": _length_reward, "EVENTS": []}
+    scope = {
+        "MODEL": tiny_base_dir,
+        "OUT": str(out),
+        "DATA": _dataset(16),
+        "CHAT_DATA": _dataset(16, conversational=True),
+        "REWARD": _length_reward,
+        "EVENTS": [],
+    }
     exec(compile(source, f"<{name} under {library}>", "exec"), scope)
     return scope
 
@@ -181,21 +214,34 @@ def test_trls_documented_scripts_run_with_only_the_import_changed(tiny_base_dir,
     if name == "quickstart":  # logging_steps 10 (TRL's default) in a 3-step run: nothing logged, as in TRL
         assert logged == []
     else:
-        assert logged and {"reward", "reward_std", "learning_rate", "grad_norm", "epoch", "step"} <= set(logged[-1])
+        assert logged and {"reward", "reward_std", "learning_rate", "grad_norm", "epoch", "step"} <= set(
+            logged[-1]
+        )
         assert all(r["step"] == i + 1 for i, r in enumerate(logged)) or name == "resume"
-    if name == "peft_sync_ref_model":  # TRL refuses this script; here the LoRA reference slot syncs every 2 steps
+    if (
+        name == "peft_sync_ref_model"
+    ):  # TRL refuses this script; here the LoRA reference slot syncs every 2 steps
         syncs = [r for r in trainer.native.state.log_history if r.get("sync/event")]
         assert [r["sync/reason"] for r in syncs] == ["steps", "steps"]
-        assert (tmp_path / "run" / "adapter_config.json").exists() and (tmp_path / "run" / "adapter_model.safetensors").exists()
+        assert (tmp_path / "run" / "adapter_config.json").exists() and (
+            tmp_path / "run" / "adapter_model.safetensors"
+        ).exists()
         assert json.loads((tmp_path / "run" / "adapter_config.json").read_text())["r"] == 4
-        assert (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "adapter").is_dir()  # kept beside it
+        assert (tmp_path / "run" / "metrics.jsonl").exists() and (
+            tmp_path / "run" / "adapter"
+        ).is_dir()  # kept beside it
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(tmp_path / "run"))  # standard
+        PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(tmp_path / "run")
+        )  # standard
     if name == "callbacks":
         events = scope["EVENTS"]
-        assert [e for e in events if e[0] == "step_end"] == [("step_end", 1), ("step_end", 2)]  # should_training_stop
+        assert [e for e in events if e[0] == "step_end"] == [
+            ("step_end", 1),
+            ("step_end", 2),
+        ]  # should_training_stop
         assert ("save", 1) in events and ("save", 2) in events
         assert "reward" in [e for e in events if e[0] == "log"][0][2]
     if name == "resume":
@@ -208,9 +254,20 @@ def test_trls_documented_scripts_run_with_only_the_import_changed(tiny_base_dir,
 # rounds (reward function calls), final global_step and epoch.
 COUNTING = [
     dict(per_device_train_batch_size=4, num_generations=4, num_train_epochs=1),
-    dict(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2, num_iterations=2, max_steps=5),
-    dict(per_device_train_batch_size=2, num_generations=4, gradient_accumulation_steps=2, steps_per_generation=4,
-         num_train_epochs=1.5),
+    dict(
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        max_steps=5,
+    ),
+    dict(
+        per_device_train_batch_size=2,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        num_train_epochs=1.5,
+    ),
 ]
 
 
@@ -230,16 +287,32 @@ def _count(library, tiny_base_dir, out, settings):
         rounds.append(len(completions))
         return [float(len(c) % 3) for c in completions]
 
-    args = lib.GRPOConfig(output_dir=str(out), use_cpu=True, bf16=False, max_completion_length=4, logging_steps=1,
-                          save_strategy="no", report_to="none", **settings)
-    trainer = lib.GRPOTrainer(model=tiny_base_dir, reward_funcs=reward, args=args, train_dataset=_dataset(16),
-                              callbacks=[Count()])
+    args = lib.GRPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        max_completion_length=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        **settings,
+    )
+    trainer = lib.GRPOTrainer(
+        model=tiny_base_dir, reward_funcs=reward, args=args, train_dataset=_dataset(16), callbacks=[Count()]
+    )
     trainer.train()
-    return {"global_step": trainer.state.global_step, "steps": steps, "rounds": rounds,
-            "epoch": round(trainer.state.epoch, 6), "max_steps": trainer.state.max_steps}
+    return {
+        "global_step": trainer.state.global_step,
+        "steps": steps,
+        "rounds": rounds,
+        "epoch": round(trainer.state.epoch, 6),
+        "max_steps": trainer.state.max_steps,
+    }
 
 
-@pytest.mark.parametrize("settings", COUNTING, ids=["epochs", "accumulation+iterations", "steps_per_generation"])
+@pytest.mark.parametrize(
+    "settings", COUNTING, ids=["epochs", "accumulation+iterations", "steps_per_generation"]
+)
 def test_step_counting_equals_trls(tiny_base_dir, tmp_path, settings):
     pytest.importorskip("trl")
     ours = _count("lora_grpo.trl", tiny_base_dir, tmp_path / "ours", settings)
@@ -257,15 +330,29 @@ def test_a_peft_model_is_the_warm_start_and_the_initial_reference(tiny_base_dir,
     from lora_grpo.reference import delta_weight
     from lora_grpo.trl import GRPOTrainer
 
-    warm = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir),
-                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"))
+    warm = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_base_dir),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"),
+    )
     with torch.no_grad():
         for name, p in warm.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)  # a trained adapter: ΔW ≠ 0
-    expected = {n: delta_weight(m, "default") for n, m in warm.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
-    args = OurConfig(output_dir=str(tmp_path / "run"), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
-                     max_completion_length=4, max_steps=1, beta=0.04, save_strategy="no")
+    expected = {
+        n: delta_weight(m, "default")
+        for n, m in warm.named_modules()
+        if hasattr(m, "lora_A") and "default" in m.lora_A
+    }
+    args = OurConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        beta=0.04,
+        save_strategy="no",
+    )
     trainer = GRPOTrainer(model=warm, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
     layers = {n: m for n, m in trainer.model.named_modules() if hasattr(m, "lora_A") and POLICY in m.lora_A}
     assert layers.keys() == expected.keys()
@@ -274,30 +361,61 @@ def test_a_peft_model_is_the_warm_start_and_the_initial_reference(tiny_base_dir,
         torch.testing.assert_close(delta_weight(module, REFERENCE), expected[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("field, value, match", [("use_dora", True, "use_dora=True"), ("bias", "all", "bias='all'"),
-                                                 ("init_lora_weights", "pissa", "init_lora_weights='pissa'"),
-                                                 ("modules_to_save", ["lm_head"], "modules_to_save")])
-def test_a_lora_config_the_reference_slot_cannot_mirror_is_refused_by_name(tiny_base_dir, tmp_path, field, value, match):
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("use_dora", True, "use_dora=True"),
+        ("bias", "all", "bias='all'"),
+        ("init_lora_weights", "pissa", "init_lora_weights='pissa'"),
+        ("modules_to_save", ["lm_head"], "modules_to_save"),
+    ],
+)
+def test_a_lora_config_the_reference_slot_cannot_mirror_is_refused_by_name(
+    tiny_base_dir, tmp_path, field, value, match
+):
     from peft import LoraConfig
 
     from lora_grpo.trl import GRPOTrainer
 
     args = OurConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4)
     with pytest.raises(ConfigError, match=re.escape(match)):
-        GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8),
-                    peft_config=LoraConfig(r=4, target_modules=["q_proj"], **{field: value}))
+        GRPOTrainer(
+            model=tiny_base_dir,
+            reward_funcs=_length_reward,
+            args=args,
+            train_dataset=_dataset(8),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"], **{field: value}),
+        )
 
 
 def test_trls_own_config_object_is_read_by_field_name(tiny_base_dir, tmp_path):
     trl = pytest.importorskip("trl")
     from lora_grpo.trl import GRPOTrainer
 
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=4, max_steps=2, logging_steps=1, save_strategy="no", report_to="none",
-                          beta=0.02, sync_ref_model=True, ref_model_sync_steps=1)
-    trainer = GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        beta=0.02,
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+    )
+    trainer = GRPOTrainer(
+        model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8)
+    )
     native = trainer.native.config
-    assert (native.beta, native.ref_sync_steps, native.ref_sync_alpha, native.learning_rate) == (0.02, 1, 0.6, 1e-6)
+    assert (native.beta, native.ref_sync_steps, native.ref_sync_alpha, native.learning_rate) == (
+        0.02,
+        1,
+        0.6,
+        1e-6,
+    )
     trainer.train()
     assert trainer.state.global_step == 2
 
@@ -310,16 +428,37 @@ def test_the_trl_recipe_cli_runs_a_trl_grpo_recipe(tiny_base_dir, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     for split, rows in (("train", PROMPTS[:8]), ("test", PROMPTS[8:12])):
-        (data / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n"
-                                                     for r in rows))
+        (data / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in rows)
+        )
     recipe = tmp_path / "grpo.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model_name_or_path": tiny_base_dir, "dataset_name": str(data), "reward_funcs": ["accuracy_reward", "think_format_reward"],
-        "use_peft": True, "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0,
-        "output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 4, "num_generations": 4,
-        "max_completion_length": 4, "logging_steps": 1, "save_strategy": "no", "use_cpu": True, "dtype": "float32",
-    }))
-    assert main(["trl", "--config", str(recipe), "--max_steps", "2"]) == 0  # flags override the YAML, as TRL's parser
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model_name_or_path": tiny_base_dir,
+                "dataset_name": str(data),
+                "reward_funcs": ["accuracy_reward", "think_format_reward"],
+                "use_peft": True,
+                "lora_r": 4,
+                "lora_alpha": 8,
+                "lora_target_modules": ["q_proj", "v_proj"],
+                "lora_dropout": 0.0,
+                "output_dir": str(tmp_path / "run"),
+                "per_device_train_batch_size": 4,
+                "num_generations": 4,
+                "max_completion_length": 4,
+                "logging_steps": 1,
+                "save_strategy": "no",
+                "use_cpu": True,
+                "dtype": "float32",
+            }
+        )
+    )
+    assert (
+        main(["trl", "--config", str(recipe), "--max_steps", "2"]) == 0
+    )  # flags override the YAML, as TRL's parser
     run = tmp_path / "run"
-    assert (run / "adapter_model.safetensors").exists() and json.loads((run / "adapter_config.json").read_text())["r"] == 4
+    assert (run / "adapter_model.safetensors").exists() and json.loads(
+        (run / "adapter_config.json").read_text()
+    )["r"] == 4
     assert (run / "metrics.jsonl").exists()

@@ -10,7 +10,6 @@ import re
 import textwrap
 
 import pytest
-
 from conftest import PROMPTS, QWEN_RESPONSE_TEMPLATE
 
 trl = pytest.importorskip("trl")
@@ -40,27 +39,44 @@ def run(library, source, **scope):
     return scope
 
 
-ARGS = ("use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4, max_completion_length=4, "
-        "save_strategy='no', report_to='none'")
+ARGS = (
+    "use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4, max_completion_length=4, "
+    "save_strategy='no', report_to='none'"
+)
 
 
 # ------------------------------------------------------------------------------ log_history
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_the_last_logging_window_reaches_the_closing_record(tiny_base_dir, tmp_path, library):
-    scope = run(library, f"""
+    scope = run(
+        library,
+        f"""
         from trl import GRPOConfig, GRPOTrainer
         args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=5, logging_steps=2)
         trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
         trainer.train()
-    """, MODEL=tiny_base_dir, OUT=str(tmp_path / library))
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
     history = scope["trainer"].state.log_history
     assert [r["step"] for r in history if "loss" in r and "train_loss" not in r] == [2, 4]
     last = history[-1]
     assert last["step"] == 5
     # step 5's metrics, merged into transformers' closing record as TRL's log() merges them (here also its loss,
     # grad_norm and learning_rate, which TRL leaves out of that record)
-    assert {"reward", "reward_std", "rewards/length_reward/mean", "entropy", "completions/mean_length",
-            "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"} <= set(last)
+    assert {
+        "reward",
+        "reward_std",
+        "rewards/length_reward/mean",
+        "entropy",
+        "completions/mean_length",
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "train_loss",
+        "epoch",
+    } <= set(last)
     assert 0.0 <= last["reward"] <= 2.0
 
 
@@ -68,9 +84,14 @@ def test_the_last_logging_window_reaches_the_closing_record(tiny_base_dir, tmp_p
 EVAL_FORMS = {
     "stream": ("dataset(4, start=16).to_iterable_dataset()", [None]),
     "conversational": ("dataset(4, start=16, conversational=True)", [None]),
-    "datasetdict": ("DatasetDict({'easy': dataset(4, start=16), 'hard': dataset(4, start=20)})", ["easy", "hard"]),
-    "dict with a stream": ("{'easy': dataset(4, start=16), 'hard': dataset(4, start=20).to_iterable_dataset()}",
-                           ["easy", "hard"]),
+    "datasetdict": (
+        "DatasetDict({'easy': dataset(4, start=16), 'hard': dataset(4, start=20)})",
+        ["easy", "hard"],
+    ),
+    "dict with a stream": (
+        "{'easy': dataset(4, start=16), 'hard': dataset(4, start=20).to_iterable_dataset()}",
+        ["easy", "hard"],
+    ),
 }
 
 
@@ -78,7 +99,9 @@ EVAL_FORMS = {
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_every_eval_dataset_form_is_evaluated_under_its_names(tiny_base_dir, tmp_path, library, form):
     source, names = EVAL_FORMS[form]
-    scope = run(library, f"""
+    scope = run(
+        library,
+        f"""
         from datasets import DatasetDict
         from trl import GRPOConfig, GRPOTrainer
         args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, eval_strategy="steps", eval_steps=1,
@@ -87,14 +110,18 @@ def test_every_eval_dataset_form_is_evaluated_under_its_names(tiny_base_dir, tmp
                               eval_dataset={source})
         trainer.train()
         again = trainer.evaluate(eval_dataset={source}, metric_key_prefix="test")
-    """, MODEL=tiny_base_dir, OUT=str(tmp_path / library))
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
     prefixes = ["eval" if n is None else f"eval_{n}" for n in names]
     for step in (1, 2):  # each set's record at each eval step
         records = [r for r in scope["trainer"].state.log_history if r["step"] == step]
         for prefix in prefixes:
             assert any(f"{prefix}_runtime" in r for r in records), (prefix, step, records)
-    assert {"test" if n is None else f"test_{n}" for n in names} == {k.removesuffix("_runtime") for k in scope["again"]
-                                                                      if k.endswith("_runtime")}
+    assert {"test" if n is None else f"test_{n}" for n in names} == {
+        k.removesuffix("_runtime") for k in scope["again"] if k.endswith("_runtime")
+    }
 
 
 # ------------------------------------------------------------------------------ environments
@@ -147,12 +174,16 @@ def tool_tokenizer(path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    tok.response_template = QWEN_RESPONSE_TEMPLATE  # TRL reads tool calls with it (Qwen's, set by TRL for Qwen)
+    tok.response_template = (
+        QWEN_RESPONSE_TEMPLATE  # TRL reads tool calls with it (Qwen's, set by TRL for Qwen)
+    )
     return tok
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_a_dict_of_named_environments_routes_each_row_by_its_environment_column(qwen_tool_base_dir, tmp_path, library):
+def test_a_dict_of_named_environments_routes_each_row_by_its_environment_column(
+    qwen_tool_base_dir, tmp_path, library
+):
     from datasets import Dataset
 
     calls = []
@@ -161,20 +192,38 @@ def test_a_dict_of_named_environments_routes_each_row_by_its_environment_column(
         calls.append([type(e).__name__ for e in environments])
         return [0.0] * len(completions)
 
-    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"go {i}"}], "environment": env}
-                              for i, env in enumerate(["count", "echo"] * 4)])
-    scope = run(library, f"""
+    rows = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"go {i}"}], "environment": env}
+            for i, env in enumerate(["count", "echo"] * 4)
+        ]
+    )
+    scope = run(
+        library,
+        f"""
         from trl import GRPOConfig, GRPOTrainer
         args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1, shuffle_dataset=False,
                           gradient_accumulation_steps=2)
         trainer = GRPOTrainer(model=MODEL, processing_class=TOKENIZER, reward_funcs=seen, args=args, train_dataset=ROWS,
                               environment_factory={{"count": Counter, "echo": Echo}})
         trainer.train()
-    """, MODEL=qwen_tool_base_dir, TOKENIZER=tool_tokenizer(qwen_tool_base_dir), OUT=str(tmp_path / library),
-               ROWS=rows, seen=seen, Counter=Counter, Echo=Echo)
+    """,
+        MODEL=qwen_tool_base_dir,
+        TOKENIZER=tool_tokenizer(qwen_tool_base_dir),
+        OUT=str(tmp_path / library),
+        ROWS=rows,
+        seen=seen,
+        Counter=Counter,
+        Echo=Echo,
+    )
     assert calls and all(len(c) == 8 for c in calls)  # a step: two prompts × 4
-    assert {name for c in calls for name in c} == {"Counter", "Echo"}  # both kinds of rows, each its own environment
-    assert any("rewards/Counter/mean" in r for r in scope["trainer"].state.log_history)  # Counter's get_reward
+    assert {name for c in calls for name in c} == {
+        "Counter",
+        "Echo",
+    }  # both kinds of rows, each its own environment
+    assert any(
+        "rewards/Counter/mean" in r for r in scope["trainer"].state.log_history
+    )  # Counter's get_reward
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -185,14 +234,21 @@ def test_an_environment_that_owns_its_prompts_trains_without_a_dataset(qwen_tool
         seen.extend(p[-1]["content"] for p in prompts)
         return [float(len(c[-1]["content"]) % 2) for c in completions]
 
-    scope = run(library, f"""
+    scope = run(
+        library,
+        f"""
         from trl import GRPOConfig, GRPOTrainer
         args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1)
         trainer = GRPOTrainer(model=MODEL, processing_class=TOKENIZER, reward_funcs=spy, args=args,
                               environment_factory=Riddle)
         trainer.train()
-    """, MODEL=qwen_tool_base_dir, TOKENIZER=tool_tokenizer(qwen_tool_base_dir), OUT=str(tmp_path / library),
-               Riddle=Riddle, spy=spy)
+    """,
+        MODEL=qwen_tool_base_dir,
+        TOKENIZER=tool_tokenizer(qwen_tool_base_dir),
+        OUT=str(tmp_path / library),
+        Riddle=Riddle,
+        spy=spy,
+    )
     trainer = scope["trainer"]
     assert trainer.state.global_step == 2
     assert len(trainer.train_dataset) == 1  # TRL's placeholder rows: one generation round's prompts
@@ -213,14 +269,23 @@ def test_a_row_naming_an_unknown_environment_is_refused_with_trls_sentence(qwen_
     errors = {}
     for library in LIBRARIES:
         with pytest.raises(Exception) as caught:  # noqa: PT011 - compared below, as TRL raises it
-            run(library, f"""
+            run(
+                library,
+                f"""
                 from trl import GRPOConfig, GRPOTrainer
                 args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1)
                 GRPOTrainer(model=MODEL, processing_class=TOKENIZER, reward_funcs=length_reward, args=args,
                             train_dataset=ROWS, environment_factory={{"count": Counter}}).train()
-            """, MODEL=qwen_tool_base_dir, TOKENIZER=tool_tokenizer(qwen_tool_base_dir), OUT=str(tmp_path / library),
-                ROWS=rows, Counter=Counter)
-        errors[library] = next(e for e in _chain(caught.value) if isinstance(e, ValueError))  # a stage error may wrap it
+            """,
+                MODEL=qwen_tool_base_dir,
+                TOKENIZER=tool_tokenizer(qwen_tool_base_dir),
+                OUT=str(tmp_path / library),
+                ROWS=rows,
+                Counter=Counter,
+            )
+        errors[library] = next(
+            e for e in _chain(caught.value) if isinstance(e, ValueError)
+        )  # a stage error may wrap it
     sentence = "Example has `environment='nope'`, which is not among the environments passed to `environment_factory`."
     assert all(str(e).startswith(sentence) for e in errors.values()), errors
 
@@ -228,24 +293,38 @@ def test_a_row_naming_an_unknown_environment_is_refused_with_trls_sentence(qwen_
 REFUSALS = {
     "no train_dataset and no environment": ("reward_funcs=length_reward, args=args", ValueError),
     "a dict of environments without a dataset": (
-        "reward_funcs=length_reward, args=args, environment_factory={'a': Riddle}", ValueError),
-    "an environment's data without max_steps": ("reward_funcs=length_reward, args=ARGS_NO_STEPS, environment_factory=Riddle",
-                                                ValueError),
+        "reward_funcs=length_reward, args=args, environment_factory={'a': Riddle}",
+        ValueError,
+    ),
+    "an environment's data without max_steps": (
+        "reward_funcs=length_reward, args=ARGS_NO_STEPS, environment_factory=Riddle",
+        ValueError,
+    ),
     "no reward source": ("args=args, train_dataset=dataset(8)", ValueError),
     "reward_processing_classes of another length": (
         "reward_funcs=length_reward, reward_processing_classes=[None, None], args=args, train_dataset=dataset(8)",
-        ValueError),
-    "eval_strategy without eval_dataset": ("reward_funcs=length_reward, args=ARGS_EVAL, train_dataset=dataset(8)",
-                                           ValueError),
-    "sync_ref_model with beta 0": ("reward_funcs=length_reward, args=ARGS_SYNC, train_dataset=dataset(8)", ValueError),
-    "a peft_config that is not one": ("reward_funcs=length_reward, args=args, train_dataset=dataset(8), peft_config={}",
-                                      TypeError),
+        ValueError,
+    ),
+    "eval_strategy without eval_dataset": (
+        "reward_funcs=length_reward, args=ARGS_EVAL, train_dataset=dataset(8)",
+        ValueError,
+    ),
+    "sync_ref_model with beta 0": (
+        "reward_funcs=length_reward, args=ARGS_SYNC, train_dataset=dataset(8)",
+        ValueError,
+    ),
+    "a peft_config that is not one": (
+        "reward_funcs=length_reward, args=args, train_dataset=dataset(8), peft_config={}",
+        TypeError,
+    ),
 }
 
 
 def _refusal(library, model, tokenizer, out, call):
     try:
-        run(library, f"""
+        run(
+            library,
+            f"""
             from trl import GRPOConfig, GRPOTrainer
             args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2)
             ARGS_NO_STEPS = GRPOConfig(output_dir=OUT, {ARGS})
@@ -253,7 +332,12 @@ def _refusal(library, model, tokenizer, out, call):
                                    per_device_eval_batch_size=4)
             ARGS_SYNC = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, sync_ref_model=True)
             GRPOTrainer(model=MODEL, processing_class=TOKENIZER, {call})
-        """, MODEL=model, TOKENIZER=tokenizer, OUT=out, Riddle=Riddle)
+        """,
+            MODEL=model,
+            TOKENIZER=tokenizer,
+            OUT=out,
+            Riddle=Riddle,
+        )
     except Exception as e:  # noqa: BLE001 - the refusal under test
         return e
     return None
@@ -272,18 +356,28 @@ def test_what_trl_refuses_at_construction_is_refused_with_trls_sentence(qwen_too
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_trls_warning_on_sequence_level_sampling_with_a_token_summed_loss(tiny_base_dir, tmp_path, caplog, library,
-                                                                           loss_type):
+def test_trls_warning_on_sequence_level_sampling_with_a_token_summed_loss(
+    tiny_base_dir, tmp_path, caplog, library, loss_type
+):
     with caplog.at_level(logging.WARNING):
-        run(library, f"""
+        run(
+            library,
+            f"""
             from trl import GRPOConfig, GRPOTrainer
             args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, importance_sampling_level="sequence",
                               loss_type="{loss_type}")
             GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
-        """, MODEL=tiny_base_dir, OUT=str(tmp_path / library))
-    warned = [r.getMessage() for r in caplog.records if "importance_sampling_level='sequence'" in r.getMessage()]
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / library),
+        )
+    warned = [
+        r.getMessage() for r in caplog.records if "importance_sampling_level='sequence'" in r.getMessage()
+    ]
     assert len(warned) == (loss_type == "dapo")
-    assert all("When using `importance_sampling_level='sequence'`, the `'dapo'` loss sums" in w for w in warned)
+    assert all(
+        "When using `importance_sampling_level='sequence'`, the `'dapo'` loss sums" in w for w in warned
+    )
 
 
 def _messages(function) -> list[str]:
@@ -299,8 +393,11 @@ def _messages(function) -> list[str]:
             continue
         for arg in call.args[:1]:
             pieces = arg.values if isinstance(arg, ast.JoinedStr) else [arg]
-            text = "".join(p.value if isinstance(p, ast.Constant) else "{" + ast.unparse(p.value) + "}"
-                           for p in pieces if isinstance(p, (ast.Constant, ast.FormattedValue)))
+            text = "".join(
+                p.value if isinstance(p, ast.Constant) else "{" + ast.unparse(p.value) + "}"
+                for p in pieces
+                if isinstance(p, (ast.Constant, ast.FormattedValue))
+            )
             found.append(text)
     return [t for t in found if t]
 
@@ -330,7 +427,9 @@ def test_two_runs_of_one_script_are_identical_without_seeding_by_hand(tiny_base_
     histories = []
     for k in range(2):
         torch.manual_seed(1000 + k)  # whatever the script did before: args.seed decides
-        scope = run(library, f"""
+        scope = run(
+            library,
+            f"""
             from peft import LoraConfig
             from trl import GRPOConfig, GRPOTrainer
             args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, learning_rate=1e-2)
@@ -338,7 +437,10 @@ def test_two_runs_of_one_script_are_identical_without_seeding_by_hand(tiny_base_
                                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                          init_lora_weights="gaussian", task_type="CAUSAL_LM"))
             trainer.train()
-        """, MODEL=tiny_base_dir, OUT=str(tmp_path / f"{library}-{k}"))
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / f"{library}-{k}"),
+        )
         histories.append(_trace(scope["trainer"].state.log_history))
     assert histories[0] == histories[1]
     assert histories[0][0]["grad_norm"] > 0  # the runs learned something to compare
@@ -346,7 +448,9 @@ def test_two_runs_of_one_script_are_identical_without_seeding_by_hand(tiny_base_
 
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_a_failed_resume_does_not_stick_to_the_trainer(tiny_base_dir, tmp_path, library):
-    scope = run(library, f"""
+    scope = run(
+        library,
+        f"""
         from trl import GRPOConfig, GRPOTrainer
         args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1)
         trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
@@ -355,7 +459,10 @@ def test_a_failed_resume_does_not_stick_to_the_trainer(tiny_base_dir, tmp_path, 
         except ValueError as e:
             refused = e
         trainer.train(resume_from_checkpoint=False)
-    """, MODEL=tiny_base_dir, OUT=str(tmp_path / library))
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
     assert str(scope["refused"]).startswith("No valid checkpoint found in output directory")
     assert scope["trainer"].state.global_step == 1
 
@@ -364,13 +471,18 @@ def test_a_failed_resume_does_not_stick_to_the_trainer(tiny_base_dir, tmp_path, 
 def test_what_trl_users_read_off_the_trainer(tiny_base_dir, tmp_path, library):
     import torch
 
-    scope = run(library, f"""
+    scope = run(
+        library,
+        f"""
         from peft import LoraConfig
         from trl import GRPOConfig, GRPOTrainer
         args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, beta=0.04)
         trainer = GRPOTrainer(model=MODEL, reward_funcs=[length_reward], args=args, train_dataset=dataset(8),
                               eval_dataset=dataset(4, start=16), peft_config=LoraConfig(r=4, task_type="CAUSAL_LM"))
-    """, MODEL=tiny_base_dir, OUT=str(tmp_path / library))
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
     t = scope["trainer"]
     assert t.ref_model is None  # with PEFT, as in TRL: the reference is an adapter of t.model
     assert t.reward_funcs == [length_reward] and t.reward_processing_classes == [None]
@@ -395,11 +507,41 @@ def test_the_trl_cli_reads_a_local_data_file_and_logs_trls_reward_names(tiny_bas
     from lora_grpo.cli import main
 
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in PROMPTS[:8]))
-    assert main(["trl", "--model_name_or_path", tiny_base_dir, "--dataset_name", str(data), "--reward_funcs",
-                 "accuracy_reward", "--output_dir", str(tmp_path / "run"), "--per_device_train_batch_size", "4",
-                 "--num_generations", "4", "--max_completion_length", "4", "--max_steps", "1", "--use_cpu", "true",
-                 "--save_strategy", "no", "--report_to", "none", "--logging_steps", "1"]) == 0
+    data.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in PROMPTS[:8])
+    )
+    assert (
+        main(
+            [
+                "trl",
+                "--model_name_or_path",
+                tiny_base_dir,
+                "--dataset_name",
+                str(data),
+                "--reward_funcs",
+                "accuracy_reward",
+                "--output_dir",
+                str(tmp_path / "run"),
+                "--per_device_train_batch_size",
+                "4",
+                "--num_generations",
+                "4",
+                "--max_completion_length",
+                "4",
+                "--max_steps",
+                "1",
+                "--use_cpu",
+                "true",
+                "--save_strategy",
+                "no",
+                "--report_to",
+                "none",
+                "--logging_steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert any("accuracy_reward" in k for k in record) and not any("answer_accuracy" in k for k in record)
 
@@ -410,8 +552,18 @@ def test_the_offline_toy_bases_are_models_by_name(toy_base, tmp_path, monkeypatc
     from lora_grpo.trl import GRPOConfig, GRPOTrainer
 
     monkeypatch.setenv("LORA_GRPO_CACHE", str(Path(toy_base).parent))  # the session's built toy base
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, max_steps=1, save_strategy="no", report_to="none")
-    trainer = GRPOTrainer(model="toy-addition", reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        save_strategy="no",
+        report_to="none",
+    )
+    trainer = GRPOTrainer(
+        model="toy-addition", reward_funcs=length_reward, args=args, train_dataset=dataset(8)
+    )
     assert trainer.native.config.model_name_or_path == "toy-addition"
     assert Path(trainer.model.get_base_model().config._name_or_path) == Path(toy_base)

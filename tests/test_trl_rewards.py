@@ -91,10 +91,16 @@ def curriculum_reward(completions, trainer_state, **kwargs):
 
 # ---------------------------------------------------------------------------------- harness
 
-PLAIN = [{"prompt": f"{i}+{i % 3}=", "ground_truth": str(i + i % 3), "task": ["math", "code"][i % 2]} for i in range(8)]
+PLAIN = [
+    {"prompt": f"{i}+{i % 3}=", "ground_truth": str(i + i % 3), "task": ["math", "code"][i % 2]}
+    for i in range(8)
+]
 CHAT = [
-    {"prompt": [{"role": "user", "content": f"{i}+{i % 3}="}], "solution": str(i + i % 3) if i % 4 else "",
-     "task": ["math", "code"][i % 2]}
+    {
+        "prompt": [{"role": "user", "content": f"{i}+{i % 3}="}],
+        "solution": str(i + i % 3) if i % 4 else "",
+        "task": ["math", "code"][i % 2],
+    }
     for i in range(8)
 ]
 
@@ -115,9 +121,20 @@ class Spy:
 
 def train_one_step(tiny_base_dir, tmp_path, reward_funcs, dataset):
     config = GRPOConfig(
-        model_name_or_path=tiny_base_dir, lora_r=4, lora_alpha=8, num_generations=G, prompts_per_step=2,
-        max_completion_length=6, micro_batch_size=8, max_steps=1, beta=0.0, learning_rate=1e-3,
-        output_dir=str(tmp_path / "run"), save_steps=0, seed=0, gradient_checkpointing=False,
+        model_name_or_path=tiny_base_dir,
+        lora_r=4,
+        lora_alpha=8,
+        num_generations=G,
+        prompts_per_step=2,
+        max_completion_length=6,
+        micro_batch_size=8,
+        max_steps=1,
+        beta=0.0,
+        learning_rate=1e-3,
+        output_dir=str(tmp_path / "run"),
+        save_steps=0,
+        seed=0,
+        gradient_checkpointing=False,
     )
     trainer = GRPOTrainer(config, reward_funcs=reward_funcs, train_dataset=dataset)
     trainer.train()
@@ -155,8 +172,19 @@ def test_trl_signatures_train_on_plain_text_data(tiny_base_dir, tmp_path):
     check_common_keywords(call, PLAIN)
     assert all(isinstance(p, str) and re.fullmatch(r"\d+\+\d=", p) for p in call["prompts"])
     assert all(isinstance(c, str) for c in call["completions"])
-    assert set(call) == {"prompts", "completions", "completion_ids", "completion_lengths", "truncated",
-                         "trainer_state", "log_extra", "log_metric", "ground_truth", "task", "state_then"}
+    assert set(call) == {
+        "prompts",
+        "completions",
+        "completion_ids",
+        "completion_lengths",
+        "truncated",
+        "trainer_state",
+        "log_extra",
+        "log_metric",
+        "ground_truth",
+        "task",
+        "state_then",
+    }
     metrics = trainer.state.log_history[0]
     for fn in funcs:
         assert f"rewards/{fn.__name__}/mean" in metrics, fn.__name__
@@ -165,8 +193,16 @@ def test_trl_signatures_train_on_plain_text_data(tiny_base_dir, tmp_path):
 
 def test_trl_signatures_train_on_conversational_data(tiny_base_dir, tmp_path):
     spy = Spy()
-    funcs = [format_reward_func, think_format_reward, accuracy_reward, soft_overlong_punishment_reward,
-             prompt_and_ids_reward, math_reward_func, reward_len, spy]
+    funcs = [
+        format_reward_func,
+        think_format_reward,
+        accuracy_reward,
+        soft_overlong_punishment_reward,
+        prompt_and_ids_reward,
+        math_reward_func,
+        reward_len,
+        spy,
+    ]
     trainer = train_one_step(tiny_base_dir, tmp_path, funcs, CHAT)
     (call,) = spy.calls
     check_common_keywords(call, CHAT)
@@ -181,7 +217,9 @@ def test_trl_signatures_train_on_conversational_data(tiny_base_dir, tmp_path):
     metrics = trainer.state.log_history[0]
     for fn in funcs:
         assert f"rewards/{fn.__name__}/mean" in metrics, fn.__name__
-    assert metrics["rewards/reward_len/mean"] == -19.0  # len([message]) == 1: TRL's quickstart reward is for text
+    assert (
+        metrics["rewards/reward_len/mean"] == -19.0
+    )  # len([message]) == 1: TRL's quickstart reward is for text
 
 
 def test_trl_signatures_by_keyword_without_a_trainer():
@@ -192,7 +230,10 @@ def test_trl_signatures_by_keyword_without_a_trainer():
     ]
     _, per_func, _ = compute_rewards(
         [format_reward_func, think_format_reward, accuracy_reward, soft_overlong_punishment_reward],
-        [[{"role": "user", "content": "What is (1 + 2) * 4?"}], [{"role": "user", "content": "(3 + 1) * 2?"}]],
+        [
+            [{"role": "user", "content": "What is (1 + 2) * 4?"}],
+            [{"role": "user", "content": "(3 + 1) * 2?"}],
+        ],
         chat_completions,
         {"solution": ["x", ""], "completion_ids": [[1, 2, 3], [1, 2, 3, 4, 5]]},
     )
@@ -212,13 +253,28 @@ def test_messages_column_with_system_prompt_reaches_rewards_once_as_prompts(tiny
     spy = Spy()
     rows = [{"messages": row["prompt"], "solution": row["solution"]} for row in CHAT]
     config = GRPOConfig(
-        model_name_or_path=tiny_base_dir, lora_r=4, num_generations=G, prompts_per_step=2, max_completion_length=4,
-        micro_batch_size=8, max_steps=1, beta=0.0, output_dir=str(tmp_path / "run"), save_steps=0,
-        system_prompt="Be brief.", eval_steps=0, max_prompt_length=64,
+        model_name_or_path=tiny_base_dir,
+        lora_r=4,
+        num_generations=G,
+        prompts_per_step=2,
+        max_completion_length=4,
+        micro_batch_size=8,
+        max_steps=1,
+        beta=0.0,
+        output_dir=str(tmp_path / "run"),
+        save_steps=0,
+        system_prompt="Be brief.",
+        eval_steps=0,
+        max_prompt_length=64,
     )
-    trainer = GRPOTrainer(config, reward_funcs=[accuracy_reward, spy], train_dataset=rows, eval_dataset=rows[:3])
+    trainer = GRPOTrainer(
+        config, reward_funcs=[accuracy_reward, spy], train_dataset=rows, eval_dataset=rows[:3]
+    )
     trainer.train()
-    train_call, eval_calls = spy.calls[1], spy.calls[:1] + spy.calls[2:]  # eval before, train step, eval after
+    train_call, eval_calls = (
+        spy.calls[1],
+        spy.calls[:1] + spy.calls[2:],
+    )  # eval before, train step, eval after
     assert len(train_call["completions"]) == 2 * G and [len(c["completions"]) for c in eval_calls] == [3, 3]
     for call in spy.calls:
         assert "messages" not in call and "prompt_messages" not in call  # only as `prompts`

@@ -61,7 +61,14 @@ a sequence-classification model as a reward function, scored as TRL does); every
 imports from ``lora_grpo.rewards``.
 """
 
-from .builtins import answer_accuracy, extract_answer, length_penalty, parse_number, soft_overlong_penalty, think_answer_format
+from .builtins import (
+    answer_accuracy,
+    extract_answer,
+    length_penalty,
+    parse_number,
+    soft_overlong_penalty,
+    think_answer_format,
+)
 from .models import RewardModel
 from .scoring import (
     RewardFunc,
@@ -71,7 +78,14 @@ from .scoring import (
     reward_metrics,
     rollout_keywords,
 )
-from .specs import BUILTIN_REWARDS, TRAINER_KEYWORDS, check_reward_columns, resolve_reward_funcs, reward_name, reward_names
+from .specs import (
+    BUILTIN_REWARDS,
+    TRAINER_KEYWORDS,
+    check_reward_columns,
+    resolve_reward_funcs,
+    reward_name,
+    reward_names,
+)
 
 __all__ = [
     "BUILTIN_REWARDS",

@@ -281,8 +281,9 @@ def think_format_reward(completions: list, **kwargs) -> list[float]:
     return [1.0 if _THINK_RE.match(_text(c)) else 0.0 for c in completions]
 
 
-def reasoning_accuracy_reward(completions: list, reasoning_delimiters: Sequence[str] | None = None,
-                              **kwargs) -> list[float | None]:
+def reasoning_accuracy_reward(
+    completions: list, reasoning_delimiters: Sequence[str] | None = None, **kwargs
+) -> list[float | None]:
     """TRL's ``reasoning_accuracy_reward``: :func:`answer_accuracy` of the text after the last reasoning
     delimiter (default ``</think>``); 0.0 when the completion has no delimiter (no final answer).
     None where the reference is missing, as answer_accuracy.

@@ -35,7 +35,9 @@ def _texts(tokenizer, prompts: Sequence, completions: Sequence, chat_template_kw
         if isinstance(prompt, list):  # conversational: the whole conversation through the chat template
             if isinstance(completion, str):
                 completion = [{"role": "assistant", "content": completion}]
-            texts.append(tokenizer.apply_chat_template(prompt + completion, tokenize=False, **chat_template_kwargs))
+            texts.append(
+                tokenizer.apply_chat_template(prompt + completion, tokenize=False, **chat_template_kwargs)
+            )
         else:
             texts.append(prompt + completion)
     return texts
@@ -81,10 +83,14 @@ class RewardModel:
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self.loaded = isinstance(model, (str, os.PathLike))  # loaded here: a trainer may cast it to the run's dtype
+        self.loaded = isinstance(
+            model, (str, os.PathLike)
+        )  # loaded here: a trainer may cast it to the run's dtype
         if self.loaded:
             with loading("reward model", "model", model):
-                model = AutoModelForSequenceClassification.from_pretrained(str(model), num_labels=1, **(model_kwargs or {}))
+                model = AutoModelForSequenceClassification.from_pretrained(
+                    str(model), num_labels=1, **(model_kwargs or {})
+                )
         source = str(getattr(model.config, "_name_or_path", "") or "")
         if tokenizer is None:
             if not source:
@@ -114,8 +120,11 @@ class RewardModel:
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
             inputs = self.tokenizer(
-                text=texts[start : start + self.batch_size], return_tensors="pt", padding=True,
-                padding_side="right", add_special_tokens=False,
+                text=texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                add_special_tokens=False,
             ).to(self.model.device)
             scores += self.model(**inputs).logits[:, 0].float().tolist()
         return scores

@@ -42,7 +42,9 @@ class RewardFunctionError(StepFailed, ValueError):
     "reward" (failures.StepFailed, a RuntimeError).
     """
 
-    def __init__(self, message: str, function: str | None = None, global_step: int | None = None, checkpoint=None):
+    def __init__(
+        self, message: str, function: str | None = None, global_step: int | None = None, checkpoint=None
+    ):
         super().__init__(message, "reward", global_step, checkpoint)
         self.function = function
 
@@ -91,17 +93,22 @@ def conversational_inputs(
     )
 
 
-def rollout_keywords(rollout, rows: Mapping[str, Sequence], group_size: int, trainer_state,
-                     messages_column: str) -> tuple[list, list, dict[str, Any]]:
+def rollout_keywords(
+    rollout, rows: Mapping[str, Sequence], group_size: int, trainer_state, messages_column: str
+) -> tuple[list, list, dict[str, Any]]:
     """(prompts, completions, columns) for :func:`compute_rewards` from a rollout of the dataset
     rows `rows` (column → one value per prompt), G = group_size completions per prompt: every column
     but ``prompt`` repeated for each completion of its group; a row whose prompt was chat messages
-    (in ``messages_column``: data.PROMPT_MESSAGES) gets them as its prompt and ``[{"role": "assistant", "content": text}]`` as its completion; then
+    (in ``messages_column``: data.PROMPT_MESSAGES) gets them as its prompt and
+    ``[{"role": "assistant", "content": text}]`` as its completion; then
     ``completion_ids`` (up to and including EOS), ``completion_lengths``, ``truncated`` and
     ``trainer_state``."""
-    columns = {k: [v for v in values for _ in range(group_size)] for k, values in rows.items() if k != "prompt"}
-    prompts, completions = conversational_inputs(rollout.prompts, rollout.completions,
-                                                 columns.pop(messages_column, None))
+    columns = {
+        k: [v for v in values for _ in range(group_size)] for k, values in rows.items() if k != "prompt"
+    }
+    prompts, completions = conversational_inputs(
+        rollout.prompts, rollout.completions, columns.pop(messages_column, None)
+    )
     ids, mask = rollout.completion_ids.cpu(), rollout.completion_mask.cpu().bool()
     columns["completion_ids"] = [row[keep].tolist() for row, keep in zip(ids, mask)]
     columns["completion_lengths"] = rollout.completion_lengths.tolist()
@@ -140,6 +147,7 @@ _LOOP = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=
 def run_coroutines(awaitables: list) -> list:
     """Await them concurrently (asyncio.gather), on an event loop of a worker thread, so that it works
     inside a running loop too (a notebook); each result, or the exception it raised."""
+
     async def gather():
         return await asyncio.gather(*awaitables, return_exceptions=True)
 
@@ -232,8 +240,10 @@ def _score_one(fn, name, prompts, completions, columns, n, values) -> list[float
     except TypeError:  # a scalar, a generator, a 0-d array
         got = None
     if got is None or isinstance(values, (str, bytes, Mapping)):  # a str or dict is no list of rewards
-        raise fail(f"must return a list of {n} numbers (one per completion), got a {type(values).__name__} "
-                   f"({values!r:.60})")
+        raise fail(
+            f"must return a list of {n} numbers (one per completion), got a {type(values).__name__} "
+            f"({values!r:.60})"
+        )
     if got != n:
         raise fail(f"returned {got} values for {n} completions (expected one per completion, {n})")
     out, nans = [], 0
@@ -248,9 +258,11 @@ def _score_one(fn, name, prompts, completions, columns, n, values) -> list[float
             ) from None
         nans += out[-1] is None and value is not None
     if n and nans == n:  # None for all is "applies to none of them"; NaN for all is a failed computation
-        raise fail(f"returned NaN for every one of the {n} completions, which means its computation failed "
-                   f"(e.g. a mean over nothing); return None where a reward does not apply. First "
-                   f"{_sample(0, prompts, completions)}")
+        raise fail(
+            f"returned NaN for every one of the {n} completions, which means its computation failed "
+            f"(e.g. a mean over nothing); return None where a reward does not apply. First "
+            f"{_sample(0, prompts, completions)}"
+        )
     return out
 
 
@@ -313,7 +325,9 @@ def compute_rewards(
         )
     for key, values in columns.items():
         if key in ("prompts", "completions"):
-            raise ValueError(f"column name {key!r} clashes with the keyword {key!r} that compute_rewards passes itself")
+            raise ValueError(
+                f"column name {key!r} clashes with the keyword {key!r} that compute_rewards passes itself"
+            )
         if key in _BATCH_KEYWORDS:
             continue
         if len(values) != n:
@@ -324,7 +338,9 @@ def compute_rewards(
     names = reward_names(reward_funcs)
     per_func = torch.full((n, n_funcs), float("nan"), dtype=torch.float32)
     prompts, completions = list(prompts), list(completions)
-    results = [_start(fn, name, prompts, completions, columns) for fn, name in zip(reward_funcs, names, strict=True)]
+    results = [
+        _start(fn, name, prompts, completions, columns) for fn, name in zip(reward_funcs, names, strict=True)
+    ]
     pending = [j for j, r in enumerate(results) if inspect.isawaitable(r)]
     for j, value in zip(pending, run_coroutines([results[j] for j in pending]) if pending else []):
         results[j] = value  # async functions run concurrently, as TRL awaits them

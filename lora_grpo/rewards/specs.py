@@ -15,17 +15,17 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..tasks.countdown import countdown_reward
 from ..loading import LoadError
-from .models import RewardModel
+from ..tasks.countdown import countdown_reward
 from .builtins import (
-    reasoning_accuracy_reward,
-    think_format_reward,
     answer_accuracy,
     length_penalty,
+    reasoning_accuracy_reward,
     soft_overlong_penalty,
     think_answer_format,
+    think_format_reward,
 )
+from .models import RewardModel
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -43,13 +43,19 @@ __all__ = [
 BUILTIN_REWARDS: dict[str, tuple[Callable, bool]] = {
     "format": (think_answer_format, False),
     "accuracy": (answer_accuracy, False),
-    "accuracy_reward": (answer_accuracy, False),  # TRL's registry names, lora_grpo's functions of that meaning
+    "accuracy_reward": (
+        answer_accuracy,
+        False,
+    ),  # TRL's registry names, lora_grpo's functions of that meaning
     "think_format_reward": (think_format_reward, False),
     "reasoning_accuracy_reward": (reasoning_accuracy_reward, False),
     "soft_overlong": (soft_overlong_penalty, True),
     "length": (length_penalty, True),
     "countdown": (countdown_reward, False),
-    "reward_model": (RewardModel, True),  # {name: reward_model, kwargs: {model: <hub id or path>, batch_size: 32}}
+    "reward_model": (
+        RewardModel,
+        True,
+    ),  # {name: reward_model, kwargs: {model: <hub id or path>, batch_size: 32}}
 }
 _ALIASES = {obj.__name__: name for name, (obj, _) in BUILTIN_REWARDS.items()}
 
@@ -95,16 +101,25 @@ def _import_hint(path: str, error: Exception) -> str:
     the name."""
     top = path.replace(":", ".").split(".")[0]
     if isinstance(error, ModuleNotFoundError) and error.name is not None and error.name.split(".")[0] == top:
-        return (f". {top!r} is not importable from here: install it (pip install -e <its project>), run from "
-                f"the directory that holds {top}/ or {top}.py (`lora-grpo` puts the current directory first "
-                f"on the path, as python -m does), or add that directory to PYTHONPATH")
+        return (
+            f". {top!r} is not importable from here: install it (pip install -e <its project>), run from "
+            f"the directory that holds {top}/ or {top}.py (`lora-grpo` puts the current directory first "
+            f"on the path, as python -m does), or add that directory to PYTHONPATH"
+        )
     if isinstance(error, AttributeError) and (module := getattr(error, "obj", None)) is not None:
-        names = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")) \
-            if hasattr(module, "__dict__") else []
+        names = (
+            sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+            if hasattr(module, "__dict__")
+            else []
+        )
         close = difflib.get_close_matches(getattr(error, "name", None) or "", names, n=3, cutoff=0.5)
-        return (f". {getattr(module, '__name__', module)!r} has no {error.name!r}"
-                + (f"; did you mean {', '.join(map(repr, close))}?" if close else
-                   f"; its functions: {names[:12]}" if names else ""))
+        return f". {getattr(module, '__name__', module)!r} has no {error.name!r}" + (
+            f"; did you mean {', '.join(map(repr, close))}?"
+            if close
+            else f"; its functions: {names[:12]}"
+            if names
+            else ""
+        )
     return ""
 
 
@@ -178,7 +193,10 @@ def resolve_reward_funcs(specs: Any, *, context: Mapping[str, Any] | None = None
     """
     if isinstance(specs, (str, Mapping)) or callable(specs):
         specs = [specs]
-    return [in_position(i, spec, lambda spec=spec: _resolve_one(spec, context or {})) for i, spec in enumerate(specs)]
+    return [
+        in_position(i, spec, lambda spec=spec: _resolve_one(spec, context or {}))
+        for i, spec in enumerate(specs)
+    ]
 
 
 def in_position(index: int, spec: Any, build: Callable[[], Callable]) -> Callable:
@@ -214,8 +232,17 @@ def reward_names(reward_funcs: Sequence[Callable]) -> list[str]:
 
 # Names the trainer itself passes to every reward function: never dataset columns.
 TRAINER_KEYWORDS = frozenset(
-    {"prompts", "completions", "completion_ids", "completion_lengths", "truncated", "trainer_state", "log_extra",
-     "log_metric", "environments"}
+    {
+        "prompts",
+        "completions",
+        "completion_ids",
+        "completion_lengths",
+        "truncated",
+        "trainer_state",
+        "log_extra",
+        "log_metric",
+        "environments",
+    }
 )
 
 
@@ -232,7 +259,9 @@ def _needed_columns(fn: Callable) -> list[tuple[str, ...]]:
     needed += [
         (p.name,)
         for p in params
-        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in TRAINER_KEYWORDS
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in TRAINER_KEYWORDS
     ]
     return needed
 
@@ -294,4 +323,3 @@ def check_reward_columns(reward_funcs: Sequence[Callable], columns: Sequence[str
             "by its name. Add or rename the column (ds.add_column / ds.rename_column), rename the "
             "parameter, or give it a default if the function can do without it."
         )
-

@@ -1,12 +1,12 @@
 """Rollout: sampling G completions per prompt with the policy (no gradients) → a :class:`Rollout`.
 
-    generate     the sampler: prompts tokenised and prefilled once per prompt, G samples decoded
-                 together (:func:`generate_rollout`); the :class:`Rollout` it returns
-    sampling     one draw from (N, V) logits: repetition penalty, temperature, top-k/top-p/min-p
-    fast_decode  the fixed-shape decode (static KV cache, torch.compile / CUDA graphs)
-    tools        tool calls inside a rollout: :class:`Toolbox` (tools, schemas, the template check,
-                 parsing, replies), :class:`ToolEpisode` (one rollout's tools and environments),
-                 :func:`tool_metrics`
+generate     the sampler: prompts tokenised and prefilled once per prompt, G samples decoded
+             together (:func:`generate_rollout`); the :class:`Rollout` it returns
+sampling     one draw from (N, V) logits: repetition penalty, temperature, top-k/top-p/min-p
+fast_decode  the fixed-shape decode (static KV cache, torch.compile / CUDA graphs)
+tools        tool calls inside a rollout: :class:`Toolbox` (tools, schemas, the template check,
+             parsing, replies), :class:`ToolEpisode` (one rollout's tools and environments),
+             :func:`tool_metrics`
 """
 
 from .generate import (
@@ -19,11 +19,18 @@ from .generate import (
     special_token_ids,
     tokenize_prompts,
 )
-from .sampling import apply_min_p, apply_repetition_penalty, apply_top_k, apply_top_p, sample_next, warp_logits
+from .sampling import (
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+    sample_next,
+    warp_logits,
+)
 from .tools import (
     TOOL_CALL_FORMATS,
-    ToolEpisode,
     Toolbox,
+    ToolEpisode,
     check_tool_template,
     parse_tool_calls,
     reply_ids,

@@ -79,8 +79,13 @@ def kept_cache_bytes(model) -> int:
     """Bytes of the static caches this model keeps between rollouts now (0 when none)."""
     state = model.__dict__.get(_STATE_ATTR)
     caches = state.caches.values() if state is not None else ()
-    return sum(t.nbytes for cache in caches for layer in cache.layers
-               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+    return sum(
+        t.nbytes
+        for cache in caches
+        for layer in cache.layers
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if t is not None
+    )
 
 
 class _ModelState:
@@ -88,11 +93,16 @@ class _ModelState:
 
     def __init__(self):
         self.compiled = None  # the compiled forward, built on first use
-        self.caches: OrderedDict[tuple, object] = OrderedDict()  # (N, L, dtype, device) → StaticCache; compiled only
+        self.caches: OrderedDict[tuple, object] = (
+            OrderedDict()
+        )  # (N, L, dtype, device) → StaticCache; compiled only
         self.failed: str | None = None  # why fast decoding is off for this model (see unavailable)
         self.checked = False  # whether _unsupported ran
         self.auto: str | None = None  # what decode_mode 'auto' chose (said once)
-        self.reserved: tuple[int, int] = (0, 0)  # (rows, slots) every compiled cache has at least (reserve_shape)
+        self.reserved: tuple[int, int] = (
+            0,
+            0,
+        )  # (rows, slots) every compiled cache has at least (reserve_shape)
 
 
 def reserve_shape(model, rows: int, needed: int) -> None:
@@ -155,7 +165,9 @@ def _unsupported(model) -> str | None:
         return f"no static cache for this model ({_reason(e)})"
     kinds = sorted({type(layer).__name__ for layer in cache.layers})
     if kinds != [StaticLayer.__name__] or not hasattr(cache.layers[0], "cumulative_length"):
-        return f"the model's static cache has {kinds} layers; static decoding supports plain full attention only"
+        return (
+            f"the model's static cache has {kinds} layers; static decoding supports plain full attention only"
+        )
     return None
 
 
@@ -213,8 +225,14 @@ def _one_token_forward(model):
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
     def forward(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    use_cache=True, **{cache_kw: cache}, **extra)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **{cache_kw: cache},
+            **extra,
+        )
         return out.logits[:, -1]
 
     return forward
@@ -261,8 +279,11 @@ class StaticDecoder:
         caches = self.state.caches
         cache = None
         if keep:
-            fits = [key for key in caches if key[2:] == (first.dtype, first.device) and key[0] >= N
-                    and key[1] >= cache_length(needed)]
+            fits = [
+                key
+                for key in caches
+                if key[2:] == (first.dtype, first.device) and key[0] >= N and key[1] >= cache_length(needed)
+            ]
             if fits:
                 key = min(fits, key=lambda k: k[0] * k[1])
                 cache = caches.pop(key)
@@ -295,7 +316,9 @@ class StaticDecoder:
                 # "reduce-overhead" = inductor + CUDA graphs: one graph launch per token instead of
                 # hundreds of small kernels, the whole point on a GPU. dynamic=False: one graph per
                 # (N, L); cache_length keeps those few.
-                self.state.compiled = torch.compile(self.forward, mode="reduce-overhead" if cuda else None, dynamic=False)
+                self.state.compiled = torch.compile(
+                    self.forward, mode="reduce-overhead" if cuda else None, dynamic=False
+                )
             except Exception as e:  # torch.compile refused outright (unsupported Python, no backend)
                 _give_up(self.owner, f"torch.compile failed: {_reason(e)}")
                 return None

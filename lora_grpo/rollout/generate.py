@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .fast_decode import StaticDecoder, resolve_decode_mode
 from .sampling import sample_next
-from .tools import ToolEpisode, Toolbox, ToolTurns
+from .tools import Toolbox, ToolEpisode, ToolTurns
 
 
 @dataclass
@@ -46,11 +46,15 @@ class Rollout:
     # (after penalty, temperature and filters); 0 for greedy decoding and where the mask is 0.
     sampling_logprobs: Tensor | None = None
     # With tools only (None without): the loss counts what the policy chose, not what tools wrote.
-    tool_mask: Tensor | None = None  # (B, T) long, 1 on drawn completion tokens, 0 on tool-reply tokens and padding
+    tool_mask: Tensor | None = (
+        None  # (B, T) long, 1 on drawn completion tokens, 0 on tool-reply tokens and padding
+    )
     messages: list[list[dict]] | None = None  # (B,) the completion as chat messages: assistant turns (with
     #   "tool_calls" where they called), {"role": "tool", "name", "content"} replies; TRL's conversational completions
     tool_calls: Tensor | None = None  # (B,) long, tool calls run per completion (failed ones included)
-    tool_failures: Tensor | None = None  # (B,) long, calls that raised, timed out, or could not be parsed or found
+    tool_failures: Tensor | None = (
+        None  # (B,) long, calls that raised, timed out, or could not be parsed or found
+    )
 
     def to(self, device) -> Rollout:
         moved = {
@@ -128,7 +132,9 @@ def context_limit(model_or_config) -> int | None:
     return None
 
 
-def check_prompt_lengths(prompts: list[str], lengths: list[int], max_completion_length: int, limit: int) -> None:
+def check_prompt_lengths(
+    prompts: list[str], lengths: list[int], max_completion_length: int, limit: int
+) -> None:
     """ValueError naming the first prompt whose length (tokens, as the rollout cuts it) + max_completion_length
     exceeds the model's context `limit`."""
     too_long = [i for i, n in enumerate(lengths) if n + max_completion_length > limit]
@@ -205,8 +211,9 @@ def _prefill(model, ids, mask, *, G, sampling):
     return cache, logits, attn, next_pos, seen
 
 
-def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling, generator, turns=None,
-                   overwrite=False) -> tuple[Tensor, Tensor]:
+def _sample_tokens(
+    logits, seen, advance, *, max_new, eos_ids, pad_id, sampling, generator, turns=None, overwrite=False
+) -> tuple[Tensor, Tensor]:
     """The sampling loop both samplers share. ``logits`` (N, V): the first token's; ``seen``: the
     repetition-penalty mask (N, V) or None. Each step draws one token per row still decoding, then
     asks ``advance(keep, tok)`` for the next logits of the rows left: ``keep`` indexes the rows that
@@ -223,7 +230,9 @@ def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling,
     rows = torch.arange(N, device=logits.device)  # output row of each sequence still decoding
     for step in range(max_new):
         # The first logits (the prefill's, repeated per sample) are a copy of their own in both samplers.
-        tok, logp = sample_next(logits, seen, generator=generator, overwrite=overwrite or step == 0, **sampling)
+        tok, logp = sample_next(
+            logits, seen, generator=generator, overwrite=overwrite or step == 0, **sampling
+        )
         if turns is not None:
             tok, logp = turns.force(rows, step, tok, logp)
         tokens[rows, step] = tok
@@ -243,11 +252,15 @@ def _sample_tokens(logits, seen, advance, *, max_new, eos_ids, pad_id, sampling,
     return tokens[:, : step + 1], logps[:, : step + 1]
 
 
-def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator, turns=None) -> tuple[Tensor, Tensor]:
+def _decode_chunk(
+    model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator, turns=None
+) -> tuple[Tensor, Tensor]:
     """The eager sampler. Sample G completions for each of the n prompts in (ids, mask): (n, P)
     each, left-padded. -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a
     row's first EOS."""
-    cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"  # renamed in transformers 5
+    cache_kw = (
+        "cache" if "cache" in _forward_params(model) else "past_key_values"
+    )  # renamed in transformers 5
     cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
 
     def advance(keep, tok):
@@ -257,13 +270,28 @@ def _decode_chunk(model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, ge
             attn, next_pos = attn[keep], next_pos[keep]
             cache.batch_select_indices(keep)
         attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None], use_cache=True,
-                    **{cache_kw: cache})
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=attn,
+            position_ids=next_pos[:, None],
+            use_cache=True,
+            **{cache_kw: cache},
+        )
         cache, next_pos = _cache_of(out), next_pos + 1
         return out.logits[:, -1]
 
-    return _sample_tokens(logits, seen, advance, max_new=max_new, eos_ids=eos_ids, pad_id=pad_id, sampling=sampling,
-                          generator=generator, turns=turns, overwrite=True)  # each forward's logits are new
+    return _sample_tokens(
+        logits,
+        seen,
+        advance,
+        max_new=max_new,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        sampling=sampling,
+        generator=generator,
+        turns=turns,
+        overwrite=True,
+    )  # each forward's logits are new
 
 
 def _decode_chunk_static(
@@ -289,8 +317,17 @@ def _decode_chunk_static(
         next_pos = next_pos + 1
         return out if rows.numel() == N else out[rows]  # index only once a row has finished
 
-    return _sample_tokens(logits, seen, advance, max_new=max_new, eos_ids=eos_ids, pad_id=pad_id, sampling=sampling,
-                          generator=generator, turns=turns)
+    return _sample_tokens(
+        logits,
+        seen,
+        advance,
+        max_new=max_new,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        sampling=sampling,
+        generator=generator,
+        turns=turns,
+    )
 
 
 def _pad_right(x: Tensor, width: int, value) -> Tensor:
@@ -349,7 +386,9 @@ def generate_rollout(
     eos_ids = special_token_ids(model, tokenizer)
     episode = tools.episode(len(prompts) * G) if isinstance(tools, Toolbox) else tools
     if episode is not None and len(episode) != len(prompts) * G:
-        raise ValueError(f"the tool episode has {len(episode)} rows; the rollout has {len(prompts)} prompts x {G}")
+        raise ValueError(
+            f"the tool episode has {len(episode)} rows; the rollout has {len(prompts)} prompts x {G}"
+        )
     device = next(model.parameters()).device
     sampling = dict(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
@@ -360,9 +399,15 @@ def generate_rollout(
         check_prompt_lengths(prompts, prompt_mask.sum(1).tolist(), max_completion_length, limit)
     chunk = micro_batch_prompts or len(prompts)
     mode = resolve_decode_mode(decode_mode, model, device)
-    decode = _decode_chunk if mode == "eager" else functools.partial(_decode_chunk_static, compiled=mode == "compiled")
+    decode = (
+        _decode_chunk
+        if mode == "eager"
+        else functools.partial(_decode_chunk_static, compiled=mode == "compiled")
+    )
 
-    training = [m for m in model.modules() if m.training]  # their flags go back afterwards (none: the trainer's model)
+    training = [
+        m for m in model.modules() if m.training
+    ]  # their flags go back afterwards (none: the trainer's model)
     if training:
         model.eval()
     parts, turns = [], []
@@ -372,10 +417,31 @@ def generate_rollout(
                 ids, mask = prompt_ids[i : i + chunk].to(device), prompt_mask[i : i + chunk].to(device)
                 if episode is not None:
                     rows = [r[m.bool()].tolist() for r, m in zip(ids, mask) for _ in range(G)]
-                    turns.append(ToolTurns(episode, offset=i * G, prompts=rows, max_new=max_completion_length,
-                                           stop_ids=eos_ids, max_iterations=max_tool_calling_iterations, device=device))
-                parts.append(decode(model, ids, mask, G=G, max_new=max_completion_length, eos_ids=eos_ids, pad_id=pad_id,
-                                    sampling=sampling, generator=generator, turns=turns[-1] if turns else None))
+                    turns.append(
+                        ToolTurns(
+                            episode,
+                            offset=i * G,
+                            prompts=rows,
+                            max_new=max_completion_length,
+                            stop_ids=eos_ids,
+                            max_iterations=max_tool_calling_iterations,
+                            device=device,
+                        )
+                    )
+                parts.append(
+                    decode(
+                        model,
+                        ids,
+                        mask,
+                        G=G,
+                        max_new=max_completion_length,
+                        eos_ids=eos_ids,
+                        pad_id=pad_id,
+                        sampling=sampling,
+                        generator=generator,
+                        turns=turns[-1] if turns else None,
+                    )
+                )
     finally:
         for m in training:
             m.training = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
     """CTRL penalty (Keskar et al. 2019, as in transformers): for tokens already in the sequence
     (``seen``: (N, V) bool), divide a positive logit by ``penalty`` and multiply a negative one."""
@@ -87,7 +88,9 @@ def sample_next(
         tokens = logits.argmax(-1)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     if 0 < top_k < logits.size(-1) or top_p < 1.0 or min_p > 0.0:
-        logprobs = warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).log_softmax(-1)
+        logprobs = warp_logits(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+        ).log_softmax(-1)
         probs = logprobs.exp()
     else:  # x / 1.0 == x exactly, so temperature 1 skips the division
         if temperature != 1.0:

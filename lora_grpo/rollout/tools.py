@@ -34,6 +34,7 @@ from torch import Tensor
 
 # ------------------------------------------------------------------------------------- schemas
 
+
 def tool_schema(fn: Callable) -> dict:
     """``fn``'s JSON schema for ``apply_chat_template(tools=...)`` (transformers' ``get_json_schema``)."""
     from transformers.utils import get_json_schema
@@ -41,9 +42,11 @@ def tool_schema(fn: Callable) -> dict:
     try:
         return get_json_schema(fn)
     except Exception as e:  # DocstringParsingException, TypeHintParsingException
-        raise ValueError(f"tool {getattr(fn, '__name__', fn)!r} has no JSON schema ({e}); a tool needs a type hint on "
-                         "every argument and a Google-style docstring with an 'Args:' section, one line per argument "
-                         "('    a: The first number.')") from None
+        raise ValueError(
+            f"tool {getattr(fn, '__name__', fn)!r} has no JSON schema ({e}); a tool needs a type hint on "
+            "every argument and a Google-style docstring with an 'Args:' section, one line per argument "
+            "('    a: The first number.')"
+        ) from None
 
 
 def _environment_methods(instance) -> list[Callable]:
@@ -53,6 +56,7 @@ def _environment_methods(instance) -> list[Callable]:
 
 
 # ------------------------------------------------------------------------------------- the template
+
 
 def _token_ids(out) -> list[int]:
     ids = out["input_ids"] if isinstance(out, Mapping) else out  # a BatchEncoding or ids, batched or not
@@ -64,25 +68,40 @@ def _dummy_turn(name: str, arguments: dict) -> list[dict]:
     return [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
 
 
-def reply_ids(tokenizer, tool_messages: Sequence[Mapping], stop_ids: Sequence[int], **template_kwargs) -> list[int]:
+def reply_ids(
+    tokenizer, tool_messages: Sequence[Mapping], stop_ids: Sequence[int], **template_kwargs
+) -> list[int]:
     """The token ids a chat template puts after an assistant turn that called tools (after its end of
     turn, one of ``stop_ids``): the ``tool_messages`` (``{"role": "tool", "name", "content"}``) and the
     next assistant turn's opening, cut from a dummy conversation (as TRL does): nothing the model wrote
     is re-tokenised. ValueError when no stop token ends the turn or the template is not prefix-preserving."""
     turn = _dummy_turn(tool_messages[0]["name"], {})
-    before = _token_ids(tokenizer.apply_chat_template(turn, tokenize=True, return_dict=False, **template_kwargs))
-    after = _token_ids(tokenizer.apply_chat_template(turn + list(tool_messages), tokenize=True, return_dict=False,
-                                                     add_generation_prompt=True, **template_kwargs))
+    before = _token_ids(
+        tokenizer.apply_chat_template(turn, tokenize=True, return_dict=False, **template_kwargs)
+    )
+    after = _token_ids(
+        tokenizer.apply_chat_template(
+            turn + list(tool_messages),
+            tokenize=True,
+            return_dict=False,
+            add_generation_prompt=True,
+            **template_kwargs,
+        )
+    )
     ends = [i for i, t in enumerate(before) if t in set(stop_ids)]
     if not ends:
-        raise ValueError(f"the chat template ends an assistant turn that calls a tool with no EOS token (ids "
-                         f"{sorted(stop_ids)}): rendered {tokenizer.decode(before)[-60:]!r}. A rollout ends a turn at "
-                         "EOS; add the template's end-of-turn token to model.generation_config.eos_token_id")
+        raise ValueError(
+            f"the chat template ends an assistant turn that calls a tool with no EOS token (ids "
+            f"{sorted(stop_ids)}): rendered {tokenizer.decode(before)[-60:]!r}. A rollout ends a turn at "
+            "EOS; add the template's end-of-turn token to model.generation_config.eos_token_id"
+        )
     before = before[: ends[-1] + 1]
     if after[: len(before)] != before:
-        raise ValueError("the chat template renders an assistant turn differently once tool replies follow it (not "
-                         "prefix-preserving), so a reply cannot be appended to the model's own tokens")
-    return after[len(before):]
+        raise ValueError(
+            "the chat template renders an assistant turn differently once tool replies follow it (not "
+            "prefix-preserving), so a reply cannot be appended to the model's own tokens"
+        )
+    return after[len(before) :]
 
 
 def check_tool_template(tokenizer, stop_ids: Sequence[int], schemas: Sequence[dict] = ()) -> None:
@@ -91,27 +110,45 @@ def check_tool_template(tokenizer, stop_ids: Sequence[int], schemas: Sequence[di
     the reply tokens can be cut from it (:func:`reply_ids`). ValueError saying what fails; a warning
     when ``tools=`` schemas are not rendered into prompts (the model is never told of the tools)."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("tools need a chat template that renders tool calls and tool replies, but the tokenizer "
-                         "has none (tokenizer.chat_template is None); set tokenizer.chat_template")
+        raise ValueError(
+            "tools need a chat template that renders tool calls and tool replies, but the tokenizer "
+            "has none (tokenizer.chat_template is None); set tokenizer.chat_template"
+        )
     name, key, value, content = "tool_name_a8f3", "arg_key_b9d4", "arg_val_d6e7", "tool_content_c4f9"
     messages = _dummy_turn(name, {key: value}) + [{"role": "tool", "name": name, "content": content}]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
     except Exception as e:  # jinja2 TemplateError, a template that indexes a missing field
-        raise ValueError(f"the chat template cannot render a tool-calling conversation (user -> assistant with "
-                         f"tool_calls -> tool): {type(e).__name__}: {e}") from None
-    if lost := [what for what, marks in (("the assistant's tool_calls", (name, key, value)), ("the tool reply", (content,)))
-                if not all(m in text for m in marks)]:
-        raise ValueError(f"the chat template drops {' and '.join(lost)} (rendered: {text[-200:]!r}); tools need a "
-                         "template that renders both, such as Qwen2.5-Instruct's")
+        raise ValueError(
+            f"the chat template cannot render a tool-calling conversation (user -> assistant with "
+            f"tool_calls -> tool): {type(e).__name__}: {e}"
+        ) from None
+    if lost := [
+        what
+        for what, marks in (
+            ("the assistant's tool_calls", (name, key, value)),
+            ("the tool reply", (content,)),
+        )
+        if not all(m in text for m in marks)
+    ]:
+        raise ValueError(
+            f"the chat template drops {' and '.join(lost)} (rendered: {text[-200:]!r}); tools need a "
+            "template that renders both, such as Qwen2.5-Instruct's"
+        )
     reply_ids(tokenizer, messages[2:], stop_ids)
     names = [s.get("function", s)["name"] for s in schemas]
-    if names and not any(n in tokenizer.apply_chat_template(messages[:1], tools=list(schemas), tokenize=False) for n in names):
-        warnings.warn(f"the chat template does not render tools=[...] into prompts (no tool name of {names} in it): "
-                      "the model is not told which tools it has", stacklevel=2)
+    if names and not any(
+        n in tokenizer.apply_chat_template(messages[:1], tools=list(schemas), tokenize=False) for n in names
+    ):
+        warnings.warn(
+            f"the chat template does not render tools=[...] into prompts (no tool name of {names} in it): "
+            "the model is not told which tools it has",
+            stacklevel=2,
+        )
 
 
 # ------------------------------------------------------------------------------------- parsing
+
 
 def _call(obj) -> dict:
     """One parsed call in TRL's form ``{"type": "function", "function": {"name", "arguments"}}``."""
@@ -129,7 +166,12 @@ def _call(obj) -> dict:
 def _blocks(pattern: re.Pattern, many: bool):
     def find(text: str):
         blobs = [m.group(1) for m in pattern.finditer(text)]
-        return None if not blobs else (pattern.sub("", text), [b for x in blobs for b in (_json_list(x) if many else [x])])
+        return (
+            None
+            if not blobs
+            else (pattern.sub("", text), [b for x in blobs for b in (_json_list(x) if many else [x])])
+        )
+
     return find
 
 
@@ -148,12 +190,18 @@ def _json_list(blob: str) -> list:
 def _bare_json(text: str):
     """Llama 3.x JSON tool calling: the whole turn is ``{"name": ..., "parameters": {...}}``."""
     obj = _loads(text.strip(), None) if text.strip().startswith("{") else None
-    return ("", [obj]) if isinstance(obj, dict) and "name" in obj and ({"arguments", "parameters"} & obj.keys()) else None
+    return (
+        ("", [obj])
+        if isinstance(obj, dict) and "name" in obj and ({"arguments", "parameters"} & obj.keys())
+        else None
+    )
 
 
 # The common formats, tried in order; the first that finds a call wins. Each: text -> (content, call blobs) or None.
 TOOL_CALL_FORMATS: dict[str, Callable] = {
-    "hermes": _blocks(re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S), many=False),  # Qwen, Hermes
+    "hermes": _blocks(
+        re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S), many=False
+    ),  # Qwen, Hermes
     "mistral": _blocks(re.compile(r"\[TOOL_CALLS\]\s*(.*)\Z", re.S), many=True),
     "llama3": _blocks(re.compile(r"<\|python_tag\|>\s*(.*)\Z", re.S), many=True),
     "json": _bare_json,
@@ -187,6 +235,7 @@ def parse_tool_calls(text: str, special_tokens: Sequence[str] = ()) -> tuple[str
 
 # ------------------------------------------------------------------------------------- toolbox
 
+
 def _error(message: str) -> str:
     return str({"error": message})
 
@@ -206,13 +255,26 @@ class Toolbox:
     abandoned when it overruns, so tools shared by rows must be thread-safe). Checks the chat template
     (:func:`check_tool_template`) when there are tools."""
 
-    def __init__(self, tokenizer, tools: Sequence[Callable] = (), environment_factory=None, *,
-                 stop_ids: Sequence[int] | None = None, timeout: float | None = 10.0, chat_template_kwargs=None):
+    def __init__(
+        self,
+        tokenizer,
+        tools: Sequence[Callable] = (),
+        environment_factory=None,
+        *,
+        stop_ids: Sequence[int] | None = None,
+        timeout: float | None = 10.0,
+        chat_template_kwargs=None,
+    ):
         self.tokenizer, self.timeout = tokenizer, timeout
         self.tools = list(tools)
         self.named = isinstance(environment_factory, Mapping)  # TRL's dict: rows pick theirs by `environment`
-        self.factories = (dict(environment_factory) if self.named else
-                          {} if environment_factory is None else {None: environment_factory})
+        self.factories = (
+            dict(environment_factory)
+            if self.named
+            else {}
+            if environment_factory is None
+            else {None: environment_factory}
+        )
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.stop_ids = list(stop_ids) if stop_ids is not None else [tokenizer.eos_token_id]
         self._replies, self._loop = {}, None
@@ -222,19 +284,25 @@ class Toolbox:
         for name, factory in self.factories.items():
             probe = factory()
             if not callable(getattr(probe, "reset", None)):
-                raise ValueError("Each environment instance returned by `environment_factory` must define a callable "
-                                 f"`reset`. {factory!r} has none: add reset(self, **row) returning the prompt's text "
-                                 "or None.")
+                raise ValueError(
+                    "Each environment instance returned by `environment_factory` must define a callable "
+                    f"`reset`. {factory!r} has none: add reset(self, **row) returning the prompt's text "
+                    "or None."
+                )
             self._pools[name] = [probe]
             methods = _environment_methods(probe)
             self.env_schemas[name] = [tool_schema(f) for f in self.tools + methods]
             functions += [m for m in methods if m.__name__ not in {f.__name__ for f in functions}]
         if not all(map(callable, functions)) or not (functions or self.factories):
-            raise ValueError(f"tools must be functions (or an environment_factory's methods), got {functions!r}")
+            raise ValueError(
+                f"tools must be functions (or an environment_factory's methods), got {functions!r}"
+            )
         self.names = [f.__name__ for f in functions]
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"two tools share a name: {self.names}")
-        self.schemas = [tool_schema(f) for f in functions]  # every tool of the run (the parser's, the checks')
+        self.schemas = [
+            tool_schema(f) for f in functions
+        ]  # every tool of the run (the parser's, the checks')
         if self.schemas:
             check_tool_template(tokenizer, self.stop_ids, self.schemas)
 
@@ -249,9 +317,11 @@ class Toolbox:
         names = [row.get("environment") if self.named else None for row in rows]
         unknown = sorted({repr(n) for n in names if n not in self.factories})
         if unknown:
-            raise ValueError(f"Example has `environment={unknown[0]}`, which is not among the environments passed to "
-                             f"`environment_factory`. Expected one of: {list(self.factories)}. (Rows name their "
-                             "environment in their `environment` column.)")
+            raise ValueError(
+                f"Example has `environment={unknown[0]}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(self.factories)}. (Rows name their "
+                "environment in their `environment` column.)"
+            )
         taken: dict = {}
         out = []
         for name in names:
@@ -269,8 +339,13 @@ class Toolbox:
         messages = [dict(m) for m in messages]
         messages[-1]["content"] += observation or ""
         schemas = self.schemas if schemas is None else schemas
-        return self.tokenizer.apply_chat_template(messages, tools=schemas or None, tokenize=False,
-                                                  add_generation_prompt=True, **self.template_kwargs)
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=schemas or None,
+            tokenize=False,
+            add_generation_prompt=True,
+            **self.template_kwargs,
+        )
 
     def prompts(self, messages: Sequence[Sequence[Mapping]], episode: ToolEpisode, num_generations: int):
         """The rollout's prompts for P message lists and an episode of P·G rows -> (texts, G'): P texts
@@ -278,8 +353,11 @@ class Toolbox:
         its own prompt; the rollout's rows line up with the episode's either way). Each row lists its own
         environment's tools."""
         G, seen = num_generations, episode.observations
-        texts = [self.render_prompt(m, seen[i * G + g], episode.schemas[i * G + g])
-                 for i, m in enumerate(messages) for g in range(G)]
+        texts = [
+            self.render_prompt(m, seen[i * G + g], episode.schemas[i * G + g])
+            for i, m in enumerate(messages)
+            for g in range(G)
+        ]
         same = all(len(set(texts[i : i + G])) == 1 for i in range(0, len(texts), G))
         return (texts[::G], G) if same else (texts, 1)
 
@@ -294,9 +372,15 @@ class Toolbox:
             classes.append(cls)
 
             def reward(*, environments, _cls=cls, **kwargs) -> list[float | None]:
-                return [None if type(e) is not _cls else
-                        self._await(e.get_reward()) if inspect.iscoroutinefunction(e.get_reward) else e.get_reward()
-                        for e in environments]
+                return [
+                    None
+                    if type(e) is not _cls
+                    else self._await(e.get_reward())
+                    if inspect.iscoroutinefunction(e.get_reward)
+                    else e.get_reward()
+                    for e in environments
+                ]
+
             reward.__name__ = cls.__name__
             out.append(reward)
         return out
@@ -312,21 +396,36 @@ class Toolbox:
         content, calls, extra = None, [], {}
         if getattr(tok, "response_template", None) is not None:
             try:  # its other fields (reasoning_content) are kept, as TRL keeps them
-                extra = {k: v for k, v in tok.parse_response(ids, prefix=prefix_ids, tools=self.schemas).items() if k != "role"}
+                extra = {
+                    k: v
+                    for k, v in tok.parse_response(ids, prefix=prefix_ids, tools=self.schemas).items()
+                    if k != "role"
+                }
                 calls = [_call(c) for c in extra.pop("tool_calls", None) or []]
                 content = str(extra.pop("content", None) or "").removesuffix(str(tok.eos_token))
             except Exception:  # noqa: BLE001 - malformed output: the text formats below report the failing call
                 content, calls, extra = None, [], {}
         if content is None:
-            content, calls = parse_tool_calls(tok.decode(ids, skip_special_tokens=False), tok.all_special_tokens)
+            content, calls = parse_tool_calls(
+                tok.decode(ids, skip_special_tokens=False), tok.all_special_tokens
+            )
         valid = [c for c in calls if isinstance(c, dict)]
-        return {"role": "assistant", "content": content, **extra, **({"tool_calls": valid} if valid else {})}, calls
+        return {
+            "role": "assistant",
+            "content": content,
+            **extra,
+            **({"tool_calls": valid} if valid else {}),
+        }, calls
 
     def reply_ids(self, tool_messages: Sequence[Mapping]) -> list[int]:
-        key = tuple((m["name"], m["content"]) for m in tool_messages)  # replies recur (an error, a fixed answer)
+        key = tuple(
+            (m["name"], m["content"]) for m in tool_messages
+        )  # replies recur (an error, a fixed answer)
         if key not in self._replies:
             self._replies = {} if len(self._replies) > 4096 else self._replies
-            self._replies[key] = reply_ids(self.tokenizer, tool_messages, self.stop_ids, **self.template_kwargs)
+            self._replies[key] = reply_ids(
+                self.tokenizer, tool_messages, self.stop_ids, **self.template_kwargs
+            )
         return self._replies[key]
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -341,7 +440,9 @@ class Toolbox:
     def start(self, fn: Callable, arguments: dict) -> Future:
         """Start one call -> a Future of its result."""
         if inspect.iscoroutinefunction(fn):
-            return asyncio.run_coroutine_threadsafe(asyncio.wait_for(fn(**arguments), self.timeout), self._event_loop())
+            return asyncio.run_coroutine_threadsafe(
+                asyncio.wait_for(fn(**arguments), self.timeout), self._event_loop()
+            )
         future: Future = Future()
 
         def work():
@@ -351,7 +452,9 @@ class Toolbox:
             except BaseException as e:  # noqa: BLE001 - becomes the error reply
                 future.set_exception(e)
 
-        work() if self.timeout is None else threading.Thread(target=work, daemon=True, name="lora_grpo-tool").start()
+        work() if self.timeout is None else threading.Thread(
+            target=work, daemon=True, name="lora_grpo-tool"
+        ).start()
         return future
 
     def result(self, name: str, future: Future, deadline: float | None) -> tuple[str, bool]:
@@ -386,8 +489,10 @@ class ToolEpisode:
                 self.schemas = [toolbox.env_schemas[row["environment"]] for row in fields]
                 fields = [{k: v for k, v in row.items() if k != "environment"} for row in fields]
             self.observations = [env.reset(**row) for env, row in zip(self.environments, fields)]
-            self.functions = [{**standalone, **{m.__name__: m for m in _environment_methods(env)}}
-                              for env in self.environments]
+            self.functions = [
+                {**standalone, **{m.__name__: m for m in _environment_methods(env)}}
+                for env in self.environments
+            ]
 
     def __len__(self) -> int:
         return len(self.functions)
@@ -398,7 +503,9 @@ class ToolEpisode:
         environment); rows run side by side, each call under the timeout."""
         box, out = self.toolbox, {row: [None] * len(items) for row, items in calls.items()}
         for k in range(max(map(len, calls.values()), default=0)):
-            pending = [(row, k, *self._start(row, items[k])) for row, items in calls.items() if k < len(items)]
+            pending = [
+                (row, k, *self._start(row, items[k])) for row, items in calls.items() if k < len(items)
+            ]
             deadline = None if box.timeout is None else time.monotonic() + box.timeout
             for row, k, name, future in pending:
                 out[row][k] = (name, *box.result(name, future, deadline))
@@ -410,8 +517,11 @@ class ToolEpisode:
         fn = None if isinstance(call, str) else self.functions[row].get(name)
         try:
             if fn is None:
-                raise _Unrunnable(call if isinstance(call, str) else
-                                  f"no tool named {name!r}; the tools are {sorted(self.functions[row])}")
+                raise _Unrunnable(
+                    call
+                    if isinstance(call, str)
+                    else f"no tool named {name!r}; the tools are {sorted(self.functions[row])}"
+                )
             return name, self.toolbox.start(fn, call["function"]["arguments"])
         except Exception as e:  # noqa: BLE001 - also an async tool called with wrong arguments
             future: Future = Future()
@@ -421,14 +531,24 @@ class ToolEpisode:
 
 # ------------------------------------------------------------------------------------- the sampler's side
 
+
 class ToolTurns:
     """The tool loop of a decode chunk of N rows (episode rows ``offset ..``), driven by the sampling loop
     (``generate._sample_tokens``): :meth:`force` after each draw, :meth:`end_turns` for the rows done.
     A reply is scheduled as forced tokens at the next steps (``forced`` (N, T), ``forced_ids``), fed as
     if drawn: into the KV cache one per decode step, beside rows still sampling."""
 
-    def __init__(self, episode: ToolEpisode, *, offset: int, prompts: list[list[int]], max_new: int,
-                 stop_ids: Sequence[int], max_iterations: int | None, device):
+    def __init__(
+        self,
+        episode: ToolEpisode,
+        *,
+        offset: int,
+        prompts: list[list[int]],
+        max_new: int,
+        stop_ids: Sequence[int],
+        max_iterations: int | None,
+        device,
+    ):
         N = len(prompts)
         self.episode, self.offset, self.max_new = episode, offset, max_new
         self.max_iterations = float("inf") if max_iterations is None else max_iterations
@@ -453,8 +573,15 @@ class ToolTurns:
         if not bool(ended.any()):
             return ended
         at, out = ended.nonzero().squeeze(1).tolist(), rows[ended].tolist()
-        parsed = {r: self.episode.toolbox.parse(tokens[r, self.start[r] : step + 1].tolist(), self.prefix[r]) for r in out}
-        todo = {self.offset + r: parsed[r][1] for r in out if parsed[r][1] and self.rounds[r] < self.max_iterations}
+        parsed = {
+            r: self.episode.toolbox.parse(tokens[r, self.start[r] : step + 1].tolist(), self.prefix[r])
+            for r in out
+        }
+        todo = {
+            self.offset + r: parsed[r][1]
+            for r in out
+            if parsed[r][1] and self.rounds[r] < self.max_iterations
+        }
         results = self.episode.run(todo)
         done = ended.clone()
         for i, r in zip(at, out):
@@ -470,7 +597,12 @@ class ToolTurns:
                     self.forced[r, span] = True
                     self.forced_ids[r, span] = torch.tensor(ids, device=self.forced_ids.device)
                     self.messages[r] += [message, *tool_messages]
-                    self.start[r], self.prefix[r], self.rounds[r], done[i] = span.stop, ids, self.rounds[r] + 1, False
+                    self.start[r], self.prefix[r], self.rounds[r], done[i] = (
+                        span.stop,
+                        ids,
+                        self.rounds[r] + 1,
+                        False,
+                    )
                     continue
             self.messages[r].append(message)
             self.end[r] = step
@@ -482,9 +614,13 @@ class ToolTurns:
         N, T = tokens.shape
         for r in range(N):
             if self.end[r] is None:
-                self.messages[r].append(self.episode.toolbox.parse(tokens[r, self.start[r] : T].tolist(), self.prefix[r])[0])
-        truncated, lengths = (torch.tensor(v, device=tokens.device) for v in
-                              ([e is None for e in self.end], [T if e is None else e + 1 for e in self.end]))
+                self.messages[r].append(
+                    self.episode.toolbox.parse(tokens[r, self.start[r] : T].tolist(), self.prefix[r])[0]
+                )
+        truncated, lengths = (
+            torch.tensor(v, device=tokens.device)
+            for v in ([e is None for e in self.end], [T if e is None else e + 1 for e in self.end])
+        )
         inside = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]
         return lengths, (inside & ~self.forced[:, :T]).long(), truncated
 
@@ -494,5 +630,8 @@ def tool_metrics(calls: Tensor, failures: Tensor) -> dict[str, float]:
     processes): TRL's ``tools/call_frequency`` (calls per completion) and ``tools/failure_frequency``
     (failed / calls, 0 without calls), and ``tools/calling_fraction`` (completions with a call)."""
     n, total = max(calls.numel(), 1), int(calls.sum())
-    return {"tools/call_frequency": total / n, "tools/failure_frequency": int(failures.sum()) / total if total else 0.0,
-            "tools/calling_fraction": float((calls > 0).sum()) / n}
+    return {
+        "tools/call_frequency": total / n,
+        "tools/failure_frequency": int(failures.sum()) / total if total else 0.0,
+        "tools/calling_fraction": float((calls > 0).sum()) / n,
+    }

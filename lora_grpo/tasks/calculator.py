@@ -72,9 +72,17 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 # ---------------------------------------------------------------------------------------------- the tool
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-        ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def _evaluate(node):
@@ -134,8 +142,12 @@ def calculator_problems(n: int, seed: int = 0, split: str = "train"):
     import datasets
 
     pairs = _pairs(n, torch.Generator().manual_seed(seed), split)
-    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{a}+{b}"}] for a, b in pairs],
-                                       "answer": [str(a + b) for a, b in pairs]})
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"{a}+{b}"}] for a, b in pairs],
+            "answer": [str(a + b) for a, b in pairs],
+        }
+    )
 
 
 _INT = re.compile(r"\s*(?:=\s*)?(-?\d+)\s*")
@@ -147,7 +159,9 @@ def final_answer(completion) -> int | None:
     opening); None unless it is exactly one integer, optionally after "=" ("= 6912")."""
     if isinstance(completion, list):
         last = completion[-1] if completion else {}
-        text = "" if last.get("tool_calls") or last.get("role") != "assistant" else str(last.get("content", ""))
+        text = (
+            "" if last.get("tool_calls") or last.get("role") != "assistant" else str(last.get("content", ""))
+        )
     else:
         text = str(completion).rsplit("assistant: ", 1)[-1].split(EOS, 1)[0]
     match = _INT.fullmatch(text)
@@ -173,31 +187,56 @@ def _transcripts(tokenizer, pairs, calls: list[bool]) -> tuple[torch.Tensor, tor
     box_prompt = tokenizer.apply_chat_template
     seqs, labels = [], []
     for (a, b), call in zip(pairs, calls):
-        prompt = box_prompt([{"role": "user", "content": f"{a}+{b}"}], tools=[{"name": "calculator"}],
-                            tokenize=False, add_generation_prompt=True)
+        prompt = box_prompt(
+            [{"role": "user", "content": f"{a}+{b}"}],
+            tools=[{"name": "calculator"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         lab = [-100] * len(ids)
         if call:
             args = json.dumps({"expression": f"{a}+{b}"})
-            turn = tokenizer(f'<tool_call>{{"name": "calculator", "arguments": {args}}}</tool_call>',
-                             add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            reply = reply_ids(tokenizer, [{"role": "tool", "name": "calculator", "content": str(a + b)}],
-                              [tokenizer.eos_token_id])
+            turn = tokenizer(
+                f'<tool_call>{{"name": "calculator", "arguments": {args}}}</tool_call>',
+                add_special_tokens=False,
+            )["input_ids"] + [tokenizer.eos_token_id]
+            reply = reply_ids(
+                tokenizer,
+                [{"role": "tool", "name": "calculator", "content": str(a + b)}],
+                [tokenizer.eos_token_id],
+            )
             ids, lab = ids + turn + reply, lab + turn + [-100] * len(reply)
-        answer = tokenizer(f"= {a + b if call else carry_free_sum(a, b)}", add_special_tokens=False)["input_ids"]
+        answer = tokenizer(f"= {a + b if call else carry_free_sum(a, b)}", add_special_tokens=False)[
+            "input_ids"
+        ]
         answer += [tokenizer.eos_token_id]
         seqs.append(ids + answer)
         labels.append(lab + answer)
     width = max(map(len, seqs))
     pad = tokenizer.pad_token_id
-    return (torch.tensor([s + [pad] * (width - len(s)) for s in seqs]),
-            torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels]))
+    return (
+        torch.tensor([s + [pad] * (width - len(s)) for s in seqs]),
+        torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels]),
+    )
 
 
-def pretrain_calculator_base(out_dir, *, seed: int = 0, steps: int = 600, batch_size: int = 48,
-                             learning_rate: float = 2e-3, warmup_steps: int = 40, call_share: float = 0.3,
-                             hidden_size: int = 96, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                             intermediate_size: int = 384, log_every: int = 100) -> str:
+def pretrain_calculator_base(
+    out_dir,
+    *,
+    seed: int = 0,
+    steps: int = 600,
+    batch_size: int = 48,
+    learning_rate: float = 2e-3,
+    warmup_steps: int = 40,
+    call_share: float = 0.3,
+    hidden_size: int = 96,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 384,
+    log_every: int = 100,
+) -> str:
     """Pre-train the calculator base on transcripts (``call_share`` of them call the tool) and save
     model, tokenizer and ``pretrain.json`` (settings, losses, seconds) to ``out_dir``. AdamW, warmup
     then cosine to 10%; next-token loss on the model's own turns. Deterministic by ``seed`` (on a
@@ -216,17 +255,31 @@ def pretrain_calculator_base(out_dir, *, seed: int = 0, steps: int = 600, batch_
             if len(ids):
                 logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
                 total = total + torch.nn.functional.cross_entropy(
-                    logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
+                    logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+                )
                 count += int((labels[:, 1:] != -100).sum())
         return total / count
 
     def build_model():
-        return make_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed)
+        return make_tiny_model(
+            tokenizer,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size,
+            seed=seed,
+        )
 
     model, losses, seconds = pretrain_tiny_model(
-        build_model, batch_loss, seed=seed, steps=steps, learning_rate=learning_rate,
-        warmup_steps=warmup_steps, log_every=log_every, label="calculator pretrain",
+        build_model,
+        batch_loss,
+        seed=seed,
+        steps=steps,
+        learning_rate=learning_rate,
+        warmup_steps=warmup_steps,
+        log_every=log_every,
+        label="calculator pretrain",
     )
     record = {"settings": settings, "format_version": FORMAT_VERSION, "losses": losses, "seconds": seconds}
     return write_base(model, tokenizer, out_dir, "pretrain.json", record)
@@ -234,8 +287,10 @@ def pretrain_calculator_base(out_dir, *, seed: int = 0, steps: int = 600, batch_
 
 def _complete(path: Path) -> bool:
     try:
-        return (all((path / f).is_file() for f in BASE_FILES)
-                and json.loads((path / "pretrain.json").read_text()).get("format_version") == FORMAT_VERSION)
+        return (
+            all((path / f).is_file() for f in BASE_FILES)
+            and json.loads((path / "pretrain.json").read_text()).get("format_version") == FORMAT_VERSION
+        )
     except (OSError, ValueError):
         return False
 
@@ -249,9 +304,14 @@ def ensure_calculator_base(cache_dir=None, seed: int = 0, **overrides) -> str:
     if unknown := set(overrides) - set(params):
         raise TypeError(f"unknown pretraining settings: {sorted(unknown)}")
     settings = {k: p.default for k, p in params.items() if k not in ("out_dir", "log_every")}
-    settings.update({k: v for k, v in overrides.items() if k != "log_every"}, seed=seed)  # every setting in the name
+    settings.update(
+        {k: v for k, v in overrides.items() if k != "log_every"}, seed=seed
+    )  # every setting in the name
     blob = json.dumps({"v": FORMAT_VERSION, **settings}, sort_keys=True)
-    final = Path(cache_dir or default_cache_dir()) / f"calculator_base-v{FORMAT_VERSION}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    final = (
+        Path(cache_dir or default_cache_dir())
+        / f"calculator_base-v{FORMAT_VERSION}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    )
     dist = torch.distributed
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     builder = not distributed or int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
@@ -280,8 +340,17 @@ def ensure_calculator_base(cache_dir=None, seed: int = 0, **overrides) -> str:
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def tool_use(model, tokenizer, dataset, *, temperature: float = 0.0, num_generations: int = 1,
-             max_completion_length: int = 112, seed: int = 0, batch_size: int = 64) -> dict[str, float]:
+def tool_use(
+    model,
+    tokenizer,
+    dataset,
+    *,
+    temperature: float = 0.0,
+    num_generations: int = 1,
+    max_completion_length: int = 112,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> dict[str, float]:
     """Rollouts with the calculator tool over ``dataset`` (calculator_problems rows) -> accuracy,
     call_frequency (completions that called), copy_rate (of those whose call succeeded: final answer
     equals the tool's reply), direct_accuracy (of those that did not call), failure_frequency."""
@@ -291,9 +360,18 @@ def tool_use(model, tokenizer, dataset, *, temperature: float = 0.0, num_generat
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
         prompts = [box.render_prompt(m) for m in rows["prompt"]]
-        r = generate_rollout(model, tokenizer, prompts, num_generations=num_generations, max_prompt_length=None,
-                             max_completion_length=max_completion_length, temperature=temperature, generator=gen,
-                             tools=box, max_tool_calling_iterations=1)
+        r = generate_rollout(
+            model,
+            tokenizer,
+            prompts,
+            num_generations=num_generations,
+            max_prompt_length=None,
+            max_completion_length=max_completion_length,
+            temperature=temperature,
+            generator=gen,
+            tools=box,
+            max_tool_calling_iterations=1,
+        )
         truth = [a for a in rows["answer"] for _ in range(num_generations)]
         for messages, c, f, a in zip(r.messages, r.tool_calls.tolist(), r.tool_failures.tolist(), truth):
             value, n, calls, failed = final_answer(messages), n + 1, calls + c, failed + f
@@ -306,5 +384,10 @@ def tool_use(model, tokenizer, dataset, *, temperature: float = 0.0, num_generat
                     copied += str(value) == replies[-1]
             else:
                 direct_right += value == int(a)
-    return {"accuracy": right / n, "call_frequency": called / n, "copy_rate": copied / max(succeeded, 1),
-            "direct_accuracy": direct_right / max(n - called, 1), "failure_frequency": failed / max(calls, 1)}
+    return {
+        "accuracy": right / n,
+        "call_frequency": called / n,
+        "copy_rate": copied / max(succeeded, 1),
+        "direct_accuracy": direct_right / max(n - called, 1),
+        "failure_frequency": failed / max(calls, 1),
+    }

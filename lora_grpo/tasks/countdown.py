@@ -116,7 +116,7 @@ def make_problem(rng: random.Random, num_count: int | None = None, max_tries: in
 
 
 def _split_of(nums: Sequence[int], target: int) -> str:
-    """"eval" when a hash of (sorted numbers, target) mod 100 is below EVAL_PERCENT, else "train": a
+    """ "eval" when a hash of (sorted numbers, target) mod 100 is below EVAL_PERCENT, else "train": a
     fixed split of all problems, whatever the seed, so train and eval never share a problem."""
     key = f"{sorted(nums)}->{target}".encode()
     return "eval" if int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 100 < EVAL_PERCENT else "train"
@@ -145,12 +145,14 @@ def countdown_problems(n: int, seed: int = 0, split: str = "train"):
         if key not in rows and _split_of(problem["nums"], problem["target"]) == split:
             rows[key] = problem
     problems = list(rows.values())
-    return datasets.Dataset.from_dict({
-        "prompt": [format_prompt(p["nums"], p["target"]) for p in problems],
-        "nums": [p["nums"] for p in problems],
-        "target": [p["target"] for p in problems],
-        "solution": [p["solution"] for p in problems],
-    })
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [format_prompt(p["nums"], p["target"]) for p in problems],
+            "nums": [p["nums"] for p in problems],
+            "target": [p["target"] for p in problems],
+            "solution": [p["solution"] for p in problems],
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------ evaluator
@@ -168,7 +170,9 @@ def extract_equation(completion: Any) -> str | None:
     last message.
     """
     if isinstance(completion, Sequence) and not isinstance(completion, str):
-        completion = completion[-1].get("content", "") if completion and isinstance(completion[-1], Mapping) else ""
+        completion = (
+            completion[-1].get("content", "") if completion and isinstance(completion[-1], Mapping) else ""
+        )
     found = _ANSWER_RE.findall(str(completion))
     return found[-1].strip() if found else None
 

@@ -108,7 +108,7 @@ NUM_DIGITS = 2  # operands are 00..99, written zero-padded so every prompt has t
 EVAL_PERCENT = 20  # share of (a, b) pairs held out for evaluation, chosen by a hash of the pair
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _split_pairs(split: str) -> tuple[tuple[int, int], ...]:
     """The operand pairs of a split: the EVAL_PERCENT% of all pairs with the smallest hash are held
     out (a fixed set, independent of any seed), the rest are train; both in ascending order."""
@@ -209,8 +209,13 @@ def greedy_accuracy(model, tokenizer, dataset, *, max_new_tokens: int = 4, batch
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
         rollout = generate_rollout(
-            model, tokenizer, list(rows["prompt"]), num_generations=1, max_prompt_length=None,
-            max_completion_length=max_new_tokens, temperature=0.0,
+            model,
+            tokenizer,
+            list(rows["prompt"]),
+            num_generations=1,
+            max_prompt_length=None,
+            max_completion_length=max_new_tokens,
+            temperature=0.0,
         )
         scores += toy_reward(rollout.prompts, rollout.completions, rows["answer"])
     return sum(scores) / len(scores)
@@ -273,15 +278,32 @@ def pretrain_toy_base(
 
     def build_model():
         return make_tiny_model(
-            tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-            num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, seed=seed,
+            tokenizer,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size,
+            seed=seed,
         )
 
     model, losses, seconds = pretrain_tiny_model(
-        build_model, batch_loss, seed=seed, steps=steps, learning_rate=learning_rate,
-        warmup_steps=warmup_steps, weight_decay=weight_decay, log_every=log_every, label="toy pretrain",
+        build_model,
+        batch_loss,
+        seed=seed,
+        steps=steps,
+        learning_rate=learning_rate,
+        warmup_steps=warmup_steps,
+        weight_decay=weight_decay,
+        log_every=log_every,
+        label="toy pretrain",
     )
-    record = {"settings": settings, "format_version": TOY_FORMAT_VERSION, "losses": losses, "seconds": seconds}
+    record = {
+        "settings": settings,
+        "format_version": TOY_FORMAT_VERSION,
+        "losses": losses,
+        "seconds": seconds,
+    }
     return write_base(model, tokenizer, out_dir, "toy_pretrain.json", record)
 
 
@@ -295,8 +317,11 @@ def write_base(model, tokenizer, out_dir: Path, record_name: str, record: dict) 
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(out_dir / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     model.config.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -331,7 +356,11 @@ def default_cache_dir() -> Path:
 
 # What a cache entry must hold to be used; an entry missing any of them is rebuilt.
 TOY_BASE_FILES = (
-    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "toy_pretrain.json",
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "toy_pretrain.json",
 )
 
 

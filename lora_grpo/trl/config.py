@@ -32,15 +32,25 @@ class GRPOConfig(TrainingArguments):
     # --- TRL's overrides of TrainingArguments' defaults ------------------------------------------
     learning_rate: float = _f(1e-6, "initial learning rate (TRL's default)")
     logging_steps: float = _f(10, "log every N steps; below 1: a share of the run's steps")
-    gradient_checkpointing: bool = _f(True, "recompute activations in backward (lora_grpo: its memory plan decides unless set False)")
-    bf16: bool | None = _f(None, "bfloat16; None = True unless fp16 (TRL), and here only on a GPU with native bf16")
+    gradient_checkpointing: bool = _f(
+        True, "recompute activations in backward (lora_grpo: its memory plan decides unless set False)"
+    )
+    bf16: bool | None = _f(
+        None, "bfloat16; None = True unless fp16 (TRL), and here only on a GPU with native bf16"
+    )
     remove_unused_columns: bool | None = _f(False, "keep every dataset column: reward functions read them")
     # --- model ---------------------------------------------------------------------------------
-    model_init_kwargs: dict[str, Any] | str | None = _f(None, "from_pretrained kwargs when `model` is a name: dtype, attn_implementation, revision, device_map, quantization_config")
+    model_init_kwargs: dict[str, Any] | str | None = _f(
+        None,
+        "from_pretrained kwargs when `model` is a name: dtype, attn_implementation, revision, "
+        "device_map, quantization_config",
+    )
     trust_remote_code: bool = _f(False, "allow models and tokenizers with custom code from the hub")
     router_aux_loss_coef: float | None = _f(None, "MoE load-balancing loss weight")
     disable_dropout: bool = _f(False, "disable the model's dropout (lora_grpo always does)")
-    cast_lm_head_to_fp32: bool = _f(False, "LM head in float32 (lora_grpo's log-probs always accumulate it in float32)")
+    cast_lm_head_to_fp32: bool = _f(
+        False, "LM head in float32 (lora_grpo's log-probs always accumulate it in float32)"
+    )
     # --- generation ----------------------------------------------------------------------------
     num_generations: int | None = _f(8, "completions per prompt (the group size)")
     num_generations_eval: int | None = _f(None, "completions per prompt in evaluation")
@@ -48,8 +58,14 @@ class GRPOConfig(TrainingArguments):
     ds3_gather_for_generation: bool = _f(True, "DeepSpeed ZeRO-3: gather the weights for generation")
     shuffle_dataset: bool | None = _f(True, "shuffle the training prompts")
     pad_to_multiple_of: int | str | None = _f("auto", "pad prompt and completion ids to a multiple of this")
-    generation_batch_size: int | None = _f(None, "completions per generation (all processes); default per_device_train_batch_size × processes × steps_per_generation")
-    steps_per_generation: int | None = _f(None, "micro-steps each generation feeds; default gradient_accumulation_steps")
+    generation_batch_size: int | None = _f(
+        None,
+        "completions per generation (all processes); default per_device_train_batch_size × "
+        "processes × steps_per_generation",
+    )
+    steps_per_generation: int | None = _f(
+        None, "micro-steps each generation feeds; default gradient_accumulation_steps"
+    )
     temperature: float = _f(1.0, "sampling temperature")
     top_p: float = _f(1.0, "nucleus sampling threshold")
     top_k: int = _f(0, "top-k sampling (0 = off)")
@@ -77,7 +93,9 @@ class GRPOConfig(TrainingArguments):
     num_iterations: int = _f(1, "optimisation passes per generation (μ); each update is a step")
     epsilon: float = _f(0.2, "clip epsilon (the lower one)")
     delta: float | None = _f(None, "two-sided clipping bound (INTELLECT-2)")
-    epsilon_high: float | None = _f(None, "upper clip epsilon; None = epsilon; cispo: the cap on the ratio (about 5)")
+    epsilon_high: float | None = _f(
+        None, "upper clip epsilon; None = epsilon; cispo: the cap on the ratio (about 5)"
+    )
     sapo_temperature_neg: float = _f(1.05, "sapo: temperature for non-positive advantages")
     sapo_temperature_pos: float = _f(1.0, "sapo: temperature for positive advantages")
     vespo_k_pos: float = _f(2.0, "vespo: k for positive advantages")
@@ -86,12 +104,19 @@ class GRPOConfig(TrainingArguments):
     vespo_lambda_neg: float = _f(2.0, "vespo: lambda for negative advantages")
     importance_sampling_level: str = _f("token", "importance ratio: token | sequence")
     reward_weights: list[float] | None = _f(None, "one weight per reward function")
-    multi_objective_aggregation: str = _f("sum_then_normalize", "sum_then_normalize | normalize_then_sum (GDPO)")
+    multi_objective_aggregation: str = _f(
+        "sum_then_normalize", "sum_then_normalize | normalize_then_sum (GDPO)"
+    )
     scale_rewards: str = _f("group", "group | batch | none (True = group, False = none)")
     loss_type: str = _f("dapo", "grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo")
     mask_truncated_completions: bool = _f(False, "exclude truncated completions from the loss")
-    sync_ref_model: bool = _f(False, "sync the reference to the policy every ref_model_sync_steps (lora_grpo: also with peft_config)")
-    ref_model_mixup_alpha: float = _f(0.6, "sync mix: ref ← alpha·policy + (1−alpha)·ref (lora_grpo: exactly, in weight space)")
+    sync_ref_model: bool = _f(
+        False,
+        "sync the reference to the policy every ref_model_sync_steps (lora_grpo: also with peft_config)",
+    )
+    ref_model_mixup_alpha: float = _f(
+        0.6, "sync mix: ref ← alpha·policy + (1−alpha)·ref (lora_grpo: exactly, in weight space)"
+    )
     ref_model_sync_steps: int = _f(512, "steps between reference syncs")
     top_entropy_quantile: float = _f(1.0, "share of highest-entropy tokens that carry the policy gradient")
     entropy_coef: float = _f(0.0, "entropy bonus coefficient")
@@ -106,7 +131,9 @@ class GRPOConfig(TrainingArguments):
     vllm_importance_sampling_clip_max: float | None = _f(3.0, "vLLM: importance ratio upper bound")
     vllm_importance_sampling_clip_min: float | None = _f(None, "vLLM: importance ratio lower bound")
     off_policy_mask_threshold: float | None = _f(None, "off-policy sequence mask threshold (DeepSeek-V3.2)")
-    use_bias_correction_kl: bool = _f(True, "multiply the KL term by the importance ratio (unbiased KL gradient)")
+    use_bias_correction_kl: bool = _f(
+        True, "multiply the KL term by the importance ratio (unbiased KL gradient)"
+    )
     # --- logging -------------------------------------------------------------------------------
     log_completions: bool = _f(False, "log completions at each logging step")
     log_multimodal: bool = _f(True, "log images with completions")
@@ -121,30 +148,46 @@ class GRPOConfig(TrainingArguments):
     def __post_init__(self):
         """TRL 1.16's GRPOConfig.__post_init__: the same derived values, warnings and errors, in TRL's words
         (lora_grpo.trl.checks lists each one's fate)."""
-        if self.bf16 is None:  # TRL: "not fp16"; here also "where the device has bf16", so a CPU run does not fail
+        if (
+            self.bf16 is None
+        ):  # TRL: "not fp16"; here also "where the device has bf16", so a CPU run does not fail
             import torch
 
-            self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+            self.bf16 = (
+                not self.fp16
+                and torch.cuda.is_available()
+                and torch.cuda.is_bf16_supported(including_emulation=False)
+            )
         super().__post_init__()
-        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":  # the CLI passes a string
+        if (
+            isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto"
+        ):  # the CLI passes a string
             text = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
         if self.pad_to_multiple_of == "auto":  # TRL: 128 only on Neuron devices
             self.pad_to_multiple_of = None
         if self.use_transformers_paged:
-            warnings.warn("`use_transformers_paged` is deprecated and will be removed in v2.0.0. Use "
-                          "`use_transformers_continuous_batching` instead.", FutureWarning, stacklevel=3)
+            warnings.warn(
+                "`use_transformers_paged` is deprecated and will be removed in v2.0.0. Use "
+                "`use_transformers_continuous_batching` instead.",
+                FutureWarning,
+                stacklevel=3,
+            )
             self.use_transformers_continuous_batching = True
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.log_completions_hub_repo is not None and not self.log_completions:
-            raise ValueError("log_completions_hub_repo is set, but log_completions is False. Enable log_completions to "
-                             "upload completions to the Hub, or unset log_completions_hub_repo.")
+            raise ValueError(
+                "log_completions_hub_repo is set, but log_completions is False. Enable log_completions to "
+                "upload completions to the Hub, or unset log_completions_hub_repo."
+            )
         if self.auto_find_batch_size:
-            raise ValueError("auto_find_batch_size is not supported by GRPO, because the generation batch must contain "
-                             "full prompt groups of num_generations completions, and reducing the batch size on "
-                             "out-of-memory breaks this invariant. Set auto_find_batch_size=False and lower "
-                             "per_device_train_batch_size instead. (lora_grpo sizes its micro-batches from a memory "
-                             "probe at start: micro_batch_size auto.)")
+            raise ValueError(
+                "auto_find_batch_size is not supported by GRPO, because the generation batch must contain "
+                "full prompt groups of num_generations completions, and reducing the batch size on "
+                "out-of-memory breaks this invariant. Set auto_find_batch_size=False and lower "
+                "per_device_train_batch_size instead. (lora_grpo sizes its micro-batches from a memory "
+                "probe at start: micro_batch_size auto.)"
+            )
         # TRL's batch arithmetic: a generation of generation_batch_size completions (over every process)
         # feeds steps_per_generation micro-steps of per_device_train_batch_size each.
         global_batch = self.per_device_train_batch_size * self.world_size
@@ -153,33 +196,55 @@ class GRPOConfig(TrainingArguments):
             self.generation_batch_size = global_batch * self.steps_per_generation
         elif self.generation_batch_size is not None and self.steps_per_generation is None:
             if self.generation_batch_size % global_batch != 0:
-                raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global "
-                                 f"batch size ({global_batch}).")
+                raise ValueError(
+                    f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global "
+                    f"batch size ({global_batch})."
+                )
             self.steps_per_generation = self.generation_batch_size // global_batch
         elif self.generation_batch_size is None:
             self.generation_batch_size = global_batch * self.steps_per_generation
         else:
-            raise ValueError("'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time")
+            raise ValueError(
+                "'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time"
+            )
         if self.do_eval and self.eval_strategy != "no":
             eval_generations = self.num_generations_eval or self.num_generations
             if (self.per_device_eval_batch_size * self.world_size) % eval_generations != 0:
-                raise ValueError(f"The global eval batch size ({self.per_device_eval_batch_size} * {self.world_size}) must "
-                                 f"be divisible by the number of generations used for evaluation ({eval_generations}).")
+                raise ValueError(
+                    f"The global eval batch size ({self.per_device_eval_batch_size} * {self.world_size}) must "
+                    f"be divisible by the number of generations used for evaluation ({eval_generations})."
+                )
         if self.num_generations is None or self.generation_batch_size % self.num_generations != 0:
-            raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by num_generations "
-                             f"({self.num_generations}).")
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size}) must be divisible by num_generations "
+                f"({self.num_generations})."
+            )
         if self.num_generations < 2:
-            raise ValueError("GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
-                             f"{self.num_generations}, which is less than the minimum required.")
+            raise ValueError(
+                "GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+                f"{self.num_generations}, which is less than the minimum required."
+            )
         if self.vllm_importance_sampling_cap is not None:
-            warnings.warn("The `vllm_importance_sampling_cap` argument is deprecated and will be removed in v2.0.0. "
-                          "Use `vllm_importance_sampling_clip_max` instead.", FutureWarning, stacklevel=2)
+            warnings.warn(
+                "The `vllm_importance_sampling_cap` argument is deprecated and will be removed in v2.0.0. "
+                "Use `vllm_importance_sampling_clip_max` instead.",
+                FutureWarning,
+                stacklevel=2,
+            )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if low is not None and high is not None and low >= high:
-            raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be less than "
-                             f"vllm_importance_sampling_clip_max ({high}).")
-        if (self.vllm_importance_sampling_correction and low is None and high is None
-                and self.vllm_importance_sampling_mode in ("token_truncate", "sequence_truncate")):
-            raise ValueError("At least one of `vllm_importance_sampling_clip_min` or `vllm_importance_sampling_clip_max` "
-                             "must be set when `vllm_importance_sampling_mode` is a `*_truncate` mode.")
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({low}) must be less than "
+                f"vllm_importance_sampling_clip_max ({high})."
+            )
+        if (
+            self.vllm_importance_sampling_correction
+            and low is None
+            and high is None
+            and self.vllm_importance_sampling_mode in ("token_truncate", "sequence_truncate")
+        ):
+            raise ValueError(
+                "At least one of `vllm_importance_sampling_clip_min` or `vllm_importance_sampling_clip_max` "
+                "must be set when `vllm_importance_sampling_mode` is a `*_truncate` mode."
+            )

@@ -1,11 +1,11 @@
 """The input forms TRL 1.16's GRPOTrainer takes, turned into what lora_grpo's trainer takes.
 
-    eval_dataset     a Dataset; an IterableDataset (read to its end, as transformers' evaluation loop reads
-                     it: there is no eval_limit in TRL's config); a DatasetDict, IterableDatasetDict or a
-                     plain dict of named sets (each evaluated and logged as eval_<name>_*)
-    environments     no train_dataset: the environment owns the data and its reset() supplies the prompt;
-                     TRL's placeholder rows (an empty user message, one generation round's worth) drive
-                     the loop for max_steps
+eval_dataset     a Dataset; an IterableDataset (read to its end, as transformers' evaluation loop reads
+                 it: there is no eval_limit in TRL's config); a DatasetDict, IterableDatasetDict or a
+                 plain dict of named sets (each evaluated and logged as eval_<name>_*)
+environments     no train_dataset: the environment owns the data and its reset() supplies the prompt;
+                 TRL's placeholder rows (an empty user message, one generation round's worth) drive
+                 the loop for max_steps
 """
 
 from __future__ import annotations

@@ -35,10 +35,19 @@ class ScriptArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "dataset configuration name"})
     dataset_train_split: str = field(default="train", metadata={"help": "training split"})
     dataset_test_split: str = field(default="test", metadata={"help": "evaluation split"})
-    dataset_streaming: bool = field(default=False, metadata={"help": "stream the dataset (refused: lora_grpo shuffles a map-style dataset)"})
-    ignore_bias_buffers: bool = field(default=False, metadata={"help": "DDP bias buffers (no effect: no DDP wrapper)"})
-    reward_model_name_or_path: str | None = field(default=None, metadata={"help": "a sequence-classification reward model"})
-    reward_funcs: list[str] | None = field(default=None, metadata={"help": "TRL registry names or dotted import paths"})
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={"help": "stream the dataset (refused: lora_grpo shuffles a map-style dataset)"},
+    )
+    ignore_bias_buffers: bool = field(
+        default=False, metadata={"help": "DDP bias buffers (no effect: no DDP wrapper)"}
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "a sequence-classification reward model"}
+    )
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "TRL registry names or dotted import paths"}
+    )
 
 
 @dataclass
@@ -54,11 +63,17 @@ class ModelConfig:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
     lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
     lora_target_modules: list[str] | None = field(default=None, metadata={"help": "LoRA target modules"})
-    lora_target_parameters: list[str] | None = field(default=None, metadata={"help": "LoRA target parameters (refused)"})
-    lora_modules_to_save: list[str] | None = field(default=None, metadata={"help": "fully trained modules (refused)"})
+    lora_target_parameters: list[str] | None = field(
+        default=None, metadata={"help": "LoRA target parameters (refused)"}
+    )
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "fully trained modules (refused)"}
+    )
     lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "peft task type"})
     use_rslora: bool = field(default=False, metadata={"help": "rank-stabilised LoRA"})
-    use_dora: bool = field(default=False, metadata={"help": "DoRA (refused: the reference slot holds B·A only)"})
+    use_dora: bool = field(
+        default=False, metadata={"help": "DoRA (refused: the reference slot holds B·A only)"}
+    )
     load_in_8bit: bool = field(default=False, metadata={"help": "8-bit base"})
     load_in_4bit: bool = field(default=False, metadata={"help": "4-bit base (QLoRA)"})
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit type"})
@@ -75,8 +90,10 @@ def reward_registry() -> dict:
         "accuracy_reward": _named(answer_accuracy, "accuracy_reward"),
         "reasoning_accuracy_reward": reasoning_accuracy_reward,
         "think_format_reward": think_format_reward,
-        "get_soft_overlong_punishment": _named(soft_overlong_penalty(max_completion_length=1280, buffer_length=256),
-                                               "soft_overlong_punishment_reward"),
+        "get_soft_overlong_punishment": _named(
+            soft_overlong_penalty(max_completion_length=1280, buffer_length=256),
+            "soft_overlong_punishment_reward",
+        ),
     }
 
 
@@ -103,7 +120,9 @@ def reward_funcs(script) -> list:
             sys.path.insert(0, os.getcwd())
             funcs.append(getattr(importlib.import_module(module), attr))
         else:
-            raise ConfigError(f"reward_funcs: unknown {name!r}; expected one of {sorted(registry)} or a dotted import path")
+            raise ConfigError(
+                f"reward_funcs: unknown {name!r}; expected one of {sorted(registry)} or a dotted import path"
+            )
     return funcs
 
 
@@ -113,15 +132,31 @@ def peft_and_quantization(model_args):
     from transformers import BitsAndBytesConfig
 
     if model_args.lora_target_parameters:
-        raise ConfigError("lora_target_parameters: LoRA on raw parameters has no B·A layer for the reference slot to mirror")
-    peft = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
-                      target_modules=model_args.lora_target_modules, modules_to_save=model_args.lora_modules_to_save,
-                      task_type=model_args.lora_task_type, use_rslora=model_args.use_rslora, use_dora=model_args.use_dora,
-                      bias="none") if model_args.use_peft else None
+        raise ConfigError(
+            "lora_target_parameters: LoRA on raw parameters has no B·A layer for the reference slot to mirror"
+        )
+    peft = (
+        LoraConfig(
+            r=model_args.lora_r,
+            lora_alpha=model_args.lora_alpha,
+            lora_dropout=model_args.lora_dropout,
+            target_modules=model_args.lora_target_modules,
+            modules_to_save=model_args.lora_modules_to_save,
+            task_type=model_args.lora_task_type,
+            use_rslora=model_args.use_rslora,
+            use_dora=model_args.use_dora,
+            bias="none",
+        )
+        if model_args.use_peft
+        else None
+    )
     quant = None
     if model_args.load_in_4bit:
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
-                                   bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant)
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
+        )
     elif model_args.load_in_8bit:
         quant = BitsAndBytesConfig(load_in_8bit=True)
     return peft, quant
@@ -138,14 +173,20 @@ def parse(argv: list[str]):
     argv = list(argv)
     if "--config" in argv:
         at = argv.index("--config")
-        path, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+        path, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
         values = yaml.safe_load(open(path)) or {}
-        known = {f.name for cls in (ScriptArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)}
+        known = {
+            f.name for cls in (ScriptArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)
+        }
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"{path}: unknown keys {unknown} (not in TRL's ScriptArguments, GRPOConfig or ModelConfig)")
+            raise ConfigError(
+                f"{path}: unknown keys {unknown} (not in TRL's ScriptArguments, GRPOConfig or ModelConfig)"
+            )
         parser.set_defaults(**values)
-        for action in parser._actions:  # a required field given in the YAML is no longer required on the command line
+        for (
+            action
+        ) in parser._actions:  # a required field given in the YAML is no longer required on the command line
             if action.dest in values:
                 action.required = False
     return parser.parse_args_into_dataclasses(args=argv)
@@ -163,8 +204,10 @@ def load_script_dataset(name: str, config_name: str | None):
     if path.is_file() and path.suffix in DATA_FILES:
         return load_dataset(DATA_FILES[path.suffix], data_files={"train": str(path)})
     if path.is_file():
-        raise ConfigError(f"dataset_name={name!r}: a local file must be one of {sorted(DATA_FILES)} (or a directory "
-                          "or hub name that datasets.load_dataset reads)")
+        raise ConfigError(
+            f"dataset_name={name!r}: a local file must be one of {sorted(DATA_FILES)} (or a directory "
+            "or hub name that datasets.load_dataset reads)"
+        )
     return load_dataset(name, name=config_name)
 
 
@@ -174,20 +217,29 @@ def main(argv: list[str]) -> int:
 
     script, training_args, model_args = parse(argv)
     if script.dataset_streaming:
-        raise ConfigError("dataset_streaming: lora_grpo draws prompts from a map-style dataset (shuffled, resumable)")
+        raise ConfigError(
+            "dataset_streaming: lora_grpo draws prompts from a map-style dataset (shuffled, resumable)"
+        )
     if not script.dataset_name or not model_args.model_name_or_path:
         raise ConfigError("a TRL recipe needs dataset_name and model_name_or_path")
-    init = dict(revision=model_args.model_revision, attn_implementation=model_args.attn_implementation,
-                dtype=model_args.dtype, trust_remote_code=training_args.trust_remote_code)
+    init = dict(
+        revision=model_args.model_revision,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+        trust_remote_code=training_args.trust_remote_code,
+    )
     init.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = init
     dataset = load_script_dataset(script.dataset_name, script.dataset_config)
     peft, quantization = peft_and_quantization(model_args)
     trainer = GRPOTrainer(
-        model=model_args.model_name_or_path, reward_funcs=reward_funcs(script), args=training_args,
+        model=model_args.model_name_or_path,
+        reward_funcs=reward_funcs(script),
+        args=training_args,
         train_dataset=dataset[script.dataset_train_split],
         eval_dataset=dataset[script.dataset_test_split] if training_args.eval_strategy != "no" else None,
-        quantization_config=quantization, peft_config=peft,
+        quantization_config=quantization,
+        peft_config=peft,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("Training completed.")

@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import DefaultFlowCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import TrainOutput
-
-import torch
 
 from ..adapters import POLICY
 from ..checkpoint import save_adapter
@@ -41,10 +40,16 @@ from .translate import resolved_steps, to_native
 
 # Our metric names → TRL 1.16's; others (sync/*, time/*, ...) are logged under our names beside them.
 TRL_NAMES = {
-    "reward/mean": "reward", "reward/std": "reward_std", "completion_length/mean": "completions/mean_length",
-    "completion_length/max": "completions/max_length", "completion_length/min": "completions/min_length",
-    "truncated_fraction": "completions/clipped_ratio", "clip_ratio/low": "clip_ratio/low_mean",
-    "clip_ratio/high": "clip_ratio/high_mean", "clip_ratio/region": "clip_ratio/region_mean", "lr": "learning_rate",
+    "reward/mean": "reward",
+    "reward/std": "reward_std",
+    "completion_length/mean": "completions/mean_length",
+    "completion_length/max": "completions/max_length",
+    "completion_length/min": "completions/min_length",
+    "truncated_fraction": "completions/clipped_ratio",
+    "clip_ratio/low": "clip_ratio/low_mean",
+    "clip_ratio/high": "clip_ratio/high_mean",
+    "clip_ratio/region": "clip_ratio/region_mean",
+    "lr": "learning_rate",
     "time/step": "step_time",
 }
 _LAST = ("learning_rate", "grad_norm", "epoch")  # transformers logs the latest of these, not a window mean
@@ -56,7 +61,11 @@ def trl_record(records: list[dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     keys = dict.fromkeys(k for r in records for k in r)
     for key in keys:
-        values = [r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        values = [
+            r[key]
+            for r in records
+            if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
+        ]
         values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
         if not values or key in ("step", "epoch") or key.startswith("eval/"):
             continue
@@ -98,27 +107,59 @@ class GRPOTrainer:
         >>> trainer.train()  # doctest: +SKIP
     """
 
-    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
         if optimizers != (None, None) and any(o is not None for o in optimizers):
-            raise ConfigError("optimizers=(...): lora_grpo builds the AdamW of the LoRA policy itself; set optim, "
-                              "learning_rate, lr_scheduler_type and warmup_steps in GRPOConfig instead")
+            raise ConfigError(
+                "optimizers=(...): lora_grpo builds the AdamW of the LoRA policy itself; set optim, "
+                "learning_rate, lr_scheduler_type and warmup_steps in GRPOConfig instead"
+            )
         if rollout_func is not None:
-            raise ConfigError("rollout_func: lora_grpo samples with its own sampler (tools=[...] for tool calls)")
-        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+            raise ConfigError(
+                "rollout_func: lora_grpo samples with its own sampler (tools=[...] for tool calls)"
+            )
+        name = (
+            model
+            if isinstance(model, str)
+            else getattr(getattr(model, "config", None), "_name_or_path", "model")
+        )
         if args is None:
             args = GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
         self.args = args
-        refuse_as_trl(args, model=model, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                      processing_class=processing_class, reward_processing_classes=reward_processing_classes,
-                      environment_factory=environment_factory, quantization_config=quantization_config,
-                      peft_config=peft_config)
+        refuse_as_trl(
+            args,
+            model=model,
+            reward_funcs=reward_funcs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            environment_factory=environment_factory,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
         warn_as_trl(args, model=model, quantization_config=quantization_config)
         # As TRL (transformers' set_seed before the model is built): the seed decides the LoRA initialisation.
         seed_everything(args.seed)
         if isinstance(model, str):
-            model = local_base(model) or model  # the offline toy bases by name, as the native recipes take them
+            model = (
+                local_base(model) or model
+            )  # the offline toy bases by name, as the native recipes take them
         if train_dataset is None:  # the environment owns the data; its reset() supplies each prompt (TRL)
             train_dataset = placeholder_prompts(args.generation_batch_size, args.num_generations)
         world = getattr(args, "world_size", 1) or 1
@@ -129,31 +170,50 @@ class GRPOTrainer:
         extra = {} if tools is None else {"tools": tools}
         if environment_factory is not None:
             extra["environment_factory"] = environment_factory
-        self.native = NativeTrainer(config, reward_funcs=funcs, train_dataset=train_dataset,
-                                    eval_dataset=eval_sets(eval_dataset), model=peft_model, tokenizer=tokenizer, **extra)
+        self.native = NativeTrainer(
+            config,
+            reward_funcs=funcs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_sets(eval_dataset),
+            model=peft_model,
+            tokenizer=tokenizer,
+            **extra,
+        )
         self.model, self.processing_class = self.native.model, tokenizer
         self.accelerator = self.native.accelerator
         # TRL's public attributes: no separate reference model with PEFT (the reference slot is an adapter of
         # self.model); reward models as the loaded models, with their tokenizers; names as TRL logs them.
         self.ref_model = None
         self.reward_funcs = [f.model if isinstance(f, RewardModel) else f for f in self.native.reward_funcs]
-        self.reward_processing_classes = [f.tokenizer if isinstance(f, RewardModel) else None
-                                          for f in self.native.reward_funcs]
+        self.reward_processing_classes = [
+            f.tokenizer if isinstance(f, RewardModel) else None for f in self.native.reward_funcs
+        ]
         self.reward_func_names = list(self.native.reward_names)
         total = self.native.total_steps
         self.state = TrainerState(  # TRL's meaning, as transformers' Trainer fills it
-            max_steps=total, num_train_epochs=math.ceil(total / self.native.steps_per_epoch),
+            max_steps=total,
+            num_train_epochs=math.ceil(total / self.native.steps_per_epoch),
             logging_steps=resolved_steps(args.logging_steps, total, 500),
-            eval_steps=resolved_steps(args.eval_steps, total, args.logging_steps if args.eval_steps is None else 500),
-            save_steps=resolved_steps(args.save_steps, total, 500), train_batch_size=args.per_device_train_batch_size,
+            eval_steps=resolved_steps(
+                args.eval_steps, total, args.logging_steps if args.eval_steps is None else 500
+            ),
+            save_steps=resolved_steps(args.save_steps, total, 500),
+            train_batch_size=args.per_device_train_batch_size,
             is_local_process_zero=self.accelerator.is_local_main_process,
             is_world_process_zero=self.accelerator.is_main_process,
         )
         self.control = TrainerControl()
-        self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.model, tokenizer,
-                                                self.native.optimizer, self.native.scheduler)
+        self.callback_handler = CallbackHandler(
+            [DefaultFlowCallback, *(callbacks or [])],
+            self.model,
+            tokenizer,
+            self.native.optimizer,
+            self.native.scheduler,
+        )
         self.native.hooks.append(self._on_event)
-        self.native.resume_hint = "trainer.train(resume_from_checkpoint=True)"  # TRL's words, with the same args
+        self.native.resume_hint = (
+            "trainer.train(resume_from_checkpoint=True)"  # TRL's words, with the same args
+        )
         self.native.scorer.trainer_state = self.state  # reward functions see TRL's TrainerState, as in TRL
         self._logged_upto = 0  # native records already averaged into a TRL log record
         self._eval_prefix, self._eval_records = "eval", []  # evaluate()'s metric_key_prefix; its records
@@ -165,8 +225,13 @@ class GRPOTrainer:
         (for this call only, as in TRL). The closing record holds transformers' train_* figures and, as TRL's
         log() merges them, the metrics of the steps after the last logging step."""
         native = self.native
-        native.config.resume_from_checkpoint = (None if not resume_from_checkpoint else
-                                                "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint))
+        native.config.resume_from_checkpoint = (
+            None
+            if not resume_from_checkpoint
+            else "latest"
+            if resume_from_checkpoint is True
+            else str(resume_from_checkpoint)
+        )
         started = time.perf_counter()
         try:
             native.train()
@@ -174,22 +239,32 @@ class GRPOTrainer:
             native.config.resume_from_checkpoint = None
         loss = [r["loss"] for r in native.state.log_history if "loss" in r]
         seconds = time.perf_counter() - started
-        steps, batch = self.state.global_step, self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
-        metrics = {"train_runtime": round(seconds, 4),
-                   "train_samples_per_second": round(steps * batch * self.args.world_size / seconds, 3),
-                   "train_steps_per_second": round(steps / seconds, 3), "total_flos": 0.0,
-                   "train_loss": sum(loss) / max(len(loss), 1)}
+        steps, batch = (
+            self.state.global_step,
+            self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps,
+        )
+        metrics = {
+            "train_runtime": round(seconds, 4),
+            "train_samples_per_second": round(steps * batch * self.args.world_size / seconds, 3),
+            "train_steps_per_second": round(steps / seconds, 3),
+            "total_flos": 0.0,
+            "train_loss": sum(loss) / max(len(loss), 1),
+        }
         self.log({**self._unlogged_window(), **metrics})
         return TrainOutput(steps, metrics["train_loss"], {**metrics, "epoch": self.state.epoch})
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """lora_grpo's evaluation (greedy scores, pass@k, KL to the base) under transformers' names:
         <prefix>_<metric>, or <prefix>_<name>_<metric> for each set of a dict of eval sets (as the run's, a
         DatasetDict, a plain dict, or a name of one of the run's sets); streams are read whole."""
         if isinstance(eval_dataset, str):
             sets = self.native.eval_dataset if isinstance(self.native.eval_dataset, dict) else {}
             if eval_dataset not in sets:
-                raise KeyError(f"evaluate({eval_dataset!r}): not one of this trainer's eval sets {sorted(sets)}")
+                raise KeyError(
+                    f"evaluate({eval_dataset!r}): not one of this trainer's eval sets {sorted(sets)}"
+                )
             eval_dataset = sets[eval_dataset]
         self._eval_prefix, self._eval_records = metric_key_prefix, []
         try:
@@ -247,19 +322,27 @@ class GRPOTrainer:
     def eval_dataset(self):
         return self.native.eval_dataset
 
-    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    def get_high_entropy_mask(
+        self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
+    ) -> torch.Tensor:
         """TRL's: (B, T) bool, the masked tokens whose entropy is at or above the `threshold` quantile of every
         process's masked entropies (TRL passes threshold = 1 − top_entropy_quantile). loss.high_entropy_mask."""
         gather = padded_gather(self.accelerator) if self.accelerator.num_processes > 1 else None
         return high_entropy_mask(entropies, mask, 1.0 - threshold, gather)
 
     @staticmethod
-    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
-                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
-                            off_policy_threshold: float) -> torch.Tensor:
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
         """TRL's: (B, 1), 1.0 to keep a sequence, 0.0 to drop it (DeepSeek-V3.2's off-policy sequence mask).
         loss.off_policy_mask."""
-        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
+        return off_policy_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
+        )
 
     # ------------------------------------------------------------------ the loop's named points
     def _on_event(self, event: str, trainer: NativeTrainer, **payload) -> None:
@@ -279,7 +362,11 @@ class GRPOTrainer:
             else:
                 self.control = handler.on_epoch_end(args, state, self.control)
                 self.control = handler.on_epoch_begin(args, state, self.control)
-            flow.log, flow.evaluate, flow.save = self.control.should_log, self.control.should_evaluate, self.control.should_save
+            flow.log, flow.evaluate, flow.save = (
+                self.control.should_log,
+                self.control.should_evaluate,
+                self.control.should_save,
+            )
             trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
         elif event == "log":
             self.log(trl_record(self._take_window()))
@@ -296,7 +383,7 @@ class GRPOTrainer:
 
     def _take_window(self) -> list[dict[str, Any]]:
         """The native step records not yet averaged into a TRL record (the logging window), taken."""
-        window = self.native.state.log_history[self._logged_upto:]
+        window = self.native.state.log_history[self._logged_upto :]
         self._logged_upto = len(self.native.state.log_history)
         return window
 
@@ -308,12 +395,18 @@ class GRPOTrainer:
     def _eval_record(self, payload: dict[str, Any]) -> None:
         """One eval set's record, as transformers' evaluate() logs it: <prefix>[_<name>]_<metric>, with the
         runtime figures, then on_evaluate."""
-        prefix = self._eval_prefix if payload["set_name"] is None else f"{self._eval_prefix}_{payload['set_name']}"
+        prefix = (
+            self._eval_prefix if payload["set_name"] is None else f"{self._eval_prefix}_{payload['set_name']}"
+        )
         seconds = payload["seconds"]
         record = {f"{prefix}_{k.removeprefix('eval/')}": v for k, v in payload["metrics"].items()}
-        record.update({f"{prefix}_runtime": round(seconds, 4),
-                       f"{prefix}_samples_per_second": round(payload["rows"] / seconds, 3) if seconds else 0.0,
-                       f"{prefix}_steps_per_second": round(1 / seconds, 3) if seconds else 0.0})
+        record.update(
+            {
+                f"{prefix}_runtime": round(seconds, 4),
+                f"{prefix}_samples_per_second": round(payload["rows"] / seconds, 3) if seconds else 0.0,
+                f"{prefix}_steps_per_second": round(1 / seconds, 3) if seconds else 0.0,
+            }
+        )
         self.log(record)
         self._eval_records.append({**record, "epoch": self.state.epoch})
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, record)

@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ConfigError, GRPOConfig as NativeConfig
+from ..config import ConfigError
+from ..config import GRPOConfig as NativeConfig
 from .config import GRPOConfig
 
 
@@ -55,11 +56,17 @@ NO_HUB = "lora_grpo does not push to the hub: push trainer.save_model()'s direct
 FIELDS: dict[str, Field] = {
     # --- the run and its batches ---------------------------------------------------------------
     "output_dir": _m("output_dir (None: 'trainer_output', as transformers)"),
-    "per_device_train_batch_size": _m("completions per micro-step: × gradient_accumulation_steps = a step's completions"),
-    "gradient_accumulation_steps": _m("micro-steps per optimizer step (lora_grpo sizes its own micro-batches: micro_batch_size auto)"),
-    "steps_per_generation": _m("steps_per_generation = this / gradient_accumulation_steps optimizer steps per rollout; "
-                               "a value that is not a multiple of gradient_accumulation_steps (TRL lets an optimizer "
-                               "step straddle two generations) is refused"),
+    "per_device_train_batch_size": _m(
+        "completions per micro-step: × gradient_accumulation_steps = a step's completions"
+    ),
+    "gradient_accumulation_steps": _m(
+        "micro-steps per optimizer step (lora_grpo sizes its own micro-batches: micro_batch_size auto)"
+    ),
+    "steps_per_generation": _m(
+        "steps_per_generation = this / gradient_accumulation_steps optimizer steps per rollout; "
+        "a value that is not a multiple of gradient_accumulation_steps (TRL lets an optimizer "
+        "step straddle two generations) is refused"
+    ),
     "generation_batch_size": _m("generation_batch_size (per process: / the number of processes)"),
     "num_generations": _m("num_generations"),
     "num_iterations": _m("num_iterations (each pass over a rollout is steps_per_generation optimizer steps)"),
@@ -73,28 +80,46 @@ FIELDS: dict[str, Field] = {
     "lr_scheduler_type": _m("lr_scheduler (transformers' schedules by name)"),
     "lr_scheduler_kwargs": _m("lr_scheduler_kwargs"),
     "warmup_steps": _m("warmup_steps (below 1: a share of the run, as transformers 5)"),
-    "optim": _m("optimizer: adamw_torch(_fused) / adamw_hf → adamw; adamw_8bit / adamw_bnb_8bit → adamw_8bit; paged_adamw_8bit"),
+    "optim": _m(
+        "optimizer: adamw_torch(_fused) / adamw_hf → adamw; adamw_8bit / adamw_bnb_8bit → adamw_8bit; paged_adamw_8bit"
+    ),
     "weight_decay": _m("weight_decay"),
     "adam_beta1": _m("adam_beta1"),
     "adam_beta2": _m("adam_beta2"),
     "adam_epsilon": _m("adam_epsilon"),
     "max_grad_norm": _m("max_grad_norm"),
-    "gradient_checkpointing": _m("gradient_checkpointing: True (TRL's default) → auto (the memory plan turns it on when needed); False → off"),
+    "gradient_checkpointing": _m(
+        "gradient_checkpointing: True (TRL's default) → auto (the memory plan turns it on when needed); False → off"
+    ),
     "activation_checkpointing": _m("as gradient_checkpointing (transformers 5's name)"),
-    "gradient_checkpointing_kwargs": _no("lora_grpo always checkpoints non-reentrantly; the values change no result"),
+    "gradient_checkpointing_kwargs": _no(
+        "lora_grpo always checkpoints non-reentrantly; the values change no result"
+    ),
     "activation_checkpointing_kwargs": _no("as gradient_checkpointing_kwargs"),
-    "bf16": _m("torch_dtype bfloat16 (None: where the GPU has bf16, else float32); lora_grpo computes in the dtype, no autocast"),
+    "bf16": _m(
+        "torch_dtype bfloat16 (None: where the GPU has bf16, else float32); lora_grpo computes in "
+        "the dtype, no autocast"
+    ),
     "fp16": _r("float16 without a loss scaler underflows small gradients: use bf16, or float32 (bf16=False)"),
     "tf32": _no("transformers' TrainingArguments applies it to torch itself, as in TRL"),
-    "average_tokens_across_devices": _m("always on: dapo's token count spans every process (False is refused)"),
+    "average_tokens_across_devices": _m(
+        "always on: dapo's token count spans every process (False is refused)"
+    ),
     # --- the model -----------------------------------------------------------------------------
-    "model_init_kwargs": _m("dtype / torch_dtype → torch_dtype, attn_implementation, revision, quantization_config, device_map (auto or one device)"),
+    "model_init_kwargs": _m(
+        "dtype / torch_dtype → torch_dtype, attn_implementation, revision, quantization_config, "
+        "device_map (auto or one device)"
+    ),
     "trust_remote_code": _m("trust_remote_code"),
-    "disable_dropout": _no("lora_grpo always turns the base model's dropout off (rollout and loss must see one distribution)"),
+    "disable_dropout": _no(
+        "lora_grpo always turns the base model's dropout off (rollout and loss must see one distribution)"
+    ),
     "cast_lm_head_to_fp32": _no("lora_grpo's log-probs always accumulate the LM head in float32"),
     "router_aux_loss_coef": _r("MoE auxiliary losses are not added to the GRPO loss"),
     # --- generation ----------------------------------------------------------------------------
-    "max_completion_length": _m("max_completion_length (prompts are never cut: max_prompt_length None, as TRL 1.x)"),
+    "max_completion_length": _m(
+        "max_completion_length (prompts are never cut: max_prompt_length None, as TRL 1.x)"
+    ),
     "temperature": _m("temperature"),
     "top_p": _m("top_p"),
     "top_k": _m("top_k"),
@@ -102,11 +127,16 @@ FIELDS: dict[str, Field] = {
     "repetition_penalty": _m("repetition_penalty"),
     "chat_template_kwargs": _m("chat_template_kwargs"),
     "cache_implementation": _m("decode_mode: None → auto, 'static' → static"),
-    "generation_kwargs": _m("its temperature, top_p, top_k, min_p, repetition_penalty; any other key is refused"),
+    "generation_kwargs": _m(
+        "its temperature, top_p, top_k, min_p, repetition_penalty; any other key is refused"
+    ),
     "max_tool_calling_iterations": _m("max_tool_calling_iterations"),
     "pad_to_multiple_of": _no("lora_grpo trims padding per micro-batch; a multiple changes no result"),
     "ds3_gather_for_generation": _no("DeepSpeed only; lora_grpo does not use DeepSpeed"),
-    "num_generations_eval": _r("lora_grpo's evaluate() scores one greedy completion per prompt (+ pass@k): set eval_pass_k in the native config"),
+    "num_generations_eval": _r(
+        "lora_grpo's evaluate() scores one greedy completion per prompt (+ pass@k): set "
+        "eval_pass_k in the native config"
+    ),
     "use_transformers_continuous_batching": _r("lora_grpo samples with its own prefix-shared sampler"),
     "transformers_continuous_batching_config": _r("lora_grpo samples with its own prefix-shared sampler"),
     "use_transformers_paged": _r("lora_grpo samples with its own prefix-shared sampler"),
@@ -135,31 +165,45 @@ FIELDS: dict[str, Field] = {
     "entropy_coef_delta": _m("entropy_coef_delta"),
     "entropy_target": _m("entropy_target"),
     "off_policy_mask_threshold": _m("off_policy_mask_threshold"),
-    "use_bias_correction_kl": _m("kl_ratio_correction (lora_grpo multiplies by the per-token ratio at both levels)"),
+    "use_bias_correction_kl": _m(
+        "kl_ratio_correction (lora_grpo multiplies by the per-token ratio at both levels)"
+    ),
     # --- the reference: TRL refuses sync_ref_model with PEFT; here it is the reference slot ------
-    "sync_ref_model": _m("ref_sync_steps = ref_model_sync_steps (the LoRA reference slot; with peft_config too)"),
+    "sync_ref_model": _m(
+        "ref_sync_steps = ref_model_sync_steps (the LoRA reference slot; with peft_config too)"
+    ),
     "ref_model_sync_steps": _m("ref_sync_steps, when sync_ref_model"),
-    "ref_model_mixup_alpha": _m("ref_sync_alpha, ref_sync_mode exact: the mix is made in weight space, exactly"),
+    "ref_model_mixup_alpha": _m(
+        "ref_sync_alpha, ref_sync_mode exact: the mix is made in weight space, exactly"
+    ),
     # --- logging, evaluation, saving -----------------------------------------------------------
     "logging_strategy": _flow(),
     "logging_steps": _flow("DefaultFlowCallback (below 1: a share of the run); also the progress lines"),
     "logging_first_step": _flow(),
-    "eval_strategy": _flow("DefaultFlowCallback; 'no' also skips lora_grpo's evals before and after training"),
+    "eval_strategy": _flow(
+        "DefaultFlowCallback; 'no' also skips lora_grpo's evals before and after training"
+    ),
     "eval_steps": _flow("DefaultFlowCallback (None: logging_steps, as transformers)"),
     "eval_delay": _flow(),
     "eval_on_start": _m("eval_on_start"),
     "save_strategy": _flow("DefaultFlowCallback for 'steps', 'epoch', 'no'; 'best' is refused"),
     "save_steps": _flow(),
     "save_total_limit": _m("save_total_limit (None: every checkpoint is kept)"),
-    "report_to": _m("report_to: 'all' → every installed tracker lora_grpo supports (tensorboard, wandb, trackio); 'none'"),
+    "report_to": _m(
+        "report_to: 'all' → every installed tracker lora_grpo supports (tensorboard, wandb, trackio); 'none'"
+    ),
     "run_name": _m("run_name"),
     "project": _m("project"),
     "disable_tqdm": _m("disable_tqdm"),
-    "log_completions": _m("log_completions (completions.jsonl, tracker tables) and printing num_completions_to_print"),
+    "log_completions": _m(
+        "log_completions (completions.jsonl, tracker tables) and printing num_completions_to_print"
+    ),
     "num_completions_to_print": _m("num_completions_to_print (None: all of the step's)"),
     "log_multimodal": _no("text only: there is no multimodal content to log"),
     "log_unique_prompts": _no("completions.jsonl keeps every completion; filter it with jq"),
-    "include_num_input_tokens_seen": _no("the token counts are in metrics.jsonl (tokens_per_second) either way"),
+    "include_num_input_tokens_seen": _no(
+        "the token counts are in metrics.jsonl (tokens_per_second) either way"
+    ),
     "log_level": _no("lora_grpo prints through its progress bar"),
     "log_level_replica": _no("only the main process prints"),
     "log_on_each_node": _no("only the main process prints"),
@@ -175,7 +219,9 @@ FIELDS: dict[str, Field] = {
     "save_only_model": _no("checkpoints hold the adapters, optimizer and RNG states: a few MB"),
     "save_on_each_node": _no("the main process writes the checkpoints"),
     "ignore_data_skip": _no("a resume restores the data position itself, at no cost"),
-    "resume_from_checkpoint": _no("as in transformers: only what a script passes to train(resume_from_checkpoint=...)"),
+    "resume_from_checkpoint": _no(
+        "as in transformers: only what a script passes to train(resume_from_checkpoint=...)"
+    ),
     "do_train": _no("for scripts, as in transformers"),
     "do_eval": _no("for scripts, as in transformers"),
     "do_predict": _no("for scripts, as in transformers"),
@@ -202,44 +248,108 @@ FIELDS: dict[str, Field] = {
     "vllm_importance_sampling_clip_max": _no(VLLM),
     "vllm_importance_sampling_clip_min": _no(VLLM),
     "vllm_importance_sampling_cap": _no(VLLM),
-    **{name: _r("lora_grpo samples with the training model, not vLLM (use_vllm=False)") for name in (
-        "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
-        "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-        "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size")},
-    **{name: _r(NO_HUB) for name in (
-        "push_to_hub", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push",
-        "hub_revision", "log_completions_hub_repo", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")},
-    **{name: _r("one process per GPU with its own base and adapters: accelerate launch / torchrun, no DeepSpeed or FSDP")
-       for name in ("deepspeed", "fsdp", "fsdp_config", "parallelism_config", "accelerator_config", "ddp_backend")},
+    **{
+        name: _r("lora_grpo samples with the training model, not vLLM (use_vllm=False)")
+        for name in (
+            "use_vllm",
+            "vllm_mode",
+            "vllm_model_impl",
+            "vllm_enable_sleep_mode",
+            "vllm_structured_outputs_regex",
+            "vllm_server_base_url",
+            "vllm_server_host",
+            "vllm_server_port",
+            "vllm_server_timeout",
+            "vllm_group_port",
+            "vllm_gpu_memory_utilization",
+            "vllm_max_model_length",
+            "vllm_tensor_parallel_size",
+        )
+    },
+    **{
+        name: _r(NO_HUB)
+        for name in (
+            "push_to_hub",
+            "hub_token",
+            "hub_private_repo",
+            "hub_model_id",
+            "hub_strategy",
+            "hub_always_push",
+            "hub_revision",
+            "log_completions_hub_repo",
+            "trackio_space_id",
+            "trackio_bucket_id",
+            "trackio_static_space_id",
+        )
+    },
+    **{
+        name: _r(
+            "one process per GPU with its own base and adapters: accelerate launch / torchrun, no DeepSpeed or FSDP"
+        )
+        for name in (
+            "deepspeed",
+            "fsdp",
+            "fsdp_config",
+            "parallelism_config",
+            "accelerator_config",
+            "ddp_backend",
+        )
+    },
     "optim_args": _r("the optimizer is built from adam_beta1/2, adam_epsilon and weight_decay"),
     "optim_target_modules": _r("only the LoRA policy adapter is optimised"),
     "label_smoothing_factor": _r("GRPO has no labels to smooth"),
     "bf16_full_eval": _r("evaluate() runs in the training dtype"),
     "fp16_full_eval": _r("evaluate() runs in the training dtype"),
     "torch_compile": _r("the training forward is not compiled (the rollout's decode step is: decode_mode)"),
-    "torch_compile_backend": _r("the training forward is not compiled (the rollout's decode step is: decode_mode)"),
-    "torch_compile_mode": _r("the training forward is not compiled (the rollout's decode step is: decode_mode)"),
+    "torch_compile_backend": _r(
+        "the training forward is not compiled (the rollout's decode step is: decode_mode)"
+    ),
+    "torch_compile_mode": _r(
+        "the training forward is not compiled (the rollout's decode step is: decode_mode)"
+    ),
     "use_liger_kernel": _r("lora_grpo computes log-probs in chunks through the LM head itself (logprobs.py)"),
-    "liger_kernel_config": _r("lora_grpo computes log-probs in chunks through the LM head itself (logprobs.py)"),
+    "liger_kernel_config": _r(
+        "lora_grpo computes log-probs in chunks through the LM head itself (logprobs.py)"
+    ),
     "neftune_noise_alpha": _r("NEFTune noise is not added to embeddings in GRPO"),
     "torch_empty_cache_steps": _r("lora_grpo does not empty the CUDA cache on a schedule"),
-    "auto_find_batch_size": _r("micro_batch_size auto: a start-up memory probe sizes the micro-batch (refused by TRL too)"),
-    "load_best_model_at_end": _r("the final adapter is the last step's; evaluate checkpoints with `lora-grpo eval`"),
+    "auto_find_batch_size": _r(
+        "micro_batch_size auto: a start-up memory probe sizes the micro-batch (refused by TRL too)"
+    ),
+    "load_best_model_at_end": _r(
+        "the final adapter is the last step's; evaluate checkpoints with `lora-grpo eval`"
+    ),
     "metric_for_best_model": _r("no best-model tracking: evaluate checkpoints with `lora-grpo eval`"),
     "greater_is_better": _r("no best-model tracking: evaluate checkpoints with `lora-grpo eval`"),
     "restore_callback_states_from_checkpoint": _r("callback states are not stored in lora_grpo checkpoints"),
     "enable_jit_checkpoint": _r("checkpoints are written at save steps and on SIGINT/SIGTERM"),
-    "full_determinism": _r("lora_grpo seeds every generator (seed) and resumes them exactly; it does not force deterministic kernels"),
+    "full_determinism": _r(
+        "lora_grpo seeds every generator (seed) and resumes them exactly; it does not force deterministic kernels"
+    ),
     "data_seed": _r("the prompt order follows seed"),
     "debug": _r("transformers' debug modes are for its Trainer loop"),
 }
 
 # lr_scheduler_type names lora_grpo's native lr_scheduler takes (transformers' get_scheduler names).
-SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant",
-              "cosine_with_restarts": "cosine_with_restarts", "polynomial": "polynomial", "inverse_sqrt": "inverse_sqrt",
-              "cosine_with_min_lr": "cosine_with_min_lr", "warmup_stable_decay": "warmup_stable_decay"}
-OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_8bit": "adamw_8bit",
-              "adamw_bnb_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
+SCHEDULERS = {
+    "linear": "linear",
+    "cosine": "cosine",
+    "constant": "constant",
+    "constant_with_warmup": "constant",
+    "cosine_with_restarts": "cosine_with_restarts",
+    "polynomial": "polynomial",
+    "inverse_sqrt": "inverse_sqrt",
+    "cosine_with_min_lr": "cosine_with_min_lr",
+    "warmup_stable_decay": "warmup_stable_decay",
+}
+OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_hf": "adamw",
+    "adamw_8bit": "adamw_8bit",
+    "adamw_bnb_8bit": "adamw_8bit",
+    "paged_adamw_8bit": "paged_adamw_8bit",
+}
 TRACKERS = ("tensorboard", "wandb", "trackio")
 GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -247,13 +357,18 @@ GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 def _defaults() -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(GRPOConfig):
-        out[f.name] = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        out[f.name] = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        )
     return out
 
 
 def _value(v):
-    return getattr(v, "value", v)  # transformers' enums (IntervalStrategy, SchedulerType, OptimizerNames) → str
+    return getattr(
+        v, "value", v
+    )  # transformers' enums (IntervalStrategy, SchedulerType, OptimizerNames) → str
 
 
 def _as_dict(value, name: str) -> dict:
@@ -270,20 +385,32 @@ def _as_dict(value, name: str) -> dict:
 def check_refused(args) -> None:
     """ConfigError naming every refused field set away from TRL's default, with why and what to do."""
     defaults = _defaults()
-    bad = [(name, getattr(args, name)) for name, f in FIELDS.items()
-           if f.how == "refused" and hasattr(args, name) and not _is_default(name, getattr(args, name), defaults.get(name))]
+    bad = [
+        (name, getattr(args, name))
+        for name, f in FIELDS.items()
+        if f.how == "refused"
+        and hasattr(args, name)
+        and not _is_default(name, getattr(args, name), defaults.get(name))
+    ]
     if not getattr(args, "average_tokens_across_devices", True):
         bad.append(("average_tokens_across_devices", False))
     if _value(getattr(args, "save_strategy", "steps")) == "best":
         bad.append(("save_strategy", "best"))
     if bad:
-        lines = "; ".join(f"{name}={value!r}: {FIELDS[name].why if name in FIELDS and FIELDS[name].how == 'refused' else _EXTRA[name]}"
-                          for name, value in bad)
-        raise ConfigError(f"lora_grpo.trl cannot act on these GRPOConfig settings: {lines}. Leave them at TRL's defaults.")
+        lines = "; ".join(
+            f"{name}={value!r}: "
+            f"{FIELDS[name].why if name in FIELDS and FIELDS[name].how == 'refused' else _EXTRA[name]}"
+            for name, value in bad
+        )
+        raise ConfigError(
+            f"lora_grpo.trl cannot act on these GRPOConfig settings: {lines}. Leave them at TRL's defaults."
+        )
 
 
-_EXTRA = {"average_tokens_across_devices": "dapo's token count always spans every process",
-          "save_strategy": "'best' needs best-model tracking, which lora_grpo does not do: use 'steps' or 'epoch'"}
+_EXTRA = {
+    "average_tokens_across_devices": "dapo's token count always spans every process",
+    "save_strategy": "'best' needs best-model tracking, which lora_grpo does not do: use 'steps' or 'epoch'",
+}
 
 
 _EMPTY = ("", None, [], {}, ())
@@ -334,110 +461,131 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
     steps_per_generation, generation = args.steps_per_generation, args.generation_batch_size
     if steps_per_generation % accumulation:
         raise ConfigError(
-            f"steps_per_generation={steps_per_generation} is not a multiple of gradient_accumulation_steps={accumulation}: "
+            f"steps_per_generation={steps_per_generation} is not a multiple of "
+            f"gradient_accumulation_steps={accumulation}: "
             "lora_grpo feeds whole optimizer steps from each generation (TRL lets one optimizer step straddle two "
-            "generations); make it a multiple (or leave it unset)")
+            "generations); make it a multiple (or leave it unset)"
+        )
     per_process = generation // world_size
     if per_process % G:
         raise ConfigError(
-            f"each process generates {per_process} completions (generation_batch_size {generation} / {world_size} processes), "
+            f"each process generates {per_process} completions (generation_batch_size {generation} / "
+            f"{world_size} processes), "
             f"not a multiple of num_generations={G}: lora_grpo keeps a prompt's whole group on one process. Raise "
             "per_device_train_batch_size or gradient_accumulation_steps so that per_device_train_batch_size × "
-            "steps_per_generation is a multiple of num_generations")
+            "steps_per_generation is a multiple of num_generations"
+        )
     schedule = _value(args.lr_scheduler_type)
     if schedule not in SCHEDULERS:
         raise ConfigError(f"lr_scheduler_type={schedule!r}: lora_grpo takes {sorted(SCHEDULERS)}")
     optim = _value(args.optim)
     if optim not in OPTIMIZERS:
-        raise ConfigError(f"optim={optim!r}: lora_grpo takes {sorted(OPTIMIZERS)} (AdamW, or bitsandbytes' 8-bit AdamW)")
+        raise ConfigError(
+            f"optim={optim!r}: lora_grpo takes {sorted(OPTIMIZERS)} (AdamW, or bitsandbytes' 8-bit AdamW)"
+        )
     sampling = _as_dict(args.generation_kwargs, "generation_kwargs")
     unknown = sorted(set(sampling) - set(GENERATION_KWARGS))
     if unknown:
-        raise ConfigError(f"generation_kwargs {unknown}: lora_grpo's sampler takes {list(GENERATION_KWARGS)} only")
+        raise ConfigError(
+            f"generation_kwargs {unknown}: lora_grpo's sampler takes {list(GENERATION_KWARGS)} only"
+        )
     cache = args.cache_implementation
     if cache not in (None, "static"):
-        raise ConfigError(f"cache_implementation={cache!r}: lora_grpo's sampler has a dynamic cache (None) or a static one ('static')")
+        raise ConfigError(
+            f"cache_implementation={cache!r}: lora_grpo's sampler has a dynamic cache (None) or a static one ('static')"
+        )
     checkpointing = getattr(args, "activation_checkpointing", None)
     checkpointing = args.gradient_checkpointing if checkpointing is None else checkpointing
     eval_strategy = _value(args.eval_strategy)
     warmup = 0 if schedule == "constant" else args.warmup_steps  # transformers' 'constant' ignores the warmup
-    return NativeConfig(**{
-        "model_name_or_path": model_name_or_path,
-        "output_dir": args.output_dir or "trainer_output",
-        "num_generations": G,
-        "generation_batch_size": per_process,
-        "steps_per_generation": steps_per_generation // accumulation,
-        "num_iterations": args.num_iterations,
-        "max_steps": 0 if args.max_steps is None or args.max_steps < 0 else args.max_steps,
-        "num_epochs": args.num_train_epochs,
-        "seed": args.seed,
-        "use_cpu": args.use_cpu,
-        "shuffle_dataset": bool(args.shuffle_dataset),
-        "learning_rate": args.learning_rate,
-        "lr_scheduler": SCHEDULERS[schedule],
-        "lr_scheduler_kwargs": _as_dict(args.lr_scheduler_kwargs, "lr_scheduler_kwargs"),
-        "warmup_steps": warmup,
-        "optimizer": OPTIMIZERS[optim],
-        "weight_decay": args.weight_decay,
-        "adam_beta1": args.adam_beta1,
-        "adam_beta2": args.adam_beta2,
-        "adam_epsilon": args.adam_epsilon,
-        "max_grad_norm": args.max_grad_norm,
-        "gradient_checkpointing": "auto" if checkpointing else False,
-        "micro_batch_size": "auto",
-        "torch_dtype": "bfloat16" if args.bf16 else "auto",
-        "trust_remote_code": args.trust_remote_code,
-        "max_completion_length": args.max_completion_length,
-        "max_prompt_length": None,
-        "temperature": sampling.get("temperature", args.temperature),
-        "top_p": sampling.get("top_p", args.top_p),
-        "top_k": sampling.get("top_k", args.top_k),
-        "min_p": sampling.get("min_p", args.min_p) or 0.0,
-        "repetition_penalty": sampling.get("repetition_penalty", args.repetition_penalty),
-        "chat_template_kwargs": _as_dict(args.chat_template_kwargs, "chat_template_kwargs"),
-        "decode_mode": "static" if cache == "static" else "auto",
-        "max_tool_calling_iterations": args.max_tool_calling_iterations,
-        "beta": args.beta,
-        "epsilon_low": args.epsilon,
-        "epsilon_high": args.epsilon if args.epsilon_high is None else args.epsilon_high,
-        "delta": args.delta,
-        "sapo_temperature_pos": args.sapo_temperature_pos,
-        "sapo_temperature_neg": args.sapo_temperature_neg,
-        "vespo_k_pos": args.vespo_k_pos, "vespo_lambda_pos": args.vespo_lambda_pos,
-        "vespo_k_neg": args.vespo_k_neg, "vespo_lambda_neg": args.vespo_lambda_neg,
-        "importance_sampling": args.importance_sampling_level,
-        "reward_weights": args.reward_weights,
-        "multi_objective_aggregation": args.multi_objective_aggregation,
-        "scale_rewards": {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards),
-        "loss_type": args.loss_type,
-        "mask_truncated_completions": args.mask_truncated_completions,
-        "top_entropy_quantile": args.top_entropy_quantile,
-        "entropy_coef": args.entropy_coef,
-        "use_adaptive_entropy": args.use_adaptive_entropy,
-        "entropy_coef_min": args.entropy_coef_min, "entropy_coef_max": args.entropy_coef_max,
-        "entropy_coef_delta": args.entropy_coef_delta, "entropy_target": args.entropy_target,
-        "off_policy_mask_threshold": args.off_policy_mask_threshold,
-        "kl_ratio_correction": args.use_bias_correction_kl,
-        "ref_sync_steps": args.ref_model_sync_steps if args.sync_ref_model else 0,
-        "ref_sync_alpha": args.ref_model_mixup_alpha if args.sync_ref_model else 1.0,
-        "ref_sync_mode": "exact",
-        # The flow (when to log, evaluate, save) is transformers' DefaultFlowCallback's (trl.trainer).
-        "logging_steps": 1, "eval_steps": 0, "save_steps": 0,
-        "eval_on_start": bool(args.eval_on_start) and eval_strategy != "no",
-        "eval_on_end": False,
-        "save_total_limit": args.save_total_limit or 0,
-        "report_to": _report_to(args.report_to),
-        "run_name": args.run_name,
-        "project": getattr(args, "project", "huggingface"),
-        "disable_tqdm": bool(args.disable_tqdm),
-        "log_completions": args.log_completions,
-        "num_completions_to_print": (args.num_completions_to_print or per_process // (steps_per_generation // accumulation))
-        if args.log_completions else 0,
-        "messages_column": None,  # TRL reads the prompt column only
-        # TRL writes over a previous run in output_dir; here its files move to output_dir/previous-run-K/ first.
-        "overwrite_output_dir": True,
-        **native,
-    })
+    return NativeConfig(
+        **{
+            "model_name_or_path": model_name_or_path,
+            "output_dir": args.output_dir or "trainer_output",
+            "num_generations": G,
+            "generation_batch_size": per_process,
+            "steps_per_generation": steps_per_generation // accumulation,
+            "num_iterations": args.num_iterations,
+            "max_steps": 0 if args.max_steps is None or args.max_steps < 0 else args.max_steps,
+            "num_epochs": args.num_train_epochs,
+            "seed": args.seed,
+            "use_cpu": args.use_cpu,
+            "shuffle_dataset": bool(args.shuffle_dataset),
+            "learning_rate": args.learning_rate,
+            "lr_scheduler": SCHEDULERS[schedule],
+            "lr_scheduler_kwargs": _as_dict(args.lr_scheduler_kwargs, "lr_scheduler_kwargs"),
+            "warmup_steps": warmup,
+            "optimizer": OPTIMIZERS[optim],
+            "weight_decay": args.weight_decay,
+            "adam_beta1": args.adam_beta1,
+            "adam_beta2": args.adam_beta2,
+            "adam_epsilon": args.adam_epsilon,
+            "max_grad_norm": args.max_grad_norm,
+            "gradient_checkpointing": "auto" if checkpointing else False,
+            "micro_batch_size": "auto",
+            "torch_dtype": "bfloat16" if args.bf16 else "auto",
+            "trust_remote_code": args.trust_remote_code,
+            "max_completion_length": args.max_completion_length,
+            "max_prompt_length": None,
+            "temperature": sampling.get("temperature", args.temperature),
+            "top_p": sampling.get("top_p", args.top_p),
+            "top_k": sampling.get("top_k", args.top_k),
+            "min_p": sampling.get("min_p", args.min_p) or 0.0,
+            "repetition_penalty": sampling.get("repetition_penalty", args.repetition_penalty),
+            "chat_template_kwargs": _as_dict(args.chat_template_kwargs, "chat_template_kwargs"),
+            "decode_mode": "static" if cache == "static" else "auto",
+            "max_tool_calling_iterations": args.max_tool_calling_iterations,
+            "beta": args.beta,
+            "epsilon_low": args.epsilon,
+            "epsilon_high": args.epsilon if args.epsilon_high is None else args.epsilon_high,
+            "delta": args.delta,
+            "sapo_temperature_pos": args.sapo_temperature_pos,
+            "sapo_temperature_neg": args.sapo_temperature_neg,
+            "vespo_k_pos": args.vespo_k_pos,
+            "vespo_lambda_pos": args.vespo_lambda_pos,
+            "vespo_k_neg": args.vespo_k_neg,
+            "vespo_lambda_neg": args.vespo_lambda_neg,
+            "importance_sampling": args.importance_sampling_level,
+            "reward_weights": args.reward_weights,
+            "multi_objective_aggregation": args.multi_objective_aggregation,
+            "scale_rewards": {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards),
+            "loss_type": args.loss_type,
+            "mask_truncated_completions": args.mask_truncated_completions,
+            "top_entropy_quantile": args.top_entropy_quantile,
+            "entropy_coef": args.entropy_coef,
+            "use_adaptive_entropy": args.use_adaptive_entropy,
+            "entropy_coef_min": args.entropy_coef_min,
+            "entropy_coef_max": args.entropy_coef_max,
+            "entropy_coef_delta": args.entropy_coef_delta,
+            "entropy_target": args.entropy_target,
+            "off_policy_mask_threshold": args.off_policy_mask_threshold,
+            "kl_ratio_correction": args.use_bias_correction_kl,
+            "ref_sync_steps": args.ref_model_sync_steps if args.sync_ref_model else 0,
+            "ref_sync_alpha": args.ref_model_mixup_alpha if args.sync_ref_model else 1.0,
+            "ref_sync_mode": "exact",
+            # The flow (when to log, evaluate, save) is transformers' DefaultFlowCallback's (trl.trainer).
+            "logging_steps": 1,
+            "eval_steps": 0,
+            "save_steps": 0,
+            "eval_on_start": bool(args.eval_on_start) and eval_strategy != "no",
+            "eval_on_end": False,
+            "save_total_limit": args.save_total_limit or 0,
+            "report_to": _report_to(args.report_to),
+            "run_name": args.run_name,
+            "project": getattr(args, "project", "huggingface"),
+            "disable_tqdm": bool(args.disable_tqdm),
+            "log_completions": args.log_completions,
+            "num_completions_to_print": (
+                args.num_completions_to_print or per_process // (steps_per_generation // accumulation)
+            )
+            if args.log_completions
+            else 0,
+            "messages_column": None,  # TRL reads the prompt column only
+            # TRL writes over a previous run in output_dir; here its files move to output_dir/previous-run-K/ first.
+            "overwrite_output_dir": True,
+            **native,
+        }
+    )
 
 
 def resolved_steps(value: float | None, max_steps: int, fallback: float) -> int:
