@@ -476,7 +476,9 @@ def test_compute_rewards_bad_value(bad):
 
 def test_compute_rewards_argument_errors():
     f = const(1.0)
-    with pytest.raises(ValueError, match="reward_weights has 2 entries for 1 reward functions"):
+    with pytest.raises(
+        ValueError, match=r"Number of reward weights \(2\) must match number of reward functions \(1\)"
+    ):
         compute_rewards([f], ["q"], ["c"], {}, weights=[1.0, 2.0])
     with pytest.raises(ValueError, match="column 'answer' has 2 values for 1"):
         compute_rewards([f], ["q"], ["c"], {"answer": ["a", "b"]})

@@ -82,8 +82,8 @@ def test_the_last_logging_window_reaches_the_closing_record(tiny_base_dir, tmp_p
 
 # ------------------------------------------------------------------------------ eval sets
 EVAL_FORMS = {
-    "stream": ("dataset(4, start=16).to_iterable_dataset()", [None]),
-    "conversational": ("dataset(4, start=16, conversational=True)", [None]),
+    "dataset": ("dataset(4, start=16)", [None]),
+    "conversational stream": ("dataset(4, start=16, conversational=True).to_iterable_dataset()", [None]),
     "datasetdict": (
         "DatasetDict({'easy': dataset(4, start=16), 'hard': dataset(4, start=20)})",
         ["easy", "hard"],

@@ -270,7 +270,8 @@ def check_reward_weights(weights, num_funcs: int) -> None:
     """One weight per reward function, or None (all 1): the trainer checks at start, before the model loads."""
     if weights is not None and len(weights) != num_funcs:
         raise ValueError(
-            f"reward_weights has {len(weights)} entries for {num_funcs} reward functions; give one weight per function"
+            f"Number of reward weights ({len(weights)}) must match number of reward functions ({num_funcs}): "
+            "give reward_weights one weight per function, in their order"
         )
 
 
