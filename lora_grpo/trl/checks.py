@@ -200,19 +200,17 @@ TRL_CHECKS: list[tuple[str, str, str]] = [
 ]
 
 
-def _factories(environment_factory) -> list:
+def _environment_classes(environment_factory) -> list[tuple[object, type]]:
+    """(factory, the class of what it makes) for each environment factory: a class is its own; any
+    other callable is called once to see its instance's class (TRL probes an instance too)."""
     if environment_factory is None:
         return []
-    return (
+    factories = (
         list(environment_factory.values())
         if isinstance(environment_factory, Mapping)
         else [environment_factory]
     )
-
-
-def _owns_reward(factory) -> bool:
-    cls = factory if isinstance(factory, type) else type(factory())  # TRL probes an instance too
-    return callable(getattr(cls, "get_reward", None))
+    return [(f, f if isinstance(f, type) else type(f())) for f in factories]
 
 
 def refuse_as_trl(
@@ -275,14 +273,14 @@ def refuse_as_trl(
                 f"functions ({len(funcs)}). Pass one per reward function, in the same order (None for a "
                 "plain function)."
             )
-    factories = _factories(environment_factory)
-    for factory in factories:
-        if not callable(getattr(factory if isinstance(factory, type) else factory(), "reset", None)):
+    environments = _environment_classes(environment_factory)  # TRL reads both methods off the class too
+    for factory, cls in environments:
+        if not callable(getattr(cls, "reset", None)):
             raise ValueError(
                 "Each environment instance returned by `environment_factory` must define a callable "
                 f"`reset`. {factory!r} has none: add reset(self, **row) returning the prompt's text or None."
             )
-    if not funcs and not any(_owns_reward(f) for f in factories):
+    if not funcs and not any(callable(getattr(cls, "get_reward", None)) for _, cls in environments):
         raise ValueError(
             "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment "
             "defines a `get_reward` method."

@@ -28,9 +28,7 @@ def eval_sets(eval_dataset):
     or a plain dict) becomes a plain dict {name: Dataset} in its order."""
     if eval_dataset is None:
         return None
-    if isinstance(eval_dataset, Mapping):
-        if not eval_dataset:
-            raise ValueError("eval_dataset: an empty dict of eval sets; pass at least one {name: dataset}")
+    if isinstance(eval_dataset, Mapping):  # (an empty one is refused by data.resolve_eval_dataset)
         return {str(name): eval_sets(ds) for name, ds in eval_dataset.items()}
     if isinstance(eval_dataset, datasets.IterableDataset):
         return read_whole(eval_dataset)
