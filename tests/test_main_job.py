@@ -1,4 +1,4 @@
-"""The README's main job: the offline toy recipe, end to end (pre-trains the toy base, ~1 min on CPU)."""
+"""The README's main job: the offline toy recipe, end to end, on the toy base the session pre-trained."""
 
 import json
 from pathlib import Path
@@ -11,8 +11,9 @@ RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "toy-addition.yaml
 
 
 @pytest.mark.slow
-def test_toy_recipe_learns(tmp_path, monkeypatch):
-    monkeypatch.setenv("LORA_GRPO_CACHE", str(tmp_path / "cache"))
+def test_toy_recipe_learns(tmp_path, monkeypatch, toy_base):
+    # the toy base the session built (its pretraining is test_toy's and the toy_base fixture's)
+    monkeypatch.setenv("LORA_GRPO_CACHE", str(Path(toy_base).parent))
     assert main(["train", str(RECIPE), "--set", f"output_dir={tmp_path / 'run'}"]) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.15, summary

@@ -130,10 +130,12 @@ def test_the_installed_package_lists_its_recipes_outside_the_clone(installed, ou
 
 
 @pytest.mark.slow
-def test_the_installed_package_trains_the_default_recipe_outside_the_clone(installed, outside):
-    """`lora-grpo train` with no recipe: the shipped toy recipe, its base pre-trained into a fresh
-    cache (~40 s), two steps, the eval on 8 prompts."""
+def test_the_installed_package_trains_the_default_recipe_outside_the_clone(installed, outside, toy_base):
+    """`lora-grpo train` with no recipe: the shipped toy recipe, two steps, the eval on 8 prompts. Its
+    base comes from the cache the session's toy_base fixture built (the installed package finds the
+    source tree's entry: the cache key is the same); the build itself is test_toy's and toy_base's."""
     run = outside / "run"
+    cache = Path(toy_base).parent
     out = _run(
         installed,
         outside,
@@ -146,10 +148,10 @@ def test_the_installed_package_trains_the_default_recipe_outside_the_clone(insta
         f"output_dir={run}",
         "--set",
         "eval_limit=8",
-        env={"LORA_GRPO_CACHE": str(outside / "cache")},
+        env={"LORA_GRPO_CACHE": str(cache)},
     )
     assert "(recipe toy-addition)" in out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["accuracy_after"] is not None
-    assert list((outside / "cache").glob("toy_base-*/model.safetensors"))
+    assert [str(p) for p in cache.iterdir()] == [toy_base]  # the cached entry was used, no second one built
     assert "dataset: toy" in (run / "config.yaml").read_text()
