@@ -328,6 +328,22 @@ class GRPOConfig:
     )
     kl_ratio_correction: bool = _f(True, "multiply k3 by pi/pi_old (unbiased KL gradient, DeepSeek-V3.2)")
     mask_truncated_completions: bool = _f(False, "exclude completions without EOS from the loss")
+    dynamic_sampling: bool = _f(
+        False,
+        "train only on groups whose rewards are not all equal (DAPO's dynamic sampling, Yu et al. 2025): "
+        "a step samples rounds of prompts_per_step × steps_per_generation prompts until it holds that "
+        "many such groups; num_epochs counts the prompts consumed",
+    )
+    dynamic_sampling_max_rounds: int = _f(
+        4,
+        "dynamic_sampling: rollouts a step may sample at most; a step still short trains with groups "
+        "that were dropped filling it (the dynamic_sampling/filled_groups metric)",
+    )
+    dynamic_sampling_min_std: float = _f(
+        0.0,
+        "dynamic_sampling: also drop groups whose reward std (unbiased) is below this; 0 = drop only "
+        "groups whose rewards are exactly equal",
+    )
     num_iterations: int = _f(
         1,
         "passes over each generation batch, each pass steps_per_generation optimizer steps (>1 "

@@ -113,6 +113,7 @@ def _validate_fields(cfg) -> None:
         "logprob_chunk_size",
         "learning_rate",
         "num_epochs",
+        "dynamic_sampling_max_rounds",
     ]:
         positive(name)
     for name in [
@@ -134,6 +135,7 @@ def _validate_fields(cfg) -> None:
         "vespo_k_neg",
         "entropy_coef_delta",
         "entropy_coef_min",
+        "dynamic_sampling_min_std",
     ]:
         positive(name, allow_zero=True)
     # Reporting.

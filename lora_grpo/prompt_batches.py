@@ -61,6 +61,11 @@ class PromptBatches:
     def __len__(self) -> int:
         return self.steps_per_epoch
 
+    @property
+    def epochs_done(self) -> float:
+        """Passes over the data so far: the epoch plus the share of its batches already drawn."""
+        return self.epoch + self.index / (self.steps_per_epoch * self.prompts_per_step)
+
     def _set_position(self, epoch: int, index: int) -> None:
         if epoch < 0 or not 0 <= index <= len(self.dataset):
             raise ValueError(

@@ -16,6 +16,7 @@ its scoring forward at every candidate size (probe_passes).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +36,58 @@ from .rollout import tool_metrics
 Tensor = torch.Tensor
 
 
+@dataclass
+class Scored:
+    """One rollout's rewards, B = prompts × G rows: what advantages, metrics and completions.jsonl read."""
+
+    rewards: Tensor  # (B,) weighted sum over the functions (NaN where none scored the row)
+    per_func: Tensor  # (B, F), NaN where a function returned None
+    metrics: dict[str, float]  # compute_rewards' rewards/* and reward/* over these rows
+    completions: list  # (B,) as the reward functions saw them
+    extra: dict[str, list] = field(default_factory=dict)  # log_extra's columns, (B,) each
+    logged: dict[str, list[float]] = field(default_factory=dict)  # log_metric's values
+
+    @property
+    def all_metrics(self) -> dict[str, float]:
+        """The reward metrics with each log_metric name's mean."""
+        return {**self.metrics, **{k: sum(v) / len(v) for k, v in self.logged.items()}}
+
+    def rows(self, index: Tensor, names: list[str]) -> Scored:
+        """The rows ``index`` (1-D long), in that order; the metrics recomputed over them (names: the
+        reward functions')."""
+        picked = index.tolist()
+        rewards, per_func = self.rewards[index], self.per_func[index]
+        return Scored(
+            rewards,
+            per_func,
+            reward_metrics(rewards, per_func, names),
+            [self.completions[i] for i in picked],
+            {k: [v[i] for i in picked] for k, v in self.extra.items()},
+            self.logged,
+        )
+
+    @staticmethod
+    def concat(parts: list[Scored], names: list[str]) -> Scored:
+        """Several rounds' rewards as one, rows in order; log_extra columns a round lacks are None there."""
+        if len(parts) == 1:
+            return parts[0]
+        rewards, per_func = torch.cat([p.rewards for p in parts]), torch.cat([p.per_func for p in parts])
+        columns = {k: None for p in parts for k in p.extra}
+        extra = {k: [x for p in parts for x in p.extra.get(k, [None] * len(p.completions))] for k in columns}
+        logged: dict[str, list[float]] = {}
+        for p in parts:
+            for k, v in p.logged.items():
+                logged.setdefault(k, []).extend(v)
+        return Scored(
+            rewards,
+            per_func,
+            reward_metrics(rewards, per_func, names),
+            [c for p in parts for c in p.completions],
+            extra,
+            logged,
+        )
+
+
 class RolloutScorer:
     """The reward side of a step, built once: the functions, their names, the config's weights."""
 
@@ -52,8 +105,6 @@ class RolloutScorer:
         self.names = reward_names(self.reward_funcs)
         self.forward_rows: Callable[[], int] | None = None  # the run's micro_batch_size, set by the trainer
         self.trainer_state = trainer_state  # what reward functions get as trainer_state
-        self.extra: dict[str, list] = {}  # log_extra's columns of the last scoring (for completions.jsonl)
-        self.logged: dict[str, list[float]] = {}  # log_metric's values of the last scoring
         self.last_samples = (
             None  # the last scored training step's (prompts, completions, per_func, rewards, advantages)
         )
@@ -67,10 +118,10 @@ class RolloutScorer:
         self.weights = None if self.weights is None else [*self.weights, 1.0]
         self.names = reward_names(self.reward_funcs)
 
-    def rewards(self, rollout, rows: dict[str, list], group_size: int):
-        """(rewards (B,), per-function (B, F) with NaN where a function returned None, metrics). Reward
-        functions may log_extra(column, values) and log_metric(name, value), as in TRL; the metrics
-        get each logged name's mean."""
+    def score(self, rollout, rows: dict[str, list], group_size: int) -> Scored:
+        """Every reward function on the rollout: the weighted rewards, the per-function table, their
+        metrics. Reward functions may log_extra(column, values) and log_metric(name, value), as in
+        TRL; the metrics get each logged name's mean."""
         prompts, completions, columns = rollout_keywords(
             rollout, rows, group_size, self.trainer_state, PROMPT_MESSAGES
         )
@@ -82,20 +133,23 @@ class RolloutScorer:
             ]
         if self.environments() is not None:
             columns["environments"] = self.environments()
-        self.extra, self.logged = {}, {}
+        extra, logged = {}, {}
         if self.forward_rows is not None:  # a reward model's forwards are sized as the run's others
-            rows = self.forward_rows()
+            size = self.forward_rows()
             for fn in self.reward_models:
-                fn.batch_size = min(fn.requested_batch_size, rows)
-        columns["log_extra"] = lambda column, values: self.extra.setdefault(column, []).extend(values)
-        columns["log_metric"] = lambda name, value: self.logged.setdefault(name, []).append(float(value))
+                fn.batch_size = min(fn.requested_batch_size, size)
+        columns["log_extra"] = lambda column, values: extra.setdefault(column, []).extend(values)
+        columns["log_metric"] = lambda name, value: logged.setdefault(name, []).append(float(value))
         rewards, per_func, metrics = compute_rewards(
             self.reward_funcs, prompts, completions, columns, weights=self.weights
         )
-        self.completions = (
-            completions  # as the reward functions saw them (completions.jsonl keeps the conversation)
-        )
-        return rewards, per_func, {**metrics, **{k: sum(v) / len(v) for k, v in self.logged.items()}}
+        # completions as the reward functions saw them (completions.jsonl keeps the conversation)
+        return Scored(rewards, per_func, metrics, completions, extra, logged)
+
+    def rewards(self, rollout, rows: dict[str, list], group_size: int):
+        """(rewards (B,), per-function (B, F) with NaN where a function returned None, metrics)."""
+        scored = self.score(rollout, rows, group_size)
+        return scored.rewards, scored.per_func, scored.all_metrics
 
     def place_reward_models(self, device: torch.device, dtype: torch.dtype) -> None:
         """Each reward model onto the run's device; one loaded from a path (not the caller's object)
@@ -131,28 +185,58 @@ class RolloutScorer:
 
         return tuple(probe(fn) for fn in self.reward_models)
 
-    def advantages(self, rollout, rows: dict[str, list]) -> tuple[Tensor, dict[str, float]]:
-        """Rewards → group-relative advantages (B,), with the step's reward and completion metrics."""
+    def advantages(
+        self, rollout, rows: dict[str, list], scored: Scored | None = None, sampled: tuple | None = None
+    ) -> tuple[Tensor, dict[str, float]]:
+        """Rewards → group-relative advantages (B,), with the step's reward and completion metrics.
+
+        scored: the rollout's rewards when already computed (None: score it here). sampled: with dynamic
+        sampling, (every completion the step sampled: a Rollout, its Scored, and the rows of them that
+        are `rollout`, (B,) long); the reward and completion metrics and completions.jsonl cover them
+        all, the rows not trained on marked "dropped"."""
         cfg, acc = self.config, self.accelerator
-        rewards, per_func, metrics = self.rewards(rollout, rows, cfg.num_generations)
+        scored = scored or self.score(rollout, rows, cfg.num_generations)
         advantages = multi_objective_advantages(
-            per_func, self.weights, cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation
+            scored.per_func,
+            self.weights,
+            cfg.num_generations,
+            cfg.scale_rewards,
+            cfg.multi_objective_aggregation,
         )
-        self.last_samples = (rollout.prompts, self.completions, per_func, rewards, advantages, self.extra)
-        lengths, truncated = rollout.completion_lengths.float(), rollout.truncated.float()
+        seen_rollout, seen, extra, seen_advantages = rollout, scored, scored.extra, advantages
+        if sampled is not None:
+            seen_rollout, seen, trained = sampled
+            dropped = torch.ones(len(seen.completions), dtype=torch.bool)
+            dropped[trained] = False
+            seen_advantages = torch.zeros(len(seen.completions))
+            seen_advantages[trained] = advantages.float().cpu()
+            extra = {**seen.extra, "dropped": dropped.tolist()}
+        self.last_samples = (
+            seen_rollout.prompts,
+            seen.completions,
+            seen.per_func,
+            seen.rewards,
+            seen_advantages,
+            extra,
+        )
+        uneven = sampled is not None  # each process may have sampled another number of rounds
+        rewards, per_func = seen.rewards, seen.per_func
+        lengths, truncated = seen_rollout.completion_lengths.float(), seen_rollout.truncated.float()
         calls = (
             None
-            if rollout.tool_calls is None
-            else (rollout.tool_calls.float(), rollout.tool_failures.float())
+            if seen_rollout.tool_calls is None
+            else (seen_rollout.tool_calls.float(), seen_rollout.tool_failures.float())
         )
+        metrics = seen.all_metrics
         if acc.num_processes > 1:  # metrics over every process's groups, not just this one's
+            gather = _gather_uneven if uneven else _gather
             rewards, per_func, lengths, truncated = (
-                acc.gather(t.to(acc.device)).cpu() for t in (rewards, per_func, lengths, truncated)
+                gather(acc, t) for t in (rewards, per_func, lengths, truncated)
             )
-            calls = None if calls is None else tuple(acc.gather(t.to(acc.device)).cpu() for t in calls)
+            calls = None if calls is None else tuple(gather(acc, t) for t in calls)
             metrics = {
                 **reward_metrics(rewards, per_func, self.names),
-                **{k: v for k, v in metrics.items() if k in self.logged},
+                **{k: v for k, v in metrics.items() if k in seen.logged},
             }  # log_metric's: this process's
         metrics.update(
             {
@@ -164,3 +248,14 @@ class RolloutScorer:
             }
         )
         return advantages, metrics
+
+
+def _gather(acc, t: Tensor) -> Tensor:
+    return acc.gather(t.to(acc.device)).cpu()
+
+
+def _gather_uneven(acc, t: Tensor) -> Tensor:
+    """Rows of every process, whatever their count on each (a collective: every process calls it)."""
+    from accelerate.utils import gather_object
+
+    return torch.cat(gather_object([t.cpu()]))

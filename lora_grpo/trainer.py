@@ -1,6 +1,8 @@
 """GRPOTrainer: the loop. It orchestrates the stages; the math lives in the pure modules.
 
     prompts ─► generation_round: rollout (policy, no grad) ─► rewards ─► advantages (scorer.py) ─► Batch
+               (dynamic_sampling: rollout and rewards in rounds of the next prompts until the step holds
+               enough groups whose rewards differ, dynamic_sampling.py)
             ─► old log-probs (when the rollout feeds more than one update) ─► reference log-probs (the
                reference adapter; skipped if beta = 0 or while the slot provably equals the policy)
             ─► num_iterations × steps_per_generation optimizer steps (update.PolicyUpdate), each followed by
@@ -29,11 +31,19 @@ from .batch import Batch
 from .config import ConfigError, GRPOConfig
 from .data import PromptBatches, named_eval_sets, process_shard, resolve_datasets, resolve_eval_dataset
 from .device import mixed_precision_dtype, now, place_model
+from .dynamic_sampling import Round, StepSample, dropped_kinds, informative_groups, sample_step, step_metrics
 from .evaluation import Evaluator, headline_score
 from .failures import LastFinishedStep, StepFailed, describe_stages, stage, stages_of
 from .memory import MemoryPlan
 from .model import keep_4bit_weights_fixed, load_model
-from .optim import WarmupRestarts, build_optimizer, build_scheduler, reset_optimizer_state, steps_of
+from .optim import (
+    WarmupRestarts,
+    build_optimizer,
+    build_scheduler,
+    reset_optimizer_state,
+    steps_of,
+    sum_over_processes,
+)
 from .optim import apply_config as apply_optimizer_config
 from .reference import sync_reference
 from .reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
@@ -313,11 +323,13 @@ class GRPOTrainer:
                         pending, state.unfinished_step = state.unfinished_step, None
                         self._end_step(pending["metrics"], epoch_ended=pending["epoch_ended"], stop=stop)
                     while state.global_step < self.total_steps and not self.stop_requested:
+                        if cfg.dynamic_sampling and self._agreed_prompts_spent():
+                            break
                         with stage("rollout"):  # the data: a row that fails to load or to format
                             epoch, rows = next(state.batches)
-                        epoch_ended = state.batches.epoch != epoch
                         self._event("step_begin")  # a rollout's first step begins with the rollout
                         steps, round_metrics = self.generation_round(rows)
+                        epoch_ended = state.batches.epoch != epoch  # after every round of the step
                         for k, step_batch in enumerate(steps):
                             if k:
                                 self._event("step_begin")
@@ -330,7 +342,11 @@ class GRPOTrainer:
                                 metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0)
                             )
                             state.global_step += 1
-                            state.epoch = state.global_step / self.steps_per_epoch
+                            state.epoch = (  # passes over the data: with dynamic sampling, the prompts drawn
+                                state.batches.epochs_done
+                                if cfg.dynamic_sampling
+                                else state.global_step / self.steps_per_epoch
+                            )
                             metrics["epoch"] = epoch
                             self._end_step(
                                 metrics, epoch_ended=epoch_ended and k == len(steps) - 1, stop=stop
@@ -465,14 +481,26 @@ class GRPOTrainer:
 
     def generation_round(self, rows: dict[str, list]) -> tuple[list[Batch], dict[str, float]]:
         """One rollout of the round's prompts, scored, ready for its optimizer steps: (the step batches in
-        training order, num_iterations passes over steps_per_generation slices; the round's metrics)."""
+        training order, num_iterations passes over steps_per_generation slices; the round's metrics).
+        With dynamic_sampling, more rollouts of the next prompts until enough groups carry signal
+        (sample_step); the batches hold those groups."""
         cfg = self.config
         t0 = now(self.accelerator.device)
         with stage("rollout"):
             rollout = self.generate(rows["prompt"], rows=rows)
-        t_gen = now(self.accelerator.device)
         with stage("reward"):
-            advantages, metrics = self.scorer.advantages(rollout, rows)  # rewards → group-relative advantages
+            scored = self.scorer.score(rollout, rows, cfg.num_generations)
+        sampled, sampling_metrics = None, {}
+        if cfg.dynamic_sampling:  # more rounds until the step holds enough informative groups
+            step = self.sample_step(Round(rows, rollout, scored))
+            rows, rollout, scored = step.trained(self.reward_names)
+            sampled = (step.rollout, step.scored, step.trained_rows)
+            counts = sum_over_processes(step.counts, self.accelerator)
+            sampling_metrics = step_metrics(counts, self.accelerator.num_processes)
+        t_gen = now(self.accelerator.device)
+        with stage("reward"):  # rewards → group-relative advantages
+            advantages, metrics = self.scorer.advantages(rollout, rows, scored, sampled)
+        metrics.update(sampling_metrics)
         batch = Batch.from_rollout(
             rollout, advantages, mask_truncated_completions=cfg.mask_truncated_completions
         )
@@ -503,6 +531,52 @@ class GRPOTrainer:
         return batch.steps(
             cfg.steps_per_generation
         ) * cfg.num_iterations, metrics  # where a rollout is cut into steps
+
+    def sample_step(self, first: Round) -> StepSample:
+        """Dynamic sampling (dynamic_sampling.py): after `first`, rounds of the next prompts until the
+        step holds prompts_per_generation informative groups, or the rounds or the prompts run out."""
+        cfg, scorer = self.config, self.scorer
+
+        def next_round() -> Round | None:
+            if self._prompts_spent():
+                return None
+            with stage("rollout"):
+                _, rows = next(self.state.batches)
+                rollout = self.generate(rows["prompt"], rows=rows)
+            with stage("reward"):
+                return Round(rows, rollout, scorer.score(rollout, rows, cfg.num_generations))
+
+        G = cfg.num_generations
+        return sample_step(
+            first,
+            next_round,
+            quota=cfg.prompts_per_generation,
+            max_rounds=cfg.dynamic_sampling_max_rounds,
+            informative=lambda scored: informative_groups(
+                scored.per_func,
+                scorer.weights,
+                G,
+                cfg.multi_objective_aggregation,
+                cfg.dynamic_sampling_min_std,
+            ),
+            classify=lambda scored, dropped: dropped_kinds(
+                scored.per_func[:, 0], dropped, G, cfg.eval_correct_threshold
+            ),
+            pad_token_id=self.tokenizer.pad_token_id,
+            names=self.reward_names,
+        )
+
+    def _prompts_spent(self) -> bool:
+        """Whether a run of num_epochs (max_steps 0) has drawn its epochs' prompts: with dynamic sampling
+        a step may draw several batches, so the epochs, not the step count, end the run."""
+        cfg = self.config
+        return not cfg.max_steps and self.state.batches.epochs_done >= cfg.num_epochs
+
+    def _agreed_prompts_spent(self) -> bool:
+        """_prompts_spent on any process (each draws its own share, at its own pace): every process
+        ends the run at the same step."""
+        spent = {"spent": float(self._prompts_spent())}
+        return sum_over_processes(spent, self.accelerator)["spent"] > 0
 
     def training_step(self, rows: dict[str, list]) -> dict[str, float]:
         """One generation round on one batch of prompts and all its optimizer steps (one, at the defaults);

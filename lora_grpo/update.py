@@ -100,16 +100,19 @@ class PolicyUpdate:
         step), loss, grad_norm, lr, skipped_nonfinite."""
         cfg, acc = self.config, self.accelerator
         n_seq = batch.input_ids.shape[0]
-        n_micro = math.ceil(n_seq / micro_batch_size)
         # dapo's denominator: the step's tokens over every process, divided by the number of
         # processes because their gradients are averaged.
         num_tokens = (
             sum_over_processes({"t": batch.completion_mask.sum().item()}, acc)["t"] / acc.num_processes
         )
+        # Rows whose gradient is exactly zero are left out; the normalisers stay the whole step's.
+        idle = zero_gradient_rows(batch.advantages, batch.completion_mask, cfg)
+        trained = batch if idle is None or not idle.any() else batch.rows((~idle).nonzero().flatten())
+        n_micro = math.ceil(trained.input_ids.shape[0] / micro_batch_size)
         with train_mode(self.model):  # checkpointing on; the model goes back to eval mode for sampling
             parts = [
                 self.accumulate(mb, num_tokens, n_seq, n_micro, read=False)
-                for mb in batch.micro_batches(micro_batch_size)
+                for mb in trained.micro_batches(micro_batch_size)
             ]
         sums: dict[str, float] = {}
         for m, weight, loss in _read_once(parts):  # one device sync for every micro-batch's metrics
@@ -126,16 +129,20 @@ class PolicyUpdate:
                 control.coef * sums["tokens"]
             )  # reported as TRL does (a token mean of a constant)
         loss_total, tokens = sums.pop("loss") / acc.num_processes, max(sums.pop("tokens"), 1.0)
+        skipped = sum_over_processes(
+            {"rows": float(n_seq - trained.input_ids.shape[0]), "of": float(n_seq)}, acc
+        )
         # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
         lr = self.scheduler.get_last_lr()[0]
-        skipped = self._step_unless_nonfinite(loss_total, grad_norm)
+        nonfinite = self._step_unless_nonfinite(loss_total, grad_norm)
         return {
             **{k: v / tokens for k, v in sums.items()},
             "loss": loss_total,
             "grad_norm": grad_norm,
             "lr": lr,
-            "skipped_nonfinite": float(skipped),
+            "skipped_nonfinite": float(nonfinite),
+            "zero_advantage_skipped": skipped["rows"] / skipped["of"],
         }
 
     def accumulate(
@@ -195,6 +202,30 @@ class PolicyUpdate:
             )
         count_nonfinite(self.state, finite, self.config)
         return not finite
+
+
+def zero_gradient_rows(advantages: Tensor, completion_mask: Tensor, config) -> Tensor | None:
+    """(B,) bool: the rows that contribute exactly zero to this update's gradient, or None when the
+    loss settings give every row one. A row with zero advantage (a group of equal rewards, or a
+    completion at its group's mean) or without loss tokens has a policy term of exactly 0 in every
+    loss type; what else could act on it is off: beta = 0 (no KL term), no entropy bonus (fixed or
+    adaptive), top_entropy_quantile = 1 (the quantile would read its tokens' entropies). bnpo is left
+    whole: its per-micro-batch token mean depends on which rows share a micro-batch. The others are
+    normalised by the whole step's tokens (dapo, cispo, vespo) or sequences (grpo, sapo, luspo,
+    dr_grpo: accumulation_scale's share of the step's sequences), so leaving rows out changes
+    nothing. At least one row stays (every process runs a forward and has gradients to average)."""
+    if (
+        config.beta != 0
+        or config.entropy_coef != 0
+        or config.use_adaptive_entropy
+        or config.top_entropy_quantile < 1
+        or config.loss_type == "bnpo"
+    ):
+        return None
+    idle = (advantages == 0) | (completion_mask.sum(dim=1) == 0)
+    if idle.all():
+        idle[0] = False
+    return idle
 
 
 def _read_once(

@@ -63,6 +63,51 @@ class Rollout:
         }
         return Rollout(**moved)
 
+    def rows(self, index: Tensor) -> Rollout:
+        """The rows ``index`` (1-D long), in that order: every per-row field, tensors and lists alike."""
+        picked = index.tolist()
+        return Rollout(
+            **{
+                f.name: v
+                if (v := getattr(self, f.name)) is None
+                else v[index.to(v.device)]
+                if isinstance(v, Tensor)
+                else [v[i] for i in picked]
+                for f in fields(self)
+            }
+        )
+
+    @staticmethod
+    def concat(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+        """Rollouts of different lengths as one: prompts left-padded to the longest prompt, completions
+        right-padded to the longest completion (pad_token_id, mask 0, log-prob 0), rows in order."""
+        if len(rollouts) == 1:
+            return rollouts[0]
+        P = max(r.prompt_ids.shape[1] for r in rollouts)
+        T = max(r.completion_ids.shape[1] for r in rollouts)
+
+        def join(name: str):
+            values = [getattr(r, name) for r in rollouts]
+            if any(v is None for v in values):
+                return None
+            if not isinstance(values[0], Tensor):
+                return [x for v in values for x in v]
+            if values[0].ndim == 1:
+                return torch.cat(values)
+            prompt_side = name in ("prompt_ids", "prompt_mask")
+            width, fill = (P, pad_token_id if name == "prompt_ids" else 0) if prompt_side else (T, 0)
+            if name == "completion_ids":
+                fill = pad_token_id
+            padded = [
+                torch.nn.functional.pad(
+                    v, (width - v.shape[1], 0) if prompt_side else (0, width - v.shape[1]), value=fill
+                )
+                for v in values
+            ]
+            return torch.cat(padded)
+
+        return Rollout(**{f.name: join(f.name) for f in fields(Rollout)})
+
     @property
     def input_ids(self) -> Tensor:  # (B, P+T)
         return torch.cat([self.prompt_ids, self.completion_ids], dim=1)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config import GRPOConfig as NativeConfig
-from .config import GRPOConfig
+from .config import EXTENSIONS, GRPOConfig
 
 
 @dataclass(frozen=True)
@@ -563,6 +563,7 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
             "ref_sync_steps": args.ref_model_sync_steps if args.sync_ref_model else 0,
             "ref_sync_alpha": args.ref_model_mixup_alpha if args.sync_ref_model else 1.0,
             "ref_sync_mode": "exact",
+            **{name: getattr(args, name) for name in EXTENSIONS if hasattr(args, name)},
             # The flow (when to log, evaluate, save) is transformers' DefaultFlowCallback's (trl.trainer).
             "logging_steps": 1,
             "eval_steps": 0,
