@@ -323,8 +323,8 @@ class GRPOTrainer:
                         pending, state.unfinished_step = state.unfinished_step, None
                         self._end_step(pending["metrics"], epoch_ended=pending["epoch_ended"], stop=stop)
                     while state.global_step < self.total_steps and not self.stop_requested:
-                        if cfg.dynamic_sampling and self._agreed_prompts_spent():
-                            break
+                        if cfg.dynamic_sampling and not cfg.max_steps and self._agreed_prompts_spent():
+                            break  # the epochs' prompts are drawn (a step may draw several batches)
                         with stage("rollout"):  # the data: a row that fails to load or to format
                             epoch, rows = next(state.batches)
                         self._event("step_begin")  # a rollout's first step begins with the rollout

@@ -53,6 +53,7 @@ def run_torchrun(source: str, workdir, *args, nproc: int = 2, timeout: int = 300
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # a free port of its own: two test processes may run torchrun at once
         "--nproc_per_node",
         str(nproc),
         script,

@@ -311,7 +311,12 @@ cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, num_gen
 t = GRPOTrainer(cfg, reward_funcs=[half_constant], train_dataset=prompts)
 t.train()
 sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
-json.dump({"sums": sums, "history": t.state.log_history, "rounds": t.state.batches.state_dict()},
+# one epoch of each process's 12 prompts, at most 2 rounds a step: the processes agree when it ends
+cfg.max_steps, cfg.num_epochs, cfg.dynamic_sampling_max_rounds, cfg.output_dir = 0, 1, 2, out + "/epoch"
+e = GRPOTrainer(cfg, reward_funcs=[half_constant], train_dataset=prompts)
+e.train()
+json.dump({"sums": sums, "history": t.state.log_history, "epoch_steps": e.state.global_step,
+           "epochs_done": e.state.batches.epochs_done},
           open(f"{out}/rank{t.accelerator.process_index}.json", "w"))
 """
 
@@ -326,6 +331,8 @@ def test_two_processes_fill_their_own_quota_and_stay_identical(tiny_base_dir, tm
             assert h0[key] == pytest.approx(h1[key]), key
     # each process drew its own prompts at its own pace: the counts are over both
     assert all(h["dynamic_sampling/prompts_consumed"] >= 4 for h in r0["history"] if "loss" in h)
+    assert r0["epoch_steps"] == r1["epoch_steps"] <= 6  # the same last step; 6 = one round a step
+    assert max(r0["epochs_done"], r1["epochs_done"]) >= 1  # the first process out of prompts ended it
 
 
 # ------------------------------------------------------------------------------ the exact saving
