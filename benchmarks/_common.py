@@ -16,9 +16,9 @@ import torch
 MiB = 2**20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the --dtype choices
 
-# Qwen2 shapes of the whole-step benchmarks (train_step, vs_trl, limit). "qwen2.5-0.5b" is
+# Qwen2 shapes of the whole-step benchmarks (train_step, vs_trl, limit, gpu_check). "qwen2.5-0.5b" is
 # Qwen2.5-0.5B (its 151,936-token vocabulary: for a GPU); "qwen2.5-0.5b-cpu" is the same body with
-# a vocabulary of 8,192, so that a step fits a CPU run.
+# a vocabulary of 8,192, so that a step fits a CPU run; "qwen2.5-1.5b" is Qwen2.5-1.5B (GPU only).
 QWEN2_SHAPES = {
     "tiny": dict(
         hidden_size=32,
@@ -56,6 +56,15 @@ QWEN2_SHAPES = {
         vocab_size=151936,
         tie_word_embeddings=True,
     ),  # 494 M
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),  # 1.54 B
 }
 
 
@@ -77,12 +86,18 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
 
 
 def build_qwen2(
-    shape: str, path, dtype: torch.dtype = torch.float32, chat_template: str | None = None, **overrides
+    shape: str,
+    path,
+    dtype: torch.dtype = torch.float32,
+    chat_template: str | None = None,
+    device: str | torch.device = "cpu",
+    **overrides,
 ) -> None:
     """Save a random-init Qwen2 of QWEN2_SHAPES[shape] (seed 0; `overrides` replace its fields, e.g.
     num_hidden_layers) to `path`, and a word-level tokenizer over its vocabulary (ids 0-2 "<pad>",
     "<eos>", "<unk>", then "t3", "t4", ... one word per id; with `chat_template` if given) to
-    `path`/tokenizer.
+    `path`/tokenizer. `device`: where the weights are initialised ("cuda": a 1.5B model in seconds,
+    where a CPU takes far longer; other random values than a CPU's, from the same seed).
 
     The special tokens are not "t0"-"t2": a tokenizer matches its special tokens inside words, so
     "t1305" would split into "t1" (EOS) and an unknown "305". The tokenizer lives beside the model,
@@ -104,7 +119,10 @@ def build_qwen2(
     config = Qwen2Config(
         max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None, **spec
     )
-    Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    model.save_pretrained(path)
+    del model
     tokenizer.save_pretrained(f"{path}/tokenizer")
 
 
@@ -130,12 +148,13 @@ def load_peer_model(path: str, base: str):
     return model
 
 
-def run_worker(command: list[str], what: str) -> dict:
-    """Run a benchmark's worker in a fresh process and return the JSON of its last "RESULT " line."""
+def run_worker(command: list[str], what: str, timeout: float | None = None) -> dict:
+    """Run a benchmark's worker in a fresh process and return the JSON of its last "RESULT " line
+    (subprocess.TimeoutExpired after `timeout` seconds)."""
     import json
     import subprocess
 
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{what} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")

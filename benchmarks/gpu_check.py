@@ -1,44 +1,93 @@
 """The GPU check: what only a GPU can show about lora_grpo, in one run of under 8 minutes on one GPU.
 
-Nothing is downloaded: the models are random-init Qwen2s built locally (_common.build_qwen2), the
-0.5B recipe's shape (qwen2.5-0.5b: Qwen2.5-0.5B's body and 151,936-token vocabulary) in bf16 on a
-GPU. Each section prints its findings and goes on when another one fails; the exit status is the
+Nothing is downloaded: the models are random-init Qwen2s built locally (_common.build_qwen2), in
+Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes (their bodies and 151,936-token vocabularies) for the
+recipes' sections and in small shapes elsewhere, and the calculator task's tiny base, pre-trained
+here on the CPU (lora_grpo.tasks.calculator). Each section prints what it measured and one "ok:" or
+"FAIL:" line per threshold; a missed threshold fails its section after the rest of it has run, an
+error fails it where it happens, and the next section runs either way. The exit status is the
 number of failed sections.
 
-1. devices     what device.py decides here: torch_dtype auto, whether decode_mode auto compiles
-               (compute capability, native bf16, Triton).
-2. recipe      qwen2.5-0.5b-gsm8k-qlora's settings (4-bit base, LoRA r 16, 8 prompts × G 8,
-               256 + 384 tokens, micro_batch_size / gradient_checkpointing auto) for a few steps, on
-               token prompts of the recipe's prompt length: per step, memory allocated and reserved
-               before and after the rollout, the rollout's and the update's peaks, and the static
-               caches the compiled decode keeps, next to the memory plan's figures (memory.py).
-3. decode      tokens/s of the eager and the compiled sampler on the trained model (greedy, the
-               recipe's shape), how many rows draw the same tokens, and what dynamo recorded: graph
-               breaks (does torch.compile break the graph at bitsandbytes' 4-bit layers?), graphs,
-               recompiles. TORCH_LOGS-style graph-break and recompile lines go to stderr.
-4. bf16 KL     the KL between identical adapters (must be exactly 0), after a hard sync, and between
-               nearby adapters: lora_grpo's log-probs of a bf16 model (float32 head) and of the same
-               weights in float32, next to log-probs from the model's own bf16 logits (what rounding
-               the head's output to bf16 would give: defect 5 of issue 16).
-5. resume      a tiny run on the GPU writes a checkpoint; a CPU-only process (CUDA_VISIBLE_DEVICES="")
-               resumes it and trains one more step (optimizer state onto the CPU, the CUDA sampling
-               state reseeded with one line).
+ 1. devices      what device.py decides here: torch_dtype auto, whether decode_mode auto compiles.
+ 2. memory, 0.5B qwen2.5-0.5b-gsm8k-qlora's settings (4-bit base, LoRA r 16, 8 prompts × G 8, 256 + 384
+                 tokens, micro_batch_size / gradient_checkpointing auto) for --steps steps and an eval
+                 at the end (a greedy decode and the kl_to_base samples and forwards of 64 token prompts),
+                 on an emulated 8 GB card (below). Per step the allocator's allocated and reserved
+                 bytes around the rollout, the update (log-probs, loss, backward, optimizer step) and
+                 the eval, and the compiled decode's kept caches, against the memory plan's figures
+                 (memory.py) and beside memory_estimate's figures for the same sizes; inductor's
+                 cudagraph-skip counter over the run.
+ 3. decode       on section 2's trained model: tokens/s of the eager and the compiled sampler
+                 (greedy, the recipe's shape), the rows that draw the same tokens, and whether each
+                 compiled choice is the eager model's own argmax up to rounding (a teacher-forced
+                 forward over the compiled rollout: the largest margin by which another token beat the
+                 one chosen); what dynamo recorded (graphs, graph breaks, e.g. at bitsandbytes' 4-bit
+                 layers, recompiles; TORCH_LOGS-style lines go to stderr).
+ 4. memory, 1.5B section 2 for qwen2.5-1.5b-gsm8k-calculator-qlora (4 prompts × G 8, 384 + 512 tokens)
+                 without its calculator (the tool's replies fill the same max_completion_length slots
+                 of the same cache; section 9 runs tools).
+ 5. decode after updates  a 4-bit "small" model trained 2 steps with the compiled decode (lora_B off
+                 zero, optimizer steps, a sync between the rollouts: hard in float32, soft in bf16),
+                 then compiled against eager greedy decoding in both dtypes, as in section 3; the
+                 training decode's cudagraph skips must be 0.
+ 6. bf16 KL      the KL between identical adapters, on a bf16 base (must be exactly 0) and on a 4-bit
+                 base with bf16 compute (|KL| < 1e-6), after a hard sync, and between nearby adapters:
+                 lora_grpo's log-probs of a bf16 model (float32 head) against the same weights in
+                 float32 and against log-probs from the model's own bf16 logits (defect 5 of issue 16);
+                 on CUDA, the bf16 head's float32 matmul on TF32 (logprobs._tf32_matmuls) against
+                 float64, and the TF32 flag restored.
+ 7. resume       a 4-bit run of 3 steps against the same run resumed from its step-2 checkpoint on
+                 the same device (every adapter tensor equal; CUDA in deterministic mode, as attention
+                 backward kernels otherwise are not), and the checkpoint resumed by a CPU-only process
+                 (CUDA_VISIBLE_DEVICES="") for one more step.
+ 8. pytest -m gpu the suite's GPU tests, in a subprocess (a time cap inside the budget).
+ 9. tools        the calculator task with the compiled decode: 2 training steps that call the tool,
+                 then sampled tool rollouts compiled against eager (rows with the same tokens, calls).
+10. reward model a tiny sequence-classification reward model (a RewardModel loaded from a path) in a
+                 4-bit run with 'auto' sizes: on the run's device and dtype, finite rewards, its
+                 scoring forwards within the plan's rows.
+11. paged_adamw_8bit  3 steps with bitsandbytes' paged 8-bit AdamW: the adapter moves, 8-bit paged states.
+12. vs TRL       step time and peak memory of lora_grpo and of TRL's GRPOTrainer + a peft LoraConfig
+                 (TRL's defaults: gradient checkpointing on, one micro-batch), the same random 0.5B
+                 4-bit model, prompts, reward and settings, each in a fresh process; when TRL
+                 imports. A measurement: it fails only when a run fails.
 
-Pass/fail: a section fails when it raises; section 2 also fails when a measured figure exceeds the
-plan's (CUDA: the kept caches above plan.kept, an update's allocated peak over the loaded model above
-plan.need). With --out DIR, summary.json (each section: passed, seconds, findings) and summary.txt
-(one line per section) are written there: what the lent GPU machine returns.
+The emulated 8 GB card (sections 2 and 4): torch's allocator is capped by
+set_per_process_memory_fraction at 8 GiB less the 0.5 GiB CUDA context that memory_estimate (and
+the recipes' headers) assume, and the free memory the plan reads, lora_grpo.memory.available_bytes
+(the function memory.py imports from device.py, replaced here as the tests replace it), is that cap
+less what is allocated. The thresholds, in bytes over the model as loaded (the plan's reference):
+allocated peak of each rollout ≤ plan.rollout + plan.optimizer; of each update ≤ plan.optimizer +
+plan.kept + the probed pass at the chosen size; of the eval ≤ plan.need; the kept caches ≤
+plan.kept, and what stays allocated after the first rollout ≤ plan.kept + 8 MiB (the rollout's own
+tensors); reserved peaks (which keep every stage's cached blocks) ≤ plan.need; no cudagraph skips.
+
+With --cpu (the dry run, tests/test_gpu_bundle.py) every section runs its code on a CPU in a tiny
+shape, "static" standing in for "compiled" (the same fixed-shape decoder without torch.compile:
+inductor on a CPU takes tens of seconds a shape, and tests/test_fast_decode.py covers it), what only
+CUDA has skipped and listed under the section's "skipped_parts" (section 8 skips whole), TRL run in
+this process. --budget: a section that would start past it is skipped, not run, and reported so, and
+so are sections 8 and 12 with less than 60 / 120 s of it left; their subprocesses' time caps stay
+within it. --only 2,4: run those sections alone (e.g. a rerun on the same machine). With --out DIR,
+summary.json (each section: status, seconds, findings), summary.txt (one line per section) and
+log.txt (everything printed) are written there, the summary after every section.
 
     python benchmarks/gpu_check.py            # on one CUDA GPU
-    python benchmarks/gpu_check.py --cpu      # a dry run on a CPU with the tiny shape (checks the script)
+    python benchmarks/gpu_check.py --cpu      # a dry run on a CPU with tiny shapes (checks the script)
     python benchmarks/gpu_check.py --out DIR  # also the summary files
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
+import json
 import logging
+import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,62 +97,106 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from _common import QWEN2_SHAPES, MiB, build_qwen2, environment, even_token_share, token_prompts
+from _common import (
+    QWEN2_SHAPES,
+    MiB,
+    build_qwen2,
+    environment,
+    even_token_share,
+    run_worker,
+    token_prompts,
+    train_steps,
+)
 
-RECIPE = "qwen2.5-0.5b-gsm8k-qlora"
-FAILED: list[str] = []
-SUMMARY: dict[str, dict] = {}  # section title → {"passed", "seconds", "findings"}
+REPO = Path(__file__).resolve().parent.parent
+GiB = 2**30
+CARD = 8 * GiB  # the emulated card of sections 2 and 4 (the recipes' "8 GB GPU")
+STAYS_SLACK = 8 * MiB  # what a rollout leaves allocated besides the kept caches: its own tensors
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SUMMARY: dict[str, dict] = {}  # section → {"status", "seconds", "findings", "reason"}
 FINDINGS: dict = {}  # the running section's findings (what summary.json reports of it)
 
 
-@contextmanager
-def section(title: str):
-    """Print the section's header and time; a failure is printed and counted, the run goes on."""
-    print(f"\n## {title}", flush=True)
-    start = time.perf_counter()
-    FINDINGS.clear()
-    passed = True
-    try:
-        yield
-    except Exception as e:  # noqa: BLE001 - one section's failure must not hide the others' findings
-        FAILED.append(title)
-        passed = False
-        FINDINGS["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        print(f"FAILED: {title}\n{traceback.format_exc()}", flush=True)
-    SUMMARY[title] = {
-        "passed": passed,
-        "seconds": round(time.perf_counter() - start, 1),
-        "findings": dict(FINDINGS),
-    }
-    print(f"({time.perf_counter() - start:.1f} s)", flush=True)
+class Skip(Exception):
+    """A section that cannot run here (a package missing, an earlier section's result missing): skipped."""
 
 
-def write_summary(out: str, seconds: float) -> None:
-    """summary.json and summary.txt in `out`: the run's verdict, one entry per section."""
-    import json
+def expect(ok: bool, what: str) -> bool:
+    """One threshold of the running section, printed; a miss fails the section once the rest has run."""
+    print(f"{'ok' if ok else 'FAIL'}: {what}", flush=True)
+    if not ok:
+        FINDINGS.setdefault("failures", []).append(what)
+    return ok
 
-    Path(out).mkdir(parents=True, exist_ok=True)
-    verdict = {
-        "passed": not FAILED,
-        "failed": FAILED,
-        "seconds": round(seconds, 1),
-        "sections": SUMMARY,
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-    }
-    (Path(out) / "summary.json").write_text(json.dumps(verdict, indent=2, default=str) + "\n")
-    lines = [
-        f"{'PASS' if v['passed'] else 'FAIL'} {title} ({v['seconds']} s)"
-        + (f": {v['findings']['error']}" if "error" in v["findings"] else "")
-        for title, v in SUMMARY.items()
-    ]
-    (Path(out) / "summary.txt").write_text(
-        "\n".join(lines + [f"{len(FAILED)} failed, {seconds:.0f} s"]) + "\n"
-    )
+
+def not_here(what: str) -> None:
+    """A part of the running section that only CUDA has, left out of this (CPU) run and listed."""
+    print(f"(skipped here: {what})", flush=True)
+    FINDINGS.setdefault("skipped_parts", []).append(what)
 
 
 def mib(value) -> str:
     return "-" if value is None else f"{value / MiB:,.1f}"
+
+
+class Run:
+    """What the sections share: the arguments, the device, the scratch folder, the clock, the models
+    built so far, and what a section leaves for a later one (section 2's trainer for section 3)."""
+
+    def __init__(self, args, device: torch.device, root: str):
+        self.args, self.device, self.root = args, device, Path(root)
+        self.cuda = device.type == "cuda"
+        self.start = time.perf_counter()
+        self.results: dict = {}
+        self._models: dict = {}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.args.budget - self.elapsed()
+
+    def shape(self, shape: str) -> str:
+        """The shape to use: the tiny one in the CPU dry run."""
+        return "tiny" if self.args.cpu else shape
+
+    def model(self, shape: str, dtype: torch.dtype | None = None) -> str:
+        """The path of a random Qwen2 of `shape` (built once): bf16 on a GPU unless `dtype`."""
+        dtype = dtype or (torch.bfloat16 if self.cuda else torch.float32)
+        key = (shape, dtype)
+        if key not in self._models:
+            path = self.root / f"{shape}-{str(dtype).removeprefix('torch.')}"
+            start = time.perf_counter()
+            build_qwen2(shape, path, dtype, device=self.device)
+            print(
+                f"(built a random {shape} in {str(dtype).removeprefix('torch.')}: {time.perf_counter() - start:.1f} s)"
+            )
+            self._models[key] = str(path)
+        return self._models[key]
+
+
+def release(run: Run) -> None:
+    """On a GPU: collect what was dropped, and give the allocator's cached blocks back to the device
+    (on a CPU reference counting frees the tensors; a collection over a loaded trainer takes ~0.4 s)."""
+    if run.cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def no_plots() -> None:
+    """Every run here ends without its metrics.png: not what this checks, and matplotlib costs a CPU
+    second or two a run (reporting.RunReporter.plot, replaced for this process)."""
+    from lora_grpo.reporting import RunReporter
+
+    RunReporter.plot = lambda self: None
+
+
+def fresh_compiler(run: Run) -> None:
+    """Dynamo's caches and the CUDA graph trees reset, as in a fresh process: a user's process compiles
+    one model, and dynamo's recompile limit (8 per code object) counts every model of this one."""
+    if run.cuda:
+        torch._dynamo.reset()
+        release(run)
 
 
 class Memory:
@@ -123,184 +216,436 @@ class Memory:
 
     def reset_peak(self) -> None:
         if self.cuda:
+            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def peak(self) -> float | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
+    def peak(self) -> tuple[float, float] | None:
+        """(allocated, reserved) peaks since the last reset_peak; None on a CPU."""
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+
+
+class CudagraphSkips:
+    """Inductor's cudagraph_skips counter over a block (`count`), and the reasons it logged (`reasons`:
+    the warnings of its "cudagraphs" artifact loggers, caught without turning those logs on)."""
+
+    def __enter__(self):
+        self.reasons: list[str] = []
+        self.loggers = []
+        if torch.cuda.is_available():
+            importlib.import_module("torch._inductor.cudagraph_utils")  # creates the loggers listened to
+
+            reasons = self.reasons
+
+            class Collect(logging.Handler):
+                def emit(self, record):
+                    reasons.append(record.getMessage()[:300])
+
+            self.handler = Collect(level=logging.WARNING)
+            names = [n for n in list(logging.root.manager.loggerDict) if n.endswith(".__cudagraphs")]
+            self.loggers = [logging.getLogger(n) for n in names]
+            for logger in self.loggers:
+                logger.addHandler(self.handler)
+        self.start = self._count()
+        return self
+
+    def __exit__(self, *exc):
+        self.count = self._count() - self.start
+        for logger in self.loggers:
+            logger.removeHandler(self.handler)
+        return False
+
+    @staticmethod
+    def _count() -> int:
+        return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
 
 
 # ------------------------------------------------------------------------------ 1. devices
-def check_devices(device: torch.device) -> None:
+def check_devices(run: Run) -> None:
     import bitsandbytes
     import peft
     import transformers
 
-    from lora_grpo.device import (
-        _triton_installed,
-        auto_dtype,
-        compile_pays,
-        describe_gpu,
-    )
+    from lora_grpo.device import _triton_installed, auto_dtype, compile_pays, describe_gpu
 
+    device = run.device
     print(environment(transformers, peft, bitsandbytes))
-    print(
-        f"device: {describe_gpu(device) if device.type == 'cuda' else 'CPU'}; Triton installed: {_triton_installed()}"
-    )
+    print(f"device: {describe_gpu(device) if run.cuda else 'CPU'}; Triton installed: {_triton_installed()}")
     dtype, why = auto_dtype()
     print(f"torch_dtype auto → {str(dtype).removeprefix('torch.')} ({why})")
+    FINDINGS.update(
+        {
+            "versions": {m.__name__: m.__version__ for m in (torch, transformers, peft, bitsandbytes)},
+            "torch_dtype_auto": str(dtype).removeprefix("torch."),
+        }
+    )
     for candidate in (torch.bfloat16, torch.float32):
         pays, why = compile_pays(device, candidate)
-        print(
-            f"decode_mode auto for {str(candidate).removeprefix('torch.')} → {'compiled' if pays else 'eager'} ({why})"
-        )
+        name = str(candidate).removeprefix("torch.")
+        print(f"decode_mode auto for {name} → {'compiled' if pays else 'eager'} ({why})")
+        FINDINGS[f"decode_mode_auto_{name}"] = "compiled" if pays else "eager"
 
 
-# ------------------------------------------------------------------------------ 2. recipe
-def recipe_config(path: str, out: str, args, **overrides):
-    """The recipe's settings on the local random model and token prompts (no hub, no chat template)."""
+# ------------------------------------------------------------------------------ 2, 4. memory
+def recipe_config(run: Run, recipe: str, path: str, out: str, **overrides):
+    """The recipe's settings on the local random model and token prompts (no hub, no chat template,
+    no tools), an eval at the end only (with the optimizer states: the eval's worst moment)."""
     from lora_grpo import GRPOConfig
     from lora_grpo.cli import recipe_file
 
-    with recipe_file(RECIPE) as recipe:
+    with recipe_file(recipe) as file:
         fields = dict(
             model_name_or_path=path,
             tokenizer_name_or_path=f"{path}/tokenizer",
             dataset=None,
             dataset_config=None,
             eval_dataset=None,
+            eval_limit=0,
             use_chat_template=False,
             system_prompt=None,
             prompt_column="prompt",
             reward_funcs=[],
             reward_weights=None,
-            max_steps=args.steps,
+            tools=[],
+            max_steps=run.args.steps,
             save_steps=0,
             eval_steps=0,
+            eval_on_start=False,
+            eval_on_end=True,
             logging_steps=1,
             output_dir=out,
             disable_tqdm=True,
         )
-        if args.cpu:  # the dry run: the recipe's structure at a size a CPU runs in seconds
+        if run.args.cpu:  # the dry run: the recipe's structure at a size a CPU runs in seconds
             fields.update(
                 prompts_per_step=2, num_generations=4, max_prompt_length=16, max_completion_length=16
             )
         fields.update(overrides)
-        return GRPOConfig.from_yaml(recipe, fields)
+        return GRPOConfig.from_yaml(file, fields)
 
 
-def instrument(trainer, memory: Memory, rows: list[dict]) -> None:
-    """Record memory around each rollout (trainer.generate) and the peak up to the end of the step."""
+@contextmanager
+def emulated_card(run: Run, card: float = CARD):
+    """An 8 GB card on a larger GPU (the module docstring); on a CPU only the plan's figure changes."""
+    import lora_grpo.memory as memory
+    from lora_grpo.memory_estimate import CUDA_CONTEXT
+
+    usable = card - CUDA_CONTEXT
+    real = memory.available_bytes
+    release(run)  # blocks cached past the cap would stay reserved under it
+
+    def available(device: torch.device) -> tuple[float, str]:
+        if device.type == "cuda":
+            return float(usable - torch.cuda.memory_allocated(device)), (
+                f"free GPU memory of an emulated {card / GiB:.0f} GiB card"
+            )
+        return float(usable), f"available RAM (emulated: {card / GiB:.0f} GiB less a CUDA context)"
+
+    if run.cuda:
+        total = torch.cuda.get_device_properties(run.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(usable / total, run.device)
+        print(
+            f"emulated card: the allocator capped at {mib(usable)} MiB of {mib(total)} MiB "
+            f"({usable / total:.4f}); allocated already: {mib(torch.cuda.memory_allocated(run.device))} MiB"
+        )
+    else:
+        not_here("the allocator cap of an 8 GB card (set_per_process_memory_fraction)")
+    memory.available_bytes = available
+    try:
+        yield usable
+    finally:
+        memory.available_bytes = real
+        if run.cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0, run.device)
+
+
+def instrument(trainer, memory: Memory, rows: list[dict], evals: list[dict]) -> None:
+    """Record memory around each rollout (trainer.generate), from its end to the end of the step
+    (log-probs, the update, a sync), and around each eval (trainer.evaluate)."""
     from lora_grpo.rollout import fast_decode
 
-    generate = trainer.generate
+    generate, evaluate = trainer.generate, trainer.evaluate
 
     def measured_generate(*a, **k):
-        allocated, reserved = memory.now()
+        before = memory.now()
         memory.reset_peak()
         rollout = generate(*a, **k)
-        after = memory.now()
         rows.append(
             {
-                "before": (allocated, reserved),
-                "after": after,
+                "before": before,
+                "after": memory.now(),
                 "rollout_peak": memory.peak(),
                 "kept": fast_decode.kept_cache_bytes(trainer.model),
             }
         )
-        memory.reset_peak()  # from here to step_end: log-probs, the update, a sync
+        memory.reset_peak()
         return rollout
+
+    def measured_evaluate(*a, **k):
+        before = memory.now()
+        memory.reset_peak()
+        metrics = evaluate(*a, **k)
+        evals.append({"before": before, "peak": memory.peak()})
+        memory.reset_peak()
+        return metrics
 
     def step_end(event, _trainer, **_payload):
         if event == "step_end" and rows:
             rows[-1]["update_peak"] = memory.peak()
 
-    trainer.generate = measured_generate
+    trainer.generate, trainer.evaluate = measured_generate, measured_evaluate
     trainer.hooks.append(step_end)
 
 
-def run_recipe(path: str, device: torch.device, args, out: str):
+def check_recipe_memory(run: Run, recipe: str, shape: str, keep: bool = False) -> None:
     from lora_grpo import GRPOTrainer
+    from lora_grpo.memory import MemoryBudgetError
+    from lora_grpo.memory_estimate import CUDA_CONTEXT, SLACK, run_memory
+    from lora_grpo.rollout import fast_decode
 
-    memory = Memory(device)
-    config = recipe_config(path, out, args)
-    prompts = token_prompts(QWEN2_SHAPES[args.shape]["vocab_size"], config.max_prompt_length, count=64)
-    trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=prompts)
-    loaded = memory.now()[0]
-    print(
-        f"{RECIPE} settings on {args.shape}: {config.prompts_per_step} prompts × G {config.num_generations}, "
-        f"{config.max_prompt_length} + {config.max_completion_length} tokens, quantization {config.quantization}, "
-        f"torch_dtype {config.torch_dtype}, decode_mode {config.decode_mode}"
-    )
-    print(f"loaded model + adapters: {mib(loaded)} MiB {'allocated' if memory.cuda else 'resident'}")
-    rows: list[dict] = []
-    instrument(trainer, memory, rows)
-    trainer.train()
+    fresh_compiler(run)
+    shape = run.shape(shape)
+    path = run.model(shape)
+    memory = Memory(run.device)
+    config = recipe_config(run, recipe, path, f"{run.root}/{recipe}")
+    vocab = QWEN2_SHAPES[shape]["vocab_size"]
+    prompts = token_prompts(vocab, config.max_prompt_length, count=64 + config.generation_batch)
+    train, held_out = prompts[:64], prompts[64:]  # the eval: one decode of the rollout's rows
+    start = memory.now()[0]
+    with emulated_card(run), CudagraphSkips() as skips:
+        trainer = GRPOTrainer(
+            config, reward_funcs=[even_token_share], train_dataset=train, eval_dataset=held_out
+        )
+        release(run)  # the allocator holds what the loaded model uses, no more
+        loaded = memory.now()[0]
+        print(
+            f"{recipe} settings on a random {shape}: {config.prompts_per_step} prompts × G {config.num_generations}, "
+            f"{config.max_prompt_length} + {config.max_completion_length} tokens, quantization {config.quantization}, "
+            f"torch_dtype {config.torch_dtype}, decode_mode {config.decode_mode}; eval of {len(held_out)} prompts"
+        )
+        print(
+            f"loaded model + adapters: {mib(loaded - start)} MiB {'allocated' if memory.cuda else 'resident'}"
+        )
+        rows: list[dict] = []
+        evals: list[dict] = []
+        instrument(trainer, memory, rows, evals)
+        trainer.train()
+        overall = memory.now()
     plan = trainer.memory_plan
-    if plan is not None:
-        print(
-            "plan:", plan.describe(config.micro_batch_size == "auto", config.gradient_checkpointing == "auto")
-        )
-        pass_bytes = plan.measured[plan.gradient_checkpointing][plan.micro_batch_size]
-        print(
-            f"plan figures over the loaded model (MiB): rollout {mib(plan.rollout)} (kept caches {mib(plan.kept)} of "
-            f"it), training pass {mib(pass_bytes)}, optimizer states {mib(plan.optimizer)}, need {mib(plan.need)}, "
-            f"budget {mib(plan.budget)}"
-        )
-    print(
-        "| step | allocated before rollout | reserved before | allocated after | reserved after | rollout peak − "
-        "before | kept caches | update peak − loaded | step s |"
+    mode = fast_decode.resolve_decode_mode(config.decode_mode, trainer.model, run.device)
+    FINDINGS.update(
+        {"shape": shape, "decode": mode, "loaded_mib": (loaded - start) / MiB, "steps": len(rows)}
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    if plan is None:
+        raise RuntimeError("no memory plan: the recipe's sizes should be 'auto'")
+    print("plan:", plan.describe(config.micro_batch_size == "auto", config.gradient_checkpointing == "auto"))
+    pass_bytes = plan.measured[plan.gradient_checkpointing][plan.micro_batch_size]
+    print(
+        f"plan figures over the loaded model (MiB): rollout {mib(plan.rollout)} (kept caches {mib(plan.kept)} of "
+        f"it), training pass {mib(pass_bytes)}, optimizer states {mib(plan.optimizer)}, need {mib(plan.need)}, "
+        f"budget {mib(plan.budget)}"
+    )
+    print(
+        "| step | allocated before rollout | reserved before | allocated after | rollout peak − loaded "
+        "(alloc / reserved) | kept caches | update peak − loaded (alloc / reserved) | step s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+
+    def over(peak, i):
+        return None if peak is None else peak[i] - loaded
+
     for step, (row, metrics) in enumerate(zip(rows, trainer.state.log_history), 1):
-        (a0, r0), (a1, r1) = row["before"], row["after"]
-        rollout = None if row["rollout_peak"] is None else row["rollout_peak"] - a0
-        update = None if row.get("update_peak") is None else row["update_peak"] - loaded
+        (a0, r0), (a1, _) = row["before"], row["after"]
+        rollout, update = row["rollout_peak"], row.get("update_peak")
         print(
-            f"| {step} | {mib(a0)} | {mib(r0)} | {mib(a1)} | {mib(r1)} | {mib(rollout)} | {mib(row['kept'])} | "
-            f"{mib(update)} | {metrics.get('time/step', float('nan')):.2f} |"
+            f"| {step} | {mib(a0)} | {mib(r0)} | {mib(a1)} | {mib(over(rollout, 0))} / {mib(over(rollout, 1))} | "
+            f"{mib(row['kept'])} | {mib(over(update, 0))} / {mib(over(update, 1))} | "
+            f"{metrics.get('time/step', float('nan')):.2f} |"
         )
-    print(
-        "(rollout peak − before: compare with the plan's rollout less the caches already kept at step 2+; "
-        "update peak − loaded: compare with kept + optimizer + training pass)"
-    )
-    kept = max(row["kept"] for row in rows) if rows else 0
-    updates = [row["update_peak"] - loaded for row in rows if row.get("update_peak") is not None]
+    for e in evals:
+        print(f"eval: peak − loaded {mib(over(e['peak'], 0))} allocated / {mib(over(e['peak'], 1))} reserved")
+    kept = max((row["kept"] for row in rows), default=0)
+    stays = rows[0]["after"][0] - rows[0]["before"][0] if rows else 0  # what the first rollout left allocated
     FINDINGS.update(
         {
+            "micro_batch_size": plan.micro_batch_size,
+            "gradient_checkpointing": plan.gradient_checkpointing,
+            "plan_mib": {
+                "rollout": plan.rollout / MiB,
+                "kept": plan.kept / MiB,
+                "pass": pass_bytes / MiB,
+                "optimizer": plan.optimizer / MiB,
+                "need": plan.need / MiB,
+                "budget": plan.budget / MiB,
+            },
             "kept_caches_mib": kept / MiB,
-            "update_peak_over_loaded_mib": max(updates, default=0) / MiB,
-            **(
-                {}
-                if plan is None
-                else {
-                    "plan_kept_mib": plan.kept / MiB,
-                    "plan_need_mib": plan.need / MiB,
-                    "micro_batch_size": plan.micro_batch_size,
-                }
-            ),
+            "stays_after_first_rollout_mib": stays / MiB,
+            "cudagraph_skips": skips.count,
+            "cudagraph_skip_reasons": skips.reasons[:5],
         }
     )
-    if plan is not None and memory.cuda:  # the thresholds: nothing measured above what the plan said
-        if kept > plan.kept:
-            raise RuntimeError(f"the kept caches ({mib(kept)} MiB) exceed the plan's {mib(plan.kept)} MiB")
-        if updates and max(updates) > plan.need:
-            raise RuntimeError(
-                f"an update's peak ({mib(max(updates))} MiB over the loaded model) exceeds the plan's "
-                f"need {mib(plan.need)} MiB"
+    try:  # memory_estimate's figures at the sizes the probe chose: what the recipes' headers are made of
+        estimate = run_memory(
+            config,
+            trainer.model.get_base_model().config,
+            CARD,
+            dtype=trainer.model.get_input_embeddings().weight.dtype,
+            mode=mode,
+            longest_prompt=trainer.prompt_lengths["train_dataset"].longest,
+            eval_longest_prompt=trainer.prompt_lengths["train_dataset"].longest,  # the same token prompts
+            micro_batch_size=plan.micro_batch_size,
+            gradient_checkpointing=plan.gradient_checkpointing,
+        )
+        estimated_pass = estimate.plan.measured[plan.gradient_checkpointing][plan.micro_batch_size]
+        print(
+            f"memory_estimate at these sizes (MiB): weights + adapters {mib(estimate.weights + estimate.adapters)} "
+            f"(loaded here {mib(loaded - start)}), training pass {mib(estimated_pass)} (probed {mib(pass_bytes)}), "
+            f"rollout {mib(estimate.plan.rollout)}, total with {SLACK - 1:.0%} slack and the {mib(CUDA_CONTEXT)} MiB "
+            f"context {mib(estimate.total)}"
+            + (f" (measured: peak reserved {mib(overall[1])} + the context)" if memory.cuda else "")
+        )
+        FINDINGS["estimate_mib"] = {
+            "weights_and_adapters": (estimate.weights + estimate.adapters) / MiB,
+            "pass": estimated_pass / MiB,
+            "total": estimate.total / MiB,
+        }
+    except MemoryBudgetError as e:
+        print(f"memory_estimate at these sizes refuses the run: {e}")
+        FINDINGS["estimate_mib"] = f"refused: {str(e)[:300]}"
+    if memory.cuda:
+        FINDINGS["reserved_at_end_mib"] = overall[1] / MiB
+        check_against_plan(plan, rows, evals, loaded, kept, stays, pass_bytes)
+        expect(
+            skips.count == 0,
+            f"the training decode ran as CUDA graphs (cudagraph skips: {skips.count}; {skips.reasons[:2]})",
+        )
+    else:
+        not_here("allocator peaks against the plan (CUDA only; a CPU's resident set is not the allocator's)")
+    expect(bool(rows) and len(evals) == 1, f"{len(rows)} rollouts and {len(evals)} eval measured")
+    if keep:
+        run.results["recipe"] = (trainer, train)
+
+
+def check_against_plan(plan, rows, evals, loaded, kept, stays, pass_bytes) -> None:
+    """The thresholds of sections 2 and 4 (the module docstring), each peak over the loaded model."""
+    opt = plan.optimizer
+
+    def worst(key, i, items):
+        values = [item[key][i] - loaded for item in items if item.get(key) is not None]
+        return max(values, default=0.0)
+
+    rollout_a, rollout_r = worst("rollout_peak", 0, rows), worst("rollout_peak", 1, rows)
+    update_a, update_r = worst("update_peak", 0, rows), worst("update_peak", 1, rows)
+    eval_a, eval_r = worst("peak", 0, evals), worst("peak", 1, evals)
+    FINDINGS["measured_mib"] = {
+        "rollout_allocated": rollout_a / MiB,
+        "rollout_reserved": rollout_r / MiB,
+        "update_allocated": update_a / MiB,
+        "update_reserved": update_r / MiB,
+        "eval_allocated": eval_a / MiB,
+        "eval_reserved": eval_r / MiB,
+    }
+    expect(
+        rollout_a <= plan.rollout + opt,
+        f"rollout allocated {mib(rollout_a)} ≤ plan rollout {mib(plan.rollout)} + optimizer {mib(opt)} MiB",
+    )
+    expect(
+        update_a <= opt + plan.kept + pass_bytes,
+        f"update allocated {mib(update_a)} ≤ optimizer {mib(opt)} + kept {mib(plan.kept)} + pass {mib(pass_bytes)} MiB",
+    )
+    expect(eval_a <= plan.need, f"eval allocated {mib(eval_a)} ≤ plan need {mib(plan.need)} MiB")
+    expect(kept <= plan.kept, f"kept caches {mib(kept)} ≤ plan kept {mib(plan.kept)} MiB")
+    expect(
+        stays <= plan.kept + STAYS_SLACK,
+        f"left allocated by the first rollout {mib(stays)} ≤ plan kept {mib(plan.kept)} + {mib(STAYS_SLACK)} MiB",
+    )
+    for what, value in (("rollout", rollout_r), ("update", update_r), ("eval", eval_r)):
+        expect(value <= plan.need, f"{what} reserved {mib(value)} ≤ plan need {mib(plan.need)} MiB")
+
+
+# ------------------------------------------------------------------------------ 3, 5. decode
+@torch.no_grad()
+def greedy_margin(model, rollout, rows: int = 4) -> tuple[float, float]:
+    """(the largest margin by which the model's own logits, in one teacher-forced forward over a greedy
+    rollout's tokens with the policy adapter, prefer another token to the one the decode chose; the
+    largest |logit|). 0 for a decode that followed those logits exactly: a decode whose kernels round
+    otherwise shows near-ties here, a wrong decode margins of the logits' own scale."""
+    from lora_grpo.adapters import POLICY, use_adapter
+
+    ids, mask, chosen = rollout.input_ids, rollout.attention_mask, rollout.completion_ids
+    width, margin, largest = chosen.shape[1], 0.0, 0.0
+    with use_adapter(model, POLICY):
+        for s in range(0, ids.shape[0], rows):
+            m = mask[s : s + rows]
+            positions = (m.long().cumsum(-1) - 1).clamp(min=0)
+            logits = (
+                model(
+                    input_ids=ids[s : s + rows],
+                    attention_mask=m,
+                    position_ids=positions,
+                    logits_to_keep=width + 1,
+                )
+                .logits[:, :-1]
+                .float()
             )
-    return trainer, prompts
+            real = rollout.completion_mask[s : s + rows].bool()
+            gap = logits.max(-1).values - logits.gather(-1, chosen[s : s + rows, :, None]).squeeze(-1)
+            if real.any():
+                margin = max(margin, gap[real].max().item())
+                largest = max(largest, logits[real].abs().max().item())
+            del logits
+    return margin, largest
 
 
-# ------------------------------------------------------------------------------ 3. decode
-def check_decode(trainer, prompts, device: torch.device, args) -> None:
+def greedy_verdict(model, eager, fast) -> tuple[float, float, float, float]:
+    """Two greedy rollouts of the same prompts, by the eager sampler and another: (the share of rows
+    with the same tokens, the eager and the other decode's greedy_margin, the other's tolerance: the
+    logits' rounding, 8 ulps of the largest, or 4 times the eager decode's own margin)."""
+    same = (eager.completion_ids == fast.completion_ids).all(1).float().mean().item()
+    (m_eager, z_eager), (m_fast, z_fast) = greedy_margin(model, eager), greedy_margin(model, fast)
+    dtype = model.get_input_embeddings().weight.dtype
+    tolerance = 1e-3 + 8 * torch.finfo(dtype).eps * max(z_eager, z_fast)
+    return same, m_eager, m_fast, max(tolerance, 4 * m_eager)
+
+
+def compare_greedy(
+    model, tokenizer, texts, device, mode: str, num_generations: int, prompt: int, completion: int
+):
+    """Greedy rollouts of `texts` by the eager sampler and by `mode`, and their greedy_verdict."""
+    from lora_grpo.rollout import generate_rollout
+
+    def sample(decode_mode):
+        return generate_rollout(
+            model,
+            tokenizer,
+            texts,
+            num_generations=num_generations,
+            max_prompt_length=prompt,
+            max_completion_length=completion,
+            temperature=0.0,
+            generator=torch.Generator(device=device),
+            decode_mode=decode_mode,
+        )
+
+    return greedy_verdict(model, sample("eager"), sample(mode))
+
+
+def check_decode(run: Run) -> None:
     from lora_grpo.device import now
     from lora_grpo.rollout import fast_decode, generate_rollout
 
-    cfg = trainer.config
+    got = run.results.pop("recipe", None)
+    if got is None:
+        raise Skip("needs section 2's trained model")
+    trainer, prompts = got
+    cfg, device = trainer.config, run.device
+    fast = "compiled" if run.cuda else "static"
     texts = [p["prompt"] for p in prompts[: cfg.prompts_per_step]]
-    results = {}
-    for mode in ("eager", "compiled"):
-        for attempt in ("first", "second"):
+    rollouts = {}
+    for mode, attempts in (("eager", ("first",)), (fast, ("first", "second"))):
+        for attempt in attempts:
             start = now(device)
             rollout = generate_rollout(
                 trainer.model,
@@ -314,64 +659,152 @@ def check_decode(trainer, prompts, device: torch.device, args) -> None:
                 decode_mode=mode,
             )
             seconds = now(device) - start
+            rollouts[mode] = rollout
             tokens = int(rollout.completion_mask.sum())
-            results[mode] = rollout
+            FINDINGS[f"{mode}_{attempt}_tokens_per_s"] = tokens / seconds
             print(
                 f"{mode:8s} {attempt:6s} call: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s"
-                + (
-                    " (includes compiling, unless training compiled this shape)"
-                    if mode == "compiled" and attempt == "first"
-                    else ""
-                )
+                + (" (the shape training compiled)" if mode == "compiled" and attempt == "first" else "")
             )
+    if not run.cuda:
+        not_here("the compiled sampler (CUDA graphs): 'static' stands in")
     why = fast_decode.unavailable(trainer.model)
+    expect(why is None, f"the {fast} sampler ran {fast} ({why or 'not refused'})")
+    print(f"kept caches {mib(fast_decode.kept_cache_bytes(trainer.model))} MiB")
+    same, m_eager, m_fast, tolerance = greedy_verdict(trainer.model, rollouts["eager"], rollouts[fast])
+    FINDINGS.update({"same_rows": same, "margin_eager": m_eager, "margin_fast": m_fast})
     print(
-        f"compiled sampler: {'unavailable: ' + why if why else 'ran compiled'}; "
-        f"kept caches {mib(fast_decode.kept_cache_bytes(trainer.model))} MiB"
-    )
-    same = (
-        (results["eager"].completion_ids == results["compiled"].completion_ids).all(1).float().mean().item()
-    )
-    print(
-        f"greedy rows with the same tokens, compiled vs eager: {same:.0%} (bf16 kernels and attention over padded "
+        f"greedy rows with the same tokens, {fast} vs eager: {same:.0%} (bf16 kernels and attention over padded "
         "slots may flip near-ties on a GPU)"
+    )
+    expect(
+        m_fast <= tolerance,
+        f"each {fast} greedy token is the eager model's argmax up to rounding: margin {m_fast:.3g} ≤ {tolerance:.3g} "
+        f"(eager's own {m_eager:.3g})",
     )
     counters = torch._dynamo.utils.counters
     breaks = sorted(counters["graph_break"].items(), key=lambda kv: -kv[1])
+    FINDINGS["graph_breaks"] = sum(v for _, v in breaks)
+    FINDINGS["graph_break_reasons"] = [reason[:200] for reason, _ in breaks[:5]]
     print(
         f"dynamo: {counters['stats'].get('unique_graphs', 0)} graphs, {sum(v for _, v in breaks)} graph breaks; "
         f"frames {dict(counters['frames'])} (more compiled frames than graphs: recompiles, see the stderr lines)"
     )
     for reason, count in breaks[:8]:
         print(f"  graph break ×{count}: {reason[:200]}")
+    del trainer
 
 
-# ------------------------------------------------------------------------------ 4. bf16 KL
-def check_bf16_kl(path: str, device: torch.device, args) -> None:
+def check_decode_after_updates(run: Run) -> None:
+    from lora_grpo import GRPOTrainer
+    from lora_grpo.adapters import POLICY, lora_layers
+    from lora_grpo.rollout import fast_decode
+
+    shape = run.shape("small")
+    path = run.model(shape, torch.float32)
+    fast = "compiled" if run.cuda else "static"
+    if not run.cuda:
+        not_here("the compiled sampler and its cudagraph skips: 'static' stands in")
+    prompts = token_prompts(QWEN2_SHAPES[shape]["vocab_size"], 16, count=32)
+    completion = 8 if run.args.cpu else 32
+    for dtype, alpha in (("float32", 1.0), ("bfloat16", 0.6)):
+        fresh_compiler(run)
+        config = tiny_config(
+            path,
+            f"{run.root}/after-updates-{dtype}",
+            torch_dtype=dtype,
+            decode_mode=fast,
+            lora_r=16,
+            lora_alpha=32,
+            prompts_per_step=4,
+            micro_batch_size=16,
+            max_completion_length=completion,
+            ref_sync_steps=1,
+            ref_sync_alpha=alpha,
+            max_steps=2,
+            save_steps=0,
+        )
+        with CudagraphSkips() as skips:
+            trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=prompts)
+            trainer.train()
+        history = trainer.state.log_history
+        lora_b = max(m.lora_B[POLICY].weight.abs().max().item() for _, m in lora_layers(trainer.model))
+        why = fast_decode.unavailable(trainer.model)
+        print(
+            f"{dtype}: 2 steps, sync alpha {alpha} after each; max |lora_B| {lora_b:.3g}; cudagraph skips "
+            f"{skips.count}; decode {fast}: {why or 'ran'}"
+        )
+        expect(lora_b > 0, f"{dtype}: lora_B is off zero after the optimizer steps")
+        expect(history[0].get("sync/event") == 1.0, f"{dtype}: a sync between the two rollouts")
+        expect(why is None, f"{dtype}: the {fast} sampler ran {fast} ({why or 'not refused'})")
+        if run.cuda:
+            expect(skips.count == 0, f"{dtype}: the training decode ran as CUDA graphs ({skips.reasons[:2]})")
+        texts = [p["prompt"] for p in prompts[:4]]
+        same, m_eager, m_fast, tolerance = compare_greedy(
+            trainer.model, trainer.tokenizer, texts, run.device, fast, 4, None, completion
+        )
+        print(f"{dtype}: greedy rows with the same tokens, {fast} vs eager: {same:.0%}")
+        FINDINGS[dtype] = {
+            "same_rows": same,
+            "margin_eager": m_eager,
+            "margin_fast": m_fast,
+            "cudagraph_skips": skips.count,
+            "cudagraph_skip_reasons": skips.reasons[:5],
+            "lora_b_max": lora_b,
+        }
+        if dtype == "float32":
+            expect(same >= 0.9, f"float32: {same:.0%} of greedy rows the same (≥ 90%)")
+        expect(
+            m_fast <= tolerance,
+            f"{dtype}: each {fast} greedy token is the eager model's argmax up to rounding: margin "
+            f"{m_fast:.3g} ≤ {tolerance:.3g}",
+        )
+        del trainer
+        release(run)
+
+
+# ------------------------------------------------------------------------------ 6. bf16 KL
+def check_bf16_kl(run: Run) -> None:
     from transformers import AutoModelForCausalLM
 
     from lora_grpo import GRPOConfig
     from lora_grpo.adapters import POLICY, REFERENCE, lora_layers, use_adapter
     from lora_grpo.logprobs import sequence_log_probs
     from lora_grpo.loss import k3_kl
-    from lora_grpo.model import attach_adapters
+    from lora_grpo.model import attach_adapters, keep_4bit_weights_fixed, load_model
     from lora_grpo.reference import sync_reference
 
+    device, shape = run.device, run.shape("qwen2.5-0.5b")
+    path = run.model(shape)
     cfg = GRPOConfig(model_name_or_path=path, lora_r=16, lora_alpha=32, gradient_checkpointing=False)
     models = {}
     for dtype in (torch.bfloat16, torch.float32):
         base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         models[dtype] = attach_adapters(base, cfg).eval()
     bf16, fp32 = models[torch.bfloat16], models[torch.float32]
+    four_bit, _ = load_model(
+        GRPOConfig(
+            model_name_or_path=path,
+            tokenizer_name_or_path=f"{path}/tokenizer",
+            quantization="4bit",
+            torch_dtype="bfloat16",
+            lora_r=16,
+            lora_alpha=32,
+            gradient_checkpointing=False,
+        ),
+        device_map={"": device},
+    )
+    keep_4bit_weights_fixed(four_bit)
+    four_bit.eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for _, module in lora_layers(bf16):
-            weight = module.lora_B[POLICY].weight
-            weight.copy_(torch.randn(weight.shape, generator=g) * 0.02)
-    sync_reference(bf16, 1.0)  # the reference slot: an exact copy of the policy
-    batch, length, completion = (4, 64, 32) if args.cpu else (16, 256, 128)
-    vocab = QWEN2_SHAPES[args.shape]["vocab_size"]
-    ids = torch.randint(3, vocab, (batch, length), generator=g).to(device)
+        for model in (bf16, four_bit):
+            for _, module in lora_layers(model):
+                weight = module.lora_B[POLICY].weight
+                weight.copy_(torch.randn(weight.shape, generator=g) * 0.02)
+            sync_reference(model, 1.0)  # the reference slot: an exact copy of the policy, other factors
+    batch, length, completion = (4, 64, 32) if run.args.cpu else (16, 256, 128)
+    ids = torch.randint(3, QWEN2_SHAPES[shape]["vocab_size"], (batch, length), generator=g).to(device)
     mask = torch.ones_like(ids)
 
     def logp(model, adapter):
@@ -391,14 +824,24 @@ def check_bf16_kl(path: str, device: torch.device, args) -> None:
         return k3_kl(a, b).mean().item()
 
     same = kl(logp(bf16, POLICY), logp(bf16, POLICY))
-    print(
-        f"bf16 KL(policy ‖ the same policy): {same:.3e} ({'PASS: exactly 0' if same == 0 else 'FAIL: must be 0'})"
+    same_4bit = kl(logp(four_bit, POLICY), logp(four_bit, POLICY))
+    synced, synced_4bit = (kl(logp(m, POLICY), logp(m, REFERENCE)) for m in (bf16, four_bit))
+    FINDINGS.update(
+        {
+            "kl_same_bf16": same,
+            "kl_same_4bit": same_4bit,
+            "kl_synced_bf16": synced,
+            "kl_synced_4bit": synced_4bit,
+        }
     )
-    if same != 0:
-        FAILED.append("bf16 KL between identical adapters")
+    expect(same == 0, f"bf16 KL(policy ‖ the same policy) = {same:.3e}: exactly 0")
+    expect(
+        abs(same_4bit) < 1e-6,
+        f"4-bit base, bf16 compute: KL(policy ‖ the same policy) = {same_4bit:.3e}: |KL| < 1e-6",
+    )
     print(
-        f"bf16 KL(policy ‖ reference right after a hard sync): {kl(logp(bf16, POLICY), logp(bf16, REFERENCE)):.3e} "
-        "(other factor shapes; trainer skips this forward: reference_is_policy)"
+        f"KL(policy ‖ reference right after a hard sync): bf16 {synced:.3e}, 4-bit {synced_4bit:.3e} (other factor "
+        "shapes; the trainer skips this forward: reference_is_policy)"
     )
     with torch.no_grad():
         for _, module in lora_layers(bf16):  # a nearby reference: the policy's B moved by noise of std 0.005
@@ -411,14 +854,50 @@ def check_bf16_kl(path: str, device: torch.device, args) -> None:
     exact = kl(logp(fp32, POLICY), logp(fp32, REFERENCE))
     ours = kl(logp(bf16, POLICY), logp(bf16, REFERENCE))
     rounded = kl(own_logits_logp(bf16, POLICY), own_logits_logp(bf16, REFERENCE))
+    FINDINGS.update({"kl_nearby_fp32": exact, "kl_nearby_ours_bf16": ours, "kl_nearby_bf16_logits": rounded})
     print(
         f"nearby adapters, KL per token: float32 model {exact:.4e}; bf16 model with lora_grpo's float32 head "
         f"{ours:.4e} ({ours / exact - 1:+.1%}); bf16 from the model's own bf16 logits {rounded:.4e} "
         f"({rounded / exact - 1:+.1%})"
     )
+    del bf16, fp32, four_bit, models
+    release(run)
+    if run.cuda:
+        check_tf32_head(run)
+    else:
+        not_here("the bf16 head's float32 matmul on TF32 (a CUDA mode)")
 
 
-# ------------------------------------------------------------------------------ 5. resume
+def check_tf32_head(run: Run) -> None:
+    """A Qwen2.5-sized bf16 head through logprobs._head_logits (TF32 on CUDA) against float64, beside
+    the same matmul in IEEE float32; the process's TF32 flag as it was."""
+    from lora_grpo.logprobs import _head_logits
+
+    g = torch.Generator(device=run.device).manual_seed(0)
+    hidden = torch.randn(256, 896, generator=g, device=run.device).to(torch.bfloat16)
+    weight = (torch.randn(151936, 896, generator=g, device=run.device) * 0.05).to(torch.bfloat16)
+    flag = torch.backends.cuda.matmul.allow_tf32
+    ours = _head_logits(hidden, weight, None)
+    ieee = hidden.float() @ weight.float().t()
+    exact = hidden.double() @ weight.double().t()
+    err_ours, err_ieee = (
+        (ours.double() - exact).abs().max().item(),
+        (ieee.double() - exact).abs().max().item(),
+    )
+    scale = exact.abs().max().item()
+    FINDINGS.update({"tf32_head_error": err_ours, "ieee_head_error": err_ieee, "head_logit_scale": scale})
+    print(
+        f"bf16 head, float32 logits: max error TF32 {err_ours:.3g}, IEEE float32 {err_ieee:.3g} "
+        f"(|logits| ≤ {scale:.3g})"
+    )
+    expect(  # exact products, float32 sums in another order: IEEE's error, not TF32's 2⁻¹¹ of each input
+        err_ours <= max(4 * err_ieee, 1e-6 * scale),
+        "the TF32 head matmul is as exact as IEEE float32 for bf16 inputs (≤ 4× its error)",
+    )
+    expect(torch.backends.cuda.matmul.allow_tf32 == flag, f"the TF32 flag restored ({flag})")
+
+
+# ------------------------------------------------------------------------------ 7. resume
 def tiny_config(path: str, out: str, **overrides):
     from lora_grpo import GRPOConfig
 
@@ -448,47 +927,108 @@ def tiny_config(path: str, out: str, **overrides):
     return GRPOConfig(**fields)
 
 
+def tiny_prompts(count: int = 16) -> list[dict]:
+    return token_prompts(QWEN2_SHAPES["tiny"]["vocab_size"], 8, count=count)
+
+
 def resume_here(path: str, checkpoint: str) -> None:
-    """The CPU side of section 5 (run as a subprocess): resume `checkpoint` and train one more step."""
+    """The CPU side of section 7 (run as a subprocess): resume `checkpoint` and train one more step."""
     from lora_grpo import GRPOTrainer
 
+    step = int(Path(checkpoint).name.rsplit("-", 1)[1])
     out = str(Path(checkpoint).parent)
-    config = tiny_config(path, out, max_steps=3, resume_from_checkpoint=checkpoint)
-    trainer = GRPOTrainer(
-        config,
-        reward_funcs=[even_token_share],
-        train_dataset=token_prompts(QWEN2_SHAPES["tiny"]["vocab_size"], 8, count=16),
-    )
+    config = tiny_config(path, out, max_steps=step + 1, resume_from_checkpoint=checkpoint)
+    trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=tiny_prompts())
     assert trainer.accelerator.device.type == "cpu", trainer.accelerator.device
     trainer.train()
     states = trainer.optimizer.state.values()
     devices = {t.device.type for s in states for t in s.values() if isinstance(t, torch.Tensor)}
     print(
-        f"resumed on {trainer.accelerator.device} at step 2, trained to step {trainer.state.global_step}; "
+        f"resumed on {trainer.accelerator.device} at step {step}, trained to step {trainer.state.global_step}; "
         f"optimizer state on {sorted(devices)}; loss {trainer.state.log_history[-1]['loss']:.4f}"
     )
 
 
-def check_resume(device: torch.device, args, root: str) -> None:
+def adapter_tensors(model) -> dict[str, torch.Tensor]:
+    """Both adapters' tensors (policy and reference), by name."""
+    from lora_grpo.adapters import POLICY, REFERENCE
+
+    return {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if f".{POLICY}." in n or f".{REFERENCE}." in n
+    }
+
+
+def run_and_resume(run: Run, path: str, tag: str) -> tuple[float, bool, float]:
+    """A 3-step run (a checkpoint every step) and a second trainer resumed from its checkpoint-2 on
+    the same device: (max |Δ| over both adapters' tensors, whether all are equal, their max |w|)."""
     from lora_grpo import GRPOTrainer
 
-    path = f"{root}/tiny"
-    build_qwen2("tiny", path)
-    out = f"{root}/resume"
-    trainer = GRPOTrainer(
-        tiny_config(path, out, max_steps=2),
+    out = run.root / f"resume-{tag}"
+    whole = GRPOTrainer(
+        tiny_config(path, str(out), max_steps=3),
         reward_funcs=[even_token_share],
-        train_dataset=token_prompts(QWEN2_SHAPES["tiny"]["vocab_size"], 8, count=16),
+        train_dataset=tiny_prompts(),
     )
-    trainer.train()
-    print(f"a tiny run on {trainer.accelerator.device} wrote {out}/checkpoint-2")
+    whole.train()
+    again = run.root / f"resumed-{tag}"
+    shutil.copytree(out / "checkpoint-2", again / "checkpoint-2")
+    resumed = GRPOTrainer(
+        tiny_config(path, str(again), max_steps=3, resume_from_checkpoint=str(again / "checkpoint-2")),
+        reward_funcs=[even_token_share],
+        train_dataset=tiny_prompts(),
+    )
+    resumed.train()
+    a, b = adapter_tensors(whole.model), adapter_tensors(resumed.model)
+    assert a.keys() == b.keys() and a, "no adapter tensors to compare"
+    delta = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    scale = max(t.float().abs().max().item() for t in a.values())
+    return delta, all(torch.equal(a[k], b[k]) for k in a), scale
+
+
+def check_resume(run: Run) -> None:
+    path = run.model("tiny", torch.float32)
+    where = run.device.type
+    strict = run.cuda  # CUDA's attention backward and some reductions are otherwise not deterministic
+    if strict:
+        torch.use_deterministic_algorithms(True)
+    try:
+        delta, equal, scale = run_and_resume(run, path, "same-device")
+        mode = "deterministic algorithms" if strict else "a CPU"
+    except RuntimeError as e:
+        if not (strict and "deterministic" in str(e)):
+            raise
+        print(f"an op refused deterministic mode ({str(e)[:200]}); comparing without it")
+        torch.use_deterministic_algorithms(False)
+        delta, _, scale = run_and_resume(run, path, "loose")
+        equal, mode = None, "default algorithms (deterministic mode refused)"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    FINDINGS.update({"max_delta": delta, "max_weight": scale, "equal": equal, "mode": mode})
+    if equal is None:  # kernels that sum in a varying order: the same run up to their rounding
+        expect(
+            delta <= 1e-3 * scale,
+            f"resumed on {where} ≈ the uninterrupted run after 3 steps: max |Δ| {delta:.3g} ≤ 1e-3 × "
+            f"max |w| {scale:.3g} ({mode})",
+        )
+    else:
+        expect(
+            equal,
+            f"resumed on {where} equals the uninterrupted run after 3 steps, tensor by tensor "
+            f"(max |Δ| {delta:.3g}; {mode})",
+        )
+    checkpoint = run.root / "resume-same-device" / "checkpoint-2"
+    if not checkpoint.exists():
+        checkpoint = run.root / "resume-loose" / "checkpoint-2"
+    print(f"the {where} run's {checkpoint.name}, resumed by a CPU-only process:")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
-        [sys.executable, __file__, "--resume-on-cpu", f"{out}/checkpoint-2", "--model", path],
+        [sys.executable, __file__, "--resume-on-cpu", str(checkpoint), "--model", path],
         capture_output=True,
         text=True,
         env=env,
-        timeout=240,
+        timeout=max(60, min(240, run.left() + 60)),
         check=False,
     )
     lines = [
@@ -497,71 +1037,607 @@ def check_resume(device: torch.device, args, root: str) -> None:
         if "resumed on" in line or "sampling generator" in line or "Error" in line
     ]
     print("\n".join(lines[-6:]))
+    expect(result.returncode == 0, f"the CPU resume ran (exit {result.returncode})")
     if result.returncode != 0:
-        raise RuntimeError(f"the CPU resume failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+        FINDINGS["cpu_resume_stderr"] = result.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------ 8. pytest -m gpu
+def check_pytest_gpu(run: Run) -> None:
+    if not run.cuda:
+        raise Skip("CUDA only: without a GPU every test it selects is skipped")
+    if run.left() < 60:
+        raise Skip(f"{run.left():.0f} s of the budget left: too little for the GPU tests' subprocess")
+    files = [str(p) for p in sorted((REPO / "tests").glob("test_*.py")) if "pytest.mark.gpu" in p.read_text()]
+    cap = min(240.0, run.left())
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
+    print(" ".join(command[2:]), f"(cap {cap:.0f} s)")
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, cwd=REPO, env=env, timeout=cap, check=False
+        )
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(output[-3000:])
+        expect(False, f"pytest -m gpu finished within {cap:.0f} s")
+        return
+    output = done.stdout + done.stderr
+    print("\n".join(output.splitlines()[-30:]))
+    tally = [
+        line for line in output.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line)
+    ]
+    counts = {
+        k: int(n)
+        for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", tally[-1] if tally else "")
+    }
+    FINDINGS.update({"counts": counts, "exit": done.returncode, "files": [Path(f).name for f in files]})
+    expect(done.returncode == 0, f"pytest -m gpu passed (exit {done.returncode}, {counts})")
+    expect(
+        counts.get("passed", 0) >= 1 and not counts.get("skipped"),
+        "every selected GPU test ran (none skipped)",
+    )
+
+
+# ------------------------------------------------------------------------------ 9. tools
+def check_tools(run: Run) -> None:
+    from lora_grpo import GRPOConfig, GRPOTrainer
+    from lora_grpo.rollout import fast_decode, generate_rollout
+    from lora_grpo.tasks import calculator
+
+    fresh_compiler(run)
+    if run.args.cpu:  # a random tiny model with the task's tokenizer: pre-training takes 1-2 minutes here
+        base = run.root / "calculator-random"
+        tokenizer = calculator.make_tokenizer()
+        calculator.make_tiny_model(tokenizer, max_positions=256).save_pretrained(base)
+        tokenizer.save_pretrained(base)
+        base = str(base)
+        not_here("the pre-trained calculator base (a random one rarely calls): calls are not required")
+    else:
+        start = time.perf_counter()
+        base = calculator.ensure_calculator_base(cache_dir=run.root / "cache")
+        print(f"(pre-trained the calculator base: {time.perf_counter() - start:.1f} s)")
+    fast = "compiled" if run.cuda else "static"
+    completion = 48 if run.args.cpu else 112
+    config = GRPOConfig(
+        model_name_or_path=base,
+        quantization="none",  # as the toy-calculator recipe: this 0.3M base does not survive 4-bit
+        torch_dtype="float32",
+        lora_r=8,
+        lora_alpha=16,
+        tools=["lora_grpo.tasks.calculator:calculator"],
+        max_tool_calling_iterations=1,
+        tool_timeout=5.0,
+        num_generations=4 if run.args.cpu else 8,
+        prompts_per_step=2 if run.args.cpu else 4,
+        max_prompt_length=48,
+        max_completion_length=completion,
+        micro_batch_size=8,
+        gradient_checkpointing=False,
+        decode_mode=fast,
+        learning_rate=1e-3,
+        beta=0.04,
+        ref_sync_steps=1,
+        ref_sync_alpha=0.6,
+        max_steps=2,
+        save_steps=0,
+        logging_steps=1,
+        output_dir=str(run.root / "tools"),
+        disable_tqdm=True,
+        seed=0,
+    )
+    with CudagraphSkips() as skips:
+        trainer = GRPOTrainer(
+            config,
+            reward_funcs=[calculator.calculator_reward],
+            train_dataset=calculator.calculator_problems(64),
+        )
+        trainer.train()
+    history = trainer.state.log_history
+    calls = [m.get("tools/call_frequency", 0.0) for m in history]
+    why = fast_decode.unavailable(trainer.model)
+    print(
+        f"training: tools/call_frequency per step {calls}; cudagraph skips {skips.count}; decode {fast}: {why or 'ran'}"
+    )
+    expect(all(math.isfinite(m["loss"]) for m in history), "finite losses")
+    expect(why is None, f"the {fast} sampler ran {fast} with tools ({why or 'not refused'})")
+    if run.cuda:
+        expect(sum(calls) > 0, "the training rollouts called the tool")
+        expect(skips.count == 0, f"the training decode ran as CUDA graphs ({skips.reasons[:2]})")
+    box = trainer.sampler.toolbox
+    rows = calculator.calculator_problems(8, split="eval")
+    texts = [box.render_prompt(m) for m in rows["prompt"]]
+
+    def sample(mode):
+        return generate_rollout(
+            trainer.model,
+            trainer.tokenizer,
+            texts,
+            num_generations=4,
+            max_prompt_length=None,
+            max_completion_length=completion,
+            temperature=1.0,
+            generator=torch.Generator(device=run.device).manual_seed(0),
+            decode_mode=mode,
+            tools=box,
+            max_tool_calling_iterations=1,
+        )
+
+    eager, fast_rollout = sample("eager"), sample(fast)
+    same = (eager.completion_ids == fast_rollout.completion_ids).all(1).float().mean().item()
+    counted = {name: int(r.tool_calls.sum()) for name, r in (("eager", eager), (fast, fast_rollout))}
+    FINDINGS.update(
+        {
+            "training_call_frequency": calls,
+            "same_rows": same,
+            "tool_calls": counted,
+            "cudagraph_skips": skips.count,
+        }
+    )
+    print(
+        f"sampled tool rollouts (T = 1, one seed), {fast} vs eager: {same:.0%} of rows the same; calls {counted}"
+    )
+    expect(same >= 0.9, f"{same:.0%} of sampled float32 tool rollouts the same in both samplers (≥ 90%)")
+
+
+# ------------------------------------------------------------------------------ 10. reward model
+def check_reward_model(run: Run) -> None:
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    from lora_grpo import GRPOTrainer
+    from lora_grpo.rewards import RewardModel
+
+    path = run.model("tiny", torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(f"{path}/tokenizer")
+    reward_path = run.root / "reward"
+    torch.manual_seed(1)
+    spec = Qwen2Config(
+        **QWEN2_SHAPES["tiny"], num_labels=1, pad_token_id=0, eos_token_id=1, bos_token_id=None
+    )
+    Qwen2ForSequenceClassification(spec).save_pretrained(reward_path)  # float32 on disk
+    scorer = RewardModel(str(reward_path), tokenizer=tokenizer)
+    seen: list[int] = []
+    scorer.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(
+            int((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[0])
+        ),
+        with_kwargs=True,
+    )
+    config = tiny_config(
+        path, str(run.root / "reward-run"), micro_batch_size="auto", max_steps=2, save_steps=0
+    )
+    trainer = GRPOTrainer(config, reward_funcs=[scorer], train_dataset=tiny_prompts())
+    trainer.hooks.append(
+        lambda event, _t, **_: seen.clear() if event == "train_begin" else None
+    )  # the probe's are planned
+    trainer.train()
+    plan = trainer.memory_plan
+    dtype = trainer.model.get_input_embeddings().weight.dtype
+    parameter = next(scorer.model.parameters())
+    means = [m.get(f"rewards/{scorer.__name__}/mean") for m in trainer.state.log_history]
+    FINDINGS.update(
+        {
+            "rows_per_forward": sorted(set(seen)),
+            "plan_forward_rows": plan.forward_rows if plan else None,
+            "reward_model": f"{parameter.dtype} on {parameter.device}",
+            "reward_means": means,
+        }
+    )
+    print(
+        f"reward model {scorer.__name__}: {parameter.dtype} on {parameter.device} (run: {dtype}); rows per scoring "
+        f"forward {sorted(set(seen))}, plan {plan.forward_rows if plan else '-'}; rewards/mean {means}"
+    )
+    expect(
+        parameter.device.type == run.device.type and parameter.dtype == dtype,
+        "the reward model on the run's device and dtype",
+    )
+    expect(all(m is not None and math.isfinite(m) for m in means), "finite rewards at every step")
+    expect(
+        plan is not None and bool(seen) and max(seen) <= plan.forward_rows,
+        "scoring forwards within the plan's rows",
+    )
+
+
+# ------------------------------------------------------------------------------ 11. paged_adamw_8bit
+def check_paged_adamw(run: Run) -> None:
+    from lora_grpo import GRPOTrainer
+    from lora_grpo.adapters import POLICY
+
+    # bitsandbytes keeps the states of tensors under 4096 entries in 32 bits and pages only those of
+    # 100,000 entries or more: rank 128 on "small" gives such LoRA tensors (down_proj's A, gate/up's B)
+    shape = run.shape("small")
+    path = run.model(shape, torch.float32)
+    rank = 64 if shape == "tiny" else 128
+    config = tiny_config(
+        path, str(run.root / "paged"), optimizer="paged_adamw_8bit", lora_r=rank, max_steps=3, save_steps=0
+    )
+    trainer = GRPOTrainer(
+        config,
+        reward_funcs=[even_token_share],
+        train_dataset=token_prompts(QWEN2_SHAPES[shape]["vocab_size"], 8, count=16),
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if f".{POLICY}." in n}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    moved = sum(not torch.equal(before[n], after[n]) for n in before)
+    states = [s for s in trainer.optimizer.state.values() if "state1" in s]
+    eight_bit = [s for s in states if s["state1"].dtype == torch.uint8]
+    paged = [s for s in states if getattr(s["state1"], "is_paged", False)]
+    losses = [m["loss"] for m in trainer.state.log_history]
+    FINDINGS.update(
+        {
+            "optimizer": type(trainer.optimizer).__name__,
+            "tensors_moved": f"{moved}/{len(before)}",
+            "states": len(states),
+            "eight_bit_states": len(eight_bit),
+            "paged_states": len(paged),
+            "losses": losses,
+        }
+    )
+    print(
+        f"{type(trainer.optimizer).__name__}: {moved}/{len(before)} policy tensors moved; of {len(states)} states "
+        f"{len(eight_bit)} 8-bit, {len(paged)} paged; losses {[f'{x:.4f}' for x in losses]}"
+    )
+    expect(type(trainer.optimizer).__name__ == "PagedAdamW8bit", "bitsandbytes' PagedAdamW8bit")
+    expect(all(math.isfinite(x) for x in losses), "finite losses")
+    expect(moved > 0, "the policy adapter moved")
+    expect(bool(eight_bit), "8-bit states for the large LoRA tensors")
+    if run.cuda:
+        expect(bool(paged), "paged states (CUDA unified memory) for the tensors of 100,000 entries or more")
+    else:
+        not_here("paged states: bitsandbytes pages only on CUDA (a CPU falls back to unpaged)")
+
+
+# ------------------------------------------------------------------------------ 12. vs TRL
+def peer_settings(run: Run) -> dict:
+    """The same work for both trainers: prompts, G, lengths, LoRA, beta, steps (the first not counted)."""
+    if run.args.cpu:
+        return dict(shape="tiny", prompts=2, generations=4, prompt=8, completion=8, steps=2, rank=8)
+    return dict(shape="qwen2.5-0.5b", prompts=2, generations=8, prompt=64, completion=128, steps=4, rank=16)
+
+
+def peer_run(which: str, path: str, settings: dict, cuda: bool) -> dict:
+    """One trainer's run (the worker of section 12): step times (start to start; the first, which
+    compiles or warms up, left out) and peak memory (CUDA: the allocator's, over the whole process and
+    over the loaded model; CPU: the resident set)."""
+    import resource
+
+    s = settings
+    sequences = s["prompts"] * s["generations"]
+    prompts = token_prompts(QWEN2_SHAPES[s["shape"]]["vocab_size"], s["prompt"], count=16 * s["prompts"])
+    times: list[float] = []
+    tokens: list[float] = []
+    if which == "ours":
+        from lora_grpo import GRPOConfig, GRPOTrainer
+
+        config = GRPOConfig(
+            model_name_or_path=path,
+            tokenizer_name_or_path=f"{path}/tokenizer",
+            quantization="4bit",
+            lora_r=s["rank"],
+            lora_alpha=2 * s["rank"],
+            lora_target_modules=TARGETS,
+            num_generations=s["generations"],
+            prompts_per_step=s["prompts"],
+            max_prompt_length=None,
+            max_completion_length=s["completion"],
+            beta=0.04,
+            learning_rate=1e-5,
+            max_steps=s["steps"] + 1,
+            save_steps=0,
+            logging_steps=1,
+            output_dir=tempfile.mkdtemp(),
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=prompts)
+        loaded = torch.cuda.memory_allocated() if cuda else 0
+        for metrics, seconds in train_steps(trainer):
+            times.append(seconds)
+            tokens.append(metrics["completion_length/mean"] * sequences)
+        sizes = f"micro_batch_size {trainer.micro_batch_size}, gradient_checkpointing {trainer.gradient_checkpointing}"
+    else:
+        from datasets import Dataset
+        from peft import LoraConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        from lora_grpo.model import keep_4bit_weights_fixed
+
+        compute = torch.bfloat16 if cuda else torch.float32
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=compute,
+            bnb_4bit_use_double_quant=True,
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=compute, quantization_config=quantization, device_map={"": 0 if cuda else "cpu"}
+        )
+        keep_4bit_weights_fixed(
+            model
+        )  # a CPU's bitsandbytes otherwise repacks into a kernel without autograd
+
+        class StepTimes(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                now = time.perf_counter()
+                if hasattr(self, "start"):
+                    times.append(now - self.start)
+                self.start = now
+
+            def on_log(self, _args, state, control, logs=None, **k):
+                if logs and "completions/mean_length" in logs:
+                    tokens.append(logs["completions/mean_length"] * sequences)
+
+        config = GRPOConfig(
+            output_dir=tempfile.mkdtemp(),
+            per_device_train_batch_size=sequences,
+            gradient_accumulation_steps=1,
+            num_generations=s["generations"],
+            max_completion_length=s["completion"],
+            gradient_checkpointing=True,
+            beta=0.04,
+            learning_rate=1e-5,
+            max_steps=s["steps"] + 1,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            bf16=cuda,
+            fp16=False,
+            use_cpu=not cuda,
+            seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[even_token_share],
+            args=config,
+            train_dataset=Dataset.from_list(prompts),
+            processing_class=AutoTokenizer.from_pretrained(f"{path}/tokenizer"),
+            peft_config=LoraConfig(
+                r=s["rank"],
+                lora_alpha=2 * s["rank"],
+                lora_dropout=0.0,
+                target_modules=TARGETS,
+                task_type="CAUSAL_LM",
+            ),
+            callbacks=[StepTimes()],
+        )
+        loaded = torch.cuda.memory_allocated() if cuda else 0
+        trainer.train()
+        sizes = f"one micro-batch of {sequences}, gradient checkpointing on"
+    measured = times[1:] or times
+    step = sorted(measured)[len(measured) // 2] if measured else math.nan
+    result = {"step_s": step, "steps_timed": len(measured), "sizes": sizes}
+    if tokens:
+        result["tokens_per_s"] = (sum(tokens[-len(measured) :]) / sum(measured)) if measured else math.nan
+    if cuda:
+        result.update(
+            peak_allocated_mib=torch.cuda.max_memory_allocated() / MiB,
+            peak_reserved_mib=torch.cuda.max_memory_reserved() / MiB,
+            above_loaded_mib=(torch.cuda.max_memory_allocated() - loaded) / MiB,
+        )
+    else:
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
+
+
+def check_vs_trl(run: Run) -> None:
+    try:
+        import trl
+    except Exception as e:  # noqa: BLE001 - any import failure means: not here
+        raise Skip(f"trl does not import: {type(e).__name__}: {str(e)[:200]}") from None
+    if run.cuda and run.left() < 120:
+        raise Skip(f"{run.left():.0f} s of the budget left: too little for two fresh trainer processes")
+    settings = peer_settings(run)
+    path = run.model(settings["shape"])
+    print(
+        f"TRL {trl.__version__} against lora_grpo on a random {settings['shape']}, 4-bit: "
+        f"{settings['prompts']} prompts × G {settings['generations']}, {settings['prompt']} + "
+        f"{settings['completion']} tokens, LoRA r {settings['rank']} on every linear layer, beta 0.04, "
+        f"{settings['steps']} timed steps after one; each at its defaults"
+    )
+    results = {}
+    for which in ("ours", "trl"):
+        if run.args.cpu:  # the dry run: both in this process (memory not compared)
+            results[which] = peer_run(which, path, settings, cuda=False)
+            continue
+        cap = max(60.0, min(300.0, run.left()))  # the second process gets what the first left
+        command = [
+            sys.executable,
+            __file__,
+            "--peer-worker",
+            which,
+            "--model",
+            path,
+            "--peer-settings",
+            json.dumps(settings),
+        ]
+        try:
+            results[which] = run_worker(command, f"the {which} run", timeout=cap)
+        except subprocess.TimeoutExpired:
+            expect(False, f"the {which} run finished within {cap:.0f} s")
+            return
+    if run.args.cpu:
+        not_here("peak memory in fresh processes (the dry run runs both trainers in this one)")
+    FINDINGS.update(results)
+    ours, peer = results["ours"], results["trl"]
+    for which, r in results.items():
+        print(f"{which}: {r}")
+    print(f"step time ours / TRL: {ours['step_s'] / peer['step_s']:.2f}")
+    if run.cuda:
+        print(
+            f"peak allocated ours / TRL: {ours['peak_allocated_mib'] / peer['peak_allocated_mib']:.2f}; above the "
+            f"loaded model: {ours['above_loaded_mib']:,.0f} vs {peer['above_loaded_mib']:,.0f} MiB"
+        )
+    expect(all(math.isfinite(r["step_s"]) for r in results.values()), "both trainers ran their steps")
 
 
 # ------------------------------------------------------------------------------ main
+SECTIONS = [
+    ("1. devices", check_devices),
+    (
+        "2. memory: the 0.5B recipe on an emulated 8 GB card",
+        lambda run: check_recipe_memory(run, "qwen2.5-0.5b-gsm8k-qlora", "qwen2.5-0.5b", keep=True),
+    ),
+    ("3. decode: compiled vs eager, graph breaks, recompiles", check_decode),
+    (
+        "4. memory: the 1.5B recipe on an emulated 8 GB card",
+        lambda run: check_recipe_memory(run, "qwen2.5-1.5b-gsm8k-calculator-qlora", "qwen2.5-1.5b"),
+    ),
+    ("5. decode after updates: compiled vs eager in float32 and bf16", check_decode_after_updates),
+    ("6. bf16 KL", check_bf16_kl),
+    ("7. resume: on the same device, and on a CPU", check_resume),
+    ("8. pytest -m gpu", check_pytest_gpu),
+    ("9. tools with the compiled decode", check_tools),
+    ("10. reward model", check_reward_model),
+    ("11. paged_adamw_8bit", check_paged_adamw),
+    ("12. step time and peak memory against TRL + PEFT", check_vs_trl),
+]
+
+
+def run_section(title: str, check, run: Run) -> None:
+    """Run one section (or skip it: not selected, past the budget, or Skip raised) and record its
+    status, seconds and findings; a failure is printed with its traceback and the run goes on."""
+    number = int(title.split(".")[0])
+    print(f"\n## {title}", flush=True)
+    FINDINGS.clear()
+    start = time.perf_counter()
+    status, reason = "passed", None
+    if run.args.only and number not in run.args.only:
+        status, reason = "skipped", "not in --only"
+    elif run.left() <= 0:
+        status, reason = "skipped", f"past the --budget of {run.args.budget:.0f} s"
+    else:
+        try:
+            check(run)
+            if FINDINGS.get("failures"):
+                status = "failed"
+        except Skip as e:
+            status, reason = "skipped", str(e)
+        except Exception as e:  # noqa: BLE001 - one section's failure must not hide the others' findings
+            status = "failed"
+            FINDINGS["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            print(f"FAILED: {title}\n{traceback.format_exc()}", flush=True)
+        finally:
+            release(run)
+    if reason:
+        print(f"(skipped: {reason})", flush=True)
+    SUMMARY[title] = {
+        "status": status,
+        "seconds": round(time.perf_counter() - start, 1),
+        "reason": reason,
+        "findings": dict(FINDINGS),
+    }
+    print(f"({time.perf_counter() - start:.1f} s)", flush=True)
+    if run.args.out:
+        write_summary(run.args.out, run.elapsed())
+
+
+LABELS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
+
+
+def failed() -> list[str]:
+    return [title for title, v in SUMMARY.items() if v["status"] == "failed"]
+
+
+def write_summary(out: str, seconds: float) -> None:
+    """summary.json and summary.txt in `out`: the run's verdict so far, one entry per section."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    verdict = {
+        "passed": not failed(),
+        "failed": failed(),
+        "skipped": [title for title, v in SUMMARY.items() if v["status"] == "skipped"],
+        "seconds": round(seconds, 1),
+        "sections": SUMMARY,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    (Path(out) / "summary.json").write_text(json.dumps(verdict, indent=2, default=str) + "\n")
+    lines = []
+    for title, v in SUMMARY.items():
+        line = f"{LABELS[v['status']]} {title} ({v['seconds']} s)"
+        detail = v["findings"].get("error") or "; ".join(v["findings"].get("failures", [])) or v["reason"]
+        lines.append(line + (f": {detail[:300]}" if detail else ""))
+    (Path(out) / "summary.txt").write_text(
+        "\n".join(lines + [f"{len(failed())} failed, {seconds:.0f} s"]) + "\n"
+    )
+
+
+class Tee:
+    """A stream that writes to the console and to log.txt in --out (what the lent machine returns)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.log.write(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.log.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cpu", action="store_true", help="a dry run on the CPU with the tiny shape")
-    parser.add_argument("--steps", type=int, default=3, help="training steps of section 2")
+    parser.add_argument("--cpu", action="store_true", help="a dry run on the CPU with tiny shapes")
+    parser.add_argument("--steps", type=int, default=2, help="training steps of sections 2 and 4")
+    parser.add_argument("--budget", type=float, default=450, help="seconds; a section past it is skipped")
     parser.add_argument(
-        "--budget", type=float, default=450, help="seconds; later sections are skipped past it"
+        "--only", type=lambda s: {int(x) for x in s.split(",")}, help="e.g. 2,4: these sections alone"
     )
-    parser.add_argument("--out", help="write summary.json and summary.txt to this folder")
-    parser.add_argument("--resume-on-cpu", help=argparse.SUPPRESS)  # section 5's subprocess
+    parser.add_argument("--out", help="write summary.json, summary.txt and log.txt to this folder")
+    parser.add_argument("--resume-on-cpu", help=argparse.SUPPRESS)  # section 7's subprocess
+    parser.add_argument("--peer-worker", choices=["ours", "trl"], help=argparse.SUPPRESS)  # section 12's
+    parser.add_argument("--peer-settings", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("lora_grpo").setLevel(logging.INFO)  # what 'auto' chose, in one line each
-    if args.resume_on_cpu:
-        resume_here(args.model, args.resume_on_cpu)
+    if args.resume_on_cpu or args.peer_worker:
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        no_plots()
+        if args.resume_on_cpu:
+            resume_here(args.model, args.resume_on_cpu)
+        else:
+            result = peer_run(
+                args.peer_worker, args.model, json.loads(args.peer_settings), torch.cuda.is_available()
+            )
+            print("RESULT " + json.dumps(result))
         return 0
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or pass --cpu for a dry run")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        log = open(Path(args.out) / "log.txt", "w")  # noqa: SIM115 - open for the whole run
+        sys.stdout, sys.stderr = Tee(sys.stdout, log), Tee(sys.stderr, log)
+    if not args.cpu:
+        # Section 7's deterministic mode needs it before cuBLAS starts (a 32 MiB workspace, Hopper's default).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("lora_grpo").setLevel(logging.INFO)  # what 'auto' chose, in one line each
     device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
-    args.shape = "tiny" if args.cpu else "qwen2.5-0.5b"
     torch._logging.set_logs(graph_breaks=True, recompiles=True)  # TORCH_LOGS="graph_breaks,recompiles"
-    start = time.perf_counter()
-
-    def time_left() -> bool:
-        left = args.budget - (time.perf_counter() - start)
-        if left <= 0:
-            print(f"(skipped: past the --budget of {args.budget:.0f} s)")
-        return left > 0
-
+    no_plots()
     with tempfile.TemporaryDirectory() as root:
-        with section("1. devices"):
-            check_devices(device)
-        path = f"{root}/model"
-        build_qwen2(args.shape, path, torch.float32 if args.cpu else torch.bfloat16)
-        trainer = prompts = None
-        with section("2. the 0.5B recipe, memory against the plan"):
-            trainer, prompts = run_recipe(path, device, args, f"{root}/recipe")
-        with section("3. decode: compiled vs eager, graph breaks, recompiles"):
-            if trainer is None:
-                raise RuntimeError("needs section 2's trained model")
-            if time_left():
-                check_decode(trainer, prompts, device, args)
-        del trainer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        with section("4. bf16 KL"):
-            if time_left():
-                check_bf16_kl(path, device, args)
-        with section("5. resume a GPU checkpoint on a CPU"):
-            if time_left():
-                check_resume(device, args, root)
+        run = Run(args, device, root)
+        for title, check in SECTIONS:
+            run_section(title, check, run)
+        seconds = run.elapsed()
     print(
-        f"\n{len(FAILED)} section(s) failed{': ' + ', '.join(FAILED) if FAILED else ''}; "
-        f"{time.perf_counter() - start:.0f} s in all"
+        f"\n{len(failed())} section(s) failed{': ' + ', '.join(failed()) if failed() else ''}; "
+        f"{sum(v['status'] == 'skipped' for v in SUMMARY.values())} skipped; {seconds:.0f} s in all"
     )
     if args.out:
-        write_summary(args.out, time.perf_counter() - start)
-    return len(FAILED)
+        write_summary(args.out, seconds)
+    return len(failed())
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ each chunk's logits. Peak extra memory is O(chunk_size × vocab), independent of
 
 A bf16 / fp16 head gives float32 logits too, accumulated in float32 (_head_logits): rounded to bf16, a
 logit moves by up to 2⁻⁹ of itself (0.03–0.06 nats at |z| 16–32), more than a policy and a just-synced
-reference differ, which biases their KL up near zero.
+reference differ, which biases their KL up near zero. On a CUDA GPU that float32 matmul runs on TF32
+tensor cores (_tf32_matmuls), which is exact for those inputs.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -24,20 +25,67 @@ Tensor = torch.Tensor
 _CAST_ELEMENTS = 2**23  # of a bf16 head's weight cast to float32 at once (32 MiB; all of Qwen2.5's: 545 MB)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _exact_in_tf32(device: torch.device, *dtypes: torch.dtype) -> bool:
+    """Whether a float32 matmul of float32 copies of tensors of `dtypes` gives the same products on
+    TF32 tensor cores as in IEEE float32, on `device`: CUDA only (TF32 is a cuBLAS mode), and only
+    for bf16 / fp16 values, whose 7 / 10 mantissa bits TF32's 10 hold exactly (the products, of at
+    most 22 bits, are exact either way; both accumulate in float32). A float32 input would be
+    rounded to 10 bits."""
+    return device.type == "cuda" and all(d in _HALF for d in dtypes)
+
+
+@contextmanager
+def _tf32_matmuls(enabled: bool):
+    """Float32 CUDA matmuls inside on TF32 tensor cores when `enabled` (see _exact_in_tf32), the
+    process's setting restored afterwards, exceptions included; nothing changes when TF32 is on
+    already, or when torch refuses to read its setting (its legacy and new APIs set to disagree).
+
+    Set through the legacy `allow_tf32`: its setter writes both the legacy and the new (torch ≥ 2.9
+    `fp32_precision`) value, and cuBLAS raises at every float32 matmul when the two disagree, which
+    setting only the new one leaves them doing. The new value is restored as it was read. A
+    process-wide flag: nothing else runs float32 matmuls meanwhile, this being one thread's head
+    matmul (the autograd thread's in backward, while the caller waits)."""
+    matmul, before = torch.backends.cuda.matmul, None
+    if enabled:
+        try:
+            before = matmul.allow_tf32
+        except RuntimeError:  # the two APIs disagree: torch refuses to say; leave it alone
+            pass
+    if before is not False:
+        yield
+        return
+    try:
+        precision = matmul.fp32_precision  # torch ≥ 2.9
+    except (AttributeError, RuntimeError):
+        precision = None
+    matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = False
+        if precision is not None:
+            matmul.fp32_precision = precision
+
+
 def _head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """hidden (n, H) · weight (V, H)ᵀ + bias → a fresh (n, V) float32 block. A float32 head runs the
     one matmul it always ran (bit-identical); a bf16 / fp16 one multiplies float32 copies of the
     hidden states and of weight slices: products of bf16 numbers are exact in float32, so the
-    logits carry float32's rounding, not bf16's."""
+    logits carry float32's rounding, not bf16's. Those copies are exact in TF32 too, so on a CUDA
+    GPU the matmul runs on TF32 tensor cores when the hidden states are bf16 / fp16 as well."""
     if hidden.dtype == weight.dtype == torch.float32:
         return (hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())).float()
     h, step = hidden.float(), max(1, _CAST_ELEMENTS // weight.shape[1])
-    if step >= weight.shape[0]:
-        logits = h @ weight.float().t()
-    else:
-        logits = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32, device=h.device)
-        for v in range(0, weight.shape[0], step):
-            logits[:, v : v + step] = h @ weight[v : v + step].float().t()
+    with _tf32_matmuls(_exact_in_tf32(hidden.device, hidden.dtype, weight.dtype)):
+        if step >= weight.shape[0]:
+            logits = h @ weight.float().t()
+        else:
+            logits = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32, device=h.device)
+            for v in range(0, weight.shape[0], step):
+                logits[:, v : v + step] = h @ weight[v : v + step].float().t()
     return logits if bias is None else logits.add_(bias.float())
 
 

@@ -59,6 +59,7 @@ def test_the_bundle_downloads_and_fits_the_carry_limit(tmp_path):
 
 @pytest.mark.slow
 def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
+    """Every section's code runs on a CPU in a tiny shape; what only CUDA has is skipped and listed."""
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--steps", "1", "--out", str(out)],
@@ -69,5 +70,39 @@ def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["passed"] and len(summary["sections"]) == 5
-    assert (out / "summary.txt").read_text().count("PASS") == 5
+    sections = {title.split(".")[0]: v for title, v in summary["sections"].items()}
+    assert summary["passed"] and len(sections) == 12
+    skipped = {n for n, v in sections.items() if v["status"] == "skipped"}
+    assert skipped == {"8"} and sections["8"]["reason"].startswith("CUDA only")  # pytest -m gpu
+    for n in ("2", "3", "4", "5", "6", "11"):  # their CUDA-only parts, named
+        assert sections[n]["findings"]["skipped_parts"], n
+    assert sections["7"]["findings"]["equal"] is True  # the resumed run's adapters, tensor by tensor
+    text = (out / "summary.txt").read_text()
+    assert text.count("PASS") == 11 and text.count("SKIP") == 1
+    assert (out / "log.txt").read_text().count("\n## ") == 12
+
+
+def test_a_section_past_the_budget_is_skipped_and_a_missed_threshold_fails_after_the_rest(tmp_path):
+    import argparse
+
+    import gpu_check
+    import torch
+
+    args = argparse.Namespace(budget=60.0, only=None, out=str(tmp_path), cpu=True)
+    run = gpu_check.Run(args, torch.device("cpu"), str(tmp_path))
+    gpu_check.SUMMARY.clear()
+    ran = []
+
+    def check(run):
+        gpu_check.expect(False, "a threshold")
+        ran.append("after")
+
+    gpu_check.run_section("1. thresholds", check, run)
+    args.budget = 0.0
+    gpu_check.run_section("2. late", lambda run: ran.append("late"), run)
+    assert ran == ["after"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    first, late = summary["sections"]["1. thresholds"], summary["sections"]["2. late"]
+    assert first["status"] == "failed" and first["findings"]["failures"] == ["a threshold"]
+    assert late["status"] == "skipped" and "budget" in late["reason"]
+    assert summary["failed"] == ["1. thresholds"] and summary["skipped"] == ["2. late"]

@@ -530,3 +530,83 @@ def test_without_entropy_grad_the_entropy_stays_a_metric():
         assert logp.requires_grad and not entropy.requires_grad
     with pytest.raises(ValueError, match="return_entropy=True"):
         chunked_log_probs(hidden, head, targets, entropy_grad=True)
+
+
+@pytest.fixture
+def matmul_precision():
+    """The matmul precision flags left as torch starts (they are process-wide): after the test too."""
+    yield torch.backends.cuda.matmul
+    torch.set_float32_matmul_precision("highest")  # the legacy value and the new per-backend ones
+    if hasattr(torch.backends, "fp32_precision"):
+        torch.backends.fp32_precision = "none"
+
+
+def _tf32_state():
+    """(allow_tf32, the new API's cuda matmul value, the legacy precision), "raises" where torch refuses."""
+    out = []
+    for read in (
+        lambda: torch.backends.cuda.matmul.allow_tf32,
+        lambda: torch.backends.cuda.matmul.fp32_precision,
+        torch.get_float32_matmul_precision,
+    ):
+        try:
+            out.append(read())
+        except (RuntimeError, AttributeError):
+            out.append("raises")
+    return tuple(out)
+
+
+@pytest.mark.parametrize(
+    "before",
+    ["default", "new api ieee", "legacy tf32 on", "generic tf32 (mixed)", "generic tf32, cuda ieee"],
+)
+def test_tf32_around_the_head_matmul_is_on_inside_and_restored_exactly(matmul_precision, before):
+    """The state of both TF32 APIs is what it was afterwards, an exception inside included; inside,
+    TF32 is on and readable through both APIs (cuBLAS reads the legacy flag and raises when the two
+    disagree: the new API alone would make every float32 matmul inside raise). A state torch itself
+    refuses to read is left untouched."""
+    from lora_grpo.logprobs import _tf32_matmuls
+
+    if not hasattr(matmul_precision, "fp32_precision") and before != "legacy tf32 on":
+        pytest.skip("torch < 2.9 has only the legacy flag")
+    if before == "new api ieee":
+        matmul_precision.fp32_precision = "ieee"
+    elif before == "legacy tf32 on":
+        matmul_precision.allow_tf32 = True
+    elif before.startswith("generic tf32"):
+        torch.backends.fp32_precision = "tf32"
+        if before.endswith("cuda ieee"):
+            matmul_precision.fp32_precision = "ieee"
+    state = _tf32_state()
+    mixed = state[0] == "raises"
+    with pytest.raises(KeyError), _tf32_matmuls(True):
+        assert _tf32_state()[:2] == (state if mixed else (True, "tf32"))[:2]
+        if not mixed:
+            assert _tf32_state()[2] == "high"
+        raise KeyError("inside")
+    assert _tf32_state() == state
+    with _tf32_matmuls(False):
+        assert _tf32_state() == state
+
+
+def test_tf32_only_where_it_is_exact_and_a_cpu_head_is_unchanged(matmul_precision, monkeypatch):
+    """TF32 holds bf16 / fp16 values exactly, not float32 ones, and is a CUDA mode: a bf16 head on a
+    CPU computes exactly the float32 product it computed before, with the flags untouched."""
+    from lora_grpo import logprobs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert logprobs._exact_in_tf32(cuda, bf16, bf16) and logprobs._exact_in_tf32(cuda, fp16, bf16)
+    assert not logprobs._exact_in_tf32(cuda, fp32, bf16)  # float32 hidden states would be rounded
+    assert not logprobs._exact_in_tf32(cpu, bf16, bf16)
+    asked = []
+    real = logprobs._tf32_matmuls
+    monkeypatch.setattr(logprobs, "_tf32_matmuls", lambda enabled: asked.append(enabled) or real(enabled))
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(5, 32).to(bf16), torch.randn(70, 32).to(bf16)
+    state = _tf32_state()
+    for rows in (70, 7):  # one cast of the weight, and slices of 7 rows: the same products as before
+        monkeypatch.setattr(logprobs, "_CAST_ELEMENTS", rows * 32)
+        before = torch.cat([hidden.float() @ weight[v : v + rows].float().t() for v in range(0, 70, rows)], 1)
+        assert torch.equal(logprobs._head_logits(hidden, weight, None), before)
+    assert asked == [False, False] and _tf32_state() == state
