@@ -81,7 +81,7 @@ def disable_dropout(model: nn.Module) -> None:
 
 def local_base(name: str) -> str | None:
     """The path of an offline task's base by its name ("toy" or its recipe's name "toy-addition",
-    "toy-calculator"), built once and cached; None for any other name."""
+    "toy-calculator", "toy-countdown"), built once and cached; None for any other name."""
     if name in ("toy", "toy-addition"):
         from .tasks.toy import ensure_toy_base
 
@@ -90,6 +90,10 @@ def local_base(name: str) -> str | None:
         from .tasks.calculator import ensure_calculator_base
 
         return ensure_calculator_base()
+    if name == "toy-countdown":
+        from .tasks.countdown_toy import ensure_countdown_toy_base
+
+        return ensure_countdown_toy_base()
     return None
 
 

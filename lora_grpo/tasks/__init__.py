@@ -1,9 +1,13 @@
 """The offline tasks: data, rewards and tiny base models generated locally (nothing is downloaded).
 
-    toy        two-digit addition and the tiny Llama-style base pre-trained on it (the default recipe)
-    countdown  reach a target from 3–4 numbers with + − × ÷ (TinyZero's task, generated here)
-    calculator 3–4 digit sums with a calculator tool, and a tiny base pre-trained to call it sometimes
-               (the toy-calculator recipe: GRPO teaches it to call the tool and copy the result)
+    toy            two-digit addition and the tiny Llama-style base pre-trained on it (the default recipe)
+    countdown      reach a target from 3–4 numbers with + − × ÷ (TinyZero's task, generated here)
+    calculator     3–4 digit sums with a calculator tool, and a tiny base pre-trained to call it sometimes
+                   (the toy-calculator recipe: GRPO teaches it to call the tool and copy the result)
+    countdown_toy  countdown shrunk for a tiny model: three one-digit numbers, + − ×, and a tiny base
+                   pre-trained to swap + and − often (the toy-countdown recipe: GRPO teaches it not to)
 
-`dataset: toy` / `dataset: countdown` in a recipe name them (data.LOCAL_DATASETS).
+`dataset: toy` / `countdown` / `calculator` / `countdown-toy` in a recipe name them
+(data.LOCAL_DATASETS); `model_name_or_path: toy` / `toy-calculator` / `toy-countdown` name the bases
+(model.local_base).
 """
