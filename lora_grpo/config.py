@@ -66,7 +66,8 @@ class GRPOConfig:
 
     # --- model -------------------------------------------------------------------------------
     model_name_or_path: str | None = _f(
-        None, "hub id or local path of the base causal LM; 'toy' builds the offline toy base"
+        None,
+        "hub id or local path of the base causal LM; 'toy', 'toy-calculator', 'toy-countdown' build the offline tiny bases",
     )
     tokenizer_name_or_path: str | None = _f(None, "tokenizer to load (default: model_name_or_path)")
     quantization: str = _f("none", "base model quantization: none | 8bit | 4bit (bitsandbytes; 4bit = QLoRA)")
@@ -145,7 +146,7 @@ class GRPOConfig:
     dataset: str | None = _f(
         None,
         "training prompts: a hub dataset name or a local json/jsonl/csv/parquet file or saved "
-        "dataset dir; 'toy' / 'countdown' = offline tasks generated locally",
+        "dataset dir; 'toy' / 'countdown' / 'calculator' / 'countdown-toy' = offline tasks generated locally",
     )
     dataset_config: str | None = _f(
         None, "configuration name of a hub dataset that has several (gsm8k: 'main')"
