@@ -67,7 +67,8 @@ class GRPOConfig:
     # --- model -------------------------------------------------------------------------------
     model_name_or_path: str | None = _f(
         None,
-        "hub id or local path of the base causal LM; 'toy', 'toy-calculator', 'toy-countdown' build the offline tiny bases",
+        "hub id or local path of the base causal LM; 'toy', 'toy-calculator', 'toy-countdown' build "
+        "the offline tiny bases",
     )
     tokenizer_name_or_path: str | None = _f(None, "tokenizer to load (default: model_name_or_path)")
     quantization: str = _f("none", "base model quantization: none | 8bit | 4bit (bitsandbytes; 4bit = QLoRA)")
