@@ -18,7 +18,7 @@ fraction, the dynamic arm's rounds and filled groups per step; mean ± std over 
 Every seed is reported; none is dropped. Run it alone on the machine: the seconds are wall time.
 
     python benchmarks/dynamic_sampling_study.py                          # toy-addition, 2 arms × 5 seeds, ~3 min
-    python benchmarks/dynamic_sampling_study.py --recipe toy-countdown
+    python benchmarks/dynamic_sampling_study.py --recipe toy-countdown --plain-steps 60 --target 0.7
     python benchmarks/dynamic_sampling_study.py --seeds 0 --steps 10      # a quick look
 """
 
@@ -45,7 +45,7 @@ def run_one(arm: str, seed: int, args) -> dict:
     config = GRPOConfig.from_yaml(
         str(recipe),
         {
-            "max_steps": args.steps,
+            "max_steps": args.plain_steps if arm == "plain" and args.plain_steps else args.steps,
             "eval_steps": args.eval_steps,
             "eval_pass_k": [],
             "eval_kl_to_base": False,
@@ -104,8 +104,9 @@ def mean_std(values: list[float], fmt: str = ".3f") -> str:
 
 def write_table(results: dict[str, list[dict]], args, path: Path) -> str:
     lines = [
-        f"Recipe {args.recipe}, {args.steps} optimizer steps, eval every {args.eval_steps} steps on the held-out "
-        f"prompts; dynamic_sampling_max_rounds {args.max_rounds}; seeds {args.seeds}; mean ± std over seeds.",
+        f"Recipe {args.recipe}, {args.steps} optimizer steps (plain: {args.plain_steps or args.steps}), "
+        f"eval every {args.eval_steps} steps on the held-out prompts; dynamic_sampling_max_rounds "
+        f"{args.max_rounds}; seeds {args.seeds}; mean ± std over seeds.",
         "",
         "| arm | held-out accuracy (before → after) | per seed (after) | completions to "
         f"{args.target} | seconds to {args.target} | completions sampled | seconds (train) | zero-std groups "
@@ -159,7 +160,10 @@ def plot(results: dict[str, list[dict]], args, path: Path) -> None:
     axes[1].set(xlabel="seconds of training (rollouts + updates)", ylabel="held-out greedy accuracy")
     for ax in axes:
         ax.legend(loc="lower right")
-    fig.suptitle(f"Dynamic sampling, recipe {args.recipe}: {args.steps} steps, thin lines one seed each")
+    fig.suptitle(
+        f"Dynamic sampling, recipe {args.recipe}: {args.steps} steps (plain {args.plain_steps or args.steps}), "
+        "thin lines one seed each"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -173,6 +177,12 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.9, help="the accuracy the to-target columns time")
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--plain-steps",
+        type=int,
+        default=0,
+        help="the plain arm's steps, to match the dynamic arm's completions (0: --steps)",
+    )
     parser.add_argument("--eval-steps", type=int, default=2)
     parser.add_argument("--max-rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)

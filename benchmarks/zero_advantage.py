@@ -73,7 +73,8 @@ def main() -> None:
         return time.perf_counter() - start
 
     print(
-        f"{B} sequences of {rollout.completion_ids.shape[1]} completion tokens, micro-batches of 8, 2 CPU threads"
+        f"{B} sequences of {rollout.completion_ids.shape[1]} completion tokens, micro-batches of 8, "
+        f"{args.threads} torch threads"
     )
     print("| share of groups with equal rewards | full update (s) | saving (s) | ratio |")
     print("|---|---|---|---|")
