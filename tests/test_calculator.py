@@ -137,7 +137,7 @@ def test_pretraining_transcripts_are_laid_out_as_a_rollout_lays_them_out():
 
 def test_the_base_is_built_once_and_cached(tmp_path, capsys):
     first = calculator.ensure_calculator_base(tmp_path, **TINY)
-    assert "building the calculator base" in capsys.readouterr().out
+    assert "[calculator pretrain] building" in capsys.readouterr().out
     weights = Path(first) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert (

@@ -26,21 +26,17 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import inspect
 import json
 import math
 import operator
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerFast
 
 from ..rollout import Toolbox, generate_rollout, reply_ids
-from .pretrain import pretrain_tiny_model
+from .pretrain import ensure_cached_base, pretrain_tiny_model
 from .toy import CHARS as TOY_CHARS
 from .toy import EOS, carry_free_sum, default_cache_dir, make_tiny_model, write_base
 from .toy import make_tokenizer as make_char_tokenizer
@@ -176,7 +172,7 @@ def calculator_reward(completions, answer, **kwargs) -> list[float]:
 # ---------------------------------------------------------------------------------------------- the base
 
 FORMAT_VERSION = 1  # bump when the task or the training code changes what a seed produces
-BASE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "pretrain.json")
+RECORD = "pretrain.json"  # the pretraining record beside the weights (settings, losses, format_version)
 
 
 def _transcripts(tokenizer, pairs, calls: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,59 +278,25 @@ def pretrain_calculator_base(
         label="calculator pretrain",
     )
     record = {"settings": settings, "format_version": FORMAT_VERSION, "losses": losses, "seconds": seconds}
-    return write_base(model, tokenizer, out_dir, "pretrain.json", record)
-
-
-def _complete(path: Path) -> bool:
-    try:
-        return (
-            all((path / f).is_file() for f in BASE_FILES)
-            and json.loads((path / "pretrain.json").read_text()).get("format_version") == FORMAT_VERSION
-        )
-    except (OSError, ValueError):
-        return False
+    return write_base(model, tokenizer, out_dir, RECORD, record)
 
 
 def ensure_calculator_base(cache_dir=None, seed: int = 0, **overrides) -> str:
     """Path of the pre-trained calculator base, trained on first use and cached under ``cache_dir``
     (default ``$LORA_GRPO_CACHE`` or ``~/.cache/lora_grpo``) in a directory named by a hash of the
     settings; built in a temporary directory and renamed into place, an incomplete entry rebuilt.
-    Under torch.distributed every process calls it: LOCAL_RANK 0 builds, the others wait."""
-    params = inspect.signature(pretrain_calculator_base).parameters
-    if unknown := set(overrides) - set(params):
-        raise TypeError(f"unknown pretraining settings: {sorted(unknown)}")
-    settings = {k: p.default for k, p in params.items() if k not in ("out_dir", "log_every")}
-    settings.update(
-        {k: v for k, v in overrides.items() if k != "log_every"}, seed=seed
-    )  # every setting in the name
-    blob = json.dumps({"v": FORMAT_VERSION, **settings}, sort_keys=True)
-    final = (
-        Path(cache_dir or default_cache_dir())
-        / f"calculator_base-v{FORMAT_VERSION}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    Under torch.distributed every process calls it: LOCAL_RANK 0 builds, the others wait
+    (pretrain.ensure_cached_base)."""
+    return ensure_cached_base(
+        pretrain_calculator_base,
+        name="calculator_base",
+        version=FORMAT_VERSION,
+        record=RECORD,
+        cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
+        seed=seed,
+        overrides=overrides,
+        label="calculator pretrain",
     )
-    dist = torch.distributed
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    builder = not distributed or int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
-    try:
-        if builder and not _complete(final):
-            final.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(final, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-            print(f"[calculator pretrain] building the calculator base in {final} (once)", flush=True)
-            try:
-                pretrain_calculator_base(tmp, seed=seed, **overrides)
-                os.replace(tmp, final)
-            except OSError:
-                if not _complete(final):  # another process finished first: its result is identical
-                    raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if distributed:
-            dist.barrier()
-    if not _complete(final):
-        raise RuntimeError(f"the calculator base {final} was not built")
-    return str(final)
 
 
 # ---------------------------------------------------------------------------------------------- measuring

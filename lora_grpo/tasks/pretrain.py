@@ -6,8 +6,8 @@ step drawn from a generator seeded with ``seed + 1``. Everything runs inside a f
 so the caller's random state is left as it was, and a seed gives the same weights on a fixed thread
 count.
 
-``ensure_cached_base`` builds a task's base once per machine and settings (the countdown toy's; the
-toy and calculator bases keep their own copies of the same scheme).
+``ensure_cached_base`` builds a task's base once per machine and settings: the toy's, the
+calculator's and the countdown toy's.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def base_problem(path, record: str, version: int) -> str | None:
     return None
 
 
-def _build(final: Path, build: Callable[[Path], object], record: str, version: int) -> None:
+def _build(final: Path, build: Callable[[Path], object], record: str, version: int, label: str) -> None:
     """Build the entry ``final`` unless it is usable: an unusable one is moved aside and removed, the
     new one built into a temporary directory beside it, checked, and renamed into place."""
     problem = base_problem(final, record, version)
@@ -146,7 +146,7 @@ def _build(final: Path, build: Callable[[Path], object], record: str, version: i
         return
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
-        print(f"[pretrain] cache entry {final} is unusable ({problem}); rebuilding it", flush=True)
+        print(f"[{label}] cache entry {final} is unusable ({problem}); rebuilding it", flush=True)
         aside = Path(tempfile.mkdtemp(prefix=f".{final.name}-invalid-", dir=final.parent))
         try:
             os.replace(final, aside / final.name)  # atomic, so the rename below finds the name free
@@ -154,7 +154,7 @@ def _build(final: Path, build: Callable[[Path], object], record: str, version: i
             pass
         shutil.rmtree(aside, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    print(f"[pretrain] building {final} (once; about a minute on CPU)", flush=True)
+    print(f"[{label}] building {final} (once; about a minute on CPU)", flush=True)
     try:
         build(tmp)
         if (problem := base_problem(tmp, record, version)) is not None:  # never publish an unusable entry
@@ -177,8 +177,10 @@ def ensure_cached_base(
     cache_dir: Path,
     seed: int = 0,
     overrides: dict | None = None,
+    label: str = "pretrain",
 ) -> str:
-    """The path of the base ``pretrain(out_dir, seed=seed, **overrides)`` writes, built on first use.
+    """The path of the base ``pretrain(out_dir, seed=seed, **overrides)`` writes, built on first use
+    (``[label] building ...`` printed when it is).
 
     The entry lives in ``cache_dir`` under ``base_dirname(name, version, settings)``, a hash of every
     setting, so other settings or seeds get their own entry. It is built in a temporary directory
@@ -196,14 +198,14 @@ def ensure_cached_base(
 
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        _build(final, build, record, version)
+        _build(final, build, record, version, label)
         return str(final)
     # Exactly one barrier on every rank, built or cached, so all ranks take the same collective path;
     # the builder reaches it even when its build fails, so the others fail below instead of hanging.
     local_main = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
     try:
         if local_main:
-            _build(final, build, record, version)
+            _build(final, build, record, version, label)
     finally:
         dist.barrier()
     if not local_main and (problem := base_problem(final, record, version)) is not None:

@@ -20,8 +20,6 @@ import inspect
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,7 +27,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ..rollout import generate_rollout
-from .pretrain import pretrain_tiny_model
+from .pretrain import (
+    BASE_FILES,
+    base_dirname,
+    base_problem,
+    base_settings,
+    ensure_cached_base,
+    pretrain_tiny_model,
+)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 # One token per character. "<think>" etc. are spelled out character by character.
@@ -329,9 +334,6 @@ def write_base(model, tokenizer, out_dir: Path, record_name: str, record: dict) 
     return str(out_dir)
 
 
-_NOT_HASHED = {"log_every"}  # settings that do not change the trained weights
-
-
 def toy_base_settings(seed: int = 0, **overrides) -> dict:
     """All pretraining settings (defaults of ``pretrain_toy_base`` with ``overrides``) plus seed."""
     params = inspect.signature(pretrain_toy_base).parameters
@@ -345,86 +347,23 @@ def toy_base_settings(seed: int = 0, **overrides) -> dict:
 
 def toy_base_dirname(seed: int = 0, **overrides) -> str:
     """Cache subdirectory name, e.g. "toy_base-v1-3f2a9c1d0b7e": a hash of every setting and the seed."""
-    settings = {k: v for k, v in toy_base_settings(seed, **overrides).items() if k not in _NOT_HASHED}
-    blob = json.dumps({"v": TOY_FORMAT_VERSION, **settings}, sort_keys=True)
-    return f"toy_base-v{TOY_FORMAT_VERSION}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    return base_dirname("toy_base", TOY_FORMAT_VERSION, base_settings(pretrain_toy_base, seed, overrides))
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("LORA_GRPO_CACHE") or Path.home() / ".cache" / "lora_grpo")
 
 
+TOY_RECORD = "toy_pretrain.json"
 # What a cache entry must hold to be used; an entry missing any of them is rebuilt.
-TOY_BASE_FILES = (
-    "config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "toy_pretrain.json",
-)
+TOY_BASE_FILES = (*BASE_FILES, TOY_RECORD)
 
 
 def toy_base_problem(path) -> str | None:
     """Why the toy base at ``path`` is unusable ("missing config.json, model.safetensors", ...), or
     None when it is complete: every file of ``TOY_BASE_FILES``, the current format version, and a
-    config that ``AutoConfig`` loads. Cheap: no weights are read."""
-    from transformers import AutoConfig
-
-    path = Path(path)
-    if not path.is_dir():
-        return "missing"
-    missing = [name for name in TOY_BASE_FILES if not (path / name).is_file()]
-    if missing:
-        return "missing " + ", ".join(missing)
-    try:
-        version = json.loads((path / "toy_pretrain.json").read_text()).get("format_version")
-    except (OSError, ValueError, AttributeError) as err:
-        return f"unreadable toy_pretrain.json ({err})"
-    if version != TOY_FORMAT_VERSION:
-        return f"format_version {version!r}, expected {TOY_FORMAT_VERSION}"
-    try:
-        AutoConfig.from_pretrained(path)
-    except Exception as err:  # noqa: BLE001 - any reason config.json does not load makes the entry unusable
-        return f"config.json does not load ({type(err).__name__}: {err})"
-    return None
-
-
-def _distributed() -> bool:
-    """Whether this process is one of several under an initialised torch.distributed group."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _build_toy_base(final: Path, seed: int, overrides: dict) -> None:
-    """Build the entry ``final`` unless it is already valid: an invalid one is moved aside and
-    removed, the new one trained into a temporary dir beside it, checked, and renamed into place."""
-    problem = toy_base_problem(final)
-    if problem is None:
-        return
-    cache_dir = final.parent
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        print(f"[toy pretrain] cache entry {final} is unusable ({problem}); rebuilding it", flush=True)
-        aside = Path(tempfile.mkdtemp(prefix=f".{final.name}-invalid-", dir=cache_dir))
-        try:
-            os.replace(final, aside / final.name)  # atomic, so the rename below finds the name free
-        except FileNotFoundError:  # another process moved it first
-            pass
-        shutil.rmtree(aside, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_dir))
-    print(f"[toy pretrain] building the toy base model in {final} (once; about a minute on CPU)", flush=True)
-    try:
-        pretrain_toy_base(tmp, seed=seed, **overrides)
-        problem = toy_base_problem(tmp)
-        if problem is not None:  # never publish an unusable entry
-            raise RuntimeError(f"the toy base built in {tmp} is unusable ({problem})")
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished first; its result is identical
-            if toy_base_problem(final) is not None:
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    config that ``AutoConfig`` loads (pretrain.base_problem). Cheap: no weights are read."""
+    return base_problem(path, TOY_RECORD, TOY_FORMAT_VERSION)
 
 
 def ensure_toy_base(cache_dir=None, seed: int = 0, **overrides) -> str:
@@ -437,21 +376,16 @@ def ensure_toy_base(cache_dir=None, seed: int = 0, **overrides) -> str:
     ``toy_base_problem``) is rebuilt. ``overrides`` are ``pretrain_toy_base`` settings.
 
     Under torch.distributed (world size > 1) every process must call this: the local main process
-    (LOCAL_RANK 0; the cache is per machine) builds while the others wait at a barrier.
+    (LOCAL_RANK 0; the cache is per machine) builds while the others wait at a barrier
+    (pretrain.ensure_cached_base).
     """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache_dir / toy_base_dirname(seed, **overrides)
-    if not _distributed():
-        _build_toy_base(final, seed, overrides)
-        return str(final)
-    # Exactly one barrier on every rank, built or cached, so all ranks take the same collective path;
-    # the builder reaches it even when its build fails, so the others fail below instead of hanging.
-    local_main = int(os.environ.get("LOCAL_RANK", torch.distributed.get_rank())) == 0
-    try:
-        if local_main:
-            _build_toy_base(final, seed, overrides)
-    finally:
-        torch.distributed.barrier()
-    if not local_main and (problem := toy_base_problem(final)) is not None:
-        raise RuntimeError(f"the local main process did not build the toy base {final} ({problem})")
-    return str(final)
+    return ensure_cached_base(
+        pretrain_toy_base,
+        name="toy_base",
+        version=TOY_FORMAT_VERSION,
+        record=TOY_RECORD,
+        cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
+        seed=seed,
+        overrides=overrides,
+        label="toy pretrain",
+    )
