@@ -36,9 +36,9 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from ..rollout import Toolbox, generate_rollout, reply_ids
-from .pretrain import ensure_cached_base, pretrain_tiny_model
+from .pretrain import ensure_cached_base
 from .toy import CHARS as TOY_CHARS
-from .toy import EOS, carry_free_sum, default_cache_dir, make_tiny_model, write_base
+from .toy import EOS, carry_free_sum, default_cache_dir, pretrain_base
 from .toy import make_tokenizer as make_char_tokenizer
 
 CHARS = TOY_CHARS + list('{}"_[]')
@@ -256,29 +256,15 @@ def pretrain_calculator_base(
                 count += int((labels[:, 1:] != -100).sum())
         return total / count
 
-    def build_model():
-        return make_tiny_model(
-            tokenizer,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            intermediate_size=intermediate_size,
-            seed=seed,
-        )
-
-    model, losses, seconds = pretrain_tiny_model(
-        build_model,
+    return pretrain_base(
+        out_dir,
+        tokenizer,
         batch_loss,
-        seed=seed,
-        steps=steps,
-        learning_rate=learning_rate,
-        warmup_steps=warmup_steps,
-        log_every=log_every,
+        settings,
+        version=FORMAT_VERSION,
+        record=RECORD,
         label="calculator pretrain",
     )
-    record = {"settings": settings, "format_version": FORMAT_VERSION, "losses": losses, "seconds": seconds}
-    return write_base(model, tokenizer, out_dir, RECORD, record)
 
 
 def ensure_calculator_base(cache_dir=None, seed: int = 0, **overrides) -> str:

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from .countdown import evaluate_expression
-from .pretrain import ensure_cached_base, pretrain_tiny_model
-from .toy import EOS, PAD, default_cache_dir, make_tiny_model, make_tokenizer, write_base
+from .pretrain import ensure_cached_base
+from .toy import EOS, PAD, default_cache_dir, make_tokenizer, pretrain_base
 
 __all__ = [
     "countdown_toy_problems",
@@ -238,30 +238,15 @@ def pretrain_countdown_toy_base(
         labels = torch.where(use_noisy, noisy_labels[pick], right_labels[pick])
         return model(input_ids=ids, labels=labels).loss
 
-    def build_model():
-        return make_tiny_model(
-            tokenizer,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            intermediate_size=intermediate_size,
-            seed=seed,
-        )
-
-    model, losses, seconds = pretrain_tiny_model(
-        build_model,
+    return pretrain_base(
+        out_dir,
+        tokenizer,
         batch_loss,
-        seed=seed,
-        steps=steps,
-        learning_rate=learning_rate,
-        warmup_steps=warmup_steps,
-        weight_decay=weight_decay,
-        log_every=log_every,
+        settings,
+        version=FORMAT_VERSION,
+        record=RECORD,
         label="countdown toy pretrain",
     )
-    record = {"settings": settings, "format_version": FORMAT_VERSION, "losses": losses, "seconds": seconds}
-    return write_base(model, tokenizer, Path(out_dir), RECORD, record)
 
 
 def ensure_countdown_toy_base(cache_dir=None, seed: int = 0, **overrides) -> str:

@@ -281,35 +281,50 @@ def pretrain_toy_base(
         labels = torch.where(use_noisy, labels_noisy[idx], labels_true[idx])
         return model(input_ids=ids, labels=labels).loss
 
+    return pretrain_base(
+        out_dir,
+        tokenizer,
+        batch_loss,
+        settings,
+        version=TOY_FORMAT_VERSION,
+        record=TOY_RECORD,
+        label="toy pretrain",
+    )
+
+
+def pretrain_base(
+    out_dir, tokenizer, batch_loss, settings: dict, *, version: int, record: str, label: str
+) -> str:
+    """Pre-train a tiny model for ``tokenizer`` on ``batch_loss`` (pretrain.pretrain_tiny_model) and
+    write it (write_base) to ``out_dir`` with the record ``record``: the settings, ``version`` as
+    format_version, the per-step losses and the seconds. ``settings``: the task's pretraining
+    arguments (seed, steps, learning_rate, warmup_steps, weight_decay if it has one, log_every and
+    the model's sizes). Returns ``str(out_dir)``; the one path the offline tasks' bases are built by."""
+
     def build_model():
         return make_tiny_model(
             tokenizer,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            intermediate_size=intermediate_size,
-            seed=seed,
+            hidden_size=settings["hidden_size"],
+            num_layers=settings["num_layers"],
+            num_heads=settings["num_heads"],
+            num_kv_heads=settings["num_kv_heads"],
+            intermediate_size=settings["intermediate_size"],
+            seed=settings["seed"],
         )
 
     model, losses, seconds = pretrain_tiny_model(
         build_model,
         batch_loss,
-        seed=seed,
-        steps=steps,
-        learning_rate=learning_rate,
-        warmup_steps=warmup_steps,
-        weight_decay=weight_decay,
-        log_every=log_every,
-        label="toy pretrain",
+        seed=settings["seed"],
+        steps=settings["steps"],
+        learning_rate=settings["learning_rate"],
+        warmup_steps=settings["warmup_steps"],
+        **({"weight_decay": settings["weight_decay"]} if "weight_decay" in settings else {}),
+        log_every=settings["log_every"],
+        label=label,
     )
-    record = {
-        "settings": settings,
-        "format_version": TOY_FORMAT_VERSION,
-        "losses": losses,
-        "seconds": seconds,
-    }
-    return write_base(model, tokenizer, out_dir, "toy_pretrain.json", record)
+    written = {"settings": settings, "format_version": version, "losses": losses, "seconds": seconds}
+    return write_base(model, tokenizer, Path(out_dir), record, written)
 
 
 def write_base(model, tokenizer, out_dir: Path, record_name: str, record: dict) -> str:
