@@ -100,14 +100,20 @@ class PolicyUpdate:
         step), loss, grad_norm, lr, skipped_nonfinite."""
         cfg, acc = self.config, self.accelerator
         n_seq = batch.input_ids.shape[0]
-        # dapo's denominator: the step's tokens over every process, divided by the number of
-        # processes because their gradients are averaged.
-        num_tokens = (
-            sum_over_processes({"t": batch.completion_mask.sum().item()}, acc)["t"] / acc.num_processes
-        )
         # Rows whose gradient is exactly zero are left out; the normalisers stay the whole step's.
         idle = zero_gradient_rows(batch.advantages, batch.completion_mask, cfg)
         trained = batch if idle is None or not idle.any() else batch.rows((~idle).nonzero().flatten())
+        # dapo's denominator: the step's tokens over every process, divided by the number of
+        # processes because their gradients are averaged; with the rows left out, in one all-reduce.
+        counts = sum_over_processes(
+            {
+                "tokens": batch.completion_mask.sum().item(),
+                "rows": float(n_seq),
+                "skipped": float(n_seq - trained.input_ids.shape[0]),
+            },
+            acc,
+        )
+        num_tokens = counts["tokens"] / acc.num_processes
         n_micro = math.ceil(trained.input_ids.shape[0] / micro_batch_size)
         with train_mode(self.model):  # checkpointing on; the model goes back to eval mode for sampling
             parts = [
@@ -129,9 +135,6 @@ class PolicyUpdate:
                 control.coef * sums["tokens"]
             )  # reported as TRL does (a token mean of a constant)
         loss_total, tokens = sums.pop("loss") / acc.num_processes, max(sums.pop("tokens"), 1.0)
-        skipped = sum_over_processes(
-            {"rows": float(n_seq - trained.input_ids.shape[0]), "of": float(n_seq)}, acc
-        )
         # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
         lr = self.scheduler.get_last_lr()[0]
@@ -142,7 +145,7 @@ class PolicyUpdate:
             "grad_norm": grad_norm,
             "lr": lr,
             "skipped_nonfinite": float(nonfinite),
-            "zero_advantage_skipped": skipped["rows"] / skipped["of"],
+            "zero_advantage_skipped": counts["skipped"] / counts["rows"],
         }
 
     def accumulate(
