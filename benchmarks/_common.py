@@ -126,11 +126,12 @@ def build_qwen2(
     tokenizer.save_pretrained(f"{path}/tokenizer")
 
 
-def load_peer_model(path: str, base: str):
-    """The peer's (TRL's) model from `path` as lora_grpo loads it: float32, or NF4 with double
-    quantisation and float32 compute (base "4bit"), with lora_grpo's keep_4bit_weights_fixed: on a
-    CPU with AVX512-BF16, bitsandbytes otherwise repacks the weights into a kernel without autograd
-    after the first no-grad forward (issue 7), and the two trainers would not run the same code."""
+def load_peer_model(path: str, base: str, compute: torch.dtype = torch.float32, device_map=None):
+    """The peer's (TRL's) model from `path` as lora_grpo loads it: in `compute` (float32 by default),
+    or NF4 with double quantisation computing in `compute` (base "4bit"), on `device_map` (None: the
+    CPU), with lora_grpo's keep_4bit_weights_fixed: on a CPU with AVX512-BF16, bitsandbytes
+    otherwise repacks the weights into a kernel without autograd after the first no-grad forward
+    (issue 7), and the two trainers would not run the same code."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from lora_grpo.model import keep_4bit_weights_fixed
@@ -140,12 +141,51 @@ def load_peer_model(path: str, base: str):
         quantization = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=torch.float32,
+            bnb_4bit_compute_dtype=compute,
             bnb_4bit_use_double_quant=True,
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=quantization)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=compute, quantization_config=quantization, device_map=device_map
+    )
     keep_4bit_weights_fixed(model)
     return model
+
+
+def trl_step_timer(sequences: int):
+    """A TrainerCallback for TRL's trainer and the lists it fills: (callback, step seconds, completion
+    tokens per step). A step is timed start to next start, as train_steps times ours; the tokens are
+    each logged completions/mean_length × `sequences`."""
+    from transformers import TrainerCallback
+
+    times: list[float] = []
+    tokens: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            now = time.perf_counter()
+            if hasattr(self, "start"):
+                times.append(now - self.start)
+            self.start = now
+
+        def on_log(self, _args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(logs["completions/mean_length"] * sequences)
+
+    return StepTimes(), times, tokens
+
+
+def mean_std(values: list[float], fmt: str = ".3f") -> str:
+    """mean ± std (sample) over seeds; a seed without a value (NaN: it never reached a target) is left
+    out of both and counted: "0.500 ± 0.100 (1 seed never)"."""
+    import math
+
+    missed = sum(math.isnan(v) for v in values)
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "never"
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    text = f"{format(statistics.mean(values), fmt)} ± {format(spread, fmt)}"
+    return text + (f" ({missed} seed{'s' if missed > 1 else ''} never)" if missed else "")
 
 
 def run_worker(command: list[str], what: str, timeout: float | None = None) -> dict:

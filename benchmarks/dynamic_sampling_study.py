@@ -34,6 +34,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from _common import mean_std
 
 ARMS = {"plain": {}, "dynamic": {"dynamic_sampling": True}}
 
@@ -89,17 +90,6 @@ def run_one(arm: str, seed: int, args) -> dict:
         "rounds": statistics.mean(m.get("dynamic_sampling/rounds", 1.0) for m in steps),
         "filled": statistics.mean(m.get("dynamic_sampling/filled_groups", 0.0) for m in steps),
     }
-
-
-def mean_std(values: list[float], fmt: str = ".3f") -> str:
-    """mean ± std over seeds; a seed that never reached the target (NaN) is counted and named."""
-    missed = sum(math.isnan(v) for v in values)
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return "never"
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    text = f"{format(statistics.mean(values), fmt)} ± {format(spread, fmt)}"
-    return text + (f" ({missed} seed{'s' if missed > 1 else ''} never)" if missed else "")
 
 
 def write_table(results: dict[str, list[dict]], args, path: Path) -> str:

@@ -103,9 +103,11 @@ from _common import (
     build_qwen2,
     environment,
     even_token_share,
+    load_peer_model,
     run_worker,
     token_prompts,
     train_steps,
+    trl_step_timer,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1087,12 +1089,13 @@ def check_tools(run: Run) -> None:
     from lora_grpo import GRPOConfig, GRPOTrainer
     from lora_grpo.rollout import fast_decode, generate_rollout
     from lora_grpo.tasks import calculator
+    from lora_grpo.tasks.toy import make_tiny_model
 
     fresh_compiler(run)
     if run.args.cpu:  # a random tiny model with the task's tokenizer: pre-training takes 1-2 minutes here
         base = run.root / "calculator-random"
         tokenizer = calculator.make_tokenizer()
-        calculator.make_tiny_model(tokenizer, max_positions=256).save_pretrained(base)
+        make_tiny_model(tokenizer, max_positions=256).save_pretrained(base)
         tokenizer.save_pretrained(base)
         base = str(base)
         not_here("the pre-trained calculator base (a random one rarely calls): calls are not required")
@@ -1342,35 +1345,12 @@ def peer_run(which: str, path: str, settings: dict, cuda: bool) -> dict:
     else:
         from datasets import Dataset
         from peft import LoraConfig
-        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+        from transformers import AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
 
-        from lora_grpo.model import keep_4bit_weights_fixed
-
         compute = torch.bfloat16 if cuda else torch.float32
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=compute,
-            bnb_4bit_use_double_quant=True,
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=compute, quantization_config=quantization, device_map={"": 0 if cuda else "cpu"}
-        )
-        keep_4bit_weights_fixed(
-            model
-        )  # a CPU's bitsandbytes otherwise repacks into a kernel without autograd
-
-        class StepTimes(TrainerCallback):
-            def on_step_begin(self, *a, **k):
-                now = time.perf_counter()
-                if hasattr(self, "start"):
-                    times.append(now - self.start)
-                self.start = now
-
-            def on_log(self, _args, state, control, logs=None, **k):
-                if logs and "completions/mean_length" in logs:
-                    tokens.append(logs["completions/mean_length"] * sequences)
+        model = load_peer_model(path, "4bit", compute=compute, device_map={"": 0 if cuda else "cpu"})
+        step_times, times, tokens = trl_step_timer(sequences)
 
         config = GRPOConfig(
             output_dir=tempfile.mkdtemp(),
@@ -1404,7 +1384,7 @@ def peer_run(which: str, path: str, settings: dict, cuda: bool) -> dict:
                 target_modules=TARGETS,
                 task_type="CAUSAL_LM",
             ),
-            callbacks=[StepTimes()],
+            callbacks=[step_times],
         )
         loaded = torch.cuda.memory_allocated() if cuda else 0
         trainer.train()

@@ -36,6 +36,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from _common import mean_std
 
 SCHEDULES = {  # name → (label, config overrides); "N" is replaced by --sync-every
     "none": ("no reference (beta 0)", {"beta": 0.0}),
@@ -106,10 +107,6 @@ def run_one(schedule: str, seed: int, args) -> dict:
             p / (p + abs(m["loss"] - p)) if p + abs(m["loss"] - p) > 0 else 0.0 for p, m in zip(penalty, last)
         ),
     }
-
-
-def mean_std(values: list[float]) -> str:
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
 
 
 def write_table(results: dict[str, list[dict]], args, path: Path) -> str:

@@ -48,7 +48,6 @@ import resource
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -65,6 +64,7 @@ from _common import (
     run_worker,
     token_prompts,
     train_steps,
+    trl_step_timer,
 )
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -137,23 +137,12 @@ def run_ours(args) -> dict:
 def run_trl(args) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     model = load_peer_model(args.path, args.base)
     tokenizer = AutoTokenizer.from_pretrained(f"{args.path}/tokenizer")
-    times, tokens = [], []
-
-    class StepTimes(TrainerCallback):  # start to next start, as train_steps measures ours
-        def on_step_begin(self, *a, **k):
-            now = time.perf_counter()
-            if hasattr(self, "start"):
-                times.append(now - self.start)
-            self.start = now
-
-        def on_log(self, _args, state, control, logs=None, **k):
-            if logs and "completions/mean_length" in logs:
-                tokens.append(logs["completions/mean_length"] * SEQUENCES)
+    step_times, times, tokens = trl_step_timer(SEQUENCES)
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
@@ -185,7 +174,7 @@ def run_trl(args) -> dict:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[StepTimes()],
+        callbacks=[step_times],
     )
     loaded_rss = rss_mib()
     trainer.train()
