@@ -314,3 +314,43 @@ def toy_base(tmp_path_factory):
     from lora_grpo.tasks.toy import ensure_toy_base
 
     return ensure_toy_base(tmp_path_factory.mktemp("toy_cache"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The offline tasks' bases, and an environment for tool runs.
+# ---------------------------------------------------------------------------------------------
+
+# A pretraining of a few steps of a one-layer model: what the cache and determinism tests of the
+# offline bases build (tasks.calculator, tasks.countdown_toy), in about a second.
+TINY_PRETRAIN = dict(
+    steps=3,
+    batch_size=8,
+    warmup_steps=1,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    log_every=0,
+)
+
+
+class Counter:
+    """An environment: its method is the tool; reset reads the row; get_reward scores the episode
+    (the calls made, which a random tiny model rarely makes: most groups score all 0)."""
+
+    def reset(self, answer, **row):
+        self.answer, self.calls = answer, 0
+        return f" (the answer has {len(answer)} digits)"
+
+    def count(self, n: int) -> int:
+        """Count to n.
+
+        Args:
+            n: how far to count
+        """
+        self.calls += 1
+        return n
+
+    def get_reward(self):
+        return float(self.calls)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import QWEN25_TEMPLATE, QWEN_RESPONSE_TEMPLATE, qwen_style_tokenizer  # noqa: F401
+from conftest import QWEN25_TEMPLATE, QWEN_RESPONSE_TEMPLATE, TINY_PRETRAIN, qwen_style_tokenizer  # noqa: F401
 from transformers import AutoModelForCausalLM
 
 from lora_grpo.rewards import answer_accuracy, think_answer_format
@@ -17,17 +17,7 @@ from lora_grpo.rollout import Toolbox, generate_rollout
 from lora_grpo.tasks import calculator, toy
 
 RECIPES = Path(calculator.__file__).resolve().parent.parent / "recipes"
-TINY = dict(
-    steps=3,
-    batch_size=8,
-    warmup_steps=1,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=64,
-    log_every=0,
-)
+TINY = TINY_PRETRAIN
 
 
 # --------------------------------------------------------------------------- the task

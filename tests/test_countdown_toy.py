@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_PRETRAIN
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -17,17 +18,7 @@ from lora_grpo.tasks import countdown_toy as ct
 from lora_grpo.tasks import pretrain
 from lora_grpo.tasks.toy import make_tokenizer
 
-TINY = dict(
-    steps=3,
-    batch_size=8,
-    warmup_steps=1,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=64,
-    log_every=0,
-)
+TINY = TINY_PRETRAIN
 
 # --------------------------------------------------------------------------- the task
 

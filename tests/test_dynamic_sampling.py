@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPTS, assert_same_adapters, make_trainer, run_torchrun
+from conftest import PROMPTS, Counter, assert_same_adapters, make_trainer, run_torchrun
 
 from lora_grpo.dynamic_sampling import Round, dropped_kinds, informative_groups, sample_step
 from lora_grpo.rollout import Rollout
@@ -241,25 +241,6 @@ def test_with_several_steps_per_rollout_a_moving_reference_and_planned_sizes(tin
     assert trainer.memory_plan is not None and isinstance(trainer.micro_batch_size, int)
 
 
-class Counter:
-    """An environment whose tool the tiny model rarely calls: most groups score all 0."""
-
-    def reset(self, **row):
-        self.calls = 0
-
-    def count(self, n: int) -> int:
-        """Count to n.
-
-        Args:
-            n: how far to count
-        """
-        self.calls += 1
-        return n
-
-    def get_reward(self):
-        return float(self.calls)
-
-
 def test_with_an_environment_each_round_scores_its_own_episodes(qwen_tool_base_dir, tmp_path):
     from lora_grpo import GRPOConfig, GRPOTrainer
 
@@ -278,7 +259,9 @@ def test_with_an_environment_each_round_scores_its_own_episodes(qwen_tool_base_d
         log_completions=True,
         temperature=1.5,
     )
-    chat = [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in PROMPTS[:12]]
+    chat = [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in PROMPTS[:12]
+    ]
     trainer = GRPOTrainer(config, train_dataset=chat, environment_factory=Counter)
     rounds = []
     score = trainer.scorer.score

@@ -4,7 +4,7 @@ tool metrics and conversation in the logs, an environment's reward, and the TRL 
 import json
 
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, Counter
 
 from lora_grpo import GRPOConfig, GRPOTrainer
 
@@ -96,26 +96,6 @@ def test_a_4bit_run_with_tools_and_soft_syncs_trains_on_its_own_tokens_only(
     replied = [r for r in records if any(m["role"] == "tool" for m in r["completion"])]
     if replied:  # a random tiny model calls rarely; when it did, its reply is context, not action
         assert any(int(m.sum()) < m.numel() for m in masks)
-
-
-class Counter:
-    """An environment: its method is the tool; reset reads the row; get_reward scores the episode."""
-
-    def reset(self, answer, **row):
-        self.answer, self.calls = answer, 0
-        return f" (the answer has {len(answer)} digits)"
-
-    def count(self, n: int) -> int:
-        """Count to n.
-
-        Args:
-            n: how far to count
-        """
-        self.calls += 1
-        return n
-
-    def get_reward(self):
-        return float(self.calls)
 
 
 def test_an_environment_is_reset_per_completion_and_its_reward_is_scored(qwen_tool_base_dir, tmp_path):
