@@ -127,6 +127,7 @@ def sample_step(
     first: Round,
     more: Callable[[], Round | None],
     *,
+    group_size: int,
     quota: int,
     max_rounds: int,
     informative: Callable[[Scored], Tensor],
@@ -134,14 +135,10 @@ def sample_step(
     pad_token_id: int,
     names: list[str],
 ) -> StepSample:
-    """Rounds until `quota` informative groups or `max_rounds` rounds: `first` is round 1, `more()`
-    samples and scores the next round (None when the prompts are spent). informative(scored) → (P,)
-    bool; classify(scored, dropped (P,) bool) → dropped_kinds' counts."""
-    rounds, keep, group_size = (
-        [first],
-        [informative(first.scored)],
-        len(first.rollout.prompts) // len(first.rows["prompt"]),
-    )
+    """Rounds until `quota` informative groups of `group_size` completions or `max_rounds` rounds:
+    `first` is round 1, `more()` samples and scores the next round (None when the prompts are spent).
+    informative(scored) → (P,) bool; classify(scored, dropped (P,) bool) → dropped_kinds' counts."""
+    rounds, keep = [first], [informative(first.scored)]
     while sum(int(k.sum()) for k in keep) < quota and len(rounds) < max_rounds:
         nxt = more()
         if nxt is None:

@@ -550,6 +550,7 @@ class GRPOTrainer:
         return sample_step(
             first,
             next_round,
+            group_size=G,
             quota=cfg.prompts_per_generation,
             max_rounds=cfg.dynamic_sampling_max_rounds,
             informative=lambda scored: informative_groups(

@@ -85,6 +85,7 @@ def _sample(rounds, quota, max_rounds):
     return sample_step(
         rounds[0],
         lambda: queue.pop(0) if queue else None,
+        group_size=2,
         quota=quota,
         max_rounds=max_rounds,
         informative=lambda s: informative_groups(s.per_func, None, 2),
