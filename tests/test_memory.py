@@ -20,7 +20,8 @@ from lora_grpo.memory import MemoryBudgetError, largest_fitting, plan_memory
 from lora_grpo.rollout import fast_decode
 
 MiB = 2**20
-AUTO = dict(micro_batch_size="auto", gradient_checkpointing="auto")
+# The measured sweep: these tests check what it measures (memory_probe auto is tested on its own below).
+AUTO = dict(micro_batch_size="auto", gradient_checkpointing="auto", memory_probe="sweep")
 
 
 def saved_bytes(fn, device):
@@ -617,3 +618,73 @@ def test_the_shape_estimates_count_the_real_models_weights_and_adapters():
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     lora = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
     assert memory_estimate.lora_parameters(config, 4) == lora
+
+
+# ------------------------------------------------------------------------------ memory_probe auto
+SHAPES = dict(micro_batch_size="auto", gradient_checkpointing="auto")  # memory_probe auto, the default
+
+
+def test_a_run_far_under_its_budget_is_planned_from_shapes_without_a_pass(
+    tiny_base_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(memory, "measure_peak", lambda fn, device: pytest.fail("measured a pass"))
+    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=1, **SHAPES)
+    plan = trainer.plan_memory()
+    assert (plan.micro_batch_size, plan.gradient_checkpointing) == (8, False)  # the whole step, no recompute
+    assert plan.probe.startswith("not measured: the model's shapes give") and plan.need * 4 <= plan.budget
+    # The figure is the shapes' plan: optimizer states + the larger of the rollout and the estimated pass.
+    cfg = trainer.config
+    estimate = trainer.sizes._estimate(plan.tokens, plan.tokens)
+    assert plan.need == plan.optimizer + max(plan.rollout, plan.kept + estimate(8, False))
+    assert "not measured" in plan.describe(True, True) and trainer.train()["memory"]["probe"] == plan.probe
+    assert cfg.memory_probe == "auto"
+
+
+def _count_passes(monkeypatch, bytes_at):
+    """measure_peak stand-in: the bytes of each measured pass by its size, bytes_at(m); returns the sizes."""
+    sizes = []
+    real_probe = memory.probe_pass
+
+    def probe(update, m, train, *args, **kwargs):
+        sizes.append(m)
+        return real_probe(update, m, train, *args, **kwargs)
+
+    def peak(fn, device):
+        fn()
+        return bytes_at(sizes[-1])
+
+    monkeypatch.setattr(memory, "probe_pass", probe)
+    monkeypatch.setattr(memory, "measure_peak", peak)
+    return sizes
+
+
+def _budget_around(trainer, monkeypatch, times: float) -> float:
+    """Make the available memory `times` the shapes' plan for the whole step; returns that plan's need."""
+    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (1e12, "test RAM"))
+    need = trainer.plan_memory().need
+    trainer.sizes._planned = False
+    budget = times * need
+    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (budget / 0.9, "test RAM"))
+    return need
+
+
+def test_near_its_budget_one_pass_is_measured_at_the_size_the_shapes_give(
+    tiny_base_dir, tmp_path, monkeypatch
+):
+    trainer = make_trainer(tiny_base_dir, tmp_path, **SHAPES)
+    need = _budget_around(trainer, monkeypatch, 2.0)  # fits, but not four times over
+    sizes = _count_passes(monkeypatch, lambda m: 0.5 * need)
+    plan = trainer.plan_memory()
+    assert sizes == [8, 8]  # one training pass and one no-grad pass, at the whole step
+    assert plan.probe == "one pass measured at the size the model's shapes give"
+    assert plan.measured == {False: {8: 0.5 * need}} and plan.micro_batch_size == 8
+
+
+def test_when_the_one_pass_does_not_fit_the_sweep_decides(tiny_base_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_base_dir, tmp_path, **SHAPES)
+    need = _budget_around(trainer, monkeypatch, 2.0)
+    # The shapes were wrong: a pass really costs half the budget per 2 sequences.
+    sizes = _count_passes(monkeypatch, lambda m: 0.45 * 2.0 * need * m / 2)
+    plan = trainer.plan_memory()
+    assert sizes[:2] == [8, 8] and len(sizes) > 2  # the one pass, then the sweep's own sizes
+    assert plan.probe == "measured" and plan.micro_batch_size < 8

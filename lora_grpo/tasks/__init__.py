@@ -9,5 +9,5 @@
 
 `dataset: toy` / `countdown` / `calculator` / `countdown-toy` in a recipe name them
 (data.LOCAL_DATASETS); `model_name_or_path: toy` / `toy-calculator` / `toy-countdown` name the bases
-(model.local_base).
+(bases.local_base).
 """

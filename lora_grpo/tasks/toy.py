@@ -18,7 +18,6 @@ import functools
 import hashlib
 import inspect
 import json
-import os
 import re
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from ..base_cache import default_cache_dir
 from ..rollout import generate_rollout
 from .pretrain import (
     BASE_FILES,
@@ -363,10 +363,6 @@ def toy_base_settings(seed: int = 0, **overrides) -> dict:
 def toy_base_dirname(seed: int = 0, **overrides) -> str:
     """Cache subdirectory name, e.g. "toy_base-v1-3f2a9c1d0b7e": a hash of every setting and the seed."""
     return base_dirname("toy_base", TOY_FORMAT_VERSION, base_settings(pretrain_toy_base, seed, overrides))
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("LORA_GRPO_CACHE") or Path.home() / ".cache" / "lora_grpo")
 
 
 TOY_RECORD = "toy_pretrain.json"

@@ -124,6 +124,8 @@ def build_model(
             "device_map",
             "quantization_config",
             "trust_remote_code",
+            # consumed by the GGUF conversion before the model is built (bases.resolve_base)
+            "gguf_file",
         }
         - _HARMLESS_INIT_KWARGS
     )

