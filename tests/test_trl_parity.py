@@ -6,6 +6,7 @@ warnings, reproducibility). Where the two differ on purpose, README's "where we 
 import ast
 import inspect
 import logging
+import math
 import re
 import textwrap
 
@@ -378,6 +379,59 @@ def test_trls_warning_on_sequence_level_sampling_with_a_token_summed_loss(
     assert all(
         "When using `importance_sampling_level='sequence'`, the `'dapo'` loss sums" in w for w in warned
     )
+
+
+def math_reward(completions, task, **kwargs):
+    return [float(len(c) % 2) if t == "math" else None for c, t in zip(completions, task, strict=True)]
+
+
+def text_reward(completions, task, **kwargs):
+    return [float(len(c) % 3) if t == "text" else None for c, t in zip(completions, task, strict=True)]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_row_that_no_reward_function_scores_warns_in_trls_words_and_trains_on(
+    tiny_base_dir, tmp_path, caplog, library
+):
+    from datasets import Dataset
+
+    # TRL's multi-task pattern: each function returns None for the rows of the other task; the "chat"
+    # rows are scored by neither.
+    rows = [
+        {"prompt": r["prompt"], "task": ("math", "text", "chat")[i % 3]} for i, r in enumerate(PROMPTS[:6])
+    ]
+    with caplog.at_level(logging.WARNING):
+        scope = run(
+            library,
+            """
+            from trl import GRPOConfig, GRPOTrainer
+            # one epoch of 3 prompts × 4 completions per step: every task's rows are drawn
+            args = GRPOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=12,
+                              num_generations=4, max_completion_length=4, save_strategy="no", report_to="none",
+                              max_steps=2, logging_steps=1)
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=[math_reward, text_reward], args=args,
+                                  train_dataset=DATA)
+            trainer.train()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / library),
+            DATA=Dataset.from_list(rows),
+            math_reward=math_reward,
+            text_reward=text_reward,
+        )
+    warned = [
+        r.getMessage() for r in caplog.records if "All reward functions returned None" in r.getMessage()
+    ]
+    assert warned and all(
+        "All reward functions returned None for the following kwargs:\n{'task': 'chat', 'prompt': " in w
+        for w in warned
+    )
+    assert "'task': 'chat'" in warned[0]
+    steps = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["reward"])
+        assert 0.0 <= r["reward"] <= 2.0
 
 
 def _messages(function) -> list[str]:
