@@ -128,8 +128,6 @@ def _validate_fields(cfg) -> None:
         "beta",
         "top_k",
         "min_p",
-        "epsilon_low",
-        "epsilon_high",
         "save_total_limit",
         "vespo_k_pos",
         "vespo_k_neg",
@@ -198,10 +196,8 @@ def _validate_fields(cfg) -> None:
         raise ConfigError(f"min_p={cfg.min_p} must be in [0, 1]")
     if not 0 < cfg.top_p <= 1:
         raise ConfigError(f"top_p={cfg.top_p} must be in (0, 1]")
-    if cfg.epsilon_low >= 1:
-        raise ConfigError(
-            f"epsilon_low={cfg.epsilon_low} must be < 1 (the ratio's lower clip is 1 − epsilon_low)"
-        )
+    # epsilon_low and epsilon_high take any value, as in TRL, with TRL's meaning: the ratio is clamped
+    # to [1 − epsilon_low, 1 + epsilon_high] (epsilon_low ≥ 1, as DeepSeekMath's 10, never clips low).
     if not 0 <= cfg.lora_dropout < 1:
         raise ConfigError(f"lora_dropout={cfg.lora_dropout} must be in [0, 1)")
     # Reference slot.

@@ -434,6 +434,24 @@ def test_a_row_that_no_reward_function_scores_warns_in_trls_words_and_trains_on(
         assert 0.0 <= r["reward"] <= 2.0
 
 
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_deepseekmaths_epsilon_of_ten_trains_and_never_clips_low(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, epsilon=10.0, num_iterations=2)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    steps = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["clip_ratio/low_mean"] == 0 for r in steps)
+
+
 def _messages(function) -> list[str]:
     """The first string of every raise and warning in a function's source (f-strings with their fields)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
