@@ -10,16 +10,18 @@ from __future__ import annotations
 import difflib
 import warnings
 
+from .loss_types import LOSS_TYPE_FACTS
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
 # The names of the options; what each one does lives in its module's table, which this module
-# cannot import (it loads before torch): loss.LOSS_TYPES, loss.IMPORTANCE_SAMPLING,
-# advantages.SCALES, advantages.MULTI_OBJECTIVE_AGGREGATIONS, reference.SYNC_MODES. tests/test_config.py
-# checks that the names agree.
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "vespo", "luspo")
+# cannot import (it loads before torch): loss.IMPORTANCE_SAMPLING, advantages.SCALES,
+# advantages.MULTI_OBJECTIVE_AGGREGATIONS, reference.SYNC_MODES. tests/test_config.py checks that the
+# names agree. The loss types come from their torch-free facts (loss_types), which loss.LOSS_TYPES shares.
+LOSS_TYPES = tuple(LOSS_TYPE_FACTS)
 IMPORTANCE_SAMPLING = ("token", "sequence")
 SCALES = ("group", "batch", "none")
 MULTI_OBJECTIVE = ("sum_then_normalize", "normalize_then_sum")  # advantages.MULTI_OBJECTIVE_AGGREGATIONS
@@ -286,22 +288,15 @@ def _check_objective(cfg) -> None:
         )
     if cfg.use_adaptive_entropy and not cfg.entropy_target > 0:
         raise ConfigError(f"entropy_target={cfg.entropy_target} must be > 0 with use_adaptive_entropy")
-    if cfg.loss_type == "cispo" and cfg.epsilon_high < 1:
+    facts = LOSS_TYPE_FACTS[cfg.loss_type]
+    if facts.ratio_cap and cfg.epsilon_high < 1:
         warnings.warn(
-            f"loss_type='cispo' caps the ratio itself at epsilon_high={cfg.epsilon_high} (MiniMax-M1's ε_max), so even "
-            "on-policy tokens weigh at most that much; ScaleRL recommends epsilon_high=5.0",
+            f"loss_type={cfg.loss_type!r} caps the ratio itself at epsilon_high={cfg.epsilon_high} (MiniMax-M1's "
+            "ε_max), so even on-policy tokens weigh at most that much; ScaleRL recommends epsilon_high=5.0",
             stacklevel=5,
         )
-    if cfg.loss_type == "luspo" and cfg.importance_sampling != "sequence":
-        warnings.warn(
-            "loss_type='luspo' is meant for importance_sampling='sequence' (its paper's setup)", stacklevel=5
-        )
-    if cfg.loss_type == "vespo" and cfg.importance_sampling != "token":
-        warnings.warn(
-            "loss_type='vespo' computes its own sequence weights from the token ratios; importance_sampling "
-            "'sequence' has no effect on it",
-            stacklevel=5,
-        )
+    if facts.meant_for is not None and cfg.importance_sampling != facts.meant_for:
+        warnings.warn(facts.warning, stacklevel=5)
 
 
 def _check_schedule(cfg) -> None:
