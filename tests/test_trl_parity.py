@@ -452,6 +452,71 @@ def test_deepseekmaths_epsilon_of_ten_trains_and_never_clips_low(tiny_base_dir, 
     assert all(math.isfinite(r["loss"]) and r["clip_ratio/low_mean"] == 0 for r in steps)
 
 
+COMPLETION_METRICS = (
+    "num_tokens",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_trls_completion_metrics_have_trls_meaning(tiny_base_dir, tmp_path, library):
+    from datasets import Dataset
+
+    # The tiny model ends a completion early now and then (max 8 tokens), so both kinds of lengths occur.
+    # Every metric is recomputed here from the completions TRL hands the reward function.
+    seen = []
+
+    def spy(prompts, completions, completion_ids, **kwargs):
+        seen.append([list(ids) for ids in completion_ids])
+        return [float(len(ids) % 2) for ids in completion_ids]
+
+    scope = run(
+        library,
+        """
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=8, save_strategy="no", report_to="none",
+                          max_steps=2, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=spy, args=args, train_dataset=DATA)
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        DATA=Dataset.from_list([{"prompt": r["prompt"]} for r in PROMPTS[:4]]),
+        spy=spy,
+    )
+    trainer = scope["trainer"]
+    steps = [r for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
+    assert len(steps) == 2 == len(seen)
+    tok = trainer.processing_class
+    prompt_tokens = [4 * len(tok(r["prompt"])["input_ids"]) for r in PROMPTS[:4]]
+    total = 0
+    for record, ids in zip(steps, seen, strict=True):
+        assert set(COMPLETION_METRICS) <= set(record)
+        lengths = [len(i) for i in ids]
+        ended = [len(i) for i in ids if len(i) < 8] or [0]
+        total += sum(lengths)
+        assert record["completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
+        assert record["completions/min_length"] == min(lengths)
+        assert record["completions/max_length"] == max(lengths)
+        assert record["completions/clipped_ratio"] == pytest.approx(
+            sum(n == 8 for n in lengths) / len(lengths)
+        )
+        assert record["completions/mean_terminated_length"] == pytest.approx(sum(ended) / len(ended))
+        assert record["completions/min_terminated_length"] == min(ended)
+        assert record["completions/max_terminated_length"] == max(ended)
+    # the run's prompt and completion tokens so far (each prompt counted once per completion): the 2 steps
+    # are one epoch of the 4 prompts
+    assert steps[-1]["num_tokens"] == total + sum(prompt_tokens)
+    assert steps[0]["num_tokens"] < steps[1]["num_tokens"]
+
+
 def _messages(function) -> list[str]:
     """The first string of every raise and warning in a function's source (f-strings with their fields)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
