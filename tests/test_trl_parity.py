@@ -517,6 +517,82 @@ def test_trls_completion_metrics_have_trls_meaning(tiny_base_dir, tmp_path, libr
     assert steps[0]["num_tokens"] < steps[1]["num_tokens"]
 
 
+# Every metric TRL 1.16's GRPOTrainer logs (`_metrics[mode][...]`, walked out of its source below): None when
+# a plain run with beta > 0 logs it here under TRL's name; else when it is logged, or why it is not.
+TRL_METRICS = {
+    "num_tokens": None,
+    "completions/mean_length": None,
+    "completions/min_length": None,
+    "completions/max_length": None,
+    "completions/clipped_ratio": None,
+    "completions/mean_terminated_length": None,
+    "completions/min_terminated_length": None,
+    "completions/max_terminated_length": None,
+    "rewards/{reward_func_name}/mean": None,
+    "rewards/{reward_func_name}/std": None,
+    "reward": None,
+    "reward_std": None,
+    "frac_reward_zero_std": None,
+    "kl": None,
+    "entropy": None,
+    "clip_ratio/low_mean": None,
+    "clip_ratio/high_mean": None,
+    "clip_ratio/region_mean": None,
+    "tools/call_frequency": "with tools (the environment tests above)",
+    "tools/failure_frequency": "with tools (the environment tests above)",
+    "{name}": "a reward function's log_metric (tests/test_rewards.py)",
+    "policy_loss": "with an entropy bonus (tests/test_loss.py)",
+    "entropy_coef": "with an entropy bonus (tests/test_loss.py)",
+    "cispo_clip_ratio": "with loss_type='cispo' (tests/test_loss_variants.py)",
+    "vespo/phi_seq_mean": "with loss_type='vespo' (tests/test_loss_variants.py)",
+    "aux_loss": "not logged: router_aux_loss_coef is refused by name (MoE auxiliary losses are not added)",
+    "sampling/sampling_logp_difference/mean": "not logged: vLLM only, and use_vllm is refused",
+    "sampling/sampling_logp_difference/max": "not logged: vLLM only, and use_vllm is refused",
+    "sampling/importance_sampling_ratio/min": "not logged: vLLM only, and use_vllm is refused",
+    "sampling/importance_sampling_ratio/mean": "not logged: vLLM only, and use_vllm is refused",
+    "sampling/importance_sampling_ratio/max": "not logged: vLLM only, and use_vllm is refused",
+    "clip_ratio/low_min": "not logged yet: a per-micro-batch min over processes, not a token mean",
+    "clip_ratio/high_max": "not logged yet: a per-micro-batch max over processes, not a token mean",
+}
+
+
+def _trl_metric_names() -> set[str]:
+    from trl.trainer import grpo_trainer
+
+    source = inspect.getsource(grpo_trainer)
+    return set(re.findall(r'_metrics\[mode\]\[f?"([^"]+)"\]', source)) | set(
+        re.findall(r"_metrics\[mode\]\[(name)\]", source)
+    )
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_every_metric_trl_logs_is_logged_here_or_has_a_reason(tiny_base_dir, tmp_path, library):
+    names = {"{name}" if n == "name" else n for n in _trl_metric_names()}
+    assert len(names) >= 30
+    assert names == set(TRL_METRICS), (
+        "a TRL metric with no entry in TRL_METRICS, or an entry TRL no longer logs"
+    )
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1, beta=0.1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(4))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    (record,) = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    expected = {
+        n.replace("{reward_func_name}", "length_reward") for n, why in TRL_METRICS.items() if why is None
+    }
+    assert expected <= set(record), sorted(expected - set(record))
+    absent = {n for n, why in TRL_METRICS.items() if why and why.startswith("not logged")}
+    if library != "trl":
+        assert not absent & set(record)
+
+
 def _messages(function) -> list[str]:
     """The first string of every raise and warning in a function's source (f-strings with their fields)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
