@@ -228,6 +228,38 @@ def test_a_dict_of_named_environments_routes_each_row_by_its_environment_column(
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
+def test_an_environment_trains_on_qwen3s_own_template(qwen_tool_base_dir, tmp_path, library):
+    import shutil
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    # Qwen3's template as its tokenizer ships it: not prefix-preserving (TRL's docs' agent examples use it)
+    base = shutil.copytree(qwen_tool_base_dir, tmp_path / "qwen3_base")
+    tok = tool_tokenizer(str(base))
+    tok.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen3.jinja").read_text()
+    tok.save_pretrained(base)
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"add {i}"}]} for i in range(4)])
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, processing_class=TOKENIZER, reward_funcs=length_reward, args=args,
+                              train_dataset=ROWS, environment_factory=Counter)
+        trainer.train()
+    """,
+        MODEL=str(base),
+        TOKENIZER=tool_tokenizer(str(base)),
+        OUT=str(tmp_path / library),
+        ROWS=rows,
+        Counter=Counter,
+    )
+    (record,) = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    assert math.isfinite(record["loss"]) and "rewards/Counter/mean" in record
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
 def test_an_environment_that_owns_its_prompts_trains_without_a_dataset(qwen_tool_base_dir, tmp_path, library):
     seen = []
 
