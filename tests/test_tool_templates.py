@@ -88,3 +88,19 @@ def test_qwen3_is_not_prefix_preserving_and_still_gets_its_reply():
     assert tok.decode(
         reply_ids(tok, [{"role": "tool", "name": "add", "content": "5"}], [tok.eos_token_id])
     ).startswith("\n<|im_start|>user\n<tool_response>")
+
+
+def test_a_template_that_cannot_render_tool_calls_is_refused_naming_it_and_the_fix():
+    from lora_grpo.rollout import check_tool_template
+
+    # plain ChatML that renders only each message's content (SmolLM2's kind of template): no tool calls
+    tok = tiny_tokenizer("qwen2_5", "<|im_end|>")
+    tok.chat_template = (
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tok.name_or_path = "tiny/chatml"
+    with pytest.raises(
+        ValueError, match=r"chat template of 'tiny/chatml' drops the assistant's tool_calls.*Qwen3's"
+    ):
+        check_tool_template(tok, [tok.eos_token_id])

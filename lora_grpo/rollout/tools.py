@@ -139,8 +139,9 @@ def check_tool_template(tokenizer, stop_ids: Sequence[int], schemas: Sequence[di
         if not all(m in text for m in marks)
     ]:
         raise ValueError(
-            f"the chat template drops {' and '.join(lost)} (rendered: {text[-200:]!r}); tools need a "
-            "template that renders both, such as Qwen2.5-Instruct's"
+            f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'!r} drops "
+            f"{' and '.join(lost)} (rendered: {text[-200:]!r}); tools need a template that renders both, "
+            "such as Qwen2.5-Instruct's or Qwen3's: set tokenizer.chat_template to one"
         )
     reply_ids(tokenizer, messages[2:], stop_ids)
     names = [s.get("function", s)["name"] for s in schemas]
