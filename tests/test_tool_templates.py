@@ -3,11 +3,10 @@ Qwen3, Qwen2.5 and Llama-3.1 originals that TRL 1.16 keeps to recognise them), w
 tokenizer: the reply's tokens are cut after the model's own end of turn, also where the template is not
 prefix-preserving (Qwen3 drops an earlier assistant turn's reasoning once more turns follow)."""
 
-import string
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from conftest import char_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from lora_grpo.rollout import reply_ids
@@ -41,17 +40,7 @@ CASES = {
 
 
 def tiny_tokenizer(template: str, eos: str) -> PreTrainedTokenizerFast:
-    vocab = {t: i for i, t in enumerate(SPECIALS + ["<unk>"] + sorted(set(string.printable)))}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<|endoftext|>",
-        eos_token=eos,
-        unk_token="<unk>",
-        additional_special_tokens=[t for t in SPECIALS if t not in ("<|endoftext|>", eos)],
-    )
+    tok = char_tokenizer(SPECIALS, eos)
     tok.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
     return tok
 
