@@ -32,23 +32,30 @@ def _check(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
             f"{rewards.numel()} rewards cannot be split into groups of {group_size}: "
             "N must be prompts × num_generations"
         )
-    nan = torch.isnan(rewards)
-    if nan.any():
-        rows = nan.nonzero().flatten().tolist()
-        raise ValueError(
-            f"reward is NaN for completions {rows[:10]}{' ...' if len(rows) > 10 else ''}: every reward "
-            "function returned None for them. Make at least one reward function score every completion."
-        )
     return rewards.view(-1, group_size)
 
 
+def _constant(groups: torch.Tensor) -> torch.Tensor:
+    # (P, 1): the group's scored (non-NaN) rewards are all equal; an unscored row is left out.
+    highest = groups.nan_to_num(nan=-math.inf).amax(dim=1, keepdim=True)
+    lowest = groups.nan_to_num(nan=math.inf).amin(dim=1, keepdim=True)
+    return highest == lowest
+
+
+def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
+    # the unbiased std of the non-NaN values along dim (kept); NaN where fewer than two (TRL's nanstd).
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = torch.nanmean((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim=dim, keepdim=True)
+    return torch.where(count > 1, var * count / (count - 1), torch.full_like(var, math.nan)).sqrt()
+
+
 def _scale_group(centered: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    std = groups.std(dim=1, keepdim=True) if groups.shape[1] > 1 else torch.zeros_like(groups[:, :1])
+    std = _nanstd(groups, dim=1) if groups.shape[1] > 1 else torch.zeros_like(groups[:, :1])
     return centered / (std + EPS)
 
 
 def _scale_batch(centered: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    std = groups.std() if groups.numel() > 1 else groups.new_zeros(())
+    std = _nanstd(groups.flatten(), dim=0) if groups.numel() > 1 else groups.new_zeros(())
     return centered / (std + EPS)
 
 
@@ -77,27 +84,25 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     scale: a key of SCALES. "group" divides by the group's std (unbiased), "batch" by the std of
     the whole batch, "none" does not divide (Dr. GRPO, Liu et al. 2025). A group whose rewards are
     all equal gets exactly 0 in every scale.
+
+    A NaN reward (a row that no reward function scored) is left out of its group's mean and std and
+    gets advantage 0, as TRL 1.16 does: it carries no learning signal and does not bias the baseline.
     """
     if scale not in SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; choose one of {list(SCALES)}")
     groups = _check(rewards, group_size).float()
-    advantages = SCALES[scale].apply(groups - groups.mean(dim=1, keepdim=True), groups)
+    advantages = SCALES[scale].apply(groups - torch.nanmean(groups, dim=1, keepdim=True), groups)
     # mean() of equal floats need not return the value bit-exactly, so force the zero.
-    constant = (groups == groups[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(constant, torch.zeros_like(advantages), advantages).flatten()
+    advantages = torch.where(_constant(groups), torch.zeros_like(advantages), advantages)
+    return advantages.nan_to_num(nan=0.0).flatten()
 
 
 def zero_std_fraction(rewards: torch.Tensor, group_size: int) -> float:
-    """Fraction of groups whose rewards are all equal (they carry no learning signal)."""
+    """Fraction of groups whose scored rewards (two or more, NaN left out) are all equal: they carry
+    no learning signal. A group with fewer than two scored rows has no std (TRL's NaN) and is not counted."""
     groups = _check(rewards, group_size)
-    return (groups == groups[:, :1]).all(dim=1).float().mean().item()
-
-
-def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
-    # the unbiased std of the non-NaN values along dim (kept); NaN where fewer than two (TRL's nanstd).
-    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
-    var = torch.nanmean((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim=dim, keepdim=True)
-    return torch.where(count > 1, var * count / (count - 1), torch.full_like(var, math.nan)).sqrt()
+    scored = (~torch.isnan(groups)).sum(dim=1, keepdim=True)
+    return (_constant(groups) & (scored > 1)).float().mean().item()
 
 
 def _weighted_sum(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -113,8 +118,9 @@ def _sum_then_normalize(per_func, weights, group_size, scale):
 def _normalize_then_sum(per_func, weights, group_size, scale):
     # GDPO as TRL 1.16 has it: each function's rewards normalised within the group (unbiased std
     # over its non-None values, + 1e-4), weighted and summed (None → 0), then the sum normalised
-    # over the whole batch. scale_rewards plays no part, as in TRL.
-    _check(_weighted_sum(per_func, weights), group_size)  # a row that no function scored is an error
+    # over the whole batch. scale_rewards plays no part, as in TRL. A row that no function scored
+    # is left out of the batch's mean and std and gets advantage 0 (TRL).
+    unscored = _check(_weighted_sum(per_func, weights), group_size).isnan().flatten()
     groups = per_func.view(-1, group_size, per_func.shape[1])
     centered = groups - torch.nanmean(groups, dim=1, keepdim=True)
     std = _nanstd(groups, dim=1) if group_size > 1 else torch.zeros_like(centered[:, :1])
@@ -124,9 +130,11 @@ def _normalize_then_sum(per_func, weights, group_size, scale):
     lowest = groups.nan_to_num(nan=math.inf).amin(dim=1, keepdim=True)
     normalized = torch.where(highest == lowest, torch.zeros_like(normalized), normalized)
     total = (normalized.reshape(-1, per_func.shape[1]) * weights).nansum(dim=1)
-    std_total = total.std() if total.numel() > 1 else total.new_zeros(())
-    out = (total - total.mean()) / (std_total + EPS)
-    return torch.where((total == total[0]).all(), torch.zeros_like(out), out)
+    total[unscored] = math.nan
+    std_total = _nanstd(total, dim=0) if total.numel() > 1 else total.new_zeros(1)
+    out = (total - torch.nanmean(total)) / (std_total + EPS)
+    out = torch.where(_constant(total.view(1, -1)).flatten(), torch.zeros_like(out), out)
+    return out.nan_to_num(nan=0.0)
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,7 @@ def multi_objective_advantages(
     """Advantages (N,) from the (N, F) table of F reward functions' scores (NaN where one returned None).
 
     weights: F weights (None: all 1). scale: a key of SCALES (used by "sum_then_normalize" only, as
-    TRL). aggregation: a key of MULTI_OBJECTIVE_AGGREGATIONS. A row no function scored is an error.
+    TRL). aggregation: a key of MULTI_OBJECTIVE_AGGREGATIONS. A row no function scored gets 0 (TRL).
     """
     if aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
         raise ValueError(

@@ -286,7 +286,7 @@ class GRPOConfig:
         "objective and token aggregation: grpo | bnpo | dapo | dr_grpo | cispo | sapo | vespo | "
         "luspo (loss.LOSS_TYPES; TRL's names and formulas)",
     )
-    epsilon_low: float = _f(0.2, "lower clip: ratio ≥ 1 − epsilon_low")
+    epsilon_low: float = _f(0.2, "lower clip: ratio ≥ 1 − epsilon_low (≥ 1 never clips low, as in TRL)")
     epsilon_high: float = _f(
         0.28,
         "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025); cispo: the cap "

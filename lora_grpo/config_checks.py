@@ -10,16 +10,18 @@ from __future__ import annotations
 import difflib
 import warnings
 
+from .loss_types import LOSS_TYPE_FACTS
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
 # The names of the options; what each one does lives in its module's table, which this module
-# cannot import (it loads before torch): loss.LOSS_TYPES, loss.IMPORTANCE_SAMPLING,
-# advantages.SCALES, advantages.MULTI_OBJECTIVE_AGGREGATIONS, reference.SYNC_MODES. tests/test_config.py
-# checks that the names agree.
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "vespo", "luspo")
+# cannot import (it loads before torch): loss.IMPORTANCE_SAMPLING, advantages.SCALES,
+# advantages.MULTI_OBJECTIVE_AGGREGATIONS, reference.SYNC_MODES. tests/test_config.py checks that the
+# names agree. The loss types come from their torch-free facts (loss_types), which loss.LOSS_TYPES shares.
+LOSS_TYPES = tuple(LOSS_TYPE_FACTS)
 IMPORTANCE_SAMPLING = ("token", "sequence")
 SCALES = ("group", "batch", "none")
 MULTI_OBJECTIVE = ("sum_then_normalize", "normalize_then_sum")  # advantages.MULTI_OBJECTIVE_AGGREGATIONS
@@ -130,8 +132,6 @@ def _validate_fields(cfg) -> None:
         "beta",
         "top_k",
         "min_p",
-        "epsilon_low",
-        "epsilon_high",
         "save_total_limit",
         "vespo_k_pos",
         "vespo_k_neg",
@@ -200,10 +200,8 @@ def _validate_fields(cfg) -> None:
         raise ConfigError(f"min_p={cfg.min_p} must be in [0, 1]")
     if not 0 < cfg.top_p <= 1:
         raise ConfigError(f"top_p={cfg.top_p} must be in (0, 1]")
-    if cfg.epsilon_low >= 1:
-        raise ConfigError(
-            f"epsilon_low={cfg.epsilon_low} must be < 1 (the ratio's lower clip is 1 − epsilon_low)"
-        )
+    # epsilon_low and epsilon_high take any value, as in TRL, with TRL's meaning: the ratio is clamped
+    # to [1 − epsilon_low, 1 + epsilon_high] (epsilon_low ≥ 1, as DeepSeekMath's 10, never clips low).
     if not 0 <= cfg.lora_dropout < 1:
         raise ConfigError(f"lora_dropout={cfg.lora_dropout} must be in [0, 1)")
     # Reference slot.
@@ -292,22 +290,15 @@ def _check_objective(cfg) -> None:
         )
     if cfg.use_adaptive_entropy and not cfg.entropy_target > 0:
         raise ConfigError(f"entropy_target={cfg.entropy_target} must be > 0 with use_adaptive_entropy")
-    if cfg.loss_type == "cispo" and cfg.epsilon_high < 1:
+    facts = LOSS_TYPE_FACTS[cfg.loss_type]
+    if facts.ratio_cap and cfg.epsilon_high < 1:
         warnings.warn(
-            f"loss_type='cispo' caps the ratio itself at epsilon_high={cfg.epsilon_high} (MiniMax-M1's ε_max), so even "
-            "on-policy tokens weigh at most that much; ScaleRL recommends epsilon_high=5.0",
+            f"loss_type={cfg.loss_type!r} caps the ratio itself at epsilon_high={cfg.epsilon_high} (MiniMax-M1's "
+            "ε_max), so even on-policy tokens weigh at most that much; ScaleRL recommends epsilon_high=5.0",
             stacklevel=5,
         )
-    if cfg.loss_type == "luspo" and cfg.importance_sampling != "sequence":
-        warnings.warn(
-            "loss_type='luspo' is meant for importance_sampling='sequence' (its paper's setup)", stacklevel=5
-        )
-    if cfg.loss_type == "vespo" and cfg.importance_sampling != "token":
-        warnings.warn(
-            "loss_type='vespo' computes its own sequence weights from the token ratios; importance_sampling "
-            "'sequence' has no effect on it",
-            stacklevel=5,
-        )
+    if facts.meant_for is not None and cfg.importance_sampling != facts.meant_for:
+        warnings.warn(facts.warning, stacklevel=5)
 
 
 def _check_schedule(cfg) -> None:

@@ -51,8 +51,8 @@ def informative_groups(
 ) -> Tensor:
     """(P,) bool: the groups whose rewards are not all equal (and, with min_std > 0, whose std is at
     least min_std). per_func (P·G, F), NaN where a function returned None; a group with NaN in its
-    weighted rewards (a row no function scored) counts as informative, so the advantages' clear error
-    about it is raised, not hidden."""
+    weighted rewards (a row no function scored) counts as informative, so TRL's warning about it is
+    logged, not hidden."""
     w = torch.ones(per_func.shape[1]) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
     if aggregation == "normalize_then_sum":
         # one table per function (P, G, F); a None is left out of that function's comparison

@@ -36,16 +36,21 @@ per-token ratio here keeps the estimate unbiased at both levels.
 
 Each loss_type is one record in LOSS_TYPES (its objective, its aggregation over the (B, T) token
 grid, mask 1 on tokens that count, and its gradient-accumulation scale); each importance_sampling
-level is one record in IMPORTANCE_SAMPLING. config.py names the same keys (a test checks they agree).
+level is one record in IMPORTANCE_SAMPLING. A loss type's torch-free facts (its normaliser, the
+importance_sampling it is meant for, TRL's warnings) are its entry of loss_types.LOSS_TYPE_FACTS,
+which the config checks read as well.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from .loss_types import LOSS_TYPE_FACTS, LossTypeFacts
 
 Tensor = torch.Tensor
 
@@ -208,9 +213,11 @@ class LossType:
     objective: Callable[[PolicyInputs], tuple[Tensor, dict[str, Tensor]]] = (
         _clipped  # → (loss (B, T), 0-d metrics)
     )
+    # its torch-free properties (loss_types.LOSS_TYPE_FACTS), which the config checks read too
+    facts: LossTypeFacts = LossTypeFacts()
 
 
-LOSS_TYPES: dict[str, LossType] = {
+_FUNCTIONS: dict[str, LossType] = {
     "grpo": LossType(
         _agg_grpo, _scale_sequence_share, "mean over each sequence's tokens, then over sequences"
     ),
@@ -231,6 +238,9 @@ LOSS_TYPES: dict[str, LossType] = {
     "luspo": LossType(
         _agg_luspo, _scale_sequence_share, "clipped; sum over each sequence's tokens, mean of those"
     ),
+}
+LOSS_TYPES: dict[str, LossType] = {
+    name: dataclasses.replace(spec, facts=LOSS_TYPE_FACTS[name]) for name, spec in _FUNCTIONS.items()
 }
 
 

@@ -185,6 +185,14 @@ class RolloutScorer:
 
         return tuple(probe(fn) for fn in self.reward_models)
 
+    def _count_tokens(self, tokens: float) -> dict[str, float]:
+        # the run's prompt and completion tokens so far, over every process (TrainerState's
+        # num_input_tokens_seen, as TRL counts it; checkpointed with the state)
+        if self.trainer_state is None:
+            return {}
+        self.trainer_state.num_input_tokens_seen += int(tokens)
+        return {"num_tokens": float(self.trainer_state.num_input_tokens_seen)}
+
     def advantages(
         self, rollout, rows: dict[str, list], scored: Scored | None = None, sampled: tuple | None = None
     ) -> tuple[Tensor, dict[str, float]]:
@@ -222,6 +230,8 @@ class RolloutScorer:
         uneven = sampled is not None  # each process may have sampled another number of rounds
         rewards, per_func = seen.rewards, seen.per_func
         lengths, truncated = seen_rollout.completion_lengths.float(), seen_rollout.truncated.float()
+        # every token the step generated from, prompt and completion (TRL's num_tokens)
+        tokens = seen_rollout.prompt_mask.sum().float().reshape(1) + lengths.sum().reshape(1)
         calls = (
             None
             if seen_rollout.tool_calls is None
@@ -230,8 +240,8 @@ class RolloutScorer:
         metrics = seen.all_metrics
         if acc.num_processes > 1:  # metrics over every process's groups, not just this one's
             gather = _gather_uneven if uneven else _gather
-            rewards, per_func, lengths, truncated = (
-                gather(acc, t) for t in (rewards, per_func, lengths, truncated)
+            rewards, per_func, lengths, truncated, tokens = (
+                gather(acc, t) for t in (rewards, per_func, lengths, truncated, tokens)
             )
             calls = None if calls is None else tuple(gather(acc, t) for t in calls)
             metrics = {
@@ -243,11 +253,26 @@ class RolloutScorer:
                 "frac_reward_zero_std": zero_std_fraction(rewards, cfg.num_generations),
                 "completion_length/mean": lengths.mean().item(),
                 "completion_length/max": lengths.max().item(),
+                "completion_length/min": lengths.min().item(),
+                **terminated_length_metrics(lengths, truncated.bool()),
                 "truncated_fraction": truncated.mean().item(),
+                **self._count_tokens(tokens.sum().item()),
                 **({} if calls is None else tool_metrics(*calls)),
             }
         )
         return advantages, metrics
+
+
+def terminated_length_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, float]:
+    """Mean, min and max length of the completions that ended (EOS within max_completion_length);
+    0 when none did, as TRL. lengths (B,) float, truncated (B,) bool."""
+    ended = lengths[~truncated]
+    ended = ended if ended.numel() else lengths.new_zeros(1)
+    return {
+        "completion_length/terminated_mean": ended.mean().item(),
+        "completion_length/terminated_min": ended.min().item(),
+        "completion_length/terminated_max": ended.max().item(),
+    }
 
 
 def _gather(acc, t: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ import torch
 from .adapters import eval_mode, train_mode
 from .batch import Batch
 from .logprobs import sequence_log_probs
-from .loss import grpo_loss, padded_gather
+from .loss import LOSS_TYPES, grpo_loss, padded_gather
 from .optim import average_gradients, sum_over_processes
 from .stopping import count_nonfinite
 
@@ -212,8 +212,9 @@ def zero_gradient_rows(advantages: Tensor, completion_mask: Tensor, config) -> T
     loss settings give every row one. A row with zero advantage (a group of equal rewards, or a
     completion at its group's mean) or without loss tokens has a policy term of exactly 0 in every
     loss type; what else could act on it is off: beta = 0 (no KL term), no entropy bonus (fixed or
-    adaptive), top_entropy_quantile = 1 (the quantile would read its tokens' entropies). bnpo is left
-    whole: its per-micro-batch token mean depends on which rows share a micro-batch. The others are
+    adaptive), top_entropy_quantile = 1 (the quantile would read its tokens' entropies). A loss type
+    normalised per micro-batch (bnpo: LossTypeFacts.per_micro_batch) is left whole: its token mean
+    depends on which rows share a micro-batch. The others are
     normalised by the whole step's tokens (dapo, cispo, vespo) or sequences (grpo, sapo, luspo,
     dr_grpo: accumulation_scale's share of the step's sequences), so leaving rows out changes
     nothing. At least one row stays (every process runs a forward and has gradients to average)."""
@@ -222,7 +223,7 @@ def zero_gradient_rows(advantages: Tensor, completion_mask: Tensor, config) -> T
         or config.entropy_coef != 0
         or config.use_adaptive_entropy
         or config.top_entropy_quantile < 1
-        or config.loss_type == "bnpo"
+        or not LOSS_TYPES[config.loss_type].facts.zero_advantage_rows_skippable
     ):
         return None
     idle = (advantages == 0) | (completion_mask.sum(dim=1) == 0)

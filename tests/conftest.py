@@ -277,20 +277,24 @@ QWEN_RESPONSE_TEMPLATE = {
 }
 
 
-def qwen_style_tokenizer() -> PreTrainedTokenizerFast:
-    """Characters, Qwen2.5's special tokens (<|im_end|> ends a turn) and its tool tokens, its template."""
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+def char_tokenizer(specials: list[str], eos: str) -> PreTrainedTokenizerFast:
+    """Characters and the given special tokens (specials[0] pads, eos ends a turn), no template."""
     vocab = {t: i for i, t in enumerate(specials + ["<unk>"] + sorted(set(string.printable)))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
+        pad_token=specials[0],
+        eos_token=eos,
         unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=[t for t in specials[1:] if t != eos],
     )
+
+
+def qwen_style_tokenizer() -> PreTrainedTokenizerFast:
+    """Characters, Qwen2.5's special tokens (<|im_end|> ends a turn) and its tool tokens, its template."""
+    tok = char_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>")
     tok.add_tokens(["<tool_call>", "</tool_call>"])
     tok.chat_template = QWEN25_TEMPLATE
     return tok

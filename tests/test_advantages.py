@@ -46,9 +46,22 @@ def test_zero_variance_group_is_exactly_zero(scale):
     assert (a[3:] != 0).all()
 
 
-def test_nan_reward_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"NaN for completions \[2\].*returned None"):
-        group_advantages(torch.tensor([1.0, 0.0, float("nan"), 1.0]), group_size=2)
+def test_an_unscored_row_is_left_out_of_its_group_and_gets_zero():
+    # G = 3: row 1 is NaN (no function scored it); group 0's baseline is over [1, 4] only, as TRL's nanmean.
+    rewards = torch.tensor([1.0, float("nan"), 4.0, 2.0, 0.0, 1.0])
+    a = group_advantages(rewards, group_size=3)
+    std0 = math.sqrt(4.5)  # unbiased std of [1, 4]
+    expected = [-1.5 / (std0 + EPS), 0.0, 1.5 / (std0 + EPS), 1 / (1 + EPS), -1 / (1 + EPS), 0.0]
+    torch.testing.assert_close(a, torch.tensor(expected), rtol=0, atol=1e-6)
+    # batch scale: the std over the five scored rewards
+    b = group_advantages(rewards, group_size=3, scale="batch")
+    std = torch.tensor([1.0, 4.0, 2.0, 0.0, 1.0]).std().item()
+    expected = [-1.5 / (std + EPS), 0.0, 1.5 / (std + EPS), 1 / (std + EPS), -1 / (std + EPS), 0.0]
+    torch.testing.assert_close(b, torch.tensor(expected), rtol=0, atol=1e-6)
+    # a group with one scored row, or none, has no signal: all 0, never NaN
+    lone = group_advantages(torch.tensor([float("nan"), 3.0, float("nan"), float("nan")]), group_size=2)
+    assert torch.equal(lone, torch.zeros(4))
+    assert zero_std_fraction(torch.tensor([1.0, 1.0, float("nan"), 2.0]), 2) == 0.5
 
 
 def test_bad_shapes_and_scale():
@@ -111,9 +124,12 @@ def test_sum_then_normalize_counts_none_as_zero_and_follows_scale():
 def test_multi_objective_constant_batch_is_exactly_zero_and_errors(aggregation):
     const = torch.full((4, 2), 0.1)
     assert torch.equal(multi_objective_advantages(const, None, 2, aggregation=aggregation), torch.zeros(4))
-    unscored = torch.tensor([[1.0, 0.0], [NAN, NAN], [0.0, 1.0], [1.0, 1.0]])
-    with pytest.raises(ValueError, match=r"NaN for completions \[1\].*returned None"):
-        multi_objective_advantages(unscored, None, 2, aggregation=aggregation)
+    # a row that no function scored gets 0 and leaves the other rows as if it were absent
+    unscored = torch.tensor([[1.0, 0.0], [NAN, NAN], [0.0, 1.0], [1.0, 1.0], [3.0, 0.0], [0.0, 0.0]])
+    a = multi_objective_advantages(unscored, None, 2, aggregation=aggregation)
+    assert a[1] == 0 and not a.isnan().any()
+    if aggregation == "sum_then_normalize":
+        torch.testing.assert_close(a[2:], group_advantages(torch.tensor([1.0, 2.0, 3.0, 0.0]), 2))
     with pytest.raises(ValueError, match="3 reward weights for 2 reward functions"):
         multi_objective_advantages(const, [1.0, 1.0, 1.0], 2, aggregation=aggregation)
     with pytest.raises(ValueError, match="groups of 3"):

@@ -234,3 +234,33 @@ def test_accumulation_scale_is_each_loss_types_own():
         r"'grpo', 'luspo', 'sapo', 'vespo'\]",
     ):
         accumulation_scale("ppo", 1, 5, 3)
+
+
+def test_an_epsilon_low_of_one_or_more_never_clips_low():
+    # DeepSeekMath's epsilon = 10: the lower clip 1 − 10 = −9 is below every ratio, so a negative-
+    # advantage token with ρ = 0.5 is not clipped (its loss −min(−0.5, −max(0.5, −9)) = 0.5, gradient
+    # flows); the upper clip 1 + 0.28 still binds.
+    ratios = torch.tensor([0.5, 0.05, 1.5])
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    logp = torch.log(ratios).unsqueeze(1).requires_grad_(True)
+    loss, m = grpo_loss(
+        logp,
+        torch.zeros(3, 1),
+        None,
+        adv,
+        torch.ones(3, 1),
+        loss_type="bnpo",
+        epsilon_low=10.0,
+        epsilon_high=0.28,
+    )
+    assert loss.item() == pytest.approx((0.5 + 0.05 - 1.28) / 3, abs=1e-6)
+    assert m["clip_ratio/low"] == 0 and m["clip_ratio/high"] == pytest.approx(1 / 3)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.5], [0.05], [0.0]]) / 3)
+
+
+def test_every_epsilon_trl_accepts_is_accepted():
+    from lora_grpo import GRPOConfig
+
+    for eps in (10.0, 1.0, 0.0, -0.1):
+        assert GRPOConfig(model_name_or_path="toy", epsilon_low=eps, epsilon_high=eps).epsilon_low == eps

@@ -776,3 +776,43 @@ def test_split_modules_reexport_the_same_objects_and_import_downwards():
         tree = ast.parse(inspect.getsource(mod))
         local = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0}
         assert local <= allowed, (mod.__name__, local)
+
+
+def test_a_row_no_function_scores_logs_trls_warning_and_is_nan(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        rewards, _, _ = compute_rewards(
+            [named("f", const(1.0, None, 0.0)), named("g", const(None, None, 2.0))],
+            _q(3),
+            ["a", "b", "c"],
+            {"task": ["x", "y", "z"], "completion_ids": [[1], [2], [3]]},
+        )
+    assert rewards[0] == 1.0 and math.isnan(rewards[1]) and rewards[2] == 2.0
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith(
+        "All reward functions returned None for the following kwargs:\n{'task': 'y', 'prompt': 'q', "
+        "'completion': 'b'}\nPlease ensure that at least one reward function returns a valid reward."
+    )
+
+
+def test_the_native_trainer_trains_on_a_multi_task_dataset_with_unscored_rows(
+    tiny_base_dir, tmp_path, caplog
+):
+    import logging
+
+    def math_only(completions, task, **kw):
+        return [float(len(c) % 2) if t == "math" else None for c, t in zip(completions, task, strict=True)]
+
+    rows = [{"prompt": f"{i}+1=", "task": ("math", "chat")[i % 2]} for i in range(4)]
+    # 2 prompts per step over 4 rows, 2 steps: one epoch, so both chat rows are drawn
+    with caplog.at_level(logging.WARNING):
+        trainer = make_trainer(
+            tiny_base_dir, str(tmp_path), reward_funcs=[math_only], train_dataset=rows, max_steps=2
+        )
+        trainer.train()
+    assert any(
+        "All reward functions returned None for the following kwargs" in r.getMessage()
+        for r in caplog.records
+    )
+    assert trainer.state.global_step == 2

@@ -6,6 +6,7 @@ warnings, reproducibility). Where the two differ on purpose, README's "where we 
 import ast
 import inspect
 import logging
+import math
 import re
 import textwrap
 
@@ -227,6 +228,38 @@ def test_a_dict_of_named_environments_routes_each_row_by_its_environment_column(
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
+def test_an_environment_trains_on_qwen3s_own_template(qwen_tool_base_dir, tmp_path, library):
+    import shutil
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    # Qwen3's template as its tokenizer ships it: not prefix-preserving (TRL's docs' agent examples use it)
+    base = shutil.copytree(qwen_tool_base_dir, tmp_path / "qwen3_base")
+    tok = tool_tokenizer(str(base))
+    tok.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen3.jinja").read_text()
+    tok.save_pretrained(base)
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"add {i}"}]} for i in range(4)])
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, processing_class=TOKENIZER, reward_funcs=length_reward, args=args,
+                              train_dataset=ROWS, environment_factory=Counter)
+        trainer.train()
+    """,
+        MODEL=str(base),
+        TOKENIZER=tool_tokenizer(str(base)),
+        OUT=str(tmp_path / library),
+        ROWS=rows,
+        Counter=Counter,
+    )
+    (record,) = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    assert math.isfinite(record["loss"]) and "rewards/Counter/mean" in record
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
 def test_an_environment_that_owns_its_prompts_trains_without_a_dataset(qwen_tool_base_dir, tmp_path, library):
     seen = []
 
@@ -378,6 +411,218 @@ def test_trls_warning_on_sequence_level_sampling_with_a_token_summed_loss(
     assert all(
         "When using `importance_sampling_level='sequence'`, the `'dapo'` loss sums" in w for w in warned
     )
+
+
+def math_reward(completions, task, **kwargs):
+    return [float(len(c) % 2) if t == "math" else None for c, t in zip(completions, task, strict=True)]
+
+
+def text_reward(completions, task, **kwargs):
+    return [float(len(c) % 3) if t == "text" else None for c, t in zip(completions, task, strict=True)]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_row_that_no_reward_function_scores_warns_in_trls_words_and_trains_on(
+    tiny_base_dir, tmp_path, caplog, library
+):
+    from datasets import Dataset
+
+    # TRL's multi-task pattern: each function returns None for the rows of the other task; the "chat"
+    # rows are scored by neither.
+    rows = [
+        {"prompt": r["prompt"], "task": ("math", "text", "chat")[i % 3]} for i, r in enumerate(PROMPTS[:6])
+    ]
+    with caplog.at_level(logging.WARNING):
+        scope = run(
+            library,
+            """
+            from trl import GRPOConfig, GRPOTrainer
+            # one epoch of 3 prompts × 4 completions per step: every task's rows are drawn
+            args = GRPOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=12,
+                              num_generations=4, max_completion_length=4, save_strategy="no", report_to="none",
+                              max_steps=2, logging_steps=1)
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=[math_reward, text_reward], args=args,
+                                  train_dataset=DATA)
+            trainer.train()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / library),
+            DATA=Dataset.from_list(rows),
+            math_reward=math_reward,
+            text_reward=text_reward,
+        )
+    warned = [
+        r.getMessage() for r in caplog.records if "All reward functions returned None" in r.getMessage()
+    ]
+    assert warned and all(
+        "All reward functions returned None for the following kwargs:\n{'task': 'chat', 'prompt': " in w
+        for w in warned
+    )
+    assert "'task': 'chat'" in warned[0]
+    steps = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["reward"])
+        assert 0.0 <= r["reward"] <= 2.0
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_deepseekmaths_epsilon_of_ten_trains_and_never_clips_low(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, epsilon=10.0, num_iterations=2)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    steps = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["clip_ratio/low_mean"] == 0 for r in steps)
+
+
+COMPLETION_METRICS = (
+    "num_tokens",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_trls_completion_metrics_have_trls_meaning(tiny_base_dir, tmp_path, library):
+    from datasets import Dataset
+
+    # The tiny model ends a completion early now and then (max 8 tokens), so both kinds of lengths occur.
+    # Every metric is recomputed here from the completions TRL hands the reward function.
+    seen = []
+
+    def spy(prompts, completions, completion_ids, **kwargs):
+        seen.append([list(ids) for ids in completion_ids])
+        return [float(len(ids) % 2) for ids in completion_ids]
+
+    scope = run(
+        library,
+        """
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=8, save_strategy="no", report_to="none",
+                          max_steps=2, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=spy, args=args, train_dataset=DATA)
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        DATA=Dataset.from_list([{"prompt": r["prompt"]} for r in PROMPTS[:4]]),
+        spy=spy,
+    )
+    trainer = scope["trainer"]
+    steps = [r for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
+    assert len(steps) == 2 == len(seen)
+    tok = trainer.processing_class
+    prompt_tokens = [4 * len(tok(r["prompt"])["input_ids"]) for r in PROMPTS[:4]]
+    total = 0
+    for record, ids in zip(steps, seen, strict=True):
+        assert set(COMPLETION_METRICS) <= set(record)
+        lengths = [len(i) for i in ids]
+        ended = [len(i) for i in ids if len(i) < 8] or [0]
+        total += sum(lengths)
+        assert record["completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
+        assert record["completions/min_length"] == min(lengths)
+        assert record["completions/max_length"] == max(lengths)
+        assert record["completions/clipped_ratio"] == pytest.approx(
+            sum(n == 8 for n in lengths) / len(lengths)
+        )
+        assert record["completions/mean_terminated_length"] == pytest.approx(sum(ended) / len(ended))
+        assert record["completions/min_terminated_length"] == min(ended)
+        assert record["completions/max_terminated_length"] == max(ended)
+    # the run's prompt and completion tokens so far (each prompt counted once per completion): the 2 steps
+    # are one epoch of the 4 prompts
+    assert steps[-1]["num_tokens"] == total + sum(prompt_tokens)
+    assert steps[0]["num_tokens"] < steps[1]["num_tokens"]
+
+
+# Every metric TRL 1.16's GRPOTrainer logs (`_metrics[mode][...]`, walked out of its source below): None when
+# a plain run with beta > 0 logs it here under TRL's name; else when it is logged, or why it is not.
+TRL_METRICS = {
+    "num_tokens": None,
+    "completions/mean_length": None,
+    "completions/min_length": None,
+    "completions/max_length": None,
+    "completions/clipped_ratio": None,
+    "completions/mean_terminated_length": None,
+    "completions/min_terminated_length": None,
+    "completions/max_terminated_length": None,
+    "rewards/{reward_func_name}/mean": None,
+    "rewards/{reward_func_name}/std": None,
+    "reward": None,
+    "reward_std": None,
+    "frac_reward_zero_std": None,
+    "kl": None,
+    "entropy": None,
+    "clip_ratio/low_mean": None,
+    "clip_ratio/high_mean": None,
+    "clip_ratio/region_mean": None,
+    "tools/call_frequency": "with tools (the environment tests above)",
+    "tools/failure_frequency": "with tools (the environment tests above)",
+    "{name}": "a reward function's log_metric (tests/test_rewards.py)",
+    "policy_loss": "with an entropy bonus (tests/test_loss.py)",
+    "entropy_coef": "with an entropy bonus (tests/test_loss.py)",
+    "cispo_clip_ratio": "with loss_type='cispo' (tests/test_loss_variants.py)",
+    "vespo/phi_seq_mean": "with loss_type='vespo' (tests/test_loss_variants.py)",
+    "aux_loss": "not logged: router_aux_loss_coef is refused by name (MoE auxiliary losses are not added)",
+    "sampling/sampling_logp_difference/mean": "not logged: vLLM only, and use_vllm is refused",
+    "sampling/sampling_logp_difference/max": "not logged: vLLM only, and use_vllm is refused",
+    "sampling/importance_sampling_ratio/min": "not logged: vLLM only, and use_vllm is refused",
+    "sampling/importance_sampling_ratio/mean": "not logged: vLLM only, and use_vllm is refused",
+    "sampling/importance_sampling_ratio/max": "not logged: vLLM only, and use_vllm is refused",
+    "clip_ratio/low_min": "not logged yet: a per-micro-batch min over processes, not a token mean",
+    "clip_ratio/high_max": "not logged yet: a per-micro-batch max over processes, not a token mean",
+}
+
+
+def _trl_metric_names() -> set[str]:
+    from trl.trainer import grpo_trainer
+
+    source = inspect.getsource(grpo_trainer)
+    return set(re.findall(r'_metrics\[mode\]\[f?"([^"]+)"\]', source)) | set(
+        re.findall(r"_metrics\[mode\]\[(name)\]", source)
+    )
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_every_metric_trl_logs_is_logged_here_or_has_a_reason(tiny_base_dir, tmp_path, library):
+    names = {"{name}" if n == "name" else n for n in _trl_metric_names()}
+    assert len(names) >= 30
+    assert names == set(TRL_METRICS), (
+        "a TRL metric with no entry in TRL_METRICS, or an entry TRL no longer logs"
+    )
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1, beta=0.1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(4))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    (record,) = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    expected = {
+        n.replace("{reward_func_name}", "length_reward") for n, why in TRL_METRICS.items() if why is None
+    }
+    assert expected <= set(record), sorted(expected - set(record))
+    absent = {n for n, why in TRL_METRICS.items() if why and why.startswith("not logged")}
+    if library != "trl":
+        assert not absent & set(record)
 
 
 def _messages(function) -> list[str]:

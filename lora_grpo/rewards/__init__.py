@@ -34,12 +34,12 @@ checks at start that its datasets have them (:func:`check_reward_columns`).
 
 None means "does not apply to this sample" (an accuracy reward on a row with no reference
 answer), as in TRL: a None (or NaN) is left out of that function's mean metric, and counts as 0
-in the weighted sum (TRL's nansum). See :func:`compute_rewards`.
+in the weighted sum (TRL's nansum). A row that every function skipped logs TRL's warning ("All
+reward functions returned None for the following kwargs ...") and trains on as in TRL: it is left
+out of its group's mean and std and its advantage is 0. See :func:`compute_rewards`.
 
 Where we differ from TRL:
   - we also pass ``completion_lengths`` and ``truncated`` (the length penalties below use them);
-  - a row for which every function returned None gets reward NaN and training stops with an error
-    naming it (TRL logs a warning and uses 0);
   - a function may also return a tensor or array, bools or numpy scalars; an infinite value is an
     error;
   - prompts from a ``messages_column`` are conversational too (TRL reads only ``prompt``).

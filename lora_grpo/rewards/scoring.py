@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,8 @@ RewardFunc = Callable[..., Sequence[float | None]]
 # ---------------------------------------------------------------------------------- contract
 
 # Keywords holding one value for the whole batch, not one per completion.
+logger = logging.getLogger(__name__)
+
 _BATCH_KEYWORDS = frozenset({"trainer_state", "log_extra", "log_metric", "environments"})
 
 
@@ -298,7 +301,8 @@ def compute_rewards(
 
     Returns:
         rewards: (N,) float32, ``sum_f w_f * r_f`` where a None counts as 0 (TRL's nansum); NaN only
-            for a row where every function returned None (advantages reject NaN with a clear error).
+            for a row where every function returned None, which logs TRL's warning "All reward functions
+            returned None for the following kwargs ..." (the advantages give such a row 0).
         per_func: (N, F) float32, NaN where a function returned None (a NaN return counts as None).
         metrics: ``rewards/{name}/mean`` and ``rewards/{name}/std`` per function over its non-None
             values (NaN when all are None), ``reward/mean`` and ``reward/std`` over the non-NaN
@@ -351,9 +355,27 @@ def compute_rewards(
 
     present = ~per_func.isnan()  # (N, F)
     rewards = torch.nansum(per_func * w, dim=1)  # None -> 0 in the sum
-    rewards[~present.any(dim=1)] = float("nan")  # nothing applied to this row
+    unscored = ~present.any(dim=1)
+    # nothing applied to this row: it is left out of the baseline and gets advantage 0 (as TRL)
+    rewards[unscored] = float("nan")
+    if unscored.any():
+        _warn_unscored(int(unscored.nonzero()[0, 0]), prompts, completions, columns)
 
     return rewards, per_func, reward_metrics(rewards, per_func, names)
+
+
+def _warn_unscored(row: int, prompts: list, completions: list, columns: Mapping[str, Sequence]) -> None:
+    # TRL 1.16's warning, with the first such row's dataset columns (not the trainer's completion_ids,
+    # completion_lengths, truncated); training goes on (its advantage is 0).
+    trainer_keys = _BATCH_KEYWORDS | {"completion_ids", "completion_lengths", "truncated"}
+    kwargs = {k: v[row] for k, v in columns.items() if k not in trainer_keys}
+    kwargs["prompt"], kwargs["completion"] = prompts[row], completions[row]
+    logger.warning(
+        f"All reward functions returned None for the following kwargs:\n{kwargs}\n"
+        "Please ensure that at least one reward function returns a valid reward. Here the row is left out "
+        "of its group's mean and std and gets advantage 0, as in TRL; give it a reward function that "
+        "scores it to learn from it."
+    )
 
 
 def reward_metrics(rewards: torch.Tensor, per_func: torch.Tensor, names: Sequence[str]) -> dict[str, float]:

@@ -74,7 +74,11 @@ def reply_ids(
     """The token ids a chat template puts after an assistant turn that called tools (after its end of
     turn, one of ``stop_ids``): the ``tool_messages`` (``{"role": "tool", "name", "content"}``) and the
     next assistant turn's opening, cut from a dummy conversation (as TRL does): nothing the model wrote
-    is re-tokenised. ValueError when no stop token ends the turn or the template is not prefix-preserving."""
+    is re-tokenised. The cut is after the stop token that ends the dummy assistant turn (counted in
+    the rendering without the replies), so a template that renders earlier assistant turns otherwise
+    once more turns follow (Qwen3 drops their reasoning: not prefix-preserving) still gives the reply's
+    tokens; the sequence trained on is the model's own tokens plus these. ValueError when no stop token
+    ends the turn."""
     turn = _dummy_turn(tool_messages[0]["name"], {})
     before = _token_ids(
         tokenizer.apply_chat_template(turn, tokenize=True, return_dict=False, **template_kwargs)
@@ -88,20 +92,23 @@ def reply_ids(
             **template_kwargs,
         )
     )
-    ends = [i for i, t in enumerate(before) if t in set(stop_ids)]
+    stops = set(stop_ids)
+    ends = [i for i, t in enumerate(before) if t in stops]
     if not ends:
         raise ValueError(
             f"the chat template ends an assistant turn that calls a tool with no EOS token (ids "
             f"{sorted(stop_ids)}): rendered {tokenizer.decode(before)[-60:]!r}. A rollout ends a turn at "
             "EOS; add the template's end-of-turn token to model.generation_config.eos_token_id"
         )
-    before = before[: ends[-1] + 1]
-    if after[: len(before)] != before:
+    # the assistant turn is the len(ends)-th turn a stop token closes, with or without replies after it
+    ends_after = [i for i, t in enumerate(after) if t in stops]
+    if len(ends_after) < len(ends):
         raise ValueError(
-            "the chat template renders an assistant turn differently once tool replies follow it (not "
-            "prefix-preserving), so a reply cannot be appended to the model's own tokens"
+            "the chat template drops the assistant turn that called a tool once tool replies follow it "
+            f"(rendered {tokenizer.decode(after)[-80:]!r}), so a reply cannot be appended to the model's own "
+            "tokens; use a chat template that renders assistant tool calls and tool replies"
         )
-    return after[len(before) :]
+    return after[ends_after[len(ends) - 1] + 1 :]
 
 
 def check_tool_template(tokenizer, stop_ids: Sequence[int], schemas: Sequence[dict] = ()) -> None:
@@ -132,8 +139,9 @@ def check_tool_template(tokenizer, stop_ids: Sequence[int], schemas: Sequence[di
         if not all(m in text for m in marks)
     ]:
         raise ValueError(
-            f"the chat template drops {' and '.join(lost)} (rendered: {text[-200:]!r}); tools need a "
-            "template that renders both, such as Qwen2.5-Instruct's"
+            f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'!r} drops "
+            f"{' and '.join(lost)} (rendered: {text[-200:]!r}); tools need a template that renders both, "
+            "such as Qwen2.5-Instruct's or Qwen3's: set tokenizer.chat_template to one"
         )
     reply_ids(tokenizer, messages[2:], stop_ids)
     names = [s.get("function", s)["name"] for s in schemas]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from ..loss_types import LOSS_TYPE_FACTS, LossTypeFacts
+
 logger = logging.getLogger(__name__)
 
 SAME = "same"  # raised or warned here too, starting with TRL's sentence
@@ -329,17 +331,11 @@ def warn_as_trl(args, *, model, quantization_config) -> None:
                 "`quantization_config` will be ignored."
             )
     level = args.importance_sampling_level
-    if args.loss_type == "luspo" and level != "sequence":
-        logger.warning(
-            "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror "
-            "the paper's setup."
-        )
-    if args.loss_type == "vespo" and level != "token":
-        logger.warning(
-            "VESPO computes sequence-level importance weights internally. `importance_sampling_level` should "
-            "be set to `'token'` (the default)."
-        )
-    if level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+    # an unknown loss_type is refused by the translated config, naming the choices
+    facts = LOSS_TYPE_FACTS.get(args.loss_type, LossTypeFacts())
+    if facts.meant_for is not None and level != facts.meant_for:
+        logger.warning(facts.trl_warning)
+    if level == "sequence" and facts.sums_tokens:
         logger.warning(
             f"When using `importance_sampling_level='sequence'`, the `'{args.loss_type}'` loss sums per-token "
             "contributions, which effectively weights each sequence by its completion length instead of "

@@ -45,6 +45,9 @@ TRL_NAMES = {
     "completion_length/mean": "completions/mean_length",
     "completion_length/max": "completions/max_length",
     "completion_length/min": "completions/min_length",
+    "completion_length/terminated_mean": "completions/mean_terminated_length",
+    "completion_length/terminated_min": "completions/min_terminated_length",
+    "completion_length/terminated_max": "completions/max_terminated_length",
     "truncated_fraction": "completions/clipped_ratio",
     "clip_ratio/low": "clip_ratio/low_mean",
     "clip_ratio/high": "clip_ratio/high_mean",
@@ -52,7 +55,12 @@ TRL_NAMES = {
     "lr": "learning_rate",
     "time/step": "step_time",
 }
-_LAST = ("learning_rate", "grad_norm", "epoch")  # transformers logs the latest of these, not a window mean
+_LAST = (
+    "learning_rate",
+    "grad_norm",
+    "epoch",
+    "num_tokens",
+)  # transformers and TRL log the latest of these, not a window mean
 
 
 def trl_record(records: list[dict[str, Any]]) -> dict[str, float]:
