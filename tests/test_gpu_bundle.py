@@ -82,15 +82,22 @@ def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
     assert (out / "log.txt").read_text().count("\n## ") == 12
 
 
-def test_a_section_past_the_budget_is_skipped_and_a_missed_threshold_fails_after_the_rest(tmp_path):
+def dry_run(tmp_path, only=None):
+    """A CPU Run of gpu_check with a 60 s budget writing its summary to tmp_path, the summary emptied."""
     import argparse
 
     import gpu_check
     import torch
 
-    args = argparse.Namespace(budget=60.0, only=None, out=str(tmp_path), cpu=True)
-    run = gpu_check.Run(args, torch.device("cpu"), str(tmp_path))
+    args = argparse.Namespace(budget=60.0, only=only, out=str(tmp_path), cpu=True)
     gpu_check.SUMMARY.clear()
+    return args, gpu_check.Run(args, torch.device("cpu"), str(tmp_path))
+
+
+def test_a_section_past_the_budget_is_skipped_and_a_missed_threshold_fails_after_the_rest(tmp_path):
+    import gpu_check
+
+    args, run = dry_run(tmp_path)
     ran = []
 
     def check(run):
@@ -124,14 +131,9 @@ def test_the_readme_shows_the_commands_the_bundle_prints():
 
 
 def test_the_running_section_is_named_and_a_budget_skip_is_offered_as_the_rerun(tmp_path):
-    import argparse
-
     import gpu_check
-    import torch
 
-    args = argparse.Namespace(budget=60.0, only=None, out=str(tmp_path), cpu=True)
-    run = gpu_check.Run(args, torch.device("cpu"), str(tmp_path))
-    gpu_check.SUMMARY.clear()
+    args, run = dry_run(tmp_path)
     seen = []
 
     def check(run):
@@ -148,12 +150,6 @@ def test_the_running_section_is_named_and_a_budget_skip_is_offered_as_the_rerun(
     ] == f"rerun: {gpu_bundle.rerun_command('4')}"
 
 
-def test_section_2_keeps_its_trainer_only_when_section_3_runs():
-    import argparse
-
-    import gpu_check
-    import torch
-
+def test_section_2_keeps_its_trainer_only_when_section_3_runs(tmp_path):
     for only, keeps in ((None, True), ({2, 3}, True), ({2, 4}, False)):
-        run = gpu_check.Run(argparse.Namespace(budget=60.0, only=only, cpu=True), torch.device("cpu"), "/tmp")
-        assert run.selected(3) is keeps
+        assert dry_run(tmp_path, only)[1].selected(3) is keeps
