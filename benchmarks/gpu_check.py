@@ -88,6 +88,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,6 +117,7 @@ CARD = 8 * GiB  # the emulated card of sections 2 and 4 (the recipes' "8 GB GPU"
 STAYS_SLACK = 8 * MiB  # what a rollout leaves allocated besides the kept caches: its own tensors
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SUMMARY: dict[str, dict] = {}  # section → {"status", "seconds", "findings", "reason"}
+RUNNING: dict = {}  # the section running now: {"section", "since" (clock time), "at_s" (into the run)}
 FINDINGS: dict = {}  # the running section's findings (what summary.json reports of it)
 
 
@@ -151,6 +153,10 @@ class Run:
         self.start = time.perf_counter()
         self.results: dict = {}
         self._models: dict = {}
+
+    def selected(self, number: int) -> bool:
+        """Whether section `number` is to run (--only)."""
+        return not self.args.only or number in self.args.only
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -407,6 +413,9 @@ def check_recipe_memory(run: Run, recipe: str, shape: str, keep: bool = False) -
     from lora_grpo.memory_estimate import CUDA_CONTEXT, SLACK, run_memory
     from lora_grpo.rollout import fast_decode
 
+    # What an earlier section left for a later one (section 2's trainer for section 3) is dropped:
+    # on the emulated card it would count as this section's memory.
+    run.results.clear()
     fresh_compiler(run)
     shape = run.shape(shape)
     path = run.model(shape)
@@ -1030,7 +1039,7 @@ def check_resume(run: Run) -> None:
         capture_output=True,
         text=True,
         env=env,
-        timeout=max(60, min(240, run.left() + 60)),
+        timeout=max(1.0, min(240.0, run.left())),
         check=False,
     )
     lines = [
@@ -1425,7 +1434,7 @@ def check_vs_trl(run: Run) -> None:
         if run.args.cpu:  # the dry run: both in this process (memory not compared)
             results[which] = peer_run(which, path, settings, cuda=False)
             continue
-        cap = max(60.0, min(300.0, run.left()))  # the second process gets what the first left
+        cap = max(1.0, min(300.0, run.left()))  # the second process gets what the first left
         command = [
             sys.executable,
             __file__,
@@ -1461,7 +1470,9 @@ SECTIONS = [
     ("1. devices", check_devices),
     (
         "2. memory: the 0.5B recipe on an emulated 8 GB card",
-        lambda run: check_recipe_memory(run, "qwen2.5-0.5b-gsm8k-qlora", "qwen2.5-0.5b", keep=True),
+        lambda run: check_recipe_memory(
+            run, "qwen2.5-0.5b-gsm8k-qlora", "qwen2.5-0.5b", keep=run.selected(3)
+        ),
     ),
     ("3. decode: compiled vs eager, graph breaks, recompiles", check_decode),
     (
@@ -1487,11 +1498,15 @@ def run_section(title: str, check, run: Run) -> None:
     FINDINGS.clear()
     start = time.perf_counter()
     status, reason = "passed", None
+    RUNNING.update(section=title, since=time.strftime("%H:%M:%S"), at_s=round(run.elapsed(), 1))
     if run.args.only and number not in run.args.only:
         status, reason = "skipped", "not in --only"
     elif run.left() <= 0:
         status, reason = "skipped", f"past the --budget of {run.args.budget:.0f} s"
     else:
+        print(f"running: §{number} since {RUNNING['since']} ({RUNNING['at_s']} s into the run)", flush=True)
+        if run.args.out:
+            write_summary(run.args.out, run.elapsed())
         try:
             check(run)
             if FINDINGS.get("failures"):
@@ -1512,16 +1527,31 @@ def run_section(title: str, check, run: Run) -> None:
         "reason": reason,
         "findings": dict(FINDINGS),
     }
+    RUNNING.clear()
+    if number == 3:  # section 2's trainer was for section 3 alone
+        run.results.pop("recipe", None)
     print(f"({time.perf_counter() - start:.1f} s)", flush=True)
     if run.args.out:
         write_summary(run.args.out, run.elapsed())
 
 
-LABELS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
+LABELS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "stopped": "STOP"}
 
 
 def failed() -> list[str]:
     return [title for title, v in SUMMARY.items() if v["status"] == "failed"]
+
+
+def rerun() -> str | None:
+    """The second command on the lent machine: the sections this run stopped or skipped for want of time."""
+    from gpu_bundle import rerun_command
+
+    left = [
+        title.split(".")[0]
+        for title, v in SUMMARY.items()
+        if v["status"] == "stopped" or (v["status"] == "skipped" and "budget" in (v["reason"] or ""))
+    ]
+    return rerun_command(",".join(left)) if left else None
 
 
 def write_summary(out: str, seconds: float) -> None:
@@ -1531,7 +1561,10 @@ def write_summary(out: str, seconds: float) -> None:
         "passed": not failed(),
         "failed": failed(),
         "skipped": [title for title, v in SUMMARY.items() if v["status"] == "skipped"],
+        "stopped": [title for title, v in SUMMARY.items() if v["status"] == "stopped"],
+        "rerun": rerun(),
         "seconds": round(seconds, 1),
+        "running": dict(RUNNING) or None,
         "sections": SUMMARY,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -1542,8 +1575,10 @@ def write_summary(out: str, seconds: float) -> None:
         line = f"{LABELS[v['status']]} {title} ({v['seconds']} s)"
         detail = v["findings"].get("error") or "; ".join(v["findings"].get("failures", [])) or v["reason"]
         lines.append(line + (f": {detail[:300]}" if detail else ""))
+    command = rerun()
+    lines.append(f"{len(failed())} failed, {seconds:.0f} s")
     (Path(out) / "summary.txt").write_text(
-        "\n".join(lines + [f"{len(failed())} failed, {seconds:.0f} s"]) + "\n"
+        "\n".join(lines + ([f"rerun: {command}"] if command else [])) + "\n"
     )
 
 
@@ -1563,6 +1598,23 @@ class Tee:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
+
+
+def stop(run: Run, why: str) -> None:
+    """End the run now (SIGTERM): the running section recorded as stopped, the summary written."""
+    if RUNNING:
+        SUMMARY[RUNNING["section"]] = {
+            "status": "stopped",
+            "seconds": round(run.elapsed() - RUNNING["at_s"], 1),
+            "reason": why,
+            "findings": dict(FINDINGS),
+        }
+        RUNNING.clear()
+    print(f"\n{why} after {run.elapsed():.0f} s", flush=True)
+    if run.args.out:
+        write_summary(run.args.out, run.elapsed())
+    sys.stdout.flush()
+    os._exit(len(failed()))
 
 
 def main() -> int:
@@ -1596,7 +1648,8 @@ def main() -> int:
         parser.error("no CUDA device: run on a GPU, or pass --cpu for a dry run")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        log = open(Path(args.out) / "log.txt", "w")  # noqa: SIM115 - open for the whole run
+        # Line-buffered: a run killed mid-section still leaves every line it printed.
+        log = open(Path(args.out) / "log.txt", "w", buffering=1)  # noqa: SIM115 - open for the whole run
         sys.stdout, sys.stderr = Tee(sys.stdout, log), Tee(sys.stderr, log)
     if not args.cpu:
         # Section 7's deterministic mode needs it before cuBLAS starts (a 32 MiB workspace, Hopper's default).
@@ -1608,6 +1661,7 @@ def main() -> int:
     no_plots()
     with tempfile.TemporaryDirectory() as root:
         run = Run(args, device, root)
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop(run, "stopped by SIGTERM"))
         for title, check in SECTIONS:
             run_section(title, check, run)
         seconds = run.elapsed()

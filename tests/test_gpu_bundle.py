@@ -82,15 +82,22 @@ def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
     assert (out / "log.txt").read_text().count("\n## ") == 12
 
 
-def test_a_section_past_the_budget_is_skipped_and_a_missed_threshold_fails_after_the_rest(tmp_path):
+def dry_run(tmp_path, only=None):
+    """A CPU Run of gpu_check with a 60 s budget writing its summary to tmp_path, the summary emptied."""
     import argparse
 
     import gpu_check
     import torch
 
-    args = argparse.Namespace(budget=60.0, only=None, out=str(tmp_path), cpu=True)
-    run = gpu_check.Run(args, torch.device("cpu"), str(tmp_path))
+    args = argparse.Namespace(budget=60.0, only=only, out=str(tmp_path), cpu=True)
     gpu_check.SUMMARY.clear()
+    return args, gpu_check.Run(args, torch.device("cpu"), str(tmp_path))
+
+
+def test_a_section_past_the_budget_is_skipped_and_a_missed_threshold_fails_after_the_rest(tmp_path):
+    import gpu_check
+
+    args, run = dry_run(tmp_path)
     ran = []
 
     def check(run):
@@ -106,3 +113,43 @@ def test_a_section_past_the_budget_is_skipped_and_a_missed_threshold_fails_after
     assert first["status"] == "failed" and first["findings"]["failures"] == ["a threshold"]
     assert late["status"] == "skipped" and "budget" in late["reason"]
     assert summary["failed"] == ["1. thresholds"] and summary["skipped"] == ["2. late"]
+
+
+def test_the_readme_shows_the_commands_the_bundle_prints():
+    """The lent machine's commands: python3 -m pip into /tmp/site, no network, no editable install."""
+    readme = (BENCHMARKS / "README.md").read_text()
+    first = gpu_bundle.first_command()
+    assert f"    {first}\n" in readme
+    assert f"    {gpu_bundle.rerun_command('4,9,12')}\n" in readme
+    assert (
+        first.startswith("python3 -m pip install ")
+        and "--no-index" in first
+        and "--target /tmp/site" in first
+    )
+    assert " -e ." not in first and "--budget 300" in first
+    assert not {"peft", "xxhash"} & {p.split("==")[0] for p in gpu_bundle.PACKAGES}
+
+
+def test_the_running_section_is_named_and_a_budget_skip_is_offered_as_the_rerun(tmp_path):
+    import gpu_check
+
+    args, run = dry_run(tmp_path)
+    seen = []
+
+    def check(run):
+        seen.append(json.loads((tmp_path / "summary.json").read_text())["running"]["section"])
+
+    gpu_check.run_section("1. first", check, run)
+    args.budget = 0.0
+    gpu_check.run_section("4. late", check, run)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert seen == ["1. first"] and summary["running"] is None
+    assert summary["rerun"] == gpu_bundle.rerun_command("4")
+    assert (tmp_path / "summary.txt").read_text().splitlines()[
+        -1
+    ] == f"rerun: {gpu_bundle.rerun_command('4')}"
+
+
+def test_section_2_keeps_its_trainer_only_when_section_3_runs(tmp_path):
+    for only, keeps in ((None, True), ({2, 3}, True), ({2, 4}, False)):
+        assert dry_run(tmp_path, only)[1].selected(3) is keeps
