@@ -3,11 +3,11 @@
     user:      "What is 7 + 24?"
     assistant: "7 + 24 = 31"            reward 1: the last integer of the reply is the sum
 
-A one-digit number plus a two-digit one: easy enough that the base model often gets it right
-(SmolLM2-135M-Instruct greedy about a third of the time, nearly always within 8 samples), hard enough
-that it often does not: it rambles past its token budget ("To add 7 and 24, you ...") or slips a digit.
-GRPO teaches it to answer within the budget and to add. The split is by problem: no held-out sum is
-ever a training prompt.
+A candidate task for a real model's recipe (benchmarks/smollm2_task_search.py measures the base on it).
+Measured on SmolLM2-135M-Instruct (GGUF Q4_1, dequantised), 200 held-out problems, 24 new tokens: greedy
+0.03, sampled pass@1 0.013, pass@8 0.10 -- too hard at that budget (it rambles, "To add 7 and 24, you
+..."), so no recipe is built on it yet. The split is by problem: no held-out sum is ever a training
+prompt.
 """
 
 from __future__ import annotations
