@@ -102,18 +102,33 @@ class PolicyUpdate:
         n_seq = batch.input_ids.shape[0]
         # Rows whose gradient is exactly zero are left out; the normalisers stay the whole step's.
         idle = zero_gradient_rows(batch.advantages, batch.completion_mask, cfg)
-        trained = batch if idle is None or not idle.any() else batch.rows((~idle).nonzero().flatten())
+        if idle is None:
+            idle = torch.zeros(n_seq, dtype=torch.bool, device=batch.advantages.device)
         # dapo's denominator: the step's tokens over every process, divided by the number of
         # processes because their gradients are averaged; with the rows left out, in one all-reduce.
         counts = sum_over_processes(
             {
                 "tokens": batch.completion_mask.sum().item(),
                 "rows": float(n_seq),
-                "skipped": float(n_seq - trained.input_ids.shape[0]),
+                "idle": float(idle.sum()),
+                "all_idle": float(bool(idle.all())),
             },
             acc,
         )
         num_tokens = counts["tokens"] / acc.num_processes
+        if counts["idle"] == counts["rows"]:
+            # No row of the step, on any process, has a gradient: no forward or backward at all, and
+            # zero gradients, so the optimizer and the schedule step as after the full computation.
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+            skipped = counts["rows"]
+        else:
+            if idle.all():
+                # Another process trains: this one keeps a row, so that every process has the same
+                # metrics to average (its gradient is zero, so the update is the same).
+                idle[0] = False
+            skipped = counts["idle"] - counts["all_idle"]
+        trained = batch if not idle.any() else batch.rows((~idle).nonzero().flatten())
         n_micro = math.ceil(trained.input_ids.shape[0] / micro_batch_size)
         with train_mode(self.model):  # checkpointing on; the model goes back to eval mode for sampling
             parts = [
@@ -126,7 +141,8 @@ class PolicyUpdate:
                 sums[k] = sums.get(k, 0.0) + v
         if acc.num_processes > 1:
             average_gradients(self.params, acc)
-            sums = sum_over_processes(sums, acc)
+            # Empty on every process alike when no process ran a forward.
+            sums = sum_over_processes(sums, acc) if sums else sums
         control = self.state.adaptive_entropy
         if cfg.use_adaptive_entropy:  # one move of the coefficient per step, on every process's entropy
             control.step(reduce=(lambda t: acc.reduce(t, "sum")) if acc.num_processes > 1 else None)
@@ -134,7 +150,8 @@ class PolicyUpdate:
             sums["entropy_coef"] = (
                 control.coef * sums["tokens"]
             )  # reported as TRL does (a token mean of a constant)
-        loss_total, tokens = sums.pop("loss") / acc.num_processes, max(sums.pop("tokens"), 1.0)
+        loss_total = sums.pop("loss", 0.0) / acc.num_processes
+        tokens = max(sums.pop("tokens", 0.0), 1.0)
         # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
         lr = self.scheduler.get_last_lr()[0]
@@ -145,7 +162,7 @@ class PolicyUpdate:
             "grad_norm": grad_norm,
             "lr": lr,
             "skipped_nonfinite": float(nonfinite),
-            "zero_advantage_skipped": counts["skipped"] / counts["rows"],
+            "zero_advantage_skipped": skipped / counts["rows"],
         }
 
     def accumulate(
@@ -217,7 +234,7 @@ def zero_gradient_rows(advantages: Tensor, completion_mask: Tensor, config) -> T
     depends on which rows share a micro-batch. The others are
     normalised by the whole step's tokens (dapo, cispo, vespo) or sequences (grpo, sapo, luspo,
     dr_grpo: accumulation_scale's share of the step's sequences), so leaving rows out changes
-    nothing. At least one row stays (every process runs a forward and has gradients to average)."""
+    nothing. Every row may be idle: the update then runs no forward at all."""
     if (
         config.beta != 0
         or config.entropy_coef != 0
@@ -226,10 +243,7 @@ def zero_gradient_rows(advantages: Tensor, completion_mask: Tensor, config) -> T
         or not LOSS_TYPES[config.loss_type].facts.zero_advantage_rows_skippable
     ):
         return None
-    idle = (advantages == 0) | (completion_mask.sum(dim=1) == 0)
-    if idle.all():
-        idle[0] = False
-    return idle
+    return (advantages == 0) | (completion_mask.sum(dim=1) == 0)
 
 
 def _read_once(

@@ -6,8 +6,9 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPTS, Counter, assert_same_adapters, make_trainer, run_torchrun
+from conftest import PROMPTS, Counter, adapter_state, assert_same_adapters, make_trainer, run_torchrun
 
+from lora_grpo.adapters import POLICY
 from lora_grpo.dynamic_sampling import Round, dropped_kinds, informative_groups, sample_step
 from lora_grpo.rollout import Rollout
 from lora_grpo.scorer import Scored
@@ -377,12 +378,52 @@ def test_the_saving_is_off_where_a_zero_advantage_row_still_has_a_gradient(tiny_
         {"loss_type": "bnpo"},
     ):
         assert zero_gradient_rows(advantages, mask, GRPOConfig(**{**base, **off})) is None, off
-    # a row without loss tokens is idle too; every row idle keeps one (a forward on every process)
+    # a row without loss tokens is idle too, and every row may be
     assert zero_gradient_rows(torch.ones(2), torch.tensor([[0, 0], [1, 1]]), GRPOConfig(**base)).tolist() == [
         True,
         False,
     ]
-    assert zero_gradient_rows(torch.zeros(3), mask, GRPOConfig(**base)).tolist() == [False, True, True]
+    assert zero_gradient_rows(torch.zeros(3), mask, GRPOConfig(**base)).tolist() == [True, True, True]
+
+
+def test_a_step_where_every_reward_is_equal_runs_no_forward_and_steps_as_the_full_update(
+    tiny_base_dir, tmp_path, monkeypatch
+):
+    """All 16 rewards equal at beta 0: no row has a gradient, so the update runs no forward or backward,
+    yet the optimizer steps with zero gradients exactly as after the full computation (Adam's moments
+    from the step before still move the adapter)."""
+    from lora_grpo import update as update_module
+    from lora_grpo.batch import Batch
+
+    def two_updates(skip: bool):
+        trainer = make_trainer(tiny_base_dir, str(tmp_path / str(skip)), beta=0.0, micro_batch_size=4)
+        rollout = trainer.generate(["1+1=", "2+2="])
+        signal = Batch.from_rollout(
+            rollout,
+            torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.0, 0.0]),
+            mask_truncated_completions=False,
+        )
+        equal = Batch.from_rollout(rollout, torch.zeros(8), mask_truncated_completions=False)
+        trainer.update(signal, 4)
+        forwards = []
+        original = trainer.update.forward
+        monkeypatch.setattr(
+            trainer.update, "forward", lambda *a, **k: forwards.append(1) or original(*a, **k)
+        )
+        if not skip:
+            monkeypatch.setattr(update_module, "zero_gradient_rows", lambda *a: None)
+        metrics = trainer.update(equal, 4)
+        monkeypatch.undo()
+        return adapter_state(trainer.model, POLICY), metrics, len(forwards)
+
+    full, full_metrics, full_forwards = two_updates(skip=False)
+    saved, saved_metrics, saved_forwards = two_updates(skip=True)
+    assert full_forwards == 2 and saved_forwards == 0
+    for name in full:
+        assert torch.equal(full[name], saved[name]), name
+    assert saved_metrics["zero_advantage_skipped"] == 1.0 and full_metrics["zero_advantage_skipped"] == 0.0
+    assert saved_metrics["loss"] == 0.0 and saved_metrics["grad_norm"] == 0.0 == full_metrics["grad_norm"]
+    assert "entropy" in full_metrics and "entropy" not in saved_metrics
 
 
 def test_the_trl_front_door_takes_it_as_an_extension_field(tiny_base_dir, tmp_path):
