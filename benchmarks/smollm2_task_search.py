@@ -3,7 +3,7 @@
 Measures the base's held-out greedy accuracy and pass@k through the chat template, for a task kind
 (lora_grpo.tasks.chat_arithmetic.KINDS) and a completion budget, with the trainer's own evaluator:
 
-    python benchmarks/smollm2_task_search.py --kind add-1-2 --new-tokens 24 --prompts 200
+    python benchmarks/smollm2_task_search.py --kind add-1-1 --new-tokens 20 24 --prompts 210
 
 A task is worth a recipe when the greedy accuracy is about 0.15–0.6 (room to learn) and pass@8 is at
 least 0.7 (most groups of 8 hold a right answer, so GRPO has signal).
@@ -21,9 +21,9 @@ from lora_grpo.tasks.chat_arithmetic import chat_sum_problems, last_number_rewar
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kind", default="add-1-2")
+    p.add_argument("--kind", default="add-1-1")
     p.add_argument("--new-tokens", type=int, nargs="+", default=[24])
-    p.add_argument("--prompts", type=int, default=200)
+    p.add_argument("--prompts", type=int, default=210)
     p.add_argument("--pass-k", type=int, default=8)
     p.add_argument("--system-prompt", default=None)
     args = p.parse_args()

@@ -30,6 +30,7 @@ import datasets
 from .prompt_batches import PromptBatches
 from .tasks.calculator import calculator_problems
 from .tasks.countdown import countdown_problems
+from .tasks.chat_arithmetic import chat_sum_problems
 from .tasks.countdown_toy import countdown_toy_problems
 from .tasks.toy import toy_problems
 
@@ -353,6 +354,7 @@ LOCAL_DATASETS = {
     "countdown": (countdown_problems, 10_000, 500),
     "calculator": (calculator_problems, 2000, 200),
     "countdown-toy": (countdown_toy_problems, 2000, 200),
+    "chat-sum": (chat_sum_problems, 600, 210),
 }
 
 
