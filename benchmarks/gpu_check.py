@@ -80,6 +80,7 @@ log.txt (everything printed) are written there, the summary after every section.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import importlib
 import json
@@ -92,6 +93,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -99,12 +101,14 @@ from pathlib import Path
 
 import torch
 from _common import (
+    CHILDREN,
     QWEN2_SHAPES,
     MiB,
     build_qwen2,
     environment,
     even_token_share,
     load_peer_model,
+    run_child,
     run_worker,
     token_prompts,
     train_steps,
@@ -116,13 +120,37 @@ GiB = 2**30
 CARD = 8 * GiB  # the emulated card of sections 2 and 4 (the recipes' "8 GB GPU")
 STAYS_SLACK = 8 * MiB  # what a rollout leaves allocated besides the kept caches: its own tensors
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ARGS = None  # the parsed arguments of this run (main)
 SUMMARY: dict[str, dict] = {}  # section → {"status", "seconds", "findings", "reason"}
 RUNNING: dict = {}  # the section running now: {"section", "since" (clock time), "at_s" (into the run)}
 FINDINGS: dict = {}  # the running section's findings (what summary.json reports of it)
+LOCK = threading.RLock()  # SUMMARY, RUNNING and the summary files: the main thread's and the watchdog's
+MARGIN = 2.0  # seconds before the deadline at which a child process is ended, so its section records it
+GRACE = 10.0  # seconds past the deadline at which faulthandler ends a process its watchdog could not
+IMPORTED = time.perf_counter()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc, so the interpreter's start-up and the imports
+    count; elsewhere since this module's imports finished)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - IMPORTED
 
 
 class Skip(Exception):
     """A section that cannot run here (a package missing, an earlier section's result missing): skipped."""
+
+
+class Late(Skip):
+    """A section with too little of the budget left to start: skipped, and named in the rerun command."""
+
+
+class Stopped(Exception):
+    """A section whose own time limit (what the budget left it) ran out: stopped, and named in the rerun."""
 
 
 def expect(ok: bool, what: str) -> bool:
@@ -139,6 +167,14 @@ def not_here(what: str) -> None:
     FINDINGS.setdefault("skipped_parts", []).append(what)
 
 
+def over_time(what: str, limit: float, cap: float) -> None:
+    """A child process killed at its time limit: stopped (to rerun) when the budget set the limit,
+    a failure when its own cap did."""
+    if limit < cap:
+        raise Stopped(f"{what} stopped at the deadline ({limit:.0f} s of the --budget were left for it)")
+    expect(False, f"{what} finished within {cap:.0f} s")
+
+
 def mib(value) -> str:
     return "-" if value is None else f"{value / MiB:,.1f}"
 
@@ -150,7 +186,7 @@ class Run:
     def __init__(self, args, device: torch.device, root: str):
         self.args, self.device, self.root = args, device, Path(root)
         self.cuda = device.type == "cuda"
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() - process_age()  # the budget counts from the process's start
         self.results: dict = {}
         self._models: dict = {}
 
@@ -163,6 +199,10 @@ class Run:
 
     def left(self) -> float:
         return self.args.budget - self.elapsed()
+
+    def limit(self, cap: float) -> float:
+        """A child process's time limit: `cap` seconds, or what the budget leaves less MARGIN."""
+        return max(1.0, min(cap, self.left() - MARGIN))
 
     def shape(self, shape: str) -> str:
         """The shape to use: the tiny one in the CPU dry run."""
@@ -1034,14 +1074,17 @@ def check_resume(run: Run) -> None:
         checkpoint = run.root / "resume-loose" / "checkpoint-2"
     print(f"the {where} run's {checkpoint.name}, resumed by a CPU-only process:")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(
-        [sys.executable, __file__, "--resume-on-cpu", str(checkpoint), "--model", path],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=max(1.0, min(240.0, run.left())),
-        check=False,
-    )
+    cap = 240.0
+    limit = run.limit(cap)
+    try:
+        result = run_child(
+            [sys.executable, __file__, "--resume-on-cpu", str(checkpoint), "--model", path],
+            timeout=limit,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        over_time("the CPU resume", limit, cap)
+        return
     lines = [
         line
         for line in (result.stdout + result.stderr).splitlines()
@@ -1058,23 +1101,21 @@ def check_pytest_gpu(run: Run) -> None:
     if not run.cuda:
         raise Skip("CUDA only: without a GPU every test it selects is skipped")
     if run.left() < 60:
-        raise Skip(f"{run.left():.0f} s of the budget left: too little for the GPU tests' subprocess")
+        raise Late(f"{run.left():.0f} s of the budget left: too little for the GPU tests' subprocess")
     files = [str(p) for p in sorted((REPO / "tests").glob("test_*.py")) if "pytest.mark.gpu" in p.read_text()]
-    cap = min(240.0, run.left())
+    cap = 240.0
+    limit = run.limit(cap)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
-    print(" ".join(command[2:]), f"(cap {cap:.0f} s)")
+    print(" ".join(command[2:]), f"(limit {limit:.0f} s)")
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, cwd=REPO, env=env, timeout=cap, check=False
-        )
+        done = run_child(command, timeout=limit, cwd=REPO, env=env)
     except subprocess.TimeoutExpired as e:
-        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        print(output[-3000:])
-        expect(False, f"pytest -m gpu finished within {cap:.0f} s")
+        print((e.stdout or "")[-3000:])
+        over_time("pytest -m gpu", limit, cap)
         return
     output = done.stdout + done.stderr
     print("\n".join(output.splitlines()[-30:]))
@@ -1420,7 +1461,7 @@ def check_vs_trl(run: Run) -> None:
     except Exception as e:  # noqa: BLE001 - any import failure means: not here
         raise Skip(f"trl does not import: {type(e).__name__}: {str(e)[:200]}") from None
     if run.cuda and run.left() < 120:
-        raise Skip(f"{run.left():.0f} s of the budget left: too little for two fresh trainer processes")
+        raise Late(f"{run.left():.0f} s of the budget left: too little for two fresh trainer processes")
     settings = peer_settings(run)
     path = run.model(settings["shape"])
     print(
@@ -1434,7 +1475,8 @@ def check_vs_trl(run: Run) -> None:
         if run.args.cpu:  # the dry run: both in this process (memory not compared)
             results[which] = peer_run(which, path, settings, cuda=False)
             continue
-        cap = max(1.0, min(300.0, run.left()))  # the second process gets what the first left
+        cap = 300.0
+        limit = run.limit(cap)  # the second process gets what the first left
         command = [
             sys.executable,
             __file__,
@@ -1446,9 +1488,9 @@ def check_vs_trl(run: Run) -> None:
             json.dumps(settings),
         ]
         try:
-            results[which] = run_worker(command, f"the {which} run", timeout=cap)
+            results[which] = run_worker(command, f"the {which} run", timeout=limit)
         except subprocess.TimeoutExpired:
-            expect(False, f"the {which} run finished within {cap:.0f} s")
+            over_time(f"the {which} run", limit, cap)
             return
     if run.args.cpu:
         not_here("peak memory in fresh processes (the dry run runs both trainers in this one)")
@@ -1490,29 +1532,51 @@ SECTIONS = [
 ]
 
 
+def section_number(title: str) -> int:
+    return int(title.split(".")[0])
+
+
+def record(title: str, status: str, seconds: float, reason: str | None, again: bool) -> None:
+    """One section's entry in SUMMARY; `again`: it is named in the rerun command (stopped, or
+    skipped for want of time)."""
+    SUMMARY[title] = {
+        "status": status,
+        "seconds": round(seconds, 1),
+        "reason": reason,
+        "rerun": again,
+        "findings": dict(FINDINGS),
+    }
+
+
 def run_section(title: str, check, run: Run) -> None:
     """Run one section (or skip it: not selected, past the budget, or Skip raised) and record its
     status, seconds and findings; a failure is printed with its traceback and the run goes on."""
-    number = int(title.split(".")[0])
+    number = section_number(title)
     print(f"\n## {title}", flush=True)
-    FINDINGS.clear()
     start = time.perf_counter()
-    status, reason = "passed", None
-    RUNNING.update(section=title, since=time.strftime("%H:%M:%S"), at_s=round(run.elapsed(), 1))
-    if run.args.only and number not in run.args.only:
+    status, reason, again = "passed", None, False
+    with LOCK:
+        FINDINGS.clear()
+        RUNNING.update(section=title, since=time.strftime("%H:%M:%S"), at_s=round(run.elapsed(), 1))
+    if not run.selected(number):
         status, reason = "skipped", "not in --only"
     elif run.left() <= 0:
-        status, reason = "skipped", f"past the --budget of {run.args.budget:.0f} s"
+        status, reason, again = "skipped", f"past the --budget of {run.args.budget:.0f} s", True
     else:
         print(f"running: §{number} since {RUNNING['since']} ({RUNNING['at_s']} s into the run)", flush=True)
         if run.args.out:
-            write_summary(run.args.out, run.elapsed())
+            with LOCK:
+                write_summary(run.args.out, run.elapsed())
         try:
             check(run)
             if FINDINGS.get("failures"):
                 status = "failed"
+        except Late as e:
+            status, reason, again = "skipped", str(e), True
         except Skip as e:
             status, reason = "skipped", str(e)
+        except Stopped as e:
+            status, reason, again = "stopped", str(e), True
         except Exception as e:  # noqa: BLE001 - one section's failure must not hide the others' findings
             status = "failed"
             FINDINGS["error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -1520,19 +1584,16 @@ def run_section(title: str, check, run: Run) -> None:
         finally:
             release(run)
     if reason:
-        print(f"(skipped: {reason})", flush=True)
-    SUMMARY[title] = {
-        "status": status,
-        "seconds": round(time.perf_counter() - start, 1),
-        "reason": reason,
-        "findings": dict(FINDINGS),
-    }
-    RUNNING.clear()
+        print(f"({status}: {reason})", flush=True)
+    with LOCK:
+        record(title, status, time.perf_counter() - start, reason, again)
+        RUNNING.clear()
     if number == 3:  # section 2's trainer was for section 3 alone
         run.results.pop("recipe", None)
     print(f"({time.perf_counter() - start:.1f} s)", flush=True)
     if run.args.out:
-        write_summary(run.args.out, run.elapsed())
+        with LOCK:
+            write_summary(run.args.out, run.elapsed())
 
 
 LABELS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "stopped": "STOP"}
@@ -1543,15 +1604,14 @@ def failed() -> list[str]:
 
 
 def rerun() -> str | None:
-    """The second command on the lent machine: the sections this run stopped or skipped for want of time."""
+    """The second command on the lent machine: the sections this run stopped or skipped for want of
+    time, in the order they run."""
     from gpu_bundle import rerun_command
 
-    left = [
-        title.split(".")[0]
-        for title, v in SUMMARY.items()
-        if v["status"] == "stopped" or (v["status"] == "skipped" and "budget" in (v["reason"] or ""))
-    ]
-    return rerun_command(",".join(left)) if left else None
+    again = [section_number(title) for title, v in SUMMARY.items() if v.get("rerun")]
+    order = [section_number(title) for title, _ in SECTIONS]
+    again.sort(key=lambda n: order.index(n) if n in order else len(order))
+    return rerun_command(",".join(map(str, again))) if again else None
 
 
 def write_summary(out: str, seconds: float) -> None:
@@ -1564,6 +1624,7 @@ def write_summary(out: str, seconds: float) -> None:
         "stopped": [title for title, v in SUMMARY.items() if v["status"] == "stopped"],
         "rerun": rerun(),
         "seconds": round(seconds, 1),
+        "budget": getattr(ARGS, "budget", None),
         "running": dict(RUNNING) or None,
         "sections": SUMMARY,
         "torch": torch.__version__,
@@ -1579,6 +1640,15 @@ def write_summary(out: str, seconds: float) -> None:
     lines.append(f"{len(failed())} failed, {seconds:.0f} s")
     (Path(out) / "summary.txt").write_text(
         "\n".join(lines + ([f"rerun: {command}"] if command else [])) + "\n"
+    )
+
+
+def print_rerun() -> None:
+    """The run's last line: the exact command for what it stopped or skipped for want of time."""
+    command = rerun()
+    print(
+        f"rerun: {command}" if command else "rerun: none (no section was stopped or skipped for time)",
+        flush=True,
     )
 
 
@@ -1601,20 +1671,43 @@ class Tee:
 
 
 def stop(run: Run, why: str) -> None:
-    """End the run now (SIGTERM): the running section recorded as stopped, the summary written."""
-    if RUNNING:
-        SUMMARY[RUNNING["section"]] = {
-            "status": "stopped",
-            "seconds": round(run.elapsed() - RUNNING["at_s"], 1),
-            "reason": why,
-            "findings": dict(FINDINGS),
-        }
-        RUNNING.clear()
-    print(f"\n{why} after {run.elapsed():.0f} s", flush=True)
-    if run.args.out:
-        write_summary(run.args.out, run.elapsed())
-    sys.stdout.flush()
-    os._exit(len(failed()))
+    """End the run now (the deadline's watchdog, or SIGTERM): the running section recorded as
+    stopped, the selected sections not started yet as skipped (both named in the rerun command),
+    the child processes killed, the summary written; the exit status is the number of failed
+    sections, as at a normal end (a stopped section is not a failure)."""
+    LOCK.acquire(timeout=10)  # the main thread holds it only while it writes the summary
+    try:
+        if RUNNING:
+            title = RUNNING["section"]
+            record(title, "stopped", run.elapsed() - RUNNING["at_s"], why, True)
+            RUNNING.clear()
+        for title, _ in SECTIONS:
+            if title not in SUMMARY and run.selected(section_number(title)):
+                FINDINGS.clear()
+                record(title, "skipped", 0.0, f"not started: {why}", True)
+        for child in list(CHILDREN):
+            child.kill()
+        print(f"\n{why} after {run.elapsed():.0f} s", flush=True)
+        print_rerun()
+        if run.args.out:
+            write_summary(run.args.out, run.elapsed())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        shutil.rmtree(run.root, ignore_errors=True)  # the models built (os._exit skips the cleanup)
+    finally:
+        os._exit(len(failed()))
+
+
+def watch(run: Run) -> threading.Timer:
+    """The hard deadline: a timer thread at the budget (counted from the process's start) calls stop.
+    A section stuck in C code that holds the GIL would keep that thread from running: faulthandler's
+    own thread, which needs no GIL, ends the process GRACE seconds later (its tracebacks on stderr,
+    exit 1; summary.json then still names the section running)."""
+    timer = threading.Timer(max(0.0, run.left()), stop, (run, "stopped at the deadline"))
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(max(1.0, run.left() + GRACE), exit=True, file=sys.__stderr__)
+    return timer
 
 
 def main() -> int:
@@ -1623,7 +1716,12 @@ def main() -> int:
     )
     parser.add_argument("--cpu", action="store_true", help="a dry run on the CPU with tiny shapes")
     parser.add_argument("--steps", type=int, default=2, help="training steps of sections 2 and 4")
-    parser.add_argument("--budget", type=float, default=450, help="seconds; a section past it is skipped")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=300,
+        help="seconds of wall time from the process's start: a hard deadline (sections past it stopped or skipped)",
+    )
     parser.add_argument(
         "--only", type=lambda s: {int(x) for x in s.split(",")}, help="e.g. 2,4: these sections alone"
     )
@@ -1633,6 +1731,8 @@ def main() -> int:
     parser.add_argument("--peer-settings", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global ARGS
+    ARGS = args
     if args.resume_on_cpu or args.peer_worker:
         logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
         no_plots()
@@ -1662,13 +1762,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as root:
         run = Run(args, device, root)
         signal.signal(signal.SIGTERM, lambda signum, frame: stop(run, "stopped by SIGTERM"))
+        deadline = watch(run)
         for title, check in SECTIONS:
             run_section(title, check, run)
+        with LOCK:  # past the last section: the watchdog has nothing left to stop
+            deadline.cancel()
+            faulthandler.cancel_dump_traceback_later()
         seconds = run.elapsed()
     print(
         f"\n{len(failed())} section(s) failed{': ' + ', '.join(failed()) if failed() else ''}; "
-        f"{sum(v['status'] == 'skipped' for v in SUMMARY.values())} skipped; {seconds:.0f} s in all"
+        f"{sum(v['status'] == 'skipped' for v in SUMMARY.values())} skipped, "
+        f"{sum(v['status'] == 'stopped' for v in SUMMARY.values())} stopped; {seconds:.0f} s in all"
     )
+    print_rerun()
     if args.out:
         write_summary(args.out, seconds)
     return len(failed())

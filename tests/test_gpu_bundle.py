@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -83,13 +84,14 @@ def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
 
 
 def dry_run(tmp_path, only=None):
-    """A CPU Run of gpu_check with a 60 s budget writing its summary to tmp_path, the summary emptied."""
+    """A CPU Run of gpu_check with 60 s of budget left writing its summary to tmp_path, the summary emptied."""
     import argparse
 
     import gpu_check
     import torch
 
-    args = argparse.Namespace(budget=60.0, only=only, out=str(tmp_path), cpu=True)
+    # The budget counts from the process's start: this one (pytest's) started a while ago.
+    args = argparse.Namespace(budget=gpu_check.process_age() + 60, only=only, out=str(tmp_path), cpu=True)
     gpu_check.SUMMARY.clear()
     return args, gpu_check.Run(args, torch.device("cpu"), str(tmp_path))
 
@@ -153,3 +155,48 @@ def test_the_running_section_is_named_and_a_budget_skip_is_offered_as_the_rerun(
 def test_section_2_keeps_its_trainer_only_when_section_3_runs(tmp_path):
     for only, keeps in ((None, True), ({2, 3}, True), ({2, 4}, False)):
         assert dry_run(tmp_path, only)[1].selected(3) is keeps
+
+
+DEADLINE_RUN = """
+import sys, time
+sys.path.insert(0, {benchmarks!r})
+import gpu_check
+gpu_check.SECTIONS[:] = [
+    ("1. devices", lambda run: None),
+    ("5. sleeps past the deadline", lambda run: time.sleep(600)),
+    ("9. after it", lambda run: None),
+]
+sys.argv = ["gpu_check.py", "--cpu", "--budget", "{budget}", "--out", {out!r}]
+sys.exit(gpu_check.main())
+"""
+
+
+def test_the_deadline_stops_the_running_section_writes_the_summary_and_exits_0(tmp_path):
+    """--budget is a hard deadline from the process's start: a section still running at it is
+    recorded as stopped, the ones after it as not started, both in the rerun command; exit 0."""
+    budget, out = 30, tmp_path / "out"
+    script = DEADLINE_RUN.format(benchmarks=str(BENCHMARKS), budget=budget, out=str(out))
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=budget + 120, cwd=tmp_path
+    )
+    wall = time.monotonic() - started
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # A correctness bound on the watchdog (it fired at the deadline, not at the sleep's end), not a timing.
+    assert wall < budget + 10, wall
+    summary = json.loads((out / "summary.json").read_text())
+    sections = summary["sections"]
+    assert sections["1. devices"]["status"] == "passed"
+    assert sections["5. sleeps past the deadline"]["status"] == "stopped"
+    assert sections["5. sleeps past the deadline"]["reason"] == "stopped at the deadline"
+    assert sections["9. after it"]["status"] == "skipped"
+    assert sections["9. after it"]["reason"] == "not started: stopped at the deadline"
+    assert (
+        summary["running"] is None
+        and summary["passed"]
+        and summary["stopped"] == ["5. sleeps past the deadline"]
+    )
+    assert summary["rerun"] == gpu_bundle.rerun_command("5,9")
+    assert (out / "summary.txt").read_text().splitlines()[-1] == f"rerun: {gpu_bundle.rerun_command('5,9')}"
+    assert done.stdout.splitlines()[-1] == f"rerun: {gpu_bundle.rerun_command('5,9')}"
+    assert "running: §5" in (out / "log.txt").read_text()
