@@ -128,7 +128,10 @@ def build(out: Path, limit_mib: float, packages: list[str] = PACKAGES) -> dict[s
             "(peft is the largest that may already be on the machine)"
         )
     print(f"\non the lent machine, carrying {out.name}/:\n  {first_command()}")
-    print(f"then, for the sections it skipped (summary.txt names them):\n  {rerun_command('N,M')}")
+    print(
+        "then, at once, the command the check prints as its last line (summary.txt's rerun: line), "
+        f"the sections it stopped or skipped for want of time in place of N,M:\n  {rerun_command('N,M')}"
+    )
     return sizes
 
 

@@ -1508,8 +1508,16 @@ def check_vs_trl(run: Run) -> None:
 
 
 # ------------------------------------------------------------------------------ main
+# The order they run in: the cheap sections first (tiny or small models, no compiled decode), then
+# the ones that compile a decode (the recipes' 24- and 28-layer 4-bit + LoRA models first); the
+# numbers stay those of the docs.
 SECTIONS = [
     ("1. devices", check_devices),
+    ("7. resume: on the same device, and on a CPU", check_resume),
+    ("8. pytest -m gpu", check_pytest_gpu),
+    ("10. reward model", check_reward_model),
+    ("11. paged_adamw_8bit", check_paged_adamw),
+    ("6. bf16 KL", check_bf16_kl),
     (
         "2. memory: the 0.5B recipe on an emulated 8 GB card",
         lambda run: check_recipe_memory(
@@ -1522,14 +1530,13 @@ SECTIONS = [
         lambda run: check_recipe_memory(run, "qwen2.5-1.5b-gsm8k-calculator-qlora", "qwen2.5-1.5b"),
     ),
     ("5. decode after updates: compiled vs eager in float32 and bf16", check_decode_after_updates),
-    ("6. bf16 KL", check_bf16_kl),
-    ("7. resume: on the same device, and on a CPU", check_resume),
-    ("8. pytest -m gpu", check_pytest_gpu),
     ("9. tools with the compiled decode", check_tools),
-    ("10. reward model", check_reward_model),
-    ("11. paged_adamw_8bit", check_paged_adamw),
     ("12. step time and peak memory against TRL + PEFT", check_vs_trl),
 ]
+# Seconds each section is expected to take on the lent H200 (estimates: no GPU has run the check
+# yet), for the plan printed at the start and the device-time plan in benchmarks/README.md.
+ESTIMATES = {1: 5, 7: 40, 8: 30, 10: 15, 11: 25, 6: 30, 2: 150, 3: 30, 4: 200, 5: 90, 9: 45, 12: 150}
+NEEDS = {3: 2}  # section 3 runs on section 2's trained model, in the same process
 
 
 def section_number(title: str) -> int:
@@ -1609,6 +1616,7 @@ def rerun() -> str | None:
     from gpu_bundle import rerun_command
 
     again = [section_number(title) for title, v in SUMMARY.items() if v.get("rerun")]
+    again += [NEEDS[n] for n in again if n in NEEDS and NEEDS[n] not in again]
     order = [section_number(title) for title, _ in SECTIONS]
     again.sort(key=lambda n: order.index(n) if n in order else len(order))
     return rerun_command(",".join(map(str, again))) if again else None
@@ -1640,6 +1648,17 @@ def write_summary(out: str, seconds: float) -> None:
     lines.append(f"{len(failed())} failed, {seconds:.0f} s")
     (Path(out) / "summary.txt").write_text(
         "\n".join(lines + ([f"rerun: {command}"] if command else [])) + "\n"
+    )
+
+
+def print_plan(run: Run) -> None:
+    """The sections selected, in the order they run, with their estimated seconds, against the budget."""
+    chosen = [section_number(title) for title, _ in SECTIONS if run.selected(section_number(title))]
+    total = sum(ESTIMATES.get(n, 0) for n in chosen)
+    print(
+        f"plan: {', '.join(f'§{n} ~{ESTIMATES.get(n, 0)} s' for n in chosen)} (~{total} s estimated on an H200); "
+        f"--budget {run.args.budget:g} s from the process's start, {run.elapsed():.0f} s gone",
+        flush=True,
     )
 
 
@@ -1763,6 +1782,7 @@ def main() -> int:
         run = Run(args, device, root)
         signal.signal(signal.SIGTERM, lambda signum, frame: stop(run, "stopped by SIGTERM"))
         deadline = watch(run)
+        print_plan(run)
         for title, check in SECTIONS:
             run_section(title, check, run)
         with LOCK:  # past the last section: the watchdog has nothing left to stop

@@ -200,3 +200,18 @@ def test_the_deadline_stops_the_running_section_writes_the_summary_and_exits_0(t
     assert (out / "summary.txt").read_text().splitlines()[-1] == f"rerun: {gpu_bundle.rerun_command('5,9')}"
     assert done.stdout.splitlines()[-1] == f"rerun: {gpu_bundle.rerun_command('5,9')}"
     assert "running: §5" in (out / "log.txt").read_text()
+
+
+def test_the_cheap_sections_run_first_and_a_rerun_of_section_3_brings_section_2(tmp_path):
+    import gpu_check
+
+    order = [gpu_check.section_number(title) for title, _ in gpu_check.SECTIONS]
+    assert sorted(order) == list(range(1, 13)) and order[:6] == [1, 7, 8, 10, 11, 6]
+    assert set(order[6:]) == {2, 3, 4, 5, 9, 12} and order.index(3) == order.index(2) + 1
+    assert set(gpu_check.ESTIMATES) == set(order)
+    args, run = dry_run(tmp_path)
+    args.budget = 0.0  # section 3 past the budget: its rerun needs section 2 again, run before it
+    gpu_check.run_section(
+        "3. decode: compiled vs eager, graph breaks, recompiles", gpu_check.check_decode, run
+    )
+    assert gpu_check.rerun() == gpu_bundle.rerun_command("2,3")
