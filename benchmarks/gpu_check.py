@@ -114,8 +114,10 @@ from _common import (
     train_steps,
     trl_step_timer,
 )
+from gpu_bundle import CALCULATOR_BASE
 
 REPO = Path(__file__).resolve().parent.parent
+BUNDLE = REPO / "gpu_bundle"  # what benchmarks/gpu_bundle.py builds (and the lent machine is sent)
 GiB = 2**30
 CARD = 8 * GiB  # the emulated card of sections 2 and 4 (the recipes' "8 GB GPU")
 STAYS_SLACK = 8 * MiB  # what a rollout leaves allocated besides the kept caches: its own tensors
@@ -1142,17 +1144,24 @@ def check_tools(run: Run) -> None:
     from lora_grpo.tasks.toy import make_tiny_model
 
     fresh_compiler(run)
-    if run.args.cpu:  # a random tiny model with the task's tokenizer: pre-training takes 1-2 minutes here
+    bundled = BUNDLE / CALCULATOR_BASE
+    if (bundled / "config.json").is_file():  # pre-trained where the bundle was built, not on this CPU
+        base = str(bundled)
+        print(f"the calculator base from the bundle: {base}")
+    elif run.args.cpu:  # a random tiny model with the task's tokenizer: pre-training takes minutes here
         base = run.root / "calculator-random"
         tokenizer = calculator.make_tokenizer()
         make_tiny_model(tokenizer, max_positions=256).save_pretrained(base)
         tokenizer.save_pretrained(base)
         base = str(base)
-        not_here("the pre-trained calculator base (a random one rarely calls): calls are not required")
+        not_here("the pre-trained calculator base (no bundle here; a random one rarely calls)")
     else:
-        start = time.perf_counter()
-        base = calculator.ensure_calculator_base(cache_dir=run.root / "cache")
-        print(f"(pre-trained the calculator base: {time.perf_counter() - start:.1f} s)")
+        raise RuntimeError(
+            f"no calculator base in {bundled}: build the bundle where the checkout is (python "
+            "benchmarks/gpu_bundle.py, which pre-trains it there) and carry gpu_bundle/; pre-training it "
+            "here would spend the GPU's time on this machine's CPU"
+        )
+    FINDINGS["base"] = base
     fast = "compiled" if run.cuda else "static"
     completion = 48 if run.args.cpu else 112
     config = GRPOConfig(

@@ -215,3 +215,37 @@ def test_the_cheap_sections_run_first_and_a_rerun_of_section_3_brings_section_2(
         "3. decode: compiled vs eager, graph breaks, recompiles", gpu_check.check_decode, run
     )
     assert gpu_check.rerun() == gpu_bundle.rerun_command("2,3")
+
+
+def test_section_9_loads_the_bundled_calculator_base_and_never_pretrains(tmp_path, monkeypatch):
+    """The bundle carries the base pre-trained here; gpu_check loads it by path (no pre-training on
+    the lent machine's CPU), and without it a GPU run fails the section naming the fix."""
+    import gpu_check
+
+    from lora_grpo.tasks import calculator
+
+    bundle = tmp_path / "gpu_bundle"
+    sizes = gpu_bundle.copy_bases(bundle)
+    cached = Path(calculator.ensure_calculator_base())
+    base = bundle / gpu_bundle.CALCULATOR_BASE
+    assert sorted(p.name for p in base.iterdir()) == sorted(p.name for p in cached.iterdir())
+    assert (base / "model.safetensors").read_bytes() == (cached / "model.safetensors").read_bytes()
+    assert sizes == {f"{gpu_bundle.CALCULATOR_BASE}/": sum(p.stat().st_size for p in base.iterdir())}
+
+    def no_pretraining(*args, **kwargs):
+        raise AssertionError("pre-trained on the check's machine")
+
+    monkeypatch.setattr(calculator, "ensure_calculator_base", no_pretraining)
+    monkeypatch.setattr(calculator, "pretrain_calculator_base", no_pretraining)
+    monkeypatch.setattr(gpu_check, "BUNDLE", bundle)
+    args, run = dry_run(tmp_path / "run")
+    gpu_check.run_section("9. tools with the compiled decode", gpu_check.check_tools, run)
+    section = gpu_check.SUMMARY["9. tools with the compiled decode"]
+    assert section["status"] == "passed", section
+    assert section["findings"]["base"] == str(base)
+
+    monkeypatch.setattr(gpu_check, "BUNDLE", tmp_path / "no-bundle")
+    args.cpu = False  # the GPU path's choice of base, on this CPU
+    gpu_check.run_section("9. tools with the compiled decode", gpu_check.check_tools, run)
+    section = gpu_check.SUMMARY["9. tools with the compiled decode"]
+    assert section["status"] == "failed" and "benchmarks/gpu_bundle.py" in section["findings"]["error"]
