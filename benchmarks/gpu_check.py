@@ -1304,51 +1304,76 @@ def check_reward_model(run: Run) -> None:
 
 
 # ------------------------------------------------------------------------------ 11. paged_adamw_8bit
-def check_paged_adamw(run: Run) -> None:
+def paged_run(path: str, rank: int, out: str) -> dict:
+    """Section 11's worker (a fresh process: a hang in CUDA managed memory is killed at its time
+    limit): 3 steps with paged_adamw_8bit on the model at `path`; what section 11 judges."""
     from lora_grpo import GRPOTrainer
     from lora_grpo.adapters import POLICY
 
-    # bitsandbytes keeps the states of tensors under 4096 entries in 32 bits and pages only those of
-    # 100,000 entries or more: rank 128 on "small" gives such LoRA tensors (down_proj's A, gate/up's B)
-    shape = run.shape("small")
-    path = run.model(shape, torch.float32)
-    rank = 64 if shape == "tiny" else 128
-    config = tiny_config(
-        path, str(run.root / "paged"), optimizer="paged_adamw_8bit", lora_r=rank, max_steps=3, save_steps=0
-    )
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    config = tiny_config(path, out, optimizer="paged_adamw_8bit", lora_r=rank, max_steps=3, save_steps=0)
     trainer = GRPOTrainer(
-        config,
-        reward_funcs=[even_token_share],
-        train_dataset=token_prompts(QWEN2_SHAPES[shape]["vocab_size"], 8, count=16),
+        config, reward_funcs=[even_token_share], train_dataset=token_prompts(vocab, 8, count=16)
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if f".{POLICY}." in n}
     trainer.train()
     after = dict(trainer.model.named_parameters())
     moved = sum(not torch.equal(before[n], after[n]) for n in before)
     states = [s for s in trainer.optimizer.state.values() if "state1" in s]
-    eight_bit = [s for s in states if s["state1"].dtype == torch.uint8]
-    paged = [s for s in states if getattr(s["state1"], "is_paged", False)]
-    losses = [m["loss"] for m in trainer.state.log_history]
-    FINDINGS.update(
-        {
-            "optimizer": type(trainer.optimizer).__name__,
-            "tensors_moved": f"{moved}/{len(before)}",
-            "states": len(states),
-            "eight_bit_states": len(eight_bit),
-            "paged_states": len(paged),
-            "losses": losses,
-        }
-    )
+    return {
+        "optimizer": type(trainer.optimizer).__name__,
+        "device": trainer.accelerator.device.type,
+        "tensors_moved": moved,
+        "tensors": len(before),
+        "states": len(states),
+        "eight_bit_states": sum(s["state1"].dtype == torch.uint8 for s in states),
+        "paged_states": sum(bool(getattr(s["state1"], "is_paged", False)) for s in states),
+        "losses": [m["loss"] for m in trainer.state.log_history],
+    }
+
+
+def check_paged_adamw(run: Run) -> None:
+    # bitsandbytes keeps the states of tensors under 4096 entries in 32 bits and pages only those of
+    # 100,000 entries or more: rank 128 on "small" gives such LoRA tensors (down_proj's A, gate/up's B)
+    shape = run.shape("small")
+    path = run.model(shape, torch.float32)
+    rank = 64 if shape == "tiny" else 128
+    cap = 180.0
+    limit = run.limit(cap)
+    command = [
+        sys.executable,
+        __file__,
+        "--paged-worker",
+        str(rank),
+        "--model",
+        path,
+        "--scratch",
+        str(run.root / "paged"),
+    ]
+    print(f"3 steps with paged_adamw_8bit in a fresh process (limit {limit:.0f} s)", flush=True)
+    try:
+        found = run_worker(command, "the paged_adamw_8bit run", timeout=limit)
+    except subprocess.TimeoutExpired:
+        raise Stopped(
+            f"the paged_adamw_8bit run (CUDA managed memory) did not finish within {limit:.0f} s "
+            + ("(what the --budget left)" if limit < cap else "(its cap: a hang?)")
+        ) from None
+    FINDINGS.update(found)
+    losses = found["losses"]
     print(
-        f"{type(trainer.optimizer).__name__}: {moved}/{len(before)} policy tensors moved; of {len(states)} states "
-        f"{len(eight_bit)} 8-bit, {len(paged)} paged; losses {[f'{x:.4f}' for x in losses]}"
+        f"{found['optimizer']} on {found['device']}: {found['tensors_moved']}/{found['tensors']} policy tensors "
+        f"moved; of {found['states']} states {found['eight_bit_states']} 8-bit, {found['paged_states']} paged; "
+        f"losses {[f'{x:.4f}' for x in losses]}"
     )
-    expect(type(trainer.optimizer).__name__ == "PagedAdamW8bit", "bitsandbytes' PagedAdamW8bit")
+    expect(found["optimizer"] == "PagedAdamW8bit", "bitsandbytes' PagedAdamW8bit")
     expect(all(math.isfinite(x) for x in losses), "finite losses")
-    expect(moved > 0, "the policy adapter moved")
-    expect(bool(eight_bit), "8-bit states for the large LoRA tensors")
+    expect(found["tensors_moved"] > 0, "the policy adapter moved")
+    expect(found["eight_bit_states"] > 0, "8-bit states for the large LoRA tensors")
     if run.cuda:
-        expect(bool(paged), "paged states (CUDA unified memory) for the tensors of 100,000 entries or more")
+        expect(
+            found["paged_states"] > 0,
+            "paged states (CUDA unified memory) for the tensors of 100,000 entries or more",
+        )
     else:
         not_here("paged states: bitsandbytes pages only on CUDA (a CPU falls back to unpaged)")
 
@@ -1757,15 +1782,19 @@ def main() -> int:
     parser.add_argument("--resume-on-cpu", help=argparse.SUPPRESS)  # section 7's subprocess
     parser.add_argument("--peer-worker", choices=["ours", "trl"], help=argparse.SUPPRESS)  # section 12's
     parser.add_argument("--peer-settings", help=argparse.SUPPRESS)
+    parser.add_argument("--paged-worker", type=int, help=argparse.SUPPRESS)  # section 11's, its LoRA rank
+    parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     global ARGS
     ARGS = args
-    if args.resume_on_cpu or args.peer_worker:
+    if args.resume_on_cpu or args.peer_worker or args.paged_worker:
         logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
         no_plots()
         if args.resume_on_cpu:
             resume_here(args.model, args.resume_on_cpu)
+        elif args.paged_worker:
+            print("RESULT " + json.dumps(paged_run(args.model, args.paged_worker, args.scratch)))
         else:
             result = peer_run(
                 args.peer_worker, args.model, json.loads(args.peer_settings), torch.cuda.is_available()

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -77,6 +78,8 @@ def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
     assert skipped == {"8"} and sections["8"]["reason"].startswith("CUDA only")  # pytest -m gpu
     for n in ("2", "3", "4", "5", "6", "11"):  # their CUDA-only parts, named
         assert sections[n]["findings"]["skipped_parts"], n
+    paged = sections["11"]["findings"]  # from its worker process
+    assert paged["optimizer"] == "PagedAdamW8bit" and paged["tensors_moved"] > 0 and len(paged["losses"]) == 3
     assert sections["7"]["findings"]["equal"] is True  # the resumed run's adapters, tensor by tensor
     text = (out / "summary.txt").read_text()
     assert text.count("PASS") == 11 and text.count("SKIP") == 1
@@ -88,7 +91,6 @@ def dry_run(tmp_path, only=None):
     import argparse
 
     import gpu_check
-    import torch
 
     # The budget counts from the process's start: this one (pytest's) started a while ago.
     args = argparse.Namespace(budget=gpu_check.process_age() + 60, only=only, out=str(tmp_path), cpu=True)
@@ -249,3 +251,20 @@ def test_section_9_loads_the_bundled_calculator_base_and_never_pretrains(tmp_pat
     gpu_check.run_section("9. tools with the compiled decode", gpu_check.check_tools, run)
     section = gpu_check.SUMMARY["9. tools with the compiled decode"]
     assert section["status"] == "failed" and "benchmarks/gpu_bundle.py" in section["findings"]["error"]
+
+
+def test_section_11_runs_the_paged_optimizer_in_a_process_that_its_time_limit_stops(tmp_path):
+    """Section 11 (CUDA managed memory, which can hang) runs in a fresh process with a time limit
+    from what the budget leaves; cut off, the section is stopped (named in the rerun) and the process
+    killed. (Finished, its findings come back: the dry run above, sections["11"].)"""
+    import _common
+    import gpu_check
+
+    title = "11. paged_adamw_8bit"
+    args, run = dry_run(tmp_path)
+    run.model("tiny", torch.float32)  # built before the clock is set
+    args.budget = run.elapsed() + 2.5  # the section starts; the worker gets 1 s, too little to import torch
+    gpu_check.run_section(title, gpu_check.check_paged_adamw, run)
+    section = gpu_check.SUMMARY[title]
+    assert section["status"] == "stopped" and "did not finish within 1 s" in section["reason"], section
+    assert gpu_check.rerun() == gpu_bundle.rerun_command("11") and not _common.CHILDREN
