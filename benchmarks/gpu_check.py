@@ -456,8 +456,11 @@ def check_recipe_memory(run: Run, recipe: str, shape: str, keep: bool = False) -
     from lora_grpo.rollout import fast_decode
 
     # What an earlier section left for a later one (section 2's trainer for section 3) is dropped:
-    # on the emulated card it would count as this section's memory.
+    # on the emulated card it would count as this section's memory. A trainer that ran sits in
+    # reference cycles (its hooks, the measured methods): collected here on any device, not only
+    # by release()'s collection on a GPU, so the CPU dry run frees it too.
     run.results.clear()
+    gc.collect()
     fresh_compiler(run)
     shape = run.shape(shape)
     path = run.model(shape)
