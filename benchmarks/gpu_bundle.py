@@ -62,9 +62,10 @@ def first_command(budget: float = FIRST_BUDGET) -> str:
 
 
 def rerun_command(only: str, budget: float = RERUN_BUDGET) -> str:
-    """The second command, on the same warm machine (the install in /tmp/site is still there):
-    the sections `only` (e.g. "4,9,12") that the first one skipped or stopped."""
-    return f"{ENVIRONMENT} && {check_command(budget, only)}"
+    """The second command: the sections `only` (e.g. "9,12") that the first one stopped or skipped
+    for want of time. On the same warm machine the install in /tmp/site is still there and is not
+    repeated; a machine started afresh (the last one went back after its idle wait) installs first."""
+    return f"(test -d /tmp/site || {INSTALL}) && {ENVIRONMENT} && {check_command(budget, only)}"
 
 
 PYTHON = "3.12"  # the lent machine's interpreter

@@ -325,8 +325,17 @@ def check_devices(run: Run) -> None:
     print(f"device: {describe_gpu(device) if run.cuda else 'CPU'}; Triton installed: {_triton_installed()}")
     dtype, why = auto_dtype()
     print(f"torch_dtype auto → {str(dtype).removeprefix('torch.')} ({why})")
+    import lora_grpo
+
+    # Where each package came from: the bundle installed beside the image (/tmp/site), the image, the checkout.
+    places = {
+        m.__name__: str(Path(m.__file__).parent.parent)
+        for m in (torch, transformers, peft, bitsandbytes, lora_grpo)
+    }
+    print("imported from: " + ", ".join(f"{name} {place}" for name, place in places.items()))
     FINDINGS.update(
         {
+            "imported_from": places,
             "versions": {m.__name__: m.__version__ for m in (torch, transformers, peft, bitsandbytes)},
             "torch_dtype_auto": str(dtype).removeprefix("torch."),
         }
@@ -1572,7 +1581,7 @@ SECTIONS = [
 ]
 # Seconds each section is expected to take on the lent H200 (estimates: no GPU has run the check
 # yet), for the plan printed at the start and the device-time plan in benchmarks/README.md.
-ESTIMATES = {1: 5, 7: 40, 8: 30, 10: 15, 11: 25, 6: 30, 2: 150, 3: 30, 4: 200, 5: 90, 9: 45, 12: 150}
+ESTIMATES = {1: 5, 7: 25, 8: 20, 10: 10, 11: 20, 6: 20, 2: 150, 3: 20, 4: 200, 5: 60, 9: 30, 12: 90}
 NEEDS = {3: 2}  # section 3 runs on section 2's trained model, in the same process
 
 

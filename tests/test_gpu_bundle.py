@@ -13,6 +13,9 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import gpu_bundle  # noqa: E402
 
+REPO = BENCHMARKS.parent
+RERUN_EXAMPLE = "9,12"  # the sections of the rerun command benchmarks/README.md shows
+
 
 def test_trimming_keeps_the_python_files_and_the_cuda13_and_cpu_libraries(tmp_path):
     wheel = tmp_path / "bitsandbytes-0.0-py3-none-manylinux_2_24_x86_64.whl"
@@ -92,7 +95,7 @@ def test_the_readme_shows_the_commands_the_bundle_prints():
     readme = (BENCHMARKS / "README.md").read_text()
     first = gpu_bundle.first_command()
     assert f"    {first}\n" in readme
-    assert f"    {gpu_bundle.rerun_command('4,9,12')}\n" in readme
+    assert f"    {gpu_bundle.rerun_command(RERUN_EXAMPLE)}\n" in readme
     assert (
         first.startswith("python3 -m pip install ")
         and "--no-index" in first
@@ -100,3 +103,77 @@ def test_the_readme_shows_the_commands_the_bundle_prints():
     )
     assert " -e ." not in first and "--budget 300" in first
     assert not {"peft", "xxhash"} & {p.split("==")[0] for p in gpu_bundle.PACKAGES}
+
+
+@pytest.mark.slow
+def test_the_printed_commands_install_the_bundle_offline_and_run_the_check(tmp_path):
+    """The two commands benchmarks/README.md shows, the ones gpu_bundle prints, run in a checkout
+    with the bundle in it, by the python3 of a fresh virtualenv standing in for the lent machine's
+    image (it sees this environment's packages, as the image has torch and peft), no index, the
+    proxy pointing nowhere. What differs from the lent machine, and only that: the wheels are for
+    this interpreter (gpu_bundle --python-version; multiprocess is the one wheel whose tag names a
+    Python), the install folder is a private one in place of /tmp/site, and `--cpu --only 1,11`
+    (the first) and `--cpu` (the rerun) are appended to the check's arguments."""
+    import os
+    import shutil
+
+    readme = (BENCHMARKS / "README.md").read_text()
+    first, second = gpu_bundle.first_command(), gpu_bundle.rerun_command(RERUN_EXAMPLE)
+    assert f"    {first}\n" in readme and f"    {second}\n" in readme
+    checkout = tmp_path / "checkout"
+    for folder in ("lora_grpo", "benchmarks", "recipes"):
+        shutil.copytree(REPO / folder, checkout / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    try:
+        sizes = gpu_bundle.build(checkout / "gpu_bundle", limit_mib=60, python_version=version)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"pip download failed (no PyPI here?): {e}")
+    assert f"{gpu_bundle.CALCULATOR_BASE}/" in sizes
+    image = tmp_path / "image"
+    subprocess.run([sys.executable, "-m", "venv", str(image)], check=True, capture_output=True)
+    own = subprocess.run(
+        [sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (image / "lib" / f"python{version}" / "site-packages" / "the-image.pth").write_text(own + "\n")
+    site = tmp_path / "site"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PIP_", "VIRTUAL_ENV"))},
+        "PATH": f"{image / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        **dict.fromkeys(("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"), "http://127.0.0.1:9"),
+    }
+
+    def run(command: str, out: Path) -> dict:
+        done = subprocess.run(
+            ["bash", "-c", command.replace("/tmp/site", str(site))],
+            cwd=checkout,
+            env={**env, "OUT": str(out)},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads((out / "summary.json").read_text())
+
+    summary = run(first + " --cpu --only 1,11", tmp_path / "first")
+    assert {n for n, s in sections(summary).items() if s["status"] == "passed"} == {"1", "11"}
+    places = sections(summary)["1"]["findings"]["imported_from"]
+    assert places["transformers"] == places["bitsandbytes"] == str(site)  # the bundle, not the image's
+    assert places["lora_grpo"] == str(checkout) and places["torch"] == own
+    assert sorted(p.name.split("-")[0] for p in site.glob("*.dist-info")) == sorted(
+        p.split("==")[0] for p in gpu_bundle.PACKAGES
+    )
+    shutil.rmtree(site)  # a machine started afresh for the second command: it installs first
+    summary = run(second + " --cpu", tmp_path / "rerun")
+    assert (site / "transformers").is_dir()
+    ran = {n: s for n, s in sections(summary).items() if s["reason"] != "not in --only"}
+    assert set(ran) == set(RERUN_EXAMPLE.split(",")) and summary["passed"], summary
+    assert all(s["status"] == "passed" for s in ran.values()), ran
+    assert ran["9"]["findings"]["base"] == str(checkout / "gpu_bundle" / gpu_bundle.CALCULATOR_BASE)
+
+
+def sections(summary: dict) -> dict:
+    """summary.json's sections by number."""
+    return {title.split(".")[0]: v for title, v in summary["sections"].items()}
