@@ -1,9 +1,10 @@
-"""The GPU check: what only a GPU can show about lora_grpo, in one run of under 8 minutes on one GPU.
+"""The GPU check: what only a GPU can show about lora_grpo, in two commands of a lent machine's visit.
 
 Nothing is downloaded: the models are random-init Qwen2s built locally (_common.build_qwen2), in
 Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes (their bodies and 151,936-token vocabularies) for the
 recipes' sections and in small shapes elsewhere, and the calculator task's tiny base, pre-trained
-here on the CPU (lora_grpo.tasks.calculator). Each section prints what it measured and one "ok:" or
+where the bundle was built (benchmarks/gpu_bundle.py copies it into gpu_bundle/calculator-base;
+lora_grpo.tasks.calculator) and loaded by path here. Each section prints what it measured and one "ok:" or
 "FAIL:" line per threshold; a missed threshold fails its section after the rest of it has run, an
 error fails it where it happens, and the next section runs either way. The exit status is the
 number of failed sections.
@@ -41,12 +42,14 @@ number of failed sections.
                  backward kernels otherwise are not), and the checkpoint resumed by a CPU-only process
                  (CUDA_VISIBLE_DEVICES="") for one more step.
  8. pytest -m gpu the suite's GPU tests, in a subprocess (a time cap inside the budget).
- 9. tools        the calculator task with the compiled decode: 2 training steps that call the tool,
-                 then sampled tool rollouts compiled against eager (rows with the same tokens, calls).
+ 9. tools        the calculator task with the compiled decode, on the bundled base: 2 training steps
+                 that call the tool, then sampled tool rollouts compiled against eager (rows with the
+                 same tokens, calls).
 10. reward model a tiny sequence-classification reward model (a RewardModel loaded from a path) in a
                  4-bit run with 'auto' sizes: on the run's device and dtype, finite rewards, its
                  scoring forwards within the plan's rows.
-11. paged_adamw_8bit  3 steps with bitsandbytes' paged 8-bit AdamW: the adapter moves, 8-bit paged states.
+11. paged_adamw_8bit  3 steps with bitsandbytes' paged 8-bit AdamW, in a worker process with a time
+                 limit (CUDA managed memory can hang): the adapter moves, 8-bit paged states.
 12. vs TRL       step time and peak memory of lora_grpo and of TRL's GRPOTrainer + a peft LoraConfig
                  (TRL's defaults: gradient checkpointing on, one micro-batch), the same random 0.5B
                  4-bit model, prompts, reward and settings, each in a fresh process; when TRL
@@ -66,15 +69,26 @@ With --cpu (the dry run, tests/test_gpu_bundle.py) every section runs its code o
 shape, "static" standing in for "compiled" (the same fixed-shape decoder without torch.compile:
 inductor on a CPU takes tens of seconds a shape, and tests/test_fast_decode.py covers it), what only
 CUDA has skipped and listed under the section's "skipped_parts" (section 8 skips whole), TRL run in
-this process. --budget: a section that would start past it is skipped, not run, and reported so, and
-so are sections 8 and 12 with less than 60 / 120 s of it left; their subprocesses' time caps stay
-within it. --only 2,4: run those sections alone (e.g. a rerun on the same machine). With --out DIR,
-summary.json (each section: status, seconds, findings), summary.txt (one line per section) and
-log.txt (everything printed) are written there, the summary after every section.
+this process.
 
-    python benchmarks/gpu_check.py            # on one CUDA GPU
-    python benchmarks/gpu_check.py --cpu      # a dry run on a CPU with tiny shapes (checks the script)
-    python benchmarks/gpu_check.py --out DIR  # also the summary files
+The order (SECTIONS): the cheap sections first (1, 7, 8, 10, 11, 6: small models, no compiled
+decode), then those that compile a decode (2, 3, 4, 5, 9, 12); ESTIMATES holds each one's expected
+seconds on an H200 (estimates: no GPU has run this yet), printed as the plan at the start.
+--budget (default 300) is a hard deadline in seconds of wall time from the process's start: a
+section that would start past it is skipped (so are sections 8 and 12 with less than 60 / 120 s of
+it left), child processes (sections 7, 8, 11, 12) get what it leaves, and at the deadline a
+watchdog thread records the running section as stopped, the ones not started as skipped, writes the
+summary and exits with the number of failed sections (a stop is no failure; SIGTERM does the same;
+a section stuck in C code holding the GIL is ended by faulthandler 10 s later, exit 1). The last
+line printed, summary.txt's last line and summary.json's "rerun" are the command for the sections
+stopped or skipped for want of time (--only those, --budget 150; section 3 brings section 2).
+--only 2,4: run those sections alone. With --out DIR, summary.json (each section: status, seconds,
+reason, rerun, findings; "running" while one runs), summary.txt (one line per section) and log.txt
+(everything printed, line-buffered) are written there, the summary as each section starts and ends.
+The device-time plan of a lent machine's visit (start-up, install, the two commands): benchmarks/README.md.
+
+    python3 benchmarks/gpu_check.py --out DIR  # on one CUDA GPU (the lent machine: benchmarks/README.md)
+    python3 benchmarks/gpu_check.py --cpu      # a dry run on a CPU with tiny shapes (checks the script)
 """
 
 from __future__ import annotations

@@ -225,3 +225,19 @@ def test_only_2_4_starts_section_4_with_no_tensor_of_section_2_alive(tmp_path, m
     assert {n for n, v in statuses.items() if v == "skipped"} == set(range(1, 13)) - {2, 4}
     assert len(trained) == 2 and len(trained[0]) > 100  # section 2's trainer, its tensors
     assert alive_at_start == [0, 0]
+
+
+def test_the_readme_lists_the_sections_in_their_order_with_their_estimates():
+    """benchmarks/README.md's device-time table is SECTIONS and ESTIMATES, row by row."""
+    import gpu_check
+
+    readme = (BENCHMARKS / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and line.endswith(" s |")]
+    numbers = [gpu_check.section_number(title) for title, _ in gpu_check.SECTIONS]
+    expected = [
+        f"| {k} | {n} | {title.split('. ', 1)[1]} | ~{gpu_check.ESTIMATES[n]} s |"
+        for k, (n, (title, _)) in enumerate(zip(numbers, gpu_check.SECTIONS), 1)
+    ]
+    assert rows == expected
+    total = sum(gpu_check.ESTIMATES.values())
+    assert f"add up to ~{total} s" in readme.replace("\n", " ")
