@@ -16,8 +16,10 @@ Then, on the lent machine (carry the folder), the command this script prints (fi
 installs the wheels offline beside the image's own packages (--target /tmp/site, first on
 PYTHONPATH with the checkout; the image's environment is left as it is) with the image's python3,
 and runs the check, writing summary.json / summary.txt / log.txt to $OUT. A second command
-(rerun_command) runs the sections the first one skipped, on the same warm machine, without
-reinstalling.
+(rerun_command; the check prints it, filled in, as its last line) runs the sections the first one
+stopped or skipped for want of time, on the same warm machine without reinstalling (it installs
+first only when /tmp/site is gone: a machine started afresh). benchmarks/README.md has the
+device-time plan.
 
 The folder is gitignored (/gpu_bundle/): wheels are never committed.
 """
