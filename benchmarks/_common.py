@@ -188,13 +188,36 @@ def mean_std(values: list[float], fmt: str = ".3f") -> str:
     return text + (f" ({missed} seed{'s' if missed > 1 else ''} never)" if missed else "")
 
 
+CHILDREN: set = set()  # the worker processes running now (gpu_check ends them when its deadline stops it)
+
+
+def run_child(command: list[str], timeout: float | None = None, **kwargs):
+    """subprocess.run(command, capture_output=True, text=True, **kwargs), the process listed in
+    CHILDREN while it runs; past `timeout` seconds it is killed and subprocess.TimeoutExpired raised
+    (with what it printed)."""
+    import subprocess
+
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    ) as child:
+        CHILDREN.add(child)
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, err = child.communicate()
+            raise subprocess.TimeoutExpired(command, timeout, out, err) from None
+        finally:
+            CHILDREN.discard(child)
+    return subprocess.CompletedProcess(command, child.returncode, out, err)
+
+
 def run_worker(command: list[str], what: str, timeout: float | None = None) -> dict:
     """Run a benchmark's worker in a fresh process and return the JSON of its last "RESULT " line
     (subprocess.TimeoutExpired after `timeout` seconds)."""
     import json
-    import subprocess
 
-    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=timeout)
+    done = run_child(command, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{what} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")

@@ -5,8 +5,10 @@ network and lacks bitsandbytes, datasets, dill and multiprocess; what travels wi
 capped at 64 MiB (the carry limit). So this script `pip download`s, from PyPI, the py3.12 manylinux
 wheels of the packages below (without their dependencies: the machine has torch, numpy, ...), and
 trims bitsandbytes' wheel to its Python files and its CUDA 13 and CPU libraries (the wheel ships one
-library per CUDA version, ~100 MB in all; the trimmed one is ~5 MB). It fails when the folder would
-not fit under --limit-mib.
+library per CUDA version, ~100 MB in all; the trimmed one is ~5 MB). It also copies the bases the
+check loads into the folder (CALCULATOR_BASE: the calculator task's pre-trained base, 1.2 MB, from
+this machine's cache, pre-trained here first if it is not there), so that the lent machine spends
+no device time pre-training on its CPU. It fails when the folder would not fit under --limit-mib.
 
     python benchmarks/gpu_bundle.py [--out gpu_bundle] [--limit-mib 60]
 
@@ -14,8 +16,10 @@ Then, on the lent machine (carry the folder), the command this script prints (fi
 installs the wheels offline beside the image's own packages (--target /tmp/site, first on
 PYTHONPATH with the checkout; the image's environment is left as it is) with the image's python3,
 and runs the check, writing summary.json / summary.txt / log.txt to $OUT. A second command
-(rerun_command) runs the sections the first one skipped, on the same warm machine, without
-reinstalling.
+(rerun_command; the check prints it, filled in, as its last line) runs the sections the first one
+stopped or skipped for want of time, on the same warm machine without reinstalling (it installs
+first only when /tmp/site is gone: a machine started afresh). benchmarks/README.md has the
+device-time plan.
 
 The folder is gitignored (/gpu_bundle/): wheels are never committed.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -59,14 +64,14 @@ def first_command(budget: float = FIRST_BUDGET) -> str:
 
 
 def rerun_command(only: str, budget: float = RERUN_BUDGET) -> str:
-    """The second command, on the same warm machine (the install in /tmp/site is still there):
-    the sections `only` (e.g. "4,9,12") that the first one skipped or stopped."""
-    return f"{ENVIRONMENT} && {check_command(budget, only)}"
+    """The second command: the sections `only` (e.g. "9,12") that the first one stopped or skipped
+    for want of time. On the same warm machine the install in /tmp/site is still there and is not
+    repeated; a machine started afresh (the last one went back after its idle wait) installs first."""
+    return f"(test -d /tmp/site || {INSTALL}) && {ENVIRONMENT} && {check_command(budget, only)}"
 
 
+PYTHON = "3.12"  # the lent machine's interpreter
 PLATFORM = [
-    "--python-version",
-    "3.12",
     "--only-binary=:all:",
     "--platform",
     "manylinux_2_28_x86_64",
@@ -79,13 +84,27 @@ PLATFORM = [
     "--implementation",
     "cp",
 ]
+CALCULATOR_BASE = "calculator-base"  # the folder in the bundle: lora_grpo.tasks.calculator's base
 KEEP_LIBRARY = re.compile(r"libbitsandbytes_(cpu|cuda13\d*)\.(so|dylib)$")  # CUDA 13 and CPU only
 MiB = 2**20
 
 
-def download(packages: list[str], out: Path) -> None:
-    """pip download each package's wheel (no dependencies) for the lent machine's Python and platform."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(out), *PLATFORM, *packages]
+def download(packages: list[str], out: Path, python_version: str = PYTHON) -> None:
+    """pip download each package's wheel (no dependencies) for `python_version` on the lent machine's
+    platform."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--dest",
+        str(out),
+        "--python-version",
+        python_version,
+        *PLATFORM,
+        *packages,
+    ]
     subprocess.run(cmd, check=True)
 
 
@@ -111,13 +130,30 @@ def trim_bitsandbytes(wheel: Path) -> Path:
     return wheel
 
 
-def build(out: Path, limit_mib: float, packages: list[str] = PACKAGES) -> dict[str, int]:
-    """Download, trim, check the size; returns {wheel: bytes}. Raises SystemExit over the limit."""
+def copy_bases(out: Path) -> dict[str, int]:
+    """The bases gpu_check loads, copied into `out` from this machine's cache (pre-trained here
+    first when missing, by the task's own cached-base function); returns {folder: bytes}."""
+    from lora_grpo.tasks.calculator import ensure_calculator_base
+
+    source = Path(ensure_calculator_base())
+    target = out / CALCULATOR_BASE
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target)
+    return {f"{CALCULATOR_BASE}/": sum(f.stat().st_size for f in target.rglob("*") if f.is_file())}
+
+
+def build(
+    out: Path, limit_mib: float, packages: list[str] = PACKAGES, python_version: str = PYTHON
+) -> dict[str, int]:
+    """Download, trim, copy the bases, check the size; returns {wheel or folder: bytes}. Raises
+    SystemExit over the limit. `python_version`: the interpreter the wheels are for (the lent
+    machine's by default)."""
     out.mkdir(parents=True, exist_ok=True)
-    download(packages, out)
+    download(packages, out, python_version)
     for wheel in out.glob("bitsandbytes-*.whl"):
         trim_bitsandbytes(wheel)
     sizes = {p.name: p.stat().st_size for p in sorted(out.glob("*.whl"))}
+    sizes.update(copy_bases(out))
     total = sum(sizes.values())
     for name, size in sizes.items():
         print(f"{size / MiB:8.2f} MiB  {name}")
@@ -128,7 +164,10 @@ def build(out: Path, limit_mib: float, packages: list[str] = PACKAGES) -> dict[s
             "(peft is the largest that may already be on the machine)"
         )
     print(f"\non the lent machine, carrying {out.name}/:\n  {first_command()}")
-    print(f"then, for the sections it skipped (summary.txt names them):\n  {rerun_command('N,M')}")
+    print(
+        "then, at once, the command the check prints as its last line (summary.txt's rerun: line), "
+        f"the sections it stopped or skipped for want of time in place of N,M:\n  {rerun_command('N,M')}"
+    )
     return sizes
 
 
@@ -143,8 +182,13 @@ def main() -> int:
         default=60.0,
         help="the most the wheels may take (the carry limit is 64 MiB with the working tree)",
     )
+    parser.add_argument(
+        "--python-version",
+        default=PYTHON,
+        help="the interpreter the wheels are for (the lent machine's; tests/test_gpu_bundle.py asks for its own)",
+    )
     args = parser.parse_args()
-    build(Path(args.out), args.limit_mib)
+    build(Path(args.out), args.limit_mib, python_version=args.python_version)
     return 0
 
 

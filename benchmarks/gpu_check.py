@@ -1,9 +1,10 @@
-"""The GPU check: what only a GPU can show about lora_grpo, in one run of under 8 minutes on one GPU.
+"""The GPU check: what only a GPU can show about lora_grpo, in two commands of a lent machine's visit.
 
 Nothing is downloaded: the models are random-init Qwen2s built locally (_common.build_qwen2), in
 Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes (their bodies and 151,936-token vocabularies) for the
 recipes' sections and in small shapes elsewhere, and the calculator task's tiny base, pre-trained
-here on the CPU (lora_grpo.tasks.calculator). Each section prints what it measured and one "ok:" or
+where the bundle was built (benchmarks/gpu_bundle.py copies it into gpu_bundle/calculator-base;
+lora_grpo.tasks.calculator) and loaded by path here. Each section prints what it measured and one "ok:" or
 "FAIL:" line per threshold; a missed threshold fails its section after the rest of it has run, an
 error fails it where it happens, and the next section runs either way. The exit status is the
 number of failed sections.
@@ -41,12 +42,14 @@ number of failed sections.
                  backward kernels otherwise are not), and the checkpoint resumed by a CPU-only process
                  (CUDA_VISIBLE_DEVICES="") for one more step.
  8. pytest -m gpu the suite's GPU tests, in a subprocess (a time cap inside the budget).
- 9. tools        the calculator task with the compiled decode: 2 training steps that call the tool,
-                 then sampled tool rollouts compiled against eager (rows with the same tokens, calls).
+ 9. tools        the calculator task with the compiled decode, on the bundled base: 2 training steps
+                 that call the tool, then sampled tool rollouts compiled against eager (rows with the
+                 same tokens, calls).
 10. reward model a tiny sequence-classification reward model (a RewardModel loaded from a path) in a
                  4-bit run with 'auto' sizes: on the run's device and dtype, finite rewards, its
                  scoring forwards within the plan's rows.
-11. paged_adamw_8bit  3 steps with bitsandbytes' paged 8-bit AdamW: the adapter moves, 8-bit paged states.
+11. paged_adamw_8bit  3 steps with bitsandbytes' paged 8-bit AdamW, in a worker process with a time
+                 limit (CUDA managed memory can hang): the adapter moves, 8-bit paged states.
 12. vs TRL       step time and peak memory of lora_grpo and of TRL's GRPOTrainer + a peft LoraConfig
                  (TRL's defaults: gradient checkpointing on, one micro-batch), the same random 0.5B
                  4-bit model, prompts, reward and settings, each in a fresh process; when TRL
@@ -66,20 +69,32 @@ With --cpu (the dry run, tests/test_gpu_bundle.py) every section runs its code o
 shape, "static" standing in for "compiled" (the same fixed-shape decoder without torch.compile:
 inductor on a CPU takes tens of seconds a shape, and tests/test_fast_decode.py covers it), what only
 CUDA has skipped and listed under the section's "skipped_parts" (section 8 skips whole), TRL run in
-this process. --budget: a section that would start past it is skipped, not run, and reported so, and
-so are sections 8 and 12 with less than 60 / 120 s of it left; their subprocesses' time caps stay
-within it. --only 2,4: run those sections alone (e.g. a rerun on the same machine). With --out DIR,
-summary.json (each section: status, seconds, findings), summary.txt (one line per section) and
-log.txt (everything printed) are written there, the summary after every section.
+this process.
 
-    python benchmarks/gpu_check.py            # on one CUDA GPU
-    python benchmarks/gpu_check.py --cpu      # a dry run on a CPU with tiny shapes (checks the script)
-    python benchmarks/gpu_check.py --out DIR  # also the summary files
+The order (SECTIONS): the cheap sections first (1, 7, 8, 10, 11, 6: small models, no compiled
+decode), then those that compile a decode (2, 3, 4, 5, 9, 12); ESTIMATES holds each one's expected
+seconds on an H200 (estimates: no GPU has run this yet), printed as the plan at the start.
+--budget (default 300) is a hard deadline in seconds of wall time from the process's start: a
+section that would start past it is skipped (so are sections 8 and 12 with less than 60 / 120 s of
+it left), child processes (sections 7, 8, 11, 12) get what it leaves, and at the deadline a
+watchdog thread records the running section as stopped, the ones not started as skipped, writes the
+summary and exits with the number of failed sections (a stop is no failure; SIGTERM does the same;
+a section stuck in C code holding the GIL is ended by faulthandler 10 s later, exit 1). The last
+line printed, summary.txt's last line and summary.json's "rerun" are the command for the sections
+stopped or skipped for want of time (--only those, --budget 150; section 3 brings section 2).
+--only 2,4: run those sections alone. With --out DIR, summary.json (each section: status, seconds,
+reason, rerun, findings; "running" while one runs), summary.txt (one line per section) and log.txt
+(everything printed, line-buffered) are written there, the summary as each section starts and ends.
+The device-time plan of a lent machine's visit (start-up, install, the two commands): benchmarks/README.md.
+
+    python3 benchmarks/gpu_check.py --out DIR  # on one CUDA GPU (the lent machine: benchmarks/README.md)
+    python3 benchmarks/gpu_check.py --cpu      # a dry run on a CPU with tiny shapes (checks the script)
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import importlib
 import json
@@ -92,6 +107,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -99,30 +115,58 @@ from pathlib import Path
 
 import torch
 from _common import (
+    CHILDREN,
     QWEN2_SHAPES,
     MiB,
     build_qwen2,
     environment,
     even_token_share,
     load_peer_model,
+    run_child,
     run_worker,
     token_prompts,
     train_steps,
     trl_step_timer,
 )
+from gpu_bundle import CALCULATOR_BASE
 
 REPO = Path(__file__).resolve().parent.parent
+BUNDLE = REPO / "gpu_bundle"  # what benchmarks/gpu_bundle.py builds (and the lent machine is sent)
 GiB = 2**30
 CARD = 8 * GiB  # the emulated card of sections 2 and 4 (the recipes' "8 GB GPU")
 STAYS_SLACK = 8 * MiB  # what a rollout leaves allocated besides the kept caches: its own tensors
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ARGS = None  # the parsed arguments of this run (main)
 SUMMARY: dict[str, dict] = {}  # section → {"status", "seconds", "findings", "reason"}
 RUNNING: dict = {}  # the section running now: {"section", "since" (clock time), "at_s" (into the run)}
 FINDINGS: dict = {}  # the running section's findings (what summary.json reports of it)
+LOCK = threading.RLock()  # SUMMARY, RUNNING and the summary files: the main thread's and the watchdog's
+MARGIN = 2.0  # seconds before the deadline at which a child process is ended, so its section records it
+GRACE = 10.0  # seconds past the deadline at which faulthandler ends a process its watchdog could not
+IMPORTED = time.perf_counter()
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc, so the interpreter's start-up and the imports
+    count; elsewhere since this module's imports finished)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - IMPORTED
 
 
 class Skip(Exception):
     """A section that cannot run here (a package missing, an earlier section's result missing): skipped."""
+
+
+class Late(Skip):
+    """A section with too little of the budget left to start: skipped, and named in the rerun command."""
+
+
+class Stopped(Exception):
+    """A section whose own time limit (what the budget left it) ran out: stopped, and named in the rerun."""
 
 
 def expect(ok: bool, what: str) -> bool:
@@ -139,6 +183,14 @@ def not_here(what: str) -> None:
     FINDINGS.setdefault("skipped_parts", []).append(what)
 
 
+def over_time(what: str, limit: float, cap: float) -> None:
+    """A child process killed at its time limit: stopped (to rerun) when the budget set the limit,
+    a failure when its own cap did."""
+    if limit < cap:
+        raise Stopped(f"{what} stopped at the deadline ({limit:.0f} s of the --budget were left for it)")
+    expect(False, f"{what} finished within {cap:.0f} s")
+
+
 def mib(value) -> str:
     return "-" if value is None else f"{value / MiB:,.1f}"
 
@@ -150,7 +202,7 @@ class Run:
     def __init__(self, args, device: torch.device, root: str):
         self.args, self.device, self.root = args, device, Path(root)
         self.cuda = device.type == "cuda"
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() - process_age()  # the budget counts from the process's start
         self.results: dict = {}
         self._models: dict = {}
 
@@ -163,6 +215,10 @@ class Run:
 
     def left(self) -> float:
         return self.args.budget - self.elapsed()
+
+    def limit(self, cap: float) -> float:
+        """A child process's time limit: `cap` seconds, or what the budget leaves less MARGIN."""
+        return max(1.0, min(cap, self.left() - MARGIN))
 
     def shape(self, shape: str) -> str:
         """The shape to use: the tiny one in the CPU dry run."""
@@ -283,8 +339,17 @@ def check_devices(run: Run) -> None:
     print(f"device: {describe_gpu(device) if run.cuda else 'CPU'}; Triton installed: {_triton_installed()}")
     dtype, why = auto_dtype()
     print(f"torch_dtype auto → {str(dtype).removeprefix('torch.')} ({why})")
+    import lora_grpo
+
+    # Where each package came from: the bundle installed beside the image (/tmp/site), the image, the checkout.
+    places = {
+        m.__name__: str(Path(m.__file__).parent.parent)
+        for m in (torch, transformers, peft, bitsandbytes, lora_grpo)
+    }
+    print("imported from: " + ", ".join(f"{name} {place}" for name, place in places.items()))
     FINDINGS.update(
         {
+            "imported_from": places,
             "versions": {m.__name__: m.__version__ for m in (torch, transformers, peft, bitsandbytes)},
             "torch_dtype_auto": str(dtype).removeprefix("torch."),
         }
@@ -414,8 +479,11 @@ def check_recipe_memory(run: Run, recipe: str, shape: str, keep: bool = False) -
     from lora_grpo.rollout import fast_decode
 
     # What an earlier section left for a later one (section 2's trainer for section 3) is dropped:
-    # on the emulated card it would count as this section's memory.
+    # on the emulated card it would count as this section's memory. A trainer that ran sits in
+    # reference cycles (its hooks, the measured methods): collected here on any device, not only
+    # by release()'s collection on a GPU, so the CPU dry run frees it too.
     run.results.clear()
+    gc.collect()
     fresh_compiler(run)
     shape = run.shape(shape)
     path = run.model(shape)
@@ -1034,14 +1102,17 @@ def check_resume(run: Run) -> None:
         checkpoint = run.root / "resume-loose" / "checkpoint-2"
     print(f"the {where} run's {checkpoint.name}, resumed by a CPU-only process:")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(
-        [sys.executable, __file__, "--resume-on-cpu", str(checkpoint), "--model", path],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=max(1.0, min(240.0, run.left())),
-        check=False,
-    )
+    cap = 240.0
+    limit = run.limit(cap)
+    try:
+        result = run_child(
+            [sys.executable, __file__, "--resume-on-cpu", str(checkpoint), "--model", path],
+            timeout=limit,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        over_time("the CPU resume", limit, cap)
+        return
     lines = [
         line
         for line in (result.stdout + result.stderr).splitlines()
@@ -1058,23 +1129,21 @@ def check_pytest_gpu(run: Run) -> None:
     if not run.cuda:
         raise Skip("CUDA only: without a GPU every test it selects is skipped")
     if run.left() < 60:
-        raise Skip(f"{run.left():.0f} s of the budget left: too little for the GPU tests' subprocess")
+        raise Late(f"{run.left():.0f} s of the budget left: too little for the GPU tests' subprocess")
     files = [str(p) for p in sorted((REPO / "tests").glob("test_*.py")) if "pytest.mark.gpu" in p.read_text()]
-    cap = min(240.0, run.left())
+    cap = 240.0
+    limit = run.limit(cap)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
-    print(" ".join(command[2:]), f"(cap {cap:.0f} s)")
+    print(" ".join(command[2:]), f"(limit {limit:.0f} s)")
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, cwd=REPO, env=env, timeout=cap, check=False
-        )
+        done = run_child(command, timeout=limit, cwd=REPO, env=env)
     except subprocess.TimeoutExpired as e:
-        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        print(output[-3000:])
-        expect(False, f"pytest -m gpu finished within {cap:.0f} s")
+        print((e.stdout or "")[-3000:])
+        over_time("pytest -m gpu", limit, cap)
         return
     output = done.stdout + done.stderr
     print("\n".join(output.splitlines()[-30:]))
@@ -1101,17 +1170,24 @@ def check_tools(run: Run) -> None:
     from lora_grpo.tasks.toy import make_tiny_model
 
     fresh_compiler(run)
-    if run.args.cpu:  # a random tiny model with the task's tokenizer: pre-training takes 1-2 minutes here
+    bundled = BUNDLE / CALCULATOR_BASE
+    if (bundled / "config.json").is_file():  # pre-trained where the bundle was built, not on this CPU
+        base = str(bundled)
+        print(f"the calculator base from the bundle: {base}")
+    elif run.args.cpu:  # a random tiny model with the task's tokenizer: pre-training takes minutes here
         base = run.root / "calculator-random"
         tokenizer = calculator.make_tokenizer()
         make_tiny_model(tokenizer, max_positions=256).save_pretrained(base)
         tokenizer.save_pretrained(base)
         base = str(base)
-        not_here("the pre-trained calculator base (a random one rarely calls): calls are not required")
+        not_here("the pre-trained calculator base (no bundle here; a random one rarely calls)")
     else:
-        start = time.perf_counter()
-        base = calculator.ensure_calculator_base(cache_dir=run.root / "cache")
-        print(f"(pre-trained the calculator base: {time.perf_counter() - start:.1f} s)")
+        raise RuntimeError(
+            f"no calculator base in {bundled}: build the bundle where the checkout is (python "
+            "benchmarks/gpu_bundle.py, which pre-trains it there) and carry gpu_bundle/; pre-training it "
+            "here would spend the GPU's time on this machine's CPU"
+        )
+    FINDINGS["base"] = base
     fast = "compiled" if run.cuda else "static"
     completion = 48 if run.args.cpu else 112
     config = GRPOConfig(
@@ -1254,51 +1330,76 @@ def check_reward_model(run: Run) -> None:
 
 
 # ------------------------------------------------------------------------------ 11. paged_adamw_8bit
-def check_paged_adamw(run: Run) -> None:
+def paged_run(path: str, rank: int, out: str) -> dict:
+    """Section 11's worker (a fresh process: a hang in CUDA managed memory is killed at its time
+    limit): 3 steps with paged_adamw_8bit on the model at `path`; what section 11 judges."""
     from lora_grpo import GRPOTrainer
     from lora_grpo.adapters import POLICY
 
-    # bitsandbytes keeps the states of tensors under 4096 entries in 32 bits and pages only those of
-    # 100,000 entries or more: rank 128 on "small" gives such LoRA tensors (down_proj's A, gate/up's B)
-    shape = run.shape("small")
-    path = run.model(shape, torch.float32)
-    rank = 64 if shape == "tiny" else 128
-    config = tiny_config(
-        path, str(run.root / "paged"), optimizer="paged_adamw_8bit", lora_r=rank, max_steps=3, save_steps=0
-    )
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    config = tiny_config(path, out, optimizer="paged_adamw_8bit", lora_r=rank, max_steps=3, save_steps=0)
     trainer = GRPOTrainer(
-        config,
-        reward_funcs=[even_token_share],
-        train_dataset=token_prompts(QWEN2_SHAPES[shape]["vocab_size"], 8, count=16),
+        config, reward_funcs=[even_token_share], train_dataset=token_prompts(vocab, 8, count=16)
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if f".{POLICY}." in n}
     trainer.train()
     after = dict(trainer.model.named_parameters())
     moved = sum(not torch.equal(before[n], after[n]) for n in before)
     states = [s for s in trainer.optimizer.state.values() if "state1" in s]
-    eight_bit = [s for s in states if s["state1"].dtype == torch.uint8]
-    paged = [s for s in states if getattr(s["state1"], "is_paged", False)]
-    losses = [m["loss"] for m in trainer.state.log_history]
-    FINDINGS.update(
-        {
-            "optimizer": type(trainer.optimizer).__name__,
-            "tensors_moved": f"{moved}/{len(before)}",
-            "states": len(states),
-            "eight_bit_states": len(eight_bit),
-            "paged_states": len(paged),
-            "losses": losses,
-        }
-    )
+    return {
+        "optimizer": type(trainer.optimizer).__name__,
+        "device": trainer.accelerator.device.type,
+        "tensors_moved": moved,
+        "tensors": len(before),
+        "states": len(states),
+        "eight_bit_states": sum(s["state1"].dtype == torch.uint8 for s in states),
+        "paged_states": sum(bool(getattr(s["state1"], "is_paged", False)) for s in states),
+        "losses": [m["loss"] for m in trainer.state.log_history],
+    }
+
+
+def check_paged_adamw(run: Run) -> None:
+    # bitsandbytes keeps the states of tensors under 4096 entries in 32 bits and pages only those of
+    # 100,000 entries or more: rank 128 on "small" gives such LoRA tensors (down_proj's A, gate/up's B)
+    shape = run.shape("small")
+    path = run.model(shape, torch.float32)
+    rank = 64 if shape == "tiny" else 128
+    cap = 180.0
+    limit = run.limit(cap)
+    command = [
+        sys.executable,
+        __file__,
+        "--paged-worker",
+        str(rank),
+        "--model",
+        path,
+        "--scratch",
+        str(run.root / "paged"),
+    ]
+    print(f"3 steps with paged_adamw_8bit in a fresh process (limit {limit:.0f} s)", flush=True)
+    try:
+        found = run_worker(command, "the paged_adamw_8bit run", timeout=limit)
+    except subprocess.TimeoutExpired:
+        raise Stopped(
+            f"the paged_adamw_8bit run (CUDA managed memory) did not finish within {limit:.0f} s "
+            + ("(what the --budget left)" if limit < cap else "(its cap: a hang?)")
+        ) from None
+    FINDINGS.update(found)
+    losses = found["losses"]
     print(
-        f"{type(trainer.optimizer).__name__}: {moved}/{len(before)} policy tensors moved; of {len(states)} states "
-        f"{len(eight_bit)} 8-bit, {len(paged)} paged; losses {[f'{x:.4f}' for x in losses]}"
+        f"{found['optimizer']} on {found['device']}: {found['tensors_moved']}/{found['tensors']} policy tensors "
+        f"moved; of {found['states']} states {found['eight_bit_states']} 8-bit, {found['paged_states']} paged; "
+        f"losses {[f'{x:.4f}' for x in losses]}"
     )
-    expect(type(trainer.optimizer).__name__ == "PagedAdamW8bit", "bitsandbytes' PagedAdamW8bit")
+    expect(found["optimizer"] == "PagedAdamW8bit", "bitsandbytes' PagedAdamW8bit")
     expect(all(math.isfinite(x) for x in losses), "finite losses")
-    expect(moved > 0, "the policy adapter moved")
-    expect(bool(eight_bit), "8-bit states for the large LoRA tensors")
+    expect(found["tensors_moved"] > 0, "the policy adapter moved")
+    expect(found["eight_bit_states"] > 0, "8-bit states for the large LoRA tensors")
     if run.cuda:
-        expect(bool(paged), "paged states (CUDA unified memory) for the tensors of 100,000 entries or more")
+        expect(
+            found["paged_states"] > 0,
+            "paged states (CUDA unified memory) for the tensors of 100,000 entries or more",
+        )
     else:
         not_here("paged states: bitsandbytes pages only on CUDA (a CPU falls back to unpaged)")
 
@@ -1420,7 +1521,7 @@ def check_vs_trl(run: Run) -> None:
     except Exception as e:  # noqa: BLE001 - any import failure means: not here
         raise Skip(f"trl does not import: {type(e).__name__}: {str(e)[:200]}") from None
     if run.cuda and run.left() < 120:
-        raise Skip(f"{run.left():.0f} s of the budget left: too little for two fresh trainer processes")
+        raise Late(f"{run.left():.0f} s of the budget left: too little for two fresh trainer processes")
     settings = peer_settings(run)
     path = run.model(settings["shape"])
     print(
@@ -1434,7 +1535,8 @@ def check_vs_trl(run: Run) -> None:
         if run.args.cpu:  # the dry run: both in this process (memory not compared)
             results[which] = peer_run(which, path, settings, cuda=False)
             continue
-        cap = max(1.0, min(300.0, run.left()))  # the second process gets what the first left
+        cap = 300.0
+        limit = run.limit(cap)  # the second process gets what the first left
         command = [
             sys.executable,
             __file__,
@@ -1446,9 +1548,9 @@ def check_vs_trl(run: Run) -> None:
             json.dumps(settings),
         ]
         try:
-            results[which] = run_worker(command, f"the {which} run", timeout=cap)
+            results[which] = run_worker(command, f"the {which} run", timeout=limit)
         except subprocess.TimeoutExpired:
-            expect(False, f"the {which} run finished within {cap:.0f} s")
+            over_time(f"the {which} run", limit, cap)
             return
     if run.args.cpu:
         not_here("peak memory in fresh processes (the dry run runs both trainers in this one)")
@@ -1466,8 +1568,16 @@ def check_vs_trl(run: Run) -> None:
 
 
 # ------------------------------------------------------------------------------ main
+# The order they run in: the cheap sections first (tiny or small models, no compiled decode), then
+# the ones that compile a decode (the recipes' 24- and 28-layer 4-bit + LoRA models first); the
+# numbers stay those of the docs.
 SECTIONS = [
     ("1. devices", check_devices),
+    ("7. resume: on the same device, and on a CPU", check_resume),
+    ("8. pytest -m gpu", check_pytest_gpu),
+    ("10. reward model", check_reward_model),
+    ("11. paged_adamw_8bit", check_paged_adamw),
+    ("6. bf16 KL", check_bf16_kl),
     (
         "2. memory: the 0.5B recipe on an emulated 8 GB card",
         lambda run: check_recipe_memory(
@@ -1480,39 +1590,60 @@ SECTIONS = [
         lambda run: check_recipe_memory(run, "qwen2.5-1.5b-gsm8k-calculator-qlora", "qwen2.5-1.5b"),
     ),
     ("5. decode after updates: compiled vs eager in float32 and bf16", check_decode_after_updates),
-    ("6. bf16 KL", check_bf16_kl),
-    ("7. resume: on the same device, and on a CPU", check_resume),
-    ("8. pytest -m gpu", check_pytest_gpu),
     ("9. tools with the compiled decode", check_tools),
-    ("10. reward model", check_reward_model),
-    ("11. paged_adamw_8bit", check_paged_adamw),
     ("12. step time and peak memory against TRL + PEFT", check_vs_trl),
 ]
+# Seconds each section is expected to take on the lent H200 (estimates: no GPU has run the check
+# yet), for the plan printed at the start and the device-time plan in benchmarks/README.md.
+ESTIMATES = {1: 5, 7: 25, 8: 20, 10: 10, 11: 20, 6: 20, 2: 150, 3: 20, 4: 200, 5: 60, 9: 30, 12: 90}
+NEEDS = {3: 2}  # section 3 runs on section 2's trained model, in the same process
+
+
+def section_number(title: str) -> int:
+    return int(title.split(".")[0])
+
+
+def record(title: str, status: str, seconds: float, reason: str | None, again: bool) -> None:
+    """One section's entry in SUMMARY; `again`: it is named in the rerun command (stopped, or
+    skipped for want of time)."""
+    SUMMARY[title] = {
+        "status": status,
+        "seconds": round(seconds, 1),
+        "reason": reason,
+        "rerun": again,
+        "findings": dict(FINDINGS),
+    }
 
 
 def run_section(title: str, check, run: Run) -> None:
     """Run one section (or skip it: not selected, past the budget, or Skip raised) and record its
     status, seconds and findings; a failure is printed with its traceback and the run goes on."""
-    number = int(title.split(".")[0])
+    number = section_number(title)
     print(f"\n## {title}", flush=True)
-    FINDINGS.clear()
     start = time.perf_counter()
-    status, reason = "passed", None
-    RUNNING.update(section=title, since=time.strftime("%H:%M:%S"), at_s=round(run.elapsed(), 1))
-    if run.args.only and number not in run.args.only:
+    status, reason, again = "passed", None, False
+    with LOCK:
+        FINDINGS.clear()
+        RUNNING.update(section=title, since=time.strftime("%H:%M:%S"), at_s=round(run.elapsed(), 1))
+    if not run.selected(number):
         status, reason = "skipped", "not in --only"
     elif run.left() <= 0:
-        status, reason = "skipped", f"past the --budget of {run.args.budget:.0f} s"
+        status, reason, again = "skipped", f"past the --budget of {run.args.budget:.0f} s", True
     else:
         print(f"running: §{number} since {RUNNING['since']} ({RUNNING['at_s']} s into the run)", flush=True)
         if run.args.out:
-            write_summary(run.args.out, run.elapsed())
+            with LOCK:
+                write_summary(run.args.out, run.elapsed())
         try:
             check(run)
             if FINDINGS.get("failures"):
                 status = "failed"
+        except Late as e:
+            status, reason, again = "skipped", str(e), True
         except Skip as e:
             status, reason = "skipped", str(e)
+        except Stopped as e:
+            status, reason, again = "stopped", str(e), True
         except Exception as e:  # noqa: BLE001 - one section's failure must not hide the others' findings
             status = "failed"
             FINDINGS["error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -1520,19 +1651,16 @@ def run_section(title: str, check, run: Run) -> None:
         finally:
             release(run)
     if reason:
-        print(f"(skipped: {reason})", flush=True)
-    SUMMARY[title] = {
-        "status": status,
-        "seconds": round(time.perf_counter() - start, 1),
-        "reason": reason,
-        "findings": dict(FINDINGS),
-    }
-    RUNNING.clear()
+        print(f"({status}: {reason})", flush=True)
+    with LOCK:
+        record(title, status, time.perf_counter() - start, reason, again)
+        RUNNING.clear()
     if number == 3:  # section 2's trainer was for section 3 alone
         run.results.pop("recipe", None)
     print(f"({time.perf_counter() - start:.1f} s)", flush=True)
     if run.args.out:
-        write_summary(run.args.out, run.elapsed())
+        with LOCK:
+            write_summary(run.args.out, run.elapsed())
 
 
 LABELS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "stopped": "STOP"}
@@ -1543,15 +1671,15 @@ def failed() -> list[str]:
 
 
 def rerun() -> str | None:
-    """The second command on the lent machine: the sections this run stopped or skipped for want of time."""
+    """The second command on the lent machine: the sections this run stopped or skipped for want of
+    time, in the order they run."""
     from gpu_bundle import rerun_command
 
-    left = [
-        title.split(".")[0]
-        for title, v in SUMMARY.items()
-        if v["status"] == "stopped" or (v["status"] == "skipped" and "budget" in (v["reason"] or ""))
-    ]
-    return rerun_command(",".join(left)) if left else None
+    again = [section_number(title) for title, v in SUMMARY.items() if v.get("rerun")]
+    again += [NEEDS[n] for n in again if n in NEEDS and NEEDS[n] not in again]
+    order = [section_number(title) for title, _ in SECTIONS]
+    again.sort(key=lambda n: order.index(n) if n in order else len(order))
+    return rerun_command(",".join(map(str, again))) if again else None
 
 
 def write_summary(out: str, seconds: float) -> None:
@@ -1564,6 +1692,7 @@ def write_summary(out: str, seconds: float) -> None:
         "stopped": [title for title, v in SUMMARY.items() if v["status"] == "stopped"],
         "rerun": rerun(),
         "seconds": round(seconds, 1),
+        "budget": getattr(ARGS, "budget", None),
         "running": dict(RUNNING) or None,
         "sections": SUMMARY,
         "torch": torch.__version__,
@@ -1579,6 +1708,26 @@ def write_summary(out: str, seconds: float) -> None:
     lines.append(f"{len(failed())} failed, {seconds:.0f} s")
     (Path(out) / "summary.txt").write_text(
         "\n".join(lines + ([f"rerun: {command}"] if command else [])) + "\n"
+    )
+
+
+def print_plan(run: Run) -> None:
+    """The sections selected, in the order they run, with their estimated seconds, against the budget."""
+    chosen = [section_number(title) for title, _ in SECTIONS if run.selected(section_number(title))]
+    total = sum(ESTIMATES.get(n, 0) for n in chosen)
+    print(
+        f"plan: {', '.join(f'§{n} ~{ESTIMATES.get(n, 0)} s' for n in chosen)} (~{total} s estimated on an H200); "
+        f"--budget {run.args.budget:g} s from the process's start, {run.elapsed():.0f} s gone",
+        flush=True,
+    )
+
+
+def print_rerun() -> None:
+    """The run's last line: the exact command for what it stopped or skipped for want of time."""
+    command = rerun()
+    print(
+        f"rerun: {command}" if command else "rerun: none (no section was stopped or skipped for time)",
+        flush=True,
     )
 
 
@@ -1601,20 +1750,43 @@ class Tee:
 
 
 def stop(run: Run, why: str) -> None:
-    """End the run now (SIGTERM): the running section recorded as stopped, the summary written."""
-    if RUNNING:
-        SUMMARY[RUNNING["section"]] = {
-            "status": "stopped",
-            "seconds": round(run.elapsed() - RUNNING["at_s"], 1),
-            "reason": why,
-            "findings": dict(FINDINGS),
-        }
-        RUNNING.clear()
-    print(f"\n{why} after {run.elapsed():.0f} s", flush=True)
-    if run.args.out:
-        write_summary(run.args.out, run.elapsed())
-    sys.stdout.flush()
-    os._exit(len(failed()))
+    """End the run now (the deadline's watchdog, or SIGTERM): the running section recorded as
+    stopped, the selected sections not started yet as skipped (both named in the rerun command),
+    the child processes killed, the summary written; the exit status is the number of failed
+    sections, as at a normal end (a stopped section is not a failure)."""
+    LOCK.acquire(timeout=10)  # the main thread holds it only while it writes the summary
+    try:
+        if RUNNING:
+            title = RUNNING["section"]
+            record(title, "stopped", run.elapsed() - RUNNING["at_s"], why, True)
+            RUNNING.clear()
+        for title, _ in SECTIONS:
+            if title not in SUMMARY and run.selected(section_number(title)):
+                FINDINGS.clear()
+                record(title, "skipped", 0.0, f"not started: {why}", True)
+        for child in list(CHILDREN):
+            child.kill()
+        print(f"\n{why} after {run.elapsed():.0f} s", flush=True)
+        print_rerun()
+        if run.args.out:
+            write_summary(run.args.out, run.elapsed())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        shutil.rmtree(run.root, ignore_errors=True)  # the models built (os._exit skips the cleanup)
+    finally:
+        os._exit(len(failed()))
+
+
+def watch(run: Run) -> threading.Timer:
+    """The hard deadline: a timer thread at the budget (counted from the process's start) calls stop.
+    A section stuck in C code that holds the GIL would keep that thread from running: faulthandler's
+    own thread, which needs no GIL, ends the process GRACE seconds later (its tracebacks on stderr,
+    exit 1; summary.json then still names the section running)."""
+    timer = threading.Timer(max(0.0, run.left()), stop, (run, "stopped at the deadline"))
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(max(1.0, run.left() + GRACE), exit=True, file=sys.__stderr__)
+    return timer
 
 
 def main() -> int:
@@ -1623,7 +1795,12 @@ def main() -> int:
     )
     parser.add_argument("--cpu", action="store_true", help="a dry run on the CPU with tiny shapes")
     parser.add_argument("--steps", type=int, default=2, help="training steps of sections 2 and 4")
-    parser.add_argument("--budget", type=float, default=450, help="seconds; a section past it is skipped")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=300,
+        help="seconds of wall time from the process's start: a hard deadline (sections past it stopped or skipped)",
+    )
     parser.add_argument(
         "--only", type=lambda s: {int(x) for x in s.split(",")}, help="e.g. 2,4: these sections alone"
     )
@@ -1631,13 +1808,19 @@ def main() -> int:
     parser.add_argument("--resume-on-cpu", help=argparse.SUPPRESS)  # section 7's subprocess
     parser.add_argument("--peer-worker", choices=["ours", "trl"], help=argparse.SUPPRESS)  # section 12's
     parser.add_argument("--peer-settings", help=argparse.SUPPRESS)
+    parser.add_argument("--paged-worker", type=int, help=argparse.SUPPRESS)  # section 11's, its LoRA rank
+    parser.add_argument("--scratch", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.resume_on_cpu or args.peer_worker:
+    global ARGS
+    ARGS = args
+    if args.resume_on_cpu or args.peer_worker or args.paged_worker:
         logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
         no_plots()
         if args.resume_on_cpu:
             resume_here(args.model, args.resume_on_cpu)
+        elif args.paged_worker:
+            print("RESULT " + json.dumps(paged_run(args.model, args.paged_worker, args.scratch)))
         else:
             result = peer_run(
                 args.peer_worker, args.model, json.loads(args.peer_settings), torch.cuda.is_available()
@@ -1662,13 +1845,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as root:
         run = Run(args, device, root)
         signal.signal(signal.SIGTERM, lambda signum, frame: stop(run, "stopped by SIGTERM"))
+        deadline = watch(run)
+        print_plan(run)
         for title, check in SECTIONS:
             run_section(title, check, run)
+        with LOCK:  # past the last section: the watchdog has nothing left to stop
+            deadline.cancel()
+            faulthandler.cancel_dump_traceback_later()
         seconds = run.elapsed()
     print(
         f"\n{len(failed())} section(s) failed{': ' + ', '.join(failed()) if failed() else ''}; "
-        f"{sum(v['status'] == 'skipped' for v in SUMMARY.values())} skipped; {seconds:.0f} s in all"
+        f"{sum(v['status'] == 'skipped' for v in SUMMARY.values())} skipped, "
+        f"{sum(v['status'] == 'stopped' for v in SUMMARY.values())} stopped; {seconds:.0f} s in all"
     )
+    print_rerun()
     if args.out:
         write_summary(args.out, seconds)
     return len(failed())
