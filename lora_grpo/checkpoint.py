@@ -276,9 +276,18 @@ def resolve_adapter(path: str | Path) -> tuple[Path, str]:
         )
     inner = list_checkpoints(path)
     if inner:
+        incomplete = {p: missing for p in inner if (missing := missing_checkpoint_files(p))}
+        complete = [p for p in inner if p not in incomplete]
+        broken = "; ".join(f"{p.name} lacks {', '.join(missing)}" for p, missing in incomplete.items())
+        if not complete:
+            raise CheckpointError(
+                f"{path} is a run directory without a final adapter/ (the run did not finish?), and none of its "
+                f"checkpoints is complete ({broken}): there is no trained adapter in it to use"
+            )
         raise CheckpointError(
             f"{path} is a run directory without a final adapter/ (the run did not finish?); pass one "
-            f"of its checkpoints, e.g. {inner[-1]} (its policy adapter is used)"
+            f"of its checkpoints, e.g. {complete[-1]}, the newest complete one (its policy adapter is used)"
+            + (f". Incomplete, not usable: {broken}" if broken else "")
         )
     raise CheckpointError(
         f"{path} holds no adapter ({ADAPTER_CONFIG}), checkpoint or final adapter/; pass an adapter "
@@ -328,16 +337,22 @@ def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
             f"{path} is a run directory without any checkpoint (save_steps=0 and the run did not finish?); "
             "there is nothing to resume: start the run again, with save_steps > 0 to be able to resume"
         )
-    required = [STATE_JSON, STATE_BLOBS, "config.yaml"] + [
-        f"{adapter}/{name}" for adapter in (POLICY, REFERENCE) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
-    ]
-    missing = [name for name in required if not (path / name).is_file()]
+    missing = missing_checkpoint_files(path)
     if missing:
         raise CheckpointError(
             f"{path} is not a complete lora_grpo checkpoint: missing {', '.join(missing)}. "
             + _earlier_hint(path)
         )
     return path
+
+
+def missing_checkpoint_files(path: Path) -> list[str]:
+    """The files of a complete checkpoint that `path` lacks ([] for a complete one): a write that never
+    finished, or files deleted since."""
+    required = [STATE_JSON, STATE_BLOBS, "config.yaml"] + [
+        f"{adapter}/{name}" for adapter in (POLICY, REFERENCE) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+    ]
+    return [name for name in required if not (path / name).is_file()]
 
 
 def _earlier_hint(path: Path) -> str:

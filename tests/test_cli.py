@@ -184,3 +184,54 @@ def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_
     assert measured["trained"] < 1e-4 < measured["full"]  # what you trained is what you get, by default
     assert gaps["trained"] == pytest.approx(measured["trained"], abs=1e-5)
     assert gaps["full"] == pytest.approx(measured["full"], rel=1e-2)
+
+
+# ------------------------------------------------------------------ eval and merge of broken or foreign adapters
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tiny_base_dir, tmp_path_factory):
+    """(recipe, run dir) of a finished 3-step run on the tiny base with checkpoint-1..3; tests that damage it
+    copy it first (copied_run)."""
+    tmp = tmp_path_factory.mktemp("checkpointed")
+    recipe = write_recipe(
+        tmp,
+        tiny_base_dir,
+        max_steps=3,
+        save_steps=1,
+        save_total_limit=0,
+        eval_on_start=False,
+        eval_on_end=False,
+    )
+    assert main(["train", str(recipe)]) == 0
+    return recipe, tmp / "run"
+
+
+@pytest.fixture
+def copied_run(checkpointed_run, tmp_path):
+    import shutil
+
+    recipe, run = checkpointed_run
+    shutil.copytree(run, tmp_path / "run")
+    return recipe, tmp_path / "run"
+
+
+def test_eval_of_an_unfinished_run_names_its_newest_complete_checkpoint(copied_run, capsys):
+    import shutil
+
+    recipe, run = copied_run
+    shutil.rmtree(run / "adapter")  # a run killed after checkpoint-3 began to be written
+    (run / "summary.json").unlink()
+    (run / "checkpoint-3" / "policy" / "adapter_model.safetensors").unlink()
+    capsys.readouterr()
+    assert main(["eval", str(run), "--recipe", str(recipe)]) == 1
+    err = capsys.readouterr().err
+    assert f"e.g. {run / 'checkpoint-2'}, the newest complete one" in err  # was: checkpoint-3, the broken one
+    assert "Incomplete, not usable: checkpoint-3 lacks policy/adapter_model.safetensors" in err
+    assert main(["eval", str(run / "checkpoint-2"), "--recipe", str(recipe)]) == 0  # and that one evaluates
+    for step in (1, 2):
+        (run / f"checkpoint-{step}" / "trainer_state.pt").unlink()
+    assert main(["eval", str(run), "--recipe", str(recipe)]) == 1
+    err = capsys.readouterr().err
+    assert "none of its checkpoints is complete (checkpoint-1 lacks trainer_state.pt; " in err
+    assert "checkpoint-3 lacks policy/adapter_model.safetensors)" in err
