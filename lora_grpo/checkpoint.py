@@ -37,14 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, missing_adapter_files, same_base
 from .adapters import POLICY, REFERENCE, lora_layers
 from .device import optimizer_state_on_devices
 from .rng import legacy_numpy_globals, restore_sampling, set_rng_state
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 STATE_BLOBS = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 # Fields that fix the adapters' shapes or meaning: a checkpoint resumes only under the same values.
@@ -265,11 +264,17 @@ def resolve_adapter(path: str | Path) -> tuple[Path, str]:
     checkpoint dir (its policy adapter) or a run dir (its final adapter/). CheckpointError otherwise."""
     path = Path(path)
     if (path / ADAPTER_CONFIG).is_file():
-        return path, f"the adapter {path}"
+        return _whole_adapter(path, "another adapter"), f"the adapter {path}"
     if (path / POLICY / ADAPTER_CONFIG).is_file() and (path / STATE_JSON).is_file():
-        return path / POLICY, f"the policy adapter of checkpoint {path}"
+        others = [p for p in list_checkpoints(path.parent) if p != path and not missing_checkpoint_files(p)]
+        instead = (
+            f"another checkpoint ({others[-1]}, the newest complete one)" if others else "another checkpoint"
+        )
+        return _whole_adapter(path / POLICY, instead), f"the policy adapter of checkpoint {path}"
     if (path / "adapter" / ADAPTER_CONFIG).is_file():
-        return path / "adapter", f"the final adapter of the run {path}"
+        return _whole_adapter(
+            path / "adapter", "one of the run's checkpoints"
+        ), f"the final adapter of the run {path}"
     if not path.is_dir():
         raise CheckpointError(
             f"{path} does not exist or is no directory; pass an adapter, checkpoint or run directory"
@@ -293,6 +298,17 @@ def resolve_adapter(path: str | Path) -> tuple[Path, str]:
         f"{path} holds no adapter ({ADAPTER_CONFIG}), checkpoint or final adapter/; pass an adapter "
         "directory, a checkpoint-N directory or a run directory"
     )
+
+
+def _whole_adapter(path: Path, instead: str) -> Path:
+    """`path` when its weights file is there; else the CheckpointError eval and merge alike give (peft would
+    take the directory for a hub id: "Repo id must be in the form ...")."""
+    if missing_adapter_files(path):
+        raise CheckpointError(
+            f"{path / ADAPTER_WEIGHTS} is missing: the adapter's weights were never written (a run stopped while "
+            f"saving?) or were deleted since; pass {instead}"
+        )
+    return path
 
 
 def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
@@ -360,13 +376,6 @@ def _earlier_hint(path: Path) -> str:
     return f"Resume from another checkpoint ({', '.join(others)})." if others else "Start the run again."
 
 
-def _same_model(a: Any, b: Any) -> bool:
-    # A local path written relatively in one run and absolutely in the other is the same model.
-    if isinstance(a, str) and isinstance(b, str) and Path(a).exists() and Path(b).exists():
-        return Path(a).resolve() == Path(b).resolve()
-    return a == b
-
-
 def _target_modules(config_file: Path) -> set[str]:
     targets = json.loads(config_file.read_text()).get("target_modules")
     return {targets} if isinstance(targets, str) else set(targets or ())
@@ -395,7 +404,7 @@ def check_compatible(
         for name in STRUCTURAL_FIELDS
         if name in saved
         and not (
-            _same_model(saved[name], config_values.get(name))
+            same_base(saved[name], config_values.get(name))
             if name == "model_name_or_path"
             else saved[name] == config_values.get(name)
         )

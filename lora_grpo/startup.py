@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, missing_adapter_files
 from .data import PROMPT_MESSAGES
 from .logprobs import check_log_probs
 from .rewards import check_reward_columns
@@ -336,6 +337,12 @@ def check_init_adapter(model, init_adapter: str, model_name: str | None = None) 
         )
         raise ValueError(
             f"init_adapter={init_adapter!r} has no adapter_config.json, so it is not a peft adapter{hint}"
+        )
+    if missing_adapter_files(path):  # peft would take the directory for a hub id
+        raise ValueError(
+            f"init_adapter={init_adapter!r}: {path / ADAPTER_WEIGHTS} is missing, so it holds no adapter weights "
+            "(a save that never finished, or a file deleted since); pass a directory holding both "
+            f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
         )
     shapes = _saved_adapter_tensors(path)
     if not shapes:

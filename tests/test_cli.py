@@ -235,3 +235,36 @@ def test_eval_of_an_unfinished_run_names_its_newest_complete_checkpoint(copied_r
     err = capsys.readouterr().err
     assert "none of its checkpoints is complete (checkpoint-1 lacks trainer_state.pt; " in err
     assert "checkpoint-3 lacks policy/adapter_model.safetensors)" in err
+
+
+def test_merge_and_eval_of_a_checkpoint_without_its_weights_say_the_file_is_missing(copied_run, capsys):
+    recipe, run = copied_run
+    weights = run / "checkpoint-3" / "policy" / "adapter_model.safetensors"
+    weights.unlink()
+    capsys.readouterr()
+    for command in (["merge", "--out", str(run.parent / "merged")], ["eval"]):
+        assert main([command[0], str(run / "checkpoint-3"), "--recipe", str(recipe), *command[1:]]) == 1
+        err = capsys.readouterr().err
+        assert f"{weights} is missing: the adapter's weights were never written" in err, command[0]
+        assert f"pass another checkpoint ({run / 'checkpoint-2'}, the newest complete one)" in err
+        assert "Repo id" not in err  # was merge's: peft took the directory for a hub id
+    assert not (run.parent / "merged").exists()
+
+
+def test_a_local_adapter_dir_without_weights_is_never_read_as_a_hub_id(tmp_path):
+    # The loaders' safety net (loading.explain), for any peft load of a local directory that lacks its file.
+    from peft import PeftModel
+
+    from lora_grpo.loading import LoadError, loading
+    from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"], "task_type": "CAUSAL_LM"})
+    )
+    with pytest.raises(LoadError) as caught:
+        with loading("merge", "adapter", tmp_path / "adapter"):
+            PeftModel.from_pretrained(make_tiny_model(make_tokenizer()), str(tmp_path / "adapter"))
+    message = str(caught.value)
+    assert f"{tmp_path / 'adapter'} exists locally, but the file the loader reads is not in it" in message
+    assert "the directory holds ['adapter_config.json']: no adapter_model.safetensors" in message
