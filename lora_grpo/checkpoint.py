@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, missing_adapter_files, same_base
+from .adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, missing_adapter_files, same_base, trained_base
 from .adapters import POLICY, REFERENCE, lora_layers
 from .device import optimizer_state_on_devices
 from .rng import legacy_numpy_globals, restore_sampling, set_rng_state
@@ -182,9 +182,16 @@ def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str, *, da
         )
     for key, p in params.items():
         if saved[key].shape != p.shape:
-            raise CheckpointError(
-                f"{file}: {key} has shape {tuple(saved[key].shape)}, this model's is {tuple(p.shape)}; "
+            # lora_A is (rank, inputs), lora_B (outputs, rank): the rank side is the adapter's, the other the base's.
+            rank_axis = 0 if ".lora_A." in key else 1
+            why = (
                 "it was saved with another lora_r / ref_rank"
+                if saved[key].shape[1 - rank_axis] == p.shape[1 - rank_axis]
+                else f"it was saved on another base (its adapter_config.json names {trained_base(path)!r}; this "
+                f"model is {model.peft_config[adapter].base_model_name_or_path!r})"
+            )
+            raise CheckpointError(
+                f"{file}: {key} has shape {tuple(saved[key].shape)}, this model's is {tuple(p.shape)}; {why}"
             )
     with torch.no_grad():
         for key, p in params.items():

@@ -268,3 +268,83 @@ def test_a_local_adapter_dir_without_weights_is_never_read_as_a_hub_id(tmp_path)
     message = str(caught.value)
     assert f"{tmp_path / 'adapter'} exists locally, but the file the loader reads is not in it" in message
     assert "the directory holds ['adapter_config.json']: no adapter_model.safetensors" in message
+
+
+@pytest.fixture(scope="module")
+def other_bases(tmp_path_factory):
+    """Two tiny bases besides tiny_base_dir: one of other sizes (hidden 32, not 64), one of the same sizes (other
+    random weights)."""
+    from lora_grpo.tasks.toy import save_tiny_base
+
+    root = tmp_path_factory.mktemp("other_bases")
+    return {
+        "narrower": save_tiny_base(root / "narrower", hidden_size=32, max_positions=1024),
+        "same-shapes": save_tiny_base(root / "same-shapes", seed=1, max_positions=1024),
+    }
+
+
+def test_eval_and_merge_refuse_an_adapter_of_a_base_of_other_sizes_naming_both_bases(
+    checkpointed_run, other_bases, tiny_base_dir, tmp_path, capsys
+):
+    recipe, run = checkpointed_run
+    other = other_bases["narrower"]
+    capsys.readouterr()
+    for command in (["eval"], ["merge", "--out", str(tmp_path / "merged")]):
+        args = [command[0], str(run / "checkpoint-2"), "--recipe", str(recipe), *command[1:]]
+        assert main([*args, "--set", f"model_name_or_path={other}"]) == 1
+        err = capsys.readouterr().err
+        assert (
+            f"The policy adapter of checkpoint {run / 'checkpoint-2'} was saved for another model: its lora_"
+            in err
+        )
+        assert f"(it was trained on the base {tiny_base_dir!r}; the base given is {other!r})" in err
+        assert f"on that base: --set model_name_or_path={tiny_base_dir}" in err or (
+            f"into that base: --set model_name_or_path={tiny_base_dir}" in err
+        )
+        # was: eval blamed lora_r (both are 4); merge printed torch's size mismatch, one line per tensor
+        assert "lora_r" not in err and "size mismatch" not in err, command[0]
+    assert not (tmp_path / "merged").exists()
+
+
+def test_eval_and_merge_on_a_base_of_the_same_sizes_warn_with_both_names(
+    checkpointed_run, other_bases, tiny_base_dir, tmp_path, caplog
+):
+    recipe, run = checkpointed_run
+    other = other_bases["same-shapes"]
+    for command in (["eval"], ["merge", "--out", str(tmp_path / "merged")]):
+        caplog.clear()
+        args = [command[0], str(run / "checkpoint-2"), "--recipe", str(recipe), *command[1:]]
+        assert (
+            main([*args, "--set", f"model_name_or_path={other}"]) == 0
+        )  # it loads: a warning, not a refusal
+        warned = [r.getMessage() for r in caplog.records if "was trained on the base" in r.getMessage()]
+        assert warned == [
+            f"The policy adapter of checkpoint {run / 'checkpoint-2'} was trained on the base {tiny_base_dir!r}, but "
+            f"the base given is {other!r}. Their layers have the same shapes, so it loads, but on another base it "
+            f"computes something else: use the base it was trained on, unless {other!r} is that model under another "
+            "name or path"
+        ], command[0]
+        caplog.clear()
+        assert main(args) == 0  # on its own base: no warning
+        assert not [r for r in caplog.records if "was trained on the base" in r.getMessage()], command[0]
+
+
+@pytest.mark.parametrize("which", ["narrower", "same-shapes"])
+def test_resuming_a_run_on_another_base_is_refused_naming_both(
+    copied_run, other_bases, tiny_base_dir, which, capsys
+):
+    recipe, run = copied_run
+    other = other_bases[which]
+    sets = [
+        f"output_dir={run}",
+        f"model_name_or_path={other}",
+        "resume_from_checkpoint=latest",
+        "max_steps=4",
+    ]
+    capsys.readouterr()
+    assert main(["train", str(recipe), *[a for s in sets for a in ("--set", s)]]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"{run / 'checkpoint-3'} was saved under a different config (model_name_or_path: checkpoint " in err
+    )
+    assert f"{tiny_base_dir!r}, this run {other!r})" in err
