@@ -27,6 +27,7 @@ from typing import Any
 
 import datasets
 
+from .data_files import FILE_BUILDERS, load_data_file
 from .prompt_batches import PromptBatches
 from .tasks.calculator import calculator_problems
 from .tasks.countdown import countdown_problems
@@ -44,9 +45,6 @@ __all__ = [
 
 # The column holding each row's prompt as chat messages (None for a text prompt); see the module docstring.
 PROMPT_MESSAGES = "prompt_messages"
-
-# File extension -> datasets builder name.
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 # ------------------------------------------------------------------------------------- loading
@@ -80,13 +78,13 @@ def _load_source(source: Any, split: str, config_name: str | None = None) -> dat
         return loaded
     suffix = path.suffix.lower()
     if path.is_file():
-        if suffix not in _FILE_BUILDERS:
+        if suffix not in FILE_BUILDERS:
             raise ValueError(
-                f"cannot load {path}: unknown file type {suffix!r}; supported: {sorted(_FILE_BUILDERS)}"
+                f"cannot load {path}: unknown file type {suffix!r}; supported: {sorted(FILE_BUILDERS)}"
             )
         # A single file is one split; `split` does not apply to it.
-        return datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
-    if suffix in _FILE_BUILDERS or str(source).startswith((".", "/", "~")):
+        return load_data_file(path)
+    if suffix in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
         raise FileNotFoundError(f"dataset file or directory not found: {path}")
     return datasets.load_dataset(str(source), config_name, split=split)  # a hub dataset name
 
@@ -243,11 +241,12 @@ def load_prompt_dataset(
         always dropped (it is the loader's own).
 
     Raises:
-        ValueError: empty dataset; neither column present (the message lists the columns and the
-            options to set); chat rendering without a tokenizer or chat template; rows whose prompt
-            is None, empty, or neither text nor chat messages (a message without a role or content
-            is named), or whose template field is None (the message names the column, the rows
-            and a ``ds.filter`` that drops them).
+        ValueError: a data file its loader cannot read (the message names the file, the first bad line and
+            what is wrong there: data_files.load_data_file); empty dataset; neither column present (the
+            message lists the columns and the options to set); chat rendering without a tokenizer or chat
+            template; rows whose prompt is None, empty, or neither text nor chat messages (a message without
+            a role or content is named), or whose template field is None (the message names the column, the
+            rows and a ``ds.filter`` that drops them).
         KeyError: a template field missing from the columns (names the field and the columns).
         TypeError: a streamed ``IterableDataset`` (:func:`resolve_dataset` reads one), or an
             unsupported source.
