@@ -395,17 +395,19 @@ def read_stream(stream, config, split: str) -> datasets.Dataset:
 
 
 def resolve_dataset(
-    source, config, tokenizer, split: str, template_kwargs: dict | None = None
+    source, config, tokenizer, split: str, template_kwargs: dict | None = None, name: str | None = None
 ) -> datasets.Dataset | None:
     """The train or eval prompts a config names (or `source` as given), loaded and rendered; None stays
-    None. A streamed dataset is read (read_stream); errors name the dataset (train_dataset / eval_dataset)."""
+    None. A streamed dataset is read (read_stream); errors name the dataset: `name`, by default
+    train_dataset / eval_dataset (one set of a dict of eval sets: eval_dataset['math'])."""
     if source is None:
         return None
     if isinstance(source, str) and source in LOCAL_DATASETS:
         problems, train_rows, eval_rows = LOCAL_DATASETS[source]
         source = problems(eval_rows if split == "eval" else train_rows, seed=config.seed, split=split)
+    in_dict = name is not None
     name, streamed = (
-        f"{split}_dataset",
+        name or f"{split}_dataset",
         isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)),
     )
     try:
@@ -425,27 +427,34 @@ def resolve_dataset(
         if type(e) not in (ValueError, KeyError, TypeError) or str(e).startswith(name):
             raise
         fix = (
-            " (leave eval_dataset unset to train without evaluation)"
-            if "is empty" in str(e) and split == "eval"
-            else ""
+            ""
+            if "is empty" not in str(e) or split != "eval"
+            else " (fill that set, or leave it out of the dict of eval sets)"
+            if in_dict
+            else " (leave eval_dataset unset to train without evaluation)"
         )
         raise type(e)(f"{name}: {e.args[0] if e.args else e}{fix}") from e
 
 
-def resolve_eval_dataset(source, config, tokenizer, template_kwargs: dict | None = None):
+def resolve_eval_dataset(
+    source, config, tokenizer, template_kwargs: dict | None = None, name: str | None = None
+):
     """The eval prompts of a run (None when there are none), each set cut to eval_limit rows: one
     Dataset, or {name: Dataset} for a plain dict of named sets (each evaluated on its own; metrics
-    eval/<name>/...). A DatasetDict is not a dict of sets here: its eval_split is taken."""
+    eval/<name>/...; an error names the set: eval_dataset['math']). A DatasetDict is not a dict of
+    sets here: its eval_split is taken."""
     if isinstance(source, dict) and not isinstance(
         source, (datasets.DatasetDict, datasets.IterableDatasetDict)
     ):
         if not source:
             raise ValueError("eval_dataset: an empty dict of eval sets; pass at least one {name: dataset}")
         return {
-            str(name): resolve_eval_dataset(ds, config, tokenizer, template_kwargs)
-            for name, ds in source.items()
+            str(key): resolve_eval_dataset(
+                ds, config, tokenizer, template_kwargs, f"eval_dataset[{str(key)!r}]"
+            )
+            for key, ds in source.items()
         }
-    held_out = resolve_dataset(source, config, tokenizer, "eval", template_kwargs)
+    held_out = resolve_dataset(source, config, tokenizer, "eval", template_kwargs, name)
     if held_out is not None and config.eval_limit:
         held_out = held_out.select(range(min(config.eval_limit, len(held_out))))
     return held_out
