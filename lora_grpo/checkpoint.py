@@ -37,14 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, missing_adapter_files, same_base, trained_base
 from .adapters import POLICY, REFERENCE, lora_layers
 from .device import optimizer_state_on_devices
 from .rng import legacy_numpy_globals, restore_sampling, set_rng_state
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 STATE_BLOBS = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
 # Fields that fix the adapters' shapes or meaning: a checkpoint resumes only under the same values.
@@ -183,9 +182,16 @@ def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str, *, da
         )
     for key, p in params.items():
         if saved[key].shape != p.shape:
-            raise CheckpointError(
-                f"{file}: {key} has shape {tuple(saved[key].shape)}, this model's is {tuple(p.shape)}; "
+            # lora_A is (rank, inputs), lora_B (outputs, rank): the rank side is the adapter's, the other the base's.
+            rank_axis = 0 if ".lora_A." in key else 1
+            why = (
                 "it was saved with another lora_r / ref_rank"
+                if saved[key].shape[1 - rank_axis] == p.shape[1 - rank_axis]
+                else f"it was saved on another base (its adapter_config.json names {trained_base(path)!r}; this "
+                f"model is {model.peft_config[adapter].base_model_name_or_path!r})"
+            )
+            raise CheckpointError(
+                f"{file}: {key} has shape {tuple(saved[key].shape)}, this model's is {tuple(p.shape)}; {why}"
             )
     with torch.no_grad():
         for key, p in params.items():
@@ -265,25 +271,51 @@ def resolve_adapter(path: str | Path) -> tuple[Path, str]:
     checkpoint dir (its policy adapter) or a run dir (its final adapter/). CheckpointError otherwise."""
     path = Path(path)
     if (path / ADAPTER_CONFIG).is_file():
-        return path, f"the adapter {path}"
+        return _whole_adapter(path, "another adapter"), f"the adapter {path}"
     if (path / POLICY / ADAPTER_CONFIG).is_file() and (path / STATE_JSON).is_file():
-        return path / POLICY, f"the policy adapter of checkpoint {path}"
+        others = [p for p in list_checkpoints(path.parent) if p != path and not missing_checkpoint_files(p)]
+        instead = (
+            f"another checkpoint ({others[-1]}, the newest complete one)" if others else "another checkpoint"
+        )
+        return _whole_adapter(path / POLICY, instead), f"the policy adapter of checkpoint {path}"
     if (path / "adapter" / ADAPTER_CONFIG).is_file():
-        return path / "adapter", f"the final adapter of the run {path}"
+        return _whole_adapter(
+            path / "adapter", "one of the run's checkpoints"
+        ), f"the final adapter of the run {path}"
     if not path.is_dir():
         raise CheckpointError(
             f"{path} does not exist or is no directory; pass an adapter, checkpoint or run directory"
         )
     inner = list_checkpoints(path)
     if inner:
+        incomplete = {p: missing for p in inner if (missing := missing_checkpoint_files(p))}
+        complete = [p for p in inner if p not in incomplete]
+        broken = "; ".join(f"{p.name} lacks {', '.join(missing)}" for p, missing in incomplete.items())
+        if not complete:
+            raise CheckpointError(
+                f"{path} is a run directory without a final adapter/ (the run did not finish?), and none of its "
+                f"checkpoints is complete ({broken}): there is no trained adapter in it to use"
+            )
         raise CheckpointError(
             f"{path} is a run directory without a final adapter/ (the run did not finish?); pass one "
-            f"of its checkpoints, e.g. {inner[-1]} (its policy adapter is used)"
+            f"of its checkpoints, e.g. {complete[-1]}, the newest complete one (its policy adapter is used)"
+            + (f". Incomplete, not usable: {broken}" if broken else "")
         )
     raise CheckpointError(
         f"{path} holds no adapter ({ADAPTER_CONFIG}), checkpoint or final adapter/; pass an adapter "
         "directory, a checkpoint-N directory or a run directory"
     )
+
+
+def _whole_adapter(path: Path, instead: str) -> Path:
+    """`path` when its weights file is there; else the CheckpointError eval and merge alike give (peft would
+    take the directory for a hub id: "Repo id must be in the form ...")."""
+    if missing_adapter_files(path):
+        raise CheckpointError(
+            f"{path / ADAPTER_WEIGHTS} is missing: the adapter's weights were never written (a run stopped while "
+            f"saving?) or were deleted since; pass {instead}"
+        )
+    return path
 
 
 def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
@@ -328,10 +360,7 @@ def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
             f"{path} is a run directory without any checkpoint (save_steps=0 and the run did not finish?); "
             "there is nothing to resume: start the run again, with save_steps > 0 to be able to resume"
         )
-    required = [STATE_JSON, STATE_BLOBS, "config.yaml"] + [
-        f"{adapter}/{name}" for adapter in (POLICY, REFERENCE) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
-    ]
-    missing = [name for name in required if not (path / name).is_file()]
+    missing = missing_checkpoint_files(path)
     if missing:
         raise CheckpointError(
             f"{path} is not a complete lora_grpo checkpoint: missing {', '.join(missing)}. "
@@ -340,16 +369,18 @@ def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
     return path
 
 
+def missing_checkpoint_files(path: Path) -> list[str]:
+    """The files of a complete checkpoint that `path` lacks ([] for a complete one): a write that never
+    finished, or files deleted since."""
+    required = [STATE_JSON, STATE_BLOBS, "config.yaml"] + [
+        f"{adapter}/{name}" for adapter in (POLICY, REFERENCE) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+    ]
+    return [name for name in required if not (path / name).is_file()]
+
+
 def _earlier_hint(path: Path) -> str:
     others = [p.name for p in list_checkpoints(path.parent) if p != path]
     return f"Resume from another checkpoint ({', '.join(others)})." if others else "Start the run again."
-
-
-def _same_model(a: Any, b: Any) -> bool:
-    # A local path written relatively in one run and absolutely in the other is the same model.
-    if isinstance(a, str) and isinstance(b, str) and Path(a).exists() and Path(b).exists():
-        return Path(a).resolve() == Path(b).resolve()
-    return a == b
 
 
 def _target_modules(config_file: Path) -> set[str]:
@@ -380,7 +411,7 @@ def check_compatible(
         for name in STRUCTURAL_FIELDS
         if name in saved
         and not (
-            _same_model(saved[name], config_values.get(name))
+            same_base(saved[name], config_values.get(name))
             if name == "model_name_or_path"
             else saved[name] == config_values.get(name)
         )

@@ -23,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+from .adapter_files import check_adapter_fits, trained_base
 from .config import ConfigError, GRPOConfig
 
 DEFAULT_RECIPE = "toy-addition"  # shipped in the package, so it works outside a clone too
@@ -150,6 +151,7 @@ def cmd_recipes(args) -> int:
 def cmd_eval(args) -> int:
     from .adapters import POLICY
     from .checkpoint import load_adapter_weights, resolve_adapter
+    from .model import resolve_model_path
     from .trainer import GRPOTrainer
 
     sets = list(args.set)
@@ -167,12 +169,28 @@ def cmd_eval(args) -> int:
     )
     trainer = GRPOTrainer(config)
     if adapter is not None:
+        check_adapter_fits(
+            trainer.model,
+            adapter,
+            label=what[0].upper() + what[1:],
+            base_given=(config.model_name_or_path, resolve_model_path(config)),
+            fix=_other_base_fix(adapter, "Evaluate it on"),
+        )
         load_adapter_weights(trainer.model, adapter, POLICY)
     metrics = trainer.evaluate()  # under torchrun / accelerate launch the processes split the prompts
     if os.environ.get("RANK", "0") == "0":
         print(f"lora-grpo: evaluated {what}", file=sys.stderr)
         print(json.dumps(metrics, indent=2))
     return 0
+
+
+def _other_base_fix(adapter: Path, action: str) -> str:
+    """How to eval or merge (`action`: "Evaluate it on", "Merge it into") an adapter with the base it was trained
+    on, in the CLI's words."""
+    saved_for = trained_base(adapter)
+    if saved_for is None:
+        return f"{action} the base it was trained on: the recipe (or --set model_name_or_path=...) of its run"
+    return f"{action} that base: --set model_name_or_path={saved_for} (or the recipe it was trained with)"
 
 
 def cmd_plot(args) -> int:
@@ -198,8 +216,16 @@ def cmd_merge(args) -> int:
     adapter, what = resolve_adapter(args.adapter)
     path, dtype = resolve_model_path(config), resolve_dtype(config.torch_dtype)
     tokenizer = load_tokenizer(config, path)
+    trained = load_base_model(config, path)
+    check_adapter_fits(
+        trained,
+        adapter,
+        label=what[0].upper() + what[1:],
+        base_given=(config.model_name_or_path, path),
+        fix=_other_base_fix(adapter, "Merge it into"),
+    )
     with loading("merge", "adapter", adapter):
-        policy = PeftModel.from_pretrained(load_base_model(config, path), str(adapter)).eval()
+        policy = PeftModel.from_pretrained(trained, str(adapter)).eval()
     if args.base == "trained" and config.quantization != "none":
         base, into = (
             load_base_model(config, path).dequantize(),

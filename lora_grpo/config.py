@@ -218,6 +218,11 @@ class GRPOConfig:
         "normalize_then_sum (GDPO: each function normalised in its group, then the weighted sum, "
         "renormalised over the batch)",
     )
+    reward_bisect_on_error: bool = _f(
+        True,
+        "when a reward function raises, call it again on one sample at a time to name the first that fails "
+        "(false: one call per batch, for paid or remote rewards; the error then names the function only)",
+    )
     # --- generation --------------------------------------------------------------------------
     num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
     prompts_per_step: int = _f(8, "prompts per optimizer step, each sampled num_generations times")

@@ -27,6 +27,7 @@ from typing import Any
 
 import datasets
 
+from .data_files import FILE_BUILDERS, load_data_file
 from .prompt_batches import PromptBatches
 from .tasks.calculator import calculator_problems
 from .tasks.countdown import countdown_problems
@@ -45,9 +46,6 @@ __all__ = [
 
 # The column holding each row's prompt as chat messages (None for a text prompt); see the module docstring.
 PROMPT_MESSAGES = "prompt_messages"
-
-# File extension -> datasets builder name.
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 # ------------------------------------------------------------------------------------- loading
@@ -81,13 +79,13 @@ def _load_source(source: Any, split: str, config_name: str | None = None) -> dat
         return loaded
     suffix = path.suffix.lower()
     if path.is_file():
-        if suffix not in _FILE_BUILDERS:
+        if suffix not in FILE_BUILDERS:
             raise ValueError(
-                f"cannot load {path}: unknown file type {suffix!r}; supported: {sorted(_FILE_BUILDERS)}"
+                f"cannot load {path}: unknown file type {suffix!r}; supported: {sorted(FILE_BUILDERS)}"
             )
         # A single file is one split; `split` does not apply to it.
-        return datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
-    if suffix in _FILE_BUILDERS or str(source).startswith((".", "/", "~")):
+        return load_data_file(path)
+    if suffix in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
         raise FileNotFoundError(f"dataset file or directory not found: {path}")
     return datasets.load_dataset(str(source), config_name, split=split)  # a hub dataset name
 
@@ -244,11 +242,12 @@ def load_prompt_dataset(
         always dropped (it is the loader's own).
 
     Raises:
-        ValueError: empty dataset; neither column present (the message lists the columns and the
-            options to set); chat rendering without a tokenizer or chat template; rows whose prompt
-            is None, empty, or neither text nor chat messages (a message without a role or content
-            is named), or whose template field is None (the message names the column, the rows
-            and a ``ds.filter`` that drops them).
+        ValueError: a data file its loader cannot read (the message names the file, the first bad line and
+            what is wrong there: data_files.load_data_file); empty dataset; neither column present (the
+            message lists the columns and the options to set); chat rendering without a tokenizer or chat
+            template; rows whose prompt is None, empty, or neither text nor chat messages (a message without
+            a role or content is named), or whose template field is None (the message names the column, the
+            rows and a ``ds.filter`` that drops them).
         KeyError: a template field missing from the columns (names the field and the columns).
         TypeError: a streamed ``IterableDataset`` (:func:`resolve_dataset` reads one), or an
             unsupported source.
@@ -398,17 +397,19 @@ def read_stream(stream, config, split: str) -> datasets.Dataset:
 
 
 def resolve_dataset(
-    source, config, tokenizer, split: str, template_kwargs: dict | None = None
+    source, config, tokenizer, split: str, template_kwargs: dict | None = None, name: str | None = None
 ) -> datasets.Dataset | None:
     """The train or eval prompts a config names (or `source` as given), loaded and rendered; None stays
-    None. A streamed dataset is read (read_stream); errors name the dataset (train_dataset / eval_dataset)."""
+    None. A streamed dataset is read (read_stream); errors name the dataset: `name`, by default
+    train_dataset / eval_dataset (one set of a dict of eval sets: eval_dataset['math'])."""
     if source is None:
         return None
     if isinstance(source, str) and source in LOCAL_DATASETS:
         problems, train_rows, eval_rows = LOCAL_DATASETS[source]
         source = problems(eval_rows if split == "eval" else train_rows, seed=config.seed, split=split)
+    in_dict = name is not None
     name, streamed = (
-        f"{split}_dataset",
+        name or f"{split}_dataset",
         isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)),
     )
     try:
@@ -428,27 +429,34 @@ def resolve_dataset(
         if type(e) not in (ValueError, KeyError, TypeError) or str(e).startswith(name):
             raise
         fix = (
-            " (leave eval_dataset unset to train without evaluation)"
-            if "is empty" in str(e) and split == "eval"
-            else ""
+            ""
+            if "is empty" not in str(e) or split != "eval"
+            else " (fill that set, or leave it out of the dict of eval sets)"
+            if in_dict
+            else " (leave eval_dataset unset to train without evaluation)"
         )
         raise type(e)(f"{name}: {e.args[0] if e.args else e}{fix}") from e
 
 
-def resolve_eval_dataset(source, config, tokenizer, template_kwargs: dict | None = None):
+def resolve_eval_dataset(
+    source, config, tokenizer, template_kwargs: dict | None = None, name: str | None = None
+):
     """The eval prompts of a run (None when there are none), each set cut to eval_limit rows: one
     Dataset, or {name: Dataset} for a plain dict of named sets (each evaluated on its own; metrics
-    eval/<name>/...). A DatasetDict is not a dict of sets here: its eval_split is taken."""
+    eval/<name>/...; an error names the set: eval_dataset['math']). A DatasetDict is not a dict of
+    sets here: its eval_split is taken."""
     if isinstance(source, dict) and not isinstance(
         source, (datasets.DatasetDict, datasets.IterableDatasetDict)
     ):
         if not source:
             raise ValueError("eval_dataset: an empty dict of eval sets; pass at least one {name: dataset}")
         return {
-            str(name): resolve_eval_dataset(ds, config, tokenizer, template_kwargs)
-            for name, ds in source.items()
+            str(key): resolve_eval_dataset(
+                ds, config, tokenizer, template_kwargs, f"eval_dataset[{str(key)!r}]"
+            )
+            for key, ds in source.items()
         }
-    held_out = resolve_dataset(source, config, tokenizer, "eval", template_kwargs)
+    held_out = resolve_dataset(source, config, tokenizer, "eval", template_kwargs, name)
     if held_out is not None and config.eval_limit:
         held_out = held_out.select(range(min(config.eval_limit, len(held_out))))
     return held_out

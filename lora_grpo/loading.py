@@ -15,6 +15,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from .adapter_files import missing_adapter_files
+
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 _NO_NETWORK = (
     "couldn't connect",
@@ -56,6 +58,14 @@ def explain(role: str, what: str, path, error: BaseException) -> str:
     first = (str(error).strip().splitlines() or [""])[0]
     message = f"could not load the {role}'s {what} from {str(path)!r}: "
     if local.exists():
+        if any(type(e).__name__ == "HFValidationError" for e in _chain(error)):
+            # peft (and huggingface_hub) take a local directory lacking the file they read for a hub id.
+            held = sorted(p.name for p in local.iterdir())[:12] if local.is_dir() else []
+            return message + (
+                f"{local} exists locally, but the file the loader reads is not in it, so it took the path for a "
+                f"hub id ({first}); the directory holds {held or 'nothing'}"
+                + (f": no {', '.join(_expected(what, local))}" if _expected(what, local) else "")
+            )
         message += f"{local} exists locally, but loading it failed ({type(error).__name__}: {first})"
         if local.is_dir() and not any(local.iterdir()):
             message += "; the directory is empty"
@@ -86,6 +96,13 @@ def explain(role: str, what: str, path, error: BaseException) -> str:
             f"; as a hub id it failed too ({type(error).__name__}: {first}): check the id (and access to it)"
         )
     return message
+
+
+def _expected(what: str, local: Path) -> list[str]:
+    """The files a local `what` (an adapter) needs that `local` lacks ([] where we do not know them)."""
+    if "adapter" not in what or not local.is_dir():
+        return []
+    return missing_adapter_files(local)
 
 
 @contextmanager

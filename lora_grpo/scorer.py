@@ -141,7 +141,12 @@ class RolloutScorer:
         columns["log_extra"] = lambda column, values: extra.setdefault(column, []).extend(values)
         columns["log_metric"] = lambda name, value: logged.setdefault(name, []).append(float(value))
         rewards, per_func, metrics = compute_rewards(
-            self.reward_funcs, prompts, completions, columns, weights=self.weights
+            self.reward_funcs,
+            prompts,
+            completions,
+            columns,
+            weights=self.weights,
+            bisect_on_error=self.config.reward_bisect_on_error,
         )
         # completions as the reward functions saw them (completions.jsonl keeps the conversation)
         return Scored(rewards, per_func, metrics, completions, extra, logged)

@@ -17,7 +17,6 @@ ValueError that names the prompt, token, column, module or model type and the fi
 from __future__ import annotations
 
 import difflib
-import json
 import re
 import warnings
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter_fits, missing_adapter_files
 from .data import PROMPT_MESSAGES
 from .logprobs import check_log_probs
 from .rewards import check_reward_columns
@@ -298,21 +298,6 @@ def check_target_modules(model, targets) -> None:
         )
 
 
-def _saved_adapter_tensors(path: Path) -> dict[str, tuple[int, ...]] | None:
-    """{tensor name: shape} of a saved peft adapter, read without loading it (None: no weights file)."""
-    if (path / "adapter_model.safetensors").is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    if (path / "adapter_model.bin").is_file():
-        return {
-            k: tuple(v.shape)
-            for k, v in torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True).items()
-        }
-    return None
-
-
 def check_init_adapter(model, init_adapter: str, model_name: str | None = None) -> None:
     """Refuse an init_adapter saved for another model before peft loads it: a layer this model does
     not have (peft would drop its weights silently) or of other in/out sizes (peft's size-mismatch
@@ -337,39 +322,16 @@ def check_init_adapter(model, init_adapter: str, model_name: str | None = None) 
         raise ValueError(
             f"init_adapter={init_adapter!r} has no adapter_config.json, so it is not a peft adapter{hint}"
         )
-    shapes = _saved_adapter_tensors(path)
-    if not shapes:
-        return
-    saved_for = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    origin = (
-        (
-            f" (its adapter_config.json names base_model_name_or_path={saved_for!r}; this run's model is "
-            f"{model_name!r})"
+    if missing_adapter_files(path):  # peft would take the directory for a hub id
+        raise ValueError(
+            f"init_adapter={init_adapter!r}: {path / ADAPTER_WEIGHTS} is missing, so it holds no adapter weights "
+            "(a save that never finished, or a file deleted since); pass a directory holding both "
+            f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
         )
-        if saved_for
-        else ""
+    check_adapter_fits(
+        model,
+        path,
+        label=f"init_adapter={init_adapter!r}",
+        base_given=(model_name, getattr(getattr(model, "config", None), "_name_or_path", None)),
+        fix="Use an adapter trained on this base, or drop init_adapter",
     )
-    modules = dict(model.named_modules())
-    for key, shape in shapes.items():
-        match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
-        if match is None:
-            continue
-        name, factor = match.groups()
-        module = modules.get(name)
-        if module is None:
-            raise ValueError(
-                f"init_adapter={init_adapter!r} was saved for another model: it adapts {name!r}, which this model "
-                f"does not have{origin}. Use an adapter trained on this base, or drop init_adapter"
-            )
-        size, axis = (
-            (getattr(module, "in_features", None), 1)
-            if factor == "A"
-            else (getattr(module, "out_features", None), 0)
-        )
-        if size is not None and len(shape) == 2 and shape[axis] != size:
-            raise ValueError(
-                f"init_adapter={init_adapter!r} was saved for another model: its lora_{factor} of {name} has shape "
-                f"{shape}, but this model's {name.rsplit('.', 1)[-1]} has {size} "
-                f"{'inputs' if factor == 'A' else 'outputs'}{origin}. Use an adapter trained on this base, or drop "
-                "init_adapter"
-            )

@@ -184,3 +184,167 @@ def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_
     assert measured["trained"] < 1e-4 < measured["full"]  # what you trained is what you get, by default
     assert gaps["trained"] == pytest.approx(measured["trained"], abs=1e-5)
     assert gaps["full"] == pytest.approx(measured["full"], rel=1e-2)
+
+
+# ------------------------------------------------------------------ eval and merge of broken or foreign adapters
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tiny_base_dir, tmp_path_factory):
+    """(recipe, run dir) of a finished 3-step run on the tiny base with checkpoint-1..3; tests that damage it
+    copy it first (copied_run)."""
+    tmp = tmp_path_factory.mktemp("checkpointed")
+    recipe = write_recipe(
+        tmp,
+        tiny_base_dir,
+        max_steps=3,
+        save_steps=1,
+        save_total_limit=0,
+        eval_on_start=False,
+        eval_on_end=False,
+    )
+    assert main(["train", str(recipe)]) == 0
+    return recipe, tmp / "run"
+
+
+@pytest.fixture
+def copied_run(checkpointed_run, tmp_path):
+    import shutil
+
+    recipe, run = checkpointed_run
+    shutil.copytree(run, tmp_path / "run")
+    return recipe, tmp_path / "run"
+
+
+def test_eval_of_an_unfinished_run_names_its_newest_complete_checkpoint(copied_run, capsys):
+    import shutil
+
+    recipe, run = copied_run
+    shutil.rmtree(run / "adapter")  # a run killed after checkpoint-3 began to be written
+    (run / "summary.json").unlink()
+    (run / "checkpoint-3" / "policy" / "adapter_model.safetensors").unlink()
+    capsys.readouterr()
+    assert main(["eval", str(run), "--recipe", str(recipe)]) == 1
+    err = capsys.readouterr().err
+    assert f"e.g. {run / 'checkpoint-2'}, the newest complete one" in err  # was: checkpoint-3, the broken one
+    assert "Incomplete, not usable: checkpoint-3 lacks policy/adapter_model.safetensors" in err
+    assert main(["eval", str(run / "checkpoint-2"), "--recipe", str(recipe)]) == 0  # and that one evaluates
+    for step in (1, 2):
+        (run / f"checkpoint-{step}" / "trainer_state.pt").unlink()
+    assert main(["eval", str(run), "--recipe", str(recipe)]) == 1
+    err = capsys.readouterr().err
+    assert "none of its checkpoints is complete (checkpoint-1 lacks trainer_state.pt; " in err
+    assert "checkpoint-3 lacks policy/adapter_model.safetensors)" in err
+
+
+def test_merge_and_eval_of_a_checkpoint_without_its_weights_say_the_file_is_missing(copied_run, capsys):
+    recipe, run = copied_run
+    weights = run / "checkpoint-3" / "policy" / "adapter_model.safetensors"
+    weights.unlink()
+    capsys.readouterr()
+    for command in (["merge", "--out", str(run.parent / "merged")], ["eval"]):
+        assert main([command[0], str(run / "checkpoint-3"), "--recipe", str(recipe), *command[1:]]) == 1
+        err = capsys.readouterr().err
+        assert f"{weights} is missing: the adapter's weights were never written" in err, command[0]
+        assert f"pass another checkpoint ({run / 'checkpoint-2'}, the newest complete one)" in err
+        assert "Repo id" not in err  # was merge's: peft took the directory for a hub id
+    assert not (run.parent / "merged").exists()
+
+
+def test_a_local_adapter_dir_without_weights_is_never_read_as_a_hub_id(tmp_path):
+    # The loaders' safety net (loading.explain), for any peft load of a local directory that lacks its file.
+    from peft import PeftModel
+
+    from lora_grpo.loading import LoadError, loading
+    from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"], "task_type": "CAUSAL_LM"})
+    )
+    with pytest.raises(LoadError) as caught:
+        with loading("merge", "adapter", tmp_path / "adapter"):
+            PeftModel.from_pretrained(make_tiny_model(make_tokenizer()), str(tmp_path / "adapter"))
+    message = str(caught.value)
+    assert f"{tmp_path / 'adapter'} exists locally, but the file the loader reads is not in it" in message
+    assert "the directory holds ['adapter_config.json']: no adapter_model.safetensors" in message
+
+
+@pytest.fixture(scope="module")
+def other_bases(tmp_path_factory):
+    """Two tiny bases besides tiny_base_dir: one of other sizes (hidden 32, not 64), one of the same sizes (other
+    random weights)."""
+    from lora_grpo.tasks.toy import save_tiny_base
+
+    root = tmp_path_factory.mktemp("other_bases")
+    return {
+        "narrower": save_tiny_base(root / "narrower", hidden_size=32, max_positions=1024),
+        "same-shapes": save_tiny_base(root / "same-shapes", seed=1, max_positions=1024),
+    }
+
+
+def test_eval_and_merge_refuse_an_adapter_of_a_base_of_other_sizes_naming_both_bases(
+    checkpointed_run, other_bases, tiny_base_dir, tmp_path, capsys
+):
+    recipe, run = checkpointed_run
+    other = other_bases["narrower"]
+    capsys.readouterr()
+    for command in (["eval"], ["merge", "--out", str(tmp_path / "merged")]):
+        args = [command[0], str(run / "checkpoint-2"), "--recipe", str(recipe), *command[1:]]
+        assert main([*args, "--set", f"model_name_or_path={other}"]) == 1
+        err = capsys.readouterr().err
+        assert (
+            f"The policy adapter of checkpoint {run / 'checkpoint-2'} was saved for another model: its lora_"
+            in err
+        )
+        assert f"(it was trained on the base {tiny_base_dir!r}; the base given is {other!r})" in err
+        assert f"on that base: --set model_name_or_path={tiny_base_dir}" in err or (
+            f"into that base: --set model_name_or_path={tiny_base_dir}" in err
+        )
+        # was: eval blamed lora_r (both are 4); merge printed torch's size mismatch, one line per tensor
+        assert "lora_r" not in err and "size mismatch" not in err, command[0]
+    assert not (tmp_path / "merged").exists()
+
+
+def test_eval_and_merge_on_a_base_of_the_same_sizes_warn_with_both_names(
+    checkpointed_run, other_bases, tiny_base_dir, tmp_path, caplog
+):
+    recipe, run = checkpointed_run
+    other = other_bases["same-shapes"]
+    for command in (["eval"], ["merge", "--out", str(tmp_path / "merged")]):
+        caplog.clear()
+        args = [command[0], str(run / "checkpoint-2"), "--recipe", str(recipe), *command[1:]]
+        assert (
+            main([*args, "--set", f"model_name_or_path={other}"]) == 0
+        )  # it loads: a warning, not a refusal
+        warned = [r.getMessage() for r in caplog.records if "was trained on the base" in r.getMessage()]
+        assert warned == [
+            f"The policy adapter of checkpoint {run / 'checkpoint-2'} was trained on the base {tiny_base_dir!r}, but "
+            f"the base given is {other!r}. Their layers have the same shapes, so it loads, but on another base it "
+            f"computes something else: use the base it was trained on, unless {other!r} is that model under another "
+            "name or path"
+        ], command[0]
+        caplog.clear()
+        assert main(args) == 0  # on its own base: no warning
+        assert not [r for r in caplog.records if "was trained on the base" in r.getMessage()], command[0]
+
+
+@pytest.mark.parametrize("which", ["narrower", "same-shapes"])
+def test_resuming_a_run_on_another_base_is_refused_naming_both(
+    copied_run, other_bases, tiny_base_dir, which, capsys
+):
+    recipe, run = copied_run
+    other = other_bases[which]
+    sets = [
+        f"output_dir={run}",
+        f"model_name_or_path={other}",
+        "resume_from_checkpoint=latest",
+        "max_steps=4",
+    ]
+    capsys.readouterr()
+    assert main(["train", str(recipe), *[a for s in sets for a in ("--set", s)]]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"{run / 'checkpoint-3'} was saved under a different config (model_name_or_path: checkpoint " in err
+    )
+    assert f"{tiny_base_dir!r}, this run {other!r})" in err

@@ -72,6 +72,92 @@ def test_load_missing_or_unknown_files(tmp_path):
         load_prompt_dataset(["just text"])
 
 
+GOOD_LINE = b'{"prompt": "1+1=", "answer": "2"}\n'
+_TRUNCATED_PARQUET = "truncated"  # built in the test: a real Parquet file cut short
+
+
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        (
+            "not-json.jsonl",
+            GOOD_LINE + b'{"prompt": "2+2=", "answer": 4,,}\n',
+            r"line 2, column 32: not JSON \(Expecting property name enclosed in double quotes\); each line must be "
+            r"one JSON object",
+        ),
+        (
+            "list.jsonl",
+            GOOD_LINE + b"[1, 2]\n",
+            r"line 2: a JSON list, not an object; each line must be one JSON",
+        ),
+        (
+            "latin1.jsonl",
+            GOOD_LINE + GOOD_LINE + b'{"prompt": "caf\xe9", "answer": "1"}\n',
+            r"line 3, column 16: the bytes b'\\xe9' are not UTF-8 \(invalid continuation byte\); save the file "
+            r"as UTF-8 \(from Latin-1, say: iconv -f latin1 -t utf-8 IN > OUT\)",
+        ),
+        (
+            "nul.jsonl",
+            GOOD_LINE + b'{"prompt": "a\x00b", "answer": "1"}\n',
+            r"line 2, column 14: a NUL byte \(\\x00\); the file is binary or damaged there",
+        ),
+        (
+            "document.json",
+            b'[{"prompt": "1+1="},\n {"prompt": "2+2=" "answer": 1}]',
+            r"line 2, column 20: not JSON \(Expecting ',' delimiter\); the file must be one JSON list of row objects",
+        ),
+        (
+            "lines.json",
+            GOOD_LINE + b'{"prompt": "2+2=",}\n',
+            r"line 2, column 19: not JSON \(Expecting property name enclosed in double quotes\); each line must be",
+        ),
+        ("latin1.json", b'[{"prompt": "caf\xe9"}]', r"line 1, column 17: the bytes b'\\xe9' are not UTF-8"),
+        (
+            "fields.csv",
+            b"prompt,answer\n1+1=,2\n3+3=,6,7\n",
+            r"line 3: 3 fields, but the header \(line 1\) has 2 \(prompt, answer\); quote a value that holds a comma",
+        ),
+        (
+            "quote.csv",
+            b'prompt,answer\n1+1=,2\n"2+2=,4\n3+3=,6\n',
+            r"line 3: a quoted field opens there and is never closed \(unexpected end of data\); close the quote",
+        ),
+        ("utf16.csv", "prompt,answer\n1+1=,2\n".encode("utf-16"), r"line 1: .* UTF-16 .*; save it as UTF-8"),
+        ("nul.csv", b"prompt,answer\n1+1=,2\nab\x00c,3\n", r"line 3, column 3: a NUL byte"),
+        (
+            "text.parquet",
+            b"prompt,answer\n1+1=,2\n",
+            r"not a readable Parquet file \(ArrowInvalid: .*\): it does not start with Parquet's magic bytes PAR1 "
+            r"\(a CSV or JSON file with the wrong extension\?\); .*write it again \(Dataset.to_parquet\(path\)",
+        ),
+        (
+            "cut.parquet",
+            _TRUNCATED_PARQUET,
+            r"not a readable Parquet file \(ArrowInvalid: .*\): it is damaged or truncated",
+        ),
+    ],
+)
+def test_a_bad_data_file_is_named_with_its_line_what_is_wrong_and_the_fix(tmp_path, name, data, message):
+    import re
+
+    path = tmp_path / name
+    if data == _TRUNCATED_PARQUET:
+        datasets.Dataset.from_list(ROWS * 20).to_parquet(str(tmp_path / "whole.parquet"))
+        data = (tmp_path / "whole.parquet").read_bytes()[:-30]
+    path.write_bytes(data)
+    # was: "Expected object or value at position 29", a bare UnicodeDecodeError, or datasets' "An error occurred
+    # while generating the dataset" (and a NUL in a CSV, or Latin-1 in a JSON-lines file, loaded as they were)
+    with pytest.raises(ValueError, match="^" + re.escape(f"cannot load {path}: ") + message):
+        load_prompt_dataset(path, prompt_column="prompt")
+
+
+def test_data_files_with_non_ascii_text_load_as_before(tmp_path):
+    rows = [{"prompt": "café ×2 = ?", "answer": "ü"}, {"prompt": "日本", "answer": "2"}]
+    for kind in ("json", "jsonl", "csv", "parquet"):
+        loaded = load_prompt_dataset(_write(tmp_path, kind, rows))
+        assert loaded["prompt"] == [r["prompt"] for r in rows] and loaded["answer"] == ["ü", "2"], kind
+
+
 def test_prompt_column_text_and_system_prompt():
     ds = load_prompt_dataset([{"prompt": "Say hi", "answer": "hi"}], system_prompt="Be brief.")
     assert ds["prompt"] == ["Be brief.\nSay hi"] and ds["answer"] == ["hi"]

@@ -243,6 +243,28 @@ def test_named_eval_sets_are_each_evaluated_as_alone(tiny_base_dir, tmp_path):
         trainer.evaluate([{"question": "no prompt column"}])
 
 
+def test_an_empty_set_in_a_dict_of_eval_sets_is_named(tiny_base_dir, tmp_path):
+    import datasets
+
+    empty = datasets.Dataset.from_dict({"prompt": []})
+    trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN)
+    message = r"^eval_dataset\['hard'\]: the prompt dataset from Dataset is empty: .*\(fill that set, or leave it out"
+    with pytest.raises(
+        ValueError, match=message
+    ):  # was: "eval_dataset: ... is empty", which of the sets unsaid
+        trainer.evaluate({"easy": PROMPTS[:3], "hard": empty})
+    with pytest.raises(ValueError, match=r"^eval_dataset\['hard'\]: the prompt dataset from list is empty"):
+        make_trainer(
+            tiny_base_dir,
+            tmp_path / "other",
+            **{**EVAL_RUN, "eval_dataset": {"easy": PROMPTS[:3], "hard": []}},
+        )
+    with pytest.raises(
+        ValueError, match=r"^eval_dataset\['hard'\]: cannot find the prompts: no column 'prompt'"
+    ):
+        trainer.evaluate({"easy": PROMPTS[:3], "hard": [{"question": "no prompt column"}]})
+
+
 def test_a_reward_that_is_always_right_gives_pass_at_k_one(tiny_base_dir, tmp_path):
     trainer = make_trainer(
         tiny_base_dir, tmp_path, **EVAL_RUN, reward_funcs=[always_right], eval_pass_k=[1, 3]

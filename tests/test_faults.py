@@ -76,6 +76,54 @@ def test_a_reward_function_failing_at_step_1_names_itself_and_the_step(
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # nothing trained, nothing to keep
 
 
+@pytest.mark.parametrize("front_door", ["native", "trl"])
+def test_reward_bisect_on_error_off_calls_a_failing_reward_once_and_names_it(
+    tiny_base_dir, tmp_path, front_door
+):
+    calls = []
+
+    def remote_reward(completions, **kwargs):
+        calls.append(len(completions))
+        raise TimeoutError("the scoring service did not answer")
+
+    if front_door == "native":
+        trainer = make_trainer(
+            tiny_base_dir,
+            tmp_path,
+            **QUICK,
+            max_steps=2,
+            reward_funcs=[remote_reward],
+            train_dataset=PROMPTS[:8],
+            reward_bisect_on_error=False,
+        )
+    else:
+        from lora_grpo.trl import GRPOConfig, GRPOTrainer
+
+        args = GRPOConfig(
+            output_dir=str(tmp_path / "run"),
+            use_cpu=True,
+            max_steps=2,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=4,
+            reward_bisect_on_error=False,
+        )
+        trainer = GRPOTrainer(
+            model=tiny_base_dir,
+            reward_funcs=remote_reward,
+            args=args,
+            train_dataset=datasets.Dataset.from_list(PROMPTS[:8]),
+        )
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"reward function 'remote_reward' raised TimeoutError: the scoring service did not answer on the "
+        r"batch of 4 completions \(not called again per sample: reward_bisect_on_error=false\)",
+    ) as info:
+        trainer.train()
+    assert info.value.function == "remote_reward"
+    assert calls == [4]  # one call for the step's batch; none per sample
+
+
 def test_a_reward_function_failing_after_hours_keeps_the_last_checkpoint_to_resume_from(
     tiny_base_dir, tmp_path
 ):

@@ -457,6 +457,31 @@ def test_compute_rewards_raising_only_on_batch():
         compute_rewards([batch_only], _q(2), ["a", "b"], {})
 
 
+def test_a_failing_reward_is_called_again_per_sample_unless_bisect_on_error_is_off():
+    calls = []
+
+    def paid_judge(prompts, completions, **kw):
+        calls.append(len(completions))
+        if "b" in completions:
+            raise ConnectionError("quota exceeded")
+        return [1.0] * len(completions)
+
+    with pytest.raises(
+        RuntimeError, match=r"'paid_judge' raised ConnectionError: quota exceeded; first failing sample 1"
+    ):
+        compute_rewards([paid_judge], _q(4), ["a", "b", "c", "d"], {})
+    assert calls == [4, 1, 1]  # the batch, then samples 0 and 1 alone: the second fails on its own
+    calls.clear()
+    with pytest.raises(RuntimeError) as info:
+        compute_rewards([paid_judge], _q(4), ["a", "b", "c", "d"], {}, bisect_on_error=False)
+    assert calls == [4]  # called exactly once
+    assert str(info.value) == (
+        "reward function 'paid_judge' raised ConnectionError: quota exceeded on the batch of 4 completions (not "
+        "called again per sample: reward_bisect_on_error=false); first sample 0: prompt='q', completion='a'"
+    )
+    assert info.value.function == "paid_judge" and isinstance(info.value.__cause__, ConnectionError)
+
+
 def test_compute_rewards_wrong_length():
     with pytest.raises(ValueError, match=r"'short'.*returned 1 values for 3 completions"):
         compute_rewards([named("short", const(1.0))], _q(3), ["a", "b", "c"], {})

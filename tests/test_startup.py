@@ -310,3 +310,12 @@ def test_an_init_adapter_path_that_is_no_adapter_says_what_to_pass(tmp_path):
         match=r"no adapter_config\.json.*a checkpoint or run directory: pass '.*checkpoint-4/policy'",
     ):
         _attach(init_adapter=str(checkpoint))
+
+
+def test_an_init_adapter_without_its_weights_file_says_so(tmp_path):
+    saved = _saved_adapter(tmp_path / "adapter")
+    (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
+    with pytest.raises(
+        ValueError, match=r"adapter_model\.safetensors is missing, so it holds no adapter weights"
+    ):
+        _attach(init_adapter=saved)  # was: peft's "Repo id must be in the form ..." (read as a hub id)

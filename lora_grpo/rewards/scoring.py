@@ -217,8 +217,9 @@ def _start(fn, name, prompts, completions, columns):
         return e
 
 
-def _score_one(fn, name, prompts, completions, columns, n, values) -> list[float | None]:
-    """Check one function's result (`values`, or the exception it raised): a list of n rewards."""
+def _score_one(fn, name, prompts, completions, columns, n, values, bisect: bool = True) -> list[float | None]:
+    """Check one function's result (`values`, or the exception it raised): a list of n rewards. `bisect`: on a
+    raise, call `fn` again one sample at a time to name the first that fails."""
     when, step = _when(columns)
 
     def fail(message: str) -> RewardFunctionError:
@@ -228,6 +229,11 @@ def _score_one(fn, name, prompts, completions, columns, n, values) -> list[float
         if isinstance(values, Exception):  # the call raised (an async function's result, or _call's)
             raise values
     except Exception as e:
+        if not bisect:
+            raise fail(
+                f"raised {type(e).__name__}: {e} on the batch of {n} completions (not called again per sample: "
+                f"reward_bisect_on_error=false); first {_sample(0, prompts, completions)}"
+            ) from e
         found = _find_failing_sample(fn, prompts, completions, columns)
         if found is not None:
             i, err = found
@@ -284,6 +290,7 @@ def compute_rewards(
     completions: Sequence[str],
     columns: Mapping[str, Sequence] | None = None,
     weights: Sequence[float] | torch.Tensor | None = None,
+    bisect_on_error: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Score N completions with F reward functions and combine them.
 
@@ -298,6 +305,10 @@ def compute_rewards(
             ``completion_ids``, ``completion_lengths`` and ``truncated``), except
             ``trainer_state``, passed as is.
         weights: F weights, default all 1.
+        bisect_on_error: when a function raises, call it again on one sample at a time to name the first
+            sample that fails on its own (N more calls at most, on the error path only); False calls each
+            function once per batch whatever happens (paid or remote rewards: the config's
+            reward_bisect_on_error).
 
     Returns:
         rewards: (N,) float32, ``sum_f w_f * r_f`` where a None counts as 0 (TRL's nansum); NaN only
@@ -317,7 +328,8 @@ def compute_rewards(
     or NaN for every completion -> :class:`RewardFunctionError` (a RuntimeError and a ValueError)
     naming the function, the optimizer steps done (from ``trainer_state``) and the sample: for a
     raise, the first sample that fails on its own (found by calling it per sample), chained from
-    the original. An ``async def`` function or len(weights) != F -> ValueError.
+    the original (with ``bisect_on_error=False``, the first sample of the batch). len(weights) != F ->
+    ValueError.
     """
     reward_funcs = list(reward_funcs)
     n, n_funcs = len(completions), len(reward_funcs)
@@ -350,7 +362,7 @@ def compute_rewards(
     for j, value in zip(pending, run_coroutines([results[j] for j in pending]) if pending else []):
         results[j] = value  # async functions run concurrently, as TRL awaits them
     for j, (fn, name) in enumerate(zip(reward_funcs, names, strict=True)):
-        scores = _score_one(fn, name, prompts, completions, columns, n, results[j])
+        scores = _score_one(fn, name, prompts, completions, columns, n, results[j], bisect_on_error)
         per_func[:, j] = torch.tensor([float("nan") if s is None else s for s in scores], dtype=torch.float32)
 
     present = ~per_func.isnan()  # (N, F)

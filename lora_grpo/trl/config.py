@@ -5,8 +5,8 @@ it, as TRL's does), with TRL's five overrides (learning_rate 1e-6, logging_steps
 gradient_checkpointing True, bf16 None = "not fp16", remove_unused_columns False). The 77 fields of
 TRL's own are written out below with TRL 1.16's defaults, read from the pinned package. What each
 one does in lora_grpo is lora_grpo.trl.translate's table: acted on as in TRL, or refused by name when
-set away from its default. Last come lora_grpo's own extensions (EXTENSIONS), off by default. `trl`
-is not needed to use this class.
+set away from its default. Last come lora_grpo's own extensions (EXTENSIONS): at their defaults a run is as
+in TRL. `trl` is not needed to use this class.
 """
 
 from __future__ import annotations
@@ -18,9 +18,15 @@ from typing import Any
 from transformers import TrainingArguments
 
 TRL_VERSION = "1.16.0"  # the release whose GRPOConfig this mirrors (tests compare against it where installed)
-# Fields of lora_grpo's own, beyond TRL's: what TRL cannot do. Each is off at its default, and maps to
-# the native field of the same name.
-EXTENSIONS = ("dynamic_sampling", "dynamic_sampling_max_rounds", "dynamic_sampling_min_std")
+# Fields of lora_grpo's own, beyond TRL's: what TRL cannot do. Each leaves a TRL script's run as in TRL at
+# its default (reward_bisect_on_error acts only once a reward has raised), and maps to the native field of the
+# same name.
+EXTENSIONS = (
+    "dynamic_sampling",
+    "dynamic_sampling_max_rounds",
+    "dynamic_sampling_min_std",
+    "reward_bisect_on_error",
+)
 
 
 def _f(default, help: str):
@@ -148,7 +154,7 @@ class GRPOConfig(TrainingArguments):
     transformers_continuous_batching_config: dict | str | None = _f(None, "continuous batching config")
     use_transformers_paged: bool = _f(False, "deprecated: use_transformers_continuous_batching")
     vllm_importance_sampling_cap: float | None = _f(None, "deprecated: vllm_importance_sampling_clip_max")
-    # --- lora_grpo's extensions (not TRL's: EXTENSIONS; off by default, so a TRL script runs as in TRL) --
+    # --- lora_grpo's extensions (not TRL's: EXTENSIONS; at their defaults a TRL script runs as in TRL) --
     dynamic_sampling: bool = _f(
         False,
         "lora_grpo: train only on groups whose rewards are not all equal (DAPO's dynamic sampling; "
@@ -157,6 +163,11 @@ class GRPOConfig(TrainingArguments):
     dynamic_sampling_max_rounds: int = _f(4, "lora_grpo: dynamic_sampling's rollouts per step at most")
     dynamic_sampling_min_std: float = _f(
         0.0, "lora_grpo: dynamic_sampling also drops groups whose reward std is below this"
+    )
+    reward_bisect_on_error: bool = _f(
+        True,
+        "lora_grpo: when a reward function raises, call it again per sample to name the failing one (False "
+        "for paid or remote rewards)",
     )
 
     def __post_init__(self):
