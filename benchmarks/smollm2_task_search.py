@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=210)
     p.add_argument("--pass-k", type=int, default=8)
     p.add_argument("--system-prompt", default=None)
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
     args = p.parse_args()
     held_out = chat_sum_problems(args.prompts, split="eval", kind=args.kind)
     for budget in args.new_tokens:
@@ -35,6 +36,7 @@ def main() -> None:
             max_prompt_length=96,
             eval_pass_k=[1, args.pass_k],
             eval_kl_to_base=False,
+            temperature=args.temperature,
             system_prompt=args.system_prompt,
             max_steps=1,
             output_dir="runs/smollm2-task-search",
@@ -50,6 +52,7 @@ def main() -> None:
             "kind": args.kind,
             "new_tokens": budget,
             "system_prompt": args.system_prompt,
+            "temperature": args.temperature,
             "prompts": args.prompts,
             "greedy": metrics["eval/last_number_reward"],
             "pass@1": metrics["eval/pass@1"],

