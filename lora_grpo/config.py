@@ -151,7 +151,8 @@ class GRPOConfig:
     dataset: str | None = _f(
         None,
         "training prompts: a hub dataset name or a local json/jsonl/csv/parquet file or saved "
-        "dataset dir; 'toy' / 'countdown' / 'calculator' / 'countdown-toy' / 'chat-sum' = offline tasks generated locally",
+        "dataset dir; 'toy' / 'countdown' / 'calculator' / 'countdown-toy' / 'chat-sum' = offline tasks "
+        "generated locally",
     )
     dataset_config: str | None = _f(
         None, "configuration name of a hub dataset that has several (gsm8k: 'main')"

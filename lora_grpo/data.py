@@ -30,8 +30,8 @@ import datasets
 from .data_files import FILE_BUILDERS, load_data_file
 from .prompt_batches import PromptBatches
 from .tasks.calculator import calculator_problems
-from .tasks.countdown import countdown_problems
 from .tasks.chat_arithmetic import chat_sum_problems
+from .tasks.countdown import countdown_problems
 from .tasks.countdown_toy import countdown_toy_problems
 from .tasks.toy import toy_problems
 

@@ -15,7 +15,10 @@ def _pairs(rows) -> set[tuple[int, int]]:
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_no_held_out_sum_is_trained_on_in_either_order_or_any_phrasing(kind):
-    train, held_out = chat_sum_problems(600, split="train", kind=kind), chat_sum_problems(200, split="eval", kind=kind)
+    train, held_out = (
+        chat_sum_problems(600, split="train", kind=kind),
+        chat_sum_problems(200, split="eval", kind=kind),
+    )
     assert not _pairs(train) & _pairs(held_out)
     for rows in (train, held_out):
         prompts = [r["prompt"][0]["content"] for r in rows]
