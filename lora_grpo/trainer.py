@@ -27,7 +27,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .adapters import POLICY, policy_parameters, reference_forward, set_training
-from .batch import Batch
+from .batch import Batch, Generation
 from .config import ConfigError, GRPOConfig
 from .data import PromptBatches, named_eval_sets, process_shard, resolve_datasets, resolve_eval_dataset
 from .device import mixed_precision_dtype, now, place_model
@@ -323,36 +323,37 @@ class GRPOTrainer:
                         pending, state.unfinished_step = state.unfinished_step, None
                         self._end_step(pending["metrics"], epoch_ended=pending["epoch_ended"], stop=stop)
                     while state.global_step < self.total_steps and not self.stop_requested:
-                        if cfg.dynamic_sampling and not cfg.max_steps and self._agreed_prompts_spent():
-                            break  # the epochs' prompts are drawn (a step may draw several batches)
-                        with stage("rollout"):  # the data: a row that fails to load or to format
-                            epoch, rows = next(state.batches)
-                        self._event("step_begin")  # a rollout's first step begins with the rollout
-                        steps, round_metrics = self.generation_round(rows)
-                        epoch_ended = state.batches.epoch != epoch  # after every round of the step
-                        for k, step_batch in enumerate(steps):
-                            if k:
-                                self._event("step_begin")
-                            with stage("update"):
-                                metrics = {
-                                    **(round_metrics if k == 0 else {}),
-                                    **self.timed_update(step_batch),
-                                }
-                            metrics["time/step"] = metrics["time/train"] + (
-                                metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0)
-                            )
-                            state.global_step += 1
-                            state.epoch = (  # passes over the data: with dynamic sampling, the prompts drawn
-                                state.batches.epochs_done
-                                if cfg.dynamic_sampling
-                                else state.global_step / self.steps_per_epoch
-                            )
-                            metrics["epoch"] = epoch
-                            self._end_step(
-                                metrics, epoch_ended=epoch_ended and k == len(steps) - 1, stop=stop
-                            )
-                            if state.global_step >= self.total_steps or self.stop_requested:
-                                break
+                        round_metrics = {}
+                        if not state.generation:  # a new rollout; else the next step of this one's
+                            if cfg.dynamic_sampling and not cfg.max_steps and self._agreed_prompts_spent():
+                                break  # the epochs' prompts are drawn (a step may draw several batches)
+                            with stage("rollout"):  # the data: a row that fails to load or to format
+                                epoch, rows = next(state.batches)
+                            self._event("step_begin")  # a rollout's first step begins with the rollout
+                            steps, round_metrics = self.generation_round(rows)
+                            # after every round of the step
+                            state.generation = Generation(tuple(steps), epoch, state.batches.epoch != epoch)
+                        else:
+                            self._event("step_begin")
+                        # A new Generation of the rest: what a failure keeps still holds this step.
+                        step_batch, state.generation = state.generation.pop()
+                        with stage("update"):
+                            metrics = {**round_metrics, **self.timed_update(step_batch)}
+                        metrics["time/step"] = metrics["time/train"] + (
+                            metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0)
+                        )
+                        state.global_step += 1
+                        state.epoch = (  # passes over the data: with dynamic sampling, the prompts drawn
+                            state.batches.epochs_done
+                            if cfg.dynamic_sampling
+                            else state.global_step / self.steps_per_epoch
+                        )
+                        metrics["epoch"] = state.generation.epoch
+                        self._end_step(
+                            metrics,
+                            epoch_ended=state.generation.epoch_ended and not state.generation,
+                            stop=stop,
+                        )
                 with stage("eval"):
                     eval_after = self._evaluate_and_log("after") if has_eval and cfg.eval_on_end else {}
                 with stage("checkpoint"):
@@ -402,6 +403,8 @@ class GRPOTrainer:
         saved = self.last_finished.for_failure(stages, self.update.optimizer_steps)
         if saved is not None and saved.state["global_step"] > 0 and self.accelerator.num_processes == 1:
             state.load_state_dict(saved.state)
+            for name, part in saved.process.items():  # the generation's steps as that step left them
+                setattr(state, name, part)
             del state.log_history[saved.history :]
             state.unfinished_step = saved.pending
             try:
@@ -701,19 +704,21 @@ class GRPOTrainer:
 
     def save_checkpoint(self, rng: dict[str, Any] | None = None) -> Path | None:
         """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, every process's RNG
-        states, and the TrainState whole. Atomic (checkpoint.py). Called on every process: each
-        one's RNG states are gathered; the main process writes. `rng`: this process's states to save
+        states, and the TrainState whole (each process's steps left of its generation included).
+        Atomic (checkpoint.py). Called on every process: each one's RNG states and own state are
+        gathered; the main process writes. `rng`: this process's states to save
         instead of the current ones (those of the last finished step, after a failure)."""
         from accelerate.utils import gather_object
 
-        rng = rng or self._rng()
-        rngs = gather_object([rng]) if self.accelerator.num_processes > 1 else [rng]
+        mine = (rng or self._rng(), self.state.process_state_dict())
+        gathered = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
         target = self.output_dir / f"checkpoint-{self.state.global_step}"
         if self.is_main:
             blobs = {
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
-                "rng": rngs,
+                "rng": [rng for rng, _ in gathered],
+                "process_state": [process for _, process in gathered],
             }
             state = self.state.state_dict()
             ckpt.explain_write_failure(
@@ -745,6 +750,7 @@ class GRPOTrainer:
             config_values=self.config.to_dict(),
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
+            device=self.accelerator.device,
         )
         saved_lr = apply_optimizer_config(
             self.optimizer, self.scheduler, self.config
@@ -762,7 +768,13 @@ class GRPOTrainer:
                 self._print(
                     f"{moved.name}: a later checkpoint of the run this one resumes, set aside (not deleted)"
                 )
-        self._print(f"resumed from {path} at step {state.global_step}")
+        left = len(state.generation) if state.generation else 0
+        inside = (
+            f", inside a generation: its {left} step(s) left train on the checkpoint's rollout"
+            if left
+            else ""
+        )
+        self._print(f"resumed from {path} at step {state.global_step}{inside}")
         return path
 
     def _stop(self, signum: int) -> None:
