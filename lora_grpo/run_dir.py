@@ -28,6 +28,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .checkpoint import list_checkpoints
@@ -441,12 +442,18 @@ def _refusal(root: Path, found: dict, resume_from) -> str:
 
 # ----------------------------------------------------------------------------- resume at the end
 def nothing_to_train(
-    global_step: int, total_steps: int, checkpoint: str | Path, adapter_missing: bool = False
+    global_step: int,
+    total_steps: int,
+    checkpoint: str | Path,
+    adapter_missing: bool = False,
+    *,
+    further: Callable[[int], str],
 ) -> str | None:
     """The line for a resumed checkpoint with no step left (global_step ≥ total_steps), else None.
     What train() does then: no step, no eval, no checkpoint; the run directory stays as it is, but
     for a final adapter/ that is missing (a run that ended between its last checkpoint and it),
-    which is written from the checkpoint's policy (`adapter_missing`)."""
+    which is written from the checkpoint's policy (`adapter_missing`). `further(max_steps)`: how to
+    train on to max_steps, in the words of the entry point (GRPOTrainer.train_further_hint)."""
     if global_step < total_steps:
         return None
     name = Path(checkpoint).name
@@ -462,8 +469,7 @@ def nothing_to_train(
     )
     return (
         f"{where}: nothing left to train, so nothing is trained, evaluated or saved again and {kept}. To train "
-        f"further, raise max_steps: --set max_steps={max(total_steps, global_step) * 2} "
-        "--set resume_from_checkpoint=latest"
+        f"further, raise max_steps: {further(max(total_steps, global_step) * 2)}"
         + (
             ""
             if global_step == total_steps

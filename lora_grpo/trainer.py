@@ -271,6 +271,11 @@ class GRPOTrainer:
             f"set resume_from_checkpoint='latest' in the GRPOConfig (output_dir={str(self.output_dir)!r}) "
             "and call train() again"
         )
+        # How to train this run on to more steps (max_steps), in the same words.
+        self.train_further_hint: Callable[[int], str] = lambda max_steps: (
+            f"build a new GRPOTrainer with max_steps={max_steps} and resume_from_checkpoint='latest' in its "
+            f"GRPOConfig (output_dir={str(self.output_dir)!r})"
+        )
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -290,7 +295,9 @@ class GRPOTrainer:
                 self.load_checkpoint(cfg.resume_from_checkpoint),
                 not (self.output_dir / "adapter").exists(),
             )
-            line = nothing_to_train(state.global_step, self.total_steps, resumed, no_adapter)
+            line = nothing_to_train(
+                state.global_step, self.total_steps, resumed, no_adapter, further=self.train_further_hint
+            )
             if line:  # a finished run: nothing trained, evaluated or saved again
                 self._print(line)
                 if no_adapter and self.is_main:

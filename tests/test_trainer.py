@@ -4,7 +4,15 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPTS, SMALL_RUN, adapter_state, base_state, changed, digit_share, make_trainer
+from conftest import (
+    PROMPTS,
+    SMALL_RUN,
+    adapter_state,
+    base_state,
+    changed,
+    digit_share,
+    make_trainer,
+)
 
 import lora_grpo.trainer as trainer_module
 import lora_grpo.update as update_module
