@@ -17,7 +17,8 @@ main process only:
   (metrics.jsonl, completions.jsonl, config.yaml, summary.json) or mixed in (a stale checkpoint-200
   beside the new run's checkpoint-50 is what resume_from_checkpoint=latest would pick).
 
-`nothing_to_train` is the line for a resumed checkpoint already at (or past) the run's last step.
+`nothing_to_train` is the line for a resumed checkpoint already at (or past) the run's last step;
+`trained_already` the refusal of a second train() on a trainer that has trained.
 """
 
 from __future__ import annotations
@@ -476,6 +477,29 @@ def nothing_to_train(
             else "; to end at an earlier step, resume from an earlier checkpoint"
         )
     )
+
+
+def trained_already(
+    global_step: int, total_steps: int, output_dir: str | Path, resume: str, further: Callable[[int], str]
+) -> str:
+    """The refusal of a second train() on a trainer that has trained (without resume_from_checkpoint):
+    it would train nothing, or start from the middle of this run's state, and set this run's files aside.
+    `resume` and `further` say how to go on in the entry point's words (GRPOTrainer.resume_hint and
+    train_further_hint)."""
+    head = (
+        f"train() was already called on this GRPOTrainer: it trained {output_dir} to step "
+        f"{global_step}/{total_steps}"
+    )
+    new_run = (
+        "for a new run, build a new GRPOTrainer (another output_dir, or overwrite_output_dir=True to move "
+        "this run's files aside)"
+    )
+    if global_step >= total_steps:
+        return (
+            f"{head}, so a second call would train nothing. To train further, raise max_steps: "
+            f"{further(total_steps * 2)}; {new_run}"
+        )
+    return f"{head} and stopped there. To continue it: {resume}; {new_run}"
 
 
 def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:

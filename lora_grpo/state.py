@@ -44,6 +44,11 @@ _RENAMED = {"step": "global_step", "history": "log_history", "warmup_restart_upd
 # What a field means when an older checkpoint did not save it: an unknown reference slot is not
 # assumed to equal the policy (its forward runs).
 _IF_MISSING = {"reference_is_policy": False}
+# Fields a new run of the same trainer keeps (TRL's second train(), GRPOTrainer._start_again): facts about the
+# adapters and the sizes in use, not about the run.
+OF_THE_MODEL = frozenset(
+    {"reference_is_policy", "micro_batch_size", "gradient_checkpointing", "num_processes"}
+)
 # A field's metadata key: the field is this process's own, saved with tensors in trainer_state.pt; its value
 # is the function that rebuilds the part from its saved state (saved, device) -> part.
 PER_PROCESS = "lora_grpo_per_process"
@@ -140,6 +145,15 @@ class TrainState(TrainerState):
             if PER_PROCESS in f.metadata:
                 value = saved.get(f.name)
                 setattr(self, f.name, None if value is None else f.metadata[PER_PROCESS](value, device))
+
+    def start_again(self, fresh: TrainState) -> None:
+        """Become `fresh` (a new run's state, TrainState.for_run) in place, parts included, but for the
+        OF_THE_MODEL fields: what a new run on the same adapters starts from. In place, since the
+        update, the sizes and the scorer hold this object."""
+        kept = {name: getattr(self, name) for name in OF_THE_MODEL}
+        self.load_state_dict(fresh.state_dict())
+        for name, value in {**kept, **fresh.process_parts()}.items():
+            setattr(self, name, value)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore every saved field but FROM_CONFIG; parts restore through their load_state_dict().

@@ -40,6 +40,7 @@ from .optim import (
     WarmupRestarts,
     build_optimizer,
     build_scheduler,
+    refresh_lr,
     reset_optimizer_state,
     steps_of,
     sum_over_processes,
@@ -50,7 +51,7 @@ from .reporting import RunReporter, accelerator_kwargs, format_metrics, progress
 from .rewards.scoring import RewardFunctionError
 from .rng import rng_state, seed_everything
 from .rollout import Rollout
-from .run_dir import claim_for_run, kept_work, nothing_to_train
+from .run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
 from .sampler import PolicySampler
 from .scorer import RolloutScorer
 from .sizes import RunSizes
@@ -280,7 +281,22 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
         """Run to total_steps; returns the run summary (also written to summary.json). output_dir is
-        claimed for the run (run_dir.py: a lock, and no new run over another run's files)."""
+        claimed for the run (run_dir.py: a lock, and no new run over another run's files).
+
+        A trainer trains one run: once it has trained, a second call is refused (RuntimeError, saying
+        how to go on) unless it resumes (resume_from_checkpoint set in its config), before output_dir
+        is touched. To train further, build a new GRPOTrainer with a higher max_steps and
+        resume_from_checkpoint='latest'."""
+        if self.state.global_step and not self.config.resume_from_checkpoint:
+            raise RuntimeError(
+                trained_already(
+                    self.state.global_step,
+                    self.total_steps,
+                    self.output_dir,
+                    self.resume_hint,
+                    self.train_further_hint,
+                )
+            )
         with claim_for_run(self.output_dir, self.config, self.accelerator) as claim:
             for note in claim.notes:
                 self._print(note)
@@ -394,6 +410,21 @@ class GRPOTrainer:
             before=before,
             after=after,
         )
+
+    def _start_again(self) -> None:
+        """A new run from the adapters and the optimizer's moments as they are (what TRL's second train()
+        does, for the TRL front door): step 0 with a fresh run's loop state (the data from its first
+        batch, no history, the schedules at their start, no generation left), the LR schedule from its
+        first update. The sampling and torch RNGs go on where they are, as in TRL."""
+        cfg = self.config
+        batches = PromptBatches(
+            self.train_dataset, cfg.prompts_per_generation, seed=cfg.seed, shuffle=cfg.shuffle_dataset
+        )
+        warmup = WarmupRestarts(steps_of(cfg.warmup_steps, self.total_steps))
+        self.state.start_again(TrainState.for_run(cfg, self.accelerator, self.total_steps, batches, warmup))
+        self.scheduler.last_epoch = 0
+        refresh_lr(self.optimizer, self.scheduler)
+        self.stop_requested = False
 
     def _finished_step(self) -> None:
         """The state is the last finished step's (the start, or a step end done): what a failure saves."""

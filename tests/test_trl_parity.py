@@ -814,8 +814,42 @@ def test_the_offline_toy_bases_are_models_by_name(toy_base, tmp_path, monkeypatc
     assert Path(trainer.model.get_base_model().config._name_or_path) == Path(toy_base)
 
 
-# ------------------------------------------------------------------------------ resume at the end
+# ------------------------------------------------------------------------------ train() again, resume at the end
 SAVING = ARGS.replace("save_strategy='no'", "save_strategy='steps', save_steps=1")
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_second_train_starts_a_new_run_from_the_trained_weights(tiny_base_dir, tmp_path, library):
+    import os
+
+    import torch
+
+    out = tmp_path / library
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {SAVING}, max_steps=2, logging_steps=1, learning_rate=1e-2)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
+        first = trainer.train()
+        history = list(trainer.state.log_history)
+        weights = {{n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}}
+        second = trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(out),
+    )
+    t, history = scope["trainer"], scope["trainer"].state.log_history
+    # transformers' Trainer.train: a new TrainerState (the second run's records only), step 0 to max_steps again
+    assert scope["first"].global_step == scope["second"].global_step == t.state.global_step == 2
+    assert [r["step"] for r in history] == [1, 2, 2] and "train_runtime" in history[-1]
+    # the LR schedule from its start; the weights trained on (not a call that trains nothing)
+    assert [r["learning_rate"] for r in history[:2]] == [r["learning_rate"] for r in scope["history"][:2]]
+    now = dict(t.model.named_parameters())
+    assert any(not torch.equal(now[n].detach(), w) for n, w in scope["weights"].items())
+    assert {"checkpoint-1", "checkpoint-2"} <= set(
+        os.listdir(out)
+    )  # the second run's (ours: the first's aside)
 
 
 @pytest.mark.parametrize("library", LIBRARIES)

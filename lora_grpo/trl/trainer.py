@@ -229,6 +229,8 @@ class GRPOTrainer:
         (for this call only, as in TRL). The closing record holds transformers' train_* figures and, as TRL's
         log() merges them, the metrics of the steps after the last logging step."""
         native = self.native
+        if native.state.global_step and not resume_from_checkpoint:
+            self._start_again()
         native.config.resume_from_checkpoint = (
             None
             if not resume_from_checkpoint
@@ -259,6 +261,15 @@ class GRPOTrainer:
         }
         self.log({**self._unlogged_window(), **metrics})
         return TrainOutput(steps, metrics["train_loss"], {**metrics, "epoch": self.state.epoch})
+
+    def _start_again(self) -> None:
+        """A second train() without a checkpoint, as transformers' Trainer.train: a new run from the weights
+        and the optimizer's moments as they are, at step 0 with a new TrainerState (no history) and the LR
+        schedule from its start, the data from its first batch (GRPOTrainer._start_again)."""
+        self.native._start_again()
+        self.state = self._new_state()
+        self.native.scorer.trainer_state = self.state
+        self._logged_upto = self._first_record = 0
 
     def _at_checkpoint(self, native_state) -> None:
         """The TRL state of a resumed checkpoint with no step left: its step, epoch and TRL log history."""
