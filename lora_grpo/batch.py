@@ -3,11 +3,16 @@
 Rollout ─► Batch.from_rollout (loss mask, advantages) ─► steps (one per optimizer step)
         ─► micro_batches(size): dicts the loss path takes (memory.worst_case_micro_batch
            builds the same format for the start-up probe)
+
+A generation's steps not trained yet are a `Generation`: the loop trains them one by one, and a
+checkpoint written between two of them saves them (CPU tensors), so that a resume trains the rest of
+the generation on the same rollout, as the uninterrupted run does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -93,3 +98,41 @@ class Batch:
                 "ref_logp": None if self.ref_logp is None else self.ref_logp[rows, :t],
                 "completion_length": t,
             }
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A generation's optimizer steps not trained yet, in training order, with what their step ends
+    need: the epoch the prompts came from and whether drawing them ended an epoch (its last step ends
+    the epoch). Immutable: `pop()` returns the next step and a new Generation of the rest, so that a
+    reference kept for a failure (failures.LastFinishedStep) still holds the step that failed."""
+
+    steps: tuple[Batch, ...]
+    epoch: int
+    epoch_ended: bool
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def pop(self) -> tuple[Batch, Generation]:
+        return self.steps[0], Generation(self.steps[1:], self.epoch, self.epoch_ended)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values and CPU tensors (each its own copy: a slice saved alone would carry its
+        whole rollout's storage), so that torch.load(weights_only=True) reads it back."""
+        return {
+            "epoch": self.epoch,
+            "epoch_ended": self.epoch_ended,
+            "steps": [
+                {
+                    f.name: None if (v := getattr(b, f.name)) is None else v.to("cpu", copy=True)
+                    for f in fields(b)
+                }
+                for b in self.steps
+            ],
+        }
+
+    @classmethod
+    def from_state_dict(cls, saved: dict[str, Any], device) -> Generation:
+        steps = tuple(Batch(**step).to(device) for step in saved["steps"])
+        return cls(steps, int(saved["epoch"]), bool(saved["epoch_ended"]))

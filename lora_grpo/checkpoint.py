@@ -6,7 +6,8 @@ fsynced, then renamed into place):
     checkpoint-{step}/
       policy/      adapter_model.safetensors, adapter_config.json   (a plain peft adapter)
       reference/   the same for the reference slot
-      trainer_state.pt    optimizer, LR scheduler, every process's RNG states
+      trainer_state.pt    optimizer, LR scheduler, every process's RNG states and per-process state
+                          (the steps left of the generation the checkpoint lies in: its rollout's rows)
       trainer_state.json  the loop's TrainState (state.py): step, data position, metrics history, ...
       config.yaml         the run's resolved config
 
@@ -517,9 +518,11 @@ def restore_training_state(
     config_values: dict[str, Any],
     num_processes: int,
     process_index: int,
+    device=None,
 ) -> dict[str, Any]:
     """Resume from the resolved checkpoint `path` into the run's parts: both adapters, optimizer and
-    LR scheduler, the TrainState (state.py) and this process's RNG states. Checks first that the
+    LR scheduler, the TrainState (state.py) with this process's own part of it (its tensors onto
+    `device`; default: the sampling generator's) and this process's RNG states. Checks first that the
     checkpoint fits (check_compatible). Returns the saved TrainState dict (its sizes, for the caller)."""
     saved, blobs = load_checkpoint_state(path)
     check_compatible(
@@ -533,6 +536,9 @@ def restore_training_state(
     optimizer.load_state_dict(optimizer_state_on_devices(blobs["optimizer"], optimizer))
     scheduler.load_state_dict(blobs["scheduler"])
     state.load_state_dict(saved)
+    # Checkpoints written before the per-process state existed have none: no generation left.
+    per_process = blobs.get("process_state") or [{}] * len(blobs["rng"])
+    state.load_process_state_dict(per_process[process_index], generator.device if device is None else device)
     rng = blobs["rng"][process_index]  # this process's own states
     set_rng_state(rng)
     line = restore_sampling(

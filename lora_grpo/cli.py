@@ -96,6 +96,7 @@ def cmd_train(args) -> int:
         print(f"lora-grpo: training {config.model_name_or_path} → {config.output_dir} (recipe {recipe})")
     trainer = GRPOTrainer(config)
     trainer.resume_hint = resume_command(recipe, args.set)
+    trainer.train_further_hint = lambda max_steps: resume_command(recipe, args.set, max_steps=max_steps)
     summary = trainer.train()
     if main_process:
         print(json.dumps({k: v for k, v in summary.items() if not k.startswith("eval_")}, indent=2))
@@ -103,17 +104,19 @@ def cmd_train(args) -> int:
     return 0
 
 
-def resume_command(recipe: str, sets: list[str]) -> str:
+def resume_command(recipe: str, sets: list[str], max_steps: int | None = None) -> str:
     """The command that resumes this `lora-grpo train`: its recipe and --set overrides, resuming the
-    latest checkpoint."""
+    latest checkpoint; with `max_steps`, training on to that step."""
     import shlex
 
-    kept = [s for s in sets if s.split("=", 1)[0].strip() != "resume_from_checkpoint"]
+    replaced = {"resume_from_checkpoint"} | ({"max_steps"} if max_steps is not None else set())
+    kept = [s for s in sets if s.split("=", 1)[0].strip() not in replaced]
     return " ".join(
         [
             "lora-grpo train",
             shlex.quote(recipe),
             *(f"--set {shlex.quote(s)}" for s in kept),
+            *([f"--set max_steps={max_steps}"] if max_steps is not None else []),
             "--set resume_from_checkpoint=latest",
         ]
     )

@@ -9,10 +9,12 @@ stages it passed, innermost last (`stages_of`), whatever catches it.
 step can still be checkpointed when its state is whole:
 
 - `finished(...)`: the end of a step (or the start of a run): a copy of the loop's state but its
-  history (kept as a length), the RNG states, and how many optimizer steps have begun. Until the next
+  history (kept as a length), its per-process parts (the steps left of the current generation, held
+  by reference: they are immutable), the RNG states, and how many optimizer steps have begun. Until the next
   optimizer step begins, the adapters and the optimizer are this step's; a failure in the next rollout,
   environment, reward or in the update's forward / backward (an out-of-memory) is saved as this step,
-  with the data position before the batch that failed, so that a resume redoes that batch exactly.
+  with the data position before the batch that failed and the generation's steps before the one that
+  failed, so that a resume redoes that batch, or that step of the generation, exactly.
 - `update_done(...)`: a step's update finished and its step end (eval, sync, log) has not changed
   anything yet; an eval that fails here is saved as that step with its step end pending: the resumed
   run ends the step first (`TrainState.unfinished_step`), as the uninterrupted run would have.
@@ -29,7 +31,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 STAGES = ("rollout", "environment", "reward", "update", "eval", "sync", "log", "checkpoint")
@@ -90,6 +92,7 @@ class Saveable:
     rng: dict[str, Any]  # this process's RNG states, the sampling generator's included
     optimizer_steps: int  # PolicyUpdate.optimizer_steps then
     pending: dict[str, Any] | None = None  # a step whose update finished and whose step end did not run
+    process: dict[str, Any] = field(default_factory=dict)  # TrainState.process_parts() then (references)
 
 
 class LastFinishedStep:
@@ -100,7 +103,9 @@ class LastFinishedStep:
         self.failing_step = 1  # the step a failure now would be in (1-based, as the progress line counts)
 
     def finished(self, state, rng: dict[str, Any], optimizer_steps: int) -> None:
-        self.saveable = Saveable(_copy(state), len(state.log_history), rng, optimizer_steps)
+        self.saveable = Saveable(
+            _copy(state), len(state.log_history), rng, optimizer_steps, process=state.process_parts()
+        )
         self.failing_step = state.global_step + 1
 
     def update_done(
@@ -113,6 +118,7 @@ class LastFinishedStep:
             rng,
             optimizer_steps,
             pending={"metrics": dict(metrics), "epoch_ended": epoch_ended},
+            process=state.process_parts(),
         )
 
     def changing(self) -> None:

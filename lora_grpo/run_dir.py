@@ -17,7 +17,8 @@ main process only:
   (metrics.jsonl, completions.jsonl, config.yaml, summary.json) or mixed in (a stale checkpoint-200
   beside the new run's checkpoint-50 is what resume_from_checkpoint=latest would pick).
 
-`nothing_to_train` is the line for a resumed checkpoint already at (or past) the run's last step.
+`nothing_to_train` is the line for a resumed checkpoint already at (or past) the run's last step;
+`trained_already` the refusal of a second train() on a trainer that has trained.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .checkpoint import list_checkpoints
@@ -441,12 +443,18 @@ def _refusal(root: Path, found: dict, resume_from) -> str:
 
 # ----------------------------------------------------------------------------- resume at the end
 def nothing_to_train(
-    global_step: int, total_steps: int, checkpoint: str | Path, adapter_missing: bool = False
+    global_step: int,
+    total_steps: int,
+    checkpoint: str | Path,
+    adapter_missing: bool = False,
+    *,
+    further: Callable[[int], str],
 ) -> str | None:
     """The line for a resumed checkpoint with no step left (global_step ≥ total_steps), else None.
     What train() does then: no step, no eval, no checkpoint; the run directory stays as it is, but
     for a final adapter/ that is missing (a run that ended between its last checkpoint and it),
-    which is written from the checkpoint's policy (`adapter_missing`)."""
+    which is written from the checkpoint's policy (`adapter_missing`). `further(max_steps)`: how to
+    train on to max_steps, in the words of the entry point (GRPOTrainer.train_further_hint)."""
     if global_step < total_steps:
         return None
     name = Path(checkpoint).name
@@ -462,14 +470,36 @@ def nothing_to_train(
     )
     return (
         f"{where}: nothing left to train, so nothing is trained, evaluated or saved again and {kept}. To train "
-        f"further, raise max_steps: --set max_steps={max(total_steps, global_step) * 2} "
-        "--set resume_from_checkpoint=latest"
+        f"further, raise max_steps: {further(max(total_steps, global_step) * 2)}"
         + (
             ""
             if global_step == total_steps
             else "; to end at an earlier step, resume from an earlier checkpoint"
         )
     )
+
+
+def trained_already(
+    global_step: int, total_steps: int, output_dir: str | Path, resume: str, further: Callable[[int], str]
+) -> str:
+    """The refusal of a second train() on a trainer that has trained (without resume_from_checkpoint):
+    it would train nothing, or start from the middle of this run's state, and set this run's files aside.
+    `resume` and `further` say how to go on in the entry point's words (GRPOTrainer.resume_hint and
+    train_further_hint)."""
+    head = (
+        f"train() was already called on this GRPOTrainer: it trained {output_dir} to step "
+        f"{global_step}/{total_steps}"
+    )
+    new_run = (
+        "for a new run, build a new GRPOTrainer (another output_dir, or overwrite_output_dir=True to move "
+        "this run's files aside)"
+    )
+    if global_step >= total_steps:
+        return (
+            f"{head}, so a second call would train nothing. To train further, raise max_steps: "
+            f"{further(total_steps * 2)}; {new_run}"
+        )
+    return f"{head} and stopped there. To continue it: {resume}; {new_run}"
 
 
 def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:

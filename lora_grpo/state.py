@@ -6,8 +6,10 @@ beside them. `state_dict()` walks every dataclass field, so a field added here i
 restored without a line anywhere else; a field whose value is a part with its own state (the data
 position, the sync schedule, the warmup restarts) is saved through that part's `state_dict()`.
 
-Not in here: the tensors (optimizer, LR scheduler, RNG states: checkpoint.py writes them to
-trainer_state.pt) and the adapters themselves.
+Fields marked PER_PROCESS hold tensors and are each process's own (the steps left of the current
+generation): `state_dict()` leaves them out, `process_state_dict()` gives them as CPU tensors, which
+checkpoint.py writes to trainer_state.pt beside every process's RNG states. Not in here at all: the
+optimizer, the LR scheduler, the RNG states and the adapters themselves.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from transformers import TrainerState
 
+from .batch import Generation
 from .health import HealthMonitor
 from .loss import AdaptiveEntropy
 from .reference import SyncSchedule
@@ -41,6 +44,14 @@ _RENAMED = {"step": "global_step", "history": "log_history", "warmup_restart_upd
 # What a field means when an older checkpoint did not save it: an unknown reference slot is not
 # assumed to equal the policy (its forward runs).
 _IF_MISSING = {"reference_is_policy": False}
+# Fields a new run of the same trainer keeps (TRL's second train(), GRPOTrainer._start_again): facts about the
+# adapters and the sizes in use, not about the run.
+OF_THE_MODEL = frozenset(
+    {"reference_is_policy", "micro_batch_size", "gradient_checkpointing", "num_processes"}
+)
+# A field's metadata key: the field is this process's own, saved with tensors in trainer_state.pt; its value
+# is the function that rebuilds the part from its saved state (saved, device) -> part.
+PER_PROCESS = "lora_grpo_per_process"
 
 
 @dataclass
@@ -75,6 +86,10 @@ class TrainState(TrainerState):
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
     # (failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
     unfinished_step: dict | None = None
+    # batch.Generation: the optimizer steps of the current generation not trained yet (None or empty:
+    # the next step samples a new rollout). A checkpoint inside a generation saves them, so that the
+    # resumed run trains them on the same rollout.
+    generation: Any = dataclasses.field(default=None, metadata={PER_PROCESS: Generation.from_state_dict})
 
     @classmethod
     def for_run(cls, config, accelerator, total_steps: int, batches, warmup_restarts) -> "TrainState":
@@ -108,8 +123,37 @@ class TrainState(TrainerState):
         return self.global_step
 
     def state_dict(self) -> dict[str, Any]:
-        """Every field, JSON-ready; parts with a state_dict() give theirs."""
-        return {f.name: _export(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Every field but the PER_PROCESS ones, JSON-ready; parts with a state_dict() give theirs."""
+        return {
+            f.name: _export(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if PER_PROCESS not in f.metadata
+        }
+
+    def process_parts(self) -> dict[str, Any]:
+        """The PER_PROCESS fields' values themselves (immutable parts: a reference keeps them as they are)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if PER_PROCESS in f.metadata}
+
+    def process_state_dict(self) -> dict[str, Any]:
+        """This process's PER_PROCESS fields as plain values and CPU tensors (for trainer_state.pt)."""
+        return {name: _export(value) for name, value in self.process_parts().items()}
+
+    def load_process_state_dict(self, saved: dict[str, Any], device) -> None:
+        """Restore process_state_dict()'s fields, tensors onto `device`; a field the checkpoint lacks
+        (one written before the field existed) is None."""
+        for f in dataclasses.fields(self):
+            if PER_PROCESS in f.metadata:
+                value = saved.get(f.name)
+                setattr(self, f.name, None if value is None else f.metadata[PER_PROCESS](value, device))
+
+    def start_again(self, fresh: TrainState) -> None:
+        """Become `fresh` (a new run's state, TrainState.for_run) in place, parts included, but for the
+        OF_THE_MODEL fields: what a new run on the same adapters starts from. In place, since the
+        update, the sizes and the scorer hold this object."""
+        kept = {name: getattr(self, name) for name in OF_THE_MODEL}
+        self.load_state_dict(fresh.state_dict())
+        for name, value in {**kept, **fresh.process_parts()}.items():
+            setattr(self, name, value)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore every saved field but FROM_CONFIG; parts restore through their load_state_dict().

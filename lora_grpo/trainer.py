@@ -27,7 +27,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .adapters import POLICY, policy_parameters, reference_forward, set_training
-from .batch import Batch
+from .batch import Batch, Generation
 from .config import ConfigError, GRPOConfig
 from .data import PromptBatches, named_eval_sets, process_shard, resolve_datasets, resolve_eval_dataset
 from .device import mixed_precision_dtype, now, place_model
@@ -40,6 +40,7 @@ from .optim import (
     WarmupRestarts,
     build_optimizer,
     build_scheduler,
+    refresh_lr,
     reset_optimizer_state,
     steps_of,
     sum_over_processes,
@@ -50,7 +51,7 @@ from .reporting import RunReporter, accelerator_kwargs, format_metrics, progress
 from .rewards.scoring import RewardFunctionError
 from .rng import rng_state, seed_everything
 from .rollout import Rollout
-from .run_dir import claim_for_run, kept_work, nothing_to_train
+from .run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
 from .sampler import PolicySampler
 from .scorer import RolloutScorer
 from .sizes import RunSizes
@@ -271,11 +272,31 @@ class GRPOTrainer:
             f"set resume_from_checkpoint='latest' in the GRPOConfig (output_dir={str(self.output_dir)!r}) "
             "and call train() again"
         )
+        # How to train this run on to more steps (max_steps), in the same words.
+        self.train_further_hint: Callable[[int], str] = lambda max_steps: (
+            f"build a new GRPOTrainer with max_steps={max_steps} and resume_from_checkpoint='latest' in its "
+            f"GRPOConfig (output_dir={str(self.output_dir)!r})"
+        )
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
         """Run to total_steps; returns the run summary (also written to summary.json). output_dir is
-        claimed for the run (run_dir.py: a lock, and no new run over another run's files)."""
+        claimed for the run (run_dir.py: a lock, and no new run over another run's files).
+
+        A trainer trains one run: once it has trained, a second call is refused (RuntimeError, saying
+        how to go on) unless it resumes (resume_from_checkpoint set in its config), before output_dir
+        is touched. To train further, build a new GRPOTrainer with a higher max_steps and
+        resume_from_checkpoint='latest'."""
+        if self.state.global_step and not self.config.resume_from_checkpoint:
+            raise RuntimeError(
+                trained_already(
+                    self.state.global_step,
+                    self.total_steps,
+                    self.output_dir,
+                    self.resume_hint,
+                    self.train_further_hint,
+                )
+            )
         with claim_for_run(self.output_dir, self.config, self.accelerator) as claim:
             for note in claim.notes:
                 self._print(note)
@@ -290,7 +311,9 @@ class GRPOTrainer:
                 self.load_checkpoint(cfg.resume_from_checkpoint),
                 not (self.output_dir / "adapter").exists(),
             )
-            line = nothing_to_train(state.global_step, self.total_steps, resumed, no_adapter)
+            line = nothing_to_train(
+                state.global_step, self.total_steps, resumed, no_adapter, further=self.train_further_hint
+            )
             if line:  # a finished run: nothing trained, evaluated or saved again
                 self._print(line)
                 if no_adapter and self.is_main:
@@ -323,36 +346,37 @@ class GRPOTrainer:
                         pending, state.unfinished_step = state.unfinished_step, None
                         self._end_step(pending["metrics"], epoch_ended=pending["epoch_ended"], stop=stop)
                     while state.global_step < self.total_steps and not self.stop_requested:
-                        if cfg.dynamic_sampling and not cfg.max_steps and self._agreed_prompts_spent():
-                            break  # the epochs' prompts are drawn (a step may draw several batches)
-                        with stage("rollout"):  # the data: a row that fails to load or to format
-                            epoch, rows = next(state.batches)
-                        self._event("step_begin")  # a rollout's first step begins with the rollout
-                        steps, round_metrics = self.generation_round(rows)
-                        epoch_ended = state.batches.epoch != epoch  # after every round of the step
-                        for k, step_batch in enumerate(steps):
-                            if k:
-                                self._event("step_begin")
-                            with stage("update"):
-                                metrics = {
-                                    **(round_metrics if k == 0 else {}),
-                                    **self.timed_update(step_batch),
-                                }
-                            metrics["time/step"] = metrics["time/train"] + (
-                                metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0)
-                            )
-                            state.global_step += 1
-                            state.epoch = (  # passes over the data: with dynamic sampling, the prompts drawn
-                                state.batches.epochs_done
-                                if cfg.dynamic_sampling
-                                else state.global_step / self.steps_per_epoch
-                            )
-                            metrics["epoch"] = epoch
-                            self._end_step(
-                                metrics, epoch_ended=epoch_ended and k == len(steps) - 1, stop=stop
-                            )
-                            if state.global_step >= self.total_steps or self.stop_requested:
-                                break
+                        round_metrics = {}
+                        if not state.generation:  # a new rollout; else the next step of this one's
+                            if cfg.dynamic_sampling and not cfg.max_steps and self._agreed_prompts_spent():
+                                break  # the epochs' prompts are drawn (a step may draw several batches)
+                            with stage("rollout"):  # the data: a row that fails to load or to format
+                                epoch, rows = next(state.batches)
+                            self._event("step_begin")  # a rollout's first step begins with the rollout
+                            steps, round_metrics = self.generation_round(rows)
+                            # after every round of the step
+                            state.generation = Generation(tuple(steps), epoch, state.batches.epoch != epoch)
+                        else:
+                            self._event("step_begin")
+                        # A new Generation of the rest: what a failure keeps still holds this step.
+                        step_batch, state.generation = state.generation.pop()
+                        with stage("update"):
+                            metrics = {**round_metrics, **self.timed_update(step_batch)}
+                        metrics["time/step"] = metrics["time/train"] + (
+                            metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0)
+                        )
+                        state.global_step += 1
+                        state.epoch = (  # passes over the data: with dynamic sampling, the prompts drawn
+                            state.batches.epochs_done
+                            if cfg.dynamic_sampling
+                            else state.global_step / self.steps_per_epoch
+                        )
+                        metrics["epoch"] = state.generation.epoch
+                        self._end_step(
+                            metrics,
+                            epoch_ended=state.generation.epoch_ended and not state.generation,
+                            stop=stop,
+                        )
                 with stage("eval"):
                     eval_after = self._evaluate_and_log("after") if has_eval and cfg.eval_on_end else {}
                 with stage("checkpoint"):
@@ -387,6 +411,21 @@ class GRPOTrainer:
             after=after,
         )
 
+    def _start_again(self) -> None:
+        """A new run from the adapters and the optimizer's moments as they are (what TRL's second train()
+        does, for the TRL front door): step 0 with a fresh run's loop state (the data from its first
+        batch, no history, the schedules at their start, no generation left), the LR schedule from its
+        first update. The sampling and torch RNGs go on where they are, as in TRL."""
+        cfg = self.config
+        batches = PromptBatches(
+            self.train_dataset, cfg.prompts_per_generation, seed=cfg.seed, shuffle=cfg.shuffle_dataset
+        )
+        warmup = WarmupRestarts(steps_of(cfg.warmup_steps, self.total_steps))
+        self.state.start_again(TrainState.for_run(cfg, self.accelerator, self.total_steps, batches, warmup))
+        self.scheduler.last_epoch = 0
+        refresh_lr(self.optimizer, self.scheduler)
+        self.stop_requested = False
+
     def _finished_step(self) -> None:
         """The state is the last finished step's (the start, or a step end done): what a failure saves."""
         self.last_finished.finished(self.state, self._rng(), self.update.optimizer_steps)
@@ -402,6 +441,8 @@ class GRPOTrainer:
         saved = self.last_finished.for_failure(stages, self.update.optimizer_steps)
         if saved is not None and saved.state["global_step"] > 0 and self.accelerator.num_processes == 1:
             state.load_state_dict(saved.state)
+            for name, part in saved.process.items():  # the generation's steps as that step left them
+                setattr(state, name, part)
             del state.log_history[saved.history :]
             state.unfinished_step = saved.pending
             try:
@@ -701,19 +742,21 @@ class GRPOTrainer:
 
     def save_checkpoint(self, rng: dict[str, Any] | None = None) -> Path | None:
         """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, every process's RNG
-        states, and the TrainState whole. Atomic (checkpoint.py). Called on every process: each
-        one's RNG states are gathered; the main process writes. `rng`: this process's states to save
+        states, and the TrainState whole (each process's steps left of its generation included).
+        Atomic (checkpoint.py). Called on every process: each one's RNG states and own state are
+        gathered; the main process writes. `rng`: this process's states to save
         instead of the current ones (those of the last finished step, after a failure)."""
         from accelerate.utils import gather_object
 
-        rng = rng or self._rng()
-        rngs = gather_object([rng]) if self.accelerator.num_processes > 1 else [rng]
+        mine = (rng or self._rng(), self.state.process_state_dict())
+        gathered = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
         target = self.output_dir / f"checkpoint-{self.state.global_step}"
         if self.is_main:
             blobs = {
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
-                "rng": rngs,
+                "rng": [rng for rng, _ in gathered],
+                "process_state": [process for _, process in gathered],
             }
             state = self.state.state_dict()
             ckpt.explain_write_failure(
@@ -745,6 +788,7 @@ class GRPOTrainer:
             config_values=self.config.to_dict(),
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
+            device=self.accelerator.device,
         )
         saved_lr = apply_optimizer_config(
             self.optimizer, self.scheduler, self.config
@@ -762,7 +806,13 @@ class GRPOTrainer:
                 self._print(
                     f"{moved.name}: a later checkpoint of the run this one resumes, set aside (not deleted)"
                 )
-        self._print(f"resumed from {path} at step {state.global_step}")
+        left = len(state.generation) if state.generation else 0
+        inside = (
+            f", inside a generation: its {left} step(s) left train on the checkpoint's rollout"
+            if left
+            else ""
+        )
+        self._print(f"resumed from {path} at step {state.global_step}{inside}")
         return path
 
     def _stop(self, signum: int) -> None:

@@ -199,6 +199,7 @@ def test_each_process_restores_its_own_rng_slot(tiny_base_dir, tmp_path, saved_r
         "sampling": torch.Generator().manual_seed(7).get_state(),
     }
     blobs["rng"] = [blobs["rng"][0], other]
+    blobs["process_state"] = blobs["process_state"] * 2
     monkeypatch.setattr(
         ckpt,
         "load_checkpoint_state",

@@ -18,6 +18,7 @@ from lora_grpo.run_dir import (
     claim_output_dir,
     nothing_to_train,
     previous_run,
+    trained_already,
 )
 
 
@@ -211,17 +212,36 @@ def test_other_processes_of_a_multi_process_run_claim_nothing(tmp_path):
 
 
 def test_nothing_to_train_says_what_happens_and_how_to_go_on():
-    assert nothing_to_train(3, 4, "runs/a/checkpoint-3") is None
-    at_end = nothing_to_train(4, 4, "runs/a/checkpoint-4")
+    def further(max_steps):  # the entry point's words (the CLI's here)
+        return f"--set max_steps={max_steps} --set resume_from_checkpoint=latest"
+
+    assert nothing_to_train(3, 4, "runs/a/checkpoint-3", further=further) is None
+    at_end = nothing_to_train(4, 4, "runs/a/checkpoint-4", further=further)
     assert at_end.startswith("checkpoint-4 is at step 4, the run's last (max_steps=4): nothing left to train")
     assert (
         "the run directory stays as it is" in at_end
-        and "--set max_steps=8 --set resume_from_checkpoint=latest" in at_end
+        and "raise max_steps: --set max_steps=8 --set resume_from_checkpoint=latest" in at_end
     )
-    past = nothing_to_train(6, 4, "checkpoint-6")
+    past = nothing_to_train(6, 4, "checkpoint-6", further=further)
     assert "past this run's max_steps=4" in past and "resume from an earlier checkpoint" in past
-    missing = nothing_to_train(4, 4, "checkpoint-4", adapter_missing=True)
+    missing = nothing_to_train(4, 4, "checkpoint-4", adapter_missing=True, further=further)
     assert "stays as it is but for adapter/, which was missing and is written from its policy" in missing
+
+
+def test_a_second_train_is_refused_with_how_to_go_on():
+    def further(max_steps):
+        return f"max_steps={max_steps}"
+
+    done = trained_already(4, 4, "runs/a", "resume it", further)
+    assert done.startswith(
+        "train() was already called on this GRPOTrainer: it trained runs/a to step 4/4, so a"
+    )
+    assert (
+        "would train nothing. To train further, raise max_steps: max_steps=8; for a new run, build a new"
+        in done
+    )
+    stopped = trained_already(2, 4, "runs/a", "resume it", further)
+    assert "to step 2/4 and stopped there. To continue it: resume it; for a new run" in stopped
 
 
 def test_the_lock_is_released_when_a_refusal_follows_it(tmp_path):

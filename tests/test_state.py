@@ -6,11 +6,13 @@ import dataclasses
 import pytest
 from conftest import make_trainer
 
-from lora_grpo.state import FROM_CONFIG, TrainState
+from lora_grpo.state import FROM_CONFIG, PER_PROCESS, TrainState
 
 # Fields whose resume is a decision, tested on its own: the process count must match
 # (test_checkpoint), the sizes in use follow the memory plan (test_memory).
 DECIDED_ON_RESUME = {"num_processes", "micro_batch_size", "gradient_checkpointing"}
+# Each process's own fields (tensors, in trainer_state.pt): their round trip is the test below this one's.
+PER_PROCESS_FIELDS = {f.name for f in dataclasses.fields(TrainState) if PER_PROCESS in f.metadata}
 
 
 def _other(value, name):
@@ -68,7 +70,7 @@ def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp
     )
     state = trainer.state
     for f in dataclasses.fields(TrainState):
-        if f.name in FROM_CONFIG or f.name in DECIDED_ON_RESUME:
+        if f.name in FROM_CONFIG | DECIDED_ON_RESUME | PER_PROCESS_FIELDS:
             continue
         value = getattr(state, f.name)
         if hasattr(value, "state_dict"):
@@ -82,12 +84,52 @@ def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp
     fresh.load_checkpoint(saved)
     after = fresh.state.state_dict()
     checked = [
-        f.name for f in dataclasses.fields(TrainState) if f.name not in FROM_CONFIG | DECIDED_ON_RESUME
+        f.name
+        for f in dataclasses.fields(TrainState)
+        if f.name not in FROM_CONFIG | DECIDED_ON_RESUME | PER_PROCESS_FIELDS
     ]
     assert len(checked) > 15  # transformers' fields and ours
     for name in checked:
         assert after[name] == expected[name], name
         assert after[name] != before[name], f"{name}: the test did not change it"
+
+
+def test_a_checkpoint_restores_each_processs_own_state(tiny_base_dir, tmp_path):
+    import torch
+
+    from lora_grpo.batch import Batch, Generation
+    from lora_grpo.checkpoint import load_checkpoint_state
+
+    assert PER_PROCESS_FIELDS == {"generation"}  # a new one needs its values in this test
+    g = torch.Generator().manual_seed(0)
+
+    def batch(ref: bool) -> Batch:
+        return Batch(
+            input_ids=torch.randint(0, 50, (4, 9), generator=g),
+            attention_mask=torch.ones(4, 9, dtype=torch.long),
+            completion_mask=(torch.rand(4, 5, generator=g) > 0.3).float(),
+            advantages=torch.randn(4, generator=g),
+            old_logp=-torch.rand(4, 5, generator=g),
+            ref_logp=-torch.rand(4, 5, generator=g) if ref else None,
+        )
+
+    trainer = make_trainer(tiny_base_dir, tmp_path / "a", quantization="none", max_steps=2, save_steps=0)
+    full = batch(ref=True)
+    # steps() slices one rollout: each step must be saved alone, not with its rollout's whole storage
+    trainer.state.generation = Generation((*full.steps(2), batch(ref=False)), epoch=3, epoch_ended=True)
+    saved = trainer.save_checkpoint()
+    fresh = make_trainer(tiny_base_dir, tmp_path / "b", quantization="none", max_steps=2, save_steps=0)
+    assert fresh.state.generation is None
+    fresh.load_checkpoint(saved)
+    got, expected = fresh.state.generation, trainer.state.generation
+    assert (got.epoch, got.epoch_ended, len(got)) == (3, True, 3)
+    for a, b in zip(got.steps, expected.steps):
+        for f in dataclasses.fields(Batch):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            assert (x is None and y is None) or (torch.equal(x, y) and x.dtype == y.dtype), f.name
+    _, blobs = load_checkpoint_state(saved)
+    first = blobs["process_state"][0]["generation"]["steps"][0]["input_ids"]
+    assert first.untyped_storage().nbytes() == first.numel() * first.element_size()
 
 
 def test_older_checkpoints_load_under_the_new_names(tiny_base_dir, tmp_path):

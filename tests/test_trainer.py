@@ -4,7 +4,16 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPTS, SMALL_RUN, adapter_state, base_state, changed, digit_share, make_trainer
+from conftest import (
+    PROMPTS,
+    SMALL_RUN,
+    adapter_state,
+    assert_same_adapters,
+    base_state,
+    changed,
+    digit_share,
+    make_trainer,
+)
 
 import lora_grpo.trainer as trainer_module
 import lora_grpo.update as update_module
@@ -418,3 +427,55 @@ def test_a_soft_sync_runs_the_reference_forward_after_the_first_update(tiny_base
     )
     trainer.train()
     assert [m["reference_reused_policy"] for m in trainer.state.log_history] == [1.0, 0.0, 0.0]
+
+
+def test_a_second_train_is_refused_and_leaves_the_finished_run_as_it_is(tiny_base_dir, tmp_path):
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", max_steps=2, save_steps=1)
+    trainer.train()
+    run = tmp_path / "run"
+    files, summary = sorted(p.name for p in run.iterdir()), (run / "summary.json").read_text()
+    with pytest.raises(
+        RuntimeError,
+        match=r"^train\(\) was already called on this GRPOTrainer: it trained .*run to step 2/2, so a second call "
+        r"would train nothing\. To train further, raise max_steps: build a new GRPOTrainer with max_steps=4 and "
+        r"resume_from_checkpoint='latest' in its GRPOConfig",
+    ):
+        trainer.train()
+    assert sorted(p.name for p in run.iterdir()) == files and (run / "summary.json").read_text() == summary
+    assert trainer.state.global_step == 2 and len(trainer.state.log_history) == 2
+    further = make_trainer(
+        tiny_base_dir, tmp_path, quantization="none", max_steps=4, resume_from_checkpoint="latest"
+    )
+    assert further.train()["steps"] == 4  # what the message says to do
+
+
+def test_a_stopped_trainer_refuses_a_fresh_train_but_resumes_on_the_same_object(tiny_base_dir, tmp_path):
+    import os
+    import signal
+
+    kw = dict(quantization="none", max_steps=3, save_steps=0)
+    trainer = make_trainer(tiny_base_dir, tmp_path / "stopped", **kw)
+    original = trainer.timed_update
+
+    def update_then_signal(batch):
+        out = original(batch)
+        if trainer.state.global_step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.timed_update = update_then_signal
+    with pytest.raises(TrainingInterrupted):
+        trainer.train()
+    trainer.timed_update = original
+    with pytest.raises(
+        RuntimeError,
+        match=r"to step 1/3 and stopped there\. To continue it: set resume_from_checkpoint='latest' in the "
+        r"GRPOConfig .* and call train\(\) again",
+    ):
+        trainer.train()
+    trainer.config.resume_from_checkpoint = "latest"  # what the message says
+    trainer.train()
+    uninterrupted = make_trainer(tiny_base_dir, tmp_path / "full", **kw)
+    uninterrupted.train()
+    assert trainer.state.global_step == 3
+    assert_same_adapters(trainer.model, uninterrupted.model)

@@ -812,3 +812,98 @@ def test_the_offline_toy_bases_are_models_by_name(toy_base, tmp_path, monkeypatc
     )
     assert trainer.native.config.model_name_or_path == "toy-addition"
     assert Path(trainer.model.get_base_model().config._name_or_path) == Path(toy_base)
+
+
+# ------------------------------------------------------------------------------ train() again, resume at the end
+SAVING = ARGS.replace("save_strategy='no'", "save_strategy='steps', save_steps=1")
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_second_train_starts_a_new_run_from_the_trained_weights(tiny_base_dir, tmp_path, library):
+    import os
+
+    import torch
+
+    out = tmp_path / library
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {SAVING}, max_steps=2, logging_steps=1, learning_rate=1e-2)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
+        first = trainer.train()
+        history = list(trainer.state.log_history)
+        weights = {{n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}}
+        second = trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(out),
+    )
+    t, history = scope["trainer"], scope["trainer"].state.log_history
+    # transformers' Trainer.train: a new TrainerState (the second run's records only), step 0 to max_steps again
+    assert scope["first"].global_step == scope["second"].global_step == t.state.global_step == 2
+    assert [r["step"] for r in history] == [1, 2, 2] and "train_runtime" in history[-1]
+    # the LR schedule from its start; the weights trained on (not a call that trains nothing)
+    assert [r["learning_rate"] for r in history[:2]] == [r["learning_rate"] for r in scope["history"][:2]]
+    now = dict(t.model.named_parameters())
+    assert any(not torch.equal(now[n].detach(), w) for n, w in scope["weights"].items())
+    assert {"checkpoint-1", "checkpoint-2"} <= set(
+        os.listdir(out)
+    )  # the second run's (ours: the first's aside)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_resuming_a_checkpoint_at_max_steps_reports_its_step_and_trains_nothing(
+    tiny_base_dir, tmp_path, library
+):
+    import os
+
+    out = tmp_path / library
+    # dataset(2): 2 steps are one epoch. At an epoch's end TRL trains nothing either; in the middle of one,
+    # transformers' loop trains one step past max_steps, which this front door does not (docs/guides/from-trl.md).
+    scope = run(
+        library,
+        f"""
+        import os
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {SAVING}, max_steps=2, logging_steps=1)
+        GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(2)).train()
+        files = sorted(os.listdir(OUT))
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(2))
+        result = trainer.train(resume_from_checkpoint=True)
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(out),
+    )
+    t, history = scope["trainer"], scope["trainer"].state.log_history
+    assert scope["result"].global_step == t.state.global_step == 2 and t.state.epoch == 1.0
+    assert [r["step"] for r in history] == [1, 2, 2]  # the checkpoint's records, then the closing one
+    assert history[-1]["train_loss"] == 0.0 == scope["result"].training_loss
+    assert sorted(os.listdir(out)) == scope["files"]  # nothing written
+
+
+def test_the_front_door_says_how_to_train_further_in_python(tiny_base_dir, tmp_path, capsys):
+    # In the middle of an epoch (dataset(16)): nothing trained, where transformers' loop would train step 3.
+    scope = run(
+        "lora_grpo.trl",
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {SAVING}, max_steps=2, logging_steps=1)
+        GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16)).train()
+        print("-- resume --")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
+        result = trainer.train(resume_from_checkpoint=True)
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path),
+    )
+    said = capsys.readouterr().out.split("-- resume --")[1]
+    assert scope["result"].global_step == 2
+    assert (
+        "checkpoint-2 is at step 2, the run's last (max_steps=2): nothing left to train" in said
+        and "To train further, raise max_steps: set max_steps=4 in GRPOConfig, build the GRPOTrainer again with "
+        "it and call trainer.train(resume_from_checkpoint=True)"
+        in said
+    )
+    assert "--set" not in said
+    assert not (tmp_path / "checkpoint-3").exists()

@@ -199,19 +199,7 @@ class GRPOTrainer:
             f.tokenizer if isinstance(f, RewardModel) else None for f in self.native.reward_funcs
         ]
         self.reward_func_names = list(self.native.reward_names)
-        total = self.native.total_steps
-        self.state = TrainerState(  # TRL's meaning, as transformers' Trainer fills it
-            max_steps=total,
-            num_train_epochs=math.ceil(total / self.native.steps_per_epoch),
-            logging_steps=resolved_steps(args.logging_steps, total, 500),
-            eval_steps=resolved_steps(
-                args.eval_steps, total, args.logging_steps if args.eval_steps is None else 500
-            ),
-            save_steps=resolved_steps(args.save_steps, total, 500),
-            train_batch_size=args.per_device_train_batch_size,
-            is_local_process_zero=self.accelerator.is_local_main_process,
-            is_world_process_zero=self.accelerator.is_main_process,
-        )
+        self.state = self._new_state()
         self.control = TrainerControl()
         self.callback_handler = CallbackHandler(
             [DefaultFlowCallback, *(callbacks or [])],
@@ -224,8 +212,14 @@ class GRPOTrainer:
         self.native.resume_hint = (
             "trainer.train(resume_from_checkpoint=True)"  # TRL's words, with the same args
         )
+        self.native.train_further_hint = lambda max_steps: (
+            f"set max_steps={max_steps} in GRPOConfig, build the GRPOTrainer again with it and call "
+            "trainer.train(resume_from_checkpoint=True)"
+        )
         self.native.scorer.trainer_state = self.state  # reward functions see TRL's TrainerState, as in TRL
         self._logged_upto = 0  # native records already averaged into a TRL log record
+        # the native record of this train() call's first step (its train_loss); None until its loop begins
+        self._first_record: int | None = 0
         self._eval_prefix, self._eval_records = "eval", []  # evaluate()'s metric_key_prefix; its records
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
@@ -235,6 +229,8 @@ class GRPOTrainer:
         (for this call only, as in TRL). The closing record holds transformers' train_* figures and, as TRL's
         log() merges them, the metrics of the steps after the last logging step."""
         native = self.native
+        if native.state.global_step and not resume_from_checkpoint:
+            self._start_again()
         native.config.resume_from_checkpoint = (
             None
             if not resume_from_checkpoint
@@ -242,12 +238,15 @@ class GRPOTrainer:
             if resume_from_checkpoint is True
             else str(resume_from_checkpoint)
         )
-        started = time.perf_counter()
+        started, self._first_record = time.perf_counter(), None
         try:
             native.train()
         finally:
             native.config.resume_from_checkpoint = None
-        loss = [r["loss"] for r in native.state.log_history if "loss" in r]
+        if self._first_record is None:
+            # a resumed checkpoint at max_steps: the loop never began, no event told the TRL state where it is
+            self._at_checkpoint(native.state)
+        loss = [r["loss"] for r in native.state.log_history[self._first_record :] if "loss" in r]
         seconds = time.perf_counter() - started
         steps, batch = (
             self.state.global_step,
@@ -262,6 +261,37 @@ class GRPOTrainer:
         }
         self.log({**self._unlogged_window(), **metrics})
         return TrainOutput(steps, metrics["train_loss"], {**metrics, "epoch": self.state.epoch})
+
+    def _start_again(self) -> None:
+        """A second train() without a checkpoint, as transformers' Trainer.train: a new run from the weights
+        and the optimizer's moments as they are, at step 0 with a new TrainerState (no history) and the LR
+        schedule from its start, the data from its first batch (GRPOTrainer._start_again)."""
+        self.native._start_again()
+        self.state = self._new_state()
+        self.native.scorer.trainer_state = self.state
+        self._logged_upto = self._first_record = 0
+
+    def _at_checkpoint(self, native_state) -> None:
+        """The TRL state of a resumed checkpoint with no step left: its step, epoch and TRL log history."""
+        self.state.global_step, self.state.epoch = native_state.global_step, native_state.epoch
+        self._restore(native_state.extra)
+        self._logged_upto = self._first_record = len(native_state.log_history)
+
+    def _new_state(self) -> TrainerState:
+        """A TrainerState of TRL's meaning at step 0, as transformers' Trainer fills it."""
+        args, total = self.args, self.native.total_steps
+        return TrainerState(
+            max_steps=total,
+            num_train_epochs=math.ceil(total / self.native.steps_per_epoch),
+            logging_steps=resolved_steps(args.logging_steps, total, 500),
+            eval_steps=resolved_steps(
+                args.eval_steps, total, args.logging_steps if args.eval_steps is None else 500
+            ),
+            save_steps=resolved_steps(args.save_steps, total, 500),
+            train_batch_size=args.per_device_train_batch_size,
+            is_local_process_zero=self.accelerator.is_local_main_process,
+            is_world_process_zero=self.accelerator.is_main_process,
+        )
 
     def evaluate(
         self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
@@ -361,6 +391,7 @@ class GRPOTrainer:
         handler = self.callback_handler
         if event == "train_begin":
             self._restore(trainer.state.extra)
+            self._first_record = len(trainer.state.log_history)
             self.control = handler.on_train_begin(args, state, self.control)
             self.control = handler.on_epoch_begin(args, state, self.control)
         elif event == "step_begin":
