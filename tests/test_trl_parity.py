@@ -260,6 +260,45 @@ def test_an_environment_trains_on_qwen3s_own_template(qwen_tool_base_dir, tmp_pa
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
+def test_smollm2s_own_template_is_refused_for_tools_in_trls_sentence(qwen_tool_base_dir, tmp_path, library):
+    import shutil
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    # SmolLM2-135M-Instruct's template as its GGUF ships it: role and content only, so no tool calls
+    base = shutil.copytree(qwen_tool_base_dir, tmp_path / "smollm2_base")
+    tok = tool_tokenizer(str(base))
+    tok.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "smollm2.jinja").read_text()
+    tok.save_pretrained(base)
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"add {i}"}]} for i in range(4)])
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1)
+        try:
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=ROWS,
+                                  environment_factory=Counter)
+            trainer.train()
+        except ValueError as e:
+            refused = e
+    """,
+        MODEL=str(base),
+        OUT=str(tmp_path / library),
+        ROWS=rows,
+        Counter=Counter,
+    )
+    assert str(scope["refused"]).startswith(
+        "The provided chat template does not support tool calling. The template must be able to render a full "
+        "tool-calling conversation (user -> assistant with tool_calls -> tool)."
+    )
+    if library != "trl":  # and names the template and the fix
+        assert f"The chat template of {str(base)!r} drops the assistant's tool_calls" in str(scope["refused"])
+        assert "set tokenizer.chat_template to one" in str(scope["refused"])
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
 def test_an_environment_that_owns_its_prompts_trains_without_a_dataset(qwen_tool_base_dir, tmp_path, library):
     seen = []
 
@@ -644,9 +683,11 @@ def test_clip_ratio_extremes_are_trls_on_the_same_run(tiny_base_dir, tmp_path, l
     assert steps[0]["clip_ratio/low_min"] == 0 == steps[0]["clip_ratio/high_max"]
 
 
-# Every metric TRL 1.16's GRPOTrainer logs (`_metrics[mode][...]`, walked out of its source below): None when
-# a plain run with beta > 0 logs it here under TRL's name; else when it is logged, or why it is not.
+# Every metric TRL 1.16's GRPOTrainer logs (`_metrics[mode][...]`, `_metrics["train"][...]`, walked out of its
+# source below): None when a plain run with beta > 0 logs it here under TRL's name; else when it is logged, or
+# why it is not.
 TRL_METRICS = {
+    "step_time": None,
     "num_tokens": None,
     "completions/mean_length": None,
     "completions/min_length": None,
@@ -687,7 +728,7 @@ def _trl_metric_names() -> set[str]:
     from trl.trainer import grpo_trainer
 
     source = inspect.getsource(grpo_trainer)
-    return set(re.findall(r'_metrics\[mode\]\[f?"([^"]+)"\]', source)) | set(
+    return set(re.findall(r'_metrics\[(?:mode|"train"|"eval")\]\[f?"([^"]+)"\]', source)) | set(
         re.findall(r"_metrics\[mode\]\[(name)\]", source)
     )
 
