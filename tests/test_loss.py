@@ -304,3 +304,20 @@ def test_per_sequence_clip_shares_and_their_extremes_per_group():
     # low: min(0.25, 0.1), min(0.75, 0.8), min(NaN, 0.0) → (0.1 + 0.75 + 0) / 3; high: 0.5, 2.0, NaN → 1.25
     assert out["clip_ratio/low_min"] == pytest.approx(0.85 / 3)
     assert out["clip_ratio/high_max"] == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rows_left_out_of_the_update_count_in_the_clip_extremes_as_trl_sees_them(level):
+    from types import SimpleNamespace
+
+    from lora_grpo.update import _whole_batch
+
+    # rows 1 and 3 were left out (zero advantage; row 3 has no loss tokens either)
+    idle = torch.tensor([False, True, False, True])
+    completion_mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    parts = [torch.tensor([0.5]), torch.tensor([1.0])]  # the trained rows' micro-batches, in order
+    whole = _whole_batch(parts, idle, completion_mask, SimpleNamespace(importance_sampling=level))
+    # nothing of a zero-advantage row clips: 0; a row without tokens is 0 / 0 at the token level (TRL's NaN)
+    expected = [0.5, 0.0, 1.0, math.nan if level == "token" else 0.0]
+    torch.testing.assert_close(whole, torch.tensor(expected), equal_nan=True)
+    assert _whole_batch(parts, None, completion_mask[:2], None).tolist() == [0.5, 1.0]
