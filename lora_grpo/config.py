@@ -448,6 +448,12 @@ class GRPOConfig:
     num_completions_to_print: int = _f(
         0, "print this many of the step's completions (prompt, completion, rewards) at each logging step"
     )
+    clip_ratio_group_size: int | None = _f(
+        None,
+        "clip_ratio/low_min and high_max: the min / max of the completions' clipped-token shares in each group "
+        "of this many consecutive completions of a step (on every process together), averaged over the groups "
+        "(TRL's per_device_train_batch_size); None: a step's completions are one group",
+    )
 
     def __post_init__(self):
         """Fill the derived fields (prompts_per_step from generation_batch_size, ref_rank) and validate."""

@@ -150,6 +150,11 @@ def _validate_fields(cfg) -> None:
                 + (f" (did you mean {close[0]!r}?)" if close else "")
             )
     positive("log_completions_steps")
+    group = cfg.clip_ratio_group_size
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise ConfigError(
+            f"clip_ratio_group_size={group!r} must be an integer ≥ 1 or None (a step's completions are one group)"
+        )
     # Memory: 'auto' sizes (memory.py).
     mbs = cfg.micro_batch_size
     if mbs != "auto" and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):

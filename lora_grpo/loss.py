@@ -136,10 +136,73 @@ def _clipped(p: PolicyInputs):
     # As TRL, the clip fractions look at the delta-capped ratio.
     low = (ratio < 1 - s["epsilon_low"]) & (p.adv < 0)
     high = (ratio > 1 + s["epsilon_high"]) & (p.adv > 0)
+    sequence_level = s["importance_sampling"] == "sequence"
     return per_token, {
-        name: _token_mean(x, p.mask)
-        for name, x in [("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio/region", low | high)]
+        **{
+            name: _token_mean(x, p.mask)
+            for name, x in [
+                ("clip_ratio/low", low),
+                ("clip_ratio/high", high),
+                ("clip_ratio/region", low | high),
+            ]
+        },
+        SEQUENCE_LOW_CLIP: sequence_clip_fraction(low, p.mask, sequence_level),
+        SEQUENCE_HIGH_CLIP: sequence_clip_fraction(high, p.mask, sequence_level),
     }
+
+
+# grpo_loss's (B,) metrics (every other metric is 0-d): each completion's share of clipped tokens, which
+# the update turns into clip_ratio/low_min and clip_ratio/high_max (clip_fraction_extremes).
+SEQUENCE_LOW_CLIP = "clip_ratio/low_per_sequence"
+SEQUENCE_HIGH_CLIP = "clip_ratio/high_per_sequence"
+
+
+def sequence_clip_fraction(clipped: Tensor, mask: Tensor, sequence_level: bool) -> Tensor:
+    """(B,) float: each sequence's share of its mask's tokens that are clipped; NaN for a sequence
+    without tokens. clipped, mask (B, T). sequence_level (importance_sampling="sequence"): one ratio
+    per sequence, so its one indicator, as TRL's masked_seq_mean (0, not NaN, for a sequence
+    without tokens, whose ratio is 1)."""
+    if sequence_level:
+        return clipped[:, 0].to(mask.dtype)
+    return (clipped.to(mask.dtype) * mask).sum(dim=1) / mask.sum(dim=1)
+
+
+def _nan_extreme(x: Tensor, largest: bool, dim: int) -> Tensor:
+    """min (largest False) or max of x along dim, NaN left out; NaN where every value is NaN (TRL's nanmin/nanmax)."""
+    fill = torch.full_like(x, -math.inf if largest else math.inf)
+    filled = torch.where(torch.isnan(x), fill, x)
+    out = filled.amax(dim=dim) if largest else filled.amin(dim=dim)
+    return torch.where(torch.isnan(x).all(dim=dim), torch.full_like(out, math.nan), out)
+
+
+def clip_fraction_extremes(
+    low: Tensor, high: Tensor, group_size: int, gather: Callable[[Tensor], Tensor] | None = None
+) -> dict[str, float]:
+    """TRL 1.16's clip_ratio/low_min and clip_ratio/high_max of one optimizer step.
+
+    low, high (N,): the step's per-completion clip fractions on this process (sequence_clip_fraction,
+    NaN for a completion without loss tokens), in batch order. TRL takes, per micro-step (group_size
+    completions on each process, gathered over the processes), the min of the low fractions and the
+    max of the high ones, NaN left out, and logs their mean over the micro-steps: so here, cut into
+    consecutive groups of group_size (the last may be shorter), each group's extreme over every
+    process's same group (gather: a (G,) tensor → (processes · G,) concatenated; None for one
+    process), mean over the groups that have a value (NaN when none has)."""
+    n = low.shape[0]
+    starts = range(0, n, group_size)
+    mins = torch.stack([_nan_extreme(low[i : i + group_size], False, 0) for i in starts])
+    maxs = torch.stack([_nan_extreme(high[i : i + group_size], True, 0) for i in starts])
+    if gather is not None:
+        mins = _nan_extreme(gather(mins).reshape(-1, mins.shape[0]), False, 0)
+        maxs = _nan_extreme(gather(maxs).reshape(-1, maxs.shape[0]), True, 0)
+    return {
+        "clip_ratio/low_min": _nan_mean(mins),
+        "clip_ratio/high_max": _nan_mean(maxs),
+    }
+
+
+def _nan_mean(x: Tensor) -> float:
+    kept = x[~torch.isnan(x)]
+    return kept.mean().item() if kept.numel() else math.nan
 
 
 def _cispo(p: PolicyInputs):
@@ -382,7 +445,8 @@ def grpo_loss(
     logp (B, T): per-token log-probs under the policy, with grad. old_logp (B, T) or None
     (on-policy: logp.detach()). ref_logp (B, T) or None (only when beta == 0). advantages (B,).
     mask (B, T): 1 on completion tokens that count. Returns (scalar loss, metrics of plain floats;
-    with tensor_metrics, detached 0-d tensors, read without a device sync here).
+    with tensor_metrics, detached 0-d tensors, read without a device sync here, and for the clipped
+    loss types two (B,) ones: SEQUENCE_LOW_CLIP and SEQUENCE_HIGH_CLIP, each completion's clipped share).
 
     sampling_logp (B, T): the sampler's log-probs, for off_policy_mask_threshold (default old_logp).
     entropies (B, T): per-token entropies, needed by top_entropy_quantile < 1 (entropy_gather: see
@@ -421,6 +485,7 @@ def grpo_loss(
         vespo_lambda_pos=vespo_lambda_pos,
         vespo_k_neg=vespo_k_neg,
         vespo_lambda_neg=vespo_lambda_neg,
+        importance_sampling=importance_sampling,
     )
     per_token, extra = spec.objective(PolicyInputs(ratio, token_log_ratio, logp, adv, mask, settings))
 
@@ -456,7 +521,9 @@ def grpo_loss(
         }
         if entropy_coef != 0.0:
             metrics["policy_loss"] = policy_loss
-    return loss, metrics if tensor_metrics else {name: x.item() for name, x in metrics.items()}
+    if tensor_metrics:
+        return loss, metrics
+    return loss, {name: x.item() for name, x in metrics.items() if x.dim() == 0}
 
 
 @dataclass

@@ -21,7 +21,14 @@ import torch
 from .adapters import eval_mode, train_mode
 from .batch import Batch
 from .logprobs import sequence_log_probs
-from .loss import LOSS_TYPES, grpo_loss, padded_gather
+from .loss import (
+    LOSS_TYPES,
+    SEQUENCE_HIGH_CLIP,
+    SEQUENCE_LOW_CLIP,
+    clip_fraction_extremes,
+    grpo_loss,
+    padded_gather,
+)
 from .optim import average_gradients, sum_over_processes
 from .stopping import count_nonfinite
 
@@ -136,13 +143,33 @@ class PolicyUpdate:
                 for mb in trained.micro_batches(micro_batch_size)
             ]
         sums: dict[str, float] = {}
+        per_sequence: dict[str, list[Tensor]] = {}
         for m, weight, loss in _read_once(parts):  # one device sync for every micro-batch's metrics
+            for k in (SEQUENCE_LOW_CLIP, SEQUENCE_HIGH_CLIP):
+                if k in m:
+                    per_sequence.setdefault(k, []).append(m.pop(k))
             for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss)]:
                 sums[k] = sums.get(k, 0.0) + v
         if acc.num_processes > 1:
             average_gradients(self.params, acc)
             # Empty on every process alike when no process ran a forward.
             sums = sum_over_processes(sums, acc) if sums else sums
+        extremes = {}
+        if per_sequence:  # (on every process alike: none where no process ran a forward)
+            low, high = (
+                _whole_batch(per_sequence[k], idle, batch.completion_mask, cfg)
+                for k in (SEQUENCE_LOW_CLIP, SEQUENCE_HIGH_CLIP)
+            )
+            group = cfg.clip_ratio_group_size or n_seq
+            if group < n_seq:
+                # TRL's micro-steps are random shares of the step's completions (it shuffles before cutting)
+                order = torch.randperm(
+                    n_seq,
+                    generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step),
+                ).to(low.device)
+                low, high = low[order], high[order]
+            gather = acc.gather if acc.num_processes > 1 else None
+            extremes = clip_fraction_extremes(low, high, group, gather)
         control = self.state.adaptive_entropy
         if cfg.use_adaptive_entropy:  # one move of the coefficient per step, on every process's entropy
             control.step(reduce=(lambda t: acc.reduce(t, "sum")) if acc.num_processes > 1 else None)
@@ -158,6 +185,7 @@ class PolicyUpdate:
         nonfinite = self._step_unless_nonfinite(loss_total, grad_norm)
         return {
             **{k: v / tokens for k, v in sums.items()},
+            **extremes,
             "loss": loss_total,
             "grad_norm": grad_norm,
             "lr": lr,
@@ -246,16 +274,36 @@ def zero_gradient_rows(advantages: Tensor, completion_mask: Tensor, config) -> T
     return (advantages == 0) | (completion_mask.sum(dim=1) == 0)
 
 
+def _whole_batch(parts: list[Tensor], idle: Tensor | None, completion_mask: Tensor, config) -> Tensor:
+    """(B,) per-sequence clip fractions of the whole step's batch, in its row order, from the trained
+    rows' micro-batches (parts, in order): a row left out of the update (zero advantage, so nothing of
+    it clips) has 0, or NaN when it has no loss tokens at importance_sampling "token" (TRL's
+    masked_seq_mean: 0 / 0), as if it had been trained on."""
+    trained = torch.cat(parts).to(completion_mask.device, torch.float32)
+    if idle is None or not idle.any():
+        return trained
+    whole = torch.zeros(idle.shape[0], dtype=torch.float32, device=completion_mask.device)
+    if config.importance_sampling == "token":
+        whole[completion_mask.sum(dim=1) == 0] = math.nan
+    whole[~idle] = trained
+    return whole
+
+
 def _read_once(
     parts: list[tuple[dict[str, Tensor], Tensor, Tensor]],
 ) -> list[tuple[dict[str, float], float, float]]:
     """Micro-batches' (metrics, tokens, loss) 0-d tensors -> Python floats, in one transfer; each value
-    is the float .item() would give. The entropy is a token mean of the micro-batch, as before."""
-    flat = [t.detach().double() for m, weight, loss in parts for t in (*m.values(), weight, loss)]
+    is the float .item() would give; (B,) metrics stay tensors (detached, on their device). The
+    entropy is a token mean of the micro-batch, as before."""
+    flat = [
+        t.detach().double()
+        for m, weight, loss in parts
+        for t in (*(v for v in m.values() if v.dim() == 0), weight, loss)
+    ]
     values = iter(torch.stack(flat).tolist() if flat else [])
     out = []
     for m, _, _ in parts:
-        read = {k: next(values) for k in m}
+        read = {k: next(values) if v.dim() == 0 else v.detach() for k, v in m.items()}
         weight, loss = next(values), next(values)
         read["entropy"] = read.pop("entropy_sum") / max(weight, 1.0)
         out.append((read, weight, loss))

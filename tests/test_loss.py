@@ -264,3 +264,60 @@ def test_every_epsilon_trl_accepts_is_accepted():
 
     for eps in (10.0, 1.0, 0.0, -0.1):
         assert GRPOConfig(model_name_or_path="toy", epsilon_low=eps, epsilon_high=eps).epsilon_low == eps
+
+
+def test_per_sequence_clip_shares_and_their_extremes_per_group():
+    from lora_grpo.loss import SEQUENCE_HIGH_CLIP, SEQUENCE_LOW_CLIP, clip_fraction_extremes
+
+    # 3 sequences of 4 tokens, the third without loss tokens; eps 0.2 → clipped low below 0.8 with A < 0,
+    # high above 1.2 with A > 0.
+    ratios = torch.tensor([[0.5, 0.5, 1.0, 1.0], [1.5, 1.0, 1.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    old = torch.zeros(3, 4)
+    adv = torch.tensor([-1.0, 1.0, -1.0])
+    _, m = grpo_loss(torch.log(ratios), old, None, adv, mask, loss_type="bnpo", tensor_metrics=True)
+    # sequence 0: 2 of its 3 tokens clip low; sequence 1: 1 of 2 high; sequence 2: 0 / 0
+    torch.testing.assert_close(m[SEQUENCE_LOW_CLIP], torch.tensor([2 / 3, 0.0, math.nan]), equal_nan=True)
+    torch.testing.assert_close(m[SEQUENCE_HIGH_CLIP], torch.tensor([0.0, 0.5, math.nan]), equal_nan=True)
+    # the plain-float metrics leave the (B,) ones out
+    _, plain = grpo_loss(torch.log(ratios), old, None, adv, mask, loss_type="bnpo")
+    assert SEQUENCE_LOW_CLIP not in plain and all(isinstance(v, float) for v in plain.values())
+
+    low = torch.tensor([0.5, 0.25, math.nan, 0.75, math.nan, math.nan])
+    high = torch.tensor([0.0, 0.5, 1.0, math.nan, math.nan, math.nan])
+    # groups of 2: low mins 0.25, 0.75, NaN (left out) → 0.5; high maxes 0.5, 1.0, NaN → 0.75
+    out = clip_fraction_extremes(low, high, 2)
+    assert out == {"clip_ratio/low_min": pytest.approx(0.5), "clip_ratio/high_max": pytest.approx(0.75)}
+    # one group: the step's min and max; groups of 4: [0.5, 0.25, NaN, 0.75] and [NaN, NaN] (left out)
+    assert clip_fraction_extremes(low, high, 6)["clip_ratio/low_min"] == pytest.approx(0.25)
+    assert clip_fraction_extremes(low, high, 4)["clip_ratio/high_max"] == pytest.approx(1.0)
+    assert math.isnan(clip_fraction_extremes(low[4:], high[4:], 2)["clip_ratio/low_min"])
+    # two processes: each group's extreme over both processes' same group, then the mean over groups
+    theirs = iter(
+        [torch.tensor([0.1, 0.8, 0.0]), torch.tensor([0.0, 2.0, math.nan])]
+    )  # their mins, then maxes
+
+    def gather(x):  # accelerate's gather: every process's tensor, concatenated in rank order
+        return torch.cat([x, next(theirs)])
+
+    out = clip_fraction_extremes(low, high, 2, gather)
+    # low: min(0.25, 0.1), min(0.75, 0.8), min(NaN, 0.0) → (0.1 + 0.75 + 0) / 3; high: 0.5, 2.0, NaN → 1.25
+    assert out["clip_ratio/low_min"] == pytest.approx(0.85 / 3)
+    assert out["clip_ratio/high_max"] == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rows_left_out_of_the_update_count_in_the_clip_extremes_as_trl_sees_them(level):
+    from types import SimpleNamespace
+
+    from lora_grpo.update import _whole_batch
+
+    # rows 1 and 3 were left out (zero advantage; row 3 has no loss tokens either)
+    idle = torch.tensor([False, True, False, True])
+    completion_mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    parts = [torch.tensor([0.5]), torch.tensor([1.0])]  # the trained rows' micro-batches, in order
+    whole = _whole_batch(parts, idle, completion_mask, SimpleNamespace(importance_sampling=level))
+    # nothing of a zero-advantage row clips: 0; a row without tokens is 0 / 0 at the token level (TRL's NaN)
+    expected = [0.5, 0.0, 1.0, math.nan if level == "token" else 0.0]
+    torch.testing.assert_close(whole, torch.tensor(expected), equal_nan=True)
+    assert _whole_batch(parts, None, completion_mask[:2], None).tolist() == [0.5, 1.0]

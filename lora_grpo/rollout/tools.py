@@ -111,15 +111,27 @@ def reply_ids(
     return after[ends_after[len(ends) - 1] + 1 :]
 
 
+# TRL 1.16's refusal (GRPOTrainer.__init__, when supports_tool_calling is False), which ours starts with.
+NO_TOOL_CALLING = (
+    "The provided chat template does not support tool calling. The template must be able to render a full "
+    "tool-calling conversation (user -> assistant with tool_calls -> tool)."
+)
+TOOL_TEMPLATE_FIX = (
+    "tools need a template that renders both, such as Qwen2.5-Instruct's or Qwen3's (for a ChatML model "
+    "such as SmolLM2, whose <|im_start|> / <|im_end|> they share): set tokenizer.chat_template to one"
+)
+
+
 def check_tool_template(tokenizer, stop_ids: Sequence[int], schemas: Sequence[dict] = ()) -> None:
     """At start: the chat template renders an assistant tool call and a tool reply (as TRL's
     ``supports_tool_calling``: user → assistant with tool_calls → tool, every part in the text), and
     the reply tokens can be cut from it (:func:`reply_ids`). ValueError saying what fails; a warning
     when ``tools=`` schemas are not rendered into prompts (the model is never told of the tools)."""
+    template = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            "tools need a chat template that renders tool calls and tool replies, but the tokenizer "
-            "has none (tokenizer.chat_template is None); set tokenizer.chat_template"
+            f"{NO_TOOL_CALLING} Tools need a chat template that renders tool calls and tool replies, but "
+            f"{template!r} has none (tokenizer.chat_template is None); set tokenizer.chat_template"
         )
     name, key, value, content = "tool_name_a8f3", "arg_key_b9d4", "arg_val_d6e7", "tool_content_c4f9"
     messages = _dummy_turn(name, {key: value}) + [{"role": "tool", "name": name, "content": content}]
@@ -127,8 +139,8 @@ def check_tool_template(tokenizer, stop_ids: Sequence[int], schemas: Sequence[di
         text = tokenizer.apply_chat_template(messages, tokenize=False)
     except Exception as e:  # jinja2 TemplateError, a template that indexes a missing field
         raise ValueError(
-            f"the chat template cannot render a tool-calling conversation (user -> assistant with "
-            f"tool_calls -> tool): {type(e).__name__}: {e}"
+            f"{NO_TOOL_CALLING} The chat template of {template!r} fails on it: {type(e).__name__}: {e}; "
+            f"{TOOL_TEMPLATE_FIX}"
         ) from None
     if lost := [
         what
@@ -139,9 +151,8 @@ def check_tool_template(tokenizer, stop_ids: Sequence[int], schemas: Sequence[di
         if not all(m in text for m in marks)
     ]:
         raise ValueError(
-            f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'!r} drops "
-            f"{' and '.join(lost)} (rendered: {text[-200:]!r}); tools need a template that renders both, "
-            "such as Qwen2.5-Instruct's or Qwen3's: set tokenizer.chat_template to one"
+            f"{NO_TOOL_CALLING} The chat template of {template!r} drops {' and '.join(lost)} "
+            f"(rendered: {text[-200:]!r}); {TOOL_TEMPLATE_FIX}"
         )
     reply_ids(tokenizer, messages[2:], stop_ids)
     names = [s.get("function", s)["name"] for s in schemas]

@@ -128,7 +128,8 @@ TRL_CHECKS: list[tuple[str, str, str]] = [
     (
         "trainer",
         "The provided chat template does not support tool calling",
-        "refused too, by rollout.tools.check_tool_template, naming what the template does not render",
+        "refused too, by rollout.tools.check_tool_template, in TRL's sentence, then naming the template, what it "
+        "does not render and the fix",
     ),
     (
         "trainer",

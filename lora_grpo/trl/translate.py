@@ -57,7 +57,8 @@ FIELDS: dict[str, Field] = {
     # --- the run and its batches ---------------------------------------------------------------
     "output_dir": _m("output_dir (None: 'trainer_output', as transformers)"),
     "per_device_train_batch_size": _m(
-        "completions per micro-step: × gradient_accumulation_steps = a step's completions"
+        "completions per micro-step: × gradient_accumulation_steps = a step's completions; "
+        "clip_ratio_group_size (the groups of clip_ratio/low_min and high_max)"
     ),
     "gradient_accumulation_steps": _m(
         "micro-steps per optimizer step (lora_grpo sizes its own micro-batches: micro_batch_size auto)"
@@ -523,6 +524,7 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
             "max_grad_norm": args.max_grad_norm,
             "gradient_checkpointing": "auto" if checkpointing else False,
             "micro_batch_size": "auto",
+            "clip_ratio_group_size": args.per_device_train_batch_size,
             "torch_dtype": "bfloat16" if args.bf16 else "auto",
             "trust_remote_code": args.trust_remote_code,
             "max_completion_length": args.max_completion_length,
