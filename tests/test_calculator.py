@@ -149,14 +149,8 @@ def test_the_base_is_built_once_and_cached(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="in today's environment (transformers 5.24, the current bitsandbytes) the base built on a fresh "
-    "machine copies the tool's reply in 0.175 of its calls (was > 0.7); it fails on d84d918 too, so the "
-    "drift is the environment's: the base's pre-training needs re-tuning (see the stop's note)",
-    strict=False,
-)
 def test_the_pretrained_base_calls_sometimes_copies_and_guesses_wrong():
-    """The shipped base (built once per machine, ~1-2 min on 2 CPU cores): never calls greedily, calls in
+    """The shipped base (built once per machine, 1200 steps on CPU): never calls greedily, calls in
     some samples and then copies the reply; its direct answers are mostly wrong. GRPO's starting point."""
     path = calculator.ensure_calculator_base()
     model, tok = AutoModelForCausalLM.from_pretrained(path), calculator.make_tokenizer()
