@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 STAGES = ("rollout", "environment", "reward", "update", "eval", "sync", "log", "checkpoint")
 
-# (id of the exception, the stages it left, outermost first); ids, not the exception: holding it would
-# keep its traceback's frames (and their tensors) alive.
-_FAILED: ContextVar[tuple[int, tuple[str, ...]] | None] = ContextVar("lora_grpo_failed_stages", default=None)
+# The stages an exception left, outermost first, are kept on the exception itself: an id kept beside it
+# could name a later exception that reuses a dead one's id.
+_STAGES_ATTRIBUTE = "_lora_grpo_stages"
 
 
 @contextmanager
@@ -47,16 +46,17 @@ def stage(name: str):
     try:
         yield
     except Exception as error:
-        seen = _FAILED.get()
-        inner = seen[1] if seen is not None and seen[0] == id(error) else ()
-        _FAILED.set((id(error), (name, *inner)))
+        try:
+            setattr(error, _STAGES_ATTRIBUTE, (name, *stages_of(error)))
+        except (AttributeError, TypeError):
+            # an exception that takes no attributes (slots, frozen) goes on unnamed, never masked
+            pass
         raise
 
 
 def stages_of(error: BaseException) -> tuple[str, ...]:
     """The stages `error` left, outermost first; () when it was raised outside every stage."""
-    seen = _FAILED.get()
-    return seen[1] if seen is not None and seen[0] == id(error) else ()
+    return getattr(error, _STAGES_ATTRIBUTE, ())
 
 
 def describe_stages(stages: tuple[str, ...]) -> str:
