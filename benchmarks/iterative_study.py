@@ -80,6 +80,7 @@ def run_one(schedule: str, seed: int, args) -> dict:
             "max_steps": args.steps,
             "eval_steps": args.eval_steps,
             "eval_pass_k": [],
+            "eval_kl_to_base": True,
             "seed": seed,
             "output_dir": tempfile.mkdtemp(prefix=f"study-{schedule}-{seed}-"),
             "disable_tqdm": True,
