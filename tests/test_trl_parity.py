@@ -227,18 +227,26 @@ def test_a_dict_of_named_environments_routes_each_row_by_its_environment_column(
     )  # Counter's get_reward
 
 
-@pytest.mark.parametrize("library", LIBRARIES)
-def test_an_environment_trains_on_qwen3s_own_template(qwen_tool_base_dir, tmp_path, library):
+def base_with_template(base_dir, tmp_path, template: str):
+    """A copy of the tool base whose tokenizer carries tests/fixtures/chat_templates/<template>.jinja."""
     import shutil
     from pathlib import Path
 
+    base = shutil.copytree(base_dir, tmp_path / f"{template}_base")
+    tok = tool_tokenizer(str(base))
+    tok.chat_template = (
+        Path(__file__).parent / "fixtures" / "chat_templates" / f"{template}.jinja"
+    ).read_text()
+    tok.save_pretrained(base)
+    return base
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_an_environment_trains_on_qwen3s_own_template(qwen_tool_base_dir, tmp_path, library):
     from datasets import Dataset
 
     # Qwen3's template as its tokenizer ships it: not prefix-preserving (TRL's docs' agent examples use it)
-    base = shutil.copytree(qwen_tool_base_dir, tmp_path / "qwen3_base")
-    tok = tool_tokenizer(str(base))
-    tok.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen3.jinja").read_text()
-    tok.save_pretrained(base)
+    base = base_with_template(qwen_tool_base_dir, tmp_path, "qwen3")
     rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"add {i}"}]} for i in range(4)])
     scope = run(
         library,
@@ -261,16 +269,10 @@ def test_an_environment_trains_on_qwen3s_own_template(qwen_tool_base_dir, tmp_pa
 
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_smollm2s_own_template_is_refused_for_tools_in_trls_sentence(qwen_tool_base_dir, tmp_path, library):
-    import shutil
-    from pathlib import Path
-
     from datasets import Dataset
 
     # SmolLM2-135M-Instruct's template as its GGUF ships it: role and content only, so no tool calls
-    base = shutil.copytree(qwen_tool_base_dir, tmp_path / "smollm2_base")
-    tok = tool_tokenizer(str(base))
-    tok.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "smollm2.jinja").read_text()
-    tok.save_pretrained(base)
+    base = base_with_template(qwen_tool_base_dir, tmp_path, "smollm2")
     rows = Dataset.from_list([{"prompt": [{"role": "user", "content": f"add {i}"}]} for i in range(4)])
     scope = run(
         library,
