@@ -7,7 +7,8 @@ Two kinds (``KINDS``), measured on SmolLM2-135M-Instruct (GGUF Q4_1, dequantised
 benchmarks/smollm2_task_search.py:
 
 - ``add-1-1``: two one-digit numbers, each problem asked in ten phrasings ("What is 3 plus 5?",
-  "Add 3 and 5.", ...). The recipe's task.
+  "Add 3 and 5.", ...). The smollm2-135m-chat-sum recipe's task: on the 210 held-out prompts at 24 new
+  tokens, greedy 0.352, sampled at temperature 0.7 pass@1 0.207 and pass@8 0.748.
 - ``add-1-2``: one one-digit and one two-digit number, "What is a + b?" only. At 24 new tokens greedy
   0.03, pass@8 0.10: too hard at that budget (it rambles, "To add 7 and 24, you ..."), so no recipe
   is built on it.
