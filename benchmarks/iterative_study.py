@@ -15,18 +15,22 @@ back (--beta), and one reference schedule:
     plateau trigger    a hard sync when the held-out accuracy has not risen by 0.01 for 2 evals
     reset every N      hard every N, and the AdamW moments reset at each sync (ProRL, §2.3.1)
 
-Evaluated every --eval-steps steps on the 200 held-out sums: greedy accuracy and eval/kl_to_base
-(the per-token KL of the policy to the model the run started from). Output in --out:
+Evaluated every --eval-steps steps on the recipe's held-out prompts: greedy accuracy and
+eval/kl_to_base (the per-token KL of the policy to the model the run started from). Output in --out:
 iterative_study.png (held-out accuracy and KL to the base against steps, mean over seeds with
 the min–max band) and iterative_study.md (final accuracy, KL to the base, the KL penalty's share
 of the loss over the last 10 steps, seconds, syncs; mean ± standard deviation over seeds, and
-every seed's accuracy). Every seed is reported; none is dropped.
+every seed's accuracy); another recipe's study is iterative_study_<recipe>.png and .md. Every seed
+is reported; none is dropped.
 
     python benchmarks/iterative_study.py                       # 8 schedules × 5 seeds, ~6 min on 2 CPU cores
     python benchmarks/iterative_study.py --schedules fixed,hard --seeds 0 --steps 20   # a quick look
     # the real model (SmolLM2-135M-Instruct, the smollm2-135m-chat-sum recipe), at the recipe's beta:
     python benchmarks/iterative_study.py --recipe smollm2-135m-chat-sum --beta 0.04 --steps 20 \
         --sync-every 5 --eval-steps 10 --schedules fixed,hard,soft --seeds 0,1,2
+    # schedules run side by side (one thread each, their own --out), then one table and plot of all:
+    python benchmarks/iterative_study.py --recipe R ... --threads 1 --schedules fixed --out runs/a &
+    python benchmarks/iterative_study.py --recipe R ... --merge runs/a/iterative_study_R.json ... --out docs
 """
 
 from __future__ import annotations
@@ -184,13 +188,25 @@ def main() -> None:
     parser.add_argument("--eval-steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/iterative_study")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="no training: one table and plot of the runs in these iterative_study.json files "
+        "(studies of the same settings run side by side); the other options say what they were run with",
+    )
     args = parser.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
-    for schedule in args.schedules.split(","):
+    for path in args.merge or []:
+        for schedule, runs in json.loads(Path(path).read_text()).items():
+            results.setdefault(schedule, []).extend(runs)
+    if args.merge:
+        args.seeds = sorted({r["seed"] for runs in results.values() for r in runs})
+    for schedule in [] if args.merge else args.schedules.split(","):
         for seed in args.seeds:
             r = run_one(schedule, seed, args)
             results.setdefault(schedule, []).append(r)
@@ -199,10 +215,13 @@ def main() -> None:
                 f"kl share {r['kl_share']:.2f}, {r['syncs']} syncs, {r['seconds']:.1f} s",
                 flush=True,
             )
-    (out / "iterative_study.json").write_text(json.dumps(results, indent=1))
-    print(write_table(results, args, out / "iterative_study.md"))
-    plot(results, args, out / "iterative_study.png")
-    print(f"wrote {out}/iterative_study.md, .png, .json")
+    # the default recipe's study is docs/iterative_study.*; another recipe's is named after it
+    stem = "iterative_study" if args.recipe == "toy-addition" else f"iterative_study_{args.recipe}"
+    if not args.merge:
+        (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    print(write_table(results, args, out / f"{stem}.md"))
+    plot(results, args, out / f"{stem}.png")
+    print(f"wrote {out}/{stem}.md, .png" + ("" if args.merge else ", .json"))
 
 
 if __name__ == "__main__":

