@@ -61,10 +61,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
             )
 
 
-def _derived_seed(seed: int, process_index: int, step: int) -> int:
-    # A hash, not arithmetic on the numbers: distinct (seed, process, step) never share a stream.
-    digest = hashlib.sha256(f"lora_grpo sampling {seed} {process_index} {step}".encode()).digest()
+def _hashed_seed(*parts) -> int:
+    # A hash, not arithmetic on the numbers: distinct parts never share a stream.
+    digest = hashlib.sha256(" ".join(["lora_grpo", *map(str, parts)]).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes a non-negative 64-bit int
+
+
+def _derived_seed(seed: int, process_index: int, step: int) -> int:
+    return _hashed_seed("sampling", seed, process_index, step)
+
+
+def sampling_seed(seed: int, process_index: int) -> int:
+    """The seed of a run's sampling generator on one process: a hash of (seed, process), never the
+    seed itself. seed_everything(seed) starts torch's global stream at manual_seed(seed), and that
+    stream initialises the adapters (LoRA A is kaiming-uniform); a sampler seeded with the same
+    number would draw the very uniforms that made A, coupling the first rollouts' tokens to the
+    initialisation. On SmolLM2-135M that coupling alone cost 8–37 points of held-out accuracy
+    after 10 steps against TRL, whose sampler draws from the global stream after the init."""
+    return _hashed_seed("sampling stream", seed, process_index)
 
 
 def restore_sampling(

@@ -49,7 +49,7 @@ from .optim import apply_config as apply_optimizer_config
 from .reference import sync_reference
 from .reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
 from .rewards.scoring import RewardFunctionError
-from .rng import rng_state, seed_everything
+from .rng import rng_state, sampling_seed, seed_everything
 from .rollout import Rollout
 from .run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
 from .sampler import PolicySampler
@@ -156,7 +156,7 @@ class GRPOTrainer:
         )  # moves a plain model; refuses a quantized one on another device
         self.scorer.place_reward_models(self.accelerator.device, model.get_input_embeddings().weight.dtype)
         self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
-            config.seed + 1000 * self.accelerator.process_index
+            sampling_seed(config.seed, self.accelerator.process_index)
         )
         # The rollout stage (sampler.py), with the tools a rollout may call (a multi-turn rollout).
         self.sampler = PolicySampler(

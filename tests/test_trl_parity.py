@@ -685,6 +685,98 @@ def test_clip_ratio_extremes_are_trls_on_the_same_run(tiny_base_dir, tmp_path, l
     assert steps[0]["clip_ratio/low_min"] == 0 == steps[0]["clip_ratio/high_max"]
 
 
+def _dapo_gradient(model, tokenizer, seen, temperature):
+    """{name: gradient} of the trainable parameters, computed here from the completions a run's first step
+    scored: the dapo loss at ratio 1, −Σ_i A_i Σ_t log π(c_it) / (the step's completion tokens), with
+    π = softmax(logits / temperature) of one unpadded forward per completion and A the group's rewards
+    minus their mean over their (unbiased) std + 1e-4 (TRL's scale_rewards="group")."""
+    import torch
+
+    prompts, ids, rewards = seen
+    groups = torch.tensor(rewards).view(-1, 4)
+    advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for p in params.values():
+        p.grad = None
+    total = sum(len(c) for c in ids)
+    for prompt, completion, a in zip(prompts, ids, advantages, strict=True):
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        logits = model(input_ids=torch.tensor([prompt_ids + list(completion)])).logits[0]
+        logp = (logits[len(prompt_ids) - 1 : -1].float() / temperature).log_softmax(-1)
+        (-a * logp.gather(-1, torch.tensor(completion)[:, None]).sum() / total).backward()
+    return {n: p.grad.clone() for n, p in params.items()}
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_first_update_is_adams_step_on_the_dapo_gradient_of_the_completions(
+    tiny_base_dir, tmp_path, library
+):
+    """One update from the completions the reward function saw, recomputed here without either trainer:
+    the LoRA weights after step 1 are the start weights plus Adam's first step on the clipped gradient
+    of the dapo loss, −lr·ĝ/(|ĝ| + eps) (m̂ = ĝ, v̂ = ĝ²). adam_epsilon 1 makes that step proportional
+    to the gradient, so it checks the loss's scale (normaliser, advantages, temperature), not only its
+    sign. One group has equal rewards: its rows have no gradient (ours leaves them out of the update)."""
+    import torch
+    from transformers import TrainerCallback
+
+    seen, checked = [], {}
+
+    def spy(prompts, completions, completion_ids, **kwargs):
+        # PROMPTS[0]'s group: equal rewards; the other's: the completion's place in its group
+        rewards = [1.0 if p == PROMPTS[0]["prompt"] else float(i % 4) for i, p in enumerate(prompts)]
+        seen.append((prompts, [list(c) for c in completion_ids], rewards))
+        return rewards
+
+    class Probe(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+            self.model, self.tokenizer = model, processing_class
+            self.start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            params = dict(self.model.named_parameters())
+            after = {n: params[n].detach().clone() for n in self.start}
+            with torch.no_grad():
+                for n, p in self.start.items():
+                    params[n].copy_(p)
+            grads = _dapo_gradient(self.model, self.tokenizer, seen[0], temperature=0.7)
+            norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+            clip = min(1.0, 1.0 / (norm + 1e-6))  # torch's clip_grad_norm_ at max_grad_norm 1
+            checked.update(norm=norm)
+            for n, g in grads.items():
+                expected = self.start[n] - 0.5 * (clip * g) / ((clip * g).abs() + 1.0)
+                torch.testing.assert_close(after[n], expected, rtol=1e-4, atol=1e-6, msg=n)
+                checked[n] = (after[n] - self.start[n]).abs().max().item()
+            with torch.no_grad():
+                for n, p in after.items():
+                    params[n].copy_(p)
+
+    scope = run(
+        library,
+        """
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, use_cpu=True, bf16=False, per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=6, temperature=0.7, save_strategy="no",
+                          report_to="none", max_steps=1, logging_steps=1, learning_rate=0.5, adam_epsilon=1.0,
+                          lr_scheduler_type="constant")
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=spy, args=args, train_dataset=DATA, peft_config=lora,
+                              callbacks=[PROBE])
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        DATA=dataset(2),
+        PROBE=Probe(),
+        spy=spy,
+    )
+    assert len(seen) == 1 and checked["norm"] > 0
+    moved = [n for n, d in checked.items() if n != "norm" and d > 0]
+    assert moved and all("lora_B" in n for n in moved)  # B starts at 0, so A's first gradient is 0
+    [record] = [r for r in scope["trainer"].state.log_history if "grad_norm" in r]
+    assert record["grad_norm"] == pytest.approx(checked["norm"], rel=1e-4)
+
+
 # Every metric TRL 1.16's GRPOTrainer logs (`_metrics[mode][...]`, `_metrics["train"][...]`, walked out of its
 # source below): None when a plain run with beta > 0 logs it here under TRL's name; else when it is logged, or
 # why it is not.
