@@ -484,7 +484,7 @@ def test_a_stopped_trainer_refuses_a_fresh_train_but_resumes_on_the_same_object(
 def test_the_sampler_never_draws_the_numbers_that_initialised_the_adapters(tiny_base_dir, tmp_path):
     """seed_everything(seed) starts torch's global stream, and LoRA A's kaiming-uniform init draws from
     it. A sampler seeded with the same number replays those uniforms: its first rollouts' tokens are a
-    function of A (on SmolLM2-135M that cost 8–37 points of held-out accuracy against TRL). Each policy
+    function of A (on SmolLM2-135M that cost 5–43 points of held-out accuracy after 10 steps). Each policy
     A entry maps back to the uniform u = (A / bound + 1) / 2 that made it; a run of consecutive A
     entries found as consecutive draws of the sampling stream is that replay."""
     import math

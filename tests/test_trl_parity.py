@@ -590,14 +590,14 @@ def test_trls_completion_metrics_have_trls_meaning(tiny_base_dir, tmp_path, libr
     assert steps[0]["num_tokens"] < steps[1]["num_tokens"]
 
 
-def _token_logps(model, tokenizer, prompt, ids):
-    """(T,) log-probs of completion `ids` after `prompt` under `model` as it is now (temperature 1)."""
+def _token_logps(model, tokenizer, prompt, ids, temperature=1.0):
+    """(T,) log-probs of completion `ids` after `prompt` under `model` as it is now, from one unpadded
+    forward of softmax(logits / temperature); with grad where grad is enabled."""
     import torch
 
     prompt_ids = tokenizer(prompt)["input_ids"]
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1].float()
-    return logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+    logits = model(input_ids=torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1].float()
+    return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -633,9 +633,10 @@ def test_clip_ratio_extremes_are_trls_on_the_same_run(tiny_base_dir, tmp_path, l
                 now = copy.deepcopy(self.model.state_dict())
                 for name, weights in [("old", self.start), ("new", now)]:
                     self.model.load_state_dict(weights)
-                    logps[name] = [
-                        _token_logps(self.model, self.tokenizer, p, i) for p, i in zip(prompts, ids)
-                    ]
+                    with torch.no_grad():
+                        logps[name] = [
+                            _token_logps(self.model, self.tokenizer, p, i) for p, i in zip(prompts, ids)
+                        ]
 
     scope = run(
         library,
@@ -688,8 +689,8 @@ def test_clip_ratio_extremes_are_trls_on_the_same_run(tiny_base_dir, tmp_path, l
 def _dapo_gradient(model, tokenizer, seen, temperature):
     """{name: gradient} of the trainable parameters, computed here from the completions a run's first step
     scored: the dapo loss at ratio 1, −Σ_i A_i Σ_t log π(c_it) / (the step's completion tokens), with
-    π = softmax(logits / temperature) of one unpadded forward per completion and A the group's rewards
-    minus their mean over their (unbiased) std + 1e-4 (TRL's scale_rewards="group")."""
+    π from _token_logps and A the group's rewards minus their mean over their (unbiased) std + 1e-4
+    (TRL's scale_rewards="group")."""
     import torch
 
     prompts, ids, rewards = seen
@@ -700,10 +701,7 @@ def _dapo_gradient(model, tokenizer, seen, temperature):
         p.grad = None
     total = sum(len(c) for c in ids)
     for prompt, completion, a in zip(prompts, ids, advantages, strict=True):
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        logits = model(input_ids=torch.tensor([prompt_ids + list(completion)])).logits[0]
-        logp = (logits[len(prompt_ids) - 1 : -1].float() / temperature).log_softmax(-1)
-        (-a * logp.gather(-1, torch.tensor(completion)[:, None]).sum() / total).backward()
+        (-a * _token_logps(model, tokenizer, prompt, completion, temperature).sum() / total).backward()
     return {n: p.grad.clone() for n, p in params.items()}
 
 
