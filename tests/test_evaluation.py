@@ -215,6 +215,20 @@ def test_evaluate_reports_pass_at_k_beside_greedy(tiny_base_dir, tmp_path):
         assert again[key] == pytest.approx(metrics[key], abs=1e-6)
 
 
+def test_a_run_evaluates_at_its_start_every_eval_step_and_once_at_its_end(tiny_base_dir, tmp_path):
+    # eval_steps 1 divides max_steps 3: the last step's eval is the closing one, not a second one.
+    trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN, eval_steps=1)
+    calls, evaluate = [], trainer.evaluator.evaluate
+
+    def counted(*args, **kwargs):
+        calls.append(trainer.state.global_step)
+        return evaluate(*args, **kwargs)
+
+    trainer.evaluator.evaluate = counted
+    trainer.train()
+    assert calls == [0, 1, 2, 3]
+
+
 def test_named_eval_sets_are_each_evaluated_as_alone(tiny_base_dir, tmp_path):
     """A dict of eval sets: each set's metrics under eval/<name>/, equal to evaluating that set alone; a
     new source passed to evaluate() is rendered and checked as the run's own."""

@@ -116,10 +116,10 @@ def test_every_eval_dataset_form_is_evaluated_under_its_names(tiny_base_dir, tmp
         OUT=str(tmp_path / library),
     )
     prefixes = ["eval" if n is None else f"eval_{n}" for n in names]
-    for step in (1, 2):  # each set's record at each eval step
+    for step in (1, 2):  # each set's record at each eval step, once (step 2 is also the run's last)
         records = [r for r in scope["trainer"].state.log_history if r["step"] == step]
         for prefix in prefixes:
-            assert any(f"{prefix}_runtime" in r for r in records), (prefix, step, records)
+            assert sum(f"{prefix}_runtime" in r for r in records) == 1, (prefix, step, records)
     assert {"test" if n is None else f"test_{n}" for n in names} == {
         k.removesuffix("_runtime") for k in scope["again"] if k.endswith("_runtime")
     }
@@ -705,17 +705,49 @@ def _dapo_gradient(model, tokenizer, seen, temperature):
     return {n: p.grad.clone() for n, p in params.items()}
 
 
+def _tiny_model(path, base):
+    """The tiny base as a user passes it: a path (float32), or an NF4 model loaded with
+    BitsAndBytesConfig on the portable 4-bit path (lora_grpo.model.keep_4bit_weights_fixed)."""
+    if base == "fp32":
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from lora_grpo.model import keep_4bit_weights_fixed
+
+    nf4 = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=nf4)
+    keep_4bit_weights_fixed(model)
+    return model
+
+
 @pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize("base", ["fp32", "4bit"])
 def test_the_first_update_is_adams_step_on_the_dapo_gradient_of_the_completions(
-    tiny_base_dir, tmp_path, library
+    tiny_base_dir, tmp_path, library, base
 ):
     """One update from the completions the reward function saw, recomputed here without either trainer:
     the LoRA weights after step 1 are the start weights plus Adam's first step on the clipped gradient
     of the dapo loss, −lr·ĝ/(|ĝ| + eps) (m̂ = ĝ, v̂ = ĝ²). adam_epsilon 1 makes that step proportional
     to the gradient, so it checks the loss's scale (normaliser, advantages, temperature), not only its
-    sign. One group has equal rewards: its rows have no gradient (ours leaves them out of the update)."""
+    sign. One group has equal rewards: its rows have no gradient (ours leaves them out of the update).
+    On a 4-bit base the gradient flows back through bitsandbytes' matmuls to every layer's LoRA B.
+    There TRL casts the adapter's weights to bfloat16 (QLoRA's recommendation), so its step holds to
+    bf16's rounding; ours keeps them in float32 (README's "where we differ") and holds exactly."""
     import torch
     from transformers import TrainerCallback
+
+    quantized_trl = base == "4bit" and library == "trl"
+    adapter_dtype = torch.bfloat16 if quantized_trl else torch.float32
+
+    def assert_step(after, expected, start, name):
+        if quantized_trl:  # bf16 weights and moments: within 1% of the largest move (measured: 0.4–0.8%)
+            step = (expected - start).abs().max()
+            assert (after - expected).abs().max() <= 1e-2 * step, name
+        else:
+            torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-6, msg=name)
 
     seen, checked = [], {}
 
@@ -742,7 +774,8 @@ def test_the_first_update_is_adams_step_on_the_dapo_gradient_of_the_completions(
             checked.update(norm=norm)
             for n, g in grads.items():
                 expected = self.start[n] - 0.5 * (clip * g) / ((clip * g).abs() + 1.0)
-                torch.testing.assert_close(after[n], expected, rtol=1e-4, atol=1e-6, msg=n)
+                assert after[n].dtype == adapter_dtype, n
+                assert_step(after[n], expected, self.start[n], n)
                 checked[n] = (after[n] - self.start[n]).abs().max().item()
             with torch.no_grad():
                 for n, p in after.items():
@@ -762,7 +795,7 @@ def test_the_first_update_is_adams_step_on_the_dapo_gradient_of_the_completions(
                               callbacks=[PROBE])
         trainer.train()
     """,
-        MODEL=tiny_base_dir,
+        MODEL=_tiny_model(tiny_base_dir, base),
         OUT=str(tmp_path / library),
         DATA=dataset(2),
         PROBE=Probe(),
@@ -772,7 +805,7 @@ def test_the_first_update_is_adams_step_on_the_dapo_gradient_of_the_completions(
     moved = [n for n, d in checked.items() if n != "norm" and d > 0]
     assert moved and all("lora_B" in n for n in moved)  # B starts at 0, so A's first gradient is 0
     [record] = [r for r in scope["trainer"].state.log_history if "grad_norm" in r]
-    assert record["grad_norm"] == pytest.approx(checked["norm"], rel=1e-4)
+    assert record["grad_norm"] == pytest.approx(checked["norm"], rel=1e-2 if quantized_trl else 1e-4)
 
 
 # Every metric TRL 1.16's GRPOTrainer logs (`_metrics[mode][...]`, `_metrics["train"][...]`, walked out of its
