@@ -192,6 +192,25 @@ def changed(a: dict, b: dict) -> bool:
     return any(not torch.equal(a[k], b[k]) for k in a)
 
 
+def load_4bit(path, portable: bool = False):
+    """The model at path loaded as users load a QLoRA base: NF4 weights through transformers'
+    BitsAndBytesConfig, float32 compute, on the CPU. portable=True also puts it on the one 4-bit
+    kernel the trainer uses on every CPU (lora_grpo.model.keep_4bit_weights_fixed)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from lora_grpo.model import keep_4bit_weights_fixed
+
+    nf4 = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=nf4, device_map="cpu"
+    )
+    if portable:
+        keep_4bit_weights_fixed(model)
+    return model
+
+
 def frozen_4bit(model) -> dict[str, torch.Tensor]:
     """Every 4-bit layer's stored bytes and quantisation constants, read without state_dict()."""
     import bitsandbytes.nn.modules as bnb_modules

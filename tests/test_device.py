@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from conftest import load_4bit
 from torch import nn
 
 from lora_grpo import device as device_module
@@ -141,10 +142,7 @@ def test_place_model_moves_a_plain_model_and_leaves_one_in_place():
 # Failed before the fix (defect 8): the trainer skipped a 4-bit model on the wrong device, and the
 # probe batch and the sampling generator then met it on CUDA: a device-mismatch error.
 def test_place_model_refuses_a_4bit_model_on_another_device_saying_how_to_load_it(tiny_base_dir):
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=bnb, device_map="cpu")
+    model = load_4bit(tiny_base_dir)
     with pytest.raises(ValueError) as e:
         place_model(model, CUDA)
     text = str(e.value)

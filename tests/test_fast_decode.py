@@ -5,11 +5,12 @@ import logging
 
 import pytest
 import torch
+from conftest import load_4bit
 
 from lora_grpo import config as config_module
 from lora_grpo.adapters import POLICY, REFERENCE, lora_layers, use_adapter
 from lora_grpo.config import ConfigError, GRPOConfig
-from lora_grpo.model import attach_adapters, keep_4bit_weights_fixed
+from lora_grpo.model import attach_adapters
 from lora_grpo.rollout import fast_decode, generate_rollout
 from lora_grpo.rollout import generate as rollout_module
 from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
@@ -197,12 +198,10 @@ def test_sliding_window_model_is_refused_with_one_message(tok, caplog):
 
 
 def test_static_sampler_on_a_4bit_base(tiny_base_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoTokenizer
 
-    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
-    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=bnb, device_map="cpu")
+    base = load_4bit(tiny_base_dir, portable=True)  # as the trainer does: one 4-bit kernel, both samplers
     tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
-    keep_4bit_weights_fixed(base)  # as the trainer does: the same 4-bit kernel on every CPU, in both samplers
     model = attach_adapters(
         base, GRPOConfig(model_name_or_path="tiny", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
     )

@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import load_4bit
 from tokenizers import processors
 
 from lora_grpo.rollout import (
@@ -448,10 +449,9 @@ def test_without_filters_one_vocabulary_sized_temporary_is_made():
 
 def test_peft_lora_on_4bit_base(tiny_base_dir):
     peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoTokenizer
 
-    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
-    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=bnb, device_map="cpu")
+    base = load_4bit(tiny_base_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
     # Random (non-zero) B so the adapter, and hence LoRA dropout, changes the output.
     lora = peft.LoraConfig(

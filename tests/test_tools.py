@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from conftest import load_4bit
 
 from lora_grpo.batch import Batch, loss_mask
 from lora_grpo.loss import grpo_loss
@@ -487,13 +488,10 @@ def test_environments_one_instance_per_row_with_reset_text_and_reward(tok):
 def test_a_4bit_base_with_lora_runs_tools(tok, tmp_path):
     peft = pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     toy.make_tiny_model(tok).save_pretrained(
         tmp_path
     )  # hidden 64: bitsandbytes' CPU kernels want >= its block
-    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
-    base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb, device_map="cpu")
+    base = load_4bit(tmp_path)
     model = peft.get_peft_model(
         base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     )

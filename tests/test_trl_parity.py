@@ -11,7 +11,7 @@ import re
 import textwrap
 
 import pytest
-from conftest import PROMPTS, QWEN_RESPONSE_TEMPLATE
+from conftest import PROMPTS, QWEN_RESPONSE_TEMPLATE, load_4bit
 
 trl = pytest.importorskip("trl")
 
@@ -708,19 +708,7 @@ def _dapo_gradient(model, tokenizer, seen, temperature):
 def _tiny_model(path, base):
     """The tiny base as a user passes it: a path (float32), or an NF4 model loaded with
     BitsAndBytesConfig on the portable 4-bit path (lora_grpo.model.keep_4bit_weights_fixed)."""
-    if base == "fp32":
-        return path
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from lora_grpo.model import keep_4bit_weights_fixed
-
-    nf4 = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
-    )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=nf4)
-    keep_4bit_weights_fixed(model)
-    return model
+    return path if base == "fp32" else load_4bit(path, portable=True)
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
