@@ -11,6 +11,7 @@ lazily), so the checkpoint, startup and CLI modules all build on it.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import re
@@ -133,3 +134,89 @@ def check_adapter_fits(
             given[0],
             given[0],
         )
+
+
+# Module types LoRA can wrap (peft's LoRA layers), by class name so that bitsandbytes and
+# transformers' Conv1D need no import here.
+_LORA_TYPES = ("Linear", "Linear4bit", "Linear8bitLt", "Conv1D", "Embedding", "Conv1d", "Conv2d")
+
+
+def _lora_leaves(model) -> dict[str, str]:
+    """{last name component: class name} of the modules LoRA can wrap (lm_head left out, as 'all-linear' does)."""
+    return {
+        name.rsplit(".", 1)[-1]: type(m).__name__
+        for name, m in model.named_modules()
+        if name and type(m).__name__ in _LORA_TYPES and not name.endswith("lm_head")
+    }
+
+
+def check_target_modules(model, targets) -> None:
+    """Refuse lora_target_modules entries that match no module of `model`, or only modules LoRA cannot
+    wrap, naming the closest module names (peft ignores an unmatched entry when another one matches:
+    a typo'd 'q_prj' next to 'v_proj' would train only v_proj). Matching is peft's: a list entry
+    matches a module whose name is it or ends in '.<entry>'; a string other than 'all-linear' is a
+    regular expression over the whole name."""
+    if targets is None or targets == "all-linear":
+        return
+    modules = [(name, type(m).__name__) for name, m in model.named_modules() if name]
+    entries = [targets] if isinstance(targets, str) else list(targets)
+    leaves = _lora_leaves(model)
+    for entry in entries:
+        if isinstance(targets, str):
+            hits = [(n, t) for n, t in modules if re.fullmatch(entry, n)]
+        else:
+            hits = [(n, t) for n, t in modules if n == entry or n.endswith("." + entry)]
+        wrappable = [h for h in hits if h[1] in _LORA_TYPES]
+        if wrappable:
+            continue
+        key = entry.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(key, sorted(leaves), n=3, cutoff=0.5)
+        what = (
+            f"matches only {sorted({t for _, t in hits})} modules (e.g. {hits[0][0]}), which LoRA cannot wrap"
+            if hits
+            else "matches no module of this model"
+        )
+        raise ValueError(
+            f"lora_target_modules entry {entry!r} {what}"
+            + (f"; closest: {', '.join(map(repr, close))}" if close else "")
+            + f". The layers LoRA can wrap here: {sorted(leaves)}. Use those names, or lora_target_modules: all-linear"
+        )
+
+
+def check_init_adapter(model, init_adapter: str, model_name: str | None = None) -> None:
+    """Refuse an init_adapter saved for another model before peft loads it: a layer this model does
+    not have (peft would drop its weights silently) or of other in/out sizes (peft's size-mismatch
+    error). A local path that is no adapter, or a lora_grpo checkpoint dir, is named with what to pass."""
+    path = Path(init_adapter).expanduser()
+    if not path.exists():
+        if init_adapter.startswith((".", "/", "~")) or len(Path(init_adapter).parts) > 2:
+            raise ValueError(
+                f"init_adapter={init_adapter!r} does not exist; pass a directory saved by "
+                "save_pretrained / lora-grpo (it holds adapter_config.json)"
+            )
+        return  # a hub adapter id: peft downloads and checks it
+    if not (path / "adapter_config.json").is_file():
+        inside = [p.parent.name for p in sorted(path.glob("*/adapter_config.json"))]
+        hint = (
+            f"; it is a checkpoint or run directory: pass {str(path / 'policy')!r}"
+            if "policy" in inside
+            else f"; adapters inside it: {inside}"
+            if inside
+            else ""
+        )
+        raise ValueError(
+            f"init_adapter={init_adapter!r} has no adapter_config.json, so it is not a peft adapter{hint}"
+        )
+    if missing_adapter_files(path):  # peft would take the directory for a hub id
+        raise ValueError(
+            f"init_adapter={init_adapter!r}: {path / ADAPTER_WEIGHTS} is missing, so it holds no adapter weights "
+            "(a save that never finished, or a file deleted since); pass a directory holding both "
+            f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
+        )
+    check_adapter_fits(
+        model,
+        path,
+        label=f"init_adapter={init_adapter!r}",
+        base_given=(model_name, getattr(getattr(model, "config", None), "_name_or_path", None)),
+        fix="Use an adapter trained on this base, or drop init_adapter",
+    )

@@ -24,6 +24,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+MiB = 2**20
+
 # bf16 arithmetic in hardware from Ampere (sm_80) on. Below it (Volta 7.0, Turing 7.5: V100, T4,
 # RTX 20xx) torch.cuda.is_bf16_supported() still answers True, because bf16 can be emulated
 # through float32: slower than float32 itself, and Triton does not compile bf16 there at all.

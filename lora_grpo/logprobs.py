@@ -13,13 +13,11 @@ tensor cores (_tf32_matmuls), which is exact for those inputs.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 from torch import nn
-
-from .adapters import use_adapter
 
 Tensor = torch.Tensor
 _CAST_ELEMENTS = 2**23  # of a bf16 head's weight cast to float32 at once (32 MiB; all of Qwen2.5's: 545 MB)
@@ -462,133 +460,3 @@ def sequence_log_probs(
         return_entropy=return_entropy,
         entropy_grad=entropy_grad,
     )
-
-
-# check_log_probs tolerance. Both paths run the same decoder body on the same inputs, so the hidden
-# states agree exactly; they differ only in how the LM head's output is rounded. The model rounds each
-# logit to its dtype (for bf16 / fp16 our head keeps float32, _head_logits: half a unit in the last
-# place, eps/2·|z|; in float32 both round, from different matmul shapes and so possibly different
-# accumulation orders: one unit, eps·|z|). The model also rounds after each of its own post-head
-# operations (a scale, a softcap's divide/tanh/multiply), which we compute in float32.
-# log p = z_target − logsumexp(z), and each term moves by about that much, so the tolerance grows
-# with the largest |logit| / temperature:
-#   atol = _ATOL_FLOOR + k · eps(dtype) · max|z|
-# float32: eps = 1.2e-7, so ≈ 1e-3 for any realistic logits — three orders of magnitude above the
-#   accumulation-order noise, far below any real transform (a missing ×4 was 0.83 nats).
-# float16 / bfloat16: k = 4 (eps = 2⁻¹⁰ / 2⁻⁷): bf16 logits up to 30 give ≈ 0.94 nats; a missing
-#   softcap of 30 there moves the top logit by 7 nats, a missing ×4 or ÷8 by far more. Measured on
-#   tiny bf16 HyperCLOVAX models (×3 and ×5, rounded by the model, exact here; 8 seeds):
-#   0.22–0.60 · eps · max|z|, so k = 4 leaves a margin of 6 over that.
-# 4/8-bit quantized bases: k = 8 — their linear layers choose kernels (and dequantisation order) by
-#   input shape, so the head may round differently again.
-_ATOL_FLOOR = 1e-3
-_ULPS = {"float": 4.0, "quantized": 8.0}
-
-
-def _coarsest_float_dtype(model: nn.Module) -> torch.dtype:
-    # LoRA weights are float32 on a bf16 base, a 4-bit base's weights are uint8: the coarsest
-    # floating dtype among the parameters is the one the forward rounds to.
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
-
-
-def _is_quantized(causal_lm: nn.Module) -> bool:
-    return (
-        getattr(causal_lm, "hf_quantizer", None) is not None
-        or getattr(causal_lm, "is_loaded_in_4bit", False)
-        or getattr(causal_lm, "is_loaded_in_8bit", False)
-        or getattr(causal_lm.config, "quantization_config", None) is not None
-    )
-
-
-def check_log_probs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    *,
-    completion_length: int | None = None,
-    adapters: tuple[str, ...] = ("policy", "reference"),
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-    atol: float | None = None,
-) -> float:
-    """Check sequence_log_probs against log_softmax of the model's own logits; return the max |difference|.
-
-    The load-time guarantee behind `_LOGIT_TRANSFORMS`: a model whose forward transforms its logits
-    in a way that list does not know fails here instead of training on the wrong distribution.
-    input_ids, attention_mask (B, L): a short batch laid out as in training (left-padded prompts,
-    then completions); the last `completion_length` tokens (default L − 1) are compared wherever
-    both the token and the position predicting it are real. Runs in eval mode under no_grad, once per
-    adapter in `adapters` the (peft) model has — once as-is when it has none of them or is a plain
-    transformers model — and restores every module's train/eval mode, the active adapter and all
-    requires_grad flags. atol: None picks one from the model's dtype (see _ATOL_FLOOR).
-    Raises ValueError, naming config.model_type, when the difference exceeds the tolerance.
-    """
-    length = input_ids.shape[1]
-    completion_length = length - 1 if completion_length is None else completion_length
-    if not 0 < completion_length < length:
-        raise ValueError(f"completion_length must be in [1, {length - 1}], got {completion_length}")
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_type = getattr(causal_lm.config, "model_type", type(causal_lm).__name__)
-    available = set(getattr(model, "peft_config", {})) if hasattr(model, "get_base_model") else set()
-    names: list[str | None] = [name for name in adapters if name in available] or [None]
-    # Compare only where the target token is real and so is the position that predicts it.
-    real = (
-        attention_mask[:, -completion_length:].bool() & attention_mask[:, -completion_length - 1 : -1].bool()
-    )
-    if not real.any():
-        raise ValueError("check_log_probs needs at least one real completion token")
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    targets = input_ids[:, -completion_length:]
-    dtype = _coarsest_float_dtype(model)
-    ulps = _ULPS["quantized" if _is_quantized(causal_lm) else "float"]
-
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    worst = 0.0
-    try:
-        for name in names:
-            with use_adapter(model, name) if name else nullcontext(), torch.no_grad():
-                ours, _ = sequence_log_probs(
-                    model,
-                    input_ids,
-                    attention_mask,
-                    completion_length,
-                    chunk_size=chunk_size,
-                    temperature=temperature,
-                )
-                out = model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=False,
-                )
-                logits = out.logits[:, -completion_length - 1 : -1].float() / temperature
-                if not torch.isfinite(logits[real]).all():
-                    where = f" with adapter {name!r}" if name is not None else ""
-                    raise ValueError(
-                        f"the model's own logits are NaN/inf (model type {model_type!r}{where}, dtype "
-                        f"{str(dtype).removeprefix('torch.')}): float16 overflows in many models (use "
-                        "torch_dtype bfloat16 or float32), or the adapter weights (init_adapter) hold NaN/inf"
-                    )
-                theirs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-                diff = (ours.float() - theirs)[real].abs().max().item()
-                largest = logits[real].abs().max().item()
-                del out, logits
-            tolerance = atol if atol is not None else _ATOL_FLOOR + ulps * torch.finfo(dtype).eps * largest
-            if not diff <= tolerance:  # NaN fails too
-                where = f" with adapter {name!r}" if name is not None else ""
-                raise ValueError(
-                    f"lora_grpo's log-probs do not match this model's own logits (model type {model_type!r}{where}): "
-                    f"max difference {diff:.4g} nats per token over {int(real.sum())} completion tokens, tolerance "
-                    f"{tolerance:.3g} for {str(dtype).removeprefix('torch.')}. The model applies a transform "
-                    "around its "
-                    f"LM head (a logit scale, multiplier or softcap) that lora_grpo does not know, so training would "
-                    f"optimise a different distribution from the one rollout samples; please report the model type "
-                    f"{model_type!r} to lora_grpo."
-                )
-            worst = max(worst, diff)
-    finally:
-        for module, training in modes:
-            module.training = training
-    return worst

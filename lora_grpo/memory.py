@@ -55,12 +55,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .device import available_bytes, measure_peak  # how much memory there is and a pass takes: per device
+# how much memory there is and a pass takes: per device
+from .device import MiB, available_bytes, measure_peak
 from .model import set_gradient_checkpointing
 from .rng import rng_state, set_rng_state
 from .rollout.fast_decode import kv_bytes_per_slot, reserve_shape, resolve_decode_mode, static_cache_bytes
 
-MiB = 2**20
 BUSY_TOKENS = 4096  # tokens per pass above which an extra pass costs little next to recompute's ~1/3
 MAX_PROBES = 6  # measured sizes per checkpointing mode
 MAX_GROWTH = 8  # a candidate is at most this many times the largest size known to fit

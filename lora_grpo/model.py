@@ -227,7 +227,7 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from .startup import check_init_adapter, check_target_modules
+    from .adapter_files import check_init_adapter, check_target_modules
 
     if config.init_adapter:
         # an adapter of another model: refused here, naming the layer (peft would drop it silently)

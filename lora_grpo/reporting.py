@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from .config import TRACKERS, ConfigError
-from .memory import MiB
+from .device import MiB
 from .plots import METRICS_FILE, PLOT_FILE, PlotInfo, plot_records, read_records
 
 if TYPE_CHECKING:  # typing only: the trainer owns both

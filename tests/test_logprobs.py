@@ -278,7 +278,7 @@ def _with_adapters(base):
 
 
 def test_check_log_probs_passes_for_each_adapter_and_restores_the_model():
-    from lora_grpo.logprobs import check_log_probs
+    from lora_grpo.startup import check_log_probs
 
     torch.manual_seed(0)
     model = _with_adapters(_tiny_llama()).train()
@@ -305,7 +305,7 @@ def test_check_log_probs_passes_for_each_adapter_and_restores_the_model():
 
 
 def test_check_log_probs_passes_for_a_known_transform():
-    from lora_grpo.logprobs import check_log_probs
+    from lora_grpo.startup import check_log_probs
 
     torch.manual_seed(0)
     assert check_log_probs(_hyperclovax(), *_batch(), completion_length=4, temperature=0.7) < 1e-5
@@ -330,7 +330,7 @@ def _tripled_llama(dtype=torch.float32):
 
 
 def test_check_log_probs_rejects_an_unknown_logit_transform():
-    from lora_grpo.logprobs import check_log_probs
+    from lora_grpo.startup import check_log_probs
 
     torch.manual_seed(0)
     model = _with_adapters(_tripled_llama()).train()
@@ -348,7 +348,7 @@ def test_check_log_probs_rejects_an_unknown_logit_transform():
 def test_check_log_probs_tolerance_in_bfloat16():
     from transformers import HyperCLOVAXConfig, HyperCLOVAXForCausalLM
 
-    from lora_grpo.logprobs import check_log_probs
+    from lora_grpo.startup import check_log_probs
 
     torch.manual_seed(0)
     ids, mask = _batch()
@@ -388,7 +388,7 @@ def test_a_hidden_scale_before_an_adapter_wrapped_head():
 def test_check_log_probs_names_nan_logits_as_such():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lora_grpo.logprobs import check_log_probs
+    from lora_grpo.startup import check_log_probs
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(
