@@ -134,7 +134,7 @@ def load_peer_model(path: str, base: str, compute: torch.dtype = torch.float32, 
     (issue 7), and the two trainers would not run the same code."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from lora_grpo.model import keep_4bit_weights_fixed
+    from lora_grpo.model.load import keep_4bit_weights_fixed
 
     quantization = None
     if base == "4bit":

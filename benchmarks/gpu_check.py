@@ -16,7 +16,7 @@ number of failed sections.
                  on an emulated 8 GB card (below). Per step the allocator's allocated and reserved
                  bytes around the rollout, the update (log-probs, loss, backward, optimizer step) and
                  the eval, and the compiled decode's kept caches, against the memory plan's figures
-                 (memory.py) and beside memory_estimate's figures for the same sizes; inductor's
+                 (memory/probe.py) and beside memory_estimate's figures for the same sizes; inductor's
                  cudagraph-skip counter over the run.
  3. decode       on section 2's trained model: tokens/s of the eager and the compiled sampler
                  (greedy, the recipe's shape), the rows that draw the same tokens, and whether each
@@ -57,8 +57,8 @@ number of failed sections.
 
 The emulated 8 GB card (sections 2 and 4): torch's allocator is capped by
 set_per_process_memory_fraction at 8 GiB less the 0.5 GiB CUDA context that memory_estimate (and
-the recipes' headers) assume, and the free memory the plan reads, lora_grpo.memory.available_bytes
-(the function memory.py imports from device.py, replaced here as the tests replace it), is that cap
+the recipes' headers) assume, and the free memory the plan reads, lora_grpo.memory.probe.available_bytes
+(the function memory/probe.py imports from device.py, replaced here as the tests replace it), is that cap
 less what is allocated. The thresholds, in bytes over the model as loaded (the plan's reference):
 allocated peak of each rollout ≤ plan.rollout + plan.optimizer; of each update ≤ plan.optimizer +
 plan.kept + the probed pass at the chosen size; of the eval ≤ plan.need; the kept caches ≤
@@ -250,7 +250,7 @@ def release(run: Run) -> None:
 def no_plots() -> None:
     """Every run here ends without its metrics.png: not what this checks, and matplotlib costs a CPU
     second or two a run (reporting.RunReporter.plot, replaced for this process)."""
-    from lora_grpo.reporting import RunReporter
+    from lora_grpo.run.reporting import RunReporter
 
     RunReporter.plot = lambda self: None
 
@@ -402,8 +402,8 @@ def recipe_config(run: Run, recipe: str, path: str, out: str, **overrides):
 @contextmanager
 def emulated_card(run: Run, card: float = CARD):
     """An 8 GB card on a larger GPU (the module docstring); on a CPU only the plan's figure changes."""
-    import lora_grpo.memory as memory
-    from lora_grpo.memory_estimate import CUDA_CONTEXT
+    import lora_grpo.memory.probe as memory
+    from lora_grpo.memory.estimate import CUDA_CONTEXT
 
     usable = card - CUDA_CONTEXT
     real = memory.available_bytes
@@ -474,8 +474,8 @@ def instrument(trainer, memory: Memory, rows: list[dict], evals: list[dict]) -> 
 
 def check_recipe_memory(run: Run, recipe: str, shape: str, keep: bool = False) -> None:
     from lora_grpo import GRPOTrainer
-    from lora_grpo.memory import MemoryBudgetError
-    from lora_grpo.memory_estimate import CUDA_CONTEXT, SLACK, run_memory
+    from lora_grpo.memory.estimate import CUDA_CONTEXT, SLACK, run_memory
+    from lora_grpo.memory.probe import MemoryBudgetError
     from lora_grpo.rollout import fast_decode
 
     # What an earlier section left for a later one (section 2's trainer for section 3) is dropped:
@@ -651,7 +651,7 @@ def greedy_margin(model, rollout, rows: int = 4) -> tuple[float, float]:
     rollout's tokens with the policy adapter, prefer another token to the one the decode chose; the
     largest |logit|). 0 for a decode that followed those logits exactly: a decode whose kernels round
     otherwise shows near-ties here, a wrong decode margins of the logits' own scale."""
-    from lora_grpo.adapters import POLICY, use_adapter
+    from lora_grpo.model.adapters import POLICY, use_adapter
 
     ids, mask, chosen = rollout.input_ids, rollout.attention_mask, rollout.completion_ids
     width, margin, largest = chosen.shape[1], 0.0, 0.0
@@ -776,7 +776,7 @@ def check_decode(run: Run) -> None:
 
 def check_decode_after_updates(run: Run) -> None:
     from lora_grpo import GRPOTrainer
-    from lora_grpo.adapters import POLICY, lora_layers
+    from lora_grpo.model.adapters import POLICY, lora_layers
     from lora_grpo.rollout import fast_decode
 
     shape = run.shape("small")
@@ -847,11 +847,11 @@ def check_bf16_kl(run: Run) -> None:
     from transformers import AutoModelForCausalLM
 
     from lora_grpo import GRPOConfig
-    from lora_grpo.adapters import POLICY, REFERENCE, lora_layers, use_adapter
-    from lora_grpo.logprobs import sequence_log_probs
-    from lora_grpo.loss import k3_kl
-    from lora_grpo.model import attach_adapters, keep_4bit_weights_fixed, load_model
-    from lora_grpo.reference import sync_reference
+    from lora_grpo.algo.logprobs import sequence_log_probs
+    from lora_grpo.algo.loss import k3_kl
+    from lora_grpo.model.adapters import POLICY, REFERENCE, lora_layers, use_adapter
+    from lora_grpo.model.load import attach_adapters, keep_4bit_weights_fixed, load_model
+    from lora_grpo.model.reference import sync_reference
 
     device, shape = run.device, run.shape("qwen2.5-0.5b")
     path = run.model(shape)
@@ -950,7 +950,7 @@ def check_bf16_kl(run: Run) -> None:
 def check_tf32_head(run: Run) -> None:
     """A Qwen2.5-sized bf16 head through logprobs._head_logits (TF32 on CUDA) against float64, beside
     the same matmul in IEEE float32; the process's TF32 flag as it was."""
-    from lora_grpo.logprobs import _head_logits
+    from lora_grpo.algo.logprobs import _head_logits
 
     g = torch.Generator(device=run.device).manual_seed(0)
     hidden = torch.randn(256, 896, generator=g, device=run.device).to(torch.bfloat16)
@@ -1030,7 +1030,7 @@ def resume_here(path: str, checkpoint: str) -> None:
 
 def adapter_tensors(model) -> dict[str, torch.Tensor]:
     """Both adapters' tensors (policy and reference), by name."""
-    from lora_grpo.adapters import POLICY, REFERENCE
+    from lora_grpo.model.adapters import POLICY, REFERENCE
 
     return {
         n: p.detach().clone()
@@ -1334,7 +1334,7 @@ def paged_run(path: str, rank: int, out: str) -> dict:
     """Section 11's worker (a fresh process: a hang in CUDA managed memory is killed at its time
     limit): 3 steps with paged_adamw_8bit on the model at `path`; what section 11 judges."""
     from lora_grpo import GRPOTrainer
-    from lora_grpo.adapters import POLICY
+    from lora_grpo.model.adapters import POLICY
 
     vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
     config = tiny_config(path, out, optimizer="paged_adamw_8bit", lora_r=rank, max_steps=3, save_steps=0)

@@ -4,7 +4,7 @@ What is measured, per token count N = B × T, for one forward + backward of a lo
 per-token log-probs of N target tokens, through a Qwen2.5-like LM head (hidden 896, vocab 151936,
 no bias; 544 MiB of float32 weight):
 
-- ours   `lora_grpo.logprobs.chunked_log_probs(hidden, head, targets, chunk_size=C)` with C in
+- ours   `lora_grpo.algo.logprobs.chunked_log_probs(hidden, head, targets, chunk_size=C)` with C in
           --chunks (default 256, 1024, 4096): the head runs on C tokens at a time, only each
           token's log-prob and log-sum-exp are kept, and the backward recomputes each chunk's logits.
 - peer   `torch.log_softmax(head(hidden).float(), -1).gather(-1, targets[..., None]).squeeze(-1)`:
@@ -115,7 +115,7 @@ def full_log_probs(hidden, head, targets):
 
 
 def ours_log_probs(chunk_size: int):
-    from lora_grpo.logprobs import chunked_log_probs
+    from lora_grpo.algo.logprobs import chunked_log_probs
 
     def fn(hidden, head, targets):
         return chunked_log_probs(hidden, head, targets, chunk_size=chunk_size)[0]

@@ -1,4 +1,4 @@
-"""How well the start-up memory probe (lora_grpo/memory.py) predicts a real training pass.
+"""How well the start-up memory probe (lora_grpo/memory/probe.py) predicts a real training pass.
 
 For micro-batch sizes m, on a random-init Llama built locally (nothing downloaded):
 
@@ -24,9 +24,10 @@ import time
 
 import torch
 
-from lora_grpo import GRPOConfig, GRPOTrainer, memory
+from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.batch import Batch
-from lora_grpo.model import set_gradient_checkpointing
+from lora_grpo.memory import probe as memory
+from lora_grpo.model.load import set_gradient_checkpointing
 from lora_grpo.tasks.toy import save_tiny_base
 
 MiB = 2**20

@@ -16,7 +16,7 @@ What is measured, per setting (prompt length L, completion length T, P prompts, 
           top_k=0 is passed because generate's default is top_k=50 and ours samples from the full
           distribution; with these settings generate adds no logits processor at all.
 
-Both run on the same model: the trainer's own peft model, `lora_grpo.model.attach_adapters(base,
+Both run on the same model: the trainer's own peft model, `lora_grpo.model.load.attach_adapters(base,
 GRPOConfig(lora_r=16, all-linear, gradient_checkpointing=False))`, with the "policy" adapter active
 (B is zero at init, so LoRA changes no output, but every LoRA layer does its work), in eval mode,
 no gradients. Both include the same host-side work a trainer does around sampling: ours tokenizes
@@ -122,7 +122,7 @@ def build_model(tokenizer, base_kind: str = "fp32"):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config
 
     from lora_grpo.config import GRPOConfig
-    from lora_grpo.model import attach_adapters, keep_4bit_weights_fixed
+    from lora_grpo.model.load import attach_adapters, keep_4bit_weights_fixed
 
     torch.manual_seed(0)
     # EOS (id V) is outside the model's vocab: set on the generation config only, where both paths read it.
@@ -145,7 +145,7 @@ def build_model(tokenizer, base_kind: str = "fp32"):
             base = AutoModelForCausalLM.from_pretrained(
                 tmp, dtype=torch.float32, quantization_config=quantization
             )
-        keep_4bit_weights_fixed(base)  # the trainer's CPU path (lora_grpo.model)
+        keep_4bit_weights_fixed(base)  # the trainer's CPU path (lora_grpo.model.load)
     base.requires_grad_(False)
     base.generation_config.eos_token_id = tokenizer.eos_token_id
     base.generation_config.pad_token_id = tokenizer.pad_token_id

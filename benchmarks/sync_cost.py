@@ -2,7 +2,7 @@
 
 What is measured, per model, for one sync of the reference towards the policy:
 
-- ours, through `lora_grpo.model.attach_adapters` and `lora_grpo.reference.sync_reference`
+- ours, through `lora_grpo.model.load.attach_adapters` and `lora_grpo.model.reference.sync_reference`
   (lora_r = 16, lora_alpha = 32, target "all-linear"):
     exact     alpha = 0.6, weight-space mix recompressed to ref_rank = 2r (QR + small SVD)
     factors   alpha = 0.6, A and B blended name by name, ref_rank = r (approximate: cross terms)
@@ -152,8 +152,8 @@ def tensor_bytes(tensors) -> int:
 
 
 def _policy_factors(model):
-    from lora_grpo.model import POLICY
-    from lora_grpo.reference import lora_layers
+    from lora_grpo.model.load import POLICY
+    from lora_grpo.model.reference import lora_layers
 
     return [(m.lora_A[POLICY].weight, m.lora_B[POLICY].weight) for _, m in lora_layers(model)]
 
@@ -177,7 +177,7 @@ def policy_step(model, generator) -> None:
 
 def steady_state(model, generator) -> None:
     """Random policy → hard sync → random policy step: the reference holds a nonzero, older ΔW."""
-    from lora_grpo.reference import sync_reference
+    from lora_grpo.model.reference import sync_reference
 
     randomize_policy(model, generator)
     sync_reference(model, alpha=1.0)
@@ -193,8 +193,8 @@ def checked_sync(model, alpha: float, mode: str) -> tuple[float, float]:
 
     Returns (the truncation error the sync reports, its relative Frobenius error over all layers).
     """
-    from lora_grpo.model import POLICY, REFERENCE
-    from lora_grpo.reference import delta_weight, lora_layers, sync_reference
+    from lora_grpo.model.load import POLICY, REFERENCE
+    from lora_grpo.model.reference import delta_weight, lora_layers, sync_reference
 
     layers = lora_layers(model)
     targets = [alpha * delta_weight(m, POLICY) + (1 - alpha) * delta_weight(m, REFERENCE) for _, m in layers]
@@ -206,9 +206,9 @@ def checked_sync(model, alpha: float, mode: str) -> tuple[float, float]:
 
 def measure_ours(model, name: str, method: str, alpha: float, mode: str, repeats: int, seed: int) -> Row:
     """Time, memory and errors of sync_reference(model, alpha, mode) in the steady state."""
-    from lora_grpo.checkpoint import adapter_state_dict
-    from lora_grpo.model import REFERENCE
-    from lora_grpo.reference import sync_reference
+    from lora_grpo.model.load import REFERENCE
+    from lora_grpo.model.reference import sync_reference
+    from lora_grpo.run.checkpoint import adapter_state_dict
 
     g = torch.Generator().manual_seed(seed)
     steady_state(model, g)
@@ -236,7 +236,7 @@ def worst_case_truncation(model, seed: int) -> float:
     Copy P1, mix in an independent P2 (the slot now holds 2r strong directions), then mix in an
     independent P3: 3r strong directions compete for 2r slots.
     """
-    from lora_grpo.reference import sync_reference
+    from lora_grpo.model.reference import sync_reference
 
     g = torch.Generator().manual_seed(seed)
     randomize_policy(model, g)
@@ -284,7 +284,7 @@ def measure_full(base, name: str, repeats: int) -> list[Row]:
 
 def benchmark_model(name: str, dtype: torch.dtype, repeats: int, repeats_large: int) -> tuple[list[Row], str]:
     """Every row for one model, and a note line; models over LARGE parameters get `repeats_large` repeats."""
-    from lora_grpo.model import attach_adapters
+    from lora_grpo.model.load import attach_adapters
 
     start = time.perf_counter()
     base = build_base(name, dtype)

@@ -13,7 +13,7 @@ trainer on an unquantized base), on a random-init Qwen2 built locally (_common.b
 - sync ms: the exact weight-space sync of the reference slot, timed on its own after the steps;
 - peak memory: torch.cuda.max_memory_allocated over the measured steps (GPU only; "-" on CPU);
 - what `micro_batch_size: auto` and `gradient_checkpointing: auto` chose (the start-up memory
-  probe, memory.py) and how long the probe took; the warm-up steps' seconds, which include
+  probe, memory/probe.py) and how long the probe took; the warm-up steps' seconds, which include
   compiling the decode step when the sampler is compiled (`decode_mode`: auto = compiled on CUDA).
 
 A random model samples EOS with probability about 1/vocab per token, so nearly every completion
@@ -46,7 +46,7 @@ from _common import (
 
 def run(path: str, quantization: str, args) -> dict[str, float | str]:
     from lora_grpo import GRPOConfig, GRPOTrainer
-    from lora_grpo.reference import sync_reference
+    from lora_grpo.model.reference import sync_reference
 
     prompts = token_prompts(QWEN2_SHAPES[args.shape]["vocab_size"], args.prompt_length)
     config = GRPOConfig(
@@ -72,7 +72,9 @@ def run(path: str, quantization: str, args) -> dict[str, float | str]:
     )
     start = time.perf_counter()
     trainer = GRPOTrainer(config, reward_funcs=[even_token_share], train_dataset=prompts)
-    plan = trainer.plan_memory()  # what micro_batch_size / gradient_checkpointing "auto" chose (memory.py)
+    plan = (
+        trainer.plan_memory()
+    )  # what micro_batch_size / gradient_checkpointing "auto" chose (memory/probe.py)
     built = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -124,7 +124,7 @@ def run_ours(args) -> dict:
     steps = train_steps(trainer)
     times = [seconds for _, seconds in steps]
     tokens = [metrics["completion_length/mean"] * SEQUENCES for metrics, _ in steps]
-    # What auto resolved to, at start (memory.py).
+    # What auto resolved to, at start (memory/probe.py).
     return measured(
         times,
         tokens,

@@ -72,7 +72,7 @@ def run_trl(seed: int, steps: int) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from lora_grpo.model import keep_4bit_weights_fixed
+    from lora_grpo.model.load import keep_4bit_weights_fixed
     from lora_grpo.tasks.toy import ensure_toy_base, greedy_accuracy, toy_problems, toy_reward
 
     path = ensure_toy_base()
@@ -121,7 +121,7 @@ def run_trl(seed: int, steps: int) -> float:
 def run_base() -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    from lora_grpo.model import keep_4bit_weights_fixed
+    from lora_grpo.model.load import keep_4bit_weights_fixed
     from lora_grpo.tasks.toy import ensure_toy_base, greedy_accuracy
 
     path = ensure_toy_base()

@@ -70,7 +70,7 @@ def worker(framework: str, beta: float, base: str, steps: int, seed: int) -> dic
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
-    from lora_grpo.bases import resolve_base
+    from lora_grpo.model.bases import resolve_base
     from lora_grpo.tasks.chat_arithmetic import chat_sum_problems, last_number_reward
 
     if framework == "trl":
@@ -128,7 +128,7 @@ def worker(framework: str, beta: float, base: str, steps: int, seed: int) -> dic
     if framework == "trl":
         accuracy = held_out_accuracy(trainer.model, tokenizer)
     else:
-        from lora_grpo.adapters import POLICY, use_adapter
+        from lora_grpo.model.adapters import POLICY, use_adapter
 
         sampling = [h["time/rollout"] for h in trainer.native.state.log_history if "time/rollout" in h]
         with use_adapter(trainer.model, POLICY):

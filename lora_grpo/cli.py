@@ -23,8 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-from .adapter_files import check_adapter_fits, trained_base
 from .config import ConfigError, GRPOConfig
+from .model.adapter_files import check_adapter_fits, trained_base
 
 DEFAULT_RECIPE = "toy-addition"  # shipped in the package, so it works outside a clone too
 
@@ -152,9 +152,9 @@ def cmd_recipes(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .adapters import POLICY
-    from .checkpoint import load_adapter_weights, resolve_adapter
-    from .model import resolve_model_path
+    from .model.adapters import POLICY
+    from .model.load import resolve_model_path
+    from .run.checkpoint import load_adapter_weights, resolve_adapter
     from .trainer import GRPOTrainer
 
     sets = list(args.set)
@@ -197,7 +197,7 @@ def _other_base_fix(adapter: Path, action: str) -> str:
 
 
 def cmd_plot(args) -> int:
-    from .plots import plot_run  # the same plot a run writes by itself
+    from .run.plots import plot_run  # the same plot a run writes by itself
 
     info = plot_run(args.run_dir, args.out, args.keys)
     print(f"wrote {info.path}")
@@ -211,9 +211,9 @@ def cmd_merge(args) -> int:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .checkpoint import resolve_adapter
-    from .loading import loading
-    from .model import load_base_model, load_tokenizer, resolve_dtype, resolve_model_path
+    from .model.load import load_base_model, load_tokenizer, resolve_dtype, resolve_model_path
+    from .model.loading import loading
+    from .run.checkpoint import resolve_adapter
 
     config = load_config(args.recipe, args.set)
     adapter, what = resolve_adapter(args.adapter)
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lora-grpo: config error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        from .stopping import TrainingInterrupted
+        from .run.stopping import TrainingInterrupted
 
         if isinstance(e, TrainingInterrupted):  # a checkpoint was written; the message said how to resume
             return e.exit_code

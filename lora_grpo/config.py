@@ -387,7 +387,7 @@ class GRPOConfig:
     micro_batch_size: int | str = _f(
         "auto",
         "sequences per forward/backward (gradient accumulation over the step); 'auto' = the "
-        "largest that fits memory_budget, measured once at start (memory.py)",
+        "largest that fits memory_budget, measured once at start (memory/probe.py)",
     )
     gradient_checkpointing: bool | str = _f(
         "auto",

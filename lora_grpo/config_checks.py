@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import warnings
 
-from .loss_types import LOSS_TYPE_FACTS
+from .algo.loss_types import LOSS_TYPE_FACTS
 
 
 class ConfigError(ValueError):
@@ -41,7 +41,7 @@ SCHEDULERS = (
 )  # optim.build_scheduler: transformers.get_scheduler names
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MEMORY_PROBES = ("auto", "sweep")  # memory.plan_run_memory
-TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (reporting.py maps each to its package)
+TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (run/reporting.py maps each to its package)
 DECODE_MODES = (
     "auto",
     "eager",
@@ -155,7 +155,7 @@ def _validate_fields(cfg) -> None:
         raise ConfigError(
             f"clip_ratio_group_size={group!r} must be an integer ≥ 1 or None (a step's completions are one group)"
         )
-    # Memory: 'auto' sizes (memory.py).
+    # Memory: 'auto' sizes (memory/probe.py).
     mbs = cfg.micro_batch_size
     if mbs != "auto" and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
         raise ConfigError(
@@ -275,7 +275,7 @@ def check_generation_batch_size(cfg) -> None:
 
 
 def _check_objective(cfg) -> None:
-    """The loss options of TRL 1.16 (loss.py): ranges, and the combinations TRL warns about."""
+    """The loss options of TRL 1.16 (algo/loss.py): ranges, and the combinations TRL warns about."""
     if cfg.delta is not None and cfg.delta <= 1:
         raise ConfigError(
             f"delta={cfg.delta} must be > 1 (it caps the unclipped ratio; INTELLECT-2 uses 1 + epsilon_high or more)"

@@ -1,6 +1,6 @@
 """What depends on the accelerator, decided in one place: the dtype 'auto' picks, whether compiling
 the decode step pays, a clock that waits for the GPU, putting a model on the device a process
-trains on, and how much memory there is and a pass takes (memory.py plans with these).
+trains on, and how much memory there is and a pass takes (memory/probe.py plans with these).
 
 Every decision reads torch.cuda through its public functions when it is made (no cached globals),
 so a test can monkeypatch torch.cuda.is_available / get_device_capability / get_device_name and

@@ -10,7 +10,7 @@
                                                                           (eval/kl_to_base)
                  ─► gather every process's per-prompt results, check each prompt came once → metrics
 
-Every forward is sized as the run's are (memory.py plans them): a decode runs at most
+Every forward is sized as the run's are (memory/probe.py plans them): a decode runs at most
 memory.decode_rows(config) sequences at once, the training rollout's count, so with the compiled
 sampler the eval decodes in the training rollout's kept cache (no second cache, no second graph);
 the KL forwards take at most `forward_rows()` sequences (the run's micro_batch_size).
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .adapters import base_forward, eval_mode
-from .loss import k3_kl
-from .memory import decode_rows
+from .algo.loss import k3_kl
+from .memory.probe import decode_rows
+from .model.adapters import base_forward, eval_mode
 
 Tensor = torch.Tensor
 

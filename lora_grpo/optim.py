@@ -129,7 +129,7 @@ def average_gradients(params: list[torch.nn.Parameter], accelerator) -> None:
     """Mean of every process's gradients in one all-reduce of one flat buffer.
 
     Not accelerate's DDP wrapper: the loss reaches the model through its decoder and a chunked LM
-    head (logprobs.py), never through the wrapper's forward, so DDP's reducer would not see the
+    head (algo/logprobs.py), never through the wrapper's forward, so DDP's reducer would not see the
     step. One flat buffer costs one collective per step instead of one per LoRA tensor.
     """
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

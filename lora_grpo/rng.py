@@ -1,7 +1,7 @@
 """Random state: seeding a run, and every generator's state for checkpoints (python, numpy, torch CPU, CUDA).
 
 The states are plain Python values and CPU byte tensors, so that a checkpoint loads with
-torch.load(weights_only=True) (checkpoint.py): NumPy's key array is stored as a list of ints, not
+torch.load(weights_only=True) (run/checkpoint.py): NumPy's key array is stored as a list of ints, not
 as an ndarray, whose unpickling would need NumPy's own globals. States from another machine are
 restored where they fit and replaced, saying so, where they cannot.
 """

@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from .data import PROMPT_MESSAGES
-from .failures import stage
+from .data.prompts import PROMPT_MESSAGES
 from .rewards.specs import _import_object
 from .rollout import Rollout, Toolbox, eos_token_ids, generate_rollout
+from .run.failures import stage
 
 
 def resolve_callable(spec, what: str) -> Callable:

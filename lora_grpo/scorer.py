@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .advantages import multi_objective_advantages, zero_std_fraction
-from .data import PROMPT_MESSAGES
+from .algo.advantages import multi_objective_advantages, zero_std_fraction
+from .data.prompts import PROMPT_MESSAGES
 from .rewards import (
     RewardModel,
     check_reward_weights,

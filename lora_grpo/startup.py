@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .adapters import use_adapter
-from .data import PROMPT_MESSAGES
-from .logprobs import sequence_log_probs
+from .algo.logprobs import sequence_log_probs
+from .data.prompts import PROMPT_MESSAGES
+from .model.adapters import use_adapter
 from .rewards import check_reward_columns
 from .rollout import (
     check_prompt_lengths,

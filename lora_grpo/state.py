@@ -8,7 +8,7 @@ position, the sync schedule, the warmup restarts) is saved through that part's `
 
 Fields marked PER_PROCESS hold tensors and are each process's own (the steps left of the current
 generation): `state_dict()` leaves them out, `process_state_dict()` gives them as CPU tensors, which
-checkpoint.py writes to trainer_state.pt beside every process's RNG states. Not in here at all: the
+run/checkpoint.py writes to trainer_state.pt beside every process's RNG states. Not in here at all: the
 optimizer, the LR scheduler, the RNG states and the adapters themselves.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 
 from transformers import TrainerState
 
+from .algo.loss import AdaptiveEntropy
 from .batch import Generation
-from .health import HealthMonitor
-from .loss import AdaptiveEntropy
-from .reference import SyncSchedule
+from .model.reference import SyncSchedule
+from .run.health import HealthMonitor
 
 # Fields that a run takes from its config, not from the checkpoint it resumes: a resumed run may
 # train for more steps, log or save at another rate.
@@ -84,7 +84,7 @@ class TrainState(TrainerState):
         default_factory=dict
     )  # a front door's own state (the TRL front door's log history)
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
-    # (failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
+    # (run/failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
     unfinished_step: dict | None = None
     # batch.Generation: the optimizer steps of the current generation not trained yet (None or empty:
     # the next step samples a new rollout). A checkpoint inside a generation saves them, so that the

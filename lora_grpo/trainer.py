@@ -25,17 +25,23 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
-from .adapters import POLICY, policy_parameters, reference_forward, set_training
 from .batch import Batch, Generation
 from .config import ConfigError, GRPOConfig
-from .data import PromptBatches, named_eval_sets, process_shard, resolve_datasets, resolve_eval_dataset
+from .data.prompts import (
+    PromptBatches,
+    named_eval_sets,
+    process_shard,
+    resolve_datasets,
+    resolve_eval_dataset,
+)
 from .device import mixed_precision_dtype, now, place_model
 from .dynamic_sampling import Round, StepSample, dropped_kinds, informative_groups, sample_step, step_metrics
 from .evaluation import Evaluator, headline_score
-from .failures import LastFinishedStep, StepFailed, describe_stages, stage, stages_of
-from .memory import MemoryPlan
-from .model import keep_4bit_weights_fixed, load_model
+from .memory.probe import MemoryPlan
+from .memory.sizes import RunSizes
+from .model.adapters import POLICY, policy_parameters, reference_forward, set_training
+from .model.load import keep_4bit_weights_fixed, load_model
+from .model.reference import sync_reference
 from .optim import (
     WarmupRestarts,
     build_optimizer,
@@ -46,18 +52,18 @@ from .optim import (
     sum_over_processes,
 )
 from .optim import apply_config as apply_optimizer_config
-from .reference import sync_reference
-from .reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
 from .rewards.scoring import RewardFunctionError
 from .rng import rng_state, sampling_seed, seed_everything
 from .rollout import Rollout
-from .run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
+from .run import checkpoint as ckpt
+from .run.failures import LastFinishedStep, StepFailed, describe_stages, stage, stages_of
+from .run.reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
+from .run.run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
+from .run.stopping import StopSignals, TrainingInterrupted, agreed_signal
 from .sampler import PolicySampler
 from .scorer import RolloutScorer
-from .sizes import RunSizes
 from .startup import check_datasets, check_model_log_probs, check_special_tokens
 from .state import StepFlow, TrainState
-from .stopping import StopSignals, TrainingInterrupted, agreed_signal
 from .update import PolicyUpdate
 
 Tensor = torch.Tensor
@@ -147,7 +153,7 @@ class GRPOTrainer:
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
         self.model, self.tokenizer = model, tokenizer
-        keep_4bit_weights_fixed(model)  # also for a model the caller built (see model.py)
+        keep_4bit_weights_fixed(model)  # also for a model the caller built (see model/load.py)
         set_training(
             model, False
         )  # eval mode between updates, where sampling and log-probs run (adapters.train_mode)
@@ -265,7 +271,9 @@ class GRPOTrainer:
             steps_of(config.logging_steps, self.total_steps),
             steps_of(config.eval_steps, self.total_steps),
         )
-        self.last_finished = LastFinishedStep()  # what a failure mid-run can still checkpoint (failures.py)
+        self.last_finished = (
+            LastFinishedStep()
+        )  # what a failure mid-run can still checkpoint (run/failures.py)
         # How a stopped run resumes, in the words of its entry point: the Python API's here; the CLI and
         # the TRL front door set theirs.
         self.resume_hint = (
@@ -281,7 +289,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
         """Run to total_steps; returns the run summary (also written to summary.json). output_dir is
-        claimed for the run (run_dir.py: a lock, and no new run over another run's files).
+        claimed for the run (run/run_dir.py: a lock, and no new run over another run's files).
 
         A trainer trains one run: once it has trained, a second call is refused (RuntimeError, saying
         how to go on) unless it resumes (resume_from_checkpoint set in its config), before output_dir
@@ -431,7 +439,7 @@ class GRPOTrainer:
         self.last_finished.finished(self.state, self._rng(), self.update.optimizer_steps)
 
     def _step_failed(self, error: Exception) -> None:
-        """Something raised inside the run (failures.py): keep what can be kept, then stop with one error
+        """Something raised inside the run (run/failures.py): keep what can be kept, then stop with one error
         naming the stage, the step and how to resume, the original error chained. One process: a checkpoint
         of the last finished step when its state is whole (LastFinishedStep), else the last checkpoint.
         Several: the last checkpoint (a checkpoint gathers every process's RNG states, a collective that the
@@ -502,7 +510,7 @@ class GRPOTrainer:
         with stage("log"):
             for line in state.health.observe(
                 step, metrics
-            ):  # health/* flags go into this step's metrics (health.py)
+            ):  # health/* flags go into this step's metrics (run/health.py)
                 self._print(line)
             state.log_history.append(metrics)
             first = (
@@ -714,9 +722,9 @@ class GRPOTrainer:
             self.state.sync_schedule.observe_eval(headline_score(metrics, self.reward_names))
         return metrics
 
-    # ------------------------------------------------------------------ sizes (sizes.py)
+    # ------------------------------------------------------------------ sizes (memory/sizes.py)
     def plan_memory(self) -> MemoryPlan | None:
-        """The 'auto' sizes and the memory preflight (memory.py), once; None when both are fixed."""
+        """The 'auto' sizes and the memory preflight (memory/probe.py), once; None when both are fixed."""
         return self.sizes.make_plan()
 
     @property
@@ -743,7 +751,7 @@ class GRPOTrainer:
     def save_checkpoint(self, rng: dict[str, Any] | None = None) -> Path | None:
         """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, every process's RNG
         states, and the TrainState whole (each process's steps left of its generation included).
-        Atomic (checkpoint.py). Called on every process: each one's RNG states and own state are
+        Atomic (run/checkpoint.py). Called on every process: each one's RNG states and own state are
         gathered; the main process writes. `rng`: this process's states to save
         instead of the current ones (those of the last finished step, after a failure)."""
         from accelerate.utils import gather_object

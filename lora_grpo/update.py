@@ -18,10 +18,8 @@ from typing import Any
 
 import torch
 
-from .adapters import eval_mode, train_mode
-from .batch import Batch
-from .logprobs import sequence_log_probs
-from .loss import (
+from .algo.logprobs import sequence_log_probs
+from .algo.loss import (
     LOSS_TYPES,
     SEQUENCE_HIGH_CLIP,
     SEQUENCE_LOW_CLIP,
@@ -29,8 +27,10 @@ from .loss import (
     grpo_loss,
     padded_gather,
 )
+from .batch import Batch
+from .model.adapters import eval_mode, train_mode
 from .optim import average_gradients, sum_over_processes
-from .stopping import count_nonfinite
+from .run.stopping import count_nonfinite
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor

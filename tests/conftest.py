@@ -174,7 +174,7 @@ def adapter_state(model, adapter: str) -> dict[str, torch.Tensor]:
 
 def assert_same_adapters(model_a, model_b) -> None:
     """Both adapters of the two models are bit-equal, tensor by tensor (exact resume, no side effects)."""
-    from lora_grpo.adapters import POLICY, REFERENCE
+    from lora_grpo.model.adapters import POLICY, REFERENCE
 
     for adapter in (POLICY, REFERENCE):
         a, b = adapter_state(model_a, adapter), adapter_state(model_b, adapter)
@@ -195,10 +195,10 @@ def changed(a: dict, b: dict) -> bool:
 def load_4bit(path, portable: bool = False):
     """The model at path loaded as users load a QLoRA base: NF4 weights through transformers'
     BitsAndBytesConfig, float32 compute, on the CPU. portable=True also puts it on the one 4-bit
-    kernel the trainer uses on every CPU (lora_grpo.model.keep_4bit_weights_fixed)."""
+    kernel the trainer uses on every CPU (lora_grpo.model.load.keep_4bit_weights_fixed)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from lora_grpo.model import keep_4bit_weights_fixed
+    from lora_grpo.model.load import keep_4bit_weights_fixed
 
     nf4 = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32

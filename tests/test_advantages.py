@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lora_grpo.advantages import (
+from lora_grpo.algo.advantages import (
     EPS,
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALES,

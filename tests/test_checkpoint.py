@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import SMALL_RUN, assert_same_adapters, make_trainer
 
-import lora_grpo.checkpoint as ckpt
-from lora_grpo.adapters import POLICY, REFERENCE
-from lora_grpo.checkpoint import CheckpointError
-from lora_grpo.failures import StepFailed
+import lora_grpo.run.checkpoint as ckpt
+from lora_grpo.model.adapters import POLICY, REFERENCE
 from lora_grpo.rng import rng_state, set_rng_state
+from lora_grpo.run.checkpoint import CheckpointError
+from lora_grpo.run.failures import StepFailed
 
 
 @pytest.fixture(scope="module")
@@ -459,12 +459,12 @@ def test_a_sampling_state_saved_on_cuda_resumes_on_a_cpu_reseeded_deterministica
     states = []
     for attempt in ("a", "b"):
         trainer = make_trainer(tiny_base_dir, tmp_path / attempt, quantization="none", max_steps=3)
-        with caplog.at_level("WARNING", logger="lora_grpo.checkpoint"):
+        with caplog.at_level("WARNING", logger="lora_grpo.run.checkpoint"):
             trainer.load_checkpoint(run_copy / "checkpoint-2")
         states.append(trainer.generator.get_state())
         assert trainer.state.global_step == 2
     assert torch.equal(states[0], states[1])  # every resume of that checkpoint draws alike
-    lines = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.checkpoint"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.run.checkpoint"]
     assert len(lines) == 2 and "from a CUDA generator (16 bytes)" in lines[0] and "reseeded" in lines[0]
     # reseeded from the seed, the process and the step: another step is another stream
     other = torch.Generator()

@@ -131,7 +131,7 @@ def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_
 
     from lora_grpo.cli import largest_logit_difference
     from lora_grpo.config import GRPOConfig as Config
-    from lora_grpo.model import load_base_model, load_tokenizer
+    from lora_grpo.model.load import load_base_model, load_tokenizer
 
     recipe = write_recipe(
         tmp_path,
@@ -255,7 +255,7 @@ def test_a_local_adapter_dir_without_weights_is_never_read_as_a_hub_id(tmp_path)
     # The loaders' safety net (loading.explain), for any peft load of a local directory that lacks its file.
     from peft import PeftModel
 
-    from lora_grpo.loading import LoadError, loading
+    from lora_grpo.model.loading import LoadError, loading
     from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
 
     (tmp_path / "adapter").mkdir()

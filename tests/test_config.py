@@ -100,8 +100,9 @@ def test_parse_value_types():
 
 def test_config_names_the_options_of_the_math_tables():
     # config.py cannot import the tables (it loads before torch), so it names their keys; they must agree.
-    from lora_grpo import advantages, loss, reference
-    from lora_grpo.loss_types import LOSS_TYPE_FACTS
+    from lora_grpo.algo import advantages, loss
+    from lora_grpo.algo.loss_types import LOSS_TYPE_FACTS
+    from lora_grpo.model import reference
 
     # each loss type's facts are its loss.LOSS_TYPES entry's, name by name
     assert all(loss.LOSS_TYPES[name].facts is facts for name, facts in LOSS_TYPE_FACTS.items())
@@ -151,6 +152,6 @@ def test_config_imports_without_torch():
 
 def test_math_modules_import_without_yaml_or_transformers():
     _fresh_import(
-        "lora_grpo.loss, lora_grpo.advantages, lora_grpo.logprobs, lora_grpo.reference",
+        "lora_grpo.algo.loss, lora_grpo.algo.advantages, lora_grpo.algo.logprobs, lora_grpo.model.reference",
         ("yaml", "transformers"),
     )

@@ -10,10 +10,10 @@ from conftest import TINY_PRETRAIN
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lora_grpo import bases
 from lora_grpo.cli import main, recipe_file, shipped_recipes
 from lora_grpo.config import GRPOConfig
-from lora_grpo.data import resolve_dataset
+from lora_grpo.data.prompts import resolve_dataset
+from lora_grpo.model import bases
 from lora_grpo.tasks import countdown_toy as ct
 from lora_grpo.tasks import pretrain
 from lora_grpo.tasks.toy import make_tokenizer

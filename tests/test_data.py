@@ -5,7 +5,7 @@ import json
 import datasets
 import pytest
 
-from lora_grpo.data import PROMPT_MESSAGES, PromptBatches, load_prompt_dataset
+from lora_grpo.data.prompts import PROMPT_MESSAGES, PromptBatches, load_prompt_dataset
 from lora_grpo.tasks.toy import make_tokenizer
 
 ROWS = [
@@ -412,7 +412,7 @@ def _config(**fields):
 
 
 def _resolve(train, eval_=None, tokenizer=None, **fields):
-    from lora_grpo.data import resolve_datasets
+    from lora_grpo.data.prompts import resolve_datasets
 
     return resolve_datasets(_config(**fields), train, eval_, tokenizer)
 

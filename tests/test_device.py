@@ -11,7 +11,7 @@ from torch import nn
 
 from lora_grpo import device as device_module
 from lora_grpo.device import auto_dtype, compile_pays, native_bf16, now, place_model
-from lora_grpo.model import resolve_dtype
+from lora_grpo.model.load import resolve_dtype
 
 GPUS = {
     "Tesla V100": (7, 0),
@@ -53,9 +53,9 @@ def gpu(monkeypatch):
 def test_auto_dtype_is_bfloat16_only_where_the_gpu_computes_it_natively(gpu, caplog, name, expected):
     gpu(name)
     assert native_bf16() == (expected == torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="lora_grpo.model"):
+    with caplog.at_level(logging.INFO, logger="lora_grpo.model.load"):
         assert resolve_dtype("auto") == expected
-    [line] = [r for r in caplog.records if r.name == "lora_grpo.model"]
+    [line] = [r for r in caplog.records if r.name == "lora_grpo.model.load"]
     assert (
         f"torch_dtype auto → {str(expected).removeprefix('torch.')}" in line.getMessage()
         and name in line.getMessage()
@@ -71,7 +71,7 @@ def test_auto_dtype_without_cuda_is_float32(monkeypatch):
 
 def test_an_explicit_bfloat16_on_a_gpu_without_native_bf16_is_warned_about(gpu, caplog):
     gpu("Tesla T4")
-    with caplog.at_level(logging.WARNING, logger="lora_grpo.model"):
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.model.load"):
         assert resolve_dtype("bfloat16") == torch.bfloat16  # what was asked for, with a warning
     assert any("emulated" in r.getMessage() and "Tesla T4" in r.getMessage() for r in caplog.records)
 
@@ -115,9 +115,9 @@ def test_the_clock_waits_for_the_gpu_before_reading_the_time(monkeypatch):
 def test_sync_seconds_come_from_the_synchronised_clock(monkeypatch):
     """reference.sync_reference times the sync with device.now on the adapters' device (defect 7:
     it read time.perf_counter, which on a GPU times the launches of the sync's kernels)."""
-    from lora_grpo import reference
     from lora_grpo.config import GRPOConfig
-    from lora_grpo.model import attach_adapters
+    from lora_grpo.model import reference
+    from lora_grpo.model.load import attach_adapters
     from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
 
     tok = make_tokenizer()
@@ -168,11 +168,11 @@ def test_use_cpu_on_a_gpu_machine_gets_float32_and_the_cpu_device_map(gpu, monke
     from transformers import AutoModelForCausalLM
 
     from lora_grpo import GRPOConfig
-    from lora_grpo.model import load_base_model
+    from lora_grpo.model.load import load_base_model
 
     gpu("NVIDIA H200")
     assert auto_dtype(torch.device("cpu"))[0] == torch.float32 and auto_dtype(CUDA)[0] == torch.bfloat16
-    with caplog.at_level(logging.WARNING, logger="lora_grpo.model"):
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.model.load"):
         assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert not caplog.records  # float32 on the CPU is no GPU's slow path: nothing to warn about
     passed = {}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import PROMPTS, Counter, adapter_state, assert_same_adapters, make_trainer, run_torchrun
 
-from lora_grpo.adapters import POLICY
 from lora_grpo.dynamic_sampling import Round, dropped_kinds, informative_groups, sample_step
+from lora_grpo.model.adapters import POLICY
 from lora_grpo.rollout import Rollout
 from lora_grpo.scorer import Scored
 from lora_grpo.update import zero_gradient_rows

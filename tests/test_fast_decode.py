@@ -8,9 +8,9 @@ import torch
 from conftest import load_4bit
 
 from lora_grpo import config as config_module
-from lora_grpo.adapters import POLICY, REFERENCE, lora_layers, use_adapter
 from lora_grpo.config import ConfigError, GRPOConfig
-from lora_grpo.model import attach_adapters
+from lora_grpo.model.adapters import POLICY, REFERENCE, lora_layers, use_adapter
+from lora_grpo.model.load import attach_adapters
 from lora_grpo.rollout import fast_decode, generate_rollout
 from lora_grpo.rollout import generate as rollout_module
 from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer

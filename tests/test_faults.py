@@ -163,7 +163,9 @@ def test_none_for_every_completion_is_does_not_apply_not_an_error():
         return [None] * len(completions)
 
     _, per_func, metrics = compute_rewards([not_applicable, digit_share], ["p", "q"], ["1", "a"], {})
-    assert math.isnan(metrics["rewards/not_applicable/mean"])  # health.py flags it: health/reward_none/...
+    assert math.isnan(
+        metrics["rewards/not_applicable/mean"]
+    )  # run/health.py flags it: health/reward_none/...
     assert per_func[:, 1].tolist() == [1.0, 0.0]
 
 

@@ -14,10 +14,11 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from lora_grpo import bases, gguf_base
-from lora_grpo.bases import PACKAGED, resolve_base
-from lora_grpo.gguf_base import RECORD, converted_gguf
-from lora_grpo.loading import LoadError
+from lora_grpo.model import bases
+from lora_grpo.model import gguf as gguf_base
+from lora_grpo.model.bases import PACKAGED, resolve_base
+from lora_grpo.model.gguf import RECORD, converted_gguf
+from lora_grpo.model.loading import LoadError
 
 gguf = pytest.importorskip("gguf")
 

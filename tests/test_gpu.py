@@ -6,7 +6,7 @@ import torch
 from conftest import PROMPTS, adapter_state, assert_same_4bit, changed, frozen_4bit, make_trainer
 
 from lora_grpo.batch import Batch
-from lora_grpo.model import POLICY, reference_forward
+from lora_grpo.model.load import POLICY, reference_forward
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,7 +55,7 @@ def test_bf16_log_probs_on_cuda_keep_float32_logits():
     """The float32 head of a bf16 model (defect 5 of issue 16) on the CUDA matmuls: against float64."""
     from torch import nn
 
-    from lora_grpo.logprobs import chunked_log_probs
+    from lora_grpo.algo.logprobs import chunked_log_probs
 
     torch.manual_seed(0)
     head = nn.Linear(64, 5000, bias=False).cuda().to(torch.bfloat16)
@@ -71,7 +71,7 @@ def test_bf16_log_probs_on_cuda_keep_float32_logits():
 
 
 def test_bf16_qlora_run_on_cuda_kl_is_zero_between_identical_adapters(tiny_base_dir, tmp_path):
-    from lora_grpo.loss import k3_kl
+    from lora_grpo.algo.loss import k3_kl
 
     trainer = make_trainer(
         tiny_base_dir, tmp_path, quantization="4bit", torch_dtype="bfloat16", max_steps=2, decode_mode="eager"

@@ -1,4 +1,4 @@
-"""Training health (health.py): each condition warns once when it starts, flags every step it holds
+"""Training health (run/health.py): each condition warns once when it starts, flags every step it holds
 in the metrics, says what to look at, and survives a checkpoint (no second warning, no lost streak)."""
 
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lora_grpo.health import CONDITIONS, HealthMonitor
+from lora_grpo.run.health import CONDITIONS, HealthMonitor
 
 
 def _step(**overrides):

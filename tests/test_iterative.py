@@ -8,13 +8,13 @@ import torch
 from conftest import PROMPTS, adapter_state, assert_same_adapters, make_trainer
 
 from lora_grpo import GRPOConfig
-from lora_grpo.adapters import BASE, POLICY, REFERENCE
-from lora_grpo.checkpoint import save_adapter
 from lora_grpo.config import ConfigError
 from lora_grpo.evaluation import chunk_generator
+from lora_grpo.model.adapters import BASE, POLICY, REFERENCE
+from lora_grpo.model.reference import SyncSchedule
 from lora_grpo.optim import WarmupRestarts, build_optimizer, build_scheduler, reset_optimizer_state
-from lora_grpo.plots import metrics_figure
-from lora_grpo.reference import SyncSchedule
+from lora_grpo.run.checkpoint import save_adapter
+from lora_grpo.run.plots import metrics_figure
 
 # make_trainer's run without quantization, in one micro-batch; 6 eval prompts.
 PLAIN = dict(quantization="none", micro_batch_size=8, gradient_checkpointing=False, eval_dataset=PROMPTS[:6])

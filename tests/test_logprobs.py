@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lora_grpo.logprobs import chunked_log_probs, sequence_log_probs
+from lora_grpo.algo.logprobs import chunked_log_probs, sequence_log_probs
 
 
 def _reference(hidden, head, targets, temperature=1.0):
@@ -452,7 +452,7 @@ def _dense_float64(hidden, weight, bias, targets, temperature):
 def test_bf16_head_log_probs_match_float64(monkeypatch, sliced, generic):
     """Failed before the fix (defect 5): the head's matmul returned bf16 logits, rounded to 2⁻⁸ of
     themselves (here up to ~0.1 nats at |z| ≈ 30), and was cast to float32 afterwards."""
-    from lora_grpo import logprobs
+    from lora_grpo.algo import logprobs
 
     if sliced:  # a vocabulary larger than one cast: the weight goes to float32 in slices of 7 rows
         monkeypatch.setattr(logprobs, "_CAST_ELEMENTS", 7 * 32)
@@ -478,7 +478,7 @@ def test_bf16_head_log_probs_match_float64(monkeypatch, sliced, generic):
 
 
 def test_bf16_head_gradients_flow_in_float32_and_match_float64():
-    from lora_grpo.logprobs import _LogitTransform, _TransformedHead
+    from lora_grpo.algo.logprobs import _LogitTransform, _TransformedHead
 
     torch.manual_seed(0)
     head, targets = nn.Linear(16, 40).to(torch.bfloat16), torch.randint(0, 40, (1, 8))
@@ -565,7 +565,7 @@ def test_tf32_around_the_head_matmul_is_on_inside_and_restored_exactly(matmul_pr
     TF32 is on and readable through both APIs (cuBLAS reads the legacy flag and raises when the two
     disagree: the new API alone would make every float32 matmul inside raise). A state torch itself
     refuses to read is left untouched."""
-    from lora_grpo.logprobs import _tf32_matmuls
+    from lora_grpo.algo.logprobs import _tf32_matmuls
 
     if not hasattr(matmul_precision, "fp32_precision") and before != "legacy tf32 on":
         pytest.skip("torch < 2.9 has only the legacy flag")
@@ -592,7 +592,7 @@ def test_tf32_around_the_head_matmul_is_on_inside_and_restored_exactly(matmul_pr
 def test_tf32_only_where_it_is_exact_and_a_cpu_head_is_unchanged(matmul_precision, monkeypatch):
     """TF32 holds bf16 / fp16 values exactly, not float32 ones, and is a CUDA mode: a bf16 head on a
     CPU computes exactly the float32 product it computed before, with the flags untouched."""
-    from lora_grpo import logprobs
+    from lora_grpo.algo import logprobs
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32

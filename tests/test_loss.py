@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lora_grpo.loss import LOSS_TYPES, accumulation_scale, grpo_loss, k3_kl
+from lora_grpo.algo.loss import LOSS_TYPES, accumulation_scale, grpo_loss, k3_kl
 
 # Two sequences of different lengths: 3 tokens and 1 token, on-policy, beta = 0.
 # Per-token objective is −A: sequence 0 contributes −1 per token, sequence 1 +0.5.
@@ -267,7 +267,7 @@ def test_every_epsilon_trl_accepts_is_accepted():
 
 
 def test_per_sequence_clip_shares_and_their_extremes_per_group():
-    from lora_grpo.loss import SEQUENCE_HIGH_CLIP, SEQUENCE_LOW_CLIP, clip_fraction_extremes
+    from lora_grpo.algo.loss import SEQUENCE_HIGH_CLIP, SEQUENCE_LOW_CLIP, clip_fraction_extremes
 
     # 3 sequences of 4 tokens, the third without loss tokens; eps 0.2 → clipped low below 0.8 with A < 0,
     # high above 1.2 with A > 0.

@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from lora_grpo import GRPOConfig, GRPOTrainer
-from lora_grpo.loss import LOSS_TYPES
+from lora_grpo.algo.loss import LOSS_TYPES
 from lora_grpo.tasks.toy import toy_problems, toy_reward
 
 SETTINGS = {"cispo": {"epsilon_high": 5.0}, "luspo": {"importance_sampling": "sequence"}}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lora_grpo.loss import (
+from lora_grpo.algo.loss import (
     LOSS_TYPES,
     AdaptiveEntropy,
     _linear_quantile,

@@ -19,7 +19,7 @@ def test_toy_recipe_learns(tmp_path, monkeypatch, toy_base):
     assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.15, summary
     assert summary["reward_last"] > summary["reward_first"]
     assert summary["syncs"] >= 1
-    # An ordinary run cries no wolf: no health condition held at any step (health.py; the planted faults
+    # An ordinary run cries no wolf: no health condition held at any step (run/health.py; the planted faults
     # that do raise each their own are in test_health.py).
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     raised = {

@@ -1,4 +1,4 @@
-"""micro_batch_size / gradient_checkpointing 'auto' and the memory preflight (lora_grpo/memory.py).
+"""micro_batch_size / gradient_checkpointing 'auto' and the memory preflight (lora_grpo/memory/probe.py).
 
 The search and the checkpointing rule are tested with made-up byte counts; the trainer tests run
 the real probe on the tiny model. Where a test needs exact, repeatable numbers it measures the
@@ -14,10 +14,11 @@ import pytest
 import torch
 from conftest import PROMPTS, adapter_state, assert_same_adapters, digit_share, make_trainer
 
-from lora_grpo import GRPOConfig, memory
-from lora_grpo.adapters import POLICY, REFERENCE
+from lora_grpo import GRPOConfig
 from lora_grpo.config import ConfigError
-from lora_grpo.memory import MemoryBudgetError, largest_fitting, plan_memory
+from lora_grpo.memory import probe as memory
+from lora_grpo.memory.probe import MemoryBudgetError, largest_fitting, plan_memory
+from lora_grpo.model.adapters import POLICY, REFERENCE
 from lora_grpo.rollout import fast_decode
 
 MiB = 2**20
@@ -414,7 +415,7 @@ def test_fixed_sizes_are_not_probed(tiny_base_dir, tmp_path):
 def tight_budget(trainer, monkeypatch, size: int):
     """An available-memory stand-in under which `size` sequences fit with recompute and size + 1 do
     not, nor `size` without it (saved-for-backward bytes of the real worst-case pass)."""
-    from lora_grpo.model import set_gradient_checkpointing
+    from lora_grpo.model.load import set_gradient_checkpointing
 
     tokens = trainer.plan_memory().tokens
 
@@ -428,7 +429,9 @@ def tight_budget(trainer, monkeypatch, size: int):
     room = (on_fit + on_miss) / 2
     assert off > room and trainer.memory_plan.rollout < room  # what the test relies on
     optimizer = memory.optimizer_state_bytes(trainer.params, "adamw")
-    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (room + optimizer, "test RAM"))
+    monkeypatch.setattr(
+        "lora_grpo.memory.probe.available_bytes", lambda device: (room + optimizer, "test RAM")
+    )
 
 
 def test_a_small_budget_gives_a_smaller_micro_batch_with_checkpointing(tiny_base_dir, tmp_path, monkeypatch):
@@ -445,7 +448,7 @@ def test_a_small_budget_gives_a_smaller_micro_batch_with_checkpointing(tiny_base
 
 
 def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp_path, monkeypatch):
-    from lora_grpo.model import set_gradient_checkpointing
+    from lora_grpo.model.load import set_gradient_checkpointing
 
     monkeypatch.setattr(memory, "measure_peak", saved_bytes)
     kw = dict(
@@ -460,7 +463,7 @@ def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp
     assert rollout * 1.01 < one  # what the test relies on
     optimizer = memory.optimizer_state_bytes(probe.params, "adamw")
     monkeypatch.setattr(
-        "lora_grpo.memory.available_bytes", lambda device: (rollout * 1.01 + optimizer, "test RAM")
+        "lora_grpo.memory.probe.available_bytes", lambda device: (rollout * 1.01 + optimizer, "test RAM")
     )
 
     def no_rollout(*args, **kwargs):
@@ -480,7 +483,7 @@ def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp
         "memory_budget",
     ]:
         assert fix in text
-    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (1.0, "test RAM"))
+    monkeypatch.setattr("lora_grpo.memory.probe.available_bytes", lambda device: (1.0, "test RAM"))
     with pytest.raises(MemoryBudgetError, match=r"rollout decodes 2 sequences.*prompts_per_step \(now 1\)"):
         make_trainer(tiny_base_dir, tmp_path / "c", **kw).train()
 
@@ -605,7 +608,7 @@ def test_the_shape_estimates_count_the_real_models_weights_and_adapters():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lora_grpo import memory_estimate
+    from lora_grpo.memory import estimate as memory_estimate
 
     config = LlamaConfig(
         vocab_size=300,
@@ -664,11 +667,11 @@ def _count_passes(monkeypatch, bytes_at):
 
 def _budget_around(trainer, monkeypatch, times: float) -> float:
     """Make the available memory `times` the shapes' plan for the whole step; returns that plan's need."""
-    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (1e12, "test RAM"))
+    monkeypatch.setattr("lora_grpo.memory.probe.available_bytes", lambda device: (1e12, "test RAM"))
     need = trainer.plan_memory().need
     trainer.sizes._planned = False
     budget = times * need
-    monkeypatch.setattr("lora_grpo.memory.available_bytes", lambda device: (budget / 0.9, "test RAM"))
+    monkeypatch.setattr("lora_grpo.memory.probe.available_bytes", lambda device: (budget / 0.9, "test RAM"))
     return need
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer
 
-from lora_grpo.adapters import POLICY
-from lora_grpo.checkpoint import save_adapter
 from lora_grpo.config import GRPOConfig
-from lora_grpo.model import load_model
-from lora_grpo.reference import lora_layers
+from lora_grpo.model.adapters import POLICY
+from lora_grpo.model.load import load_model
+from lora_grpo.model.reference import lora_layers
+from lora_grpo.run.checkpoint import save_adapter
 from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
 
 
@@ -100,7 +100,7 @@ def test_every_4bit_layer_is_pinned_to_the_portable_path(avx512bf16_cpu, tiny_ba
 
 
 def test_a_model_repacked_before_the_trainer_got_it_is_refused(tiny_base_dir, tmp_path):
-    from lora_grpo.model import keep_4bit_weights_fixed
+    from lora_grpo.model.load import keep_4bit_weights_fixed
 
     model, _ = load_model(
         GRPOConfig(
@@ -118,7 +118,7 @@ def test_a_model_repacked_before_the_trainer_got_it_is_refused(tiny_base_dir, tm
 @pytest.mark.parametrize("drop", ["pad", "pad_and_eos"])
 def test_a_tokenizer_that_cannot_pad_or_stop_is_refused_at_start(tiny_base_dir, tmp_path, drop):
     from lora_grpo import GRPOTrainer
-    from lora_grpo.model import load_tokenizer
+    from lora_grpo.model.load import load_tokenizer
 
     config = GRPOConfig(
         model_name_or_path=tiny_base_dir,

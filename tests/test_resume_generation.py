@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import PROMPTS, make_trainer
 
-from lora_grpo.adapters import POLICY, REFERENCE
-from lora_grpo.failures import StepFailed
-from lora_grpo.stopping import TrainingInterrupted
+from lora_grpo.model.adapters import POLICY, REFERENCE
+from lora_grpo.run.failures import StepFailed
+from lora_grpo.run.stopping import TrainingInterrupted
 
 
 def half_constant(prompts, completions, **kwargs):
@@ -141,7 +141,7 @@ def test_resume_from_any_step_equals_the_uninterrupted_run(
 
 
 def test_a_checkpoint_inside_a_generation_holds_its_steps_left(uninterrupted):
-    from lora_grpo.checkpoint import load_checkpoint_state
+    from lora_grpo.run.checkpoint import load_checkpoint_state
 
     _, run = uninterrupted(("steps_per_generation=4", "plain", "GA=1"))
     left = []

@@ -1,4 +1,4 @@
-"""The run directory (run_dir.py): one live run per output_dir, a lock a crashed run cannot leave
+"""The run directory (run/run_dir.py): one live run per output_dir, a lock a crashed run cannot leave
 behind for good, and no new run mixed into or written over another run's files."""
 
 import errno
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from lora_grpo.run_dir import (
+from lora_grpo.run.run_dir import (
     LOCK_NAME,
     OutputDirError,
     OutputDirInUse,
@@ -142,7 +142,7 @@ def test_a_second_run_at_the_same_time_is_refused_and_the_lock_goes_with_the_run
 
 _HOLDER = """
 import sys, time
-from lora_grpo.run_dir import claim_output_dir
+from lora_grpo.run.run_dir import claim_output_dir
 claim = claim_output_dir(sys.argv[1])
 print("claimed", flush=True)
 time.sleep(120)
@@ -173,7 +173,7 @@ def test_a_live_process_holds_the_directory_and_a_killed_one_leaves_no_lasting_l
 
 
 def test_without_file_locks_a_lock_whose_process_is_gone_is_stale(tmp_path, monkeypatch):
-    import lora_grpo.run_dir as run_dir
+    import lora_grpo.run.run_dir as run_dir
 
     def no_flock(fd, op):
         raise OSError(run_dir.errno.ENOLCK, "no locks here")
@@ -277,7 +277,7 @@ def test_a_dead_writers_temporary_dirs_go_at_the_next_start_but_never_a_live_run
     ],
 )
 def test_an_output_dir_that_cannot_be_written_is_refused_in_our_words(tmp_path, monkeypatch, code, why, fix):
-    import lora_grpo.run_dir as run_dir
+    import lora_grpo.run.run_dir as run_dir
 
     real_open = run_dir.os.open
 

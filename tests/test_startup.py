@@ -30,7 +30,7 @@ def _trainer(model, tokenizer, prompts, tmp_path, **fields):
             **fields,
         }
     )
-    from lora_grpo.model import attach_adapters
+    from lora_grpo.model.load import attach_adapters
 
     return GRPOTrainer(
         config,
@@ -96,7 +96,7 @@ def test_each_prompt_is_tokenised_once_at_start(tiny_base_dir, tmp_path, monkeyp
 
 
 def test_an_eval_only_trainer_runs_no_memory_probe(tiny_base_dir, tmp_path, monkeypatch):
-    import lora_grpo.sizes as sizes_module
+    import lora_grpo.memory.sizes as sizes_module
 
     def no_probe(*args, **kwargs):
         raise AssertionError("the memory probe ran for an evaluation")
@@ -143,7 +143,7 @@ def _base_dir_whose_tokenizer_has_no_pad(path, tokenizer_class="Qwen2Tokenizer")
 
 
 def test_a_pad_token_transformers_added_beyond_the_embeddings_is_replaced_by_eos(tmp_path):
-    from lora_grpo.model import load_tokenizer
+    from lora_grpo.model.load import load_tokenizer
 
     base = _base_dir_whose_tokenizer_has_no_pad(tmp_path / "base")
     assert load_tokenizer(GRPOConfig(model_name_or_path=base)).pad_token_id == 82  # the setting
@@ -215,7 +215,7 @@ def test_a_prompt_holding_a_token_beyond_the_embeddings_is_named(tmp_path):
 
 
 def _attach(**fields):
-    from lora_grpo.model import attach_adapters
+    from lora_grpo.model.load import attach_adapters
 
     model, _ = _model_with_context(64)
     return attach_adapters(model, GRPOConfig(model_name_or_path="in-memory", lora_r=4, **fields))
@@ -261,8 +261,8 @@ def test_lora_target_modules_that_match_are_untouched():
 
 
 def _saved_adapter(path, **model_kwargs):
-    from lora_grpo.checkpoint import save_adapter
-    from lora_grpo.model import attach_adapters
+    from lora_grpo.model.load import attach_adapters
+    from lora_grpo.run.checkpoint import save_adapter
 
     tokenizer = make_tokenizer()
     model = attach_adapters(

@@ -98,7 +98,7 @@ def test_a_checkpoint_restores_each_processs_own_state(tiny_base_dir, tmp_path):
     import torch
 
     from lora_grpo.batch import Batch, Generation
-    from lora_grpo.checkpoint import load_checkpoint_state
+    from lora_grpo.run.checkpoint import load_checkpoint_state
 
     assert PER_PROCESS_FIELDS == {"generation"}  # a new one needs its values in this test
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Whatever raises inside a step keeps the last finished step (failures.py): a fault planted in each stage,
+"""Whatever raises inside a step keeps the last finished step (run/failures.py): a fault planted in each stage,
 in step 2 (one step finished) and in step 1 (none). The message names the stage and the step; the
 checkpoint of the last finished step exists, and resuming from it repeats the uninterrupted run's next
 steps exactly (metrics and both adapters, bit for bit); a run that finished no step writes nothing."""
@@ -8,11 +8,11 @@ import errno
 import pytest
 from conftest import PROMPTS, assert_same_adapters, digit_share, make_trainer, run_torchrun
 
-import lora_grpo.checkpoint as ckpt
+import lora_grpo.run.checkpoint as ckpt
 import lora_grpo.sampler as sampler_module
 from lora_grpo import GRPOConfig, GRPOTrainer
-from lora_grpo.failures import StepFailed
 from lora_grpo.rewards.scoring import RewardFunctionError
+from lora_grpo.run.failures import StepFailed
 
 # 3 steps of 2 prompts × 2 completions of 4 tokens, fp32; the reference moves (beta) but is never synced.
 RUN = dict(
@@ -325,7 +325,7 @@ def test_an_environment_that_goes_away_keeps_the_last_finished_step(
 TWO_PROCESSES = """
 import json, sys, torch
 from lora_grpo import GRPOConfig, GRPOTrainer
-from lora_grpo.failures import StepFailed
+from lora_grpo.run.failures import StepFailed
 import lora_grpo.sampler as sampler_module
 
 from conftest import digit_share

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import load_4bit
 
+from lora_grpo.algo.loss import grpo_loss
 from lora_grpo.batch import Batch, loss_mask
-from lora_grpo.loss import grpo_loss
 from lora_grpo.rollout import (
     Toolbox,
     check_tool_template,

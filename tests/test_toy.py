@@ -276,7 +276,7 @@ def test_cache_name_encodes_every_setting():
 # character tokenizer would then encode differently.
 def test_saved_tiny_base_loads_back_with_the_same_tokenizer(tiny_base_dir):
     from lora_grpo.config import GRPOConfig
-    from lora_grpo.model import load_tokenizer
+    from lora_grpo.model.load import load_tokenizer
 
     text = "user: <think>a b</think> 12+35=\nassistant: "
     loaded = load_tokenizer(GRPOConfig(model_name_or_path=tiny_base_dir))

@@ -20,9 +20,9 @@ import lora_grpo.update as update_module
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.batch import Batch
 from lora_grpo.config import ConfigError
-from lora_grpo.failures import StepFailed
-from lora_grpo.model import POLICY, REFERENCE
-from lora_grpo.stopping import NonFiniteError, TrainingInterrupted
+from lora_grpo.model.load import POLICY, REFERENCE
+from lora_grpo.run.failures import StepFailed
+from lora_grpo.run.stopping import NonFiniteError, TrainingInterrupted
 
 
 def test_end_to_end_policy_moves_base_frozen_reference_synced_on_schedule(tiny_base_dir, tmp_path):

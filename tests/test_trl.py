@@ -328,8 +328,8 @@ def test_a_peft_model_is_the_warm_start_and_the_initial_reference(tiny_base_dir,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lora_grpo.adapters import POLICY, REFERENCE
-    from lora_grpo.reference import delta_weight
+    from lora_grpo.model.adapters import POLICY, REFERENCE
+    from lora_grpo.model.reference import delta_weight
     from lora_grpo.trl import GRPOTrainer
 
     warm = get_peft_model(

@@ -707,7 +707,7 @@ def _dapo_gradient(model, tokenizer, seen, temperature):
 
 def _tiny_model(path, base):
     """The tiny base as a user passes it: a path (float32), or an NF4 model loaded with
-    BitsAndBytesConfig on the portable 4-bit path (lora_grpo.model.keep_4bit_weights_fixed)."""
+    BitsAndBytesConfig on the portable 4-bit path (lora_grpo.model.load.keep_4bit_weights_fixed)."""
     return path if base == "fp32" else load_4bit(path, portable=True)
 
 

@@ -13,7 +13,7 @@ reward functions as ``prompts`` (TRL's conversational format), never under their
 they arrive exactly once; ``prompt`` and ``prompt_messages`` are the two columns that never reach
 a reward function as keywords.
 
-``PromptBatches`` (prompt_batches.py) walks that dataset in seeded, reshuffled epochs, ``prompts_per_step`` rows at a
+``PromptBatches`` (data/batches.py) walks that dataset in seeded, reshuffled epochs, ``prompts_per_step`` rows at a
 time, and can be checkpointed and resumed exactly.
 """
 
@@ -27,13 +27,13 @@ from typing import Any
 
 import datasets
 
-from .data_files import FILE_BUILDERS, load_data_file
-from .prompt_batches import PromptBatches
-from .tasks.calculator import calculator_problems
-from .tasks.chat_arithmetic import chat_sum_problems
-from .tasks.countdown import countdown_problems
-from .tasks.countdown_toy import countdown_toy_problems
-from .tasks.toy import toy_problems
+from ..tasks.calculator import calculator_problems
+from ..tasks.chat_arithmetic import chat_sum_problems
+from ..tasks.countdown import countdown_problems
+from ..tasks.countdown_toy import countdown_toy_problems
+from ..tasks.toy import toy_problems
+from .batches import PromptBatches
+from .files import FILE_BUILDERS, load_data_file
 
 __all__ = [
     "PROMPT_MESSAGES",

@@ -3,7 +3,7 @@ heads, hidden, intermediate, vocab), without loading weights or measuring: the r
 figures (tests/test_recipes.py computes each and checks it against the header) and what
 benchmarks/gpu_check.py compares the measured peaks with.
 
-The start-up plan (memory.py) measures the training pass; here it is estimated, and the same chooser
+The start-up plan (memory/probe.py) measures the training pass; here it is estimated, and the same chooser
 (memory.plan_memory, given `estimate=`) picks the sizes, so the 'auto' rules and the preflight are the
 real ones. Everything else is the plan's own arithmetic: the rollouts and the compiled decode's kept
 cache (memory.decode_memory, memory.rollout_shapes), the optimizer states. Added here: the weights
@@ -21,7 +21,7 @@ and memory-efficient attention (no L × L scores on a GPU), in bytes with s = th
     without checkpointing          layers·A + A (the backward's activation gradients)
     with checkpointing             layers·s·hidden (each layer's input) + 2·A (one layer recomputed)
     plus the log-probs             the final hidden states, and 2 float32 (chunk, vocab) blocks and
-                                   the head's weight slices cast to float32 (logprobs.py)
+                                   the head's weight slices cast to float32 (algo/logprobs.py)
 
 It is an estimate: the GPU check prints it beside the measured pass (benchmarks/gpu_check.py).
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory import (
+from .probe import (
     MemoryPlan,
     decode_memory,
     optimizer_state_bytes,

@@ -56,10 +56,10 @@ from dataclasses import dataclass, field
 import torch
 
 # how much memory there is and a pass takes: per device
-from .device import MiB, available_bytes, measure_peak
-from .model import set_gradient_checkpointing
-from .rng import rng_state, set_rng_state
-from .rollout.fast_decode import kv_bytes_per_slot, reserve_shape, resolve_decode_mode, static_cache_bytes
+from ..device import MiB, available_bytes, measure_peak
+from ..model.load import set_gradient_checkpointing
+from ..rng import rng_state, set_rng_state
+from ..rollout.fast_decode import kv_bytes_per_slot, reserve_shape, resolve_decode_mode, static_cache_bytes
 
 BUSY_TOKENS = 4096  # tokens per pass above which an extra pass costs little next to recompute's ~1/3
 MAX_PROBES = 6  # measured sizes per checkpointing mode
@@ -278,7 +278,7 @@ def plan_memory(
     leaves no gradients, optimizer state or RNG change behind); set_checkpointing(on) turns
     recompute on or off; side_passes: other no-grad forwards of m sequences (a reward model's
     scoring), measured with the pass at every size. estimate(m, checkpointing): bytes of a pass
-    computed instead of measured (memory_estimate.py: a plan from a model's shapes alone). rollout:
+    computed instead of measured (memory/estimate.py: a plan from a model's shapes alone). rollout:
     the largest rollout's peak, `kept` included; kept: bytes that stay allocated between rollouts,
     under every training pass (decode_memory). Raises MemoryBudgetError when one sequence, or the
     rollout, does not fit.

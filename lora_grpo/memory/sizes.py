@@ -9,9 +9,9 @@ compiled sampler here too (memory.reserve_decode_shape), so rollouts and evals s
 
 from __future__ import annotations
 
-from .memory import MemoryPlan, plan_run_memory, reserve_decode_shape, resume_sizes
-from .memory_estimate import pass_estimate
-from .model import set_gradient_checkpointing
+from ..model.load import set_gradient_checkpointing
+from .estimate import pass_estimate
+from .probe import MemoryPlan, plan_run_memory, reserve_decode_shape, resume_sizes
 
 UNPLANNED_FORWARD_ROWS = (
     8  # sequences per eval / reward-model forward of a trainer that only evaluates ('auto', no probe)

@@ -20,8 +20,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .base_cache import default_cache_dir
-from .gguf_base import converted_gguf, is_gguf
+from ..base_cache import default_cache_dir
+from .gguf import converted_gguf, is_gguf
 from .loading import LoadError, loading
 
 
@@ -29,15 +29,15 @@ def local_base(name: str) -> str | None:
     """The path of an offline task's base by its name ("toy" or its recipe's name "toy-addition",
     "toy-calculator", "toy-countdown"), built once and cached; None for any other name."""
     if name in ("toy", "toy-addition"):
-        from .tasks.toy import ensure_toy_base
+        from ..tasks.toy import ensure_toy_base
 
         return ensure_toy_base()  # one fixed base (seed 0) whatever the run seed: built once, cached
     if name == "toy-calculator":
-        from .tasks.calculator import ensure_calculator_base
+        from ..tasks.calculator import ensure_calculator_base
 
         return ensure_calculator_base()
     if name == "toy-countdown":
-        from .tasks.countdown_toy import ensure_countdown_toy_base
+        from ..tasks.countdown_toy import ensure_countdown_toy_base
 
         return ensure_countdown_toy_base()
     return None

@@ -23,7 +23,7 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from .base_cache import default_cache_dir, ensure_entry
+from ..base_cache import default_cache_dir, ensure_entry
 from .loading import loading
 
 FORMAT_VERSION = 1

@@ -16,10 +16,10 @@ import logging
 import torch
 from torch import nn
 
+from ..config import GRPOConfig
+from ..device import auto_dtype, describe_gpu, native_bf16
 from .adapters import BASE, POLICY, REFERENCE, lora_layers, policy_parameters, reference_forward, use_adapter  # noqa: F401
 from .bases import resolve_base
-from .config import GRPOConfig
-from .device import auto_dtype, describe_gpu, native_bf16
 from .loading import loading
 from .reference import check_syncable, sync_reference
 
@@ -337,6 +337,8 @@ def load_model(config: GRPOConfig, device_map=None):
     tokenizer = load_tokenizer(config, path)
     base = load_base_model(config, path, device_map=device_map)
     model = attach_adapters(base, config)
-    if config.gradient_checkpointing is True:  # 'auto' is decided by the trainer's memory probe (memory.py)
+    if (
+        config.gradient_checkpointing is True
+    ):  # 'auto' is decided by the trainer's memory probe (memory/probe.py)
         enable_gradient_checkpointing(model)
     return model, tokenizer

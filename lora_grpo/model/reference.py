@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..device import now
 from .adapters import POLICY, REFERENCE, lora_layers
-from .device import now
 
 
 def check_syncable(model: nn.Module, policy: str = POLICY, reference: str = REFERENCE) -> None:

@@ -12,7 +12,7 @@ A function names the keywords it uses and takes ``**kwargs`` for the rest; it ma
 (N = prompts_per_step × G; a prompt's row is repeated for its G completions, which are contiguous):
 
     prompts             the prompt text; for a conversational row (its prompt came from chat
-                        messages, see :mod:`lora_grpo.data`) the message list
+                        messages, see :mod:`lora_grpo.data.prompts`) the message list
                         ``[{"role": ..., "content": ...}, ...]`` (with ``system_prompt`` applied)
     completions         the completion text; for a conversational row
                         ``[{"role": "assistant", "content": text}]``

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..loading import loading
+from ..model.loading import loading
 
 
 def _texts(tokenizer, prompts: Sequence, completions: Sequence, chat_template_kwargs: dict) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..failures import StepFailed
+from ..run.failures import StepFailed
 from .builtins import _text
 from .specs import reward_names
 
@@ -80,7 +80,7 @@ def conversational_inputs(
     """``prompts`` and ``completions`` as TRL passes them to reward functions.
 
     Where a row's prompt came from chat messages (``prompt_messages[i]`` is a message list, see
-    :mod:`lora_grpo.data`), its prompt is that list and its completion
+    :mod:`lora_grpo.data.prompts`), its prompt is that list and its completion
     ``[{"role": "assistant", "content": text}]``; elsewhere (and for ``prompt_messages=None``)
     both stay text. All three have one entry per completion.
 

@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..loading import LoadError
+from ..model.loading import LoadError
 from ..tasks.countdown import countdown_reward
 from .builtins import (
     answer_accuracy,

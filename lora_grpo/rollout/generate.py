@@ -160,7 +160,7 @@ def special_token_ids(model, tokenizer) -> list[int]:
     if tokenizer.pad_token_id is None:
         raise ValueError(
             "the tokenizer has no pad token (tokenizer.pad_token_id is None); set one, e.g. "
-            "tokenizer.pad_token = tokenizer.eos_token (lora_grpo.model.load_tokenizer does)"
+            "tokenizer.pad_token = tokenizer.eos_token (lora_grpo.model.load.load_tokenizer does)"
         )
     return ids
 

@@ -38,10 +38,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, missing_adapter_files, same_base, trained_base
-from .adapters import POLICY, REFERENCE, lora_layers
-from .device import optimizer_state_on_devices
-from .rng import legacy_numpy_globals, restore_sampling, set_rng_state
+from ..device import optimizer_state_on_devices
+from ..model.adapter_files import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    missing_adapter_files,
+    same_base,
+    trained_base,
+)
+from ..model.adapters import POLICY, REFERENCE, lora_layers
+from ..rng import legacy_numpy_globals, restore_sampling, set_rng_state
 
 logger = logging.getLogger(__name__)
 

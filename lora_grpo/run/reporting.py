@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..config import TRACKERS, ConfigError
+from ..device import MiB
 from . import checkpoint as ckpt
-from .config import TRACKERS, ConfigError
-from .device import MiB
 from .plots import METRICS_FILE, PLOT_FILE, PlotInfo, plot_records, read_records
 
 if TYPE_CHECKING:  # typing only: the trainer owns both
     from accelerate import Accelerator
 
-    from .config import GRPOConfig
+    from ..config import GRPOConfig
 
 # tracker → (importable modules, any one of which is enough; the pip extra that installs one)
 TRACKER_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from ..loss_types import LOSS_TYPE_FACTS, LossTypeFacts
+from ..algo.loss_types import LOSS_TYPE_FACTS, LossTypeFacts
 
 logger = logging.getLogger(__name__)
 

@@ -186,7 +186,7 @@ def build_model(
         )
 
     def build(config):
-        from ..model import attach_adapters, load_base_model, load_tokenizer, prepare_base
+        from ..model.load import attach_adapters, load_base_model, load_tokenizer, prepare_base
 
         path = (
             model if isinstance(model, str) else config.model_name_or_path

@@ -24,13 +24,13 @@ from transformers import DefaultFlowCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import TrainOutput
 
-from ..adapters import POLICY
-from ..bases import resolve_base
-from ..checkpoint import save_adapter
+from ..algo.loss import high_entropy_mask, off_policy_mask, padded_gather
 from ..config import ConfigError
-from ..loss import high_entropy_mask, off_policy_mask, padded_gather
+from ..model.adapters import POLICY
+from ..model.bases import resolve_base
 from ..rewards import RewardModel
 from ..rng import seed_everything
+from ..run.checkpoint import save_adapter
 from ..trainer import GRPOTrainer as NativeTrainer
 from .checks import refuse_as_trl, warn_as_trl
 from .config import GRPOConfig

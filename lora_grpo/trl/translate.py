@@ -308,9 +308,11 @@ FIELDS: dict[str, Field] = {
     "torch_compile_mode": _r(
         "the training forward is not compiled (the rollout's decode step is: decode_mode)"
     ),
-    "use_liger_kernel": _r("lora_grpo computes log-probs in chunks through the LM head itself (logprobs.py)"),
+    "use_liger_kernel": _r(
+        "lora_grpo computes log-probs in chunks through the LM head itself (algo/logprobs.py)"
+    ),
     "liger_kernel_config": _r(
-        "lora_grpo computes log-probs in chunks through the LM head itself (logprobs.py)"
+        "lora_grpo computes log-probs in chunks through the LM head itself (algo/logprobs.py)"
     ),
     "neftune_noise_alpha": _r("NEFTune noise is not added to embeddings in GRPO"),
     "torch_empty_cache_steps": _r("lora_grpo does not empty the CUDA cache on a schedule"),

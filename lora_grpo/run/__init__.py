@@ -1,0 +1,2 @@
+"""A run on disk and what it reports: its directory, checkpoints, failures, stopping, health, metrics and
+plots."""
