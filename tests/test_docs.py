@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import PROMPTS, write_recipe
+from helpers import PROMPTS, write_recipe
 
 import lora_grpo.config
 from lora_grpo.cli import build_parser, main
