@@ -20,7 +20,7 @@ FOLDERS = ("algo", "model", "memory", "run", "data", "rollout", "rewards", "task
 FRONT_DOOR = "trl"
 # The top-level modules the folders may import, each with its reason: shared definitions that sit below
 # the folders, importing nothing of ours but algo/ and each other (test_the_floor_stays_below_the_folders).
-# Every other top-level module (the trainer, the stages, state, batch, optim, cli, ...) is above them.
+# Every other top-level module (the trainer, the stages, state, optim, cli, ...) is above them.
 FLOOR = {
     "config": "the run's one typed config: model/load builds the model from a GRPOConfig, run/reporting "
     "reads its TRACKERS and ConfigError",
@@ -31,6 +31,8 @@ FLOOR = {
     "its probe",
     "base_cache": "the machine's cache of built bases: model/bases and model/gguf read it, tasks/ publish "
     "their tiny bases into it",
+    "batch": "the records that move between the stages (a rollout made ready for the loss, its "
+    "micro-batches): memory/probe builds the worst-case micro-batch the update will see",
 }
 
 
