@@ -1,4 +1,4 @@
-"""The folder of wheels a lent GPU machine needs to run benchmarks/gpu_check.py, built here.
+"""The folder of wheels a lent GPU machine needs to run the GPU check (benchmarks/gpu_check/), built here.
 
 The lent machine (one H200: Python 3.12, torch 2.11 + CUDA 13, transformers 5.17 preinstalled) has no
 network and lacks bitsandbytes, datasets, dill and multiprocess; what travels with the working tree is
@@ -53,9 +53,10 @@ ENVIRONMENT = "export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLIN
 
 
 def check_command(budget: float, only: str | None = None) -> str:
-    """The line that runs the check on the lent machine (after ENVIRONMENT)."""
+    """The line that runs the check on the lent machine (after ENVIRONMENT, which puts the checkout on
+    PYTHONPATH)."""
     selected = f" --only {only}" if only else ""
-    return f'python3 benchmarks/gpu_check.py{selected} --budget {budget:g} --out "$OUT"'
+    return f'python3 -m benchmarks.gpu_check{selected} --budget {budget:g} --out "$OUT"'
 
 
 def first_command(budget: float = FIRST_BUDGET) -> str:
