@@ -231,6 +231,15 @@ def run_section(section: Section, run: Run) -> None:
         status, reason = "skipped", "not in --only"
     elif run.left() <= 0:
         status, reason, again = "skipped", f"past the --budget of {run.args.budget:.0f} s", True
+    elif run.cuda and run.left() < section.estimate_s:
+        # On the lent GPU a section that would be cut at the deadline is left whole for the rerun,
+        # and the time goes to the shorter sections after it.
+        left = run.left()
+        status, reason, again = (
+            "skipped",
+            f"{left:.0f} s of the budget left, ~{section.estimate_s:g} s needed",
+            True,
+        )
     else:
         running = run.running
         print(
