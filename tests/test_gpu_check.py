@@ -151,6 +151,18 @@ def test_on_a_gpu_a_section_longer_than_the_budget_left_is_left_whole_for_the_re
     assert run.rerun() == gpu_bundle.rerun_command("4")
 
 
+def test_a_section_whose_needed_section_was_left_for_the_rerun_goes_with_it(tmp_path):
+    ran = []
+    first = Section(2, "first", lambda run: ran.append(2), 1e6)
+    then = Section(3, "then", lambda run: ran.append(3), 1, needs=(2,))
+    args, run = dry_run(tmp_path, sections=[first, then])
+    run.cuda = True  # the GPU rule, on this CPU
+    run_section(first, run)
+    run_section(then, run)
+    assert ran == [] and run.summary[then.name]["status"] == "skipped"
+    assert run.rerun() == gpu_bundle.rerun_command("2,3")
+
+
 def test_section_9_loads_the_bundled_calculator_base_and_never_pretrains(tmp_path, monkeypatch):
     """The bundle carries the base pre-trained here; gpu_check loads it by path (no pre-training on
     the lent machine's CPU), and without it a GPU run fails the section naming the fix."""

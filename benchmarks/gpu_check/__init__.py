@@ -91,11 +91,11 @@ started as skipped, writes the summary and exits with the number of failed secti
 failure; SIGTERM does the same; a section stuck in C code holding the GIL is ended by faulthandler
 10 s later, exit 1). The last line printed, summary.txt's last line and summary.json's "rerun" are
 the command for the sections stopped or skipped for want of time (--only those, --budget 250;
-section 3 brings section 2). --only 2,4: run those sections alone. With --out DIR, summary.json
-(each section: status, seconds, reason, rerun, findings; "running" while one runs), summary.txt (one
-line per section) and log.txt (everything printed, line-buffered) are written there, the summary as
-each section starts and ends. The device-time plan of a lent machine's visit (start-up, install, the
-two commands): benchmarks/README.md.
+section 3 brings section 2, and is left for the rerun with it). --only 2,4: run those sections
+alone. With --out DIR, summary.json (each section: status, seconds, reason, rerun, findings;
+"running" while one runs), summary.txt (one line per section) and log.txt (everything printed,
+line-buffered) are written there, the summary as each section starts and ends. The device-time plan
+of a lent machine's visit (start-up, install, the two commands): benchmarks/README.md.
 
 The modules: harness.py (the Section record, the Run, the budget, the deadline, the summary and
 the rerun), sections.py (the list), cli.py (the arguments, the workers, main), common.py (what several
