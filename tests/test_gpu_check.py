@@ -227,6 +227,8 @@ if which == "ours":
 else:
     step("trl", 1, 40.0)
     step("trl", 2, 8.0)
+    if "--fail" in sys.argv:
+        sys.exit("TRL's worker broke")
     time.sleep(600)
 """
 
@@ -253,6 +255,21 @@ def test_section_12_keeps_the_first_workers_figures_when_the_second_times_out(tm
     assert trl["partial"] and trl["steps_timed"] == 1 and trl["first_step_s"] == 40.0 and trl["step_s"] == 8.0
     assert trl["generation_s"] == 4.0 and trl["update_s"] == 3.2
     assert run.rerun() == gpu_bundle.rerun_command("12") and not _common.CHILDREN
+
+
+def test_section_12_fails_naming_a_worker_that_broke_and_keeps_the_others_figures(tmp_path, monkeypatch):
+    from benchmarks.gpu_check import vs_trl
+
+    monkeypatch.setattr(
+        vs_trl, "worker_command", lambda *args: [sys.executable, "-c", PEER_STUB, *args, "--fail"]
+    )
+    args, run = dry_run(tmp_path)
+    args.budget = float("inf")
+    run_section(BY_NUMBER[12], run)
+    section = run.summary[BY_NUMBER[12].name]
+    assert section["status"] == "failed" and "TRL's worker broke" in section["findings"]["trl_error"]
+    assert section["findings"]["ours"]["step_s"] == 2.0
+    assert "every worker ran (trl failed)" in section["findings"]["failures"]
 
 
 def test_a_worker_stops_itself_after_the_step_that_would_leave_too_little_of_its_time():

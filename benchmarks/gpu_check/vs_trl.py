@@ -347,6 +347,11 @@ def check_vs_trl(run: Run) -> None:
         except subprocess.TimeoutExpired as e:
             got = read_partial(e.stdout)
             stopped = (which, limit, cap)
+        except RuntimeError as e:
+            # A worker that failed: the other still runs, and the section fails below.
+            got = {}
+            run.findings[f"{which}_error"] = str(e)[-2000:]
+            print(e, flush=True)
         # Recorded the moment the worker ends: a later worker's timeout keeps these.
         results.update(got)
         run.findings.update(got)
@@ -359,7 +364,9 @@ def check_vs_trl(run: Run) -> None:
         which, limit, cap = stopped
         run.over_time(f"the {which} run", limit, cap)
     missing = [v for _, variants in VARIANTS.items() for v, _ in variants if v not in results]
-    if missing and not stopped:
+    failed = [w for w in VARIANTS if f"{w}_error" in run.findings]
+    run.expect(not failed, f"every worker ran ({', '.join(failed) or 'none'} failed)")
+    if missing and not stopped and not failed:
         raise Stopped(f"{', '.join(missing)} not started: too little of its worker's time left")
     run.expect(
         all(math.isfinite(results[v]["step_s"]) for v in results) and not missing,
