@@ -125,8 +125,9 @@ def test_the_deadline_stops_the_running_section_writes_the_summary_and_exits_0(t
 
 def test_the_cheap_sections_run_first_and_a_rerun_of_section_3_brings_section_2(tmp_path):
     order = [section.number for section in SECTIONS]
-    assert sorted(order) == list(range(1, 13)) and order[:6] == [1, 7, 8, 10, 11, 6]
-    assert set(order[6:]) == {2, 3, 4, 5, 9, 12} and order.index(3) == order.index(2) + 1
+    # The unmeasured profile (14) and weight forms (13) right after devices, then the cheap sections.
+    assert sorted(order) == list(range(1, 15)) and order[:8] == [1, 14, 13, 7, 8, 10, 11, 6]
+    assert set(order[8:]) == {2, 3, 4, 5, 9, 12} and order.index(3) == order.index(2) + 1
     assert all(section.estimate_s > 0 for section in SECTIONS)
     assert BY_NUMBER[3].check is check_decode and BY_NUMBER[3].needs == (2,)
     args, run = dry_run(tmp_path)
@@ -214,7 +215,7 @@ def test_only_2_4_starts_section_4_with_no_tensor_of_section_2_alive(tmp_path, m
         run_section(section, run)
     statuses = {int(name.split(".")[0]): v["status"] for name, v in run.summary.items()}
     assert statuses[2] == statuses[4] == "passed", run.summary
-    assert {n for n, v in statuses.items() if v == "skipped"} == set(range(1, 13)) - {2, 4}
+    assert {n for n, v in statuses.items() if v == "skipped"} == set(range(1, 15)) - {2, 4}
     assert len(trained) == 2 and len(trained[0]) > 100  # section 2's trainer, its tensors
     assert alive_at_start == [0, 0]
 

@@ -54,6 +54,14 @@ number of failed sections.
                  (TRL's defaults: gradient checkpointing on, one micro-batch), the same random 0.5B
                  4-bit model, prompts, reward and settings, each in a fresh process; when TRL
                  imports. A measurement: it fails only when a run fails.
+13. decode bound the compiled decode of the 0.5B recipe's shape (64 rows, 151,936-token vocabulary)
+                 with three weight forms, tokens/s each: the 4-bit base + LoRA, a bf16 base + LoRA,
+                 the bf16 base with LoRA merged; at 6 of the 24 layers (three compiles), extrapolated
+                 to 24 with section 14's step: what dequantisation, LoRA and the rest cost a token step.
+14. profile      torch.profiler over compiled decode token steps of the 0.5B recipe and over one
+                 update: the top kernels, each kind's ms (dequantisation, GEMMs, attention, the
+                 vocabulary's softmax / sampling, norms, copies, the gaps between graphs) against its
+                 floor on the H200 (limit.py's FLOPs and bytes); gzipped traces to --out.
 
 The emulated 8 GB card (sections 2 and 4): torch's allocator is capped by
 set_per_process_memory_fraction at 8 GiB less the 0.5 GiB CUDA context that memory_estimate (and
@@ -72,9 +80,9 @@ CUDA has skipped and listed under the section's "skipped_parts" (section 8 skips
 this process.
 
 The order (sections.py, one Section record a section: number, title, check, estimate_s, needs):
-the cheap sections first (1, 7, 8, 10, 11, 6: small models, no compiled decode), then those that
-compile a decode (2, 3, 4, 5, 9, 12); estimate_s is each one's expected seconds on an H200, printed
-as the plan at the start.
+devices, then what no GPU has measured (14, 13), the cheap sections (7, 8, 10, 11, 6: small models,
+no compiled decode), then those that compile a decode (2, 3, 4, 5, 9, 12); estimate_s is each
+one's expected seconds on an H200, printed as the plan at the start.
 
 --budget (default 300) is a hard deadline in seconds of wall time from the process's start: a
 section that would start past it is skipped (so are sections 8 and 12 with less than 60 / 120 s of
@@ -92,7 +100,8 @@ The device-time plan of a lent machine's visit (start-up, install, the two comma
 The modules: harness.py (the Section record, the Run, the budget, the deadline, the summary and
 the rerun), sections.py (the list), cli.py (the arguments, the workers, main), common.py (what several
 sections use), and one module per topic (devices, recipe_memory, decode, numerics, resume,
-pytest_gpu, tools, reward_model, paged_adamw, vs_trl). From the checkout, with it on PYTHONPATH:
+pytest_gpu, tools, reward_model, paged_adamw, vs_trl, decode_bound, profile_step; kernel_shares: the
+profile's kinds of kernel and their floors). From the checkout, with it on PYTHONPATH:
 
     python3 -m benchmarks.gpu_check --out DIR  # on one CUDA GPU (the lent machine: benchmarks/README.md)
     python3 -m benchmarks.gpu_check --cpu      # a dry run on a CPU with tiny shapes (checks the check)

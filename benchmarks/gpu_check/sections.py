@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from benchmarks.gpu_check import (
     decode,
+    decode_bound,
     devices,
     numerics,
     paged_adamw,
+    profile_step,
     pytest_gpu,
     recipe_memory,
     resume,
@@ -18,10 +20,15 @@ from benchmarks.gpu_check import (
 )
 from benchmarks.gpu_check.harness import Section
 
-# The cheap sections first (tiny or small models, no compiled decode), then the ones that compile a
-# decode (the recipes' 24- and 28-layer 4-bit + LoRA models first).
+# What is still unmeasured on a GPU first (the profile of the step, then the decode's weight forms,
+# which extrapolate from the profile's 24-layer step), then the cheap sections (tiny or small models,
+# no compiled decode), then the ones that compile a decode (the recipes' 24- and 28-layer 4-bit + LoRA
+# models first).
 SECTIONS = [
     Section(1, "devices", devices.check_devices, 5),
+    Section(14, "profile: where the decode step and the update go", profile_step.check_profile, 70),
+    # Section 13 extrapolates its weight forms to 24 layers with section 14's step, in the same process.
+    Section(13, "decode bound: three weight forms", decode_bound.check_decode_bound, 60, needs=(14,)),
     Section(7, "resume: on the same device, and on a CPU", resume.check_resume, 25),
     Section(8, "pytest -m gpu", pytest_gpu.check_pytest_gpu, 20),
     Section(10, "reward model", reward_model.check_reward_model, 10),
