@@ -105,6 +105,18 @@ def test_the_shares_sum_each_kind_per_step_and_the_gaps_are_what_the_kernels_lea
     assert [e.name for e in ks.top(events, 2)] == ["sm90_xmma_gemm_bf16", "kDequantizeBlockwise"]
 
 
+def test_the_profile_gives_the_ops_on_a_cpu_and_no_kernels_without_cuda():
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            a = a @ a
+    ops = {e.name: e for e in ks.events_of(prof, cuda=False)}
+    assert ops["aten::mm"].count == 3 and ops["aten::mm"].us > 0
+    assert ks.events_of(prof, cuda=True) == [] and ks.graph_launches(prof) == 0
+
+
 def test_the_table_gives_each_kind_its_share_and_its_distance_from_the_floor():
     lines = ks.table({"GEMM": 0.003, "attention": 0.001, ks.GAPS: 0.0}, {"GEMM": 0.001})
     assert lines[2] == "| GEMM | 3.000 | 75% | 1 | 3.0× |"
@@ -171,6 +183,7 @@ def test_sections_14_and_13_run_their_cpu_stand_ins_and_report_what_bounds_the_d
     assert found["update_ms"]["GEMM"] > 0 and found["update_floor_s"] > 0
     assert found["skipped_parts"] and found["traces"] == ["decode-trace.json.gz", "update-trace.json.gz"]
     trace = json.loads(gzip.decompress((out / "decode-trace.json.gz").read_bytes()))
+    assert found["decode_top"][0][1] > 0 and found["update_top"]
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
     found = bound["findings"]
     assert set(found["tokens_per_s"]) == {"4-bit base + LoRA", "bf16 base + LoRA", "bf16 base, LoRA merged"}

@@ -56,7 +56,10 @@ class DecodeLoop:
             logits_to_keep=1,
         )
         self.logits = out.logits[:, -1]
-        self.decoder = StaticDecoder(model, out.past_key_values, mask, completion, compiled=compiled)
+        # transformers 5 returns the cache as `cache`, earlier versions as `past_key_values`.
+        cache = getattr(out, "cache", None)
+        cache = out.past_key_values if cache is None else cache
+        self.decoder = StaticDecoder(model, cache, mask, completion, compiled=compiled)
         self.positions = mask.sum(1)
         self.eos = torch.tensor([1], device=self.device)
         self.steps = 0
