@@ -44,7 +44,10 @@ PACKAGES = [
     "transformers==5.24.0",
     "trl==1.16.0",
 ]
-FIRST_BUDGET, RERUN_BUDGET = 300, 150  # seconds: two commands in one visit of the lent machine
+# Seconds: two commands in one visit of the lent machine (the plan: benchmarks/README.md). The whole
+# check does not fit one command of 540 s (a 600 s command limit); the second holds what the first
+# skipped for want of time.
+FIRST_BUDGET, RERUN_BUDGET = 540, 250
 INSTALL = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
     "--target /tmp/site gpu_bundle/*.whl"

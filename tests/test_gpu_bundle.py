@@ -107,7 +107,7 @@ def test_the_readme_shows_the_commands_the_bundle_prints():
         and "--no-index" in first
         and "--target /tmp/site" in first
     )
-    assert " -e ." not in first and "--budget 300" in first
+    assert " -e ." not in first and "--budget 540" in first
     assert not {"peft", "xxhash"} & {p.split("==")[0] for p in gpu_bundle.PACKAGES}
 
 

@@ -123,16 +123,44 @@ def test_the_deadline_stops_the_running_section_writes_the_summary_and_exits_0(t
     assert "running: §5" in (out / "log.txt").read_text()
 
 
-def test_the_cheap_sections_run_first_and_a_rerun_of_section_3_brings_section_2(tmp_path):
+def test_the_unmeasured_sections_run_first_and_a_rerun_of_section_3_brings_section_2(tmp_path):
+    """What the first GPU run left unmeasured (12 against TRL, 2 and 4 after the memory fix) runs
+    before what passed there; section 3 runs right after section 2, on its trained model."""
     order = [section.number for section in SECTIONS]
-    # The unmeasured profile (14) and weight forms (13) right after devices, then the cheap sections.
-    assert sorted(order) == list(range(1, 15)) and order[:8] == [1, 14, 13, 7, 8, 10, 11, 6]
-    assert set(order[8:]) == {2, 3, 4, 5, 9, 12} and order.index(3) == order.index(2) + 1
+    # What the first GPU run left unmeasured first: 12, the profile (14) and the weight forms (13) on its step.
+    assert sorted(order) == list(range(1, 15)) and order[:6] == [12, 14, 13, 2, 3, 4]
     assert all(section.estimate_s > 0 for section in SECTIONS)
     assert BY_NUMBER[3].check is check_decode and BY_NUMBER[3].needs == (2,)
     args, run = dry_run(tmp_path)
     args.budget = 0.0  # section 3 past the budget: its rerun needs section 2 again, run before it
     run_section(BY_NUMBER[3], run)
+    assert run.rerun() == gpu_bundle.rerun_command("2,3")
+
+
+def test_on_a_gpu_a_section_longer_than_the_budget_left_is_left_whole_for_the_rerun(tmp_path):
+    """A section whose estimate exceeds what the budget leaves is not started (the deadline would cut
+    it and waste its seconds): skipped, in the rerun command; a shorter one after it still runs."""
+    ran = []
+    long = Section(4, "long", lambda run: ran.append(4), 1e6)
+    short = Section(1, "short", lambda run: ran.append(1), 1)
+    args, run = dry_run(tmp_path, sections=[long, short])
+    run.cuda = True  # the GPU rule, on this CPU
+    run_section(long, run)
+    run_section(short, run)
+    assert ran == [1]
+    assert run.summary[long.name]["status"] == "skipped" and "needed" in run.summary[long.name]["reason"]
+    assert run.rerun() == gpu_bundle.rerun_command("4")
+
+
+def test_a_section_whose_needed_section_was_left_for_the_rerun_goes_with_it(tmp_path):
+    ran = []
+    first = Section(2, "first", lambda run: ran.append(2), 1e6)
+    then = Section(3, "then", lambda run: ran.append(3), 1, needs=(2,))
+    args, run = dry_run(tmp_path, sections=[first, then])
+    run.cuda = True  # the GPU rule, on this CPU
+    run_section(first, run)
+    run_section(then, run)
+    assert ran == [] and run.summary[then.name]["status"] == "skipped"
     assert run.rerun() == gpu_bundle.rerun_command("2,3")
 
 
@@ -180,6 +208,81 @@ def test_section_11_runs_the_paged_optimizer_in_a_process_that_its_time_limit_st
     section = run.summary[BY_NUMBER[11].name]
     assert section["status"] == "stopped" and "did not finish within 1 s" in section["reason"], section
     assert run.rerun() == gpu_bundle.rerun_command("11") and not _common.CHILDREN
+
+
+PEER_STUB = """
+import json, sys, time
+which = sys.argv[sys.argv.index("--peer-worker") + 1]
+def step(variant, number, seconds):
+    figures = dict(variant=variant, step=number, step_s=seconds, generation_s=0.5 * seconds,
+                   scoring_s=0.1 * seconds, update_s=0.4 * seconds, tokens=64)
+    print("STEP " + json.dumps(figures), flush=True)
+if which == "ours":
+    result = {}
+    for variant in ("ours", "ours_checkpointing"):
+        for number, seconds in ((1, 50.0), (2, 1.0), (3, 3.0)):
+            step(variant, number, seconds)
+        result[variant] = dict(steps_timed=2, step_s=2.0, peak_rss_mib=100.0)
+        print("VARIANT " + json.dumps(dict(variant=variant, **result[variant])), flush=True)
+    print("RESULT " + json.dumps(result))
+else:
+    step("trl", 1, 40.0)
+    step("trl", 2, 8.0)
+    if "--fail" in sys.argv:
+        sys.exit("TRL's worker broke")
+    time.sleep(600)
+"""
+
+
+def test_section_12_keeps_the_first_workers_figures_when_the_second_times_out(tmp_path, monkeypatch):
+    """Each worker's figures are recorded as it ends; TRL's worker, killed at what the budget left
+    it, keeps ours and gives its own finished steps (read from the lines it printed), and the
+    section is stopped, named in the rerun command (the workers: a stub printing their protocol)."""
+    from benchmarks.gpu_check import vs_trl
+
+    monkeypatch.setattr(vs_trl, "worker_command", lambda *args: [sys.executable, "-c", PEER_STUB, *args])
+    args, run = dry_run(tmp_path)
+    run.model("tiny", torch.float32)  # built before the clock is set
+    args.budget = run.elapsed() + 12  # the TRL worker gets what the stub of ours leaves, under its cap
+    run_section(BY_NUMBER[12], run)
+    section = run.summary[BY_NUMBER[12].name]
+    assert section["status"] == "stopped" and "the trl run stopped at the deadline" in section["reason"], (
+        section
+    )
+    found = section["findings"]
+    assert found["ours"] == {"steps_timed": 2, "step_s": 2.0, "peak_rss_mib": 100.0}
+    assert found["ours_checkpointing"]["step_s"] == 2.0
+    trl = found["trl"]
+    assert trl["partial"] and trl["steps_timed"] == 1 and trl["first_step_s"] == 40.0 and trl["step_s"] == 8.0
+    assert trl["generation_s"] == 4.0 and trl["update_s"] == 3.2
+    assert run.rerun() == gpu_bundle.rerun_command("12") and not _common.CHILDREN
+
+
+def test_section_12_fails_naming_a_worker_that_broke_and_keeps_the_others_figures(tmp_path, monkeypatch):
+    from benchmarks.gpu_check import vs_trl
+
+    monkeypatch.setattr(
+        vs_trl, "worker_command", lambda *args: [sys.executable, "-c", PEER_STUB, *args, "--fail"]
+    )
+    args, run = dry_run(tmp_path)
+    args.budget = float("inf")
+    run_section(BY_NUMBER[12], run)
+    section = run.summary[BY_NUMBER[12].name]
+    assert section["status"] == "failed" and "TRL's worker broke" in section["findings"]["trl_error"]
+    assert section["findings"]["ours"]["step_s"] == 2.0
+    assert "every worker ran (trl failed)" in section["findings"]["failures"]
+
+
+def test_a_worker_stops_itself_after_the_step_that_would_leave_too_little_of_its_time():
+    from benchmarks.gpu_check import vs_trl
+
+    age = harness.process_age()
+    steps = vs_trl.Steps("trl", 16, deadline=age + 100)
+    steps.add(step_s=10.0, tokens=1)
+    assert steps.more()
+    steps.add(step_s=80.0, tokens=1)
+    assert not steps.more()
+    assert vs_trl.Steps("ours", 16, deadline=None).more()
 
 
 def test_only_2_4_starts_section_4_with_no_tensor_of_section_2_alive(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""The GPU check: what only a GPU can show about lora_grpo, in two commands of a lent machine's visit.
+"""The GPU check: what only a GPU can show about lora_grpo, in two commands of a lent machine's visit
+(the whole check does not fit one command of 540 s: benchmarks/README.md's device-time plan).
 
 Nothing is downloaded: the models are random-init Qwen2s built locally (_common.build_qwen2), in
 Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes (their bodies and 151,936-token vocabularies) for the
@@ -19,7 +20,8 @@ number of failed sections.
                  (memory/probe.py) and beside memory_estimate's figures for the same sizes; inductor's
                  cudagraph-skip counter over the run.
  3. decode       on section 2's trained model: tokens/s of the eager and the compiled sampler
-                 (greedy, the recipe's shape), the rows that draw the same tokens, and whether each
+                 (greedy, the recipe's shape; on CUDA the eager one decodes a quarter of the tokens,
+                 its rate the same), the rows that draw the same tokens over its length, and whether each
                  compiled choice is the eager model's own argmax up to rounding (a teacher-forced
                  forward over the compiled rollout: the largest margin by which another token beat the
                  one chosen); what dynamo recorded (graphs, graph breaks, e.g. at bitsandbytes' 4-bit
@@ -50,10 +52,14 @@ number of failed sections.
                  scoring forwards within the plan's rows.
 11. paged_adamw_8bit  3 steps with bitsandbytes' paged 8-bit AdamW, in a worker process with a time
                  limit (CUDA managed memory can hang): the adapter moves, 8-bit paged states.
-12. vs TRL       step time and peak memory of lora_grpo and of TRL's GRPOTrainer + a peft LoraConfig
-                 (TRL's defaults: gradient checkpointing on, one micro-batch), the same random 0.5B
-                 4-bit model, prompts, reward and settings, each in a fresh process; when TRL
-                 imports. A measurement: it fails only when a run fails.
+12. vs TRL       step time (split into generation, rewards with reference log-probs, and the update)
+                 and peak allocated and reserved memory of lora_grpo and of TRL's GRPOTrainer + a peft
+                 LoraConfig on the same random 0.5B 4-bit model, prompts, reward and settings (2
+                 prompts × G 8, 64 + 64 tokens, up to 3 timed steps after one), both at their
+                 defaults and again with gradient checkpointing on in both (TRL's default); each
+                 trainer in a fresh worker that stops itself before its limit, its figures recorded
+                 as it ends (vs_trl.py); when TRL imports. A measurement: it fails only when a run
+                 fails.
 13. decode bound the compiled decode of the 0.5B recipe's shape (64 rows, 151,936-token vocabulary)
                  with three weight forms, tokens/s each: the 4-bit base + LoRA, a bf16 base + LoRA,
                  the bf16 base with LoRA merged; at 6 of the 24 layers (three compiles), extrapolated
@@ -76,26 +82,29 @@ tensors); reserved peaks (which keep every stage's cached blocks) ≤ plan.need;
 With --cpu (the dry run, tests/test_gpu_bundle.py) every section runs its code on a CPU in a tiny
 shape, "static" standing in for "compiled" (the same fixed-shape decoder without torch.compile:
 inductor on a CPU takes tens of seconds a shape, and tests/test_fast_decode.py covers it), what only
-CUDA has skipped and listed under the section's "skipped_parts" (section 8 skips whole), TRL run in
-this process.
+CUDA has skipped and listed under the section's "skipped_parts" (section 8 skips whole); section 12's
+workers run as on a GPU.
 
 The order (sections.py, one Section record a section: number, title, check, estimate_s, needs):
-devices, then what no GPU has measured (14, 13), the cheap sections (7, 8, 10, 11, 6: small models,
-no compiled decode), then those that compile a decode (2, 3, 4, 5, 9, 12); estimate_s is each
-one's expected seconds on an H200, printed as the plan at the start.
+what the first GPU run left unmeasured first (12, the profile 14 and the weight forms 13 that
+extrapolate from it, then 2 with 3 on its trained model, 4), then what passed there (1, 7, 10, 11,
+6, 5, 9, 8); estimate_s is each one's seconds on the H200 as that run measured them (section 12: its
+workers' caps; 13 and 14: estimated), printed as the plan at the start.
 
---budget (default 300) is a hard deadline in seconds of wall time from the process's start: a
-section that would start past it is skipped (so are sections 8 and 12 with less than 60 / 120 s of
-it left), child processes (sections 7, 8, 11, 12) get what it leaves, and at the deadline a
-watchdog thread records the running section as stopped, the ones not started as skipped, writes the
-summary and exits with the number of failed sections (a stop is no failure; SIGTERM does the same;
-a section stuck in C code holding the GIL is ended by faulthandler 10 s later, exit 1). The last
-line printed, summary.txt's last line and summary.json's "rerun" are the command for the sections
-stopped or skipped for want of time (--only those, --budget 150; section 3 brings section 2).
---only 2,4: run those sections alone. With --out DIR, summary.json (each section: status, seconds,
-reason, rerun, findings; "running" while one runs), summary.txt (one line per section) and log.txt
-(everything printed, line-buffered) are written there, the summary as each section starts and ends.
-The device-time plan of a lent machine's visit (start-up, install, the two commands): benchmarks/README.md.
+--budget (default 540) is a hard deadline in seconds of wall time from the process's start: a
+section that would start past it is skipped, and so, on a GPU, is one whose estimate exceeds what is
+left (it would be cut at the deadline; the time goes to the shorter sections after it), and sections
+8 and 12 with less than 60 / 120 s of it left; child processes (sections 7, 8, 11, 12) get what it
+leaves, and at the deadline a watchdog thread records the running section as stopped, the ones not
+started as skipped, writes the summary and exits with the number of failed sections (a stop is no
+failure; SIGTERM does the same; a section stuck in C code holding the GIL is ended by faulthandler
+10 s later, exit 1). The last line printed, summary.txt's last line and summary.json's "rerun" are
+the command for the sections stopped or skipped for want of time (--only those, --budget 250;
+section 3 brings section 2, and is left for the rerun with it). --only 2,4: run those sections
+alone. With --out DIR, summary.json (each section: status, seconds, reason, rerun, findings;
+"running" while one runs), summary.txt (one line per section) and log.txt (everything printed,
+line-buffered) are written there, the summary as each section starts and ends. The device-time plan
+of a lent machine's visit (start-up, install, the two commands): benchmarks/README.md.
 
 The modules: harness.py (the Section record, the Run, the budget, the deadline, the summary and
 the rerun), sections.py (the list), cli.py (the arguments, the workers, main), common.py (what several

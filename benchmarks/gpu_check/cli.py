@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--budget",
         type=float,
-        default=300,
+        default=540,
         help="seconds of wall time from the process's start: a hard deadline (sections past it stopped or skipped)",
     )
     parser.add_argument(

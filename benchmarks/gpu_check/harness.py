@@ -177,6 +177,10 @@ class Run:
             "findings": dict(self.findings),
         }
 
+    def names(self, numbers) -> list[str]:
+        """The summary's names of the sections numbered `numbers`."""
+        return [s.name for s in self.sections if s.number in numbers]
+
     def failed(self) -> list[str]:
         return [name for name, v in self.summary.items() if v["status"] == "failed"]
 
@@ -231,6 +235,22 @@ def run_section(section: Section, run: Run) -> None:
         status, reason = "skipped", "not in --only"
     elif run.left() <= 0:
         status, reason, again = "skipped", f"past the --budget of {run.args.budget:.0f} s", True
+    elif any(run.summary.get(name, {}).get("rerun") for name in run.names(section.needs)):
+        # What it runs on was left for the rerun: so is it (the rerun brings both, in order).
+        status, reason, again = (
+            "skipped",
+            f"needs section {', '.join(map(str, section.needs))}, left for the rerun",
+            True,
+        )
+    elif run.cuda and run.left() < section.estimate_s:
+        # On the lent GPU a section that would be cut at the deadline is left whole for the rerun,
+        # and the time goes to the shorter sections after it.
+        left = run.left()
+        status, reason, again = (
+            "skipped",
+            f"{left:.0f} s of the budget left, ~{section.estimate_s:g} s needed",
+            True,
+        )
     else:
         running = run.running
         print(

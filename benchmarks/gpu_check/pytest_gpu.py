@@ -24,7 +24,7 @@ def check_pytest_gpu(run: Run) -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-n", "0", "-p", "no:cacheprovider", *files]
     print(" ".join(command[2:]), f"(limit {limit:.0f} s)")
     try:
         done = run_child(command, timeout=limit, cwd=REPO, env=env)
