@@ -60,6 +60,14 @@ number of failed sections.
                  trainer in a fresh worker that stops itself before its limit, its figures recorded
                  as it ends (vs_trl.py); when TRL imports. A measurement: it fails only when a run
                  fails.
+13. decode bound the compiled decode of the 0.5B recipe's shape (64 rows, 151,936-token vocabulary)
+                 with three weight forms, tokens/s each: the 4-bit base + LoRA, a bf16 base + LoRA,
+                 the bf16 base with LoRA merged; at 6 of the 24 layers (three compiles), extrapolated
+                 to 24 with section 14's step: what dequantisation, LoRA and the rest cost a token step.
+14. profile      torch.profiler over compiled decode token steps of the 0.5B recipe and over one
+                 update: the top kernels, each kind's ms (dequantisation, GEMMs, attention, the
+                 vocabulary's softmax / sampling, norms, copies, the gaps between graphs) against its
+                 floor on the H200 (limit.py's FLOPs and bytes); gzipped traces to --out.
 
 The emulated 8 GB card (sections 2 and 4): torch's allocator is capped by
 set_per_process_memory_fraction at 8 GiB less the 0.5 GiB CUDA context that memory_estimate (and
@@ -78,9 +86,10 @@ CUDA has skipped and listed under the section's "skipped_parts" (section 8 skips
 workers run as on a GPU.
 
 The order (sections.py, one Section record a section: number, title, check, estimate_s, needs):
-what the first GPU run left unmeasured first (12, then 2 with 3 on its trained model, 4), then what
-passed there (1, 7, 10, 11, 6, 5, 9, 8); estimate_s is each one's seconds on the H200 as that run
-measured them (section 12: its workers' caps), printed as the plan at the start.
+what the first GPU run left unmeasured first (12, the profile 14 and the weight forms 13 that
+extrapolate from it, then 2 with 3 on its trained model, 4), then what passed there (1, 7, 10, 11,
+6, 5, 9, 8); estimate_s is each one's seconds on the H200 as that run measured them (section 12: its
+workers' caps; 13 and 14: estimated), printed as the plan at the start.
 
 --budget (default 540) is a hard deadline in seconds of wall time from the process's start: a
 section that would start past it is skipped, and so, on a GPU, is one whose estimate exceeds what is
@@ -100,7 +109,8 @@ of a lent machine's visit (start-up, install, the two commands): benchmarks/READ
 The modules: harness.py (the Section record, the Run, the budget, the deadline, the summary and
 the rerun), sections.py (the list), cli.py (the arguments, the workers, main), common.py (what several
 sections use), and one module per topic (devices, recipe_memory, decode, numerics, resume,
-pytest_gpu, tools, reward_model, paged_adamw, vs_trl). From the checkout, with it on PYTHONPATH:
+pytest_gpu, tools, reward_model, paged_adamw, vs_trl, decode_bound, profile_step; kernel_shares: the
+profile's kinds of kernel and their floors). From the checkout, with it on PYTHONPATH:
 
     python3 -m benchmarks.gpu_check --out DIR  # on one CUDA GPU (the lent machine: benchmarks/README.md)
     python3 -m benchmarks.gpu_check --cpu      # a dry run on a CPU with tiny shapes (checks the check)

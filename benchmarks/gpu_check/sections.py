@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from benchmarks.gpu_check import (
     decode,
+    decode_bound,
     devices,
     numerics,
     paged_adamw,
+    profile_step,
     pytest_gpu,
     recipe_memory,
     resume,
@@ -23,10 +25,14 @@ from benchmarks.gpu_check.harness import Section
 # trained model); then what passed there. estimate_s: the seconds that run measured, section 3 slimmed
 # (its eager decode of a quarter of the tokens: 71 of its 89 s were the eager decode) and section 8
 # (pytest in one process); section 12 is its two workers' caps. The sections other branches add go
-# where benchmarks/README.md's plan puts them: the decode's three weight forms and the profile of the
-# decode and the update after section 12, the compile cache in a fresh process after section 4.
+# where benchmarks/README.md's plan puts them: the profile of the decode and the update (14), then the
+# decode's three weight forms (13, extrapolated to 24 layers with 14's step) after section 12, the
+# compile cache in a fresh process after section 4.
 SECTIONS = [
     Section(12, "step time and peak memory against TRL + PEFT", vs_trl.check_vs_trl, 170),
+    Section(14, "profile: where the decode step and the update go", profile_step.check_profile, 70),
+    # Section 13 extrapolates its weight forms to 24 layers with section 14's step, in the same process.
+    Section(13, "decode bound: three weight forms", decode_bound.check_decode_bound, 60, needs=(14,)),
     Section(2, "memory: the 0.5B recipe on an emulated 8 GB card", recipe_memory.check_memory_05b, 91),
     # Section 3 runs on section 2's trained model, in the same process.
     Section(3, "decode: compiled vs eager, graph breaks, recompiles", decode.check_decode, 35, needs=(2,)),
