@@ -4,7 +4,7 @@
     assistant: "7 + 4 = 11"            reward 1: the last integer of the reply is the sum
 
 Two kinds (``KINDS``), measured on SmolLM2-135M-Instruct (GGUF Q4_1, dequantised) by
-benchmarks/smollm2_task_search.py:
+benchmarks/studies/smollm2_task_search.py:
 
 - ``add-1-1``: two one-digit numbers, each problem asked in ten phrasings ("What is 3 plus 5?",
   "Add 3 and 5.", ...). The smollm2-135m-chat-sum recipe's task: on the 210 held-out prompts at 24 new
