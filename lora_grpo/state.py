@@ -39,11 +39,6 @@ FROM_CONFIG = frozenset(
         "is_world_process_zero",
     }
 )
-# Keys older checkpoints wrote for fields that have another name now.
-_RENAMED = {"step": "global_step", "history": "log_history", "warmup_restart_update": "warmup_restarts"}
-# What a field means when an older checkpoint did not save it: an unknown reference slot is not
-# assumed to equal the policy (its forward runs).
-_IF_MISSING = {"reference_is_policy": False}
 # Fields a new run of the same trainer keeps (TRL's second train(), GRPOTrainer._start_again): facts about the
 # adapters and the sizes in use, not about the run.
 OF_THE_MODEL = frozenset(
@@ -157,8 +152,7 @@ class TrainState(TrainerState):
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore every saved field but FROM_CONFIG; parts restore through their load_state_dict().
-        Keys of older checkpoints are read under their new names; unknown keys are ignored."""
-        saved = {**_IF_MISSING, **{_RENAMED.get(k, k): v for k, v in saved.items()}}
+        Unknown keys are ignored."""
         for f in dataclasses.fields(self):
             if f.name not in saved or f.name in FROM_CONFIG:
                 continue

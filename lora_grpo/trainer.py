@@ -53,7 +53,7 @@ from .optim import (
 )
 from .optim import apply_config as apply_optimizer_config
 from .rewards.scoring import RewardFunctionError
-from .rng import rng_state, sampling_seed, seed_everything
+from .rng import rng_state, sampling_seed, seed_everything, shuffle_seed
 from .rollout import Rollout
 from .run import checkpoint as ckpt
 from .run.failures import LastFinishedStep, StepFailed, describe_stages, stage, stages_of
@@ -565,7 +565,7 @@ class GRPOTrainer:
         if (
             cfg.steps_per_generation > 1
         ):  # each step a random share of the rollout, as TRL shuffles before cutting
-            order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step)
+            order = torch.Generator().manual_seed(shuffle_seed(cfg.seed, self.state.global_step))
             batch = batch.rows(
                 torch.randperm(batch.input_ids.shape[0], generator=order).to(batch.input_ids.device)
             )

@@ -30,6 +30,7 @@ from .algo.loss import (
 from .batch import Batch
 from .model.adapters import eval_mode, train_mode
 from .optim import average_gradients, sum_over_processes
+from .rng import shuffle_seed
 from .run.stopping import count_nonfinite
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class PolicyUpdate:
                 # TRL's micro-steps are random shares of the step's completions (it shuffles before cutting)
                 order = torch.randperm(
                     n_seq,
-                    generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step),
+                    generator=torch.Generator().manual_seed(shuffle_seed(cfg.seed, self.state.global_step)),
                 ).to(low.device)
                 low, high = low[order], high[order]
             gather = acc.gather if acc.num_processes > 1 else None

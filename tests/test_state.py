@@ -132,25 +132,6 @@ def test_a_checkpoint_restores_each_processs_own_state(tiny_base_dir, tmp_path):
     assert first.untyped_storage().nbytes() == first.numel() * first.element_size()
 
 
-def test_older_checkpoints_load_under_the_new_names(tiny_base_dir, tmp_path):
-    state = make_trainer(tiny_base_dir, tmp_path, quantization="none").state
-    old = {
-        "step": 5,
-        "history": [{"loss": 1.0}],
-        "warmup_restart_update": 4,
-        "nonfinite_in_a_row": 1,
-        "batches": state.batches.state_dict(),
-        "sync_schedule": {"best_eval": 0.5, "evals_without_improvement": 1},
-    }
-    state.load_state_dict(old)  # no reference_is_policy saved: unknown, so the reference forward runs
-    assert (state.global_step, state.log_history, state.warmup_restarts.restart_update) == (
-        5,
-        [{"loss": 1.0}],
-        4,
-    )
-    assert state.reference_is_policy is False and state.sync_schedule.best_eval == 0.5
-
-
 def test_the_state_is_transformers_trainer_state(tiny_base_dir, tmp_path):
     from transformers import TrainerState
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import GRPOConfig
 from ..device import auto_dtype, describe_gpu, native_bf16
-from .adapters import BASE, POLICY, REFERENCE, lora_layers, policy_parameters, reference_forward, use_adapter  # noqa: F401
+from .adapters import BASE, POLICY, REFERENCE, lora_layers
 from .bases import resolve_base
 from .loading import loading
 from .reference import check_syncable, sync_reference

@@ -17,7 +17,6 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-TRL_VERSION = "1.16.0"  # the release whose GRPOConfig this mirrors (tests compare against it where installed)
 # Fields of lora_grpo's own, beyond TRL's: what TRL cannot do. Each leaves a TRL script's run as in TRL at
 # its default (reward_bisect_on_error acts only once a reward has raised), and maps to the native field of the
 # same name.
