@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from .algo.loss import k3_kl
+from .batch import MicroBatch
 from .memory.probe import decode_rows
 from .model.adapters import base_forward, eval_mode
 
@@ -322,11 +323,7 @@ class Evaluator:
         rows, width = self.forward_rows(), rollout.completion_ids.shape[1]
         ids, attention = rollout.input_ids, rollout.attention_mask
         parts = [
-            {
-                "input_ids": ids[s : s + rows],
-                "attention_mask": attention[s : s + rows],
-                "completion_length": width,
-            }
+            MicroBatch(ids[s : s + rows], attention[s : s + rows], width)
             for s in range(0, ids.shape[0], rows)
         ]
         with eval_mode(self.model):

@@ -21,7 +21,7 @@ from typing import Any
 from transformers import TrainerState
 
 from .algo.loss import AdaptiveEntropy
-from .batch import Generation
+from .batch import RolloutSteps
 from .model.reference import SyncSchedule
 from .run.health import HealthMonitor
 
@@ -81,10 +81,10 @@ class TrainState(TrainerState):
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
     # (run/failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
     unfinished_step: dict | None = None
-    # batch.Generation: the optimizer steps of the current generation not trained yet (None or empty:
+    # batch.RolloutSteps: the optimizer steps of the current rollout not trained yet (None or empty:
     # the next step samples a new rollout). A checkpoint inside a generation saves them, so that the
-    # resumed run trains them on the same rollout.
-    generation: Any = dataclasses.field(default=None, metadata={PER_PROCESS: Generation.from_state_dict})
+    # resumed run trains them on the same rollout. (The field's name is the checkpoint's key.)
+    generation: Any = dataclasses.field(default=None, metadata={PER_PROCESS: RolloutSteps.from_state_dict})
 
     @classmethod
     def for_run(cls, config, accelerator, total_steps: int, batches, warmup_restarts) -> "TrainState":

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .batch import Batch, Generation
+from .batch import Batch, RolloutSteps
 from .config import ConfigError, GRPOConfig
 from .data.prompts import (
     PromptBatches,
@@ -363,10 +363,10 @@ class GRPOTrainer:
                             self._event("step_begin")  # a rollout's first step begins with the rollout
                             steps, round_metrics = self.generation_round(rows)
                             # after every round of the step
-                            state.generation = Generation(tuple(steps), epoch, state.batches.epoch != epoch)
+                            state.generation = RolloutSteps(tuple(steps), epoch, state.batches.epoch != epoch)
                         else:
                             self._event("step_begin")
-                        # A new Generation of the rest: what a failure keeps still holds this step.
+                        # A new RolloutSteps of the rest: what a failure keeps still holds this step.
                         step_batch, state.generation = state.generation.pop()
                         with stage("update"):
                             metrics = {**round_metrics, **self.timed_update(step_batch)}

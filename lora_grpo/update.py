@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import torch
 
@@ -27,7 +26,7 @@ from .algo.loss import (
     grpo_loss,
     padded_gather,
 )
-from .batch import Batch
+from .batch import Batch, MicroBatch
 from .model.adapters import eval_mode, train_mode
 from .optim import average_gradients, sum_over_processes
 from .rng import shuffle_seed
@@ -75,14 +74,14 @@ class PolicyUpdate:
         # past the last finished step (what a failure can still save: failures.LastFinishedStep).
         self.optimizer_steps = 0
 
-    def forward(self, mb: dict[str, Any], return_entropy: bool = False, entropy_grad: bool = False):
+    def forward(self, mb: MicroBatch, return_entropy: bool = False, entropy_grad: bool = False):
         """(log-probs (B, T), entropy (B, T) or None) of a micro-batch under the active adapter."""
         extra = {"entropy_grad": True} if entropy_grad else {}
         return sequence_log_probs(
             self.model,
-            mb["input_ids"],
-            mb["attention_mask"],
-            mb["completion_length"],
+            mb.input_ids,
+            mb.attention_mask,
+            mb.completion_length,
             chunk_size=self.config.logprob_chunk_size,
             temperature=self.config.temperature,
             return_entropy=return_entropy,
@@ -195,40 +194,40 @@ class PolicyUpdate:
         }
 
     def accumulate(
-        self, mb: dict[str, Any], num_tokens: float, n_seq: int, n_micro: int, read: bool = True
+        self, mb: MicroBatch, num_tokens: float, n_seq: int, n_micro: int, read: bool = True
     ) -> tuple[dict[str, float], float, float]:
         """Forward, loss and backward of one micro-batch (gradients add up in .grad); returns
         (loss metrics, the micro-batch's loss tokens, its scaled loss) as floats, or as 0-d tensors
         with read=False (no device sync: the step reads every micro-batch's at once)."""
         cfg = self.config
         logp, entropy = self.forward(mb, return_entropy=True, entropy_grad=self.entropy_grad)
-        ref = mb["ref_logp"]
+        ref = mb.ref_logp
         if (
             ref is None and cfg.beta != 0
         ):  # the reference equals the policy this step (trainer.generation_round)
-            ref = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
+            ref = mb.old_logp if mb.old_logp is not None else logp.detach()
         control = self.state.adaptive_entropy
         coef = control.applied_coef if cfg.use_adaptive_entropy else cfg.entropy_coef
         # accumulation=: the returned loss is this micro-batch's share of the step (loss.LOSS_TYPES' scales).
         loss, m = grpo_loss(
             logp,
-            mb["old_logp"],
+            mb.old_logp,
             ref,
-            mb["advantages"],
-            mb["completion_mask"],
+            mb.advantages,
+            mb.completion_mask,
             num_tokens=num_tokens,
             entropies=entropy,
             entropy_gather=self.gather,
             entropy_coef=coef,
-            accumulation=(mb["input_ids"].shape[0], n_seq, n_micro),
+            accumulation=(mb.rows, n_seq, n_micro),
             tensor_metrics=True,
             **self.loss_settings,
         )
         loss.backward()
         if cfg.use_adaptive_entropy:
-            control.accumulate(entropy, mb["completion_mask"], cfg.top_entropy_quantile, self.gather)
-        m["entropy_sum"] = (entropy.detach() * mb["completion_mask"]).sum()
-        part = (m, mb["completion_mask"].sum(), loss.detach())
+            control.accumulate(entropy, mb.completion_mask, cfg.top_entropy_quantile, self.gather)
+        m["entropy_sum"] = (entropy.detach() * mb.completion_mask).sum()
+        part = (m, mb.completion_mask.sum(), loss.detach())
         return _read_once([part])[0] if read else part
 
     def _step_unless_nonfinite(self, loss: float, grad_norm: float) -> bool:

@@ -97,7 +97,7 @@ def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp
 def test_a_checkpoint_restores_each_processs_own_state(tiny_base_dir, tmp_path):
     import torch
 
-    from lora_grpo.batch import Batch, Generation
+    from lora_grpo.batch import Batch, RolloutSteps
     from lora_grpo.run.checkpoint import load_checkpoint_state
 
     assert PER_PROCESS_FIELDS == {"generation"}  # a new one needs its values in this test
@@ -116,7 +116,7 @@ def test_a_checkpoint_restores_each_processs_own_state(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path / "a", quantization="none", max_steps=2, save_steps=0)
     full = batch(ref=True)
     # steps() slices one rollout: each step must be saved alone, not with its rollout's whole storage
-    trainer.state.generation = Generation((*full.steps(2), batch(ref=False)), epoch=3, epoch_ended=True)
+    trainer.state.generation = RolloutSteps((*full.steps(2), batch(ref=False)), epoch=3, epoch_ended=True)
     saved = trainer.save_checkpoint()
     fresh = make_trainer(tiny_base_dir, tmp_path / "b", quantization="none", max_steps=2, save_steps=0)
     assert fresh.state.generation is None
