@@ -120,6 +120,18 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class StepBatch:
+    """One optimizer step as the loop walks them (trainer._step_batches): its batch, the metrics of
+    the rollout it is the first step of ({} for a rollout's later steps), the epoch its prompts came
+    from, and whether it ends that epoch (the last step of the rollout whose prompts ended it)."""
+
+    batch: Batch
+    metrics: dict[str, float]
+    epoch: int
+    ends_epoch: bool
+
+
+@dataclass(frozen=True)
 class RolloutSteps:
     """A rollout's optimizer steps not trained yet, in training order, with what their step ends
     need: the epoch the prompts came from and whether drawing them ended an epoch (its last step ends

@@ -464,9 +464,8 @@ class GRPOConfig:
         if self.generation_batch_size is not None:
             check_generation_batch_size(self)
             per_step = self.generation_batch_size // self.steps_per_generation
-            if (
-                per_step % self.num_generations == 0
-            ):  # else a step holds part of a group (advantages are per rollout)
+            # else a step holds part of a group (advantages are per rollout)
+            if per_step % self.num_generations == 0:
                 self.prompts_per_step = per_step // self.num_generations
         if self.ref_rank is None:
             self.ref_rank = self.lora_r if self.ref_sync_mode == "factors" else 2 * self.lora_r

@@ -42,12 +42,13 @@ SCHEDULERS = (
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MEMORY_PROBES = ("auto", "sweep")  # memory.plan_run_memory
 TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (run/reporting.py maps each to its package)
+# the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
 DECODE_MODES = (
     "auto",
     "eager",
     "static",
     "compiled",
-)  # the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
+)
 
 CHOICES = {  # field → its options: validate() checks the value, and each field's help names every option
     "quantization": QUANTIZATIONS,

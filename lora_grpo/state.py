@@ -75,9 +75,8 @@ class TrainState(TrainerState):
     warmup_restarts: Any = None  # optim.WarmupRestarts: the update of the last warmup restart
     health: Any = None  # health.HealthMonitor: streaks, recent KLs, first-steps baselines, warnings given
     adaptive_entropy: Any = None  # loss.AdaptiveEntropy: the entropy coefficient and its last measurement
-    extra: dict = dataclasses.field(
-        default_factory=dict
-    )  # a front door's own state (the TRL front door's log history)
+    # a front door's own state (the TRL front door's log history)
+    extra: dict = dataclasses.field(default_factory=dict)
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
     # (run/failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
     unfinished_step: dict | None = None

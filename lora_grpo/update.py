@@ -160,9 +160,8 @@ class PolicyUpdate:
         if cfg.use_adaptive_entropy:  # one move of the coefficient per step, on every process's entropy
             control.step(reduce=(lambda t: acc.reduce(t, "sum")) if acc.num_processes > 1 else None)
         if cfg.use_adaptive_entropy or cfg.entropy_coef:
-            sums["entropy_coef"] = (
-                control.coef * sums["tokens"]
-            )  # reported as TRL does (a token mean of a constant)
+            # reported as TRL does (a token mean of a constant)
+            sums["entropy_coef"] = control.coef * sums["tokens"]
         loss_total = sums.pop("loss", 0.0) / acc.num_processes
         tokens = max(sums.pop("tokens", 0.0), 1.0)
         # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
@@ -188,9 +187,8 @@ class PolicyUpdate:
         cfg = self.config
         logp, entropy = self.forward(mb, return_entropy=True, entropy_grad=self.entropy_grad)
         ref = mb.ref_logp
-        if (
-            ref is None and cfg.beta != 0
-        ):  # the reference equals the policy this step (trainer.generation_round)
+        # the reference equals the policy this step (trainer.generation_round)
+        if ref is None and cfg.beta != 0:
             ref = mb.old_logp if mb.old_logp is not None else logp.detach()
         control = self.state.adaptive_entropy
         coef = control.applied_coef if cfg.use_adaptive_entropy else cfg.entropy_coef
@@ -201,7 +199,7 @@ class PolicyUpdate:
             ref,
             mb.advantages,
             mb.completion_mask,
-            self.settings,
+            settings=self.settings,
             num_tokens=num_tokens,
             entropies=entropy,
             entropy_gather=self.gather,

@@ -303,9 +303,8 @@ def _decode_chunk(
     """The eager sampler. Sample G completions for each of the n prompts in (ids, mask): (n, P)
     each, left-padded. -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a
     row's first EOS."""
-    cache_kw = (
-        "cache" if "cache" in _forward_params(model) else "past_key_values"
-    )  # renamed in transformers 5
+    # renamed in transformers 5
+    cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
     cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
 
     def advance(keep, tok):

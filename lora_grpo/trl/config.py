@@ -181,9 +181,8 @@ class GRPOConfig(TrainingArguments):
     def __post_init__(self):
         """TRL 1.16's GRPOConfig.__post_init__: the same derived values, warnings and errors, in TRL's words
         (lora_grpo.trl.checks lists each one's fate)."""
-        if (
-            self.bf16 is None
-        ):  # TRL: "not fp16"; here also "where the device has bf16", so a CPU run does not fail
+        # TRL: "not fp16"; here also "where the device has bf16", so a CPU run does not fail
+        if self.bf16 is None:
             import torch
 
             self.bf16 = (
@@ -192,9 +191,8 @@ class GRPOConfig(TrainingArguments):
                 and torch.cuda.is_bf16_supported(including_emulation=False)
             )
         super().__post_init__()
-        if (
-            isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto"
-        ):  # the CLI passes a string
+        # the CLI passes a string
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
             text = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
         if self.pad_to_multiple_of == "auto":  # TRL: 128 only on Neuron devices

@@ -370,9 +370,8 @@ def _defaults() -> dict[str, Any]:
 
 
 def _value(v):
-    return getattr(
-        v, "value", v
-    )  # transformers' enums (IntervalStrategy, SchedulerType, OptimizerNames) → str
+    # transformers' enums (IntervalStrategy, SchedulerType, OptimizerNames) → str
+    return getattr(v, "value", v)
 
 
 def _as_dict(value, name: str) -> dict:
