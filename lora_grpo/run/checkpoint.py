@@ -446,7 +446,11 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(trainer_state.json, trainer_state.pt) of a resolved checkpoint, with clear errors when damaged."""
     try:
         state = json.loads((path / STATE_JSON).read_text())
-        missing = [k for k in ("global_step", "batches") if k not in state]
+        missing = [
+            k
+            for k in ("global_step", "batches")
+            if k not in state and not (k == "global_step" and "step" in state)
+        ]
         if missing:
             raise ValueError(f"no {', '.join(missing)}")
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
