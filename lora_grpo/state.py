@@ -21,7 +21,7 @@ from typing import Any
 from transformers import TrainerState
 
 from .algo.loss import AdaptiveEntropy
-from .batch import Generation
+from .batch import RolloutSteps
 from .model.reference import SyncSchedule
 from .run.health import HealthMonitor
 
@@ -39,11 +39,6 @@ FROM_CONFIG = frozenset(
         "is_world_process_zero",
     }
 )
-# Keys older checkpoints wrote for fields that have another name now.
-_RENAMED = {"step": "global_step", "history": "log_history", "warmup_restart_update": "warmup_restarts"}
-# What a field means when an older checkpoint did not save it: an unknown reference slot is not
-# assumed to equal the policy (its forward runs).
-_IF_MISSING = {"reference_is_policy": False}
 # Fields a new run of the same trainer keeps (TRL's second train(), GRPOTrainer._start_again): facts about the
 # adapters and the sizes in use, not about the run.
 OF_THE_MODEL = frozenset(
@@ -80,16 +75,15 @@ class TrainState(TrainerState):
     warmup_restarts: Any = None  # optim.WarmupRestarts: the update of the last warmup restart
     health: Any = None  # health.HealthMonitor: streaks, recent KLs, first-steps baselines, warnings given
     adaptive_entropy: Any = None  # loss.AdaptiveEntropy: the entropy coefficient and its last measurement
-    extra: dict = dataclasses.field(
-        default_factory=dict
-    )  # a front door's own state (the TRL front door's log history)
+    # a front door's own state (the TRL front door's log history)
+    extra: dict = dataclasses.field(default_factory=dict)
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
     # (run/failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
     unfinished_step: dict | None = None
-    # batch.Generation: the optimizer steps of the current generation not trained yet (None or empty:
+    # batch.RolloutSteps: the optimizer steps of the current rollout not trained yet (None or empty:
     # the next step samples a new rollout). A checkpoint inside a generation saves them, so that the
-    # resumed run trains them on the same rollout.
-    generation: Any = dataclasses.field(default=None, metadata={PER_PROCESS: Generation.from_state_dict})
+    # resumed run trains them on the same rollout. (The field's name is the checkpoint's key.)
+    generation: Any = dataclasses.field(default=None, metadata={PER_PROCESS: RolloutSteps.from_state_dict})
 
     @classmethod
     def for_run(cls, config, accelerator, total_steps: int, batches, warmup_restarts) -> "TrainState":
@@ -157,8 +151,7 @@ class TrainState(TrainerState):
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore every saved field but FROM_CONFIG; parts restore through their load_state_dict().
-        Keys of older checkpoints are read under their new names; unknown keys are ignored."""
-        saved = {**_IF_MISSING, **{_RENAMED.get(k, k): v for k, v in saved.items()}}
+        Unknown keys are ignored."""
         for f in dataclasses.fields(self):
             if f.name not in saved or f.name in FROM_CONFIG:
                 continue

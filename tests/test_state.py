@@ -97,7 +97,7 @@ def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp
 def test_a_checkpoint_restores_each_processs_own_state(tiny_base_dir, tmp_path):
     import torch
 
-    from lora_grpo.batch import Batch, Generation
+    from lora_grpo.batch import Batch, RolloutSteps
     from lora_grpo.run.checkpoint import load_checkpoint_state
 
     assert PER_PROCESS_FIELDS == {"generation"}  # a new one needs its values in this test
@@ -116,7 +116,7 @@ def test_a_checkpoint_restores_each_processs_own_state(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path / "a", quantization="none", max_steps=2, save_steps=0)
     full = batch(ref=True)
     # steps() slices one rollout: each step must be saved alone, not with its rollout's whole storage
-    trainer.state.generation = Generation((*full.steps(2), batch(ref=False)), epoch=3, epoch_ended=True)
+    trainer.state.generation = RolloutSteps((*full.steps(2), batch(ref=False)), epoch=3, epoch_ended=True)
     saved = trainer.save_checkpoint()
     fresh = make_trainer(tiny_base_dir, tmp_path / "b", quantization="none", max_steps=2, save_steps=0)
     assert fresh.state.generation is None
@@ -130,25 +130,6 @@ def test_a_checkpoint_restores_each_processs_own_state(tiny_base_dir, tmp_path):
     _, blobs = load_checkpoint_state(saved)
     first = blobs["process_state"][0]["generation"]["steps"][0]["input_ids"]
     assert first.untyped_storage().nbytes() == first.numel() * first.element_size()
-
-
-def test_older_checkpoints_load_under_the_new_names(tiny_base_dir, tmp_path):
-    state = make_trainer(tiny_base_dir, tmp_path, quantization="none").state
-    old = {
-        "step": 5,
-        "history": [{"loss": 1.0}],
-        "warmup_restart_update": 4,
-        "nonfinite_in_a_row": 1,
-        "batches": state.batches.state_dict(),
-        "sync_schedule": {"best_eval": 0.5, "evals_without_improvement": 1},
-    }
-    state.load_state_dict(old)  # no reference_is_policy saved: unknown, so the reference forward runs
-    assert (state.global_step, state.log_history, state.warmup_restarts.restart_update) == (
-        5,
-        [{"loss": 1.0}],
-        4,
-    )
-    assert state.reference_is_policy is False and state.sync_schedule.best_eval == 0.5
 
 
 def test_the_state_is_transformers_trainer_state(tiny_base_dir, tmp_path):

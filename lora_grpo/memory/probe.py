@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 # how much memory there is and a pass takes: per device
+from ..batch import MicroBatch
 from ..device import MiB, available_bytes, measure_peak
 from ..model.load import set_gradient_checkpointing
 from ..rng import rng_state, set_rng_state
@@ -184,8 +185,8 @@ def optimizer_state_bytes(params, optimizer: str) -> float:
 
 def worst_case_micro_batch(
     m: int, prompt_length: int, completion_length: int, vocab_size: int, device: torch.device, old_logp: bool
-) -> dict:
-    """A micro-batch (trainer.Batch.micro_batches' format) of m full-length sequences, every
+) -> MicroBatch:
+    """A MicroBatch (what Batch.micro_batches yields) of m full-length sequences, every
     completion token in the loss. The first token of the first row is padding, as in any real
     batch of unequal prompts: a padded mask takes other attention kernels than a full one (on CPU,
     SDPA's math kernel keeps (m, heads, L, L) scores for backward; measured: +20% at m = 16).
@@ -196,15 +197,16 @@ def worst_case_micro_batch(
     if prompt_length > 1:
         mask[0, 0] = 0
     ones = torch.ones(m, completion_length, device=device)
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "completion_mask": ones.long(),
-        "advantages": torch.linspace(-1, 1, m, device=device) if m > 1 else torch.ones(1, device=device),
-        "old_logp": torch.full_like(ones, -1.0) if old_logp else None,
-        "ref_logp": None,  # the loss then takes the policy's own (detached): the same work
-        "completion_length": completion_length,
-    }
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=mask,
+        completion_length=completion_length,
+        completion_mask=ones.long(),
+        advantages=torch.linspace(-1, 1, m, device=device) if m > 1 else torch.ones(1, device=device),
+        old_logp=torch.full_like(ones, -1.0) if old_logp else None,
+        # the loss then takes the policy's own (detached): the same work
+        ref_logp=None,
+    )
 
 
 def largest_fitting(measure: Callable[[int], float], limit: int, room: float) -> tuple[int, dict[int, float]]:
