@@ -378,3 +378,25 @@ def test_the_compiled_decode_step_traces_as_one_graph_after_checkpointing_was_to
         explained = torch._dynamo.explain(decoder.forward)(*args)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+# --------------------------------------------------------------------------- compile cache
+
+
+def test_the_compiled_decode_loads_the_compile_cache_first_and_saves_each_new_shape_once(tok, monkeypatch):
+    from lora_grpo import compile_cache
+
+    events = []
+    stand_in = identity_compile({"now": False})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: events.append("compile") or stand_in(fn, **kw))
+    monkeypatch.setattr(compile_cache, "load", lambda device: events.append(("load", device.type)) or 0)
+    monkeypatch.setattr(compile_cache, "save", lambda device: events.append(("save", device.type)))
+    model = lora_model(tok)
+    rollout(model, tok, "compiled")
+    assert events == [("load", "cpu"), "compile", ("save", "cpu")]  # saved after the first step
+    rollout(model, tok, "compiled")  # the same shape: nothing new to save
+    assert events == [("load", "cpu"), "compile", ("save", "cpu")]
+    rollout(model, tok, "compiled", max_new=60)  # a new cache shape (96 slots) compiles again: saved
+    assert events[3:] == [("save", "cpu")]
+    rollout(model, tok, "static")  # the uncompiled static decoder touches no cache
+    assert len(events) == 4

@@ -24,6 +24,10 @@ one's shape replaces it; at most KEPT_CACHES stay. That memory stays allocated b
 the memory plan counts it (memory.decode_memory, from :func:`static_cache_bytes`). An uncompiled
 static rollout frees its cache when it ends. Once compilation has failed, why (logged once): every
 later rollout is eager, and what the compiled path kept is freed.
+
+What torch compiled is kept per machine (compile_cache.py): loaded before the process's first
+compile, saved after each new shape's first compiled step, so a later run with the same shapes
+skips inductor's and Triton's work.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from .. import compile_cache
 from ..device import compile_pays
 
 logger = logging.getLogger(__name__)
@@ -103,6 +108,8 @@ class _ModelState:
             0,
             0,
         )  # (rows, slots) every compiled cache has at least (reserve_shape)
+        # the compiled shapes (rows, slots, dtype, device) whose compile was saved (compile_cache.save)
+        self.saved: set[tuple] = set()
 
 
 def reserve_shape(model, rows: int, needed: int) -> None:
@@ -261,6 +268,7 @@ class StaticDecoder:
         # Only a compiled step keeps its cache (CUDA graphs' fixed addresses); this decoder owns an
         # uncompiled one, of exactly its shape, freed with it when the rollout ends.
         self.cache, R, L = self._static_cache(prefill_cache, N, P + max_new, keep=compiled)
+        self.shape = (R, L, attention_mask.dtype, attention_mask.device)
         self.attn = torch.zeros((R, L), dtype=attention_mask.dtype, device=attention_mask.device)
         self.attn[:N, :P] = attention_mask
         self.attn[N:, 0] = 1  # rows beyond the decode's attend to one (zero) slot: finite, and unused
@@ -312,6 +320,8 @@ class StaticDecoder:
     def _compiled(self):
         if self.state.compiled is None:
             cuda = self.attn.device.type == "cuda"
+            # what earlier runs on this machine compiled, before this process compiles anything
+            compile_cache.load(self.attn.device)
             try:
                 # "reduce-overhead" = inductor + CUDA graphs: one graph launch per token instead of
                 # hundreds of small kernels, the whole point on a GPU. dynamic=False: one graph per
@@ -340,6 +350,9 @@ class StaticDecoder:
                 if self.attn.device.type == "cuda":
                     torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
                 logits = self.compiled(*args)[:N].clone()  # a CUDA graph reuses its output buffer
+                if self.shape not in self.state.saved:  # this shape's first compiled step: keep its compile
+                    self.state.saved.add(self.shape)
+                    compile_cache.save(self.attn.device)
             except Exception as e:  # compiling failed (no C++ compiler, an op dynamo cannot trace, ...)
                 _give_up(self.owner, f"compiling the decode step failed: {_reason(e)}")
                 self.compiled = None
