@@ -5,7 +5,9 @@ trains on, how CUDA's caching allocator is set up, and how much memory there is 
 
 Every decision reads torch.cuda through its public functions when it is made (no cached globals),
 so a test can monkeypatch torch.cuda.is_available / get_device_capability / get_device_name and
-check what a T4, an A100 or an H200 would get, on a CPU machine.
+check what a T4, an A100 or an H200 would get, on a CPU machine. The one exception is the
+allocator's setting, decided once when this module is imported (use_expandable_segments): it must
+come before CUDA starts.
 """
 
 from __future__ import annotations

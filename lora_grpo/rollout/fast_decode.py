@@ -350,14 +350,15 @@ class StaticDecoder:
                 if self.attn.device.type == "cuda":
                     torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
                 logits = self.compiled(*args)[:N].clone()  # a CUDA graph reuses its output buffer
-                if self.shape not in self.state.saved:  # this shape's first compiled step: keep its compile
-                    self.state.saved.add(self.shape)
-                    compile_cache.save(self.attn.device)
             except Exception as e:  # compiling failed (no C++ compiler, an op dynamo cannot trace, ...)
                 _give_up(self.owner, f"compiling the decode step failed: {_reason(e)}")
                 self.compiled = None
                 for layer in self.cache.layers:  # undo a partial write, if the failure came mid-run
                     layer.cumulative_length.fill_(self.slot)
+        if logits is not None and self.shape not in self.state.saved:
+            # this shape's first compiled step: keep what it compiled (compile_cache never raises)
+            self.state.saved.add(self.shape)
+            compile_cache.save(self.attn.device)
         if logits is None:
             logits = self.forward(*args)[:N]  # a genuine error (not compilation's) raises here again
         self.slot += 1
