@@ -15,7 +15,9 @@ good for: the torch and Triton versions and the device (its name and compute cap
 - save(device): after the compiled step's first use (fast_decode saves once per new shape, so what
   a later shape or an eval compiles is saved too), what this process compiled, cache hits included,
   is written as one file named by a hash of its bytes: a file that exists is not written again, and
-  two processes never write the same name with different bytes. The newest MAX_FILES stay.
+  two processes never write the same name with different bytes. torch's artifacts accumulate over a
+  process, so its new file holds its earlier one, which is removed: one file per process. The
+  newest MAX_FILES stay.
 
 A file that cannot be read or written, or that torch refuses, is said in one warning and the run
 compiles as it would have: the cache never stops a run. ``LORA_GRPO_COMPILE_CACHE=0`` (or off,
@@ -45,6 +47,8 @@ MAX_FILES = 8  # files kept per key (each holds what one process compiled)
 SUFFIX = ".bin"
 # Keys loaded in this process: torch's caches keep what was loaded, so once is enough.
 _LOADED: set[str] = set()
+# key → the file this process wrote last (its next one holds all of it)
+_WRITTEN: dict[str, Path] = {}
 
 
 def enabled() -> bool:
@@ -120,6 +124,7 @@ def save(device: torch.device) -> Path | None:
         if result is None:
             return None
         data = result[0]
+        key = cache_key(device)
         folder = cache_dir(device)
         path = folder / f"{hashlib.sha256(data).hexdigest()[:16]}{SUFFIX}"
         if path.is_file():
@@ -134,6 +139,10 @@ def save(device: torch.device) -> Path | None:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        superseded = _WRITTEN.get(key)
+        _WRITTEN[key] = path
+        if superseded is not None and superseded != path:
+            superseded.unlink(missing_ok=True)
         _prune(folder)
     except Exception as e:  # noqa: BLE001 - a cache that cannot be written never stops a run
         logger.warning(

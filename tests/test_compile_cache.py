@@ -18,6 +18,7 @@ def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("LORA_GRPO_CACHE", str(tmp_path))
     monkeypatch.delenv(compile_cache.SWITCH, raising=False)
     monkeypatch.setattr(compile_cache, "_LOADED", set())
+    monkeypatch.setattr(compile_cache, "_WRITTEN", {})
     return tmp_path
 
 
@@ -64,13 +65,29 @@ def test_an_unreadable_file_or_an_unwritable_folder_warns_and_the_run_goes_on(
     assert "could not save" in caplog.text
 
 
-def test_the_switch_turns_it_off_and_old_files_are_pruned(cache_home, monkeypatch):
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+def saving(monkeypatch, data: bytes) -> None:
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (data, None))
+
+
+def test_the_switch_turns_it_off(cache_home, monkeypatch):
+    saving(monkeypatch, b"artifacts")
     monkeypatch.setenv(compile_cache.SWITCH, "0")
     assert compile_cache.save(CPU) is None and compile_cache.load(CPU) == 0
     assert not (cache_home / "compile").exists()
     monkeypatch.setenv(compile_cache.SWITCH, "1")
+    assert compile_cache.save(CPU) is not None
+
+
+def test_a_process_leaves_one_file_and_the_newest_files_stay(cache_home, monkeypatch):
+    # torch's artifacts accumulate over a process: its later file holds the earlier one
+    saving(monkeypatch, b"step 1's graph")
+    first = compile_cache.save(CPU)
+    saving(monkeypatch, b"step 1's graph and the eval's")
+    second = compile_cache.save(CPU)
+    assert not first.exists() and list(second.parent.glob("*.bin")) == [second]
+    # other processes' files (this one's record forgotten each time) stay, up to MAX_FILES
     for i in range(compile_cache.MAX_FILES + 2):
-        monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda i=i: (b"artifacts %d" % i, None))
+        monkeypatch.setattr(compile_cache, "_WRITTEN", {})
+        saving(monkeypatch, b"process %d" % i)
         compile_cache.save(CPU)
     assert len(list(compile_cache.cache_dir(CPU).glob("*.bin"))) == compile_cache.MAX_FILES
