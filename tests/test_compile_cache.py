@@ -1,4 +1,4 @@
-"""The compile cache (lora_grpo/compile_cache.py): torch's cache artifacts written under lora_grpo's
+"""The compile cache (lora_grpo/rollout/compile_cache.py): torch's cache artifacts written under lora_grpo's
 cache directory, keyed by torch / Triton / device, read back before a process's first compile;
 failures warn and never stop; the compiled decode loads before it compiles and saves after each new
 shape's first step."""
@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from lora_grpo import compile_cache
+from lora_grpo.rollout import compile_cache
 
 CPU = torch.device("cpu")
 
@@ -41,7 +41,7 @@ def test_what_inductor_compiled_is_written_and_read_back(cache_home, caplog):
     assert path.stat().st_size > 0
     assert compile_cache.save(CPU) == path  # the same bytes: the same file, not written again
     assert len(list(path.parent.glob("*.bin"))) == 1
-    with caplog.at_level(logging.INFO, logger="lora_grpo.compile_cache"):
+    with caplog.at_level(logging.INFO, logger="lora_grpo.rollout.compile_cache"):
         assert compile_cache.load(CPU) >= 1  # at least inductor's compiled graph
     assert "artifacts loaded from" in caplog.text
     assert compile_cache.load(CPU) == 0  # once per process
@@ -53,14 +53,14 @@ def test_an_unreadable_file_or_an_unwritable_folder_warns_and_the_run_goes_on(
     folder = compile_cache.cache_dir(CPU)
     folder.mkdir(parents=True)
     (folder / "broken.bin").write_bytes(b"not torch's artifacts")
-    with caplog.at_level(logging.WARNING, logger="lora_grpo.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.rollout.compile_cache"):
         assert compile_cache.load(CPU) == 0
     assert "broken.bin" in caplog.text and "compiling as usual" in caplog.text
     caplog.clear()
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
     (cache_home / "compile").rename(cache_home / "moved")
     (cache_home / "compile").write_text("a file where the folder goes")
-    with caplog.at_level(logging.WARNING, logger="lora_grpo.compile_cache"):
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.rollout.compile_cache"):
         assert compile_cache.save(CPU) is None
     assert "could not save" in caplog.text
 

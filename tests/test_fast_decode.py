@@ -384,7 +384,7 @@ def test_the_compiled_decode_step_traces_as_one_graph_after_checkpointing_was_to
 
 
 def test_the_compiled_decode_loads_the_compile_cache_first_and_saves_each_new_shape_once(tok, monkeypatch):
-    from lora_grpo import compile_cache
+    from lora_grpo.rollout import compile_cache
 
     events = []
     stand_in = identity_compile({"now": False})

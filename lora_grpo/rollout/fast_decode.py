@@ -39,8 +39,8 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from .. import compile_cache
 from ..device import compile_pays
+from . import compile_cache
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """torch.compile's work kept per machine: the compiled decode step compiles once, not once per run.
 
-The compiled decode (rollout/fast_decode.py) costs its first step tens of seconds of compiling (about
+The compiled decode (fast_decode.py) costs its first step tens of seconds of compiling (about
 49 s for a 0.5B model and 74 s for a 1.5B one on an H200, issue 48). torch keeps what inductor built
 in its own caches under /tmp, which a new machine, a container or a cleaned /tmp loses; its cache
 artifacts (``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``: inductor's compiled
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .base_cache import default_cache_dir
+from ..base_cache import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
