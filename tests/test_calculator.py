@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import QWEN25_TEMPLATE, QWEN_RESPONSE_TEMPLATE, TINY_PRETRAIN, qwen_style_tokenizer  # noqa: F401
+from helpers import QWEN25_TEMPLATE, QWEN_RESPONSE_TEMPLATE, TINY_PRETRAIN, qwen_style_tokenizer  # noqa: F401
 from transformers import AutoModelForCausalLM
 
 from lora_grpo.rewards import answer_accuracy, think_answer_format

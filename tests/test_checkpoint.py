@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_RUN, assert_same_adapters, make_trainer
+from helpers import SMALL_RUN, assert_same_adapters, make_trainer
 
 import lora_grpo.run.checkpoint as ckpt
 from lora_grpo.model.adapters import POLICY, REFERENCE

@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from conftest import write_recipe
+from helpers import write_recipe
 
 from lora_grpo.cli import load_config, main, shipped_recipes
 from lora_grpo.config import ConfigError, GRPOConfig

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_PRETRAIN
+from helpers import TINY_PRETRAIN
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import load_4bit
+from helpers import load_4bit
 from torch import nn
 
 from lora_grpo import device as device_module
@@ -205,7 +205,7 @@ def test_accelerates_mixed_precision_is_honoured_as_bfloat16_or_refused_by_name(
 
 def test_the_trainer_reads_accelerates_mixed_precision(tiny_base_dir, tmp_path, monkeypatch):
     from accelerate.state import AcceleratorState
-    from conftest import make_trainer
+    from helpers import make_trainer
 
     monkeypatch.setenv(
         "ACCELERATE_MIXED_PRECISION", "fp16"

@@ -5,14 +5,14 @@ import json
 import textwrap
 
 import pytest
-from conftest import run_torchrun
+from helpers import run_torchrun
 
 # What both scripts start with: the tiny base and an output dir from the command line, 16 prompts.
 PRELUDE = """
 import json, sys, torch
 from lora_grpo import GRPOConfig, GRPOTrainer
 
-from conftest import digit_share
+from helpers import digit_share
 
 base, out = sys.argv[1], sys.argv[2]
 prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(16)]

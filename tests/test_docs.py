@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import PROMPTS, write_recipe
+from helpers import PROMPTS, write_recipe
 
 import lora_grpo.config
 from lora_grpo.cli import build_parser, main
@@ -232,3 +232,51 @@ def test_the_docs_site_builds_strictly(tmp_path):
     config_page = (site / "reference" / "config" / "index.html").read_text()
     assert "ref_sync_alpha" in config_page and "This page describes lora_grpo" in config_page
     assert "lora-grpo train" in (site / "reference" / "cli" / "index.html").read_text()
+    # The package layout is generated too, every module on it.
+    assert not list(ROOT.glob("docs/reference/layout.md")), "generated pages are not written into the tree"
+    assert "<code>algo/loss.py</code>" in (site / "reference" / "layout" / "index.html").read_text()
+
+
+# ------------------------------------------------------------- the package layout page
+
+
+def test_the_layout_page_names_every_module_with_its_docstrings_first_paragraph():
+    hooks = load_hooks()
+    page = hooks.layout_page()
+    package = ROOT / "lora_grpo"
+    modules = sorted(package.rglob("*.py"))
+    assert len(modules) > 40
+    for path in modules:
+        rel = path.relative_to(package).as_posix()
+        first = flat(ast.get_docstring(ast.parse(path.read_text())).split("\n\n")[0])
+        row = next((line for line in page.splitlines() if line.startswith(f"| `{rel}` | ")), None)
+        assert row is not None, f"{rel} is not on the layout page"
+        # the job as the docstring words it, on one line (Sphinx roles and table escapes aside)
+        job = row[len(f"| `{rel}` | ") : -len(" |")].replace("\\|", "|")
+        assert job == re.sub(r":\w+:`~?", "`", first), rel
+    # in the design's order: the config before the trainer before its stages; the math first among the folders
+    assert page.index("| `config.py` |") < page.index("| `trainer.py` |") < page.index("| `update.py` |")
+    assert page.index("## `algo/`") < page.index("## `model/`") < page.index("## `trl/`")
+
+
+def test_the_layout_page_takes_a_new_module_and_refuses_one_without_a_docstring(tmp_path):
+    hooks = load_hooks()
+    package = tmp_path / "pkg"
+    for rel, text in {
+        "__init__.py": '"""The package."""\n',
+        "config.py": '"""The config.\n\nMore about it."""\n',
+        "algo/__init__.py": '"""The math."""\n',
+        "newfolder/__init__.py": '"""A folder the design does not name yet."""\n',
+        "newfolder/piece.py": '"""A piece | with a pipe, and `a | b` in code."""\n',
+    }.items():
+        (package / rel).parent.mkdir(parents=True, exist_ok=True)
+        (package / rel).write_text(text)
+    page = hooks.layout_page(package)
+    assert "| `config.py` | The config. |" in page and "More about it" not in page
+    assert "| `newfolder/piece.py` | A piece \\| with a pipe, and `a | b` in code. |" in page
+    assert page.index("## `algo/`") < page.index("## `newfolder/`")
+    (package / "algo" / "loss.py").write_text("import torch\n")
+    with pytest.raises(
+        ValueError, match=r"algo/loss\.py has no docstring: open it with one whose first paragraph"
+    ):
+        hooks.layout_page(package)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPTS, Counter, adapter_state, assert_same_adapters, make_trainer, run_torchrun
+from helpers import PROMPTS, Counter, adapter_state, assert_same_adapters, make_trainer, run_torchrun
 
 from lora_grpo.dynamic_sampling import Round, dropped_kinds, informative_groups, sample_step
 from lora_grpo.model.adapters import POLICY

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     PROMPTS,
     assert_same_adapters,
     digit_share,
@@ -328,7 +328,7 @@ SHARDED = textwrap.dedent(
     import json, sys, torch
     from lora_grpo import GRPOConfig, GRPOTrainer
 
-    from conftest import has_digit
+    from helpers import has_digit
 
     base, out = sys.argv[1], sys.argv[2]
     def weight(prompts, completions, weight, **kw):  # each prompt's own value: the mean shows double counts

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from conftest import load_4bit
+from helpers import load_4bit
 
 from lora_grpo import config as config_module
 from lora_grpo.config import ConfigError, GRPOConfig
@@ -325,7 +325,7 @@ def test_cache_length_buckets():
 
 
 def test_trainer_passes_decode_mode_to_the_rollout(tiny_base_dir, tmp_path, monkeypatch):
-    from conftest import make_trainer
+    from helpers import make_trainer
 
     from lora_grpo import sampler as sampler_module
 

@@ -3,7 +3,7 @@ path). Skipped without a GPU; `pytest -m gpu` runs only these."""
 
 import pytest
 import torch
-from conftest import PROMPTS, adapter_state, assert_same_4bit, changed, frozen_4bit, make_trainer
+from helpers import PROMPTS, adapter_state, assert_same_4bit, changed, frozen_4bit, make_trainer
 
 from lora_grpo.batch import Batch
 from lora_grpo.model.load import POLICY, reference_forward

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPTS, adapter_state, assert_same_adapters, make_trainer
+from helpers import PROMPTS, adapter_state, assert_same_adapters, make_trainer
 
 from lora_grpo import GRPOConfig
 from lora_grpo.config import ConfigError

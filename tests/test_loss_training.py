@@ -66,7 +66,7 @@ def test_the_adaptive_entropy_bonus_trains_and_logs_its_coefficient(toy_base, tm
 
 
 def test_a_reward_model_scores_a_run(tiny_base_dir, tmp_path):
-    from conftest import make_trainer
+    from helpers import make_trainer
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from lora_grpo.rewards import RewardModel

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import PROMPTS, adapter_state, assert_same_adapters, digit_share, make_trainer
+from helpers import PROMPTS, adapter_state, assert_same_adapters, digit_share, make_trainer
 
 from lora_grpo import GRPOConfig
 from lora_grpo.config import ConfigError

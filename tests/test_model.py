@@ -9,7 +9,7 @@ import bitsandbytes.functional as bnb_F
 import bitsandbytes.nn.modules as bnb_modules
 import pytest
 import torch
-from conftest import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer
+from helpers import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer
 
 from lora_grpo.config import GRPOConfig
 from lora_grpo.model.adapters import POLICY

@@ -12,7 +12,7 @@ from lora_grpo.config import GRPOConfig
 SHIPPED = shipped_recipes()
 # Recipes for a CPU on a real model (float32, no 4-bit): test_gguf runs them on a stand-in GGUF.
 CPU_RECIPES = ["smollm2-135m-chat-sum"]
-# the toy recipe: test_main_job, test_package
+# the toy recipe: test_default_recipe, test_package
 GPU_RECIPES = [name for name in SHIPPED if "toy" not in name and name not in CPU_RECIPES]
 
 

@@ -1,5 +1,5 @@
 """Run reporting: progress bar, trackers (TensorBoard read back; wandb and trackio offline),
-completions.jsonl, metrics.png. CPU, offline, conftest's tiny run."""
+completions.jsonl, metrics.png. CPU, offline, helpers' tiny run."""
 
 import contextlib
 import glob
@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import PROMPTS, digit_share, make_trainer, run_torchrun
+from helpers import PROMPTS, digit_share, make_trainer, run_torchrun
 
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.config import ConfigError
@@ -446,7 +446,7 @@ TWO_PROCESS_SCRIPT = """
 import sys
 from lora_grpo import GRPOConfig, GRPOTrainer
 
-from conftest import digit_share
+from helpers import digit_share
 
 base, out = sys.argv[1], sys.argv[2]
 prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(16)]

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import torch
-from conftest import PROMPTS, make_trainer
+from helpers import PROMPTS, make_trainer
 
 from lora_grpo.model.adapters import POLICY, REFERENCE
 from lora_grpo.run.failures import StepFailed

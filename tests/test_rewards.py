@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import make_trainer
+from helpers import make_trainer
 
 from lora_grpo import rewards as R
 from lora_grpo.rewards import (

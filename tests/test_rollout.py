@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import load_4bit
+from helpers import load_4bit
 from tokenizers import processors
 
 from lora_grpo.rollout import (

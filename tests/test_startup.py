@@ -2,7 +2,7 @@
 tokenised once, and nothing probed or sampled by a trainer that only evaluates."""
 
 import pytest
-from conftest import PROMPTS, digit_share, make_trainer
+from helpers import PROMPTS, digit_share, make_trainer
 
 from lora_grpo import GRPOConfig, GRPOTrainer
 from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer

@@ -4,7 +4,7 @@ fields added later (the test walks the dataclass, it names none of them)."""
 import dataclasses
 
 import pytest
-from conftest import make_trainer
+from helpers import make_trainer
 
 from lora_grpo.state import FROM_CONFIG, PER_PROCESS, TrainState
 

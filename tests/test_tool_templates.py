@@ -8,7 +8,7 @@ template that renders no tool calls (SmolLM2's) is refused as TRL refuses it, na
 from pathlib import Path
 
 import pytest
-from conftest import char_tokenizer
+from helpers import char_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from lora_grpo.rollout import reply_ids

@@ -4,7 +4,7 @@ tool metrics and conversation in the logs, an environment's reward, and the TRL 
 import json
 
 import pytest
-from conftest import PROMPTS, Counter
+from helpers import PROMPTS, Counter
 
 from lora_grpo import GRPOConfig, GRPOTrainer
 

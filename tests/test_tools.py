@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import load_4bit
+from helpers import load_4bit
 
 from lora_grpo.algo.loss import grpo_loss
 from lora_grpo.batch import Batch, loss_mask

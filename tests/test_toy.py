@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_torchrun
+from helpers import run_torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

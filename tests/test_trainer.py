@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     PROMPTS,
     SMALL_RUN,
     adapter_state,

@@ -8,7 +8,7 @@ import re
 import textwrap
 
 import pytest
-from conftest import PROMPTS
+from helpers import PROMPTS
 
 from lora_grpo.config import ConfigError
 from lora_grpo.trl import FIELDS

@@ -11,7 +11,7 @@ import re
 import textwrap
 
 import pytest
-from conftest import PROMPTS, QWEN_RESPONSE_TEMPLATE, load_4bit
+from helpers import PROMPTS, QWEN_RESPONSE_TEMPLATE, load_4bit
 
 trl = pytest.importorskip("trl")
 

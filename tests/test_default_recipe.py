@@ -1,4 +1,5 @@
-"""The README's main job: the offline toy recipe, end to end, on the toy base the session pre-trained."""
+"""The default recipe (toy-addition.yaml), the README's main job: end to end, on the toy base the session
+pre-trained."""
 
 import json
 from pathlib import Path
