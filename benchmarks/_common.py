@@ -1,7 +1,8 @@
 """Helpers shared by the benchmark scripts in this folder.
 
 The scripts run as `python benchmarks/X.py`, so this folder is on sys.path and they import these
-helpers with `from _common import ...`.
+helpers with `from _common import ...`; the studies in studies/ put this folder on sys.path first, and
+the GPU check (a package, run as `python -m benchmarks.gpu_check`) imports `benchmarks._common`.
 """
 
 from __future__ import annotations
@@ -212,12 +213,12 @@ def run_child(command: list[str], timeout: float | None = None, **kwargs):
     return subprocess.CompletedProcess(command, child.returncode, out, err)
 
 
-def run_worker(command: list[str], what: str, timeout: float | None = None) -> dict:
+def run_worker(command: list[str], what: str, timeout: float | None = None, **kwargs) -> dict:
     """Run a benchmark's worker in a fresh process and return the JSON of its last "RESULT " line
-    (subprocess.TimeoutExpired after `timeout` seconds)."""
+    (subprocess.TimeoutExpired after `timeout` seconds; `kwargs` go to subprocess.Popen: cwd, env)."""
     import json
 
-    done = run_child(command, timeout=timeout)
+    done = run_child(command, timeout=timeout, **kwargs)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{what} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")

@@ -1,6 +1,8 @@
-"""benchmarks/gpu_bundle.py (the wheels a lent GPU machine needs) and benchmarks/gpu_check.py's --cpu dry run."""
+"""benchmarks/gpu_bundle.py (the wheels a lent GPU machine needs) and the GPU check's --cpu dry run
+(benchmarks/gpu_check/)."""
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -8,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(REPO))
 
-import gpu_bundle  # noqa: E402
+from benchmarks import gpu_bundle  # noqa: E402
 
-REPO = BENCHMARKS.parent
 RERUN_EXAMPLE = "9,12"  # the sections of the rerun command benchmarks/README.md shows
 
 
@@ -66,28 +68,32 @@ def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
         [
-            *(sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--steps", "1"),
+            *(sys.executable, "-m", "benchmarks.gpu_check", "--cpu", "--steps", "1"),
             *("--budget", "1200", "--out", str(out)),  # a loaded CPU may take longer than a GPU's 300 s
         ],
         capture_output=True,
         text=True,
         timeout=1500,
-        cwd=BENCHMARKS.parent,
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     sections = {title.split(".")[0]: v for title, v in summary["sections"].items()}
-    assert summary["passed"] and len(sections) == 12
+    assert summary["passed"] and len(sections) == 14
     skipped = {n for n, v in sections.items() if v["status"] == "skipped"}
     assert skipped == {"8"} and sections["8"]["reason"].startswith("CUDA only")  # pytest -m gpu
-    for n in ("2", "3", "4", "5", "6", "11"):  # their CUDA-only parts, named
+    for n in ("2", "3", "4", "5", "6", "11", "13", "14"):  # their CUDA-only parts, named
         assert sections[n]["findings"]["skipped_parts"], n
     paged = sections["11"]["findings"]  # from its worker process
     assert paged["optimizer"] == "PagedAdamW8bit" and paged["tensors_moved"] > 0 and len(paged["losses"]) == 3
     assert sections["7"]["findings"]["equal"] is True  # the resumed run's adapters, tensor by tensor
     text = (out / "summary.txt").read_text()
-    assert text.count("PASS") == 11 and text.count("SKIP") == 1
-    assert (out / "log.txt").read_text().count("\n## ") == 12
+    assert text.count("PASS") == 13 and text.count("SKIP") == 1
+    assert (out / "log.txt").read_text().count("\n## ") == 14
 
 
 def test_the_readme_shows_the_commands_the_bundle_prints():
@@ -101,7 +107,7 @@ def test_the_readme_shows_the_commands_the_bundle_prints():
         and "--no-index" in first
         and "--target /tmp/site" in first
     )
-    assert " -e ." not in first and "--budget 300" in first
+    assert " -e ." not in first and "--budget 540" in first
     assert not {"peft", "xxhash"} & {p.split("==")[0] for p in gpu_bundle.PACKAGES}
 
 

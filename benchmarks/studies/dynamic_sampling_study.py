@@ -17,9 +17,9 @@ completions and seconds until the first eval at --target, the totals, the plain 
 fraction, the dynamic arm's rounds and filled groups per step; mean ± std over seeds, and every seed).
 Every seed is reported; none is dropped. Run it alone on the machine: the seconds are wall time.
 
-    python benchmarks/dynamic_sampling_study.py                          # toy-addition, 2 arms × 5 seeds, ~3 min
-    python benchmarks/dynamic_sampling_study.py --recipe toy-countdown --plain-steps 60 --target 0.7
-    python benchmarks/dynamic_sampling_study.py --seeds 0 --steps 10      # a quick look
+    python benchmarks/studies/dynamic_sampling_study.py         # toy-addition, 2 arms × 5 seeds, ~3 min
+    python benchmarks/studies/dynamic_sampling_study.py --recipe toy-countdown --plain-steps 60 --target 0.7
+    python benchmarks/studies/dynamic_sampling_study.py --seeds 0 --steps 10      # a quick look
 """
 
 from __future__ import annotations
@@ -28,13 +28,17 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from importlib import resources
 from pathlib import Path
 
 import torch
-from _common import mean_std
+
+# benchmarks/ on sys.path, for the helpers the scripts share (run as `python benchmarks/studies/X.py`).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import mean_std  # noqa: E402
 
 ARMS = {"plain": {}, "dynamic": {"dynamic_sampling": True}}
 

@@ -23,14 +23,14 @@ of the loss over the last 10 steps, seconds, syncs; mean ± standard deviation o
 every seed's accuracy); another recipe's study is iterative_study_<recipe>.png and .md. Every seed
 is reported; none is dropped.
 
-    python benchmarks/iterative_study.py                       # 8 schedules × 5 seeds, ~6 min on 2 CPU cores
-    python benchmarks/iterative_study.py --schedules fixed,hard --seeds 0 --steps 20   # a quick look
+    python benchmarks/studies/iterative_study.py                       # 8 schedules × 5 seeds, ~6 min on 2 CPU cores
+    python benchmarks/studies/iterative_study.py --schedules fixed,hard --seeds 0 --steps 20   # a quick look
     # the real model (SmolLM2-135M-Instruct, the smollm2-135m-chat-sum recipe), at the recipe's beta:
-    python benchmarks/iterative_study.py --recipe smollm2-135m-chat-sum --beta 0.04 --steps 20 \
+    python benchmarks/studies/iterative_study.py --recipe smollm2-135m-chat-sum --beta 0.04 --steps 20 \
         --sync-every 5 --eval-steps 10 --schedules fixed,hard,soft --seeds 0,1,2
     # schedules run side by side (one thread each, their own --out), then one table and plot of all:
-    python benchmarks/iterative_study.py --recipe R ... --threads 1 --schedules fixed --out runs/a &
-    python benchmarks/iterative_study.py --recipe R ... --merge runs/a/iterative_study_R.json ... --out docs
+    python benchmarks/studies/iterative_study.py --recipe R ... --threads 1 --schedules fixed --out runs/a &
+    python benchmarks/studies/iterative_study.py --recipe R ... --merge runs/a/iterative_study_R.json ... --out docs
 """
 
 from __future__ import annotations
@@ -38,13 +38,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from importlib import resources
 from pathlib import Path
 
 import torch
-from _common import mean_std
+
+# benchmarks/ on sys.path, for the helpers the scripts share (run as `python benchmarks/studies/X.py`).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import mean_std  # noqa: E402
 
 SCHEDULES = {  # name → (label, config overrides); "N" is replaced by --sync-every
     "none": ("no reference (beta 0)", {"beta": 0.0}),

@@ -3,7 +3,7 @@
 Measures the base's held-out greedy accuracy and pass@k through the chat template, for a task kind
 (lora_grpo.tasks.chat_arithmetic.KINDS) and a completion budget, with the trainer's own evaluator:
 
-    python benchmarks/smollm2_task_search.py --kind add-1-1 --new-tokens 20 24 --prompts 210
+    python benchmarks/studies/smollm2_task_search.py --kind add-1-1 --new-tokens 20 24 --prompts 210
 
 A task is worth a recipe when the greedy accuracy is about 0.15–0.6 (room to learn) and pass@8 is at
 least 0.7 (most groups of 8 hold a right answer, so GRPO has signal).

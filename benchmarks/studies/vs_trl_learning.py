@@ -17,7 +17,7 @@ Each run is a fresh process; every seed is printed; the table gives mean ± stan
 the difference of the means with its standard error.
 
     pip install -e ".[bench]"
-    python benchmarks/vs_trl_learning.py [--seeds 0,1,2,3,4] [--steps 15]
+    python benchmarks/studies/vs_trl_learning.py [--seeds 0,1,2,3,4] [--steps 15]
 """
 
 from __future__ import annotations

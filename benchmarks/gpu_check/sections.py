@@ -1,0 +1,53 @@
+"""The sections of the GPU check, in the order they run: the one list (a new section is a module of
+its own and one entry here). The numbers are the docs'; estimate_s is each one's expected seconds on
+the lent H200, for the plan printed at the start and benchmarks/README.md's device-time table."""
+
+from __future__ import annotations
+
+from benchmarks.gpu_check import (
+    decode,
+    decode_bound,
+    devices,
+    numerics,
+    paged_adamw,
+    profile_step,
+    pytest_gpu,
+    recipe_memory,
+    resume,
+    reward_model,
+    tools,
+    vs_trl,
+)
+from benchmarks.gpu_check.harness import Section
+
+# What the first GPU run (H200, 2026-12) left unmeasured runs first: against TRL (it was starved
+# twice), the recipes' memory after the reserved-memory fix (section 3 right after section 2, on its
+# trained model); then what passed there. estimate_s: the seconds that run measured, section 3 slimmed
+# (its eager decode of a quarter of the tokens: 71 of its 89 s were the eager decode) and section 8
+# (pytest in one process); section 12 is its two workers' caps. The sections other branches add go
+# where benchmarks/README.md's plan puts them: the profile of the decode and the update (14), then the
+# decode's three weight forms (13, extrapolated to 24 layers with 14's step) after section 12, the
+# compile cache in a fresh process after section 4.
+SECTIONS = [
+    Section(12, "step time and peak memory against TRL + PEFT", vs_trl.check_vs_trl, 170),
+    Section(14, "profile: where the decode step and the update go", profile_step.check_profile, 70),
+    # Section 13 extrapolates its weight forms to 24 layers with section 14's step, in the same process.
+    Section(13, "decode bound: three weight forms", decode_bound.check_decode_bound, 60, needs=(14,)),
+    Section(2, "memory: the 0.5B recipe on an emulated 8 GB card", recipe_memory.check_memory_05b, 91),
+    # Section 3 runs on section 2's trained model, in the same process.
+    Section(3, "decode: compiled vs eager, graph breaks, recompiles", decode.check_decode, 35, needs=(2,)),
+    Section(4, "memory: the 1.5B recipe on an emulated 8 GB card", recipe_memory.check_memory_15b, 144),
+    Section(1, "devices", devices.check_devices, 12),
+    Section(7, "resume: on the same device, and on a CPU", resume.check_resume, 21),
+    Section(10, "reward model", reward_model.check_reward_model, 5),
+    Section(11, "paged_adamw_8bit", paged_adamw.check_paged_adamw, 20),
+    Section(6, "bf16 KL", numerics.check_bf16_kl, 10),
+    Section(
+        5,
+        "decode after updates: compiled vs eager in float32 and bf16",
+        decode.check_decode_after_updates,
+        28,
+    ),
+    Section(9, "tools with the compiled decode", tools.check_tools, 11),
+    Section(8, "pytest -m gpu", pytest_gpu.check_pytest_gpu, 50),
+]
