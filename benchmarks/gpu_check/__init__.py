@@ -71,7 +71,7 @@ number of failed sections.
 15. compile cache a fresh process with the 0.5B recipe's settings and an empty inductor cache of its
                  own finds section 2's compile in lora_grpo's compile cache (rollout/compile_cache.py):
                  its step 1 − step 2 ≤ 15 s (57.8 − 8.9 s before the cache); a first process fills the
-                 cache when no earlier section did. And whether lora_grpo's allocator setting
+                 cache when section 2 did not run. And whether lora_grpo's allocator setting
                  (expandable segments, set when it is imported) took effect in this process.
 
 The emulated 8 GB card (sections 2 and 4): torch's allocator is capped by

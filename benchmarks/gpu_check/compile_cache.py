@@ -7,8 +7,8 @@ The worker process trains 2 steps of qwen2.5-0.5b-gsm8k-qlora's settings (sectio
 emulated card and the eval, which decode in the same reserved shape) on the same random model, with
 an empty inductor cache of its own (TORCHINDUCTOR_CACHE_DIR), so that only lora_grpo's cache can
 carry a compile from one process to the next. The cache is the one section 2 filled in this run
-(this machine's lora_grpo cache directory); when it holds nothing for this torch / Triton / GPU, a
-first worker fills it (its step 1 pays the compile: the figure to compare). What the warm worker
+(this machine's lora_grpo cache directory); when section 2 did not run here, a first worker fills it
+(its step 1 pays the compile: the figure to compare). What the warm worker
 loaded, and inductor's graph-cache hits and misses in it, are recorded.
 
 Beside it, whether the allocator setting lora_grpo makes when it is imported (expandable segments,
@@ -133,7 +133,12 @@ def check_compile_cache(run: Run) -> None:
     folder = compile_cache.cache_dir(run.device)
     before = len(list(folder.glob("*.bin"))) if folder.is_dir() else 0
     print(f"lora_grpo's compile cache: {folder} ({before} files from this run's earlier sections)")
-    stages = ["warm"] if before else ["cold", "warm"]
+    # Section 2 compiled the recipe's decode in this process (other sections' files hold other shapes).
+    compiled = any(
+        name.startswith("2.") and entry["status"] in ("passed", "failed")
+        for name, entry in run.summary.items()
+    )
+    stages = ["warm"] if compiled and before else ["cold", "warm"]
     if run.left() < sum(NEEDS_S[stage] for stage in stages):
         raise Late(
             f"{run.left():.0f} s of the budget left: too little for {len(stages)} fresh 0.5B processes"
