@@ -316,6 +316,11 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers registers that hook anyway (enable_input_require_grads: `output.requires_grad_()`
+    # on the embeddings' output); it runs in every forward, the compiled decode step's too, where
+    # dynamo before torch 2.13 breaks the graph at it (7 breaks on the first GPU run, issue 48).
+    if hasattr(base, "disable_input_require_grads"):
+        base.disable_input_require_grads()
 
 
 def disable_gradient_checkpointing(model: nn.Module) -> None:
