@@ -79,9 +79,8 @@ def run(path: str, quantization: str, args) -> dict[str, float | str]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(
-        args.warmup
-    ):  # the first rollout compiles the decode step (decode_mode compiled / auto on CUDA)
+    # the first rollout compiles the decode step (decode_mode compiled / auto on CUDA)
+    for _ in range(args.warmup):
         trainer.training_step(next(trainer.state.batches)[1])
     warmup = time.perf_counter() - start
     if torch.cuda.is_available():

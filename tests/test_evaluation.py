@@ -263,9 +263,8 @@ def test_an_empty_set_in_a_dict_of_eval_sets_is_named(tiny_base_dir, tmp_path):
     empty = datasets.Dataset.from_dict({"prompt": []})
     trainer = make_trainer(tiny_base_dir, tmp_path, **EVAL_RUN)
     message = r"^eval_dataset\['hard'\]: the prompt dataset from Dataset is empty: .*\(fill that set, or leave it out"
-    with pytest.raises(
-        ValueError, match=message
-    ):  # was: "eval_dataset: ... is empty", which of the sets unsaid
+    # was: "eval_dataset: ... is empty", which of the sets unsaid
+    with pytest.raises(ValueError, match=message):
         trainer.evaluate({"easy": PROMPTS[:3], "hard": empty})
     with pytest.raises(ValueError, match=r"^eval_dataset\['hard'\]: the prompt dataset from list is empty"):
         make_trainer(

@@ -171,9 +171,8 @@ def test_a_reset_optimizer_steps_exactly_like_a_fresh_one(name):
         _step(fresh, fresh_params, g)
     for a, b in zip(params, fresh_params):
         assert torch.equal(a, b)
-    for ours, theirs in zip(
-        optimizer.state.values(), fresh.state.values(), strict=True
-    ):  # and so is the state
+    # and so is the state
+    for ours, theirs in zip(optimizer.state.values(), fresh.state.values(), strict=True):
         assert ours.keys() == theirs.keys()
         for key, value in ours.items():
             same = (

@@ -724,9 +724,8 @@ def test_async_reward_functions_are_awaited_together():
 
     events = {}
 
-    async def judge_a(
-        completions, **kwargs
-    ):  # each needs the other to have started: only concurrent calls finish
+    # each needs the other to have started: only concurrent calls finish
+    async def judge_a(completions, **kwargs):
         events.setdefault("a", asyncio.Event()).set()
         await asyncio.wait_for(events.setdefault("b", asyncio.Event()).wait(), timeout=10)
         return [1.0] * len(completions)

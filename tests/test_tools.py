@@ -46,13 +46,14 @@ async def asleepy(x: str) -> str:
     return "late"
 
 
+# what get_json_schema reads: a description, each argument's
 for _tool in (
     ping,
     aping,
     boom,
     sleepy,
     asleepy,
-):  # what get_json_schema reads: a description, each argument's
+):
     _tool.__doc__ = f"The {_tool.__name__} test tool.\n\nArgs:\n    x: Anything.\n"
 
 

@@ -220,9 +220,8 @@ def test_trls_documented_scripts_run_with_only_the_import_changed(tiny_base_dir,
             logged[-1]
         )
         assert all(r["step"] == i + 1 for i, r in enumerate(logged)) or name == "resume"
-    if (
-        name == "peft_sync_ref_model"
-    ):  # TRL refuses this script; here the LoRA reference slot syncs every 2 steps
+    # TRL refuses this script; here the LoRA reference slot syncs every 2 steps
+    if name == "peft_sync_ref_model":
         syncs = [r for r in trainer.native.state.log_history if r.get("sync/event")]
         assert [r["sync/reason"] for r in syncs] == ["steps", "steps"]
         assert (tmp_path / "run" / "adapter_config.json").exists() and (

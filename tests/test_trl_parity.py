@@ -620,9 +620,8 @@ def test_clip_ratio_extremes_are_trls_on_the_same_run(tiny_base_dir, tmp_path, l
         seen.append((prompts, completion_ids, rewards))
         return rewards
 
-    class Probe(
-        TrainerCallback
-    ):  # the policy as it sampled (its weights at the start) and after the first update
+    # the policy as it sampled (its weights at the start) and after the first update
+    class Probe(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
             self.model, self.tokenizer = model, processing_class
             self.start = copy.deepcopy(model.state_dict())

@@ -88,9 +88,8 @@ class HealthMonitor:
                 warm and previous_kl is not None and kl > self.kl_jump * max(previous_kl, self.kl_floor)
             )
             self.recent_kl, self.kl_steps = [*self.recent_kl, kl][-self.kl_window :], self.kl_steps + 1
-        if metrics.get(
-            "sync/event"
-        ):  # the next steps measure from the new reference: the KL starts again from ~0
+        # the next steps measure from the new reference: the KL starts again from ~0
+        if metrics.get("sync/event"):
             self.recent_kl, self.kl_steps = [], 0
         holds["entropy_collapse"] = self._collapsed(
             self.entropy_start, _number(metrics, "entropy"), self.entropy_ratio, 0.0
