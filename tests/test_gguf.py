@@ -14,7 +14,7 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from lora_grpo.model import bases
+from lora_grpo.model import bases, gguf_check
 from lora_grpo.model import gguf as gguf_base
 from lora_grpo.model.bases import PACKAGED, resolve_base
 from lora_grpo.model.gguf import RECORD, converted_gguf
@@ -61,9 +61,11 @@ def _rotary_order(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, model: LlamaForCausalLM, quant=None, chat_template: str | None = CHATML) -> str:
+def write_tiny_gguf(
+    path, model: LlamaForCausalLM, quant=None, chat_template: str | None = CHATML, keep=lambda name: True
+) -> str:
     """``model`` as a llama GGUF with a byte-level BPE vocabulary (ChatML specials), every matrix in
-    ``quant`` (a GGMLQuantizationType) or float32."""
+    ``quant`` (a GGMLQuantizationType) or float32; only the tensors whose GGUF name ``keep`` accepts."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny llama")
@@ -108,6 +110,8 @@ def write_tiny_gguf(path, model: LlamaForCausalLM, quant=None, chat_template: st
         for hf, short in parts.items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{short}.weight"
     for hf, name in names.items():
+        if not keep(name):
+            continue
         data = state[hf]
         if name.endswith("attn_q.weight"):
             data = _rotary_order(data, cfg.num_attention_heads)
@@ -235,6 +239,131 @@ def test_a_missing_file_and_a_wrong_gguf_file_are_named(tmp_path, cache, tiny_gg
         FileNotFoundError, match=r"gguf_file 'other.gguf' is not in .*\['tiny-llama.F32.gguf'\]"
     ):
         resolve_base(directory, "other.gguf")
+
+
+# ------------------------------------------------------------------------------------- broken files
+
+
+def _entries(cache) -> list:
+    """What the cache holds besides fetched packages: converted entries and temporary directories."""
+    return [p.name for p in cache.iterdir() if p.name != "packages"] if cache.is_dir() else []
+
+
+def _train_cli(model: str, output_dir) -> int:
+    from lora_grpo.cli import main
+
+    sets = {"model_name_or_path": model, "max_steps": 1, "output_dir": output_dir}
+    return main(["train", *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))])
+
+
+@pytest.mark.parametrize(
+    "cut, where",
+    [(-5000, r"tensor 'blk\.1\.ffn_down\.weight' \(of 20\) needs bytes up to"), (3000, r"its metadata \(")],
+)
+def test_a_file_cut_short_is_named_as_cut_short_and_nothing_is_cached(tmp_path, cache, tiny_gguf, cut, where):
+    whole = open(tiny_gguf[1], "rb").read()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(whole[:cut])
+    with pytest.raises(
+        gguf_check.GGUFFileError, match=rf"GGUF file .*cut\.gguf is cut short: it holds .*{where}"
+    ):
+        converted_gguf(path)
+    assert _entries(cache) == []
+
+
+def test_a_gguf_with_a_vocabulary_and_no_weights_is_refused_not_trained_on_random_ones(
+    tmp_path, cache, capsys
+):
+    path = write_tiny_gguf(tmp_path / "vocab-only.gguf", tiny_llama(), keep=lambda name: False)
+    assert _train_cli(path, tmp_path / "run") == 1
+    err = capsys.readouterr().err
+    assert "vocab-only.gguf holds no tensors (a llama header and a vocabulary of 264 tokens)" in err
+    assert "Traceback" not in err and not (tmp_path / "run" / "summary.json").exists()
+    assert _entries(cache) == []
+
+
+def test_a_gguf_missing_tensors_a_model_needs_is_refused(tmp_path, cache):
+    # A whole block gone: the header check names it.
+    path = write_tiny_gguf(
+        tmp_path / "no-block.gguf", tiny_llama(), keep=lambda name: not name.startswith("blk.1.")
+    )
+    with pytest.raises(gguf_check.GGUFFileError, match=r"lacks tensors a llama model needs: blk\.1\.\* "):
+        converted_gguf(path)
+    # One matrix gone: transformers would initialise it at random; the conversion refuses instead.
+    path = write_tiny_gguf(
+        tmp_path / "no-up.gguf", tiny_llama(), keep=lambda name: name != "blk.1.ffn_up.weight"
+    )
+    assert gguf_check.check_gguf(path).tensors == 19
+    with pytest.raises(
+        gguf_check.GGUFFileError, match=r"lacks weights .*model\.layers\.1\.mlp\.up_proj\.weight"
+    ):
+        converted_gguf(path)
+    assert _entries(cache) == []
+
+
+def test_a_lora_adapter_gguf_is_named_an_adapter(tmp_path, cache):
+    path = tmp_path / "adapter.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 16.0)
+    writer.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((4, 64), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight.lora_b", np.zeros((64, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(gguf_check.GGUFFileError) as caught:
+        resolve_base(str(path))
+    message = str(caught.value)
+    assert "adapter.gguf holds a lora adapter (general.type 'adapter'" in message
+    assert "give the GGUF of the base model as model_name_or_path" in message and "init_adapter" in message
+    assert _entries(cache) == []
+
+
+def test_a_file_that_is_not_gguf_is_named(tmp_path, cache):
+    path = tmp_path / "model.gguf"
+    path.write_text("<html>404 Not Found</html>")
+    with pytest.raises(
+        gguf_check.GGUFFileError, match=r"model\.gguf is not a GGUF file: it starts with b'<htm'"
+    ):
+        resolve_base(str(path))
+
+
+def test_directories_where_a_gguf_file_belongs_are_named_with_the_fix(tmp_path, cache, tiny_gguf, capsys):
+    named = tmp_path / "model.gguf"
+    named.mkdir()
+    with pytest.raises(
+        gguf_check.GGUFFileError, match="model.gguf is a directory, not a GGUF file; it holds no"
+    ):
+        resolve_base(str(named))
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "tiny.gguf").write_bytes(open(tiny_gguf[1], "rb").read())
+    # Without gguf_file: named, with both ways to give it, instead of a failure inside the tokenizer.
+    assert _train_cli(str(only), tmp_path / "run") == 1
+    err = capsys.readouterr().err
+    assert "only holds no model (no config.json); it holds the GGUF file tiny.gguf" in err
+    assert "--set gguf_file=tiny.gguf" in err and "Traceback" not in err
+    # A directory named *.gguf that holds a model is an ordinary model directory.
+    (named / "config.json").write_text("{}")
+    assert resolve_base(str(named)) == str(named)
+
+
+def test_without_the_gguf_package_the_cli_says_the_install_command(
+    tmp_path, cache, tiny_gguf, monkeypatch, capsys
+):
+    converted = converted_gguf(tiny_gguf[1])
+    other = write_tiny_gguf(tmp_path / "other.gguf", tiny_llama(seed=5))
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    # A base converted before loads from the cache without the package.
+    assert resolve_base(tiny_gguf[1]) == converted
+    capsys.readouterr()
+    assert _train_cli(other, tmp_path / "run") == 1
+    err = capsys.readouterr().err
+    assert "reading a GGUF file needs the gguf package (gguf>=0.10), which is not installed" in err
+    assert "pip install 'lora_grpo[gguf]'" in err and "Traceback" not in err
+    assert _entries(cache) == [os.path.basename(converted)]
 
 
 # ------------------------------------------------------------------------------------- the names

@@ -2,7 +2,8 @@
 
     "toy", "toy-calculator", "toy-countdown"   the offline tasks' tiny bases, pre-trained once and cached
     "smollm2-135m-instruct"                   a real model shipped as a GGUF inside a package (PACKAGED)
-    "path/to/model.q4_k_m.gguf"               any GGUF file, or a directory with ``gguf_file``
+    "path/to/model.q4_k_m.gguf"               any GGUF file, or a directory with ``gguf_file`` (a directory
+                                              with GGUF files and no config.json is refused, naming them)
     anything else                             as given: a local directory or a hub id
 
 A GGUF is converted once into a cached safetensors model and tokenizer (gguf_base); afterwards every
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..base_cache import default_cache_dir
-from .gguf import converted_gguf, is_gguf
+from .gguf import converted_gguf, is_gguf, refuse_directory
 from .loading import LoadError, loading
 
 
@@ -81,7 +82,13 @@ def resolve_base(name: str, gguf_file: str | None = None, cache_dir=None) -> str
         return path
     if (packaged := PACKAGED.get(name.lower())) is not None:
         return converted_gguf(packaged_file(packaged, cache_dir), cache_dir)
-    if is_gguf(name):
+    local = Path(name).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        # A directory holding GGUF files and no model, or named *.gguf: transformers would fail on it
+        # in the tokenizer ("Couldn't instantiate the backend tokenizer"), without a hint.
+        if is_gguf(name) or any(local.glob("*.gguf")):
+            refuse_directory(local)
+    if is_gguf(name) and not local.is_dir():
         return converted_gguf(name, cache_dir)
     return name
 

@@ -11,6 +11,10 @@ holding the file's SHA-256, so another file, or the same path with other bytes, 
 From then on it is an ordinary local model: quantization (4-bit, 8-bit), LoRA and the reference slot
 apply as to any other.
 
+Before any of that the file is checked (gguf_check: a whole file, a model and not an adapter, the
+tensors a model needs), and after transformers loads it every weight must have come from the file:
+nothing built from a damaged or incomplete file is ever cached.
+
 The weights are the GGUF's dequantised ones (float32): a Q4_1 file gives a model that is exactly as
 good as that Q4_1 file, not the original checkpoint it was quantised from.
 """
@@ -20,13 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from contextlib import contextmanager
 from pathlib import Path
 
 from ..base_cache import default_cache_dir, ensure_entry
+from .gguf_check import GGUFFileError, check_gguf
 from .loading import loading
 
-FORMAT_VERSION = 1
+# 2: the file is checked before conversion (entries of version 1 may hold random weights).
+FORMAT_VERSION = 2
 RECORD = "gguf_source.json"
 # The conversion's check: greedy continuations of these (after the chat template, where there is one).
 CHECK_PROMPTS = ("What is 2 + 3?", "The capital of France is", "Hello")
@@ -56,6 +61,8 @@ def converted_gguf(path, cache_dir=None) -> str:
     converting it on first use (see the module docstring). Says in one line which file it is and that
     the weights are its dequantised ones."""
     path = Path(path).expanduser().resolve()
+    if path.is_dir():
+        refuse_directory(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     digest = file_sha256(path)
@@ -84,11 +91,20 @@ def convert_gguf(path: Path, out_dir: Path, digest: str) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    contents = check_gguf(path)
     where, name = str(path.parent), path.name
-    with loading("policy", "GGUF tokenizer", path), _needs_gguf_reader():
+    with loading("policy", "GGUF tokenizer", path):
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    with loading("policy", "GGUF model", path), _needs_gguf_reader():
-        loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    with loading("policy", "GGUF model", path):
+        loaded, info = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=name, dtype=torch.float32, output_loading_info=True
+        )
+    if missing := sorted(info["missing_keys"]):
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise GGUFFileError(
+            f"GGUF file {path} lacks weights its {contents.architecture} model needs ({shown}): transformers "
+            "would fill them with random values. Give a GGUF that holds the whole model"
+        )
     loaded.eval()
     # The same architecture without the GGUF marker, holding the dequantised tensors: this one saves.
     config = loaded.config
@@ -117,6 +133,7 @@ def convert_gguf(path: Path, out_dir: Path, digest: str) -> dict:
         "dtype": "float32",
         "architecture": type(loaded).__name__,
         "parameters": sum(p.numel() for p in written.parameters()),
+        "tensors": contents.tensors,
         "check": {"prompts": len(prompts), "new_tokens": CHECK_NEW_TOKENS, "greedy_equal": True},
         "transformers": transformers.__version__,
     }
@@ -155,17 +172,22 @@ def _greedy(model, tokenizer, ids: list[int]) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-@contextmanager
-def _needs_gguf_reader():
-    """Older transformers read GGUF files through the ``gguf`` package: its absence becomes one line
-    with the install command."""
-    try:
-        yield
-    except ImportError as error:
-        if "gguf" not in str(error).lower():
-            raise
-        first = (str(error).splitlines() or [""])[0]
-        raise ImportError(
-            f"reading a GGUF file needs the gguf package with this transformers ({first}): "
-            "pip install 'lora_grpo[gguf]'"
-        ) from error
+def refuse_directory(path: Path) -> None:
+    """Refuse the directory ``path`` given where a GGUF file or a model directory belongs (named
+    ``*.gguf``, or holding ``.gguf`` files and no ``config.json``): a GGUFFileError naming the GGUF files
+    in it and how to give one."""
+    path = Path(path)
+    found = sorted(p.name for p in path.glob("*.gguf") if p.is_file())
+    if is_gguf(path.name):
+        what = f"{path} is a directory, not a GGUF file"
+    else:
+        what = f"{path} holds no model (no config.json)"
+    if found:
+        fix = (
+            f"it holds the GGUF file{'s' if len(found) > 1 else ''} {', '.join(found)}: give the file's path "
+            f"({path / found[0]}) as model_name_or_path, or this directory with gguf_file: {found[0]} "
+            f"(--set gguf_file={found[0]})"
+        )
+    else:
+        fix = "it holds no .gguf file: give the path of a .gguf file"
+    raise GGUFFileError(f"{what}; {fix}")
