@@ -1,16 +1,17 @@
 """The training batch: a rollout made ready for the loss, cut into optimizer steps and micro-batches.
 
 Rollout ─► Batch.from_rollout (loss mask, advantages) ─► steps (one per optimizer step)
-        ─► micro_batches(size): dicts the loss path takes (memory.worst_case_micro_batch
-           builds the same format for the start-up probe)
+        ─► micro_batches(size): MicroBatch records, what the loss path takes (memory.probe's
+           worst_case_micro_batch builds one for the start-up probe)
 
-A generation's steps not trained yet are a `Generation`: the loop trains them one by one, and a
-checkpoint written between two of them saves them (CPU tensors), so that a resume trains the rest of
-the generation on the same rollout, as the uninterrupted run does.
+A rollout's optimizer steps not trained yet are `RolloutSteps`: the loop trains them one by one, and
+a checkpoint written between two of them saves them (CPU tensors), so that a resume trains the rest
+on the same rollout, as the uninterrupted run does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,6 +34,24 @@ def loss_mask(rollout, mask_truncated_completions: bool) -> Tensor:
     if mask_truncated_completions:
         mask[rollout.truncated] = 0
     return mask
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward/backward's share of a Batch, trimmed to the columns it uses. A log-prob forward
+    reads the first three; the loss reads the rest (eval/kl_to_base's forwards leave them None)."""
+
+    input_ids: Tensor  # (m, P'+T') left-padded prompt, right-padded completion
+    attention_mask: Tensor  # (m, P'+T')
+    completion_length: int  # T': the completion columns at the end of input_ids
+    completion_mask: Tensor | None = None  # (m, T') 1 on completion tokens that count in the loss
+    advantages: Tensor | None = None  # (m,)
+    old_logp: Tensor | None = None  # (m, T'), only when the batch is trained on more than once
+    ref_logp: Tensor | None = None  # (m, T'), None: the reference equals the policy this step
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
 
 
 @dataclass
@@ -78,7 +97,7 @@ class Batch:
             **{f.name: None if (v := getattr(self, f.name)) is None else v[rows] for f in fields(self)}
         )
 
-    def micro_batches(self, size: int):
+    def micro_batches(self, size: int) -> Iterator[MicroBatch]:
         """Slices of `size` sequences, each trimmed to the columns it really uses."""
         P = self.input_ids.shape[1] - self.completion_length
         for start in range(0, self.input_ids.shape[0], size):
@@ -89,22 +108,34 @@ class Batch:
             used = self.completion_mask[rows].any(0).nonzero()
             t = int(used[-1]) + 1 if used.numel() else 1
             cols = slice(first, P + t)
-            yield {
-                "input_ids": self.input_ids[rows, cols],
-                "attention_mask": mask[:, cols],
-                "completion_mask": self.completion_mask[rows, :t],
-                "advantages": self.advantages[rows],
-                "old_logp": None if self.old_logp is None else self.old_logp[rows, :t],
-                "ref_logp": None if self.ref_logp is None else self.ref_logp[rows, :t],
-                "completion_length": t,
-            }
+            yield MicroBatch(
+                input_ids=self.input_ids[rows, cols],
+                attention_mask=mask[:, cols],
+                completion_length=t,
+                completion_mask=self.completion_mask[rows, :t],
+                advantages=self.advantages[rows],
+                old_logp=None if self.old_logp is None else self.old_logp[rows, :t],
+                ref_logp=None if self.ref_logp is None else self.ref_logp[rows, :t],
+            )
 
 
 @dataclass(frozen=True)
-class Generation:
-    """A generation's optimizer steps not trained yet, in training order, with what their step ends
+class StepBatch:
+    """One optimizer step as the loop walks them (trainer._step_batches): its batch, the metrics of
+    the rollout it is the first step of ({} for a rollout's later steps), the epoch its prompts came
+    from, and whether it ends that epoch (the last step of the rollout whose prompts ended it)."""
+
+    batch: Batch
+    metrics: dict[str, float]
+    epoch: int
+    ends_epoch: bool
+
+
+@dataclass(frozen=True)
+class RolloutSteps:
+    """A rollout's optimizer steps not trained yet, in training order, with what their step ends
     need: the epoch the prompts came from and whether drawing them ended an epoch (its last step ends
-    the epoch). Immutable: `pop()` returns the next step and a new Generation of the rest, so that a
+    the epoch). Immutable: `pop()` returns the next step and a new RolloutSteps of the rest, so that a
     reference kept for a failure (failures.LastFinishedStep) still holds the step that failed."""
 
     steps: tuple[Batch, ...]
@@ -114,8 +145,8 @@ class Generation:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def pop(self) -> tuple[Batch, Generation]:
-        return self.steps[0], Generation(self.steps[1:], self.epoch, self.epoch_ended)
+    def pop(self) -> tuple[Batch, RolloutSteps]:
+        return self.steps[0], RolloutSteps(self.steps[1:], self.epoch, self.epoch_ended)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values and CPU tensors (each its own copy: a slice saved alone would carry its
@@ -133,6 +164,6 @@ class Generation:
         }
 
     @classmethod
-    def from_state_dict(cls, saved: dict[str, Any], device) -> Generation:
+    def from_state_dict(cls, saved: dict[str, Any], device) -> RolloutSteps:
         steps = tuple(Batch(**step).to(device) for step in saved["steps"])
         return cls(steps, int(saved["epoch"]), bool(saved["epoch_ended"]))

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from .algo.loss_types import DEFAULT_LOSS_TYPE, Objective, loss_type_help, loss_types_using
 from .config_checks import (  # noqa: F401  (the option names are part of config's public names)
     CHOICES,
     DECODE_MODES,
@@ -37,6 +38,9 @@ from .config_checks import (  # noqa: F401  (the option names are part of config
     check_generation_batch_size,
     validate,
 )
+
+# The loss types whose objective an option tunes, named in its help (from the registry).
+_SOFT_GATE, _GAMMA = loss_types_using(Objective.SOFT_GATE), loss_types_using(Objective.GAMMA_WEIGHT)
 
 
 def _f(default, help: str, **kw):
@@ -287,27 +291,27 @@ class GRPOConfig:
     )
     # --- loss --------------------------------------------------------------------------------
     beta: float = _f(0.04, "weight of the k3 KL penalty to the reference (0 = no reference forward)")
-    loss_type: str = _f(
-        "dapo",
-        "objective and token aggregation: grpo | bnpo | dapo | dr_grpo | cispo | sapo | vespo | "
-        "luspo (loss.LOSS_TYPES; TRL's names and formulas)",
-    )
+    loss_type: str = _f(DEFAULT_LOSS_TYPE, loss_type_help())
     epsilon_low: float = _f(0.2, "lower clip: ratio ≥ 1 − epsilon_low (≥ 1 never clips low, as in TRL)")
     epsilon_high: float = _f(
         0.28,
-        "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025); cispo: the cap "
-        "on the ratio itself (MiniMax-M1; ScaleRL uses about 5)",
+        "upper clip: ratio ≤ 1 + epsilon_high (DAPO clip-higher, Yu et al. 2025); "
+        f"{loss_types_using(Objective.CAPPED_RATIO)}: the cap on the ratio itself (MiniMax-M1; ScaleRL uses about 5)",
     )
     delta: float | None = _f(
         None,
         "two-sided clipping: also cap the unclipped ratio at delta (> 1 + epsilon_high; INTELLECT-2); None = off",
     )
-    sapo_temperature_pos: float = _f(1.0, "sapo: temperature of the soft gate for positive advantages")
-    sapo_temperature_neg: float = _f(1.05, "sapo: temperature of the soft gate for negative advantages")
-    vespo_k_pos: float = _f(2.0, "vespo: shape k of the gamma weight for positive advantages")
-    vespo_lambda_pos: float = _f(3.0, "vespo: rate lambda of the gamma weight for positive advantages")
-    vespo_k_neg: float = _f(3.0, "vespo: shape k of the gamma weight for negative advantages")
-    vespo_lambda_neg: float = _f(2.0, "vespo: rate lambda of the gamma weight for negative advantages")
+    sapo_temperature_pos: float = _f(
+        1.0, f"{_SOFT_GATE}: temperature of the soft gate for positive advantages"
+    )
+    sapo_temperature_neg: float = _f(
+        1.05, f"{_SOFT_GATE}: temperature of the soft gate for negative advantages"
+    )
+    vespo_k_pos: float = _f(2.0, f"{_GAMMA}: shape k of the gamma weight for positive advantages")
+    vespo_lambda_pos: float = _f(3.0, f"{_GAMMA}: rate lambda of the gamma weight for positive advantages")
+    vespo_k_neg: float = _f(3.0, f"{_GAMMA}: shape k of the gamma weight for negative advantages")
+    vespo_lambda_neg: float = _f(2.0, f"{_GAMMA}: rate lambda of the gamma weight for negative advantages")
     top_entropy_quantile: float = _f(
         1.0,
         "only tokens whose entropy is in this top share (over every process's tokens of the "
@@ -460,9 +464,8 @@ class GRPOConfig:
         if self.generation_batch_size is not None:
             check_generation_batch_size(self)
             per_step = self.generation_batch_size // self.steps_per_generation
-            if (
-                per_step % self.num_generations == 0
-            ):  # else a step holds part of a group (advantages are per rollout)
+            # else a step holds part of a group (advantages are per rollout)
+            if per_step % self.num_generations == 0:
                 self.prompts_per_step = per_step // self.num_generations
         if self.ref_rank is None:
             self.ref_rank = self.lora_r if self.ref_sync_mode == "factors" else 2 * self.lora_r

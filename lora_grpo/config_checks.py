@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import warnings
 
-from .algo.loss_types import LOSS_TYPE_FACTS
+from .algo.loss_types import LOSS_TYPES as LOSS_TYPE_REGISTRY
 
 
 class ConfigError(ValueError):
@@ -20,8 +20,8 @@ class ConfigError(ValueError):
 # The names of the options; what each one does lives in its module's table, which this module
 # cannot import (it loads before torch): loss.IMPORTANCE_SAMPLING, advantages.SCALES,
 # advantages.MULTI_OBJECTIVE_AGGREGATIONS, reference.SYNC_MODES. tests/test_config.py checks that the
-# names agree. The loss types come from their torch-free facts (loss_types), which loss.LOSS_TYPES shares.
-LOSS_TYPES = tuple(LOSS_TYPE_FACTS)
+# names agree. The loss types come from their torch-free registry (algo/loss_types.py).
+LOSS_TYPES = tuple(LOSS_TYPE_REGISTRY)
 IMPORTANCE_SAMPLING = ("token", "sequence")
 SCALES = ("group", "batch", "none")
 MULTI_OBJECTIVE = ("sum_then_normalize", "normalize_then_sum")  # advantages.MULTI_OBJECTIVE_AGGREGATIONS
@@ -42,12 +42,13 @@ SCHEDULERS = (
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MEMORY_PROBES = ("auto", "sweep")  # memory.plan_run_memory
 TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (run/reporting.py maps each to its package)
+# the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
 DECODE_MODES = (
     "auto",
     "eager",
     "static",
     "compiled",
-)  # the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
+)
 
 CHOICES = {  # field → its options: validate() checks the value, and each field's help names every option
     "quantization": QUANTIZATIONS,
@@ -295,7 +296,7 @@ def _check_objective(cfg) -> None:
         )
     if cfg.use_adaptive_entropy and not cfg.entropy_target > 0:
         raise ConfigError(f"entropy_target={cfg.entropy_target} must be > 0 with use_adaptive_entropy")
-    facts = LOSS_TYPE_FACTS[cfg.loss_type]
+    facts = LOSS_TYPE_REGISTRY[cfg.loss_type]
     if facts.ratio_cap and cfg.epsilon_high < 1:
         warnings.warn(
             f"loss_type={cfg.loss_type!r} caps the ratio itself at epsilon_high={cfg.epsilon_high} (MiniMax-M1's "

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from .algo.loss import k3_kl
+from .batch import MicroBatch
 from .memory.probe import decode_rows
 from .model.adapters import base_forward, eval_mode
 
@@ -208,9 +209,8 @@ def eval_metrics(
     if all(r.kl_sum is not None for r in results):
         tokens = sum(r.kl_tokens for r in results)
         metrics["eval/kl_to_base"] = math.fsum(r.kl_sum for r in results) / tokens if tokens else math.nan
-    if all(
-        r.tool_calls is not None for r in results
-    ):  # greedy completions that call a tool, calls per completion
+    # greedy completions that call a tool, calls per completion
+    if all(r.tool_calls is not None for r in results):
         metrics["eval/tools/calling_fraction"] = float(np.mean([r.tool_calls > 0 for r in results]))
         metrics["eval/tools/call_frequency"] = float(np.mean([r.tool_calls for r in results]))
     return metrics
@@ -269,9 +269,8 @@ class Evaluator:
         n = num_eval_samples(cfg.eval_pass_k, cfg.eval_num_samples)
         temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
         rows_at_once = decode_rows(cfg)  # the training rollout's rows: one decode shape for the run
-        kl_on_pass_k = (
-            cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature
-        )  # samples of the policy itself
+        # samples of the policy itself
+        kl_on_pass_k = cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature
         results = []
         for chunk, start, stop in eval_chunks(
             len(dataset), batch_prompts, acc.num_processes, acc.process_index
@@ -280,9 +279,8 @@ class Evaluator:
             greedy = [
                 (sub, self.sample(sub["prompt"], 1, 0.0, None, sub)) for sub in _parts(rows, rows_at_once)
             ]
-            scores = torch.cat(
-                [self.score(rollout, sub, 1) for sub, rollout in greedy]
-            )  # greedy draws nothing
+            # greedy draws nothing
+            scores = torch.cat([self.score(rollout, sub, 1) for sub, rollout in greedy])
             lengths = torch.cat([rollout.completion_lengths for _, rollout in greedy])
             calls = None if greedy[0][1].tool_calls is None else torch.cat([r.tool_calls for _, r in greedy])
             del greedy
@@ -298,9 +296,8 @@ class Evaluator:
                     if kl_on_pass_k:
                         kl.append(self.kl_to_base(sampled, n))
                 correct = count_correct(torch.cat(first), n, cfg.eval_correct_threshold)
-            if (
-                cfg.eval_kl_to_base and not kl_on_pass_k
-            ):  # one sample per prompt, from the chunk's second stream
+            # one sample per prompt, from the chunk's second stream
+            if cfg.eval_kl_to_base and not kl_on_pass_k:
                 generator = chunk_generator(cfg.seed, chunk, acc.device, stream=1)
                 for sub in _parts(rows, rows_at_once):
                     kl.append(
@@ -322,11 +319,7 @@ class Evaluator:
         rows, width = self.forward_rows(), rollout.completion_ids.shape[1]
         ids, attention = rollout.input_ids, rollout.attention_mask
         parts = [
-            {
-                "input_ids": ids[s : s + rows],
-                "attention_mask": attention[s : s + rows],
-                "completion_length": width,
-            }
+            MicroBatch(ids[s : s + rows], attention[s : s + rows], width)
             for s in range(0, ids.shape[0], rows)
         ]
         with eval_mode(self.model):

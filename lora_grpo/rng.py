@@ -40,7 +40,7 @@ def seed_everything(seed: int) -> None:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore rng_state()'s states (NumPy's as a list or, from older checkpoints, an ndarray). CUDA
+    """Restore rng_state()'s states (NumPy's key as a list of ints). CUDA
     states go to the devices both machines have: with fewer GPUs visible than at save time the
     extra states are dropped (one line says so), with more the extra devices keep theirs."""
     random.setstate(state["python"])
@@ -105,16 +105,9 @@ def restore_sampling(
     )
 
 
-def legacy_numpy_globals() -> list:
-    """What NumPy's RNG state (an ndarray of uint32) pickles as, in checkpoints written before rng.py
-    stored it as a list: array reconstruction and dtypes, no code. Under NumPy 1's module name too."""
-    reconstruct = (
-        np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
-    )
-    return [
-        reconstruct,
-        (reconstruct, "numpy.core.multiarray._reconstruct"),
-        np.ndarray,
-        np.dtype,
-        type(np.dtype(np.uint32)),
-    ]
+def shuffle_seed(seed: int, global_step: int) -> int:
+    """The seed of a step's row order where a step is cut into random shares of its rollout, as TRL
+    shuffles before cutting: the trainer's order of a generation's rows (steps_per_generation > 1)
+    and the update's clip-fraction groups (clip_ratio_group_size). One formula for both, so that
+    the two orders agree."""
+    return seed * 1_000_003 + global_step

@@ -4,13 +4,16 @@
         (B,) weighted rewards, (B, F) per function ─► multi_objective_advantages (B,) ─► the step's
         reward and completion metrics, over every process's groups
 
-The reward functions see `trainer_state`: the run's TrainState (transformers' TrainerState, as TRL
-passes it), or the TRL front door's own.
+The reward functions are resolved and checked first (resolve_rewards: a wrong one fails before the
+model loads); the scorer is built once the run's sizes exist. The reward functions see
+`trainer_state`: the run's TrainState (transformers' TrainerState, as TRL passes it), or the TRL
+front door's own; in a tool run, `environments`: the sampler's last rollout's instances.
 
 A reward model (rewards.RewardModel) scores on the run's device, a loaded one (a hub id or path) in
-the run's compute dtype, as TRL loads it with the policy's model_init_kwargs; its forwards take at
-most `forward_rows()` completions each (the run's micro_batch_size), and the memory plan measures
-its scoring forward at every candidate size (probe_passes).
+the run's compute dtype, as TRL loads it with the policy's model_init_kwargs (place_reward_models);
+its forwards take at most the run's `forward_rows` completions each (memory.sizes.RunSizes: the
+micro_batch_size), and the memory plan measures its scoring forward at every candidate size
+(probe_passes).
 """
 
 from __future__ import annotations
@@ -88,35 +91,88 @@ class Scored:
         )
 
 
+def resolve_rewards(config, reward_specs, *, environment: bool = False) -> list:
+    """The run's reward functions from functions, built-in names or dotted paths
+    (rewards.resolve_reward_funcs), checked against the config's reward_weights. With an environment
+    (`environment`), none is fine here: its get_reward may be the reward (RolloutScorer's
+    environment_rewards)."""
+    funcs = resolve_reward_funcs(
+        reward_specs, context={"max_completion_length": config.max_completion_length}
+    )
+    if not funcs and not environment:
+        raise ValueError("no reward functions: pass reward_funcs=[...] or set reward_funcs in the config")
+    check_reward_weights(config.reward_weights, len(funcs))
+    return funcs
+
+
+def reward_models(reward_funcs) -> list[RewardModel]:
+    """The reward models among the functions; each remembers the batch_size its user asked for (the
+    cap over the run's size)."""
+    for fn in reward_funcs:
+        if isinstance(fn, RewardModel) and not hasattr(fn, "requested_batch_size"):
+            fn.requested_batch_size = fn.batch_size
+    return [fn for fn in reward_funcs if isinstance(fn, RewardModel)]
+
+
+def place_reward_models(reward_funcs, device: torch.device, dtype: torch.dtype) -> None:
+    """Each reward model onto the run's device; one loaded from a path (not the caller's object)
+    also into the run's compute dtype, in the same move (no float32 copy on the GPU first)."""
+    for fn in reward_models(reward_funcs):
+        fn.model.to(device, **({"dtype": dtype} if getattr(fn, "loaded", False) else {}))
+
+
+def probe_passes(reward_funcs) -> tuple[Callable[[int, tuple[int, int]], None], ...]:
+    """For the memory plan: each reward model's scoring forward of m worst-case sequences of
+    (prompt, completion) tokens (the policy tokenizer's count, capped at the reward model's
+    context), no grad."""
+
+    def probe(fn: RewardModel) -> Callable[[int, tuple[int, int]], None]:
+        def run(m: int, tokens: tuple[int, int]) -> None:
+            config = fn.model.config
+            limit = getattr(config.get_text_config(), "max_position_embeddings", None) or sum(tokens)
+            length = min(sum(tokens), limit)
+            vocab = fn.model.get_input_embeddings().weight.shape[0]
+            ids = (torch.arange(m * length, device=fn.model.device) % vocab).view(m, length)
+            with torch.no_grad():
+                fn.model.eval()(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+        return run
+
+    return tuple(probe(fn) for fn in reward_models(reward_funcs))
+
+
 class RolloutScorer:
-    """The reward side of a step, built once: the functions, their names, the config's weights."""
+    """The reward side of a step, built once: the functions, their names, the config's weights.
 
-    def __init__(self, config, reward_specs, accelerator, trainer_state=None, *, environment: bool = False):
-        """reward_specs: functions, built-in names or dotted paths (rewards.resolve_reward_funcs). With an
-        environment (`environment`), none is fine here: its get_reward may be the reward (`add`)."""
+    reward_funcs: resolve_rewards' functions; environment_rewards: each environment class's
+    get_reward, after them with weight 1 (as TRL adds them). trainer_state: what reward functions
+    get as trainer_state. sizes: the run's sizes (memory.sizes.RunSizes), whose forward_rows caps a
+    reward model's forwards; None: the reward model's own batch_size. sampler: the run's
+    sampler.PolicySampler, whose last rollout's environments reward functions get (TRL's
+    `environments` keyword); None: no environments."""
+
+    def __init__(
+        self,
+        config,
+        reward_funcs,
+        accelerator,
+        trainer_state=None,
+        *,
+        environment_rewards=(),
+        sizes=None,
+        sampler=None,
+    ):
         self.config, self.accelerator = config, accelerator
-        self.reward_funcs = resolve_reward_funcs(
-            reward_specs, context={"max_completion_length": config.max_completion_length}
-        )
-        if not self.reward_funcs and not environment:
-            raise ValueError("no reward functions: pass reward_funcs=[...] or set reward_funcs in the config")
-        check_reward_weights(config.reward_weights, len(self.reward_funcs))
-        self.weights = None if config.reward_weights is None else list(config.reward_weights)
-        self.names = reward_names(self.reward_funcs)
-        self.forward_rows: Callable[[], int] | None = None  # the run's micro_batch_size, set by the trainer
-        self.trainer_state = trainer_state  # what reward functions get as trainer_state
-        self.last_samples = (
-            None  # the last scored training step's (prompts, completions, per_func, rewards, advantages)
-        )
-        self.environments: Callable[[], list | None] = lambda: (
+        self.reward_funcs = [*reward_funcs, *environment_rewards]
+        self.weights = (
             None
-        )  # a tool run's environment instances (TRL's keyword)
-
-    def add(self, fn) -> None:
-        """One more reward function of weight 1 (an environment's get_reward, as TRL adds it)."""
-        self.reward_funcs.append(fn)
-        self.weights = None if self.weights is None else [*self.weights, 1.0]
+            if config.reward_weights is None
+            else [*config.reward_weights, *(1.0 for _ in environment_rewards)]
+        )
         self.names = reward_names(self.reward_funcs)
+        self.trainer_state, self.sizes, self.sampler = trainer_state, sizes, sampler
+        # the last scored training step's (prompts, completions, per_func, rewards, advantages)
+        self.last_samples = None
 
     def score(self, rollout, rows: dict[str, list], group_size: int) -> Scored:
         """Every reward function on the rollout: the weighted rewards, the per-function table, their
@@ -125,18 +181,19 @@ class RolloutScorer:
         prompts, completions, columns = rollout_keywords(
             rollout, rows, group_size, self.trainer_state, PROMPT_MESSAGES
         )
-        if (
-            rollout.messages is not None
-        ):  # a tool run: a conversational completion is its turns and tool replies
+        # a tool run: a conversational completion is its turns and tool replies
+        if rollout.messages is not None:
             completions = [
                 m if isinstance(p, list) else c for p, c, m in zip(prompts, completions, rollout.messages)
             ]
-        if self.environments() is not None:
-            columns["environments"] = self.environments()
+        environments = None if self.sampler is None else self.sampler.environments
+        if environments is not None:
+            columns["environments"] = environments
         extra, logged = {}, {}
-        if self.forward_rows is not None:  # a reward model's forwards are sized as the run's others
-            size = self.forward_rows()
-            for fn in self.reward_models:
+        if self.sizes is not None:
+            # a reward model's forwards are sized as the run's others
+            size = self.sizes.forward_rows
+            for fn in reward_models(self.reward_funcs):
                 fn.batch_size = min(fn.requested_batch_size, size)
         columns["log_extra"] = lambda column, values: extra.setdefault(column, []).extend(values)
         columns["log_metric"] = lambda name, value: logged.setdefault(name, []).append(float(value))
@@ -155,40 +212,6 @@ class RolloutScorer:
         """(rewards (B,), per-function (B, F) with NaN where a function returned None, metrics)."""
         scored = self.score(rollout, rows, group_size)
         return scored.rewards, scored.per_func, scored.all_metrics
-
-    def place_reward_models(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Each reward model onto the run's device; one loaded from a path (not the caller's object)
-        also into the run's compute dtype, in the same move (no float32 copy on the GPU first)."""
-        for fn in self.reward_models:
-            fn.model.to(device, **({"dtype": dtype} if getattr(fn, "loaded", False) else {}))
-
-    @property
-    def reward_models(self) -> list[RewardModel]:
-        for fn in self.reward_funcs:
-            if isinstance(fn, RewardModel) and not hasattr(fn, "requested_batch_size"):
-                fn.requested_batch_size = (
-                    fn.batch_size
-                )  # what the user asked for: the cap over the run's size
-        return [fn for fn in self.reward_funcs if isinstance(fn, RewardModel)]
-
-    def probe_passes(self) -> tuple[Callable[[int, tuple[int, int]], None], ...]:
-        """For the memory plan: each reward model's scoring forward of m worst-case sequences of
-        (prompt, completion) tokens (the policy tokenizer's count, capped at the reward model's
-        context), no grad."""
-
-        def probe(fn: RewardModel) -> Callable[[int, tuple[int, int]], None]:
-            def run(m: int, tokens: tuple[int, int]) -> None:
-                config = fn.model.config
-                limit = getattr(config.get_text_config(), "max_position_embeddings", None) or sum(tokens)
-                length = min(sum(tokens), limit)
-                vocab = fn.model.get_input_embeddings().weight.shape[0]
-                ids = (torch.arange(m * length, device=fn.model.device) % vocab).view(m, length)
-                with torch.no_grad():
-                    fn.model.eval()(input_ids=ids, attention_mask=torch.ones_like(ids))
-
-            return run
-
-        return tuple(probe(fn) for fn in self.reward_models)
 
     def _count_tokens(self, tokens: float) -> dict[str, float]:
         # the run's prompt and completion tokens so far, over every process (TrainerState's

@@ -25,7 +25,7 @@ from typing import Any
 from transformers import TrainerState
 
 from .algo.loss import AdaptiveEntropy
-from .batch import Generation
+from .batch import RolloutSteps
 from .model.reference import SyncSchedule
 from .run.health import HealthMonitor
 
@@ -43,15 +43,10 @@ FROM_CONFIG = frozenset(
         "is_world_process_zero",
     }
 )
-# Keys older checkpoints wrote for fields that have another name now.
-_RENAMED = {"step": "global_step", "history": "log_history", "warmup_restart_update": "warmup_restarts"}
-# What a field means when an older checkpoint did not save it: an unknown reference slot is not
-# assumed to equal the policy (its forward runs).
-_IF_MISSING = {"reference_is_policy": False}
 # A field's saved form (in trainer_state.json) where its annotation says another or nothing: a part
-# (an Any field) is saved as its state_dict(), a JSON object; warmup restarts were a bare update number
-# (or null) before TrainState; transformers saves stateful_callbacks as an object.
-_SAVED_FORM = {"warmup_restarts": dict | int | None, "stateful_callbacks": dict | None}
+# (an Any field) is saved as its state_dict(), a JSON object; a run without warmup restarts saves null for
+# them; transformers saves stateful_callbacks as an object.
+_SAVED_FORM = {"warmup_restarts": dict | None, "stateful_callbacks": dict | None}
 # Saved integers count something (steps, tokens, updates): none is negative, and these are at least 1.
 _AT_LEAST_ONE = frozenset({"num_processes", "micro_batch_size"})
 # Fields a new run of the same trainer keeps (TRL's second train(), GRPOTrainer._start_again): facts about the
@@ -90,16 +85,15 @@ class TrainState(TrainerState):
     warmup_restarts: Any = None  # optim.WarmupRestarts: the update of the last warmup restart
     health: Any = None  # health.HealthMonitor: streaks, recent KLs, first-steps baselines, warnings given
     adaptive_entropy: Any = None  # loss.AdaptiveEntropy: the entropy coefficient and its last measurement
-    extra: dict = dataclasses.field(
-        default_factory=dict
-    )  # a front door's own state (the TRL front door's log history)
+    # a front door's own state (the TRL front door's log history)
+    extra: dict = dataclasses.field(default_factory=dict)
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
     # (run/failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
     unfinished_step: dict | None = None
-    # batch.Generation: the optimizer steps of the current generation not trained yet (None or empty:
+    # batch.RolloutSteps: the optimizer steps of the current rollout not trained yet (None or empty:
     # the next step samples a new rollout). A checkpoint inside a generation saves them, so that the
-    # resumed run trains them on the same rollout.
-    generation: Any = dataclasses.field(default=None, metadata={PER_PROCESS: Generation.from_state_dict})
+    # resumed run trains them on the same rollout. (The field's name is the checkpoint's key.)
+    generation: Any = dataclasses.field(default=None, metadata={PER_PROCESS: RolloutSteps.from_state_dict})
 
     @classmethod
     def for_run(cls, config, accelerator, total_steps: int, batches, warmup_restarts) -> "TrainState":
@@ -167,8 +161,8 @@ class TrainState(TrainerState):
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore every saved field but FROM_CONFIG; parts restore through their load_state_dict().
-        Keys of older checkpoints are read under their new names; unknown keys are ignored."""
-        saved = {**_IF_MISSING, **{_RENAMED.get(k, k): v for k, v in saved.items()}}
+        Unknown keys are ignored. ValueError naming each field whose value does not fit (saved_problems), before
+        any field is set."""
         problems = self.saved_problems(saved)
         if problems:
             raise ValueError("; ".join(problems))
@@ -185,9 +179,8 @@ class TrainState(TrainerState):
     def saved_problems(cls, saved: Mapping[str, Any]) -> list[str]:
         """What is wrong in `saved` (a state_dict(), as trainer_state.json holds it), field by field: a value of
         another type than its field's (`"global_step": "two"`, `"batches": null`) or out of range (a negative
-        count); [] when every field it restores fits. Keys of older checkpoints are read under their new names;
-        unknown keys and FROM_CONFIG fields (not restored) are not checked."""
-        saved = {_RENAMED.get(k, k): v for k, v in saved.items()}
+        count); [] when every field it restores fits. Unknown keys and FROM_CONFIG fields (not restored) are not
+        checked."""
         hints = typing.get_type_hints(cls)
         problems = []
         for f in dataclasses.fields(cls):

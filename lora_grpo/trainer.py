@@ -8,6 +8,11 @@
             ─► num_iterations × steps_per_generation optimizer steps (update.PolicyUpdate), each followed by
                eval if due ─► maybe sync the reference slot ─► metrics, callbacks, checkpoint (_end_step)
 
+In the code, in run order: __init__ calls the builders (model, sampler, data, optimizer, stages), each
+stage getting what it needs at construction; train() → _train: resume, begin, eval before, then
+_run_steps walks _step_batches (a generator that owns the rollout, dynamic sampling and the steps
+left of a generation: state.generation) through the update and _end_step; eval after, final save.
+
 The loop's mutable state is `trainer.state` (state.TrainState); evaluation, start-up checks, the memory
 plan and the run's files live in their own modules. On purpose: generation runs with the training model
 (no vLLM); each process holds its own base and both adapters, and a prompt's whole group stays on it.
@@ -19,13 +24,13 @@ import json
 import math
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .batch import Batch, Generation
+from .batch import Batch, RolloutSteps, StepBatch
 from .config import ConfigError, GRPOConfig
 from .data.prompts import (
     PromptBatches,
@@ -53,7 +58,7 @@ from .optim import (
 )
 from .optim import apply_config as apply_optimizer_config
 from .rewards.scoring import RewardFunctionError
-from .rng import rng_state, sampling_seed, seed_everything
+from .rng import rng_state, sampling_seed, seed_everything, shuffle_seed
 from .rollout import Rollout
 from .run import checkpoint as ckpt
 from .run.failures import LastFinishedStep, StepFailed, describe_stages, stage, stages_of
@@ -61,7 +66,7 @@ from .run.reporting import RunReporter, accelerator_kwargs, format_metrics, prog
 from .run.run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
 from .run.stopping import StopSignals, TrainingInterrupted, agreed_signal
 from .sampler import PolicySampler
-from .scorer import RolloutScorer
+from .scorer import RolloutScorer, place_reward_models, probe_passes, resolve_rewards
 from .startup import check_datasets, check_model_log_probs, check_special_tokens
 from .state import StepFlow, TrainState
 from .update import PolicyUpdate
@@ -135,93 +140,29 @@ class GRPOTrainer:
         self.accelerator = Accelerator(
             cpu=config.use_cpu or not torch.cuda.is_available(), **accelerator_kwargs(config)
         )
-        # Reward functions first: a wrong one fails before the model loads (scorer.RolloutScorer).
         environment_factory = environment_factory or config.environment_factory
-        self.scorer = RolloutScorer(
+        # Reward functions first: a wrong one fails before the model loads (scorer.resolve_rewards).
+        rewards = resolve_rewards(
             config,
             reward_funcs if reward_funcs is not None else config.reward_funcs,
-            self.accelerator,
             environment=environment_factory is not None,
         )
         # The same seed on every process: the adapters must start identical (sampling has its own
-        # per-process generator below).
+        # per-process generator, _build_sampler).
         seed_everything(config.seed)
-        # accelerate's mixed_precision is honoured as torch_dtype bfloat16, or refused by name (device.py)
-        config.torch_dtype = mixed_precision_dtype(self.accelerator.mixed_precision, config.torch_dtype)
-        if model is None:  # on this process's device, the CPU too (use_cpu: not a GPU's)
-            model, tokenizer = load_model(config, device_map={"": self.accelerator.device})
-        elif tokenizer is None:
-            raise ValueError("pass the tokenizer together with the model")
-        self.model, self.tokenizer = model, tokenizer
-        keep_4bit_weights_fixed(model)  # also for a model the caller built (see model/load.py)
-        set_training(
-            model, False
-        )  # eval mode between updates, where sampling and log-probs run (adapters.train_mode)
-        place_model(
-            self.model, self.accelerator.device
-        )  # moves a plain model; refuses a quantized one on another device
-        self.scorer.place_reward_models(self.accelerator.device, model.get_input_embeddings().weight.dtype)
-        self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
-            sampling_seed(config.seed, self.accelerator.process_index)
-        )
-        # The rollout stage (sampler.py), with the tools a rollout may call (a multi-turn rollout).
-        self.sampler = PolicySampler(
-            config,
-            model,
-            tokenizer,
-            self.generator,
-            tools=config.tools if tools is None else tools,
-            environment_factory=environment_factory,
-        )
-        for env_reward in (
-            self.sampler.toolbox.environment_rewards() if self.sampler.toolbox is not None else ()
-        ):
-            self.scorer.add(env_reward)  # each environment class's get_reward, weight 1, as TRL adds them
-        if not self.scorer.reward_funcs:
+        self._build_model(model, tokenizer)
+        place_reward_models(rewards, self.accelerator.device, self.model.get_input_embeddings().weight.dtype)
+        self.sampler = self._build_sampler(config.tools if tools is None else tools, environment_factory)
+        # Each environment class's get_reward is a reward too, weight 1, after the others (as TRL adds them).
+        toolbox = self.sampler.toolbox
+        environment_rewards = toolbox.environment_rewards() if toolbox is not None else ()
+        if not rewards and not environment_rewards:
             raise ValueError(
                 "no reward functions: the environment defines no get_reward(); pass reward_funcs=[...] "
                 "or set reward_funcs in the config"
             )
-        self.reward_funcs, self.reward_names = self.scorer.reward_funcs, self.scorer.names
-        self.train_dataset, self.eval_dataset = resolve_datasets(
-            config, train_dataset, eval_dataset, tokenizer, self.sampler.prompt_template_kwargs
-        )
-        # Start-up checks (startup.py): reward columns, every prompt against the context (tokenised
-        # once), special tokens, the log-probs against the model's own logits.
-        self.prompt_lengths = check_datasets(
-            self.reward_funcs,
-            {"train_dataset": self.train_dataset, **eval_set_labels(self.eval_dataset)},
-            tokenizer,
-            model,
-            config,
-        )
-        check_special_tokens(self.model, self.tokenizer)
-        self.log_prob_check = check_model_log_probs(
-            self.model, self.tokenizer, list(self.train_dataset[:2]["prompt"]), config
-        )
-        # Each process samples its own prompts, an equal share (data.process_shard).
-        self.train_dataset = process_shard(
-            self.train_dataset, self.accelerator.num_processes, self.accelerator.process_index
-        )
-        batches = PromptBatches(
-            self.train_dataset,
-            config.prompts_per_generation,
-            seed=config.seed,
-            shuffle=config.shuffle_dataset,
-        )
-        # Every optimizer update is a step (TRL's count): a rollout feeds num_iterations × steps_per_generation.
-        self.steps_per_epoch = batches.steps_per_epoch * config.num_iterations * config.steps_per_generation
-        self.total_steps = config.max_steps or math.ceil(config.num_epochs * self.steps_per_epoch)
-        self.params = policy_parameters(self.model)
-        self.optimizer = build_optimizer(self.params, config)
-        # ref_sync_restart_warmup: the warmup restarts at each sync (its state is in the TrainState)
-        warmup_restarts = WarmupRestarts(steps_of(config.warmup_steps, self.total_steps))
-        self.scheduler = build_scheduler(
-            self.optimizer,
-            config,
-            self.total_steps,
-            warmup_restarts if config.ref_sync_restart_warmup else None,
-        )
+        batches = self._build_data([*rewards, *environment_rewards], train_dataset, eval_dataset)
+        warmup_restarts = self._build_optimizer(batches)
         if config.ref_sync_on_plateau and self.eval_dataset is None:
             raise ConfigError(
                 "ref_sync_on_plateau=true watches the eval score, but there are no eval prompts: set "
@@ -229,51 +170,17 @@ class GRPOTrainer:
             )
         # The loop's mutable state, saved and restored whole (state.py).
         self.state = TrainState.for_run(config, self.accelerator, self.total_steps, batches, warmup_restarts)
-        self.update = PolicyUpdate(
-            config, self.model, self.params, self.optimizer, self.scheduler, self.accelerator, self.state
-        )  # one optimizer update (update.py)
-        lengths = self.prompt_lengths
-        eval_longest = [lengths[label].longest for label in eval_set_labels(self.eval_dataset)]
-        self.sizes = RunSizes(
-            config,
-            self.update,
-            self.accelerator,
-            self.state,
-            lengths["train_dataset"].longest,
-            max(eval_longest) if eval_longest else None,
-            side_passes=self.scorer.probe_passes(),
-        )
-        self.scorer.forward_rows = lambda: (
-            self.sizes.forward_rows
-        )  # a reward model's forwards: the run's rows
+        self._build_stages(rewards, environment_rewards)
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
-        self.reporter = RunReporter(config, self.accelerator, self.reward_names, self.total_steps)
-        self.evaluator = Evaluator(
-            config,
-            self.accelerator,
-            self.reward_names,
-            model=self.model,
-            sample=self.generate,
-            score=lambda rollout, rows, n: self.scorer.rewards(rollout, rows, n)[1],
-            log_probs=lambda mb: self.update.forward(mb)[0],
-            forward_rows=lambda: self.sizes.forward_rows,
-        )
-        self.hooks: list[
-            Callable[..., None]
-        ] = []  # named points of the loop call hook(event, trainer, **payload)
-        self.stop_requested = (
-            False  # set by a hook (a callback's should_training_stop): the run ends after this step
-        )
-        self.scorer.trainer_state = self.state  # what reward functions get as trainer_state
-        self.scorer.environments = lambda: self.sampler.environments
-        self.logging_every, self.eval_every = (
-            steps_of(config.logging_steps, self.total_steps),
-            steps_of(config.eval_steps, self.total_steps),
-        )
-        self.last_finished = (
-            LastFinishedStep()
-        )  # what a failure mid-run can still checkpoint (run/failures.py)
+        # named points of the loop call hook(event, trainer, **payload)
+        self.hooks: list[Callable[..., None]] = []
+        # set by a hook (a callback's should_training_stop): the run ends after this step
+        self.stop_requested = False
+        self.logging_every = steps_of(config.logging_steps, self.total_steps)
+        self.eval_every = steps_of(config.eval_steps, self.total_steps)
+        # what a failure mid-run can still checkpoint (run/failures.py)
+        self.last_finished = LastFinishedStep()
         # How a stopped run resumes, in the words of its entry point: the Python API's here; the CLI and
         # the TRL front door set theirs.
         self.resume_hint = (
@@ -284,6 +191,133 @@ class GRPOTrainer:
         self.train_further_hint: Callable[[int], str] = lambda max_steps: (
             f"build a new GRPOTrainer with max_steps={max_steps} and resume_from_checkpoint='latest' in its "
             f"GRPOConfig (output_dir={str(self.output_dir)!r})"
+        )
+
+    # ------------------------------------------------------------------ construction
+    def _build_model(self, model, tokenizer) -> None:
+        """self.model and self.tokenizer: the config's base with its adapters (model/load.py), or the
+        caller's model, on this process's device in eval mode (sampling and log-probs run in it)."""
+        config = self.config
+        # accelerate's mixed_precision is honoured as torch_dtype bfloat16, or refused by name (device.py)
+        config.torch_dtype = mixed_precision_dtype(self.accelerator.mixed_precision, config.torch_dtype)
+        if model is None:
+            # on this process's device, the CPU too (use_cpu: not a GPU's)
+            model, tokenizer = load_model(config, device_map={"": self.accelerator.device})
+        elif tokenizer is None:
+            raise ValueError("pass the tokenizer together with the model")
+        self.model, self.tokenizer = model, tokenizer
+        # also for a model the caller built (see model/load.py)
+        keep_4bit_weights_fixed(model)
+        # eval mode between updates, where sampling and log-probs run (adapters.train_mode)
+        set_training(model, False)
+        # moves a plain model; refuses a quantized one on another device
+        place_model(model, self.accelerator.device)
+
+    def _build_sampler(self, tools, environment_factory) -> PolicySampler:
+        """The rollout stage (sampler.py) on this process's own sampling stream (self.generator), with
+        the tools a rollout may call (a multi-turn rollout)."""
+        self.generator = torch.Generator(device=self.accelerator.device).manual_seed(
+            sampling_seed(self.config.seed, self.accelerator.process_index)
+        )
+        return PolicySampler(
+            self.config,
+            self.model,
+            self.tokenizer,
+            self.generator,
+            tools=tools,
+            environment_factory=environment_factory,
+        )
+
+    def _build_data(self, reward_funcs: list, train_dataset, eval_dataset) -> PromptBatches:
+        """self.train_dataset (this process's share) and self.eval_dataset, checked at start-up
+        (startup.py: reward columns, every prompt against the context, tokenised once, special tokens,
+        the log-probs against the model's own logits); returns the training prompts' batches."""
+        config, tokenizer = self.config, self.tokenizer
+        self.train_dataset, self.eval_dataset = resolve_datasets(
+            config, train_dataset, eval_dataset, tokenizer, self.sampler.prompt_template_kwargs
+        )
+        self.prompt_lengths = check_datasets(
+            reward_funcs,
+            {"train_dataset": self.train_dataset, **eval_set_labels(self.eval_dataset)},
+            tokenizer,
+            self.model,
+            config,
+        )
+        check_special_tokens(self.model, tokenizer)
+        self.log_prob_check = check_model_log_probs(
+            self.model, tokenizer, list(self.train_dataset[:2]["prompt"]), config
+        )
+        # Each process samples its own prompts, an equal share (data.process_shard).
+        self.train_dataset = process_shard(
+            self.train_dataset, self.accelerator.num_processes, self.accelerator.process_index
+        )
+        return PromptBatches(
+            self.train_dataset,
+            config.prompts_per_generation,
+            seed=config.seed,
+            shuffle=config.shuffle_dataset,
+        )
+
+    def _build_optimizer(self, batches: PromptBatches) -> WarmupRestarts:
+        """The run's length (self.steps_per_epoch, self.total_steps), the policy's parameters, the
+        optimizer and the LR schedule; returns the warmup restarts (their state is in the TrainState)."""
+        config = self.config
+        # Every optimizer update is a step (TRL's count): a rollout feeds num_iterations × steps_per_generation.
+        self.steps_per_epoch = batches.steps_per_epoch * config.num_iterations * config.steps_per_generation
+        self.total_steps = config.max_steps or math.ceil(config.num_epochs * self.steps_per_epoch)
+        self.params = policy_parameters(self.model)
+        self.optimizer = build_optimizer(self.params, config)
+        # ref_sync_restart_warmup: the warmup restarts at each sync
+        warmup_restarts = WarmupRestarts(steps_of(config.warmup_steps, self.total_steps))
+        self.scheduler = build_scheduler(
+            self.optimizer,
+            config,
+            self.total_steps,
+            warmup_restarts if config.ref_sync_restart_warmup else None,
+        )
+        return warmup_restarts
+
+    def _build_stages(self, rewards: list, environment_rewards) -> None:
+        """The stages that read the run's state, each given what it needs: the update (update.py), the
+        sizes (memory/sizes.py), the scorer (scorer.py), the reporter and the evaluator."""
+        config, accelerator = self.config, self.accelerator
+        # one optimizer update (update.py)
+        self.update = PolicyUpdate(
+            config, self.model, self.params, self.optimizer, self.scheduler, accelerator, self.state
+        )
+        lengths = self.prompt_lengths
+        eval_longest = [lengths[label].longest for label in eval_set_labels(self.eval_dataset)]
+        self.sizes = RunSizes(
+            config,
+            self.update,
+            accelerator,
+            self.state,
+            lengths["train_dataset"].longest,
+            max(eval_longest) if eval_longest else None,
+            side_passes=probe_passes(rewards),
+        )
+        # A reward model's forwards take the run's rows; reward functions get the run's state as
+        # trainer_state and, in a tool run, the sampler's environments.
+        self.scorer = RolloutScorer(
+            config,
+            rewards,
+            accelerator,
+            self.state,
+            environment_rewards=environment_rewards,
+            sizes=self.sizes,
+            sampler=self.sampler,
+        )
+        self.reward_funcs, self.reward_names = self.scorer.reward_funcs, self.scorer.names
+        self.reporter = RunReporter(config, accelerator, self.reward_names, self.total_steps)
+        self.evaluator = Evaluator(
+            config,
+            accelerator,
+            self.reward_names,
+            model=self.model,
+            sample=self.generate,
+            score=lambda rollout, rows, n: self.scorer.rewards(rollout, rows, n)[1],
+            log_probs=lambda mb: self.update.forward(mb)[0],
+            forward_rows=lambda: self.sizes.forward_rows,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -311,90 +345,24 @@ class GRPOTrainer:
             return self._train()
 
     def _train(self) -> dict[str, Any]:
-        cfg, state = self.config, self.state
         start = time.perf_counter()
-        plan = self.plan_memory()  # before any rollout: the probe is also the preflight
-        if cfg.resume_from_checkpoint:
-            resumed, no_adapter = (
-                self.load_checkpoint(cfg.resume_from_checkpoint),
-                not (self.output_dir / "adapter").exists(),
-            )
-            line = nothing_to_train(
-                state.global_step, self.total_steps, resumed, no_adapter, further=self.train_further_hint
-            )
-            if line:  # a finished run: nothing trained, evaluated or saved again
-                self._print(line)
-                if no_adapter and self.is_main:
-                    ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY)
-                return self._summary(start, {}, {})
-        if self.is_main:  # after the resume checks: a refused or finished resume leaves config.yaml as it was
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            cfg.to_yaml(self.output_dir / "config.yaml")
-        self.reporter.start(
-            state.global_step, resumed=bool(cfg.resume_from_checkpoint)
-        )  # logs truncated or fresh; trackers
-        if plan is not None:  # what 'auto' chose
-            self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
-        self._event("train_begin")
-        has_eval = self.eval_dataset is not None
-        self._finished_step()
-        try:  # whatever raises from here on: keep the last finished step, then one error (_step_failed)
+        # before any rollout: the probe is also the preflight
+        plan = self.plan_memory()
+        if self.config.resume_from_checkpoint and self._resume_finished():
+            return self._summary(start, {}, {})
+        self._begin(plan)
+        # whatever raises from here on: keep the last finished step, then one error (_step_failed)
+        try:
             with stage("eval"):
-                eval_before = (
-                    self._evaluate_and_log("before")
-                    if has_eval and cfg.eval_on_start and state.global_step == 0
-                    else {}
-                )
+                eval_before = self._eval_at_start()
             # Stop signals are deferred until the end of the run, final eval and saves included.
             with StopSignals() as stop:
-                with self.reporter.progress(state.global_step):
-                    if (
-                        state.unfinished_step
-                    ):  # resumed after a failed eval: that step ends first, as it would have
-                        pending, state.unfinished_step = state.unfinished_step, None
-                        self._end_step(pending["metrics"], epoch_ended=pending["epoch_ended"], stop=stop)
-                    while state.global_step < self.total_steps and not self.stop_requested:
-                        round_metrics = {}
-                        if not state.generation:  # a new rollout; else the next step of this one's
-                            if cfg.dynamic_sampling and not cfg.max_steps and self._agreed_prompts_spent():
-                                break  # the epochs' prompts are drawn (a step may draw several batches)
-                            with stage("rollout"):  # the data: a row that fails to load or to format
-                                epoch, rows = next(state.batches)
-                            self._event("step_begin")  # a rollout's first step begins with the rollout
-                            steps, round_metrics = self.generation_round(rows)
-                            # after every round of the step
-                            state.generation = Generation(tuple(steps), epoch, state.batches.epoch != epoch)
-                        else:
-                            self._event("step_begin")
-                        # A new Generation of the rest: what a failure keeps still holds this step.
-                        step_batch, state.generation = state.generation.pop()
-                        with stage("update"):
-                            metrics = {**round_metrics, **self.timed_update(step_batch)}
-                        metrics["time/step"] = metrics["time/train"] + (
-                            metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0)
-                        )
-                        state.global_step += 1
-                        state.epoch = (  # passes over the data: with dynamic sampling, the prompts drawn
-                            state.batches.epochs_done
-                            if cfg.dynamic_sampling
-                            else state.global_step / self.steps_per_epoch
-                        )
-                        metrics["epoch"] = state.generation.epoch
-                        self._end_step(
-                            metrics,
-                            epoch_ended=state.generation.epoch_ended and not state.generation,
-                            stop=stop,
-                        )
+                with self.reporter.progress(self.state.global_step):
+                    self._run_steps(stop)
                 with stage("eval"):
-                    eval_after = self._evaluate_and_log("after") if has_eval and cfg.eval_on_end else {}
+                    eval_after = self._eval_at_end()
                 with stage("checkpoint"):
-                    self.save_checkpoint()
-                    if self.is_main:
-                        ckpt.explain_write_failure(
-                            "the final adapter",
-                            self.output_dir,
-                            lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY),
-                        )
+                    self._save_final()
         except Exception as error:  # noqa: BLE001 - kept, explained and raised again, chained
             self._step_failed(error)
         summary = self._summary(start, eval_before, eval_after)
@@ -403,6 +371,111 @@ class GRPOTrainer:
         self.reporter.finish()
         self._event("train_end")
         return summary
+
+    def _resume_finished(self) -> bool:
+        """Resume from config.resume_from_checkpoint; True when the checkpoint's run has nothing left
+        to train (said in one line; its final adapter written when missing): nothing is trained,
+        evaluated or saved again."""
+        resumed = self.load_checkpoint(self.config.resume_from_checkpoint)
+        no_adapter = not (self.output_dir / "adapter").exists()
+        line = nothing_to_train(
+            self.state.global_step, self.total_steps, resumed, no_adapter, further=self.train_further_hint
+        )
+        if not line:
+            return False
+        self._print(line)
+        if no_adapter and self.is_main:
+            ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY)
+        return True
+
+    def _begin(self, plan: MemoryPlan | None) -> None:
+        """The run's start: config.yaml, the logs (truncated or fresh) and trackers, what 'auto' chose,
+        the train_begin event; the start is the last finished step."""
+        cfg = self.config
+        # after the resume checks: a refused or finished resume leaves config.yaml as it was
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            cfg.to_yaml(self.output_dir / "config.yaml")
+        self.reporter.start(self.state.global_step, resumed=bool(cfg.resume_from_checkpoint))
+        if plan is not None:
+            self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
+        self._event("train_begin")
+        self._finished_step()
+
+    def _eval_at_start(self) -> dict[str, float]:
+        """The eval before training (eval_on_start, a run at step 0 with eval prompts), or {}."""
+        due = self.eval_dataset is not None and self.config.eval_on_start and self.state.global_step == 0
+        return self._evaluate_and_log("before") if due else {}
+
+    def _eval_at_end(self) -> dict[str, float]:
+        """The eval after training (eval_on_end, with eval prompts), or {}."""
+        due = self.eval_dataset is not None and self.config.eval_on_end
+        return self._evaluate_and_log("after") if due else {}
+
+    def _save_final(self) -> None:
+        """The last checkpoint and the final adapter (output_dir/adapter)."""
+        self.save_checkpoint()
+        if self.is_main:
+            ckpt.explain_write_failure(
+                "the final adapter",
+                self.output_dir,
+                lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY),
+            )
+
+    def _run_steps(self, stop: StopSignals) -> None:
+        """The optimizer steps, in run order: each step's batch (_step_batches: the rollout, dynamic
+        sampling, the steps left of a generation) → the update → the step's count → its end (eval,
+        sync, log, checkpoint: _end_step). A step resumed after its eval failed ends first, as it
+        would have."""
+        state = self.state
+        if state.unfinished_step:
+            pending, state.unfinished_step = state.unfinished_step, None
+            self._end_step(pending["metrics"], epoch_ended=pending["epoch_ended"], stop=stop)
+        for step in self._step_batches():
+            with stage("update"):
+                metrics = {**step.metrics, **self.timed_update(step.batch)}
+            self._count_step(metrics, step.epoch)
+            self._end_step(metrics, epoch_ended=step.ends_epoch, stop=stop)
+
+    def _step_batches(self) -> Iterator[StepBatch]:
+        """The run's optimizer steps until total_steps (or a hook's stop, or, with dynamic sampling in
+        a run of num_epochs, the epochs' prompts drawn on any process): each step's batch, the next of
+        the current rollout's steps (state.generation), or the first of a new rollout's, sampled and
+        scored here (generation_round). Each step begins (the step_begin event) before its rollout;
+        the loop runs each step's update and end before asking for the next."""
+        cfg, state = self.config, self.state
+        while state.global_step < self.total_steps and not self.stop_requested:
+            metrics = {}
+            if not state.generation:
+                if cfg.dynamic_sampling and not cfg.max_steps and self._agreed_prompts_spent():
+                    return
+                # the data: a row that fails to load or to format
+                with stage("rollout"):
+                    epoch, rows = next(state.batches)
+                # a rollout's first step begins with the rollout
+                self._event("step_begin")
+                steps, metrics = self.generation_round(rows)
+                # after every round of the step: whether drawing its prompts ended an epoch
+                state.generation = RolloutSteps(tuple(steps), epoch, state.batches.epoch != epoch)
+            else:
+                self._event("step_begin")
+            # A new RolloutSteps of the rest: what a failure keeps still holds this step.
+            batch, state.generation = state.generation.pop()
+            rest = state.generation
+            yield StepBatch(batch, metrics, rest.epoch, ends_epoch=rest.epoch_ended and not rest)
+
+    def _count_step(self, metrics: dict[str, Any], epoch: int) -> None:
+        """An optimizer step done: its time, global_step and the passes over the data."""
+        cfg, state = self.config, self.state
+        metrics["time/step"] = metrics["time/train"] + (
+            metrics.get("time/rollout", 0.0) + metrics.get("time/log_probs", 0.0)
+        )
+        state.global_step += 1
+        # passes over the data: with dynamic sampling, the prompts drawn
+        state.epoch = (
+            state.batches.epochs_done if cfg.dynamic_sampling else state.global_step / self.steps_per_epoch
+        )
+        metrics["epoch"] = epoch
 
     def _summary(self, start: float, before: dict, after: dict) -> dict[str, Any]:
         return run_summary(
@@ -508,14 +581,12 @@ class GRPOTrainer:
             metrics["sync/event"] = 1.0
             metrics["sync/reason"] = reason
         with stage("log"):
-            for line in state.health.observe(
-                step, metrics
-            ):  # health/* flags go into this step's metrics (run/health.py)
+            # health/* flags go into this step's metrics (run/health.py)
+            for line in state.health.observe(step, metrics):
                 self._print(line)
             state.log_history.append(metrics)
-            first = (
-                "time/rollout" in metrics
-            )  # a rollout's first optimizer step: its completions are logged once
+            # a rollout's first optimizer step: its completions are logged once
+            first = "time/rollout" in metrics
             self.reporter.log_step(step, metrics, self.scorer.last_samples if first else None, show=due.log)
             if due.log:
                 self._print(progress_line(step, self.total_steps, metrics))
@@ -533,43 +604,28 @@ class GRPOTrainer:
         training order, num_iterations passes over steps_per_generation slices; the round's metrics).
         With dynamic_sampling, more rollouts of the next prompts until enough groups carry signal
         (sample_step); the batches hold those groups."""
-        cfg = self.config
-        t0 = now(self.accelerator.device)
-        with stage("rollout"):
-            rollout = self.generate(rows["prompt"], rows=rows)
+        cfg, device = self.config, self.accelerator.device
+        t0 = now(device)
+        rows, rollout, scored, sampled, sampling_metrics = self._sample_and_score(rows)
+        t_gen = now(device)
+        # rewards → group-relative advantages
         with stage("reward"):
-            scored = self.scorer.score(rollout, rows, cfg.num_generations)
-        sampled, sampling_metrics = None, {}
-        if cfg.dynamic_sampling:  # more rounds until the step holds enough informative groups
-            step = self.sample_step(Round(rows, rollout, scored))
-            rows, rollout, scored = step.trained(self.reward_names)
-            sampled = (step.rollout, step.scored, step.trained_rows)
-            counts = sum_over_processes(step.counts, self.accelerator)
-            sampling_metrics = step_metrics(counts, self.accelerator.num_processes)
-        t_gen = now(self.accelerator.device)
-        with stage("reward"):  # rewards → group-relative advantages
             advantages, metrics = self.scorer.advantages(rollout, rows, scored, sampled)
         metrics.update(sampling_metrics)
         batch = Batch.from_rollout(
             rollout, advantages, mask_truncated_completions=cfg.mask_truncated_completions
         )
-        with stage("update"):  # the log-probs the update needs
-            if cfg.num_iterations > 1 or cfg.steps_per_generation > 1:  # trained on after its first update
-                batch.old_logp = self.log_probs(batch)
-            # A reference slot that provably equals the policy (a fresh or warm-started run before its
-            # first update, right after a hard sync) costs no forward: the update uses the policy's own.
-            if cfg.beta != 0 and not self.state.reference_is_policy:
-                with reference_forward(self.model):
-                    batch.ref_logp = self.log_probs(batch)
+        # the log-probs the update needs
+        with stage("update"):
+            self._add_log_probs(batch)
         metrics["reference_reused_policy"] = float(cfg.beta != 0 and self.state.reference_is_policy)
-        if (
-            cfg.steps_per_generation > 1
-        ):  # each step a random share of the rollout, as TRL shuffles before cutting
-            order = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step)
+        if cfg.steps_per_generation > 1:
+            # each step a random share of the rollout, as TRL shuffles before cutting
+            order = torch.Generator().manual_seed(shuffle_seed(cfg.seed, self.state.global_step))
             batch = batch.rows(
                 torch.randperm(batch.input_ids.shape[0], generator=order).to(batch.input_ids.device)
             )
-        t_ref = now(self.accelerator.device)
+        t_ref = now(device)
         metrics.update(
             {
                 "time/rollout": t_gen - t0,
@@ -577,9 +633,38 @@ class GRPOTrainer:
                 "tokens_per_second": int(rollout.completion_mask.sum()) / (t_ref - t0),
             }
         )
-        return batch.steps(
-            cfg.steps_per_generation
-        ) * cfg.num_iterations, metrics  # where a rollout is cut into steps
+        # where a rollout is cut into steps
+        return batch.steps(cfg.steps_per_generation) * cfg.num_iterations, metrics
+
+    def _sample_and_score(self, rows: dict[str, list]) -> tuple:
+        """The round's rollout and its rewards; with dynamic_sampling, more rounds until the step holds
+        enough informative groups. (rows, rollout, scored: what is trained on; sampled: None, or with
+        dynamic sampling (every completion the step sampled, their Scored, the trained rows of them);
+        dynamic sampling's metrics over every process)."""
+        cfg = self.config
+        with stage("rollout"):
+            rollout = self.generate(rows["prompt"], rows=rows)
+        with stage("reward"):
+            scored = self.scorer.score(rollout, rows, cfg.num_generations)
+        if not cfg.dynamic_sampling:
+            return rows, rollout, scored, None, {}
+        step = self.sample_step(Round(rows, rollout, scored))
+        rows, rollout, scored = step.trained(self.reward_names)
+        counts = sum_over_processes(step.counts, self.accelerator)
+        sampled = (step.rollout, step.scored, step.trained_rows)
+        return rows, rollout, scored, sampled, step_metrics(counts, self.accelerator.num_processes)
+
+    def _add_log_probs(self, batch: Batch) -> None:
+        """The batch's old log-probs when it is trained on after its first update (num_iterations or
+        steps_per_generation > 1), and its reference log-probs when beta != 0. A reference slot that
+        provably equals the policy (a fresh or warm-started run before its first update, right after
+        a hard sync) costs no forward: the update uses the policy's own."""
+        cfg = self.config
+        if cfg.num_iterations > 1 or cfg.steps_per_generation > 1:
+            batch.old_logp = self.log_probs(batch)
+        if cfg.beta != 0 and not self.state.reference_is_policy:
+            with reference_forward(self.model):
+                batch.ref_logp = self.log_probs(batch)
 
     def sample_step(self, first: Round) -> StepSample:
         """Dynamic sampling (dynamic_sampling.py): after `first`, rounds of the next prompts until the
@@ -798,9 +883,8 @@ class GRPOTrainer:
             process_index=self.accelerator.process_index,
             device=self.accelerator.device,
         )
-        saved_lr = apply_optimizer_config(
-            self.optimizer, self.scheduler, self.config
-        )  # after the warmup state
+        # after the warmup state
+        saved_lr = apply_optimizer_config(self.optimizer, self.scheduler, self.config)
         if saved_lr != self.config.learning_rate:
             self._print(
                 f"learning_rate {saved_lr:g} in the checkpoint, {self.config.learning_rate:g} in this config: "

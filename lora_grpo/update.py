@@ -4,17 +4,16 @@
                   ─► average over processes (one flat all-reduce) ─► clip ─► optimizer + LR step,
                      or skip a NaN/inf update (stopping.count_nonfinite ends the run after too many)
 
-The loss is normalised by a token count fixed for the whole step (dapo), or weighted by each
-micro-batch's share (loss.LOSS_TYPES' accumulation scales), so the step's gradient does not depend
-on how it was cut into micro-batches. The memory probe (memory.plan_run_memory) runs `accumulate`
-and `forward` too: it measures this path, not a copy of it.
+The loss is normalised by a token count fixed for the whole step, or weighted by each micro-batch's
+share (the accumulation scale of the loss type's aggregation, loss.AGGREGATIONS), so the step's
+gradient does not depend on how it was cut into micro-batches. The memory probe
+(memory.plan_run_memory) runs `accumulate` and `forward` too: it measures this path, not a copy of it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import torch
 
@@ -23,13 +22,15 @@ from .algo.loss import (
     LOSS_TYPES,
     SEQUENCE_HIGH_CLIP,
     SEQUENCE_LOW_CLIP,
+    LossSettings,
     clip_fraction_extremes,
     grpo_loss,
     padded_gather,
 )
-from .batch import Batch
+from .batch import Batch, MicroBatch
 from .model.adapters import eval_mode, train_mode
 from .optim import average_gradients, sum_over_processes
+from .rng import shuffle_seed
 from .run.stopping import count_nonfinite
 
 logger = logging.getLogger(__name__)
@@ -48,24 +49,8 @@ class PolicyUpdate:
             accelerator,
             state,
         )
-        self.loss_settings = dict(  # grpo_loss's settings (TRL 1.16's options under their names)
-            loss_type=config.loss_type,
-            epsilon_low=config.epsilon_low,
-            epsilon_high=config.epsilon_high,
-            beta=config.beta,
-            max_completion_length=config.max_completion_length,
-            importance_sampling=config.importance_sampling,
-            kl_ratio_correction=config.kl_ratio_correction,
-            delta=config.delta,
-            sapo_temperature_pos=config.sapo_temperature_pos,
-            sapo_temperature_neg=config.sapo_temperature_neg,
-            vespo_k_pos=config.vespo_k_pos,
-            vespo_lambda_pos=config.vespo_lambda_pos,
-            vespo_k_neg=config.vespo_k_neg,
-            vespo_lambda_neg=config.vespo_lambda_neg,
-            off_policy_mask_threshold=config.off_policy_mask_threshold,
-            top_entropy_quantile=config.top_entropy_quantile,
-        )
+        # grpo_loss's settings (TRL 1.16's options under their names), built once
+        self.settings = LossSettings.from_config(config)
         # The entropy quantile is over every process's tokens of the micro-batch (each process calls the gather).
         self.gather = padded_gather(accelerator) if accelerator.num_processes > 1 else None
         # The entropy bonus needs the entropy's gradient; the adaptive coefficient may turn the bonus on later.
@@ -74,14 +59,14 @@ class PolicyUpdate:
         # past the last finished step (what a failure can still save: failures.LastFinishedStep).
         self.optimizer_steps = 0
 
-    def forward(self, mb: dict[str, Any], return_entropy: bool = False, entropy_grad: bool = False):
+    def forward(self, mb: MicroBatch, return_entropy: bool = False, entropy_grad: bool = False):
         """(log-probs (B, T), entropy (B, T) or None) of a micro-batch under the active adapter."""
         extra = {"entropy_grad": True} if entropy_grad else {}
         return sequence_log_probs(
             self.model,
-            mb["input_ids"],
-            mb["attention_mask"],
-            mb["completion_length"],
+            mb.input_ids,
+            mb.attention_mask,
+            mb.completion_length,
             chunk_size=self.config.logprob_chunk_size,
             temperature=self.config.temperature,
             return_entropy=return_entropy,
@@ -111,8 +96,9 @@ class PolicyUpdate:
         idle = zero_gradient_rows(batch.advantages, batch.completion_mask, cfg)
         if idle is None:
             idle = torch.zeros(n_seq, dtype=torch.bool, device=batch.advantages.device)
-        # dapo's denominator: the step's tokens over every process, divided by the number of
-        # processes because their gradients are averaged; with the rows left out, in one all-reduce.
+        # The step's token count (the denominator of the loss types normalised by it): the step's tokens
+        # over every process, divided by the number of processes because their gradients are averaged;
+        # with the rows left out, in one all-reduce.
         counts = sum_over_processes(
             {
                 "tokens": batch.completion_mask.sum().item(),
@@ -165,7 +151,7 @@ class PolicyUpdate:
                 # TRL's micro-steps are random shares of the step's completions (it shuffles before cutting)
                 order = torch.randperm(
                     n_seq,
-                    generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.global_step),
+                    generator=torch.Generator().manual_seed(shuffle_seed(cfg.seed, self.state.global_step)),
                 ).to(low.device)
                 low, high = low[order], high[order]
             gather = acc.gather if acc.num_processes > 1 else None
@@ -174,9 +160,8 @@ class PolicyUpdate:
         if cfg.use_adaptive_entropy:  # one move of the coefficient per step, on every process's entropy
             control.step(reduce=(lambda t: acc.reduce(t, "sum")) if acc.num_processes > 1 else None)
         if cfg.use_adaptive_entropy or cfg.entropy_coef:
-            sums["entropy_coef"] = (
-                control.coef * sums["tokens"]
-            )  # reported as TRL does (a token mean of a constant)
+            # reported as TRL does (a token mean of a constant)
+            sums["entropy_coef"] = control.coef * sums["tokens"]
         loss_total = sums.pop("loss", 0.0) / acc.num_processes
         tokens = max(sums.pop("tokens", 0.0), 1.0)
         # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
@@ -194,40 +179,39 @@ class PolicyUpdate:
         }
 
     def accumulate(
-        self, mb: dict[str, Any], num_tokens: float, n_seq: int, n_micro: int, read: bool = True
+        self, mb: MicroBatch, num_tokens: float, n_seq: int, n_micro: int, read: bool = True
     ) -> tuple[dict[str, float], float, float]:
         """Forward, loss and backward of one micro-batch (gradients add up in .grad); returns
         (loss metrics, the micro-batch's loss tokens, its scaled loss) as floats, or as 0-d tensors
         with read=False (no device sync: the step reads every micro-batch's at once)."""
         cfg = self.config
         logp, entropy = self.forward(mb, return_entropy=True, entropy_grad=self.entropy_grad)
-        ref = mb["ref_logp"]
-        if (
-            ref is None and cfg.beta != 0
-        ):  # the reference equals the policy this step (trainer.generation_round)
-            ref = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
+        ref = mb.ref_logp
+        # the reference equals the policy this step (trainer.generation_round)
+        if ref is None and cfg.beta != 0:
+            ref = mb.old_logp if mb.old_logp is not None else logp.detach()
         control = self.state.adaptive_entropy
         coef = control.applied_coef if cfg.use_adaptive_entropy else cfg.entropy_coef
-        # accumulation=: the returned loss is this micro-batch's share of the step (loss.LOSS_TYPES' scales).
+        # accumulation=: the returned loss is this micro-batch's share of the step (loss.AGGREGATIONS' scales).
         loss, m = grpo_loss(
             logp,
-            mb["old_logp"],
+            mb.old_logp,
             ref,
-            mb["advantages"],
-            mb["completion_mask"],
+            mb.advantages,
+            mb.completion_mask,
+            settings=self.settings,
             num_tokens=num_tokens,
             entropies=entropy,
             entropy_gather=self.gather,
             entropy_coef=coef,
-            accumulation=(mb["input_ids"].shape[0], n_seq, n_micro),
+            accumulation=(mb.rows, n_seq, n_micro),
             tensor_metrics=True,
-            **self.loss_settings,
         )
         loss.backward()
         if cfg.use_adaptive_entropy:
-            control.accumulate(entropy, mb["completion_mask"], cfg.top_entropy_quantile, self.gather)
-        m["entropy_sum"] = (entropy.detach() * mb["completion_mask"]).sum()
-        part = (m, mb["completion_mask"].sum(), loss.detach())
+            control.accumulate(entropy, mb.completion_mask, cfg.top_entropy_quantile, self.gather)
+        m["entropy_sum"] = (entropy.detach() * mb.completion_mask).sum()
+        part = (m, mb.completion_mask.sum(), loss.detach())
         return _read_once([part])[0] if read else part
 
     def _step_unless_nonfinite(self, loss: float, grad_norm: float) -> bool:
@@ -258,17 +242,16 @@ def zero_gradient_rows(advantages: Tensor, completion_mask: Tensor, config) -> T
     completion at its group's mean) or without loss tokens has a policy term of exactly 0 in every
     loss type; what else could act on it is off: beta = 0 (no KL term), no entropy bonus (fixed or
     adaptive), top_entropy_quantile = 1 (the quantile would read its tokens' entropies). A loss type
-    normalised per micro-batch (bnpo: LossTypeFacts.per_micro_batch) is left whole: its token mean
-    depends on which rows share a micro-batch. The others are
-    normalised by the whole step's tokens (dapo, cispo, vespo) or sequences (grpo, sapo, luspo,
-    dr_grpo: accumulation_scale's share of the step's sequences), so leaving rows out changes
-    nothing. Every row may be idle: the update then runs no forward at all."""
+    normalised per micro-batch (loss_types.LossType.per_micro_batch) is left whole: its token mean
+    depends on which rows share a micro-batch. The others are normalised by the whole step's tokens
+    or sequences (the accumulation scale's share of the step's sequences), so leaving rows out
+    changes nothing. Every row may be idle: the update then runs no forward at all."""
     if (
         config.beta != 0
         or config.entropy_coef != 0
         or config.use_adaptive_entropy
         or config.top_entropy_quantile < 1
-        or not LOSS_TYPES[config.loss_type].facts.zero_advantage_rows_skippable
+        or not LOSS_TYPES[config.loss_type].zero_advantage_rows_skippable
     ):
         return None
     return (advantages == 0) | (completion_mask.sum(dim=1) == 0)

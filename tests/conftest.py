@@ -10,6 +10,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# torch.compile's artifacts stay out of ~/.cache/lora_grpo (tests/test_compile_cache.py turns it on)
+os.environ.setdefault("LORA_GRPO_COMPILE_CACHE", "0")
 # Two threads, or one per worker when pytest-xdist runs several (two workers share CI's two cores).
 torch.set_num_threads(
     1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else min(2, torch.get_num_threads())

@@ -493,18 +493,6 @@ def test_fewer_visible_gpus_than_at_save_time_restore_the_ones_there(monkeypatch
     assert any("2 CUDA devices, 1 are visible" in r.getMessage() for r in caplog.records)
 
 
-def test_an_older_checkpoint_with_a_numpy_array_rng_state_still_loads(saved_run, run_copy):
-    _rewrite_blobs(
-        run_copy / "checkpoint-2", lambda blobs: blobs["rng"][0].update(numpy=np.random.get_state())
-    )
-    _, blobs = ckpt.load_checkpoint_state(
-        run_copy / "checkpoint-2"
-    )  # NumPy's array globals are allowed, nothing else
-    expected = np.random.rand()
-    set_rng_state(blobs["rng"][0])
-    assert np.random.rand() == expected
-
-
 def test_resume_is_exact_with_an_8bit_optimizer(tiny_base_dir, tmp_path):
     """bitsandbytes' optimizer state (its own quant-state dict) loads under weights_only=True."""
     kw = dict(quantization="none", optimizer="adamw_8bit", max_steps=3)

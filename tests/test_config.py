@@ -100,12 +100,11 @@ def test_parse_value_types():
 
 def test_config_names_the_options_of_the_math_tables():
     # config.py cannot import the tables (it loads before torch), so it names their keys; they must agree.
-    from lora_grpo.algo import advantages, loss
-    from lora_grpo.algo.loss_types import LOSS_TYPE_FACTS
+    from lora_grpo.algo import advantages, loss, loss_types
     from lora_grpo.model import reference
 
-    # each loss type's facts are its loss.LOSS_TYPES entry's, name by name
-    assert all(loss.LOSS_TYPES[name].facts is facts for name, facts in LOSS_TYPE_FACTS.items())
+    # one registry: the loss's table is loss_types' own
+    assert loss.LOSS_TYPES is loss_types.LOSS_TYPES
     tables = {
         "LOSS_TYPES": loss.LOSS_TYPES,
         "IMPORTANCE_SAMPLING": loss.IMPORTANCE_SAMPLING,

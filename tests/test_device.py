@@ -3,6 +3,7 @@ decode step pays), the synchronised clock and model placement, tested on a CPU w
 torch.cuda (a T4, an A100, an H200)."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -217,3 +218,68 @@ def test_the_trainer_reads_accelerates_mixed_precision(tiny_base_dir, tmp_path, 
             make_trainer(tiny_base_dir, tmp_path, quantization="none")
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+# ------------------------------------------------------------------------------ the allocator
+@pytest.fixture
+def cuda_build(monkeypatch):
+    """A CUDA build of torch whose CUDA has not started; both allocator variables unset."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(device_module, "_ALLOCATOR", {"set": False, "why": "not decided"})
+    for name in device_module.ALLOC_CONF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_expandable_segments_are_set_when_the_user_set_no_allocator_variable(cuda_build):
+    assert device_module.use_expandable_segments() is True
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_ALLOC_CONF" not in os.environ
+    assert device_module.allocator_setting() == (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by lora_grpo)"
+    )
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128"),
+        ("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync"),
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),
+    ],
+)
+def test_a_users_allocator_variable_is_left_as_it_is(cuda_build, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    assert device_module.use_expandable_segments() is False
+    assert os.environ[name] == value
+    assert [n for n in device_module.ALLOC_CONF_VARIABLES if n in os.environ] == [name]
+    assert device_module.allocator_setting() == f"{name}={value} (yours, left as it is)"
+
+
+def test_nothing_is_set_once_cuda_started_or_on_a_cpu_build(cuda_build, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert device_module.use_expandable_segments() is False
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert "too late" in device_module.allocator_setting()
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert device_module.use_expandable_segments() is False and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_the_variable_is_not_read_at_import_torch_so_setting_it_afterwards_works():
+    """What use_expandable_segments relies on: torch reads the allocator's settings when they are
+    first used, not at `import torch` (checked on this build's device-independent settings)."""
+    import subprocess
+    import sys
+
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        pytest.skip("this torch has no device-independent allocator settings to read")
+    code = (
+        "import os, torch\n"
+        "x = torch.ones(256, 256) @ torch.ones(256, 256)\n"
+        "os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'\n"
+        "print(torch._C._accelerator_getAllocatorSettings())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in device_module.ALLOC_CONF_VARIABLES}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "expandable_segments:True"

@@ -334,3 +334,69 @@ def test_trainer_passes_decode_mode_to_the_rollout(tiny_base_dir, tmp_path, monk
     monkeypatch.setattr(sampler_module, "generate_rollout", lambda *args, **kwargs: passed.update(kwargs))
     trainer.generate(["1+1="])
     assert passed["decode_mode"] == "static"
+
+
+# --------------------------------------------------------------------------- graph breaks
+
+
+class _RequiresGradCalls(torch.overrides.TorchFunctionMode):
+    """Counts Tensor.requires_grad_() calls: what dynamo before torch 2.13 breaks a graph at."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.Tensor.requires_grad_
+        return func(*args, **(kwargs or {}))
+
+
+# Failed before the fix (issue 48): gradient checkpointing, switched on by the memory probe and left
+# on or off, kept transformers' input-requires-grad hook on the embeddings, whose requires_grad_()
+# ran in every compiled decode step: 7 graph breaks on the first GPU run (torch 2.11).
+def test_the_compiled_decode_step_traces_as_one_graph_after_checkpointing_was_toggled(tok):
+    from lora_grpo.model.load import set_gradient_checkpointing
+
+    model = lora_model(tok)
+    set_gradient_checkpointing(model, True)  # the probe's tries: on, then the plan's choice
+    set_gradient_checkpointing(model, False)
+    set_gradient_checkpointing(model, True)
+    model.eval()
+    inner = fast_decode._transformers_model(model)
+    N, P = 3, 5
+    ids = torch.randint(3, 40, (N, P), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(N, P, dtype=torch.long)
+    with torch.no_grad():
+        prefill = inner(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        decoder = fast_decode.StaticDecoder(model, prefill, mask, 4, compiled=False)
+        args = (ids[:, -1:], decoder.attn, torch.full((N, 1), P), decoder.cache)
+        with _RequiresGradCalls() as calls:
+            decoder.forward(*args)
+        assert calls.calls == 0, "the decode step reaches Tensor.requires_grad_()"
+        # dynamo's own count, on this torch (no inductor: tracing only, seconds)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(decoder.forward)(*args)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+# --------------------------------------------------------------------------- compile cache
+
+
+def test_the_compiled_decode_loads_the_compile_cache_first_and_saves_each_new_shape_once(tok, monkeypatch):
+    from lora_grpo.rollout import compile_cache
+
+    events = []
+    stand_in = identity_compile({"now": False})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: events.append("compile") or stand_in(fn, **kw))
+    monkeypatch.setattr(compile_cache, "load", lambda device: events.append(("load", device.type)) or 0)
+    monkeypatch.setattr(compile_cache, "save", lambda device: events.append(("save", device.type)))
+    model = lora_model(tok)
+    rollout(model, tok, "compiled")
+    assert events == [("load", "cpu"), "compile", ("save", "cpu")]  # saved after the first step
+    rollout(model, tok, "compiled")  # the same shape: nothing new to save
+    assert events == [("load", "cpu"), "compile", ("save", "cpu")]
+    rollout(model, tok, "compiled", max_new=60)  # a new cache shape (96 slots) compiles again: saved
+    assert events[3:] == [("save", "cpu")]
+    rollout(model, tok, "static")  # the uncompiled static decoder touches no cache
+    assert len(events) == 4

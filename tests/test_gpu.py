@@ -6,7 +6,7 @@ import torch
 from helpers import PROMPTS, adapter_state, assert_same_4bit, changed, frozen_4bit, make_trainer
 
 from lora_grpo.batch import Batch
-from lora_grpo.model.load import POLICY, reference_forward
+from lora_grpo.model.adapters import POLICY, reference_forward
 
 pytestmark = [
     pytest.mark.gpu,

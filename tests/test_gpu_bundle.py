@@ -83,17 +83,17 @@ def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     sections = {title.split(".")[0]: v for title, v in summary["sections"].items()}
-    assert summary["passed"] and len(sections) == 14
+    assert summary["passed"] and len(sections) == 15
     skipped = {n for n, v in sections.items() if v["status"] == "skipped"}
     assert skipped == {"8"} and sections["8"]["reason"].startswith("CUDA only")  # pytest -m gpu
-    for n in ("2", "3", "4", "5", "6", "11", "13", "14"):  # their CUDA-only parts, named
+    for n in ("2", "3", "4", "5", "6", "11", "13", "14", "15"):  # their CUDA-only parts, named
         assert sections[n]["findings"]["skipped_parts"], n
     paged = sections["11"]["findings"]  # from its worker process
     assert paged["optimizer"] == "PagedAdamW8bit" and paged["tensors_moved"] > 0 and len(paged["losses"]) == 3
     assert sections["7"]["findings"]["equal"] is True  # the resumed run's adapters, tensor by tensor
     text = (out / "summary.txt").read_text()
-    assert text.count("PASS") == 13 and text.count("SKIP") == 1
-    assert (out / "log.txt").read_text().count("\n## ") == 14
+    assert text.count("PASS") == 14 and text.count("SKIP") == 1
+    assert (out / "log.txt").read_text().count("\n## ") == 15
 
 
 def test_the_readme_shows_the_commands_the_bundle_prints():

@@ -6,14 +6,8 @@ import pytest
 import torch
 
 from lora_grpo.config import ConfigError, GRPOConfig
-from lora_grpo.model.load import (
-    POLICY,
-    REFERENCE,
-    load_model,
-    policy_parameters,
-    reference_forward,
-    use_adapter,
-)
+from lora_grpo.model.adapters import POLICY, REFERENCE, policy_parameters, reference_forward, use_adapter
+from lora_grpo.model.load import load_model
 from lora_grpo.model.reference import SyncSchedule, check_syncable, delta_weight, lora_layers, sync_reference
 from lora_grpo.run.checkpoint import save_adapter
 

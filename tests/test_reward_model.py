@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from lora_grpo.rewards import RewardModel
-from lora_grpo.toy import make_tokenizer
+from lora_grpo.tasks.toy import make_tokenizer
 
 PROMPTS = ["07+45=", "9+9=", "1+22="]
 COMPLETIONS = ["052", "18", "abc 23\n"]

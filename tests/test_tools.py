@@ -284,7 +284,7 @@ def test_multi_turn_rollout_masks_replies_and_finishes_rows_without_calls(tok):
     assert torch.equal(mask, r.tool_mask) and mask[0, len(first)] == 0 and mask[0, n - 1] == 1
     batch = Batch.from_rollout(r, torch.tensor([1.0, -1.0, 0.5, -0.5]), mask_truncated_completions=False)
     mb = next(batch.micro_batches(4))
-    assert mb["completion_length"] == n and torch.equal(mb["completion_mask"], mask[:, :n])
+    assert mb.completion_length == n and torch.equal(mb.completion_mask, mask[:, :n])
 
 
 def test_tool_reply_log_probs_do_not_move_the_gradient(tok):

@@ -68,6 +68,11 @@ number of failed sections.
                  update: the top kernels, each kind's ms (dequantisation, GEMMs, attention, the
                  vocabulary's softmax / sampling, norms, copies, the gaps between graphs) against its
                  floor on the H200 (limit.py's FLOPs and bytes); gzipped traces to --out.
+15. compile cache a fresh process with the 0.5B recipe's settings and an empty inductor cache of its
+                 own finds section 2's compile in lora_grpo's compile cache (rollout/compile_cache.py):
+                 its step 1 − step 2 ≤ 15 s (57.8 − 8.9 s before the cache); a first process fills the
+                 cache when section 2 did not run. And whether lora_grpo's allocator setting
+                 (expandable segments, set when it is imported) took effect in this process.
 
 The emulated 8 GB card (sections 2 and 4): torch's allocator is capped by
 set_per_process_memory_fraction at 8 GiB less the 0.5 GiB CUDA context that memory_estimate (and
@@ -87,14 +92,15 @@ workers run as on a GPU.
 
 The order (sections.py, one Section record a section: number, title, check, estimate_s, needs):
 what the first GPU run left unmeasured first (12, the profile 14 and the weight forms 13 that
-extrapolate from it, then 2 with 3 on its trained model, 4), then what passed there (1, 7, 10, 11,
-6, 5, 9, 8); estimate_s is each one's seconds on the H200 as that run measured them (section 12: its
-workers' caps; 13 and 14: estimated), printed as the plan at the start.
+extrapolate from it, then 2 with 3 on its trained model, 4, then the compile cache 15 on section 2's
+compile), then what passed there (1, 7, 10, 11, 6, 5, 9, 8); estimate_s is each one's seconds on the
+H200 as that run measured them (section 12: its workers' caps; 13, 14 and 15: estimated), printed as
+the plan at the start.
 
 --budget (default 540) is a hard deadline in seconds of wall time from the process's start: a
 section that would start past it is skipped, and so, on a GPU, is one whose estimate exceeds what is
 left (it would be cut at the deadline; the time goes to the shorter sections after it), and sections
-8 and 12 with less than 60 / 120 s of it left; child processes (sections 7, 8, 11, 12) get what it
+8 and 12 with less than 60 / 120 s of it left; child processes (sections 7, 8, 11, 12, 15) get what it
 leaves, and at the deadline a watchdog thread records the running section as stopped, the ones not
 started as skipped, writes the summary and exits with the number of failed sections (a stop is no
 failure; SIGTERM does the same; a section stuck in C code holding the GIL is ended by faulthandler

@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None, sections: list[Section] | None = None) -
     the exit status is the number of failed sections."""
     options = parser()
     args = options.parse_args(argv)
+    # lora_grpo sets CUDA's allocator up when its device module is imported (expandable segments:
+    # device.use_expandable_segments), before this process starts CUDA, as a user's script does.
+    import lora_grpo.device  # noqa: F401
+
     if args.resume_on_cpu or args.peer_worker or args.paged_worker:
         return work(args)
     if sections is None:

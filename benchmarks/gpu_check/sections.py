@@ -5,6 +5,7 @@ the lent H200, for the plan printed at the start and benchmarks/README.md's devi
 from __future__ import annotations
 
 from benchmarks.gpu_check import (
+    compile_cache,
     decode,
     decode_bound,
     devices,
@@ -37,6 +38,10 @@ SECTIONS = [
     # Section 3 runs on section 2's trained model, in the same process.
     Section(3, "decode: compiled vs eager, graph breaks, recompiles", decode.check_decode, 35, needs=(2,)),
     Section(4, "memory: the 1.5B recipe on an emulated 8 GB card", recipe_memory.check_memory_15b, 144),
+    # A fresh process finds section 2's compile in lora_grpo's compile cache (estimated: its one worker).
+    Section(
+        15, "compile cache: a fresh process skips step 1's compile", compile_cache.check_compile_cache, 50
+    ),
     Section(1, "devices", devices.check_devices, 12),
     Section(7, "resume: on the same device, and on a CPU", resume.check_resume, 21),
     Section(10, "reward model", reward_model.check_reward_model, 5),

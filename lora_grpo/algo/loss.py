@@ -9,16 +9,9 @@ Per completion token t of sequence i (Shao et al. 2024, "DeepSeekMath", eq. 3):
     k3    = exp(ref − logp) − (ref − logp) − 1                     (Schulman 2020, "Approximating KL")
     ε_high > ε_low is DAPO's clip-higher (Yu et al. 2025).
 
-The policy term −min(...) is the loss type's objective; the others (TRL 1.16's loss_type names):
-
-    cispo  −sg(min(ρ, ε_high))·A·logp            MiniMax 2025, "MiniMax-M1"; ε_high is ScaleRL's ε_max (≈ 5),
-                                                   a cap on ρ itself, not 1 + ε_high
-    sapo   −σ(τ·(ρ − 1))·(4/τ)·A                 "Soft Adaptive Policy Optimization" (arXiv 2511.20347);
-                                                   τ = τ_pos where A > 0, else τ_neg
-    vespo  −sg(φ(w))·A·logp                      "VESPO" (arXiv 2602.10693): w = exp(Σ_t log ρ_t) per sequence
-                                                   (a sum, not GSPO's mean), φ(w) = e^λ·w^k·e^{−λw} (φ(1) = 1)
-    luspo  the clipped term, summed over each sequence's tokens, mean over sequences ("LUSPO",
-           arXiv 2602.05261: GSPO scaled by length; meant for importance_sampling="sequence")
+The policy term −min(...) is the clipped objective; a loss type may use another (loss_types.Objective:
+OBJECTIVES here), and each loss type aggregates the token grid its own way (loss_types.Aggregation:
+AGGREGATIONS here). Which loss type uses which, with its paper and formula, is loss_types.LOSS_TYPES.
 
 delta caps the first ρ of the clipped term from above (INTELLECT-2, Prime Intellect 2025): a
 negative-advantage token with ρ ≫ 1 no longer has an unbounded loss. The policy term (not the KL)
@@ -34,11 +27,10 @@ value is unchanged; the gradient is not (k3·∇ρ is added). Deliberate deviati
 its importance weight, which is the sequence ratio under importance_sampling="sequence"; the
 per-token ratio here keeps the estimate unbiased at both levels.
 
-Each loss_type is one record in LOSS_TYPES (its objective, its aggregation over the (B, T) token
-grid, mask 1 on tokens that count, and its gradient-accumulation scale); each importance_sampling
-level is one record in IMPORTANCE_SAMPLING. A loss type's torch-free facts (its normaliser, the
-importance_sampling it is meant for, TRL's warnings) are its entry of loss_types.LOSS_TYPE_FACTS,
-which the config checks read as well.
+Each loss_type is one record of the registry loss_types.LOSS_TYPES (its objective, its aggregation
+over the (B, T) token grid, mask 1 on tokens that count, and so its gradient-accumulation scale; the
+importance_sampling it is meant for, TRL's warnings); each importance_sampling level is one record in
+IMPORTANCE_SAMPLING. grpo_loss's options are one LossSettings, built once from a run's config.
 """
 
 from __future__ import annotations
@@ -50,7 +42,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .loss_types import LOSS_TYPE_FACTS, LossTypeFacts
+from .loss_types import DEFAULT_LOSS_TYPE, LOSS_TYPES, Aggregation, Objective
+
+__all__ = ["LOSS_TYPES", "LossSettings", "grpo_loss"]
 
 Tensor = torch.Tensor
 
@@ -65,39 +59,42 @@ def _masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum()
 
 
-def _agg_grpo(x, mask, *, num_tokens, max_completion_length):
+def _sequence_mean(x, mask, *, num_tokens, max_completion_length):
     # mean over each sequence's tokens, then over sequences (DeepSeekMath).
     per_seq = (x * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     return per_seq.mean()
 
 
-def _agg_bnpo(x, mask, *, num_tokens, max_completion_length):
+def _micro_batch_token_mean(x, mask, *, num_tokens, max_completion_length):
     # every token of the micro-batch weighs the same.
     return _masked_sum(x, mask) / mask.sum().clamp(min=1)
 
 
-def _agg_dapo(x, mask, *, num_tokens, max_completion_length):
+def _step_token_mean(x, mask, *, num_tokens, max_completion_length):
     # every token of the whole generation batch weighs the same: a fixed denominator, so summing
     # micro-batch losses gives the full-batch loss exactly (DAPO's token-level loss).
     denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=x.dtype)
     return _masked_sum(x, mask) / denom.clamp(min=1)
 
 
-def _agg_dr_grpo(x, mask, *, num_tokens, max_completion_length):
+def _length_budget(x, mask, *, num_tokens, max_completion_length):
     # a constant denominator removes the length bias (Liu et al. 2025, "Dr. GRPO").
     if max_completion_length is None:
-        raise ValueError("loss_type 'dr_grpo' needs max_completion_length (the generation limit)")
+        raise ValueError(
+            f"a loss type aggregated as {Aggregation.LENGTH_BUDGET.value!r} needs max_completion_length "
+            "(the generation limit)"
+        )
     return _masked_sum(x, mask) / (x.shape[0] * max_completion_length)
 
 
-def _agg_luspo(x, mask, *, num_tokens, max_completion_length):
+def _sequence_sum_mean(x, mask, *, num_tokens, max_completion_length):
     # a sum over each sequence's tokens: a sequence weighs by its length (LUSPO).
     return (x * mask).sum(dim=1).mean()
 
 
 # Accumulation scales, (micro_sequences, total_sequences, num_micro_batches) → the factor that
 # makes the sum of a step's micro-batch losses equal the loss of the whole step. TRL divides the
-# per-sequence means (grpo, sapo, luspo, dr_grpo) by the number of micro-batches; the sequence
+# per-sequence means (the aggregations over sequences) by the number of micro-batches; the sequence
 # share is the same when micro-batches hold equal numbers of sequences, and exact when they do not.
 def _scale_one(micro_sequences: int, total_sequences: int, num_micro_batches: int) -> float:
     return 1.0  # already normalised by the step's token count
@@ -116,6 +113,34 @@ def _token_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
+class LossSettings:
+    """grpo_loss's options (TRL 1.16's, under their names), built once from a run's config
+    (from_config); every field is the config field of the same name."""
+
+    loss_type: str = DEFAULT_LOSS_TYPE
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    max_completion_length: int | None = None
+    importance_sampling: str = "token"
+    kl_ratio_correction: bool = True
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+
+    @classmethod
+    def from_config(cls, config) -> LossSettings:
+        """The settings of a config (any object with these fields: GRPOConfig)."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
 class PolicyInputs:
     """What an objective sees: ratio (B, T) at the importance_sampling level, token_log_ratio (B, T)
     (logp − old_logp), logp (B, T) with grad, advantages (B, 1), mask (B, T), and the settings."""
@@ -125,18 +150,18 @@ class PolicyInputs:
     logp: Tensor
     adv: Tensor
     mask: Tensor
-    settings: dict
+    settings: LossSettings
 
 
 def _clipped(p: PolicyInputs):
     s = p.settings
-    clipped = torch.clamp(p.ratio, 1 - s["epsilon_low"], 1 + s["epsilon_high"])
-    ratio = p.ratio if s["delta"] is None else torch.clamp(p.ratio, max=s["delta"])  # INTELLECT-2
+    clipped = torch.clamp(p.ratio, 1 - s.epsilon_low, 1 + s.epsilon_high)
+    ratio = p.ratio if s.delta is None else torch.clamp(p.ratio, max=s.delta)  # INTELLECT-2
     per_token = -torch.minimum(ratio * p.adv, clipped * p.adv)
     # As TRL, the clip fractions look at the delta-capped ratio.
-    low = (ratio < 1 - s["epsilon_low"]) & (p.adv < 0)
-    high = (ratio > 1 + s["epsilon_high"]) & (p.adv > 0)
-    sequence_level = s["importance_sampling"] == "sequence"
+    low = (ratio < 1 - s.epsilon_low) & (p.adv < 0)
+    high = (ratio > 1 + s.epsilon_high) & (p.adv > 0)
+    sequence_level = s.importance_sampling == "sequence"
     return per_token, {
         **{
             name: _token_mean(x, p.mask)
@@ -205,20 +230,20 @@ def _nan_mean(x: Tensor) -> float:
     return kept.mean().item() if kept.numel() else math.nan
 
 
-def _cispo(p: PolicyInputs):
+def _capped_ratio(p: PolicyInputs):
     # The ratio only weighs the REINFORCE gradient A·∇logp, so clipped tokens still carry gradient.
-    eps = p.settings["epsilon_high"]
+    eps = p.settings.epsilon_high
     weight = torch.clamp(p.ratio, max=eps).detach()
     return -weight * p.adv * p.logp, {"cispo_clip_ratio": _token_mean((p.ratio > eps) & (p.adv > 0), p.mask)}
 
 
-def _sapo(p: PolicyInputs):
+def _soft_gate(p: PolicyInputs):
     # A smooth gate instead of a hard clip: d/dρ = 4σ(1−σ) is 1 at ρ = 1 and decays off-policy.
     s = p.settings
     tau = torch.where(
         p.adv > 0,
-        torch.full_like(p.adv, s["sapo_temperature_pos"]),
-        torch.full_like(p.adv, s["sapo_temperature_neg"]),
+        torch.full_like(p.adv, s.sapo_temperature_pos),
+        torch.full_like(p.adv, s.sapo_temperature_neg),
     )
     return -torch.sigmoid(tau * (p.ratio - 1)) * 4 / tau * p.adv, {}
 
@@ -247,24 +272,24 @@ def vespo_weights(
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _vespo(p: PolicyInputs):
+def _gamma_weight(p: PolicyInputs):
     s = p.settings
     phi = vespo_weights(
         p.token_log_ratio,
         p.adv,
         p.mask,
-        k_pos=s["vespo_k_pos"],
-        lambda_pos=s["vespo_lambda_pos"],
-        k_neg=s["vespo_k_neg"],
-        lambda_neg=s["vespo_lambda_neg"],
+        k_pos=s.vespo_k_pos,
+        lambda_pos=s.vespo_lambda_pos,
+        k_neg=s.vespo_k_neg,
+        lambda_neg=s.vespo_lambda_neg,
     )
     return -phi * p.adv * p.logp, {"vespo/phi_seq_mean": phi.mean()}  # over sequences, as TRL
 
 
 @dataclass(frozen=True)
-class LossType:
-    """One loss_type: how it aggregates the token grid, how its micro-batch losses add up, and its
-    per-token policy objective."""
+class AggregationFunctions:
+    """One loss_types.Aggregation's tensor functions: how it reduces the token grid, and how its
+    micro-batch losses add up to the step's."""
 
     aggregate: Callable[
         ..., Tensor
@@ -272,38 +297,21 @@ class LossType:
     accumulation_scale: Callable[
         [int, int, int], float
     ]  # (micro_sequences, total_sequences, num_micro_batches)
-    help: str
-    objective: Callable[[PolicyInputs], tuple[Tensor, dict[str, Tensor]]] = (
-        _clipped  # → (loss (B, T), 0-d metrics)
-    )
-    # its torch-free properties (loss_types.LOSS_TYPE_FACTS), which the config checks read too
-    facts: LossTypeFacts = LossTypeFacts()
 
 
-_FUNCTIONS: dict[str, LossType] = {
-    "grpo": LossType(
-        _agg_grpo, _scale_sequence_share, "mean over each sequence's tokens, then over sequences"
-    ),
-    "bnpo": LossType(_agg_bnpo, _scale_per_micro_batch, "mean over the micro-batch's tokens"),
-    "dapo": LossType(
-        _agg_dapo, _scale_one, "sum over tokens / the step's token count (DAPO token-level loss)"
-    ),
-    "dr_grpo": LossType(
-        _agg_dr_grpo, _scale_sequence_share, "sum over tokens / (sequences × max_completion_length)"
-    ),
-    "cispo": LossType(
-        _agg_dapo, _scale_one, "detached ratio capped at epsilon_high × A × logp, as dapo", _cispo
-    ),
-    "sapo": LossType(_agg_grpo, _scale_sequence_share, "sigmoid soft gate for the clip, as grpo", _sapo),
-    "vespo": LossType(
-        _agg_dapo, _scale_one, "detached gamma weight of the sequence ratio × A × logp, as dapo", _vespo
-    ),
-    "luspo": LossType(
-        _agg_luspo, _scale_sequence_share, "clipped; sum over each sequence's tokens, mean of those"
-    ),
+AGGREGATIONS: dict[Aggregation, AggregationFunctions] = {
+    Aggregation.SEQUENCE_MEAN: AggregationFunctions(_sequence_mean, _scale_sequence_share),
+    Aggregation.MICRO_BATCH_TOKEN_MEAN: AggregationFunctions(_micro_batch_token_mean, _scale_per_micro_batch),
+    Aggregation.STEP_TOKEN_MEAN: AggregationFunctions(_step_token_mean, _scale_one),
+    Aggregation.LENGTH_BUDGET: AggregationFunctions(_length_budget, _scale_sequence_share),
+    Aggregation.SEQUENCE_SUM_MEAN: AggregationFunctions(_sequence_sum_mean, _scale_sequence_share),
 }
-LOSS_TYPES: dict[str, LossType] = {
-    name: dataclasses.replace(spec, facts=LOSS_TYPE_FACTS[name]) for name, spec in _FUNCTIONS.items()
+# Each loss_types.Objective's per-token policy term: PolicyInputs → (loss (B, T), 0-d metrics).
+OBJECTIVES: dict[Objective, Callable[[PolicyInputs], tuple[Tensor, dict[str, Tensor]]]] = {
+    Objective.CLIPPED: _clipped,
+    Objective.CAPPED_RATIO: _capped_ratio,
+    Objective.SOFT_GATE: _soft_gate,
+    Objective.GAMMA_WEIGHT: _gamma_weight,
 }
 
 
@@ -340,8 +348,9 @@ def _variant(table: dict, kind: str, name: str):
 def accumulation_scale(
     loss_type: str, micro_sequences: int, total_sequences: int, num_micro_batches: int
 ) -> float:
-    """Factor that makes the sum of micro-batch losses equal the loss of the whole step (LOSS_TYPES)."""
-    scale = _variant(LOSS_TYPES, "loss_type", loss_type).accumulation_scale
+    """Factor that makes the sum of micro-batch losses equal the loss of the whole step (the loss
+    type's aggregation's, AGGREGATIONS)."""
+    scale = AGGREGATIONS[_variant(LOSS_TYPES, "loss_type", loss_type).aggregation].accumulation_scale
     return scale(micro_sequences, total_sequences, num_micro_batches)
 
 
@@ -415,32 +424,21 @@ def grpo_loss(
     ref_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
+    settings: LossSettings | None = None,
     *,
-    loss_type: str = "dapo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    beta: float = 0.0,
-    max_completion_length: int | None = None,
     num_tokens: int | float | None = None,
-    importance_sampling: str = "token",
-    kl_ratio_correction: bool = True,
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    off_policy_mask_threshold: float | None = None,
     sampling_logp: Tensor | None = None,
     entropies: Tensor | None = None,
-    top_entropy_quantile: float = 1.0,
     entropy_gather: Callable[[Tensor], Tensor] | None = None,
     entropy_coef: float = 0.0,
     accumulation: tuple[int, int, int] | None = None,
     tensor_metrics: bool = False,
+    **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO loss of one micro-batch.
+
+    settings: the loss type and its options (LossSettings; None: its defaults); options: LossSettings
+    fields by name, over those of `settings` (beta=0.04, epsilon_high=0.28, ...).
 
     logp (B, T): per-token log-probs under the policy, with grad. old_logp (B, T) or None
     (on-policy: logp.detach()). ref_logp (B, T) or None (only when beta == 0). advantages (B,).
@@ -456,8 +454,11 @@ def grpo_loss(
     accumulation_scale, the entropy bonus, a mean per micro-batch, by 1 / num_micro_batches), so
     do not scale it again; None: this micro-batch is the whole step.
     """
-    spec = _variant(LOSS_TYPES, "loss_type", loss_type)
-    ratio_log = _variant(IMPORTANCE_SAMPLING, "importance_sampling", importance_sampling).log_ratio
+    s = dataclasses.replace(settings or LossSettings(), **options)
+    spec = _variant(LOSS_TYPES, "loss_type", s.loss_type)
+    aggregation = AGGREGATIONS[spec.aggregation]
+    ratio_log = _variant(IMPORTANCE_SAMPLING, "importance_sampling", s.importance_sampling).log_ratio
+    beta, top_entropy_quantile = s.beta, s.top_entropy_quantile
     if beta != 0.0 and ref_logp is None:
         raise ValueError("beta != 0 needs ref_logp (reference log-probs); pass them or set beta = 0")
     if (top_entropy_quantile < 1.0 or entropy_coef != 0.0) and entropies is None:
@@ -475,24 +476,13 @@ def grpo_loss(
     token_log_ratio = logp - old_logp
     ratio = torch.exp(ratio_log(token_log_ratio, mask))
     adv = advantages.to(logp.dtype).unsqueeze(1)
-    settings = dict(
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-        delta=delta,
-        sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos,
-        vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg,
-        importance_sampling=importance_sampling,
-    )
-    per_token, extra = spec.objective(PolicyInputs(ratio, token_log_ratio, logp, adv, mask, settings))
+    objective = OBJECTIVES[spec.objective]
+    per_token, extra = objective(PolicyInputs(ratio, token_log_ratio, logp, adv, mask, s))
 
     # The masks act on the policy term only; the KL below still counts on every token (TRL).
-    if off_policy_mask_threshold is not None:
+    if s.off_policy_mask_threshold is not None:
         sampled = old_logp if sampling_logp is None else sampling_logp
-        per_token = per_token * off_policy_mask(advantages, logp, sampled, mask, off_policy_mask_threshold)
+        per_token = per_token * off_policy_mask(advantages, logp, sampled, mask, s.off_policy_mask_threshold)
     bonus_mask = mask
     if top_entropy_quantile < 1.0:  # bonus_mask: the tokens the policy term acts on (TRL's effective mask)
         bonus_mask = mask * high_entropy_mask(entropies, mask, top_entropy_quantile, entropy_gather).to(
@@ -503,13 +493,15 @@ def grpo_loss(
     kl = None
     if beta != 0.0:
         kl = k3_kl(logp, ref_logp)
-        kl_term = kl * torch.exp(token_log_ratio) if kl_ratio_correction else kl
+        kl_term = kl * torch.exp(token_log_ratio) if s.kl_ratio_correction else kl
         per_token = per_token + beta * kl_term
 
-    loss = spec.aggregate(per_token, mask, num_tokens=num_tokens, max_completion_length=max_completion_length)
+    loss = aggregation.aggregate(
+        per_token, mask, num_tokens=num_tokens, max_completion_length=s.max_completion_length
+    )
     policy_loss, num_micro_batches = loss.detach(), (accumulation or (1, 1, 1))[2]
     if accumulation is not None:
-        loss = loss * spec.accumulation_scale(*accumulation)
+        loss = loss * aggregation.accumulation_scale(*accumulation)
     if entropy_coef != 0.0:
         loss = loss - entropy_coef * mean_entropy(entropies, bonus_mask) / num_micro_batches
 

@@ -8,8 +8,10 @@ What an optimizer step adds, at its peak, to what is resident once the model is 
   prompt as the rollout cuts it, i.e. at most max_prompt_length, + max_completion_length, every
   completion token in the loss) through the trainer's own loss path,
   and the no-grad log-prob forward (old / reference log-probs) at m; the larger of the two,
-  measured. CUDA: the allocator's peak growth, of allocated or of reserved bytes whichever is
-  larger (fragmentation is memory the pass takes from the device). CPU: the growth of
+  measured. CUDA: the allocator's peak growth in reserved bytes (of allocated or of reserved bytes
+  whichever is larger: fragmentation is memory the pass takes from the device), each pass measured
+  from an emptied cache (device.release_cached_memory), so that blocks an earlier, larger pass left
+  cached do not hide its reserved growth. CPU: the growth of
   the process's resident set, sampled every 0.5 ms by a thread, from a start where glibc has
   returned freed memory to the OS (malloc_trim), so that the start is the live memory. No
   optimizer step; the gradients are set to None and the RNG states restored by the caller.
@@ -31,6 +33,14 @@ What an optimizer step adds, at its peak, to what is resident once the model is 
   0 for eager and uncompiled static decoding, which free their caches.
 - optimizer states: AdamW's two float32 moments per policy parameter (one byte each for the
   8-bit optimizers); they appear at the first step.
+- held (CUDA): what the allocator keeps reserved over the allocated bytes once its cache is emptied
+  (the unused parts of live segments: the loaded model's own fragmentation), under everything.
+
+need and budget are in reserved bytes over the allocated bytes of the loaded model: what an 8 GB
+card runs out of is what the caching allocator reserves. The allocator runs with expandable
+segments unless the user chose otherwise (device.use_expandable_segments): freed pages then serve
+any later size, so what one stage (rollout, update, eval) frees, the next reuses, as the plan's
+max(rollout, pass) assumes; the estimated rollout counts allocated bytes.
 
 The budget is memory_budget × (free GPU memory + what torch's cache holds unused), or × the
 available RAM on CPU. The largest m ≤ the generation batch with need(m) ≤ budget is found by a
@@ -56,7 +66,8 @@ from dataclasses import dataclass, field
 import torch
 
 # how much memory there is and a pass takes: per device
-from ..device import MiB, available_bytes, measure_peak
+from ..batch import MicroBatch
+from ..device import MiB, allocator_setting, available_bytes, measure_peak, release_cached_memory
 from ..model.load import set_gradient_checkpointing
 from ..rng import rng_state, set_rng_state
 from ..rollout.fast_decode import kv_bytes_per_slot, reserve_shape, resolve_decode_mode, static_cache_bytes
@@ -76,7 +87,7 @@ class MemoryPlan:
 
     micro_batch_size: int
     gradient_checkpointing: bool
-    need: float  # predicted peak at the chosen sizes: optimizer states + max(rollout, pass)
+    need: float  # predicted peak at the chosen sizes, reserved: held + optimizer states + max(rollout, pass)
     budget: float  # memory_budget × available
     available: float
     source: str  # "free GPU memory" / "available RAM"
@@ -90,6 +101,8 @@ class MemoryPlan:
     decode_rows: int = 0  # the most sequences a decode runs at once (training rollout and eval alike)
     # how the sizes were found (memory_probe): the sweep's measurements, one pass, or the shapes alone
     probe: str = "measured"
+    held: float = 0.0  # CUDA: reserved over allocated with the cache emptied (live segments' unused parts)
+    allocator: str = ""  # CUDA: what the caching allocator runs with (device.allocator_setting)
 
     @property
     def forward_rows(self) -> int:
@@ -108,10 +121,13 @@ class MemoryPlan:
             f"{'auto → ' if auto_checkpointing else ''}{'on' if self.gradient_checkpointing else 'off'}"
         )
         kept = f", {self.kept / MiB:,.0f} MiB of it the compiled decode's kept caches" if self.kept else ""
+        held = f", {self.held / MiB:,.0f} MiB of it held in live segments" if self.held >= MiB else ""
+        reserved = " reserved" if self.allocator else ""
+        allocator = f"; CUDA allocator: {self.allocator}" if self.allocator else ""
         return (
-            f"{size} (peak ~{self.need / MiB:,.0f} MiB over the loaded model{kept}, budget {self.budget / MiB:,.0f} "
-            f"MiB of {self.available / MiB:,.0f} MiB {self.source}; worst case {self.tokens[0]}+{self.tokens[1]} "
-            f"tokens, {self.probe}, {self.seconds:.1f} s); {ckpt}"
+            f"{size} (peak ~{self.need / MiB:,.0f} MiB{reserved} over the loaded model{kept}{held}, budget "
+            f"{self.budget / MiB:,.0f} MiB of {self.available / MiB:,.0f} MiB {self.source}; worst case "
+            f"{self.tokens[0]}+{self.tokens[1]} tokens, {self.probe}, {self.seconds:.1f} s); {ckpt}{allocator}"
         )
 
 
@@ -184,8 +200,8 @@ def optimizer_state_bytes(params, optimizer: str) -> float:
 
 def worst_case_micro_batch(
     m: int, prompt_length: int, completion_length: int, vocab_size: int, device: torch.device, old_logp: bool
-) -> dict:
-    """A micro-batch (trainer.Batch.micro_batches' format) of m full-length sequences, every
+) -> MicroBatch:
+    """A MicroBatch (what Batch.micro_batches yields) of m full-length sequences, every
     completion token in the loss. The first token of the first row is padding, as in any real
     batch of unequal prompts: a padded mask takes other attention kernels than a full one (on CPU,
     SDPA's math kernel keeps (m, heads, L, L) scores for backward; measured: +20% at m = 16).
@@ -196,15 +212,16 @@ def worst_case_micro_batch(
     if prompt_length > 1:
         mask[0, 0] = 0
     ones = torch.ones(m, completion_length, device=device)
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "completion_mask": ones.long(),
-        "advantages": torch.linspace(-1, 1, m, device=device) if m > 1 else torch.ones(1, device=device),
-        "old_logp": torch.full_like(ones, -1.0) if old_logp else None,
-        "ref_logp": None,  # the loss then takes the policy's own (detached): the same work
-        "completion_length": completion_length,
-    }
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=mask,
+        completion_length=completion_length,
+        completion_mask=ones.long(),
+        advantages=torch.linspace(-1, 1, m, device=device) if m > 1 else torch.ones(1, device=device),
+        old_logp=torch.full_like(ones, -1.0) if old_logp else None,
+        # the loss then takes the policy's own (detached): the same work
+        ref_logp=None,
+    )
 
 
 def largest_fitting(measure: Callable[[int], float], limit: int, room: float) -> tuple[int, dict[int, float]]:
@@ -271,6 +288,7 @@ def plan_memory(
     side_passes: tuple[Callable[[int], None], ...] = (),
     decode_rows: int = 0,
     estimate: Callable[[int, bool], float] | None = None,
+    held: float = 0.0,
 ) -> MemoryPlan:
     """Choose micro_batch_size and gradient_checkpointing (either may be fixed by the config).
 
@@ -280,13 +298,16 @@ def plan_memory(
     scoring), measured with the pass at every size. estimate(m, checkpointing): bytes of a pass
     computed instead of measured (memory/estimate.py: a plan from a model's shapes alone). rollout:
     the largest rollout's peak, `kept` included; kept: bytes that stay allocated between rollouts,
-    under every training pass (decode_memory). Raises MemoryBudgetError when one sequence, or the
-    rollout, does not fit.
+    under every training pass (decode_memory); held: bytes reserved over the allocated ones before
+    any of it (release_cached_memory), under everything. Raises MemoryBudgetError when one sequence,
+    or the rollout, does not fit.
     """
     t0 = time.perf_counter()
     available_bytes_, source = available
     budget = budget_fraction * available_bytes_
-    room = budget - optimizer  # for the larger of the rollout and the training pass (over what is kept)
+    room = (
+        budget - optimizer - held
+    )  # for the larger of the rollout and the training pass (over what is kept)
     where = (
         f"budget {budget / MiB:,.0f} MiB = memory_budget {budget_fraction} × "
         f"{available_bytes_ / MiB:,.0f} MiB {source}"
@@ -301,7 +322,9 @@ def plan_memory(
                 if kept
                 else ""
             )
-            + f"(+{optimizer / MiB:,.0f} MiB optimizer states) over the loaded model, over the {where}. {rollout_hint}"
+            + f"(+{optimizer / MiB:,.0f} MiB optimizer states"
+            + (f", +{held / MiB:,.0f} MiB the allocator holds in live segments" if held >= MiB else "")
+            + f") over the loaded model, over the {where}. {rollout_hint}"
         )
     modes = [False, True] if gradient_checkpointing == "auto" else [bool(gradient_checkpointing)]
     fixed_size = None if micro_batch_size == "auto" else int(micro_batch_size)
@@ -318,7 +341,7 @@ def plan_memory(
                 lambda: run_pass(m, False),
                 *(lambda f=f: f(m) for f in side_passes),
             ]
-            return max(measure_peak(p, device) for p in passes)
+            return max(_measured(p, device) for p in passes)
 
         return at
 
@@ -360,12 +383,13 @@ def plan_memory(
                 if kept
                 else ""
             )
+            + (f" + {held / MiB:,.0f} MiB the allocator holds in live segments" if held >= MiB else "")
             + " over the loaded model, "
             f"over the {where}.{extra} {fix_hint}"
         )
     size, on = choice
     set_checkpointing(on)
-    need = optimizer + max(rollout, kept + measured[on][size])
+    need = held + optimizer + max(rollout, kept + measured[on][size])
     return MemoryPlan(
         size,
         on,
@@ -381,7 +405,14 @@ def plan_memory(
         measured,
         kept=kept,
         decode_rows=decode_rows,
+        held=held,
     )
+
+
+def _measured(fn: Callable[[], None], device: torch.device) -> float:
+    """One pass's peak growth (measure_peak), from an emptied CUDA cache: in reserved bytes."""
+    release_cached_memory(device)
+    return measure_peak(fn, device)
 
 
 # ------------------------------------------------------------------------------ the run's plan
@@ -475,6 +506,8 @@ def plan_run_memory(
         mode,
         device,
     )
+    # The loaded model's own unused reserved bytes, with the cache emptied: under everything (CUDA).
+    held = release_cached_memory(device)
     available = available_bytes(device)
     if num_processes > 1:  # plan for the tightest process
         least = torch.tensor([available[0]], dtype=torch.float64, device=device)
@@ -501,6 +534,7 @@ def plan_run_memory(
             tokens=tokens,
             device=device,
             decode_rows=decode_rows(cfg),
+            held=held,
             side_passes=tuple(lambda m, f=f: f(m, longest) for f in side_passes),
             fix_hint=size_hint
             + ("" if cfg.quantization == "4bit" else "quantization=4bit (frees the weights' memory); ")
@@ -520,6 +554,8 @@ def plan_run_memory(
     finally:
         set_rng_state(rng)
         model.train(was_training)
+    if device.type == "cuda":
+        plan.allocator = allocator_setting()
     if num_processes > 1:  # every process the same sizes (CPU measurements vary a little)
         from accelerate.utils import broadcast_object_list
 
@@ -555,8 +591,8 @@ def plan_from_shapes(
         plan.probe = f"not measured: the model's shapes give {need}, under 1/{FAR_UNDER} of the budget"
     else:
         device = sizes["device"]
-        peak = max(measure_peak(lambda train=train: run_pass(size, train), device) for train in (True, False))
-        need = plan.optimizer + max(plan.rollout, plan.kept + peak)
+        peak = max(_measured(lambda train=train: run_pass(size, train), device) for train in (True, False))
+        need = plan.held + plan.optimizer + max(plan.rollout, plan.kept + peak)
         if need > plan.budget:
             return None
         plan.need, plan.measured, plan.largest = need, {on: {size: peak}}, {on: size}

@@ -20,7 +20,7 @@ UNPLANNED_FORWARD_ROWS = (
 
 class RunSizes:
     """update: the run's update.PolicyUpdate (what the probe measures); state: its TrainState;
-    side_passes: the reward models' scoring forwards (scorer.RolloutScorer.probe_passes), planned too."""
+    side_passes: the reward models' scoring forwards (scorer.probe_passes), planned too."""
 
     def __init__(
         self,

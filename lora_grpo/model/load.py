@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import GRPOConfig
 from ..device import auto_dtype, describe_gpu, native_bf16
-from .adapters import BASE, POLICY, REFERENCE, lora_layers, policy_parameters, reference_forward, use_adapter  # noqa: F401
+from .adapters import BASE, POLICY, REFERENCE, lora_layers
 from .bases import resolve_base
 from .loading import loading
 from .reference import check_syncable, sync_reference
@@ -250,9 +250,8 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
     else:
         policy = lora_config(config) if lora is None else copy.deepcopy(lora)
         if policy.target_modules is not None:  # None: peft's default for the model type
-            check_target_modules(
-                base, policy.target_modules
-            )  # an entry matching nothing, with the closest names
+            # an entry matching nothing, with the closest names
+            check_target_modules(base, policy.target_modules)
         model = get_peft_model(base, policy, adapter_name=POLICY, autocast_adapter_dtype=True)
     # The largest rank of any layer (an adapter may carry a per-module rank_pattern).
     policy_rank = max(m.lora_A[POLICY].weight.shape[0] for _, m in lora_layers(model, (POLICY,)))
@@ -317,6 +316,11 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # transformers registers that hook anyway (enable_input_require_grads: `output.requires_grad_()`
+    # on the embeddings' output); it runs in every forward, the compiled decode step's too, where
+    # dynamo before torch 2.13 breaks the graph at it (7 breaks on the first GPU run, issue 48).
+    if hasattr(base, "disable_input_require_grads"):
+        base.disable_input_require_grads()
 
 
 def disable_gradient_checkpointing(model: nn.Module) -> None:
@@ -337,8 +341,7 @@ def load_model(config: GRPOConfig, device_map=None):
     tokenizer = load_tokenizer(config, path)
     base = load_base_model(config, path, device_map=device_map)
     model = attach_adapters(base, config)
-    if (
-        config.gradient_checkpointing is True
-    ):  # 'auto' is decided by the trainer's memory probe (memory/probe.py)
+    # 'auto' is decided by the trainer's memory probe (memory/probe.py)
+    if config.gradient_checkpointing is True:
         enable_gradient_checkpointing(model)
     return model, tokenizer

@@ -4,6 +4,8 @@ generate     the sampler: prompts tokenised and prefilled once per prompt, G sam
              together (:func:`generate_rollout`); the :class:`Rollout` it returns
 sampling     one draw from (N, V) logits: repetition penalty, temperature, top-k/top-p/min-p
 fast_decode  the fixed-shape decode (static KV cache, torch.compile / CUDA graphs)
+compile_cache  what torch.compile built for the decode, kept per machine under lora_grpo's cache
+             directory, so a later run does not compile it again
 tools        tool calls inside a rollout: :class:`Toolbox` (tools, schemas, the template check,
              parsing, replies), :class:`ToolEpisode` (one rollout's tools and environments),
              :func:`tool_metrics`

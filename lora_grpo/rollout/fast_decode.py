@@ -24,6 +24,10 @@ one's shape replaces it; at most KEPT_CACHES stay. That memory stays allocated b
 the memory plan counts it (memory.decode_memory, from :func:`static_cache_bytes`). An uncompiled
 static rollout frees its cache when it ends. Once compilation has failed, why (logged once): every
 later rollout is eager, and what the compiled path kept is freed.
+
+What torch compiled is kept per machine (compile_cache.py): loaded before the process's first
+compile, saved after each new shape's first compiled step, so a later run with the same shapes
+skips inductor's and Triton's work.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..device import compile_pays
+from . import compile_cache
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +108,8 @@ class _ModelState:
             0,
             0,
         )  # (rows, slots) every compiled cache has at least (reserve_shape)
+        # the compiled shapes (rows, slots, dtype, device) whose compile was saved (compile_cache.save)
+        self.saved: set[tuple] = set()
 
 
 def reserve_shape(model, rows: int, needed: int) -> None:
@@ -261,6 +268,7 @@ class StaticDecoder:
         # Only a compiled step keeps its cache (CUDA graphs' fixed addresses); this decoder owns an
         # uncompiled one, of exactly its shape, freed with it when the rollout ends.
         self.cache, R, L = self._static_cache(prefill_cache, N, P + max_new, keep=compiled)
+        self.shape = (R, L, attention_mask.dtype, attention_mask.device)
         self.attn = torch.zeros((R, L), dtype=attention_mask.dtype, device=attention_mask.device)
         self.attn[:N, :P] = attention_mask
         self.attn[N:, 0] = 1  # rows beyond the decode's attend to one (zero) slot: finite, and unused
@@ -312,6 +320,8 @@ class StaticDecoder:
     def _compiled(self):
         if self.state.compiled is None:
             cuda = self.attn.device.type == "cuda"
+            # what earlier runs on this machine compiled, before this process compiles anything
+            compile_cache.load(self.attn.device)
             try:
                 # "reduce-overhead" = inductor + CUDA graphs: one graph launch per token instead of
                 # hundreds of small kernels, the whole point on a GPU. dynamic=False: one graph per
@@ -345,6 +355,10 @@ class StaticDecoder:
                 self.compiled = None
                 for layer in self.cache.layers:  # undo a partial write, if the failure came mid-run
                     layer.cumulative_length.fill_(self.slot)
+        if logits is not None and self.shape not in self.state.saved:
+            # this shape's first compiled step: keep what it compiled (compile_cache never raises)
+            self.state.saved.add(self.shape)
+            compile_cache.save(self.attn.device)
         if logits is None:
             logits = self.forward(*args)[:N]  # a genuine error (not compilation's) raises here again
         self.slot += 1

@@ -303,9 +303,8 @@ def _decode_chunk(
     """The eager sampler. Sample G completions for each of the n prompts in (ids, mask): (n, P)
     each, left-padded. -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a
     row's first EOS."""
-    cache_kw = (
-        "cache" if "cache" in _forward_params(model) else "past_key_values"
-    )  # renamed in transformers 5
+    # renamed in transformers 5
+    cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
     cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
 
     def advance(keep, tok):
@@ -342,7 +341,7 @@ def _decode_chunk(
 def _decode_chunk_static(
     model, ids, mask, *, G, max_new, eos_ids, pad_id, sampling, generator, compiled, turns=None
 ) -> tuple[Tensor, Tensor]:
-    """The fixed-shape sampler (:mod:`lora_grpo.fast_decode`): same arguments and result as
+    """The fixed-shape sampler (:mod:`lora_grpo.rollout.fast_decode`): same arguments and result as
     :func:`_decode_chunk`, and the same tokens under the same generator. All N rows run every step
     (finished ones feed pad, their outputs unused); the draws see only the rows still decoding, as
     in the eager sampler (:func:`_sample_tokens`)."""
@@ -407,7 +406,7 @@ def generate_rollout(
 
     ``decode_mode`` picks the sampler, all drawing the same tokens from the same generator:
     "eager" (a growing KV cache; finished rows leave the batch), "static" (a fixed-shape static
-    cache, :mod:`lora_grpo.fast_decode`), "compiled" ("static" with the step under torch.compile:
+    cache, :mod:`lora_grpo.rollout.fast_decode`), "compiled" ("static" with the step under torch.compile:
     CUDA graphs on CUDA), or "auto" ("compiled" on CUDA, "eager" elsewhere). A model that cannot
     decode statically or compile is sampled eagerly, with one logged line saying why.
 

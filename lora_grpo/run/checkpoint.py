@@ -49,7 +49,7 @@ from ..model.adapter_files import (
     trained_base,
 )
 from ..model.adapters import POLICY, REFERENCE, lora_layers
-from ..rng import legacy_numpy_globals, restore_sampling, set_rng_state
+from ..rng import restore_sampling, set_rng_state
 from .logs import read_log
 
 logger = logging.getLogger(__name__)
@@ -464,9 +464,8 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path / STATE_JSON} is damaged ({e}). " + _earlier_hint(path)) from None
     try:
-        with torch.serialization.safe_globals(legacy_numpy_globals()):
-            # CPU first: RNG states must be CPU byte tensors; optimizer states move in restore_training_state.
-            blobs = torch.load(path / STATE_BLOBS, map_location="cpu", weights_only=True)
+        # CPU first: RNG states must be CPU byte tensors; optimizer states move in restore_training_state.
+        blobs = torch.load(path / STATE_BLOBS, map_location="cpu", weights_only=True)
         missing = [k for k in ("optimizer", "scheduler", "rng") if k not in blobs]
         if missing:
             raise ValueError(f"no {', '.join(missing)}")

@@ -33,8 +33,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-STAGES = ("rollout", "environment", "reward", "update", "eval", "sync", "log", "checkpoint")
-
 # The stages an exception left, outermost first, are kept on the exception itself: an id kept beside it
 # could name a later exception that reuses a dead one's id.
 _STAGES_ATTRIBUTE = "_lora_grpo_stages"

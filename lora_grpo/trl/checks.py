@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from ..algo.loss_types import LOSS_TYPE_FACTS, LossTypeFacts
+from ..algo.loss_types import LOSS_TYPES, trl_sequence_level_warning
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +167,8 @@ TRL_CHECKS: list[tuple[str, str, str]] = [
         "Iterable datasets require `dataloader_num_workers=0`",
         "does not apply: there is no DataLoader; a stream is read at start",
     ),
-    ("trainer", "When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'`", SAME),
-    ("trainer", "VESPO computes sequence-level importance weights internally", SAME),
+    # each loss type's warning about its importance_sampling level: the registry's sentence
+    *(("trainer", entry.trl_warning, SAME) for entry in LOSS_TYPES.values() if entry.trl_warning),
     ("trainer", "When using `importance_sampling_level='sequence'`, the", SAME),
     (
         "trainer",
@@ -332,14 +332,11 @@ def warn_as_trl(args, *, model, quantization_config) -> None:
                 "`quantization_config` will be ignored."
             )
     level = args.importance_sampling_level
-    # an unknown loss_type is refused by the translated config, naming the choices
-    facts = LOSS_TYPE_FACTS.get(args.loss_type, LossTypeFacts())
-    if facts.meant_for is not None and level != facts.meant_for:
-        logger.warning(facts.trl_warning)
-    if level == "sequence" and facts.sums_tokens:
-        logger.warning(
-            f"When using `importance_sampling_level='sequence'`, the `'{args.loss_type}'` loss sums per-token "
-            "contributions, which effectively weights each sequence by its completion length instead of "
-            "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set "
-            "`loss_type='grpo'`."
-        )
+    entry = LOSS_TYPES.get(args.loss_type)
+    if entry is None:
+        # an unknown loss_type is refused by the translated config, naming the choices
+        return
+    if entry.meant_for is not None and level != entry.meant_for:
+        logger.warning(entry.trl_warning)
+    if level == "sequence" and entry.sums_tokens:
+        logger.warning(trl_sequence_level_warning(args.loss_type))

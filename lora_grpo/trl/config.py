@@ -17,7 +17,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-TRL_VERSION = "1.16.0"  # the release whose GRPOConfig this mirrors (tests compare against it where installed)
+from ..algo.loss_types import Objective, loss_type_help, loss_types_using
+
 # Fields of lora_grpo's own, beyond TRL's: what TRL cannot do. Each leaves a TRL script's run as in TRL at
 # its default (reward_bisect_on_error acts only once a reward has raised), and maps to the native field of the
 # same name.
@@ -27,6 +28,10 @@ EXTENSIONS = (
     "dynamic_sampling_min_std",
     "reward_bisect_on_error",
 )
+
+
+# The loss types whose objective an option tunes, named in its help (from the registry).
+_SOFT_GATE, _GAMMA = loss_types_using(Objective.SOFT_GATE), loss_types_using(Objective.GAMMA_WEIGHT)
 
 
 def _f(default, help: str):
@@ -104,21 +109,24 @@ class GRPOConfig(TrainingArguments):
     epsilon: float = _f(0.2, "clip epsilon (the lower one)")
     delta: float | None = _f(None, "two-sided clipping bound (INTELLECT-2)")
     epsilon_high: float | None = _f(
-        None, "upper clip epsilon; None = epsilon; cispo: the cap on the ratio (about 5)"
+        None,
+        f"upper clip epsilon; None = epsilon; {loss_types_using(Objective.CAPPED_RATIO)}: the cap on the ratio "
+        "(about 5)",
     )
-    sapo_temperature_neg: float = _f(1.05, "sapo: temperature for non-positive advantages")
-    sapo_temperature_pos: float = _f(1.0, "sapo: temperature for positive advantages")
-    vespo_k_pos: float = _f(2.0, "vespo: k for positive advantages")
-    vespo_lambda_pos: float = _f(3.0, "vespo: lambda for positive advantages")
-    vespo_k_neg: float = _f(3.0, "vespo: k for negative advantages")
-    vespo_lambda_neg: float = _f(2.0, "vespo: lambda for negative advantages")
+    sapo_temperature_neg: float = _f(1.05, f"{_SOFT_GATE}: temperature for non-positive advantages")
+    sapo_temperature_pos: float = _f(1.0, f"{_SOFT_GATE}: temperature for positive advantages")
+    vespo_k_pos: float = _f(2.0, f"{_GAMMA}: k for positive advantages")
+    vespo_lambda_pos: float = _f(3.0, f"{_GAMMA}: lambda for positive advantages")
+    vespo_k_neg: float = _f(3.0, f"{_GAMMA}: k for negative advantages")
+    vespo_lambda_neg: float = _f(2.0, f"{_GAMMA}: lambda for negative advantages")
     importance_sampling_level: str = _f("token", "importance ratio: token | sequence")
     reward_weights: list[float] | None = _f(None, "one weight per reward function")
     multi_objective_aggregation: str = _f(
         "sum_then_normalize", "sum_then_normalize | normalize_then_sum (GDPO)"
     )
     scale_rewards: str = _f("group", "group | batch | none (True = group, False = none)")
-    loss_type: str = _f("dapo", "grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo")
+    # TRL 1.16's default; the names and their help are the registry's (algo/loss_types.py)
+    loss_type: str = _f("dapo", loss_type_help())
     mask_truncated_completions: bool = _f(False, "exclude truncated completions from the loss")
     sync_ref_model: bool = _f(
         False,
@@ -173,9 +181,8 @@ class GRPOConfig(TrainingArguments):
     def __post_init__(self):
         """TRL 1.16's GRPOConfig.__post_init__: the same derived values, warnings and errors, in TRL's words
         (lora_grpo.trl.checks lists each one's fate)."""
-        if (
-            self.bf16 is None
-        ):  # TRL: "not fp16"; here also "where the device has bf16", so a CPU run does not fail
+        # TRL: "not fp16"; here also "where the device has bf16", so a CPU run does not fail
+        if self.bf16 is None:
             import torch
 
             self.bf16 = (
@@ -184,9 +191,8 @@ class GRPOConfig(TrainingArguments):
                 and torch.cuda.is_bf16_supported(including_emulation=False)
             )
         super().__post_init__()
-        if (
-            isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto"
-        ):  # the CLI passes a string
+        # the CLI passes a string
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
             text = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
         if self.pad_to_multiple_of == "auto":  # TRL: 128 only on Neuron devices

@@ -156,9 +156,8 @@ def build_model(
         quantization_config if quantization_config is not None else init_kwargs.get("quantization_config")
     )
     fields.update(_quantization_fields(qconfig))
-    if isinstance(
-        model, PeftModel
-    ):  # (with a peft_config too it was refused in TRL's words: checks.refuse_as_trl)
+    # (with a peft_config too it was refused in TRL's words: checks.refuse_as_trl)
+    if isinstance(model, PeftModel):
         peft_config = model.peft_config[model.active_adapter]
     if peft_config is not None:
         check_lora(peft_config)
@@ -188,18 +187,16 @@ def build_model(
     def build(config):
         from ..model.load import attach_adapters, load_base_model, load_tokenizer, prepare_base
 
-        path = (
-            model if isinstance(model, str) else config.model_name_or_path
-        )  # a toy base's name is resolved already
+        # a toy base's name is resolved already
+        path = model if isinstance(model, str) else config.model_name_or_path
         tokenizer = processing_class if processing_class is not None else load_tokenizer(config, path)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
         if isinstance(model, str):
             base = load_base_model(config, model)
-        elif isinstance(
-            model, PeftModel
-        ):  # the adapter becomes init_adapter: the policy and the initial reference
+        elif isinstance(model, PeftModel):
+            # the adapter becomes init_adapter: the policy and the initial reference
             warm = tempfile.mkdtemp(prefix="lora_grpo_warm_start_")
             model.save_pretrained(warm, selected_adapters=[model.active_adapter])
             adapter_dir = warm if model.active_adapter == "default" else f"{warm}/{model.active_adapter}"
@@ -232,8 +229,7 @@ def reward_models(reward_funcs, reward_processing_classes) -> list:
     for i, fn in enumerate(funcs):
         tokenizer = tokenizers[i] if tokenizers is not None and i < len(tokenizers) else None
         if isinstance(fn, (str, PreTrainedModel)):
-            fn = in_position(
-                i, fn, lambda fn=fn, tokenizer=tokenizer: RewardModel(fn, tokenizer)
-            )  # to the device in scorer.py
+            # to the device in scorer.py
+            fn = in_position(i, fn, lambda fn=fn, tokenizer=tokenizer: RewardModel(fn, tokenizer))
         out.append(fn)
     return out  # none at all: refused in TRL's words unless an environment scores (checks.refuse_as_trl)

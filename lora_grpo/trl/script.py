@@ -1,6 +1,6 @@
 """`lora-grpo trl --config recipe.yaml [--flag value ...]`: what `trl grpo --config` accepts, run here.
 
-A TRL recipe holds three groups of keys, as TRL's grpo script parses them (transformers'
+A TRL recipe holds three groups of keys, as TRL's GRPO script parses them (transformers'
 HfArgumentParser over three dataclasses; the YAML gives the defaults, flags override them):
 
     ScriptArguments  dataset_name, dataset_config, dataset_train_split, dataset_test_split,
@@ -109,7 +109,7 @@ def _named(fn, name: str):
 
 
 def reward_funcs(script) -> list:
-    """The script's reward model and reward functions, as TRL's grpo script resolves them."""
+    """The script's reward model and reward functions, as TRL's GRPO script resolves them."""
     funcs: list = [script.reward_model_name_or_path] if script.reward_model_name_or_path else []
     registry = reward_registry()
     for name in script.reward_funcs or []:
@@ -212,7 +212,7 @@ def load_script_dataset(name: str, config_name: str | None):
 
 
 def main(argv: list[str]) -> int:
-    """TRL's grpo script, on lora_grpo: load the data, build the trainer, train, save, end."""
+    """TRL's GRPO script, on lora_grpo: load the data, build the trainer, train, save, end."""
     from . import GRPOTrainer
 
     script, training_args, model_args = parse(argv)

@@ -55,12 +55,13 @@ TRL_NAMES = {
     "lr": "learning_rate",
     "time/step": "step_time",
 }
+# transformers and TRL log the latest of these, not a window mean
 _LAST = (
     "learning_rate",
     "grad_norm",
     "epoch",
     "num_tokens",
-)  # transformers and TRL log the latest of these, not a window mean
+)
 
 
 def trl_record(records: list[dict[str, Any]]) -> dict[str, float]:

@@ -104,7 +104,8 @@ FIELDS: dict[str, Field] = {
     "fp16": _r("float16 without a loss scaler underflows small gradients: use bf16, or float32 (bf16=False)"),
     "tf32": _no("transformers' TrainingArguments applies it to torch itself, as in TRL"),
     "average_tokens_across_devices": _m(
-        "always on: dapo's token count spans every process (False is refused)"
+        "always on: the step's token count (the loss types normalised by it) spans every process "
+        "(False is refused)"
     ),
     # --- the model -----------------------------------------------------------------------------
     "model_init_kwargs": _m(
@@ -369,9 +370,8 @@ def _defaults() -> dict[str, Any]:
 
 
 def _value(v):
-    return getattr(
-        v, "value", v
-    )  # transformers' enums (IntervalStrategy, SchedulerType, OptimizerNames) → str
+    # transformers' enums (IntervalStrategy, SchedulerType, OptimizerNames) → str
+    return getattr(v, "value", v)
 
 
 def _as_dict(value, name: str) -> dict:
@@ -411,7 +411,7 @@ def check_refused(args) -> None:
 
 
 _EXTRA = {
-    "average_tokens_across_devices": "dapo's token count always spans every process",
+    "average_tokens_across_devices": "the step's token count always spans every process",
     "save_strategy": "'best' needs best-model tracking, which lora_grpo does not do: use 'steps' or 'epoch'",
 }
 
