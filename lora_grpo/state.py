@@ -15,6 +15,10 @@ optimizer, the LR scheduler, the RNG states and the adapters themselves.
 from __future__ import annotations
 
 import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,12 @@ FROM_CONFIG = frozenset(
         "is_world_process_zero",
     }
 )
+# A field's saved form (in trainer_state.json) where its annotation says another or nothing: a part
+# (an Any field) is saved as its state_dict(), a JSON object; a run without warmup restarts saves null for
+# them; transformers saves stateful_callbacks as an object.
+_SAVED_FORM = {"warmup_restarts": dict | None, "stateful_callbacks": dict | None}
+# Saved integers count something (steps, tokens, updates): none is negative, and these are at least 1.
+_AT_LEAST_ONE = frozenset({"num_processes", "micro_batch_size"})
 # Fields a new run of the same trainer keeps (TRL's second train(), GRPOTrainer._start_again): facts about the
 # adapters and the sizes in use, not about the run.
 OF_THE_MODEL = frozenset(
@@ -151,7 +161,11 @@ class TrainState(TrainerState):
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore every saved field but FROM_CONFIG; parts restore through their load_state_dict().
-        Unknown keys are ignored."""
+        Unknown keys are ignored. ValueError naming each field whose value does not fit (saved_problems), before
+        any field is set."""
+        problems = self.saved_problems(saved)
+        if problems:
+            raise ValueError("; ".join(problems))
         for f in dataclasses.fields(self):
             if f.name not in saved or f.name in FROM_CONFIG:
                 continue
@@ -160,6 +174,70 @@ class TrainState(TrainerState):
                 current.load_state_dict(saved[f.name])
             else:
                 setattr(self, f.name, saved[f.name])
+
+    @classmethod
+    def saved_problems(cls, saved: Mapping[str, Any]) -> list[str]:
+        """What is wrong in `saved` (a state_dict(), as trainer_state.json holds it), field by field: a value of
+        another type than its field's (`"global_step": "two"`, `"batches": null`) or out of range (a negative
+        count); [] when every field it restores fits. Unknown keys and FROM_CONFIG fields (not restored) are not
+        checked."""
+        hints = typing.get_type_hints(cls)
+        problems = []
+        for f in dataclasses.fields(cls):
+            if f.name not in saved or f.name in FROM_CONFIG or PER_PROCESS in f.metadata:
+                continue
+            value = saved[f.name]
+            form = _SAVED_FORM.get(f.name, dict if hints[f.name] is Any else hints[f.name])
+            if not _fits(value, form):
+                problems.append(f"{f.name} is {_shown(value)}; it must be {_described(form)}")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                least = 1 if f.name in _AT_LEAST_ONE else 0
+                # `not >=`: NaN fails too
+                if not value >= least:
+                    problems.append(f"{f.name} is {_shown(value)}; it must be {least} or more")
+        return problems
+
+
+def _fits(value: Any, form: Any) -> bool:
+    """Whether a JSON value has the type `form` (an annotation): containers by their own type only, an int for a
+    float, never a bool for a number."""
+    if form is Any:
+        return True
+    if typing.get_origin(form) in (typing.Union, types.UnionType):
+        return any(_fits(value, member) for member in typing.get_args(form))
+    if form is type(None):
+        return value is None
+    form = typing.get_origin(form) or form
+    if isinstance(value, bool):
+        return form is bool
+    if form is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, form)
+
+
+_JSON_NAMES = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    dict: "an object",
+}
+
+
+def _described(form: Any) -> str:
+    """An annotation in the words of a JSON file: "an integer or null"."""
+    if typing.get_origin(form) in (typing.Union, types.UnionType):
+        return " or ".join(_described(member) for member in typing.get_args(form))
+    if form is type(None):
+        return "null"
+    form = typing.get_origin(form) or form
+    return _JSON_NAMES.get(form, "a list" if form is list else form.__name__)
+
+
+def _shown(value: Any) -> str:
+    """A saved value as the JSON file shows it, cut short."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _export(value: Any) -> Any:

@@ -506,3 +506,60 @@ def test_resume_is_exact_with_an_8bit_optimizer(tiny_base_dir, tmp_path):
     )
     resumed.train()
     assert_same_adapters(full.model, resumed.model)
+
+
+# ---------------------------------------------------------------------------------- hand-edited trainer state
+def _edit_state(checkpoint, **values) -> None:
+    path = checkpoint / ckpt.STATE_JSON
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+# Issue 47: "invalid literal for int()" ("two"), an AttributeError (batches null), or a run that went on from
+# step -3 (metrics.jsonl then held steps -2 ... 3); none named the file.
+@pytest.mark.parametrize(
+    "values, named",
+    [
+        ({"global_step": "two"}, 'global_step is "two"; it must be an integer'),
+        ({"batches": None}, "batches is null; it must be an object"),
+        ({"global_step": -3}, "global_step is -3; it must be 0 or more"),
+    ],
+    ids=["string", "null", "negative"],
+)
+def test_a_hand_edited_trainer_state_names_the_file_and_the_field(
+    tiny_base_dir, tmp_path, run_copy, values, named
+):
+    _edit_state(run_copy / "checkpoint-2", **values)
+    with pytest.raises(CheckpointError) as info:
+        resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
+    text = str(info.value)
+    assert f"{run_copy / 'checkpoint-2' / ckpt.STATE_JSON}: {named}" in text
+    # the fix: the values the run wrote, or the checkpoint before it
+    assert "Put back the values the run wrote" in text and "checkpoint-1" in text
+    # refused before a step ran: nothing logged
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_hand_edited_trainer_state_through_the_cli_is_an_error_not_a_traceback(
+    tiny_base_dir, tmp_path, run_copy, capsys
+):
+    from helpers import write_recipe
+
+    from lora_grpo.cli import main
+
+    _edit_state(run_copy / "checkpoint-2", global_step="two")
+    recipe = write_recipe(tmp_path, tiny_base_dir, quantization="none", max_steps=3)
+    resume_from = f"resume_from_checkpoint={run_copy / 'checkpoint-2'}"
+    assert main(["train", str(recipe), "--set", resume_from]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f'{run_copy / "checkpoint-2" / ckpt.STATE_JSON}: global_step is "two"; it must be an integer' in err
+    )
+    assert "Traceback" not in err and "invalid literal" not in err
+
+
+def test_a_log_line_cut_short_is_named_when_resume_drops_it(tmp_path, caplog):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n\n{"step": 2}\n[2]\n{"step": 3, "rew')
+    ckpt.truncate_log(log, 3)
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert f"{log}: skipped line 4 (" in caplog.text and "line 5 (not complete JSON" in caplog.text

@@ -202,3 +202,151 @@ def test_init_adapter_takes_the_configs_dropout(tiny_base_dir, tmp_path):
     )
     dropouts = [m.lora_dropout[POLICY] for _, m in lora_layers(model)]
     assert dropouts and all(not isinstance(d, torch.nn.Dropout) or d.p == 0.0 for d in dropouts)
+
+
+# ---------------------------------------------------------------------------------- files we read
+@pytest.fixture(scope="module")
+def recipe_and_adapter(tiny_base_dir, tmp_path_factory):
+    """A recipe of the tiny base, and its policy adapter saved as lora_grpo saves one (safetensors)."""
+    from helpers import write_recipe
+
+    from lora_grpo import GRPOTrainer
+    from lora_grpo.cli import load_config
+
+    root = tmp_path_factory.mktemp("adapter_files")
+    recipe = write_recipe(root, tiny_base_dir, quantization="none")
+    save_adapter(GRPOTrainer(load_config(str(recipe), [])).model, root / "adapter", POLICY)
+    return recipe, root / "adapter"
+
+
+def _as_bin(adapter, target, **extra):
+    """A copy of `adapter` whose weights are an adapter_model.bin (torch.save of its tensors and `extra`)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from lora_grpo.model.adapter_files import ADAPTER_WEIGHTS, PICKLED_WEIGHTS
+
+    shutil.copytree(adapter, target)
+    weights = load_file(str(target / ADAPTER_WEIGHTS))
+    (target / ADAPTER_WEIGHTS).unlink()
+    torch.save({**weights, **extra}, target / PICKLED_WEIGHTS)
+    return target
+
+
+class _CreatesAFile:
+    """A pickle payload: unpickling it calls open(marker, "w"), which creates the file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+# Issue 47: eval and merge of an adapter_model.bin holding a pickled object stopped on torch's raw
+# UnpicklingError, whose text suggests loading it with weights_only=False.
+def test_a_pickled_adapter_bin_is_refused_by_eval_and_merge_without_running_it(
+    recipe_and_adapter, tmp_path, capsys
+):
+    from lora_grpo.cli import main
+
+    recipe, adapter = recipe_and_adapter
+    marker = tmp_path / "payload-ran"
+    pickled = _as_bin(adapter, tmp_path / "pickled", extra=_CreatesAFile(marker))
+    for command in (["eval"], ["merge", "--out", str(tmp_path / "merged")]):
+        capsys.readouterr()
+        assert main([command[0], str(pickled), "--recipe", str(recipe), *command[1:]]) == 1
+        err = capsys.readouterr().err
+        assert f"{pickled / 'adapter_model.bin'} holds a pickled Python object (" in err, command
+        assert "refused, not loaded, since unpickling it could run code" in err
+        assert "save_pretrained" in err
+        assert "weights_only" not in err and "Traceback" not in err
+    assert not marker.exists() and not (tmp_path / "merged").exists()
+
+
+def test_an_adapter_bin_is_read_as_tensors_only_through_the_python_api(
+    recipe_and_adapter, tiny_base_dir, tmp_path
+):
+    from lora_grpo.model.adapter_files import AdapterFileError, read_adapter_weights, saved_tensor_shapes
+
+    _, adapter = recipe_and_adapter
+    marker = tmp_path / "payload-ran"
+    plain = read_adapter_weights(_as_bin(adapter, tmp_path / "plain"))
+    assert plain and all(isinstance(v, torch.Tensor) for v in plain.values())
+    pickled = _as_bin(adapter, tmp_path / "pickled", extra=_CreatesAFile(marker))
+    for read in (read_adapter_weights, saved_tensor_shapes):
+        with pytest.raises(AdapterFileError, match="holds a pickled Python object"):
+            read(pickled)
+    with pytest.raises(ValueError, match="holds a pickled Python object"):
+        make_trainer(tiny_base_dir, tmp_path, quantization="none", lora_r=4, init_adapter=str(pickled))
+    assert not marker.exists()
+
+
+def test_eval_reads_an_adapter_bin_of_tensors_and_names_a_damaged_weights_file(
+    recipe_and_adapter, tmp_path, capsys
+):
+    from lora_grpo.cli import main
+    from lora_grpo.model.adapter_files import ADAPTER_WEIGHTS, PICKLED_WEIGHTS
+
+    recipe, adapter = recipe_and_adapter
+    plain = _as_bin(adapter, tmp_path / "plain")
+    assert main(["eval", str(plain), "--recipe", str(recipe)]) == 0
+    for damaged, name in ((plain, PICKLED_WEIGHTS), (tmp_path / "cut", ADAPTER_WEIGHTS)):
+        if not damaged.exists():
+            import shutil
+
+            shutil.copytree(adapter, damaged)
+        file = damaged / name
+        file.write_bytes(file.read_bytes()[:100])
+        capsys.readouterr()
+        assert main(["eval", str(damaged), "--recipe", str(recipe)]) == 1
+        err = capsys.readouterr().err
+        assert f"{file} is damaged or truncated (" in err and "save the adapter again" in err
+        assert "weights_only" not in err and "Traceback" not in err
+
+
+def _base_with_its_own_code(tiny_base_dir, target, marker):
+    """The tiny base, made a model whose config.json asks for code of its own (auto_map); that code creates
+    `marker` when it runs."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_base_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config["model_type"] = "custom_llama"
+    config["auto_map"] = {
+        "AutoConfig": "configuration_custom.CustomConfig",
+        "AutoModelForCausalLM": "modeling_custom.CustomModel",
+    }
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "configuration_custom.py").write_text(
+        f"open({str(marker)!r}, 'w')\nfrom transformers import LlamaConfig as CustomConfig\n"
+    )
+    (target / "modeling_custom.py").write_text("from transformers import LlamaForCausalLM as CustomModel\n")
+    return target
+
+
+# Issue 47: the refusal was right, but its message stopped at transformers' first line, before the one that
+# names the setting, and never said trust_remote_code.
+def test_a_model_with_code_of_its_own_is_refused_naming_trust_remote_code(tiny_base_dir, tmp_path, capsys):
+    from helpers import write_recipe
+
+    from lora_grpo.cli import main
+    from lora_grpo.model.loading import LoadError
+
+    marker = tmp_path / "model-code-ran"
+    base = _base_with_its_own_code(tiny_base_dir, tmp_path / "custom", marker)
+    with pytest.raises(LoadError) as info:
+        make_trainer(str(base), tmp_path, quantization="none")
+    text = str(info.value)
+    assert (
+        "it ships Python code of its own (config.json's auto_map: configuration_custom.CustomConfig, " in text
+    )
+    assert "trust_remote_code is false, so it was refused and none of that code ran" in text
+    assert "set trust_remote_code: true in the recipe (--set trust_remote_code=true)" in text
+    recipe = write_recipe(tmp_path, base, quantization="none")
+    assert main(["train", str(recipe)]) == 1
+    err = capsys.readouterr().err
+    assert "trust_remote_code: true" in err and "Traceback" not in err
+    assert not marker.exists()

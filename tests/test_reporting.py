@@ -474,3 +474,45 @@ def test_two_processes_one_bar_one_log_and_every_completion(tiny_base_dir, tmp_p
     assert all(r["sync"] for r in records)  # ref_sync_steps=1
     assert len(glob.glob(str(run / "runs" / "lora-grpo" / "events.*"))) == 1  # one writer
     assert (run / "metrics.png").read_bytes().startswith(PNG_MAGIC)
+
+
+# Issue 47: `lora-grpo plot` on the metrics.jsonl of a run killed mid-line failed with "Unterminated string ...
+# line 1 column 27" and drew nothing.
+def test_plot_draws_the_complete_lines_of_a_half_written_log_and_names_the_line_skipped(
+    tmp_path, caplog, capsys
+):
+    from lora_grpo.cli import main
+
+    whole = "".join(json.dumps(r) + "\n" for r in records_with_syncs())
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"step": 7, "reward/mean": 0.')
+    cut = len(records_with_syncs()) + 1
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "metrics.png").read_bytes().startswith(PNG_MAGIC)
+    assert f"{tmp_path / 'metrics.jsonl'}: skipped line {cut} (not complete JSON, " in caplog.text
+    assert "a run stopped while writing it?" in caplog.text
+    info = plot_run(tmp_path)
+    # every complete record drawn: the syncs of the whole lines, the panels of a whole log
+    assert len(info.skipped) == 1 and info.skipped[0].startswith(f"line {cut} (")
+    assert info.sync_steps == [2, 5] and "entropy" in info.panels
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rew')
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'metrics.jsonl'} holds no complete record (skipped line 1 (not complete JSON" in err
+    assert "Traceback" not in err
+
+
+def test_the_log_reader_keeps_every_record_and_names_every_other_line(tmp_path):
+    from lora_grpo.run.logs import read_log
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(
+        b'{"step": 1, "kl": 0.5}\n\n[1, 2]\n{"kl": 1}\n{"step": "3"}\n\xff\xfe\n{"step": 4}\n{"step": 5'
+    )
+    log = read_log(path)
+    assert log.records == [{"step": 1, "kl": 0.5}, {"step": 4}]
+    assert log.lines == ['{"step": 1, "kl": 0.5}', '{"step": 4}']
+    assert [s.split(" (")[0] for s in log.skipped] == ["line 3", "line 4", "line 5", "line 6", "line 8"]
+    assert log.skipped[0] == 'line 3 (not a record: no integer "step")'
+    assert log.skipped[3] == "line 6 (not UTF-8 text)"
+    assert log.skipped_note().startswith("skipped line 3 (")

@@ -2,6 +2,8 @@
 fields added later (the test walks the dataclass, it names none of them)."""
 
 import dataclasses
+import re
+import typing
 
 import pytest
 from helpers import make_trainer
@@ -31,8 +33,13 @@ def _other(value, name):
         ]
     if isinstance(value, dict):
         return {**value, "marker": [False, 1] if name == "episodes" else name}
+    # None: a value of the field's own type (the checkpoint's reader refuses any other)
     if value is None:
-        return f"{name} set by the test"
+        kind = next(
+            t for t in typing.get_args(typing.get_type_hints(TrainState)[name]) if t is not type(None)
+        )
+        kind = typing.get_origin(kind) or kind
+        return {int: 7, float: 7.5, str: f"{name} set by the test", dict: {"marker": name}}[kind]
     raise TypeError(f"no test value for a {type(value).__name__} in {name}")
 
 
@@ -140,3 +147,51 @@ def test_the_state_is_transformers_trainer_state(tiny_base_dir, tmp_path):
     assert isinstance(trainer.state, TrainerState)
     assert trainer.state.global_step == 1 and trainer.state.max_steps == 1
     assert trainer.state.epoch == pytest.approx(1 / 12)
+
+
+@pytest.fixture(scope="module")
+def run_state(tiny_base_dir, tmp_path_factory):
+    """A fresh run's TrainState (every part in place)."""
+    return make_trainer(tiny_base_dir, tmp_path_factory.mktemp("state"), quantization="none").state
+
+
+# Issue 47: a hand-edited trainer_state.json failed with "invalid literal for int()" ("two"), an AttributeError
+# (batches null), or was taken (global_step -3: the run then logged steps -2 ... 3).
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ({"global_step": "two"}, 'global_step is "two"; it must be an integer'),
+        ({"batches": None}, "batches is null; it must be an object"),
+        ({"global_step": -3}, "global_step is -3; it must be 0 or more"),
+        ({"global_step": True}, "global_step is true; it must be an integer"),
+        ({"num_processes": 0}, "num_processes is 0; it must be 1 or more"),
+        ({"epoch": float("nan")}, "epoch is NaN; it must be 0 or more"),
+        ({"log_history": {"loss": 1.0}}, 'log_history is {"loss": 1.0}; it must be a list'),
+        ({"unfinished_step": []}, "unfinished_step is []; it must be an object or null"),
+    ],
+    ids=[
+        "string-step",
+        "null-part",
+        "negative-step",
+        "bool-step",
+        "no-processes",
+        "nan",
+        "list",
+        "obj",
+    ],
+)
+def test_a_saved_state_with_a_wrong_value_is_refused_naming_the_field(run_state, edit, named):
+    good = run_state.state_dict()
+    assert TrainState.saved_problems(good) == []
+    bad = good | edit
+    assert [p for p in TrainState.saved_problems(bad) if named in p]
+    before = run_state.state_dict()
+    with pytest.raises(ValueError, match=re.escape(named)):
+        run_state.load_state_dict(bad)
+    # refused before any field was set
+    assert run_state.state_dict() == before
+
+
+def test_fields_a_run_takes_from_its_config_are_not_checked(run_state):
+    # max_steps is not restored (FROM_CONFIG): what the file holds there cannot break a resume
+    assert TrainState.saved_problems({**run_state.state_dict(), "max_steps": "many"}) == []

@@ -22,8 +22,10 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+# Older peft adapters' weights: a torch pickle, read with the weights-only unpickler (read_adapter_weights).
+PICKLED_WEIGHTS = "adapter_model.bin"
 # peft reads either; lora_grpo writes the first.
-_WEIGHT_FILES = (ADAPTER_WEIGHTS, "adapter_model.bin")
+_WEIGHT_FILES = (ADAPTER_WEIGHTS, PICKLED_WEIGHTS)
 # A saved tensor's name: "[base_model.model.]{module}.lora_{A|B}[.{adapter}].weight".
 _SAVED_KEY = re.compile(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")
 
@@ -38,22 +40,98 @@ def missing_adapter_files(path: str | Path) -> list[str]:
     return missing
 
 
+class AdapterFileError(ValueError):
+    """A saved adapter's weights file cannot be read, or is refused: the message names the file, why, and the fix."""
+
+
+def refused_global(error: BaseException) -> str | None:
+    """The Python object a weights-only torch.load refused to unpickle (e.g. 'builtins.print'), or None when
+    `error` is no such refusal. Such a file holds more than tensors: unpickling it could run code."""
+    import pickle
+
+    if not isinstance(error, pickle.UnpicklingError):
+        return None
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    return found.group(1) if found else None
+
+
+def load_failure(error: BaseException) -> str:
+    """What went wrong in a weights-only torch.load that was no refusal, in one line fit to show: the error's type
+    and first line, never torch's advice to load the file another way (unpickling what it refused)."""
+    import pickle
+
+    if isinstance(error, pickle.UnpicklingError):
+        # torch's text here offers to unpickle the file anyway; a damaged file is what it means for us
+        return f"{type(error).__name__}: not a file of tensors torch can read"
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def _damaged(file: Path, error: BaseException) -> AdapterFileError:
+    return AdapterFileError(
+        f"{file} is damaged or truncated ({load_failure(error)}); save the adapter again, or pass another one"
+    )
+
+
+def read_adapter_weights(path: str | Path) -> dict:
+    """{tensor name: tensor} of the saved peft adapter in directory `path`: adapter_model.safetensors, else
+    adapter_model.bin, read by torch's weights-only unpickler (tensors and plain containers only, on the CPU).
+
+    AdapterFileError naming the file: a damaged or truncated file, a .bin that holds other Python objects (refused,
+    not loaded: unpickling them could run code) or anything but a {name: tensor} mapping; FileNotFoundError when
+    neither file is there.
+    """
+    import torch
+
+    path = Path(path)
+    file = path / ADAPTER_WEIGHTS
+    if file.is_file():
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(file))
+        except Exception as e:  # noqa: BLE001 - SafetensorError is no OSError/ValueError; any failure is a bad file
+            raise _damaged(file, e) from None
+    file = path / PICKLED_WEIGHTS
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} holds no adapter weights: no {ADAPTER_WEIGHTS} or {PICKLED_WEIGHTS}")
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - pickle and zip errors of many kinds mean one of the two below
+        found = refused_global(e)
+        if found:
+            raise AdapterFileError(
+                f"{file} holds a pickled Python object ({found}), not only tensors: refused, not loaded, since "
+                "unpickling it could run code. An adapter's weights are tensors: save the adapter again from code "
+                f"you trust with peft's save_pretrained (it writes {ADAPTER_WEIGHTS}), or pass another adapter"
+            ) from None
+        raise _damaged(file, e) from None
+    if not isinstance(saved, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in saved.items()
+    ):
+        raise AdapterFileError(
+            f"{file} holds a {type(saved).__name__} that is not a mapping of tensor names to tensors, which is "
+            f"what an adapter's weights are; save the adapter again with peft's save_pretrained (it writes "
+            f"{ADAPTER_WEIGHTS}), or pass another adapter"
+        )
+    return saved
+
+
 def saved_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]] | None:
     """{tensor name: shape} of a saved peft adapter, read from the file's header (safetensors) without loading
-    the weights; None when there is no weights file."""
+    the weights; None when there is no weights file. AdapterFileError for a file that cannot be read or is
+    refused (read_adapter_weights)."""
     path = Path(path)
     if (path / ADAPTER_WEIGHTS).is_file():
         from safetensors import safe_open
 
-        with safe_open(str(path / ADAPTER_WEIGHTS), "pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    if (path / "adapter_model.bin").is_file():
-        import torch
-
-        return {
-            k: tuple(v.shape)
-            for k, v in torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True).items()
-        }
+        try:
+            with safe_open(str(path / ADAPTER_WEIGHTS), "pt") as f:
+                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - SafetensorError is no OSError/ValueError; any failure is a bad file
+            raise _damaged(path / ADAPTER_WEIGHTS, e) from None
+    if (path / PICKLED_WEIGHTS).is_file():
+        return {k: tuple(v.shape) for k, v in read_adapter_weights(path).items()}
     return None
 
 

@@ -11,6 +11,7 @@ with the original error chained.
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,9 @@ from pathlib import Path
 from .adapter_files import missing_adapter_files
 
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+# What transformers' refusal of a model's own code says (its last line names the setting: "pass the argument
+# `trust_remote_code=True`").
+_REMOTE_CODE = "trust_remote_code=True"
 _NO_NETWORK = (
     "couldn't connect",
     "could not connect",
@@ -57,6 +61,8 @@ def explain(role: str, what: str, path, error: BaseException) -> str:
     local = Path(str(path)).expanduser()
     first = (str(error).strip().splitlines() or [""])[0]
     message = f"could not load the {role}'s {what} from {str(path)!r}: "
+    if any(_REMOTE_CODE in str(e) for e in _chain(error)):
+        return message + _remote_code(local)
     if local.exists():
         if any(type(e).__name__ == "HFValidationError" for e in _chain(error)):
             # peft (and huggingface_hub) take a local directory lacking the file they read for a hub id.
@@ -96,6 +102,23 @@ def explain(role: str, what: str, path, error: BaseException) -> str:
             f"; as a hub id it failed too ({type(error).__name__}: {first}): check the id (and access to it)"
         )
     return message
+
+
+def _remote_code(local: Path) -> str:
+    """Why a model with code of its own was refused, and the fix (transformers' own last line, which names the
+    setting, is cut off by the one-line messages above)."""
+    try:
+        auto_map = json.loads((local / "config.json").read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        auto_map = {}
+    modules = sorted({str(v) for v in (auto_map.values() if isinstance(auto_map, dict) else [])})
+    named = f" (config.json's auto_map: {', '.join(modules)})" if modules else ""
+    return (
+        f"it ships Python code of its own{named}, which transformers runs to load it, and trust_remote_code is "
+        "false, so it was refused and none of that code ran. Read the code; if you trust it, set "
+        "trust_remote_code: true in the recipe (--set trust_remote_code=true); else use a model that "
+        "transformers supports without code of its own"
+    )
 
 
 def _expected(what: str, local: Path) -> list[str]:

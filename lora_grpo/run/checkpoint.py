@@ -27,8 +27,6 @@ import io
 import json
 import logging
 import os
-import pickle
-import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -42,12 +40,17 @@ from ..device import optimizer_state_on_devices
 from ..model.adapter_files import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    PICKLED_WEIGHTS,
+    load_failure,
     missing_adapter_files,
+    read_adapter_weights,
+    refused_global,
     same_base,
     trained_base,
 )
 from ..model.adapters import POLICY, REFERENCE, lora_layers
 from ..rng import restore_sampling, set_rng_state
+from .logs import read_log
 
 logger = logging.getLogger(__name__)
 
@@ -172,12 +175,17 @@ def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str, *, da
     from safetensors.torch import load_file
 
     file = Path(path) / ADAPTER_WEIGHTS
-    if not file.is_file():
+    if not file.is_file() and (Path(path) / PICKLED_WEIGHTS).is_file():
+        # a peft adapter saved as .bin (given to eval): tensors only, anything else refused unread
+        file = Path(path) / PICKLED_WEIGHTS
+        saved = read_adapter_weights(path)
+    elif not file.is_file():
         raise CheckpointError(f"{file} is missing{damaged_hint}")
-    try:
-        saved = load_file(str(file))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{file} is damaged or truncated ({e}){damaged_hint}") from None
+    else:
+        try:
+            saved = load_file(str(file))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{file} is damaged or truncated ({e}){damaged_hint}") from None
     params = adapter_tensors(model, adapter)
     missing, extra = sorted(params.keys() - saved.keys()), sorted(saved.keys() - params.keys())
     if missing or extra:
@@ -464,21 +472,15 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     except Exception as e:  # noqa: BLE001 - pickle/zip errors of many kinds mean one thing here
         # A refused global is an object a checkpoint never holds; other weights-only errors (an unknown
         # opcode) are what random bytes give: a damaged file, below.
-        found = (
-            re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-            if isinstance(e, pickle.UnpicklingError)
-            else None
-        )
+        found = refused_global(e)
         if found:
             raise CheckpointError(
-                f"{path / STATE_BLOBS} holds a reference to {found.group(1)}, which a lora_grpo checkpoint never "
+                f"{path / STATE_BLOBS} holds a reference to {found}, which a lora_grpo checkpoint never "
                 "contains: refused, not loaded (unpickling it could run code). It was written by something else, or "
                 "altered; resume only from checkpoints you trust. " + _earlier_hint(path)
             ) from None
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(
-            f"{path / STATE_BLOBS} is damaged or truncated ({type(e).__name__}: {first_line}). "
-            + _earlier_hint(path)
+            f"{path / STATE_BLOBS} is damaged or truncated ({load_failure(e)}). " + _earlier_hint(path)
         ) from None
     return state, blobs
 
@@ -492,23 +494,17 @@ def load_checkpoint_adapters(model: nn.Module, path: Path) -> None:
 def truncate_log(path: Path, step: int) -> None:
     """Drop records after `step` from a JSON-lines log (a resumed run logs those steps again).
 
-    A line that does not parse (a process killed in the middle of writing it) is dropped with a warning.
+    A line that is no complete record (a process killed in the middle of writing it) is dropped with a
+    warning naming the file and the line (logs.read_log).
     """
     if not path.exists():
         return
-    kept = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record_step = json.loads(line)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            logger.warning(
-                "%s line %d is not a complete record (an interrupted write?); dropped", path, number
-            )
-            continue
-        if record_step <= step:
-            kept.append(line)
+    log = read_log(path)
+    if log.skipped:
+        logger.warning(
+            "%s: %s: no complete records (an interrupted write?), dropped", path, log.skipped_note()
+        )
+    kept = [line for line, record in zip(log.lines, log.records) if record["step"] <= step]
     path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -530,6 +526,13 @@ def restore_training_state(
     `device`; default: the sampling generator's) and this process's RNG states. Checks first that the
     checkpoint fits (check_compatible). Returns the saved TrainState dict (its sizes, for the caller)."""
     saved, blobs = load_checkpoint_state(path)
+    # Every field checked against the state's own dataclass before any of it is used.
+    problems = state.saved_problems(saved)
+    if problems:
+        raise CheckpointError(
+            f"{path / STATE_JSON}: {'; '.join(problems)}. No run writes that: the file was edited or damaged. "
+            "Put back the values the run wrote, or else: " + _earlier_hint(path)
+        )
     check_compatible(
         path,
         config_values,

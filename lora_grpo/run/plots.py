@@ -1,17 +1,22 @@
 """metrics.png: a run's metrics over steps, one panel per group, reference syncs as dashed lines.
 
 Every run writes it at each checkpoint and at the end (reporting.RunReporter.plot); `lora-grpo plot`
-draws it again from metrics.jsonl. matplotlib's object API only: no pyplot, no global state.
+draws it again from metrics.jsonl (its complete records: a line cut short by a killed run is skipped and
+named). matplotlib's object API only: no pyplot, no global state.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .logs import read_log
+
+logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -30,15 +35,13 @@ PANELS: tuple[tuple[str, Any], ...] = (
 
 @dataclass
 class PlotInfo:
-    """What a plot drew: its file, each panel's metrics, and the steps marked as reference syncs."""
+    """What a plot drew: its file, each panel's metrics, the steps marked as reference syncs, and the lines of
+    metrics.jsonl it skipped ("line 7 (...)": no complete record)."""
 
     path: Path | None
     panels: dict[str, list[str]] = field(default_factory=dict)
     sync_steps: list[int] = field(default_factory=list)
-
-
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    skipped: list[str] = field(default_factory=list)
 
 
 def metrics_figure(records: list[dict[str, Any]], keys: Sequence[str] | None = None):
@@ -93,12 +96,27 @@ def metrics_figure(records: list[dict[str, Any]], keys: Sequence[str] | None = N
 def plot_run(
     run_dir: str | Path, out: str | Path | None = None, keys: Sequence[str] | None = None
 ) -> PlotInfo:
-    """Plot RUN_DIR/metrics.jsonl to `out` (default RUN_DIR/metrics.png); written atomically."""
+    """Plot RUN_DIR/metrics.jsonl to `out` (default RUN_DIR/metrics.png); written atomically. Lines that hold
+    no complete record (a run killed while writing one) are skipped with a warning naming the file and the lines
+    (PlotInfo.skipped); a file with no complete record at all is a ValueError naming them."""
     run_dir = Path(run_dir)
     source = run_dir / METRICS_FILE
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist: give the output_dir of a run")
-    return plot_records(read_records(source), Path(out) if out else run_dir / PLOT_FILE, keys)
+    log = read_log(source)
+    if not log.records:
+        raise ValueError(
+            f"{source} holds no complete record ({log.skipped_note() or 'it is empty'}), so there is nothing to "
+            "plot. Plot it once the run has logged a step, or give the run directory whose metrics.jsonl holds its "
+            "records"
+        )
+    if log.skipped:
+        logger.warning(
+            "%s: %s; plotted the %d complete records", source, log.skipped_note(), len(log.records)
+        )
+    info = plot_records(log.records, Path(out) if out else run_dir / PLOT_FILE, keys)
+    info.skipped = log.skipped
+    return info
 
 
 def plot_records(records: list[dict[str, Any]], out: Path, keys: Sequence[str] | None = None) -> PlotInfo:

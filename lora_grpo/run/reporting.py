@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 from ..config import TRACKERS, ConfigError
 from ..device import MiB
 from . import checkpoint as ckpt
-from .plots import METRICS_FILE, PLOT_FILE, PlotInfo, plot_records, read_records
+from .logs import read_log
+from .plots import METRICS_FILE, PLOT_FILE, PlotInfo, plot_records
 
 if TYPE_CHECKING:  # typing only: the trainer owns both
     from accelerate import Accelerator
@@ -451,7 +452,8 @@ class RunReporter:
         if not self.is_main or not self.metrics_path.exists():
             return None
         try:
-            records = read_records(self.metrics_path)
+            # its complete records (truncate_log named any other line when the run resumed)
+            records = read_log(self.metrics_path).records
             if len(records) == self._plotted_records:
                 return None
             info = plot_records(records, self.output_dir / PLOT_FILE)
