@@ -210,7 +210,7 @@ def cmd_merge(args) -> int:
     the merged model's logits are from the policy's (base as trained + adapter) on a few prompts.
 
     --out is written whole (run/owned_dir.py): never the base, its cache or the adapter; a directory holding
-    files lora-grpo did not write there only with --overwrite; into a temporary directory renamed into place."""
+    files lora_grpo did not write there only with --overwrite; into a temporary directory renamed into place."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -252,7 +252,7 @@ def cmd_merge(args) -> int:
     with loading("merge", "adapter", adapter):
         merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
     gap = largest_logit_difference(policy, merged, tokenizer, MERGE_CHECK_PROMPTS)
-    with write_whole(args.out, **target, flag="--overwrite", writer="lora-grpo merge") as tmp:
+    with write_whole(args.out, **target, flag="--overwrite", writer="lora_grpo merge") as tmp:
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     print(
@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="let --out be a directory holding files lora-grpo did not write there: they are deleted",
+        help="let --out be a directory holding files lora_grpo did not write there: they are deleted",
     )
     p.add_argument(
         "--base",

@@ -372,7 +372,7 @@ def test_merge_into_a_directory_of_the_users_files_is_refused_unless_overwrite(c
     assert main(merge) == 1
     err = capsys.readouterr().err
     assert (
-        f"--out '{out}' holds files lora-grpo did not write there: config.json, model-00001-of-00002" in err
+        f"--out '{out}' holds files lora_grpo did not write there: config.json, model-00001-of-00002" in err
     )
     assert "Give --out a new directory, or add --overwrite" in err and "Traceback" not in err
     assert (
@@ -393,7 +393,7 @@ def test_merge_into_a_directory_of_the_users_files_is_refused_unless_overwrite(c
     # a file the user adds to it makes it theirs again
     (out / "NOTES.md").write_text("mine")
     assert (
-        main(merge) == 1 and "holds files lora-grpo did not write there: NOTES.md" in capsys.readouterr().err
+        main(merge) == 1 and "holds files lora_grpo did not write there: NOTES.md" in capsys.readouterr().err
     )
 
 
@@ -418,7 +418,7 @@ def test_merge_never_writes_over_the_base_or_the_adapter_whatever_the_flags(
         for flags in ([], ["--overwrite"]):
             assert main([*merge, "--out", str(out), *flags]) == 1, (out, flags)
             err = capsys.readouterr().err
-            assert f"--out '{out}' {why}" in err and "no flag allows it" in err, err
+            assert f"--out '{out}' {why}" in err and "no flag allows writing there" in err, err
     assert _files(base) == before and not (base / "merged").exists()
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
     # the base named through another spelling of its path is still the base

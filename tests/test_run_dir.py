@@ -383,7 +383,7 @@ def test_output_dir_is_never_the_base_inside_it_or_its_cache_whatever_the_flags(
     ):
         for resume, overwrite in ((None, False), (None, True), ("latest", False)):
             with pytest.raises(
-                OutputDirError, match=rf"^output_dir '{out}' {re.escape(why)}.*no flag allows it"
+                OutputDirError, match=rf"^output_dir '{out}' {re.escape(why)}.*no flag allows writing there"
             ):
                 claim_output_dir(out, protected=protected, overwrite=overwrite, resume_from=resume)
     assert _files(base) == {"config.json": b"{}"} and not (base / "runs").exists()

@@ -46,7 +46,8 @@ def shown(names: Iterable[str], limit: int = 5) -> str:
 
 # ----------------------------------------------------------------------------- the base is never a target
 def _local(path: str | os.PathLike | None) -> Path | None:
-    if not path:
+    # a model object handed to the TRL front door, or no path at all: nothing on disk to protect
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
         return None
     local = Path(path).expanduser()
     return local.resolve() if local.exists() else None
@@ -62,7 +63,10 @@ def protected_paths(config, resolved: str | None = None, adapter: str | os.PathL
     gguf = getattr(config, "gguf_file", None)
     found = [
         (_local(name), f"the base model (model_name_or_path {name!r})"),
-        (_local(Path(name) / gguf if name and gguf else None), f"the base's GGUF file (gguf_file {gguf!r})"),
+        (
+            _local(os.path.join(name, gguf) if isinstance(name, str) and isinstance(gguf, str) else None),
+            f"the base's GGUF file (gguf_file {gguf!r})",
+        ),
         (_local(resolved), "the base model as loaded (its converted or cached copy)"),
         (_local(getattr(config, "tokenizer_name_or_path", None)), "the tokenizer (tokenizer_name_or_path)"),
         (_local(getattr(config, "init_adapter", None)), "the warm-start adapter (init_adapter)"),
@@ -93,8 +97,8 @@ def check_not_protected(target: str | os.PathLike, protected: dict, label: str, 
         else:
             continue
         raise TargetError(
-            f"{label} {str(target)!r} {relation} {what}: {path}. Writing there would change what every later run "
-            f"or merge reads as that, so no flag allows it; give {label} a new directory outside it"
+            f"{label} {str(target)!r} {relation} {what}: {path}. Runs and merges read it, so no flag allows "
+            f"writing there; give {label} a new directory outside it"
         )
 
 
@@ -137,7 +141,7 @@ def check_whole_target(
         return f"replaced the earlier output written to {target}" if record(path) else None
     if not overwrite:
         raise TargetError(
-            f"{label} {str(target)!r} holds files lora-grpo did not write there: {shown(foreign)}; writing "
+            f"{label} {str(target)!r} holds files lora_grpo did not write there: {shown(foreign)}; writing "
             f"there would delete or overwrite them. Give {label} a new directory, or add {flag} to replace "
             f"the directory's contents (its files are deleted)"
         )
