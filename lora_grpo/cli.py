@@ -207,17 +207,24 @@ def cmd_plot(args) -> int:
 def cmd_merge(args) -> int:
     """Merge an adapter into its base: by default into the weights it was trained against (a 4-bit base
     dequantised: what the trained policy computes), --base full into the original weights; then say how far
-    the merged model's logits are from the policy's (base as trained + adapter) on a few prompts."""
+    the merged model's logits are from the policy's (base as trained + adapter) on a few prompts.
+
+    --out is written whole (run/owned_dir.py): never the base, its cache or the adapter; a directory holding
+    files lora_grpo did not write there only with --overwrite; into a temporary directory renamed into place."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from .model.load import load_base_model, load_tokenizer, resolve_dtype, resolve_model_path
     from .model.loading import loading
     from .run.checkpoint import resolve_adapter
+    from .run.owned_dir import check_whole_target, protected_paths, write_whole
 
     config = load_config(args.recipe, args.set)
     adapter, what = resolve_adapter(args.adapter)
     path, dtype = resolve_model_path(config), resolve_dtype(config.torch_dtype)
+    # Before any weight is loaded: a refused --out costs nothing.
+    target = dict(protected=protected_paths(config, path, adapter), overwrite=args.overwrite, label="--out")
+    replaced = check_whole_target(args.out, **target, flag="--overwrite")
     tokenizer = load_tokenizer(config, path)
     trained = load_base_model(config, path)
     check_adapter_fits(
@@ -245,11 +252,13 @@ def cmd_merge(args) -> int:
     with loading("merge", "adapter", adapter):
         merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
     gap = largest_logit_difference(policy, merged, tokenizer, MERGE_CHECK_PROMPTS)
-    merged.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
+    with write_whole(args.out, **target, flag="--overwrite", writer="lora_grpo merge") as tmp:
+        merged.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     print(
         f"merged {what} into {into} of {path} ({str(dtype).removeprefix('torch.')}) → {args.out}; the merged model's "
         f"logits differ from the trained policy's by at most {gap:.3g} on {len(MERGE_CHECK_PROMPTS)} prompts"
+        + (f" ({replaced})" if replaced else "")
     )
     return 0
 
@@ -346,7 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
         "adapter",
         help="an adapter dir, a checkpoint dir (its policy adapter) or a run dir (its final adapter/)",
     )
-    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--out",
+        required=True,
+        help="a new directory for the merged model (an earlier merge's output there is replaced); never the "
+        "base's directory",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="let --out be a directory holding files lora_grpo did not write there: they are deleted",
+    )
     p.add_argument(
         "--base",
         choices=("trained", "full"),

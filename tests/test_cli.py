@@ -348,3 +348,135 @@ def test_resuming_a_run_on_another_base_is_refused_naming_both(
         f"{run / 'checkpoint-3'} was saved under a different config (model_name_or_path: checkpoint " in err
     )
     assert f"{tiny_base_dir!r}, this run {other!r})" in err
+
+
+# ------------------------------------------------------------------ never over the user's files or the base
+
+
+def _files(path):
+    """{name: bytes} of a directory's files, to tell that nothing in it changed."""
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def test_merge_into_a_directory_of_the_users_files_is_refused_unless_overwrite(copied_run, tmp_path, capsys):
+    recipe, run = copied_run
+    out = tmp_path / "my_model"
+    out.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (out / name).write_bytes(b"the user's shard")
+    (out / "config.json").write_text('{"mine": true}')
+    before = _files(out)
+    merge = ["merge", str(run / "adapter"), "--recipe", str(recipe), "--out", str(out)]
+    capsys.readouterr()
+    # was: exit 0, both shards deleted and config.json overwritten
+    assert main(merge) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"--out '{out}' holds files lora_grpo did not write there: config.json, model-00001-of-00002" in err
+    )
+    assert "Give --out a new directory, or add --overwrite" in err and "Traceback" not in err
+    assert (
+        _files(out) == before and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    )
+
+    # --overwrite replaces the directory whole: the merged model alone, loadable
+    assert main([*merge, "--overwrite"]) == 0
+    assert "--overwrite: replaced" in capsys.readouterr().out
+    from transformers import AutoModelForCausalLM
+
+    assert not (out / "model-00001-of-00002.safetensors").exists() and (out / "model.safetensors").is_file()
+    AutoModelForCausalLM.from_pretrained(out)
+    # an earlier merge's output is ours: merged again without a flag, the same files
+    written = sorted(p.name for p in out.iterdir())
+    assert main(merge) == 0 and sorted(p.name for p in out.iterdir()) == written
+    assert "replaced the earlier output" in capsys.readouterr().out
+    # a file the user adds to it makes it theirs again
+    (out / "NOTES.md").write_text("mine")
+    assert (
+        main(merge) == 1 and "holds files lora_grpo did not write there: NOTES.md" in capsys.readouterr().err
+    )
+
+
+def test_merge_never_writes_over_the_base_or_the_adapter_whatever_the_flags(
+    copied_run, tiny_base_dir, tmp_path, capsys
+):
+    import shutil
+
+    recipe, run = copied_run
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base)
+    before = _files(base)
+    merge = ["merge", str(run / "adapter"), "--recipe", str(recipe), "--set", f"model_name_or_path={base}"]
+    capsys.readouterr()
+    for out, why in (
+        (base, f"is the base model (model_name_or_path '{base}')"),
+        (base / "merged", "lies inside the base model"),
+        (tmp_path, "holds the base model"),
+        (run, "holds the adapter being merged"),
+        (run / "adapter", "is the adapter being merged"),
+    ):
+        for flags in ([], ["--overwrite"]):
+            assert main([*merge, "--out", str(out), *flags]) == 1, (out, flags)
+            err = capsys.readouterr().err
+            assert f"--out '{out}' {why}" in err and "no flag allows writing there" in err, err
+    assert _files(base) == before and not (base / "merged").exists()
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    # the base named through another spelling of its path is still the base
+    assert main([*merge, "--out", str(tmp_path / "x" / ".." / "base")]) == 1
+    assert "is the base model" in capsys.readouterr().err and _files(base) == before
+
+
+def test_train_into_a_directory_of_the_users_files_is_refused_unless_overwrite(recipe, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my: settings\n")
+    (mine / "metrics.png").write_bytes(b"my plot")
+    (mine / "data.csv").write_text("a,b\n")
+    before = _files(mine)
+    train = ["train", str(recipe), "--set", f"output_dir={mine}", "--set", "max_steps=1"]
+    capsys.readouterr()
+    # was: exit 0, config.yaml and metrics.png overwritten without a word
+    assert main(train) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"output_dir '{mine}' holds files that are not a lora_grpo run's: config.yaml, data.csv, metrics.png"
+        in err
+    )
+    assert "would overwrite config.yaml, metrics.png" in err and "overwrite_output_dir=true" in err
+    assert "Traceback" not in err and _files(mine) == before
+    assert main([*train, "--set", "overwrite_output_dir=true"]) == 0
+    assert "those with a run's names moved to" in capsys.readouterr().out
+    aside = mine / "previous-run-1"
+    assert (aside / "config.yaml").read_text() == "my: settings\n" and (
+        aside / "metrics.png"
+    ).read_bytes() == b"my plot"
+    assert (mine / "data.csv").read_text() == "a,b\n" and (mine / "summary.json").is_file()
+    # the directory is now a run of ours: it resumes as before
+    assert main([*train, "--set", "max_steps=2", "--set", "resume_from_checkpoint=latest"]) == 0
+
+
+def test_train_never_writes_into_the_base(recipe, tiny_base_dir, tmp_path, capsys):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base)
+    before = _files(base)
+    for out in (base, base / "runs" / "a"):
+        assert (
+            main(
+                [
+                    "train",
+                    str(recipe),
+                    "--set",
+                    f"model_name_or_path={base}",
+                    "--set",
+                    f"output_dir={out}",
+                    "--set",
+                    "overwrite_output_dir=true",
+                ]
+            )
+            == 1
+        )
+        err = capsys.readouterr().err
+        assert f"output_dir '{out}' {'is' if out == base else 'lies inside'} the base model" in err
+    assert _files(base) == before and not (base / "runs").exists()

@@ -4,6 +4,7 @@ behind for good, and no new run mixed into or written over another run's files."
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -294,3 +295,115 @@ def test_an_output_dir_that_cannot_be_written_is_refused_in_our_words(tmp_path, 
     ) as info:
         claim_output_dir(tmp_path)
     assert info.value.__cause__.errno == code
+
+
+# ----------------------------------------------------------------------------- the user's files, the base
+
+
+def _files(root):
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file()}
+
+
+def test_a_directory_of_the_users_files_is_refused_naming_them_and_the_fixes(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my: settings\n")
+    (mine / "metrics.png").write_bytes(b"my plot")
+    for k in range(7):
+        (mine / f"notes-{k}.txt").write_text("mine")
+    before = _files(mine)
+    with pytest.raises(OutputDirError) as info:
+        claim_output_dir(mine)
+    msg = str(info.value)
+    assert msg.startswith(
+        f"output_dir '{mine}' holds files that are not a lora_grpo run's: config.yaml, metrics.png, notes-0.txt, "
+        "notes-1.txt, notes-2.txt and 4 more."
+    )
+    assert "would overwrite config.yaml, metrics.png" in msg and f"--set output_dir={mine}-run" in msg
+    assert "overwrite_output_dir=true: files with a run's names then move to" in msg
+    assert _files(mine) == before and not (mine / LOCK_NAME).exists()
+    # a file of no run's name is the user's too: refused, though nothing would be overwritten
+    (other := tmp_path / "other").mkdir()
+    (other / "data.csv").write_text("a,b\n")
+    with pytest.raises(
+        OutputDirError, match=r"holds files that are not a lora_grpo run's: data.csv\. .* among them"
+    ):
+        claim_output_dir(other)
+
+
+def test_overwrite_moves_the_users_files_of_a_runs_names_aside_and_deletes_nothing(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my: settings\n")
+    (mine / "data.csv").write_text("a,b\n")
+    with claim_output_dir(mine, overwrite=True) as claim:
+        assert claim.set_aside == mine / "previous-run-1"
+        assert "those with a run's names moved to" in claim.notes[0] and "nothing deleted" in claim.notes[0]
+    assert (mine / "previous-run-1" / "config.yaml").read_text() == "my: settings\n"
+    assert (mine / "data.csv").read_text() == "a,b\n"
+    # from now on the directory is a run's (its previous-run-1/): no flag needed
+    claim_output_dir(mine).release()
+    (theirs := tmp_path / "theirs").mkdir()
+    (theirs / "data.csv").write_text("a,b\n")
+    with claim_output_dir(theirs, overwrite=True) as claim:
+        assert claim.set_aside is None and "the others stay where they are" in claim.notes[0]
+    assert _files(theirs) == {"data.csv": b"a,b\n"}
+
+
+def test_a_run_of_ours_is_recognised_by_its_own_files(tmp_path):
+    from lora_grpo import GRPOConfig
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # a run that stopped before step 1 leaves the config.yaml it wrote; the user's notes beside it
+    GRPOConfig(model_name_or_path="toy", output_dir=str(run)).to_yaml(run / "config.yaml")
+    (run / "notes.txt").write_text("mine")
+    claim_output_dir(run).release()
+    assert (run / "notes.txt").read_text() == "mine"
+    (run / "config.yaml").write_text("model_name_or_path: x\noutput_dir: y\n")  # a recipe of the user's
+    with pytest.raises(OutputDirError, match="not a lora_grpo run's: config.yaml, notes.txt"):
+        claim_output_dir(run)
+
+
+def test_output_dir_is_never_the_base_inside_it_or_its_cache_whatever_the_flags(tmp_path, monkeypatch):
+    from lora_grpo import GRPOConfig
+    from lora_grpo.run.owned_dir import protected_paths
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("LORA_GRPO_CACHE", str(cache))
+    protected = protected_paths(GRPOConfig(model_name_or_path=str(base)))
+    for out, why in (
+        (base, f"is the base model (model_name_or_path '{base}'): {base}"),
+        (base / "runs" / "a", "lies inside the base model"),
+        (cache / "run", "lies inside the cache of built bases"),
+    ):
+        for resume, overwrite in ((None, False), (None, True), ("latest", False)):
+            with pytest.raises(
+                OutputDirError, match=rf"^output_dir '{out}' {re.escape(why)}.*no flag allows writing there"
+            ):
+                claim_output_dir(out, protected=protected, overwrite=overwrite, resume_from=resume)
+    assert _files(base) == {"config.json": b"{}"} and not (base / "runs").exists()
+    claim_output_dir(tmp_path / "run", protected=protected).release()
+
+
+def test_the_python_api_refuses_the_users_files_before_touching_them(tiny_base_dir, tmp_path):
+    from helpers import make_trainer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("my: settings\n")
+    (run / "metrics.png").write_bytes(b"my plot")
+    trainer = make_trainer(tiny_base_dir, tmp_path, max_steps=1, quantization="none")
+    with pytest.raises(
+        OutputDirError, match="holds files that are not a lora_grpo run's: config.yaml, metrics.png"
+    ):
+        trainer.train()
+    assert _files(run) == {"config.yaml": b"my: settings\n", "metrics.png": b"my plot"}
+    base_run = make_trainer(tiny_base_dir, tiny_base_dir, max_steps=1, quantization="none")
+    with pytest.raises(OutputDirError, match=r"lies inside the base model"):
+        base_run.train()
+    assert not os.path.exists(os.path.join(tiny_base_dir, "run"))

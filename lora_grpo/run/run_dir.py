@@ -16,6 +16,12 @@ main process only:
   ``output_dir/previous-run-K/`` first (nothing is deleted). Left alone they would be overwritten
   (metrics.jsonl, completions.jsonl, config.yaml, summary.json) or mixed in (a stale checkpoint-200
   beside the new run's checkpoint-50 is what resume_from_checkpoint=latest would pick).
+- **Not the user's files**: a directory that holds files but no run of ours (no run's records, no
+  config.yaml or metrics.jsonl we wrote, no previous-run-K/) is the user's: refused, naming a few of
+  them, unless ``overwrite_output_dir=true``, which moves those with a run's names (config.yaml,
+  metrics.png, ...) into ``previous-run-K/`` and leaves the others where they are.
+- **Never the base**: output_dir is not the base model's directory, nor inside it, its cache or the
+  warm-start adapter (owned_dir.py), whatever the flags.
 
 `nothing_to_train` is the line for a resumed checkpoint already at (or past) the run's last step;
 `trained_already` the refusal of a second train() on a trainer that has trained.
@@ -33,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .checkpoint import list_checkpoints
+from .owned_dir import TargetError, check_not_protected, protected_paths, shown
 
 LOCK_NAME = ".lora_grpo.lock"
 OVERWRITE_FIELD = "overwrite_output_dir"  # the config field that lets a new run set an old one aside
@@ -49,7 +56,7 @@ RUN_FILES = (
 _CHECKPOINT_GLOB = "checkpoint-*"
 
 
-class OutputDirError(ValueError):
+class OutputDirError(TargetError):
     """output_dir cannot be used as asked: the message names what is there and the fixes."""
 
 
@@ -113,6 +120,59 @@ def previous_run(output_dir: str | Path) -> dict | None:
         "checkpoints": resumable,
         "evidence": evidence,
     }
+
+
+# Fields every config.yaml we write holds (config.to_yaml writes every field): a user's file rarely has all.
+_OUR_CONFIG_KEYS = frozenset(
+    "model_name_or_path quantization lora_r lora_alpha learning_rate num_generations max_prompt_length "
+    "max_completion_length beta loss_type num_iterations output_dir max_steps save_steps seed "
+    "temperature".split()
+)
+
+
+def _our_config(path: Path) -> bool:
+    """config.yaml as a run of ours writes it: a mapping that holds every key of _OUR_CONFIG_KEYS."""
+    import yaml
+
+    try:
+        found = yaml.safe_load(path.read_text(errors="replace"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(found, dict) and _OUR_CONFIG_KEYS <= set(found)
+
+
+def _our_metrics(path: Path) -> bool:
+    """metrics.jsonl as a run of ours writes it: every complete line a JSON record with a step."""
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return False
+    try:
+        # the last line may be half written (a run killed mid-line)
+        records = [json.loads(line) for line in lines[:-1] or lines]
+    except ValueError:
+        return False
+    return bool(records) and all(isinstance(r, dict) and "step" in r for r in records)
+
+
+def _leftover(name: str) -> bool:
+    return name == LOCK_NAME or any(Path(name).match(pattern) for pattern in _LEFTOVER_GLOBS)
+
+
+def not_a_runs(output_dir: str | Path) -> list[str]:
+    """The entries of output_dir when it holds files but nothing of a run of ours (previous_run finds
+    none, and no config.yaml or metrics.jsonl we wrote, no previous-run-K/): the user's. [] otherwise."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    names = sorted(p.name for p in root.iterdir() if not _leftover(p.name))
+    ours = (
+        previous_run(root) is not None
+        or _our_config(root / "config.yaml")
+        or _our_metrics(root / "metrics.jsonl")
+        or any(p.is_dir() for p in root.glob("previous-run-*"))
+    )
+    return [] if ours else names
 
 
 def set_aside(output_dir: str | Path) -> Path:
@@ -330,6 +390,7 @@ def claim_output_dir(
     resume_from: str | Path | None = None,
     overwrite: bool = False,
     is_main: bool = True,
+    protected: dict | None = None,
 ) -> RunDirClaim:
     """Claim `output_dir` for a training run (see the module docstring): take its lock, then make
     sure a new run does not land on another run's files.
@@ -340,13 +401,20 @@ def claim_output_dir(
     without another run's files, or overwrite=True (that run's files move to previous-run-K/).
     is_main: on other processes of a multi-process run nothing is claimed or checked (the main one
     writes the run's files); the claim returned then holds nothing.
+    protected: {path: what} the run reads (owned_dir.protected_paths): output_dir may be none of them
+    nor lie inside one.
 
     Raises OutputDirInUse while another live run holds the lock, OutputDirError when another run's
-    files are there; both name the holder or the files and the fixes.
+    files, or the user's, are there, or output_dir is protected; each names the holder, the files or
+    the path, and the fixes.
     """
     root = Path(output_dir)
     if not is_main:
         return RunDirClaim(root, None, False, [])
+    try:
+        check_not_protected(root, protected or {}, "output_dir")
+    except TargetError as e:
+        raise OutputDirError(str(e)) from None
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd, note = _acquire(root)
@@ -364,6 +432,7 @@ def claim_output_dir(
             str(resume_from) == "latest" or _inside(Path(resume_from), root)
         )
         found = None if continues else previous_run(root)
+        theirs = [] if continues or found is not None else not_a_runs(root)
         if found is not None:
             if not overwrite:
                 raise OutputDirError(_refusal(root, found, resume_from))
@@ -371,6 +440,16 @@ def claim_output_dir(
             claim.notes.append(
                 f"{OVERWRITE_FIELD}=true: the previous run's files in {root} moved to "
                 f"{claim.set_aside} (nothing deleted)"
+            )
+        elif theirs:
+            if not overwrite:
+                raise OutputDirError(_foreign_refusal(root, theirs))
+            clashing = [name for name in RUN_FILES if (root / name).exists()]
+            claim.set_aside = set_aside(root) if clashing else None
+            claim.notes.append(
+                f"{OVERWRITE_FIELD}=true: {root} held files that are not a run's ({shown(theirs)}); "
+                + (f"those with a run's names moved to {claim.set_aside}, " if clashing else "")
+                + "the others stay where they are (nothing deleted)"
             )
     except BaseException:
         claim.release()
@@ -438,6 +517,18 @@ def _refusal(root: Path, found: dict, resume_from) -> str:
         f"output_dir {str(root)!r} holds {_describe(found)}. {what[0].upper() + what[1:]} would overwrite its "
         "metrics.jsonl, completions.jsonl and summary.json and mix its checkpoints with the new run's "
         f"(resume_from_checkpoint=latest would pick the newest of either). Either {'; '.join(fixes)}"
+    )
+
+
+def _foreign_refusal(root: Path, theirs: list[str]) -> str:
+    clashing = [name for name in RUN_FILES if name in theirs]
+    return (
+        f"output_dir {str(root)!r} holds files that are not a lora_grpo run's: {shown(theirs)}. A run writes "
+        "config.yaml, metrics.jsonl, completions.jsonl, metrics.png, summary.json, checkpoint-N/ and adapter/ "
+        + (f"there and would overwrite {shown(clashing)}" if clashing else "there among them")
+        + f". Either train into a new directory (--set output_dir={root}-run), or set {OVERWRITE_FIELD}=true: "
+        f"files with a run's names then move to {root}/previous-run-K/ first and the others stay (nothing is "
+        "deleted)"
     )
 
 
@@ -509,7 +600,10 @@ def claim_for_run(output_dir: str | Path, config, accelerator) -> RunDirClaim:
     if accelerator.is_main_process:
         try:
             claim = claim_output_dir(
-                output_dir, resume_from=config.resume_from_checkpoint, overwrite=config.overwrite_output_dir
+                output_dir,
+                resume_from=config.resume_from_checkpoint,
+                overwrite=config.overwrite_output_dir,
+                protected=protected_paths(config),
             )
         except OutputDirError as e:
             problem = [(type(e), str(e))]
