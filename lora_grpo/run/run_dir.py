@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .checkpoint import list_checkpoints
+from .logs import read_log
 from .owned_dir import TargetError, check_not_protected, protected_paths, shown
 
 LOCK_NAME = ".lora_grpo.lock"
@@ -66,16 +67,12 @@ class OutputDirInUse(OutputDirError):
 
 # ----------------------------------------------------------------------------- what a run left
 def _records_after_start(path: Path) -> int:
-    """Lines of a JSON-lines log with step ≥ 1 (a step-0 eval of a run that failed at once is no run)."""
+    """Lines of a JSON-lines log with step ≥ 1 (a step-0 eval of a run that failed at once is no run); a line
+    that is no complete record (half-written, edited) still counts: it is a run's."""
     if not path.is_file():
         return 0
-    count = 0
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            count += json.loads(line).get("step", 1) >= 1
-        except (ValueError, AttributeError, TypeError):
-            count += bool(line.strip())  # a half-written line is still a run's
-    return count
+    log = read_log(path)
+    return sum(record["step"] >= 1 for record in log.records) + len(log.skipped)
 
 
 def previous_run(output_dir: str | Path) -> dict | None:
