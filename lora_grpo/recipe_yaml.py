@@ -20,7 +20,7 @@ import yaml
 
 from .config_checks import ConfigError
 
-SYNTAX_FIX = (
+_SYNTAX_FIX = (
     "a recipe holds one `field: value` a line; quote a value that holds ': ', ' #' or starts with a bracket, "
     "and close every [ ] and { }"
 )
@@ -75,14 +75,23 @@ def read_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         raise ConfigError(
             f"{path}, line {line}: byte {data[e.start : e.start + 1]!r} is not UTF-8: save the recipe as UTF-8"
         ) from None
-    loader = RecipeLoader(text)
+    try:
+        # the reader refuses control characters here, before any parsing
+        loader = RecipeLoader(text)
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        column = e.position - text.rfind("\n", 0, e.position)
+        raise ConfigError(
+            f"{path}, line {line}, column {column}: the control character {chr(e.character)!r} cannot be in YAML: "
+            'remove it, or write it as an escape in double quotes, e.g. "a\\tb"'
+        ) from None
     try:
         node = loader.get_single_node()
         values = loader.construct_document(node) if node is not None else {}
     except yaml.MarkedYAMLError as e:
         raise ConfigError(_where(path, e.problem_mark) + _problem(e)) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e}): {SYNTAX_FIX}") from None
+        raise ConfigError(f"{path}: not valid YAML ({e}): {_SYNTAX_FIX}") from None
     finally:
         loader.dispose()
     if not isinstance(values, dict):
@@ -92,7 +101,7 @@ def read_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         )
     lines: dict[str, int] = {}
     for key, _ in node.value if node is not None else ():
-        name = loader.construct_object(key)
+        name = key.value
         if name in lines:
             raise ConfigError(
                 f"{_where(path, key.start_mark)}{name!r} is given twice (also on line {lines[name]}), and "
@@ -112,4 +121,4 @@ def _problem(e: yaml.MarkedYAMLError) -> str:
     context = ""
     if e.context and e.context_mark is not None:
         context = f" ({e.context} that starts at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
-    return f"not valid YAML: {e.problem}{context}: {SYNTAX_FIX}"
+    return f"not valid YAML: {e.problem}{context}: {_SYNTAX_FIX}"

@@ -265,7 +265,7 @@ def test_a_field_given_twice_is_refused_naming_both_lines(tmp_path):
         GRPOConfig.from_yaml(path)
 
 
-def test_a_recipe_that_is_not_utf8_or_not_a_mapping_is_named(tmp_path):
+def test_a_recipe_that_is_not_utf8_holds_a_control_character_or_is_not_a_mapping_is_named(tmp_path):
     path = tmp_path / "latin.yaml"
     path.write_bytes(b"model_name_or_path: toy\nsystem_prompt: caf\xe9\n")
     with pytest.raises(
@@ -274,6 +274,11 @@ def test_a_recipe_that_is_not_utf8_or_not_a_mapping_is_named(tmp_path):
         GRPOConfig.from_yaml(path)
     path.write_text("just text\n")
     with pytest.raises(ConfigError, match="a recipe is a mapping of config fields to values, got str"):
+        GRPOConfig.from_yaml(path)
+    path.write_text("model_name_or_path: toy\nsystem_prompt: a\x01b\n")
+    with pytest.raises(
+        ConfigError, match=rf"{path}, line 2, column 17: the control character '\\x01' cannot be"
+    ):
         GRPOConfig.from_yaml(path)
 
 
