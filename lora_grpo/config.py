@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
+import os
 import textwrap
 import types
 import typing
@@ -36,8 +38,13 @@ from .config_checks import (  # noqa: F401  (the option names are part of config
     TRACKERS,
     ConfigError,
     check_generation_batch_size,
+    check_types,
     validate,
+    value_problem,
 )
+from .recipe_yaml import load_value, read_recipe
+
+DEFAULT_PROMPTS_PER_STEP = 8
 
 # The loss types whose objective an option tunes, named in its help (from the registry).
 _SOFT_GATE, _GAMMA = loss_types_using(Objective.SOFT_GATE), loss_types_using(Objective.GAMMA_WEIGHT)
@@ -216,7 +223,7 @@ class GRPOConfig:
         "reward functions: built-in names (format, accuracy, countdown, soft_overlong, length) or "
         "dotted paths 'pkg.module:fn'",
     )
-    reward_weights: list | None = _f(None, "one weight per reward function (default all 1)")
+    reward_weights: list[float] | None = _f(None, "one weight per reward function (default all 1)")
     multi_objective_aggregation: str = _f(
         "sum_then_normalize",
         "several reward functions: sum_then_normalize (weighted sum, then group advantages) | "
@@ -230,7 +237,11 @@ class GRPOConfig:
     )
     # --- generation --------------------------------------------------------------------------
     num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
-    prompts_per_step: int = _f(8, "prompts per optimizer step, each sampled num_generations times")
+    prompts_per_step: int | None = _f(
+        None,
+        f"prompts per optimizer step, each sampled num_generations times (None: {DEFAULT_PROMPTS_PER_STEP}, or "
+        "what generation_batch_size gives)",
+    )
     steps_per_generation: int = _f(
         1,
         "optimizer steps each generation batch is cut into: one rollout of steps_per_generation × "
@@ -460,17 +471,25 @@ class GRPOConfig:
     )
 
     def __post_init__(self):
-        """Fill the derived fields (prompts_per_step from generation_batch_size, ref_rank) and validate."""
+        """Check every value's type, fill the derived fields (prompts_per_step, ref_rank) and validate."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            # YAML and the saved config.yaml hold lists and text: a tuple or a Path from Python is taken as one.
+            if isinstance(value, tuple):
+                setattr(self, f.name, list(value))
+            elif isinstance(value, os.PathLike):
+                setattr(self, f.name, os.fspath(value))
+        check_types(self, *_annotations(type(self)))
         if self.generation_batch_size is not None:
             check_generation_batch_size(self)
             per_step = self.generation_batch_size // self.steps_per_generation
             # else a step holds part of a group (advantages are per rollout)
             if per_step % self.num_generations == 0:
                 self.prompts_per_step = per_step // self.num_generations
+        if self.prompts_per_step is None:
+            self.prompts_per_step = DEFAULT_PROMPTS_PER_STEP
         if self.ref_rank is None:
             self.ref_rank = self.lora_r if self.ref_sync_mode == "factors" else 2 * self.lora_r
-        if isinstance(self.lora_target_modules, tuple):
-            self.lora_target_modules = list(self.lora_target_modules)
         validate(self)
 
     # -----------------------------------------------------------------------------------------
@@ -548,17 +567,21 @@ class GRPOConfig:
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "GRPOConfig":
         """A config from a YAML recipe (a mapping of field names to values), with ``overrides`` on top.
 
+        The recipe is read safely (recipe_yaml.py: no tag builds an object) and its values are checked as
+        ``--set``'s and ``GRPOConfig(...)``'s are; an error about one of its values names the file and its line.
+
         Example:
             >>> config = GRPOConfig.from_yaml("recipes/toy-addition.yaml", {"max_steps": 20})  # doctest: +SKIP
         """
-        text = Path(path).read_text()
-        values = yaml.safe_load(text) or {}
-        if not isinstance(values, dict):
-            raise ConfigError(
-                f"{path}: a recipe is a mapping of config fields to values, got {type(values).__name__}"
-            )
-        values.update(overrides or {})
-        return cls.from_dict(values, source=str(path))
+        values, lines = read_recipe(path)
+        overrides = overrides or {}
+        try:
+            return cls.from_dict({**values, **overrides}, source="the recipe")
+        except ConfigError as e:
+            if e.field in overrides:
+                raise
+            where = f"{path}, line {lines[e.field]}" if e.field in lines else str(path)
+            raise ConfigError(f"{where}: {e}", field=e.field) from None
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         """The config as YAML (every field, in declaration order); also written to ``path`` when given."""
@@ -569,7 +592,8 @@ class GRPOConfig:
 
     @classmethod
     def parse_value(cls, key: str, raw: str) -> Any:
-        """Parse a `--set key=value` string with YAML rules, checked against the field's type.
+        """Parse a `--set key=value` string as a recipe's value is read (recipe_yaml.load_value), checked
+        against the field's type as every value is (config_checks.value_problem); a text field takes it as it is.
 
         Example:
             >>> GRPOConfig.parse_value("eval_pass_k", "[1, 8]"), GRPOConfig.parse_value("ref_rank", "none")
@@ -581,29 +605,28 @@ class GRPOConfig:
             raise ConfigError(
                 f"unknown config field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
             )
-        expected = typing.get_type_hints(cls)[key]
-        optional = typing.get_origin(expected) in (typing.Union, types.UnionType) and type(
+        hints, defaults = _annotations(cls)
+        hint = hints[key]
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(
             None
-        ) in typing.get_args(expected)
-        if optional:
-            if raw.strip().lower() in ("null", "none", "~", ""):
-                return None
-            expected = next(a for a in typing.get_args(expected) if a is not type(None))
-        if expected is str:
+        ) in typing.get_args(hint)
+        if optional and raw.strip().lower() in ("null", "none", "~", ""):
+            return None
+        if hint in (str, str | None):
             return raw
         try:
-            if expected is bool:
-                value = yaml.safe_load(raw)
-                if not isinstance(value, bool):
-                    raise ValueError
-                return value
-            if expected is int:
-                return int(raw)
-            if expected is float:
-                return float(raw)  # YAML 1.1 reads "1e-4" as a string; float() does not
-        except ValueError:
-            raise ConfigError(f"--set {key}={raw}: expected {expected.__name__}") from None
-        return yaml.safe_load(raw)
+            value = load_value(raw)
+        except yaml.YAMLError as e:
+            said = getattr(e, "problem", None) or e
+            raise ConfigError(
+                f"{key}={raw}: not valid YAML ({said}): quote text that holds ': ' or ' #', close every [ ] and "
+                "{ }, e.g. --set eval_pass_k=[1,8]",
+                field=key,
+            ) from None
+        problem = value_problem(key, value, hints[key], defaults[key])
+        if problem:
+            raise ConfigError(f"{key}={value!r} {problem}", field=key)
+        return value
 
 
 @dataclass(frozen=True)
@@ -614,6 +637,12 @@ class FieldDoc:
     type: str  # the annotation as written, e.g. "int | None"
     default: Any
     help: str
+
+
+@functools.cache
+def _annotations(cls) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each field's annotation (resolved) and default, for the type check at construction."""
+    return typing.get_type_hints(cls), {f.name: _default(f) for f in dataclasses.fields(cls)}
 
 
 def _default(f: dataclasses.Field) -> Any:

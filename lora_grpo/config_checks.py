@@ -8,13 +8,23 @@ the names agree.
 from __future__ import annotations
 
 import difflib
+import math
+import string
+import types
+import typing
 import warnings
 
 from .algo.loss_types import LOSS_TYPES as LOSS_TYPE_REGISTRY
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
+    """A configuration value is invalid; the message names the field and the fix.
+
+    `field`: the one field at fault, when there is one, so that a recipe can name the line it is on."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 # The names of the options; what each one does lives in its module's table, which this module
@@ -81,18 +91,106 @@ def warn_about_sampling_filters(cfg) -> None:
         )
 
 
+# What a field's annotation asks for, in words; a list's elements in the plural.
+_KINDS = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a finite number",
+    str: "text",
+    dict: "a mapping",
+    list: "a list",
+}
+_PLURAL = {int: "integers", float: "finite numbers", str: "strings"}
+_EXAMPLES = {bool: "true", int: "8", float: "0.5", str: "'text'", dict: "{}", list: "[]"}
+_LIST_EXAMPLES = {int: "[1, 8]", float: "[1.0, 0.5]", str: "['a', 'b']"}
+
+
+def _fits(value, hint) -> bool:
+    """`value` is of the annotated type: no bool for a number, no float for an integer, no NaN or inf."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arm) for arm in args)
+    if hint is type(None):
+        return value is None
+    if hint is list or origin is list:
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _arms(hint) -> list:
+    """The kinds a field takes besides None: [int] for `int | None`, [list[int]] for `list[int]`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return [arm for arm in typing.get_args(hint) if arm is not type(None)]
+    return [hint]
+
+
+def _kind(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_kind(arm) for arm in args)
+    if hint is type(None):
+        return "null"
+    if origin is list:
+        return f"a list of {_PLURAL[args[0]]}"
+    return _KINDS[hint]
+
+
+def _example(name: str, value, hint, default) -> str:
+    """The fix of a value of the wrong type: the field written with a value that fits."""
+    arms = _arms(hint)
+    if str in arms and isinstance(value, (int, float, bool)):
+        return f": quote it if it is text, {name}: '{value}'"
+    if default is not None and _fits(default, hint) and default not in ("", [], {}):
+        return f", e.g. {default!r} (its default)"
+    if typing.get_origin(arms[0]) is list:
+        return f", e.g. {_LIST_EXAMPLES[typing.get_args(arms[0])[0]]}"
+    return f", e.g. {_EXAMPLES[arms[0]]}"
+
+
+def value_problem(name: str, value, hint, default=None) -> str | None:
+    """Why `value` cannot be the field `name` annotated `hint` ("must be an integer, e.g. ..."), or None when
+    it fits. The one type check of recipe values, ``--set`` values and ``GRPOConfig(...)`` from Python.
+
+    Fields typed as a union of two kinds (micro_batch_size: int | str) have checks of their own that name their
+    forms ('auto'); they are left to those."""
+    arms = _arms(hint)
+    if len(arms) > 1 or _fits(value, hint):
+        return None
+    where = ""
+    if isinstance(value, list) and typing.get_args(arms[0]):
+        element = typing.get_args(arms[0])[0]
+        i = next(i for i, v in enumerate(value) if not _fits(v, element))
+        where = f" ({name}[{i}] is {value[i]!r})"
+    return f"must be {_kind(hint)}{where}{_example(name, value, hint, default)}"
+
+
+def check_types(cfg, hints: dict, defaults: dict) -> None:
+    """Every field's value against its annotation (`value_problem`), before any check compares values."""
+    for name, hint in hints.items():
+        value = getattr(cfg, name)
+        problem = value_problem(name, value, hint, defaults.get(name))
+        if problem:
+            raise ConfigError(f"{name}={value!r} {problem}", field=name)
+
+
 def _validate_fields(cfg) -> None:
     def choice(name, options):
         value = getattr(cfg, name)
         if value not in options:
             close = difflib.get_close_matches(str(value), options, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{name}={value!r} is not one of {list(options)}{hint}")
+            raise ConfigError(f"{name}={value!r} is not one of {list(options)}{hint}", field=name)
 
     def positive(name, allow_zero=False):
         value = getattr(cfg, name)
         if value < 0 or (value == 0 and not allow_zero):
-            raise ConfigError(f"{name}={value} must be {'≥ 0' if allow_zero else '> 0'}")
+            raise ConfigError(f"{name}={value} must be {'≥ 0' if allow_zero else '> 0'}", field=name)
 
     if not cfg.model_name_or_path:
         raise ConfigError("model_name_or_path is required: a hub id, a local model dir, or 'toy'")
@@ -152,7 +250,7 @@ def _validate_fields(cfg) -> None:
             )
     positive("log_completions_steps")
     group = cfg.clip_ratio_group_size
-    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+    if group is not None and group < 1:
         raise ConfigError(
             f"clip_ratio_group_size={group!r} must be an integer ≥ 1 or None (a step's completions are one group)"
         )
@@ -173,9 +271,7 @@ def _validate_fields(cfg) -> None:
         )
     # Evaluation: pass@k.
     ks = cfg.eval_pass_k
-    if not isinstance(ks, list) or not all(
-        isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in ks
-    ):
+    if not all(k >= 1 for k in ks):
         raise ConfigError(
             f"eval_pass_k={ks!r} must be a list of integers ≥ 1, e.g. [1, 8] (--set "
             "eval_pass_k=[1,8]); [] turns pass@k off"
@@ -240,7 +336,7 @@ def _validate_fields(cfg) -> None:
                 "ref_sync_on_plateau=true watches the eval score during training, but eval_steps=0 evaluates only "
                 "before and after it: set eval_steps > 0 (and an eval_dataset)"
             )
-        if isinstance(cfg.ref_sync_plateau_patience, bool) or cfg.ref_sync_plateau_patience < 1:
+        if cfg.ref_sync_plateau_patience < 1:
             raise ConfigError(
                 f"ref_sync_plateau_patience={cfg.ref_sync_plateau_patience} must be an integer ≥ 1 (evals)"
             )
@@ -268,11 +364,39 @@ def check_generation_batch_size(cfg) -> None:
             "in the rollout. Set generation_batch_size to a multiple of num_generations, or set "
             "prompts_per_step instead."
         )
-    if not isinstance(S, int) or S < 1 or gbs % S != 0:
+    if S < 1 or gbs % S != 0:
         raise ConfigError(
             f"generation_batch_size={gbs} cannot be cut into steps_per_generation={S} equal optimizer steps: make it a "
             "multiple of steps_per_generation"
         )
+    # TRL refuses the pair that fixes the same size twice (generation_batch_size with steps_per_generation); here
+    # that pair is generation_batch_size with prompts_per_step, refused when they disagree.
+    P = cfg.prompts_per_step
+    if P is not None and P * G * S != gbs:
+        raise ConfigError(
+            f"'generation_batch_size' and 'prompts_per_step' can not be both configured at the same time unless they "
+            f"agree: generation_batch_size={gbs} makes {gbs / (G * S):g} prompts a step ({gbs} / num_generations={G} "
+            f"/ steps_per_generation={S}), but prompts_per_step={P}: set only one of them"
+        )
+
+
+def require_eval_set(cfg, eval_dataset) -> None:
+    """Evals during training (eval_steps, ref_sync_on_plateau) need eval prompts: the config's eval_dataset or
+    the trainer's `eval_dataset`. Refused as transformers' Trainer refuses eval_strategy='steps' without one."""
+    if cfg.eval_steps == 0 or eval_dataset is not None or cfg.eval_dataset is not None:
+        return
+    if cfg.ref_sync_on_plateau:
+        raise ConfigError(
+            "ref_sync_on_plateau=true watches the eval score, but there are no eval prompts: set eval_dataset "
+            "(or pass eval_dataset=...), or turn it off",
+            field="ref_sync_on_plateau",
+        )
+    raise ConfigError(
+        f"eval_steps={cfg.eval_steps} asks for evals during training, but there are no eval prompts (transformers' "
+        "Trainer likewise refuses eval_strategy='steps' without an eval_dataset): set eval_dataset (or pass "
+        "eval_dataset=... to GRPOTrainer), or eval_steps=0",
+        field="eval_steps",
+    )
 
 
 def _check_objective(cfg) -> None:
@@ -315,21 +439,53 @@ def _check_schedule(cfg) -> None:
             raise ConfigError(
                 f"{name}={value}: a number of steps (an integer) or, below 1, a share of max_steps"
             )
-    if not isinstance(cfg.steps_per_generation, int) or isinstance(cfg.steps_per_generation, bool):
-        raise ConfigError(f"steps_per_generation={cfg.steps_per_generation!r} must be an integer ≥ 1")
     if cfg.max_tool_calling_iterations is not None and cfg.max_tool_calling_iterations < 1:
         raise ConfigError(
             f"max_tool_calling_iterations={cfg.max_tool_calling_iterations} must be ≥ 1 or None (no limit)"
         )
-    if not isinstance(cfg.tools, list) or not all(isinstance(t, str) or callable(t) for t in cfg.tools):
+    if not all(isinstance(t, str) or callable(t) for t in cfg.tools):
         raise ConfigError(
             f"tools={cfg.tools!r} must be a list of dotted paths 'pkg.module:fn' (or functions, from Python)"
         )
 
 
+def template_columns(template: str) -> list[str]:
+    """The columns a prompt_template reads ("Q: {question}" -> ["question"], "{row[a]}" -> ["row"]); ConfigError,
+    naming prompt_template, for a template that is not a str.format template over column names. Which
+    columns exist is known only when the data loads (data/prompts.py)."""
+    fix = "write each column as {name} and a literal brace as {{ or }}, e.g. 'Q: {question}\\nA:'"
+    try:
+        fields = [(name, conversion) for _, name, _, conversion in string.Formatter().parse(template)]
+    except ValueError as e:
+        raise ConfigError(
+            f"prompt_template={template!r} is not a format string ({e}): {fix}", field="prompt_template"
+        ) from None
+    columns = []
+    for name, conversion in fields:
+        if name is None:
+            continue
+        column = name.split(".")[0].split("[")[0]
+        shown = "{" + name + (f"!{conversion}" if conversion else "") + "}"
+        if not column or column.isdigit():
+            raise ConfigError(
+                f"prompt_template={template!r}: the field {shown} does not name a column: {fix}",
+                field="prompt_template",
+            )
+        if conversion not in (None, "r", "s", "a"):
+            raise ConfigError(
+                f"prompt_template={template!r}: the field {shown} has the conversion !{conversion}, which "
+                "str.format does not know: use !r, !s or !a, or none",
+                field="prompt_template",
+            )
+        columns.append(column)
+    return columns
+
+
 def validate(cfg) -> None:
     """All checks of a GRPOConfig (at construction); ConfigError on the first that fails."""
     _validate_fields(cfg)
+    if cfg.prompt_template is not None:
+        template_columns(cfg.prompt_template)
     _check_objective(cfg)
     _check_schedule(cfg)
     warn_about_sampling_filters(cfg)

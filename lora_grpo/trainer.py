@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from .batch import Batch, RolloutSteps, StepBatch
-from .config import ConfigError, GRPOConfig
+from .config import GRPOConfig
+from .config_checks import require_eval_set
 from .data.prompts import (
     PromptBatches,
     named_eval_sets,
@@ -136,6 +137,7 @@ class GRPOTrainer:
 
         self._created = time.perf_counter()
         self.config = config
+        require_eval_set(config, eval_dataset)
         # report_to's trackers; a missing tracker package fails here, before the model loads
         self.accelerator = Accelerator(
             cpu=config.use_cpu or not torch.cuda.is_available(), **accelerator_kwargs(config)
@@ -163,11 +165,6 @@ class GRPOTrainer:
             )
         batches = self._build_data([*rewards, *environment_rewards], train_dataset, eval_dataset)
         warmup_restarts = self._build_optimizer(batches)
-        if config.ref_sync_on_plateau and self.eval_dataset is None:
-            raise ConfigError(
-                "ref_sync_on_plateau=true watches the eval score, but there are no eval prompts: set "
-                "eval_dataset (or pass eval_dataset=...), or turn it off"
-            )
         # The loop's mutable state, saved and restored whole (state.py).
         self.state = TrainState.for_run(config, self.accelerator, self.total_steps, batches, warmup_restarts)
         self._build_stages(rewards, environment_rewards)

@@ -39,6 +39,67 @@ def test_config_errors_exit_2_with_the_field_named(recipe, capsys):
     assert "num_generations=1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("lora_r: 4.5", "lora_r=4.5 must be an integer, e.g. 16 (its default)"),
+        ("lora_r: [4]", "lora_r=[4] must be an integer, e.g. 16 (its default)"),
+        ("max_steps: 1.5", "max_steps=1.5 must be an integer, e.g. 100 (its default)"),
+        (
+            "reward_weights: [.nan]",
+            "reward_weights=[nan] must be a list of finite numbers or null (reward_weights[0]",
+        ),
+        (
+            "reward_weights: [1, .inf]",
+            "reward_weights=[1, inf] must be a list of finite numbers or null (reward_weights[1]",
+        ),
+        (
+            "reward_weights: [a]",
+            "reward_weights=['a'] must be a list of finite numbers or null (reward_weights[0] is 'a')",
+        ),
+    ],
+)
+def test_a_recipe_value_of_the_wrong_type_is_refused_at_its_line_as_set_refuses_it(
+    tmp_path, capsys, line, message
+):
+    # was: lora_r crashed inside torch, max_steps=1.5 trained 2 steps, a NaN weight dropped its reward
+    path = tmp_path / "r.yaml"
+    path.write_text(f"model_name_or_path: toy\nreward_funcs: [format]\n{line}\n")
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"lora-grpo: config error: {path}, line 3: {message}" in err and "Traceback" not in err
+    assert main(["train", str(path), "--set", line.replace(": ", "=", 1)]) == 2
+    assert f"lora-grpo: config error: {message}" in capsys.readouterr().err
+
+
+def test_options_that_contradict_each_other_exit_2_before_training(recipe, tmp_path, capsys):
+    # was: 3 prompts a step silently became 4
+    sets = ["--set", "generation_batch_size=8", "--set", "prompts_per_step=3", "--set", "num_generations=2"]
+    assert main(["train", str(recipe), *sets]) == 2
+    assert (
+        "'generation_batch_size' and 'prompts_per_step' can not be both configured" in capsys.readouterr().err
+    )
+    # was: trained with neither an eval nor a warning
+    assert main(["train", str(recipe), "--set", "eval_steps=5", "--set", "eval_dataset=none"]) == 2
+    err = capsys.readouterr().err
+    assert "eval_steps=5 asks for evals during training, but there are no eval prompts" in err
+    assert err.rstrip().endswith("or eval_steps=0") and not (tmp_path / "run").exists()
+
+
+def test_prompt_template_errors_are_messages_naming_it(recipe, capsys):
+    assert main(["train", str(recipe), "--set", "prompt_template=Q: {question"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: prompt_template='Q: {question' is not a format string" in err
+    # was: a KeyError traceback
+    assert main(["train", str(recipe), "--set", "prompt_template=Q: {questoin}"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "lora-grpo: error: train_dataset: prompt_template='Q: {questoin}' uses the field {questoin}, which is not "
+        "a column" in err
+    )
+    assert "did you mean {question}?" in err and "Traceback" not in err
+
+
 def test_help_lists_every_config_field(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])

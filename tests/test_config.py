@@ -92,7 +92,7 @@ def test_parse_value_types():
     assert p("ref_sync_kl", "none") is None and p("ref_sync_kl", "0.5") == 0.5
     assert p("output_dir", "runs/1") == "runs/1"
     assert p("reward_funcs", "[format, accuracy]") == ["format", "accuracy"]
-    with pytest.raises(ConfigError, match="expected int"):
+    with pytest.raises(ConfigError, match="lora_r=.eight. must be an integer"):
         p("lora_r", "eight")
     with pytest.raises(ConfigError, match="did you mean 'lora_r'"):
         p("lora_rank", "8")
@@ -153,4 +153,128 @@ def test_math_modules_import_without_yaml_or_transformers():
     _fresh_import(
         "lora_grpo.algo.loss, lora_grpo.algo.advantages, lora_grpo.algo.logprobs, lora_grpo.model.reference",
         ("yaml", "transformers"),
+    )
+
+
+# ------------------------------------------------------------------ one type check: Python, recipes and --set
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("lora_r", 4.5, "lora_r=4.5 must be an integer, e.g. 16 (its default)"),
+        ("lora_r", [4], "lora_r=[4] must be an integer, e.g. 16 (its default)"),
+        ("max_steps", 1.5, "max_steps=1.5 must be an integer, e.g. 100 (its default)"),
+        ("lora_r", True, "lora_r=True must be an integer"),
+        ("beta", float("nan"), "beta=nan must be a finite number, e.g. 0.04 (its default)"),
+        ("learning_rate", float("inf"), "learning_rate=inf must be a finite number"),
+        ("use_rslora", "yes", "use_rslora='yes' must be true or false, e.g. False (its default)"),
+        ("run_name", 2024, "run_name=2024 must be text or null: quote it if it is text, run_name: '2024'"),
+        ("eval_pass_k", [1, 2.5], "eval_pass_k=[1, 2.5] must be a list of integers (eval_pass_k[1] is 2.5)"),
+        (
+            "reward_weights",
+            [1.0, float("nan")],
+            "reward_weights=[1.0, nan] must be a list of finite numbers or null (reward_weights[1] is nan), "
+            "e.g. [1.0, 0.5]",
+        ),
+        ("reward_weights", [float("inf")], r"reward_weights[0] is inf"),
+        ("reward_weights", ["a"], r"reward_weights[0] is 'a'"),
+        ("chat_template_kwargs", None, "chat_template_kwargs=None must be a mapping"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_field_and_value(field, value, message):
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(**BASE, **{field: value})
+    assert message in str(info.value) and info.value.field == field
+
+
+@pytest.mark.parametrize(
+    "field, text, value",
+    [
+        ("lora_r", "4.5", 4.5),
+        ("lora_r", "[4]", [4]),
+        ("max_steps", "1.5", 1.5),
+        ("reward_weights", "[.nan]", [float("nan")]),
+        ("reward_weights", "[a]", ["a"]),
+    ],
+)
+def test_set_a_recipe_and_python_get_the_same_check(tmp_path, field, text, value):
+    # --set, a recipe's line and GRPOConfig(...) give one message, from one check (config_checks.value_problem).
+    with pytest.raises(ConfigError) as from_python:
+        GRPOConfig(**BASE, **{field: value})
+    with pytest.raises(ConfigError) as from_set:
+        GRPOConfig.parse_value(field, text)
+    path = tmp_path / "r.yaml"
+    path.write_text(f"model_name_or_path: m\n{field}: {text}\n")
+    with pytest.raises(ConfigError) as from_recipe:
+        GRPOConfig.from_yaml(path)
+    assert str(from_set.value) == str(from_python.value)
+    assert str(from_recipe.value) == f"{path}, line 2: {from_python.value}"
+    # the value --set put over the recipe's is not named at the recipe's line
+    with pytest.raises(ConfigError) as overridden:
+        GRPOConfig.from_yaml(path, {field: value})
+    assert str(overridden.value) == str(from_python.value)
+
+
+def test_paths_and_tuples_from_python_are_taken_as_text_and_lists(tmp_path):
+    config = GRPOConfig(
+        model_name_or_path=tmp_path / "base",
+        output_dir=tmp_path / "run",
+        reward_funcs=("format", "accuracy"),
+        reward_weights=(1, 0.5),
+    )
+    assert config.model_name_or_path == str(tmp_path / "base") and config.output_dir == str(tmp_path / "run")
+    assert config.reward_funcs == ["format", "accuracy"] and config.reward_weights == [1, 0.5]
+    assert "output_dir: " in config.to_yaml()
+
+
+def test_generation_batch_size_and_prompts_per_step_must_agree():
+    # was: prompts_per_step=3 silently became 4
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(**BASE, generation_batch_size=8, prompts_per_step=3, num_generations=2)
+    assert str(info.value) == (
+        "'generation_batch_size' and 'prompts_per_step' can not be both configured at the same time unless they "
+        "agree: generation_batch_size=8 makes 4 prompts a step (8 / num_generations=2 / steps_per_generation=1), "
+        "but prompts_per_step=3: set only one of them"
+    )
+    agreeing = GRPOConfig(
+        **BASE, generation_batch_size=8, prompts_per_step=2, num_generations=2, steps_per_generation=2
+    )
+    assert agreeing.prompts_per_step == 2 and agreeing.generation_batch == 8
+    assert GRPOConfig(**BASE).prompts_per_step == 8
+    # the saved config (both fields, agreeing) reads back
+    assert GRPOConfig.from_dict(agreeing.to_dict()) == agreeing
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        (
+            "Q: {prompt",
+            "prompt_template='Q: {prompt' is not a format string (expected '}' before end of string)",
+        ),
+        ("a } b", "is not a format string (Single '}' encountered in format string)"),
+        ("Q: {}", "prompt_template='Q: {}': the field {} does not name a column"),
+        ("Q: {0}", "the field {0} does not name a column"),
+        ("Q: {q!x}", "the field {q!x} has the conversion !x, which str.format does not know"),
+    ],
+)
+def test_a_prompt_template_that_is_not_a_format_string_over_columns_is_refused(template, message):
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(**BASE, prompt_template=template)
+    assert message in str(info.value) and info.value.field == "prompt_template"
+    assert GRPOConfig(**BASE, prompt_template="Q: {question!r} {{literal}} {row[a]}").prompt_template
+
+
+def test_evals_during_training_need_eval_prompts():
+    # was: trained with neither an eval nor a warning (transformers' Trainer refuses eval_strategy='steps' alone)
+    from lora_grpo import GRPOTrainer
+
+    config = GRPOConfig(model_name_or_path="never-loaded/model", eval_steps=5, reward_funcs=["format"])
+    with pytest.raises(ConfigError) as info:
+        GRPOTrainer(config, train_dataset=[{"prompt": "1+1="}] * 8)
+    assert str(info.value) == (
+        "eval_steps=5 asks for evals during training, but there are no eval prompts (transformers' Trainer "
+        "likewise refuses eval_strategy='steps' without an eval_dataset): set eval_dataset (or pass "
+        "eval_dataset=... to GRPOTrainer), or eval_steps=0"
     )

@@ -297,10 +297,31 @@ def test_none_in_a_template_field_fails_at_load():
 
 
 def test_template_missing_field_names_field_and_columns():
-    with pytest.raises(KeyError) as info:
+    # was a KeyError, which the CLI showed as a traceback
+    with pytest.raises(ValueError) as info:
         load_prompt_dataset(ROWS, prompt_template="{question} ({difficulty})")
-    msg = str(info.value)
-    assert "'difficulty'" in msg and "'question'" in msg and "'answer'" in msg and "'level'" in msg
+    assert str(info.value) == (
+        "prompt_template='{question} ({difficulty})' uses the field {difficulty}, which is not a column (the "
+        "columns: ['question', 'answer', 'level']): use a column's name, or add the column to the data"
+    )
+    with pytest.raises(ValueError, match=r"uses the field \{questoin\}.*did you mean \{question\}\?"):
+        load_prompt_dataset(ROWS, prompt_template="Q: {questoin}")
+
+
+def test_a_template_that_is_not_a_format_string_is_named_when_loading_too():
+    # load_prompt_dataset is public: the config's check (config_checks.template_columns) runs here as well
+    with pytest.raises(ValueError, match=r"^prompt_template='Q: \{question' is not a format string"):
+        load_prompt_dataset(ROWS, prompt_template="Q: {question")
+
+
+def test_a_row_the_template_cannot_be_filled_from_is_named():
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(ROWS, prompt_template="Q: {question} level {level:.1%} of {answer:d}")
+    assert str(info.value).startswith(
+        "prompt_template='Q: {question} level {level:.1%} of {answer:d}' cannot be filled from row 0 ("
+        "{'question': '1+1?', 'level': 1, 'answer': '2'}): ValueError: Unknown format code 'd'"
+    )
+    assert str(info.value).endswith("make its fields and format specs fit those values")
 
 
 def test_no_prompt_column_lists_columns_and_options():

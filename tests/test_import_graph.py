@@ -25,6 +25,7 @@ FLOOR = {
     "config": "the run's one typed config: model/load builds the model from a GRPOConfig, run/reporting "
     "reads its TRACKERS and ConfigError",
     "config_checks": "GRPOConfig's validation, imported with config",
+    "recipe_yaml": "YAML read safely, with file and line: config reads recipes and --set values with it",
     "device": "what depends on the accelerator (dtypes, the clock, MiB, placing a model), asked by model/, "
     "memory/, rollout/ and run/",
     "rng": "every generator's state: run/checkpoint saves and restores it, memory/probe puts it back after "

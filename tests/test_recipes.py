@@ -1,5 +1,6 @@
 """Every shipped GPU recipe parses and runs one step with its own settings, on a tiny local model and a
-local stand-in for its dataset in place of the hub model and dataset (nothing is downloaded)."""
+local stand-in for its dataset in place of the hub model and dataset (nothing is downloaded). A recipe of
+yours is read safely, and what is wrong in it is named at its line; a misspelt base name never reaches the hub."""
 
 import json
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lora_grpo.cli import main, recipe_file, recipe_summary, shipped_recipes
-from lora_grpo.config import GRPOConfig
+from lora_grpo.config import ConfigError, GRPOConfig
 
 SHIPPED = shipped_recipes()
 # Recipes for a CPU on a real model (float32, no 4-bit): test_gguf runs them on a stand-in GGUF.
@@ -206,3 +207,115 @@ def test_a_cpu_recipes_memory_figure_is_the_plan_computed_from_the_models_shapes
     assert stated, "the header states the computed figure as 'GPU memory ≈ X GiB'"
     floor = recipe_floor(config, hub_config(config.model_name_or_path), 8 * GiB, dtype=torch.float32)
     assert float(stated.group(1)) == round(floor.total / GiB, 1)
+
+
+# ------------------------------------------------------------------ reading a recipe: safely, errors at their line
+
+
+def _train_exits(args, capsys) -> tuple[int, str]:
+    code = main(["train", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, where, what",
+    [
+        ("model_name_or_path: toy\nlora_r: [4\n", "line 3, column 1", "expected ',' or ']'"),
+        (
+            "model_name_or_path: toy\nlora_r: 8\n  beta: 0.1\n",
+            "line 3, column 7",
+            "mapping values are not allowed",
+        ),
+        ("model_name_or_path: toy\n\tlora_r: 8\n", "line 2, column 1", "found character '\\t'"),
+    ],
+)
+def test_a_yaml_syntax_error_names_the_recipe_line_and_column(tmp_path, capsys, text, where, what):
+    path = tmp_path / "my.yaml"
+    path.write_text(text)
+    code, err = _train_exits([str(path)], capsys)
+    assert code == 2 and f"lora-grpo: config error: {path}, {where}: not valid YAML: {what}" in err
+    assert "<unicode string>" not in err and "Traceback" not in err and "close every [ ] and { }" in err
+
+
+def test_a_python_tag_is_refused_at_its_line_and_nothing_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "evil.yaml"
+    path.write_text(
+        "model_name_or_path: toy\n"
+        "dataset: !!python/object/apply:os.system ['touch ran']\n"
+        "output_dir: !!python/name:os.getcwd\n"
+    )
+    code, err = _train_exits([str(path)], capsys)
+    assert code == 2 and not (tmp_path / "ran").exists()
+    assert (
+        f"{path}, line 2, column 10: the tag !!python/object/apply:os.system asks for a Python object" in err
+    )
+    assert "dotted path, e.g. 'my_rewards:accuracy'" in err and "Traceback" not in err
+    # the same loader reads --set values
+    assert main(["train", "--set", "reward_funcs=!!python/name:os.getcwd"]) == 2
+    assert "the tag !!python/name:os.getcwd asks for a Python object" in capsys.readouterr().err
+
+
+def test_a_field_given_twice_is_refused_naming_both_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("model_name_or_path: toy\nlora_r: 4\nbeta: 0.1\nlora_r: 8\n")
+    with pytest.raises(
+        ConfigError, match=rf"{path}, line 4, column 1: 'lora_r' is given twice \(also on line 2\)"
+    ):
+        GRPOConfig.from_yaml(path)
+
+
+def test_a_recipe_that_is_not_utf8_holds_a_control_character_or_is_not_a_mapping_is_named(tmp_path):
+    path = tmp_path / "latin.yaml"
+    path.write_bytes(b"model_name_or_path: toy\nsystem_prompt: caf\xe9\n")
+    with pytest.raises(
+        ConfigError, match=rf"{path}, line 2: byte b'\\xe9' is not UTF-8: save the recipe as UTF-8"
+    ):
+        GRPOConfig.from_yaml(path)
+    path.write_text("just text\n")
+    with pytest.raises(ConfigError, match="a recipe is a mapping of config fields to values, got str"):
+        GRPOConfig.from_yaml(path)
+    path.write_text("model_name_or_path: toy\nsystem_prompt: a\x01b\n")
+    with pytest.raises(
+        ConfigError, match=rf"{path}, line 2, column 17: the control character '\\x01' cannot be"
+    ):
+        GRPOConfig.from_yaml(path)
+
+
+def test_a_number_with_an_exponent_is_a_number_in_a_recipe_and_in_set(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "model_name_or_path: toy\nlearning_rate: 1e-4\nreward_funcs: [format]\nreward_weights: [2e-1]\n"
+    )
+    config = GRPOConfig.from_yaml(path)
+    assert config.learning_rate == 1e-4 and config.reward_weights == [0.2]
+    assert GRPOConfig.parse_value("reward_weights", "[1e-2, 5E+1]") == [0.01, 50.0]
+
+
+# ------------------------------------------------------------------ names: recipes and bases
+
+
+def test_a_misspelt_base_name_is_not_sent_to_the_hub(tmp_path, capsys, monkeypatch):
+    from lora_grpo.model.bases import resolve_base
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        resolve_base("smollm2-135m-instuct")
+    assert str(info.value).startswith("model_name_or_path 'smollm2-135m-instuct' is neither an existing path")
+    assert "did you mean 'smollm2-135m-instruct'? Set model_name_or_path=smollm2-135m-instruct" in str(
+        info.value
+    )
+    with pytest.raises(ConfigError, match="did you mean 'toy-countdown'"):
+        resolve_base("toy-countdwn")
+    # a hub id, a name close to nothing of ours, and an existing path are left as they are
+    assert resolve_base("HuggingFaceTB/SmolLM2-135M-Instuct") == "HuggingFaceTB/SmolLM2-135M-Instuct"
+    assert resolve_base("gpt2") == "gpt2"
+    (tmp_path / "toy-additon").mkdir()
+    (tmp_path / "toy-additon" / "config.json").write_text("{}")
+    assert resolve_base("toy-additon") == "toy-additon"
+    # through the CLI: one config error, before any model loads
+    path = tmp_path / "typo.yaml"
+    path.write_text("model_name_or_path: smollm2-135m-instuct\nreward_funcs: [format]\ndataset: toy\n")
+    code, err = _train_exits([str(path), "--set", f"output_dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and "did you mean 'smollm2-135m-instruct'" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -19,14 +19,15 @@ time, and can be checkpointed and resumed exactly.
 
 from __future__ import annotations
 
+import difflib
 import os
-import string
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import datasets
 
+from ..config_checks import template_columns
 from ..tasks.calculator import calculator_problems
 from ..tasks.chat_arithmetic import chat_sum_problems
 from ..tasks.countdown import countdown_problems
@@ -94,15 +95,6 @@ def _pick_split(dd: datasets.DatasetDict, split: str, what: str) -> datasets.Dat
     if split not in dd:
         raise ValueError(f"split {split!r} not in {what}; available splits: {list(dd)}")
     return dd[split]
-
-
-def _template_fields(template: str) -> list[str]:
-    """Top-level field names used by a str.format template ("{question}", "{row[a]}" -> "row")."""
-    fields = []
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field:
-            fields.append(field.split(".")[0].split("[")[0])
-    return fields
 
 
 def _check_rows(ds: datasets.Dataset, column: str, ok, expected: str, keep: str) -> None:
@@ -247,8 +239,9 @@ def load_prompt_dataset(
             message lists the columns and the options to set); chat rendering without a tokenizer or chat
             template; rows whose prompt is None, empty, or neither text nor chat messages (a message without
             a role or content is named), or whose template field is None (the message names the column, the
-            rows and a ``ds.filter`` that drops them).
-        KeyError: a template field missing from the columns (names the field and the columns).
+            rows and a ``ds.filter`` that drops them); a template field missing from the columns (names the
+            field and the columns) or a row the template cannot be filled from (names the row); a
+            prompt_template that is not a format string over column names (ConfigError).
         TypeError: a streamed ``IterableDataset`` (:func:`resolve_dataset` reads one), or an
             unsupported source.
     """
@@ -263,10 +256,14 @@ def load_prompt_dataset(
     render = _Renderer(tokenizer, system_prompt, use_chat_template, chat_template_kwargs)
 
     if prompt_template is not None:
-        for field in _template_fields(prompt_template):
+        for field in template_columns(prompt_template):
             if field not in columns:
-                raise KeyError(
-                    f"prompt_template uses field {field!r}, which is not a column; available columns: {columns}"
+                close = difflib.get_close_matches(field, columns, n=1)
+                raise ValueError(
+                    f"prompt_template={prompt_template!r} uses the field {{{field}}}, which is not a column "
+                    f"(the columns: {columns}): use a column's name"
+                    + (f" (did you mean {{{close[0]}}}?)" if close else "")
+                    + ", or add the column to the data"
                 )
             # A None would be rendered as the text "None".
             _check_rows(
@@ -278,7 +275,15 @@ def load_prompt_dataset(
             )
 
         def one(row: dict, i: int) -> tuple[str, list[dict] | None]:
-            return render.text(prompt_template.format(**row), f"prompt_template (row {i})"), None
+            try:
+                text = prompt_template.format(**row)
+            except (LookupError, AttributeError, ValueError, TypeError) as e:
+                values = {k: row[k] for k in template_columns(prompt_template)}
+                raise ValueError(
+                    f"prompt_template={prompt_template!r} cannot be filled from row {i} ({values!r:.200}): "
+                    f"{type(e).__name__}: {e}; make its fields and format specs fit those values"
+                ) from e
+            return render.text(text, f"prompt_template (row {i})"), None
 
     elif messages_column in columns:
         _check_rows(

@@ -12,7 +12,9 @@ name above is an ordinary local model.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -22,13 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..base_cache import default_cache_dir
+from ..config_checks import ConfigError
 from .gguf import converted_gguf, is_gguf, refuse_directory
 from .loading import LoadError, loading
 
+# The offline tasks' bases by name (local_base builds them).
+LOCAL_BASES = ("toy", "toy-addition", "toy-calculator", "toy-countdown")
+
 
 def local_base(name: str) -> str | None:
-    """The path of an offline task's base by its name ("toy" or its recipe's name "toy-addition",
+    """The path of an offline task's base by its name (LOCAL_BASES: "toy" or its recipe's name "toy-addition",
     "toy-calculator", "toy-countdown"), built once and cached; None for any other name."""
+    if name not in LOCAL_BASES:
+        return None
     if name in ("toy", "toy-addition"):
         from ..tasks.toy import ensure_toy_base
 
@@ -37,11 +45,9 @@ def local_base(name: str) -> str | None:
         from ..tasks.calculator import ensure_calculator_base
 
         return ensure_calculator_base()
-    if name == "toy-countdown":
-        from ..tasks.countdown_toy import ensure_countdown_toy_base
+    from ..tasks.countdown_toy import ensure_countdown_toy_base
 
-        return ensure_countdown_toy_base()
-    return None
+    return ensure_countdown_toy_base()
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,24 @@ def resolve_base(name: str, gguf_file: str | None = None, cache_dir=None) -> str
             refuse_directory(local)
     if is_gguf(name) and not local.is_dir():
         return converted_gguf(name, cache_dir)
+    refuse_misspelt(name)
     return name
+
+
+def refuse_misspelt(name: str) -> None:
+    """ConfigError when `name`, not an existing path nor a hub id 'org/name', is close to a base known by name
+    (LOCAL_BASES, PACKAGED): "smollm2-135m-instuct" is not sent to the hub as a repository's id."""
+    if "/" in name or os.sep in name or Path(name).expanduser().exists():
+        return
+    known = [*LOCAL_BASES, *PACKAGED]
+    close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.7)
+    if close:
+        raise ConfigError(
+            f"model_name_or_path {name!r} is neither an existing path nor a hub id 'org/name', and it is close to "
+            f"{close[0]!r}, a base lora_grpo knows by name, so it was not sent to the hub: did you mean "
+            f"{close[0]!r}? Set model_name_or_path={close[0]}, or give a hub model its full id, e.g. "
+            f"{PACKAGED['smollm2-135m-instruct'].original}"
+        )
 
 
 def gguf_in(where: str, gguf_file: str) -> Path:
