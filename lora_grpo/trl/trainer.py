@@ -34,7 +34,7 @@ from ..run.checkpoint import save_adapter
 from ..trainer import GRPOTrainer as NativeTrainer
 from .checks import refuse_as_trl, warn_as_trl
 from .config import GRPOConfig
-from .inputs import eval_sets, placeholder_prompts
+from .inputs import environment_prompts, eval_sets, placeholder_prompts
 from .models import build_model, reward_models
 from .translate import _as_dict, resolved_steps, to_native
 
@@ -171,8 +171,12 @@ class GRPOTrainer:
             model = resolve_base(
                 model, _as_dict(args.model_init_kwargs, "model_init_kwargs").get("gguf_file")
             )
-        if train_dataset is None:  # the environment owns the data; its reset() supplies each prompt (TRL)
+        # the environment owns the data; its reset() supplies each prompt (TRL)
+        if train_dataset is None:
             train_dataset = placeholder_prompts(args.generation_batch_size, args.num_generations)
+        eval_dataset = eval_sets(eval_dataset)
+        if environment_factory is not None:
+            train_dataset, eval_dataset = environment_prompts(train_dataset), environment_prompts(eval_dataset)
         world = getattr(args, "world_size", 1) or 1
         model_fields, build = build_model(model, args, quantization_config, peft_config, processing_class)
         config = to_native(args, model_name_or_path=str(name), world_size=world, **model_fields)
@@ -185,7 +189,7 @@ class GRPOTrainer:
             config,
             reward_funcs=funcs,
             train_dataset=train_dataset,
-            eval_dataset=eval_sets(eval_dataset),
+            eval_dataset=eval_dataset,
             model=peft_model,
             tokenizer=tokenizer,
             **extra,
