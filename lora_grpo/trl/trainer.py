@@ -236,10 +236,11 @@ class GRPOTrainer:
         native = self.native
         if native.state.global_step and not resume_from_checkpoint:
             self._start_again()
+        # True: the newest checkpoint in output_dir, as transformers (run.checkpoint.resolve_checkpoint)
         native.config.resume_from_checkpoint = (
             None
             if not resume_from_checkpoint
-            else "latest"
+            else True
             if resume_from_checkpoint is True
             else str(resume_from_checkpoint)
         )
