@@ -176,7 +176,8 @@ class GRPOTrainer:
             train_dataset = placeholder_prompts(args.generation_batch_size, args.num_generations)
         eval_dataset = eval_sets(eval_dataset)
         if environment_factory is not None:
-            train_dataset, eval_dataset = environment_prompts(train_dataset), environment_prompts(eval_dataset)
+            train_dataset = environment_prompts(train_dataset)
+            eval_dataset = environment_prompts(eval_dataset)
         world = getattr(args, "world_size", 1) or 1
         model_fields, build = build_model(model, args, quantization_config, peft_config, processing_class)
         config = to_native(args, model_name_or_path=str(name), world_size=world, **model_fields)
