@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from helpers import PROMPTS
@@ -620,3 +621,59 @@ def test_resume_from_checkpoint_true_in_a_trl_recipe_resumes_the_newest_checkpoi
     run = tmp_path / "run"
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2] and not (run / "previous-run-1").exists()  # one run, continued from checkpoint-1
+
+
+def test_save_model_writes_beside_the_run_and_never_over_files_it_did_not_write(tiny_base_dir, tmp_path):
+    from peft import PeftConfig
+
+    from lora_grpo.run.owned_dir import TargetError
+    from lora_grpo.trl import GRPOTrainer
+
+    run = tmp_path / "run"
+    args = OurConfig(
+        output_dir=str(run),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        save_steps=1,
+        report_to="none",
+    )
+    trainer = GRPOTrainer(
+        model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8)
+    )
+    trainer.train()
+    # TRL's script: save_model(output_dir) into the run's own directory, beside its checkpoints and logs
+    trainer.save_model(str(run))
+    assert PeftConfig.from_pretrained(str(run)).r == 16 and (run / "tokenizer.json").is_file()
+    assert (run / "checkpoint-1").is_dir() and (run / "metrics.jsonl").is_file()
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".adapter.")]  # no temporary dir left
+    # a new directory is written whole; saving there again replaces what save_model wrote
+    out = tmp_path / "exported"
+    trainer.save_model(str(out))
+    trainer.save_model(str(out))
+    assert (out / "adapter_model.safetensors").is_file() and (out / ".lora_grpo.json").is_file()
+    # a directory holding the user's files: refused, naming them and the flag; with the flag, replaced
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(
+        TargetError, match=r"save_model's output_dir .*mine.* holds files lora_grpo did not write"
+    ):
+        trainer.save_model(str(mine))
+    assert (mine / "notes.txt").read_text() == "keep me" and sorted(p.name for p in mine.iterdir()) == [
+        "notes.txt"
+    ]
+    with pytest.raises(
+        TargetError, match=r"notes\.txt.*add overwrite=True \(trainer\.save_model\(output_dir, "
+    ):
+        trainer.save_model(str(mine))
+    trainer.save_model(str(mine), overwrite=True)
+    assert (mine / "adapter_model.safetensors").is_file() and not (mine / "notes.txt").exists()
+    # the base model is never a target, whatever the flag
+    before = sorted(p.name for p in Path(tiny_base_dir).iterdir())
+    for target in (tiny_base_dir, str(Path(tiny_base_dir) / "adapter")):
+        with pytest.raises(TargetError, match=r"the base model"):
+            trainer.save_model(target, overwrite=True)
+    assert sorted(p.name for p in Path(tiny_base_dir).iterdir()) == before
