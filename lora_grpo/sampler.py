@@ -70,6 +70,7 @@ class PolicySampler:
                 chat_template_kwargs=config.chat_template_kwargs,
             )
         self.environments = None  # the last rollout's environment instances (reward functions get them)
+        self.observations = None  # their reset() texts, per row (None where there is none)
 
     @property
     def prompt_template_kwargs(self) -> dict:
@@ -98,7 +99,7 @@ class PolicySampler:
             if (any(tools.observations) or self.toolbox.named) and rows and rows.get(PROMPT_MESSAGES):
                 # reset texts join the prompts; with named environments each row lists its own one's tools
                 prompts, G = self.toolbox.prompts(rows[PROMPT_MESSAGES], tools, G)
-            self.environments = tools.environments
+            self.environments, self.observations = tools.environments, tools.observations
             if not self.toolbox.has_tools:  # environments without tool methods: a single-turn rollout
                 tools = None
         return generate_rollout(

@@ -34,7 +34,7 @@ from .rewards import (
     reward_names,
     rollout_keywords,
 )
-from .rollout import tool_metrics
+from .rollout import tool_metrics, with_observation
 
 Tensor = torch.Tensor
 
@@ -189,6 +189,11 @@ class RolloutScorer:
         environments = None if self.sampler is None else self.sampler.environments
         if environments is not None:
             columns["environments"] = environments
+            # each rollout's prompt as the model saw it: its environment's reset() text joins the messages (TRL)
+            prompts = [
+                with_observation(p, seen) if seen and isinstance(p, list) else p
+                for p, seen in zip(prompts, self.sampler.observations, strict=True)
+            ]
         extra, logged = {}, {}
         if self.sizes is not None:
             # a reward model's forwards are sized as the run's others

@@ -126,6 +126,20 @@ def test_resume_from_a_run_dir_or_an_adapter_says_what_to_pass(tiny_base_dir, tm
         resume(tiny_base_dir, tmp_path / "empty", "latest")
 
 
+def test_resume_from_checkpoint_true_is_the_newest_checkpoint_as_in_transformers(
+    tiny_base_dir, tmp_path, saved_run
+):
+    # transformers' spelling of 'latest' (issue 47: it reached Path(True) in the run directory's claim)
+    shutil.copytree(saved_run, tmp_path / "run")
+    assert resume(tiny_base_dir, tmp_path, True, resume_from_checkpoint=True)["steps"] == 3
+    assert not (tmp_path / "run" / "previous-run-1").exists()  # the same run, continued
+    with pytest.raises(
+        CheckpointError,
+        match=r"^No valid checkpoint found in output directory \(.*empty.*\): resume_from_checkpoint=True",
+    ):
+        resume(tiny_base_dir, tmp_path / "empty", True, resume_from_checkpoint=True)
+
+
 @pytest.mark.parametrize("failure", [errno.ENOSPC, errno.EACCES])
 @pytest.mark.parametrize("where", ["checkpoint", "final adapter"])
 def test_a_failed_write_keeps_the_previous_checkpoint_and_stops_clearly(

@@ -5,7 +5,9 @@ it is installed), and maps or refuses every field of TRL's GRPOConfig by name.""
 import dataclasses
 import json
 import re
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from helpers import PROMPTS
@@ -463,3 +465,215 @@ def test_the_trl_recipe_cli_runs_a_trl_grpo_recipe(tiny_base_dir, tmp_path):
         (run / "adapter_config.json").read_text()
     )["r"] == 4
     assert (run / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------ the TRL CLI's inputs
+def _trl_recipe(tmp_path, tiny_base_dir, data, name="grpo.yaml", **fields):
+    """A TRL GRPO recipe tmp_path/`name` on the tiny base and `data` (a dataset_name), writing to tmp_path/run."""
+    import yaml
+
+    recipe = tmp_path / name
+    values = {
+        "model_name_or_path": tiny_base_dir,
+        "dataset_name": str(data),
+        "reward_funcs": ["accuracy_reward"],
+        "output_dir": str(tmp_path / "run"),
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 4,
+        "max_steps": 1,
+        "logging_steps": 1,
+        "save_steps": 1,
+        "use_cpu": True,
+        "report_to": "none",
+        **fields,
+    }
+    recipe.write_text(yaml.safe_dump(values))
+    return recipe
+
+
+def _jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in rows)
+    )
+    return path
+
+
+def _trls_script(data, tmp_path, tiny_base_dir, **fields):
+    """The exception TRL's own grpo script raises on these inputs (before it loads a model)."""
+    pytest.importorskip("trl")
+    from trl import GRPOConfig, ModelConfig
+    from trl.scripts.grpo import GRPOScriptArguments, main
+    from trl.scripts.utils import DatasetMixtureConfig
+
+    script = {k: fields.pop(k) for k in ("reward_funcs",) if k in fields}
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", **fields)
+    with pytest.raises(Exception) as info:
+        main(
+            GRPOScriptArguments(dataset_name=str(data), **script),
+            args,
+            ModelConfig(model_name_or_path=tiny_base_dir),
+            DatasetMixtureConfig(),
+        )
+    return info.value
+
+
+def test_an_eval_strategy_without_a_test_split_names_the_dataset_the_split_and_the_fixes(
+    tiny_base_dir, tmp_path, capsys
+):
+    from lora_grpo.cli import main
+
+    data = tmp_path / "data"
+    _jsonl(data / "train.jsonl", PROMPTS[:8])
+    # TRL's script: a bare KeyError: 'test'
+    assert isinstance(_trls_script(data, tmp_path, tiny_base_dir, eval_strategy="steps"), KeyError)
+    for where in (data, data / "train.jsonl"):
+        recipe = _trl_recipe(tmp_path, tiny_base_dir, where, eval_strategy="steps", eval_steps=1)
+        assert main(["trl", "--config", str(recipe)]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"dataset_name={str(where)!r} has no split 'test' (dataset_test_split); its splits are ['train']"
+            in err
+        )
+        assert "set dataset_test_split to one of them" in err and "test.jsonl" in err
+        assert err.rstrip().endswith("or set eval_strategy: no to train without evaluation")
+        assert "Traceback" not in err
+    # the first fix: a test file beside the train file
+    _jsonl(data / "test.jsonl", PROMPTS[8:12])
+    assert (
+        main(["trl", "--config", str(_trl_recipe(tmp_path, tiny_base_dir, data, eval_strategy="steps"))]) == 0
+    )
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(any(k.startswith("eval/") for k in r) for r in history)
+
+
+REWARD_MODULES = {
+    "my_rewards": "def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\nSCALE = 2\n",
+    "broken_rewards": "import a_package_not_installed_anywhere\n",
+}
+BAD_REWARDS = {
+    "a missing function": (
+        "my_rewards.lenght",
+        ["AttributeError", "'my_rewards' has no 'lenght'", "did you mean 'length'?"],
+    ),
+    "a missing module": (
+        "no_such_rewards.length",
+        ["ModuleNotFoundError", "'no_such_rewards' is not importable from here", "no_such_rewards.py"],
+    ),
+    "a module whose own import fails": (
+        "broken_rewards.length",
+        ["No module named 'a_package_not_installed_anywhere'", "Importing 'broken_rewards' raised it"],
+    ),
+    "not a function": ("my_rewards.SCALE", ["'my_rewards.SCALE' is a int, not a function"]),
+    "an unknown name": (
+        "accuracy_rewrd",
+        ["is neither one of TRL's reward names (did you mean 'accuracy_reward'?)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REWARDS))
+def test_a_reward_path_that_does_not_load_names_it_what_failed_and_the_fix(
+    tiny_base_dir, tmp_path, monkeypatch, capsys, case
+):
+    from lora_grpo.cli import main
+
+    name, expected = BAD_REWARDS[case]
+    for module, source in REWARD_MODULES.items():
+        (tmp_path / f"{module}.py").write_text(source)
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    data = _jsonl(tmp_path / "train.jsonl", PROMPTS[:8])
+    assert (
+        main(["trl", "--config", str(_trl_recipe(tmp_path, tiny_base_dir, data, reward_funcs=[name]))]) == 2
+    )
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lora-grpo:")]
+    registry = "['accuracy_reward', 'reasoning_accuracy_reward', 'think_format_reward', 'get_soft_overlong_punishment']"
+    # TRL's script's sentence first (it has one for an unknown name; a path that fails to import is a raw traceback
+    # there), then the path, what failed and the fix
+    trls = f"Could not load reward function '{name}'. Expected one of {registry} or a valid import path."
+    assert err.startswith(f"lora-grpo: config error: {trls} reward_funcs: {name!r}")
+    assert all(part in err for part in expected), err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+    if case == "an unknown name":
+        assert str(_trls_script(data, tmp_path, tiny_base_dir, reward_funcs=[name])) == trls
+
+
+def test_resume_from_checkpoint_true_in_a_trl_recipe_resumes_the_newest_checkpoint(
+    tiny_base_dir, tmp_path, capsys
+):
+    # TRL's script passes GRPOConfig.resume_from_checkpoint to train(): True is transformers' "the last checkpoint"
+    from lora_grpo.cli import main
+
+    data = _jsonl(tmp_path / "train.jsonl", PROMPTS[:8])
+    resume = _trl_recipe(
+        tmp_path, tiny_base_dir, data, "resume.yaml", max_steps=2, resume_from_checkpoint=True
+    )
+    assert main(["trl", "--config", str(resume)]) == 1
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lora-grpo:")]
+    assert err.startswith(
+        f"lora-grpo: error: No valid checkpoint found in output directory ({tmp_path / 'run'})"
+    )
+    assert main(["trl", "--config", str(_trl_recipe(tmp_path, tiny_base_dir, data))]) == 0
+    assert main(["trl", "--config", str(resume)]) == 0
+    run = tmp_path / "run"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and not (run / "previous-run-1").exists()  # one run, continued from checkpoint-1
+
+
+def test_save_model_writes_beside_the_run_and_never_over_files_it_did_not_write(tiny_base_dir, tmp_path):
+    from peft import PeftConfig
+
+    from lora_grpo.run.owned_dir import TargetError
+    from lora_grpo.trl import GRPOTrainer
+
+    run = tmp_path / "run"
+    args = OurConfig(
+        output_dir=str(run),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        save_steps=1,
+        report_to="none",
+    )
+    trainer = GRPOTrainer(
+        model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8)
+    )
+    trainer.train()
+    # TRL's script: save_model(output_dir) into the run's own directory, beside its checkpoints and logs
+    trainer.save_model(str(run))
+    assert PeftConfig.from_pretrained(str(run)).r == 16 and (run / "tokenizer.json").is_file()
+    assert (run / "checkpoint-1").is_dir() and (run / "metrics.jsonl").is_file()
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".adapter.")]  # no temporary dir left
+    # a new directory is written whole; saving there again replaces what save_model wrote
+    out = tmp_path / "exported"
+    trainer.save_model(str(out))
+    trainer.save_model(str(out))
+    assert (out / "adapter_model.safetensors").is_file() and (out / ".lora_grpo.json").is_file()
+    # a directory holding the user's files: refused, naming them and the flag; with the flag, replaced
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(
+        TargetError, match=r"save_model's output_dir .*mine.* holds files lora_grpo did not write"
+    ):
+        trainer.save_model(str(mine))
+    assert (mine / "notes.txt").read_text() == "keep me" and sorted(p.name for p in mine.iterdir()) == [
+        "notes.txt"
+    ]
+    with pytest.raises(
+        TargetError, match=r"notes\.txt.*add overwrite=True \(trainer\.save_model\(output_dir, "
+    ):
+        trainer.save_model(str(mine))
+    trainer.save_model(str(mine), overwrite=True)
+    assert (mine / "adapter_model.safetensors").is_file() and not (mine / "notes.txt").exists()
+    # the base model is never a target, whatever the flag
+    before = sorted(p.name for p in Path(tiny_base_dir).iterdir())
+    for target in (tiny_base_dir, str(Path(tiny_base_dir) / "adapter")):
+        with pytest.raises(TargetError, match=r"the base model"):
+            trainer.save_model(target, overwrite=True)
+    assert sorted(p.name for p in Path(tiny_base_dir).iterdir()) == before

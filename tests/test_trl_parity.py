@@ -327,7 +327,77 @@ def test_an_environment_that_owns_its_prompts_trains_without_a_dataset(qwen_tool
     assert trainer.state.global_step == 2
     assert len(trainer.train_dataset) == 1  # TRL's placeholder rows: one generation round's prompts
     assert any("rewards/Riddle/mean" in r for r in trainer.state.log_history)
-    assert seen and set(seen) <= {"", "2+2="}
+    assert set(seen) == {"2+2="}  # the reward functions see the prompt reset() filled, as the model did
+
+
+class Coding:
+    """A routed environment with a tool: reset() returns the task, the prompt's only text."""
+
+    def reset(self, **row):
+        self.runs = 0
+        return "print 1+1"
+
+    def run_code(self, code: str) -> str:
+        """Run Python code.
+
+        Args:
+            code: The code to run.
+        """
+        self.runs += 1
+        return "2"
+
+    def get_reward(self) -> float:
+        return float(self.runs)
+
+
+class Game:
+    """A routed environment without tools: reset() returns the board, get_reward() scores."""
+
+    def reset(self, **row):
+        return "guess a digit"
+
+    def get_reward(self) -> float:
+        return 0.5
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_routing_dataset_of_only_environment_names_trains_on_the_prompts_reset_returns(
+    qwen_tool_base_dir, tmp_path, library
+):
+    # TRL's docs, "Multiple environments": the dataset's only column is `environment`; each row's prompt is an
+    # empty user message that its environment's reset() fills.
+    from datasets import Dataset
+
+    seen = []
+
+    def spy(prompts, completions, environments, **kwargs):
+        seen.extend((type(e).__name__, p[-1]["content"]) for p, e in zip(prompts, environments))
+        return [float(len(c[-1]["content"]) % 2) for c in completions]
+
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, gradient_accumulation_steps=2)
+        trainer = GRPOTrainer(model=MODEL, processing_class=TOKENIZER, reward_funcs=spy, args=args, train_dataset=ROWS,
+                              environment_factory={{"coding": Coding, "game": Game}})
+        trainer.train()
+    """,
+        MODEL=qwen_tool_base_dir,
+        TOKENIZER=tool_tokenizer(qwen_tool_base_dir),
+        OUT=str(tmp_path / library),
+        ROWS=Dataset.from_dict({"environment": ["coding", "game"] * 4}),
+        Coding=Coding,
+        Game=Game,
+        spy=spy,
+    )
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 2
+    # every rollout's prompt is its own environment's reset() text
+    assert set(seen) == {("Coding", "print 1+1"), ("Game", "guess a digit")}
+    records = [r for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
+    assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+    assert all("rewards/Coding/mean" in r and "rewards/Game/mean" in r for r in records)
 
 
 def _chain(error):
@@ -956,7 +1026,10 @@ def test_a_failed_resume_does_not_stick_to_the_trainer(tiny_base_dir, tmp_path, 
         MODEL=tiny_base_dir,
         OUT=str(tmp_path / library),
     )
-    assert str(scope["refused"]).startswith("No valid checkpoint found in output directory")
+    # transformers' sentence, naming output_dir
+    assert str(scope["refused"]).startswith(
+        f"No valid checkpoint found in output directory ({tmp_path / library})"
+    )
     assert scope["trainer"].state.global_step == 1
 
 

@@ -95,7 +95,7 @@ def _import_object(path: str) -> Any:
     raise first_error  # type: ignore[misc]
 
 
-def _import_hint(path: str, error: Exception) -> str:
+def import_hint(path: str, error: Exception) -> str:
     """What to do about a dotted reward path that did not import: the package is not on the path (the
     lora-grpo command puts only the current directory first, as `python -m` does), or the module lacks
     the name."""
@@ -162,7 +162,7 @@ def _resolve_one(spec: Any, context: Mapping[str, Any]) -> Callable:
         obj = _import_object(name)
     except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, or the module's own error
         raise ValueError(
-            f"cannot import reward {name!r} ({type(e).__name__}: {e}){_import_hint(name, e)}; accepted: {_ACCEPTED}"
+            f"cannot import reward {name!r} ({type(e).__name__}: {e}){import_hint(name, e)}; accepted: {_ACCEPTED}"
         ) from e
     if isinstance(obj, type) or kwargs:  # a class or a factory: build the reward function
         obj = _call_factory(obj, kwargs, context, spec)

@@ -38,6 +38,7 @@ from .tools import (
     reply_ids,
     tool_metrics,
     tool_schema,
+    with_observation,
 )
 
 __all__ = [
@@ -63,4 +64,5 @@ __all__ = [
     "tool_metrics",
     "tool_schema",
     "warp_logits",
+    "with_observation",
 ]

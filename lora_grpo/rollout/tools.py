@@ -355,11 +355,9 @@ class Toolbox:
         """Chat messages -> prompt text with the tools' schemas (``schemas``: a row's own, default every
         tool); ``observation`` (an environment's reset text) is appended to the last message's content, as
         TRL does."""
-        messages = [dict(m) for m in messages]
-        messages[-1]["content"] += observation or ""
         schemas = self.schemas if schemas is None else schemas
         return self.tokenizer.apply_chat_template(
-            messages,
+            with_observation(messages, observation),
             tools=schemas or None,
             tokenize=False,
             add_generation_prompt=True,
@@ -488,6 +486,14 @@ class Toolbox:
         except Exception as e:  # noqa: BLE001 - the model sees the error
             return _error(f"{type(e).__name__}: {e}"), True
         return str(value), False
+
+
+def with_observation(messages: Sequence[Mapping], observation: str | None) -> list[dict]:
+    """Chat messages with an environment's reset text appended to the last message's content (TRL's prompt
+    for that rollout); copies, the row's own messages are left as they are."""
+    messages = [dict(m) for m in messages]
+    messages[-1]["content"] += observation or ""
+    return messages
 
 
 class ToolEpisode:

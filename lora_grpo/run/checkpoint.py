@@ -333,18 +333,21 @@ def _whole_adapter(path: Path, instead: str) -> Path:
     return path
 
 
-def resolve_checkpoint(path: str | Path, output_dir: Path) -> Path:
+def resolve_checkpoint(path: str | Path | bool, output_dir: Path) -> Path:
     """The checkpoint dir a `resume_from_checkpoint` value points at, checked to be complete.
 
-    'latest' is the newest checkpoint-N in output_dir. A run directory, an adapter directory, a
-    missing file or a file that is not a checkpoint's gets a CheckpointError that says what to pass.
+    'latest' (or True, transformers' spelling) is the newest checkpoint-N in output_dir. A run directory, an
+    adapter directory, a missing file or a file that is not a checkpoint's gets a CheckpointError that says
+    what to pass.
     """
-    if str(path) == "latest":
+    if path is True or str(path) == "latest":
         found = list_checkpoints(output_dir)
         if not found:
-            raise CheckpointError(  # transformers' sentence first (the TRL front door's users know it)
-                f"No valid checkpoint found in output directory ({output_dir}): resume_from_checkpoint='latest' but it "
-                "has no checkpoint-N directory; check output_dir, or start without resume_from_checkpoint"
+            # transformers' sentence first (the TRL front door's users know it)
+            raise CheckpointError(
+                f"No valid checkpoint found in output directory ({output_dir}): resume_from_checkpoint={path!r} "
+                "but it has no checkpoint-N directory; check output_dir (the run's directory, where its "
+                "checkpoints are), or start without resume_from_checkpoint"
             )
         path = found[-1]
     path = Path(path)

@@ -16,6 +16,9 @@ Every directory we create or fill goes through here:
 - **Written whole, renamed into place** (``write_whole``): the files go to a temporary directory beside
   the target, which is renamed into place once complete; a reader sees the old directory or the new
   one, never a mix, and a failed write leaves the old one as it was.
+- **Files into a run's own directory** (``write_into``: the TRL front door's ``save_model`` into its
+  output_dir, as TRL saves beside its checkpoints): written to a temporary directory inside it, then
+  each file renamed over its name; the run's other files stay, and a reader sees each file whole.
 """
 
 from __future__ import annotations
@@ -194,3 +197,22 @@ def write_whole(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def write_into(target: str | os.PathLike, protected: dict, *, label: str) -> Iterator[Path]:
+    """Yield a temporary directory inside `target` (a directory of ours that keeps its other files: a run's
+    output_dir) to write into; when the block succeeds, each file written is renamed over its name in
+    `target`. On failure nothing in `target` changes. The temporary name (".adapter.save-*") is one the run
+    directory's claim removes if a writer died mid-write."""
+    check_not_protected(target, protected, label)
+    target = Path(target).expanduser()
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".adapter.save-", dir=target))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        for item in sorted(tmp.iterdir()):
+            os.replace(item, target / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

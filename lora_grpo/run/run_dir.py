@@ -384,7 +384,7 @@ class RunDirClaim:
 def claim_output_dir(
     output_dir: str | Path,
     *,
-    resume_from: str | Path | None = None,
+    resume_from: str | Path | bool | None = None,
     overwrite: bool = False,
     is_main: bool = True,
     protected: dict | None = None,
@@ -392,7 +392,7 @@ def claim_output_dir(
     """Claim `output_dir` for a training run (see the module docstring): take its lock, then make
     sure a new run does not land on another run's files.
 
-    resume_from: the run's resume_from_checkpoint ('latest', a checkpoint path, or None). A resume
+    resume_from: the run's resume_from_checkpoint ('latest' or True, a checkpoint path, or None). A resume
     from 'latest' or from a checkpoint inside output_dir continues that run (its logs are cut back
     to the checkpoint); a fresh run, or a resume from a checkpoint elsewhere, needs a directory
     without another run's files, or overwrite=True (that run's files move to previous-run-K/).
@@ -426,7 +426,7 @@ def claim_output_dir(
                 f"finished (its process died): {', '.join(leftovers)}"
             )
         continues = resume_from is not None and (
-            str(resume_from) == "latest" or _inside(Path(resume_from), root)
+            resume_from is True or str(resume_from) == "latest" or _inside(Path(resume_from), root)
         )
         found = None if continues else previous_run(root)
         theirs = [] if continues or found is not None else not_a_runs(root)

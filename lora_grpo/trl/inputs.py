@@ -5,7 +5,9 @@ eval_dataset     a Dataset; an IterableDataset (read to its end, as transformers
                  plain dict of named sets (each evaluated and logged as eval_<name>_*)
 environments     no train_dataset: the environment owns the data and its reset() supplies the prompt;
                  TRL's placeholder rows (an empty user message, one generation round's worth) drive
-                 the loop for max_steps
+                 the loop for max_steps. A dataset without a `prompt` column (a dict of environments'
+                 routing rows, whose only column may be `environment`): each row's prompt is that empty
+                 user message, which its environment's reset() fills, as TRL defaults a missing prompt
 """
 
 from __future__ import annotations
@@ -35,8 +37,24 @@ def eval_sets(eval_dataset):
     return eval_dataset
 
 
+# TRL's prompt where the environment supplies it: an empty user message, its content reset()'s text
+EMPTY_PROMPT = [{"role": "user", "content": ""}]
+
+
 def placeholder_prompts(generation_batch_size: int, num_generations: int) -> datasets.Dataset:
     """TRL's rows for a run without train_dataset: one generation round's prompts, each an empty user
     message that the environment's reset() fills."""
     rows = generation_batch_size // num_generations
-    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
+    return datasets.Dataset.from_dict({"prompt": [EMPTY_PROMPT] * rows})
+
+
+def environment_prompts(dataset):
+    """A dataset (or a dict of eval sets) for environments: rows without a `prompt` column get TRL's empty
+    user message, which their environment's reset() fills; anything else is returned as it is."""
+    if isinstance(dataset, Mapping):
+        return {name: environment_prompts(ds) for name, ds in dataset.items()}
+    if isinstance(dataset, datasets.Dataset) and "prompt" not in dataset.column_names:
+        return dataset.add_column("prompt", [EMPTY_PROMPT] * len(dataset))
+    if isinstance(dataset, datasets.IterableDataset):
+        return dataset.map(lambda row: {} if "prompt" in row else {"prompt": EMPTY_PROMPT})
+    return dataset

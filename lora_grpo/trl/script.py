@@ -17,6 +17,7 @@ built-ins of the same meaning (rewards/builtins.py).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError
+from ..rewards.specs import import_hint
 
 
 @dataclass
@@ -109,21 +111,56 @@ def _named(fn, name: str):
 
 
 def reward_funcs(script) -> list:
-    """The script's reward model and reward functions, as TRL's GRPO script resolves them."""
+    """The script's reward model and reward functions, as TRL's GRPO script resolves them: a registry name,
+    or a dotted path 'module.function' imported with the current directory first on the path."""
     funcs: list = [script.reward_model_name_or_path] if script.reward_model_name_or_path else []
     registry = reward_registry()
     for name in script.reward_funcs or []:
         if name in registry:
             funcs.append(registry[name])
         elif "." in name:
-            module, attr = name.rsplit(".", 1)
             sys.path.insert(0, os.getcwd())
-            funcs.append(getattr(importlib.import_module(module), attr))
+            funcs.append(_import_reward(name, registry))
         else:
+            close = difflib.get_close_matches(name, registry, n=1)
             raise ConfigError(
-                f"reward_funcs: unknown {name!r}; expected one of {sorted(registry)} or a dotted import path"
+                f"{_could_not_load(name, registry)} reward_funcs: {name!r} is neither one of TRL's reward names"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + " nor a dotted path 'module.function' (a function in module.py beside the recipe, or in an "
+                "installed package)"
             )
     return funcs
+
+
+def _could_not_load(name: str, registry: dict) -> str:
+    # TRL's grpo script's sentence
+    return (
+        f"Could not load reward function '{name}'. Expected one of {list(registry)} or a valid import path."
+    )
+
+
+def _import_reward(name: str, registry: dict):
+    """reward_funcs' dotted path 'module.function' as TRL's script imports it, or a ConfigError naming the
+    path, what failed (the module is not there, it failed to import, it lacks the function) and the fix."""
+    module, attr = name.rsplit(".", 1)
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        hint = import_hint(name, e) or (
+            f". Importing {module!r} raised it: fix that module or install what it imports"
+            if isinstance(e, ImportError)
+            else ""
+        )
+        raise ConfigError(
+            f"{_could_not_load(name, registry)} reward_funcs: {name!r} did not import ({type(e).__name__}: "
+            f"{e}){hint}"
+        ) from e
+    if not callable(found):
+        raise ConfigError(
+            f"{_could_not_load(name, registry)} reward_funcs: {name!r} is a {type(found).__name__}, not a "
+            "function; name a function def fn(completions, **kwargs) -> list[float]"
+        )
+    return found
 
 
 def peft_and_quantization(model_args):
@@ -211,6 +248,24 @@ def load_script_dataset(name: str, config_name: str | None):
     return load_dataset(name, name=config_name)
 
 
+def dataset_split(dataset, script, field_name: str):
+    """The split `script.<field_name>` names, as TRL's script takes it (dataset[split]); a split the dataset does
+    not have is a ConfigError naming the dataset, the split, the splits it has and the fix (TRL: KeyError)."""
+    split = getattr(script, field_name)
+    if split in dataset:
+        return dataset[split]
+    fixes = f"set {field_name} to one of them"
+    if field_name == "dataset_test_split":
+        fixes += (
+            f", point dataset_name at a directory holding a file per split (train.jsonl and {split}.jsonl: "
+            "datasets names the splits after the files), or set eval_strategy: no to train without evaluation"
+        )
+    raise ConfigError(
+        f"dataset_name={script.dataset_name!r} has no split {split!r} ({field_name}); its splits are "
+        f"{list(dataset)}: {fixes}"
+    )
+
+
 def main(argv: list[str]) -> int:
     """TRL's GRPO script, on lora_grpo: load the data, build the trainer, train, save, end."""
     from . import GRPOTrainer
@@ -236,8 +291,10 @@ def main(argv: list[str]) -> int:
         model=model_args.model_name_or_path,
         reward_funcs=reward_funcs(script),
         args=training_args,
-        train_dataset=dataset[script.dataset_train_split],
-        eval_dataset=dataset[script.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        train_dataset=dataset_split(dataset, script, "dataset_train_split"),
+        eval_dataset=dataset_split(dataset, script, "dataset_test_split")
+        if training_args.eval_strategy != "no"
+        else None,
         quantization_config=quantization,
         peft_config=peft,
     )

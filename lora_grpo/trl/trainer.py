@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,12 @@ from ..model.bases import resolve_base
 from ..rewards import RewardModel
 from ..rng import seed_everything
 from ..run.checkpoint import save_adapter
+from ..run.owned_dir import protected_paths, write_into, write_whole
+from ..run.run_dir import not_a_runs
 from ..trainer import GRPOTrainer as NativeTrainer
 from .checks import refuse_as_trl, warn_as_trl
 from .config import GRPOConfig
-from .inputs import eval_sets, placeholder_prompts
+from .inputs import environment_prompts, eval_sets, placeholder_prompts
 from .models import build_model, reward_models
 from .translate import _as_dict, resolved_steps, to_native
 
@@ -171,8 +172,15 @@ class GRPOTrainer:
             model = resolve_base(
                 model, _as_dict(args.model_init_kwargs, "model_init_kwargs").get("gguf_file")
             )
-        if train_dataset is None:  # the environment owns the data; its reset() supplies each prompt (TRL)
+        # what save_model never writes over (with the config's paths): the base as loaded
+        self._base_path = model if isinstance(model, str) else None
+        # the environment owns the data; its reset() supplies each prompt (TRL)
+        if train_dataset is None:
             train_dataset = placeholder_prompts(args.generation_batch_size, args.num_generations)
+        eval_dataset = eval_sets(eval_dataset)
+        if environment_factory is not None:
+            train_dataset = environment_prompts(train_dataset)
+            eval_dataset = environment_prompts(eval_dataset)
         world = getattr(args, "world_size", 1) or 1
         model_fields, build = build_model(model, args, quantization_config, peft_config, processing_class)
         config = to_native(args, model_name_or_path=str(name), world_size=world, **model_fields)
@@ -185,7 +193,7 @@ class GRPOTrainer:
             config,
             reward_funcs=funcs,
             train_dataset=train_dataset,
-            eval_dataset=eval_sets(eval_dataset),
+            eval_dataset=eval_dataset,
             model=peft_model,
             tokenizer=tokenizer,
             **extra,
@@ -232,10 +240,11 @@ class GRPOTrainer:
         native = self.native
         if native.state.global_step and not resume_from_checkpoint:
             self._start_again()
+        # True: the newest checkpoint in output_dir, as transformers (run.checkpoint.resolve_checkpoint)
         native.config.resume_from_checkpoint = (
             None
             if not resume_from_checkpoint
-            else "latest"
+            else True
             if resume_from_checkpoint is True
             else str(resume_from_checkpoint)
         )
@@ -317,17 +326,37 @@ class GRPOTrainer:
             merged.update(record)
         return merged
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    def save_model(
+        self, output_dir: str | None = None, _internal_call: bool = False, *, overwrite: bool = False
+    ) -> None:
         """The policy as a standard peft adapter (adapter_config.json + adapter_model.safetensors) and the
-        tokenizer, into output_dir; other files there (checkpoints, logs) are left as they are."""
-        target = Path(output_dir or self.args.output_dir)
+        tokenizer, into output_dir (default args.output_dir). Into the run's own output_dir (as TRL's script
+        saves) the files join the run's, each renamed into place. Any other directory is written whole
+        (run/owned_dir.py): a new one, or one save_model wrote before, is replaced; one holding files
+        lora_grpo did not write there is refused unless overwrite=True (which replaces its contents); the
+        base model, its tokenizer and the caches are refused whatever the flag (TRL writes into any
+        directory, over files of the same names)."""
+        target = Path(output_dir or self.native.output_dir)
         if self.accelerator.is_main_process:
-            target.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target) as tmp:
-                save_adapter(self.model, Path(tmp) / "adapter", POLICY)
-                for item in (Path(tmp) / "adapter").iterdir():
-                    os.replace(item, target / item.name)
-            self.processing_class.save_pretrained(str(target))
+            protected = protected_paths(self.native.config, self._base_path)
+            label = "save_model's output_dir"
+            own = target.expanduser().resolve() == self.native.output_dir.expanduser().resolve()
+            if own and not not_a_runs(target):
+                writer = write_into(target, protected, label=label)
+            else:
+                writer = write_whole(
+                    target,
+                    protected,
+                    overwrite=overwrite,
+                    label=label,
+                    flag="overwrite=True (trainer.save_model(output_dir, overwrite=True))",
+                    writer="lora_grpo.trl GRPOTrainer.save_model",
+                )
+            with writer as tmp:
+                for item in save_adapter(self.model, tmp / "adapter", POLICY).iterdir():
+                    os.replace(item, tmp / item.name)
+                (tmp / "adapter").rmdir()
+                self.processing_class.save_pretrained(str(tmp))
         self.accelerator.wait_for_everyone()
 
     def end(self) -> None:
