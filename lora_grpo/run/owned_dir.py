@@ -16,6 +16,9 @@ Every directory we create or fill goes through here:
 - **Written whole, renamed into place** (``write_whole``): the files go to a temporary directory beside
   the target, which is renamed into place once complete; a reader sees the old directory or the new
   one, never a mix, and a failed write leaves the old one as it was.
+- **A single file** (``export --gguf``: ``write_file``) is written to a temporary name beside it and renamed
+  into place: a full disk or an interrupted write leaves no half-written file under its name. An existing
+  file there is replaced only with the flag (``check_file_target``), and never one of the protected paths.
 """
 
 from __future__ import annotations
@@ -193,4 +196,57 @@ def write_whole(
             os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ----------------------------------------------------------------------------- a single file
+def check_file_target(
+    target: str | os.PathLike, protected: dict, *, overwrite: bool, label: str, flag: str, suffix: str
+) -> str | None:
+    """Refuse (TargetError) a file target for `write_file` that is protected or inside a protected path, a
+    directory, not named ``*{suffix}``, or an existing file unless `overwrite`. Returns a note when an
+    existing file will be replaced, else None."""
+    check_not_protected(target, protected, label)
+    path = Path(target).expanduser()
+    if path.is_dir():
+        raise TargetError(
+            f"{label} {str(target)!r} is a directory; give {label} a file name ending in {suffix}"
+        )
+    if not path.name.lower().endswith(suffix):
+        raise TargetError(
+            f"{label} {str(target)!r} is not named *{suffix}; give {label} a file name ending in {suffix}"
+        )
+    if not path.exists():
+        return None
+    if not overwrite:
+        raise TargetError(
+            f"{label} {str(target)!r} exists; writing it would replace that file. Give {label} a new file name, "
+            f"or add {flag} to replace it"
+        )
+    return f"{flag}: replaced the file that was at {target}"
+
+
+@contextmanager
+def write_file(
+    target: str | os.PathLike, protected: dict, *, overwrite: bool, label: str, flag: str, suffix: str
+) -> Iterator[Path]:
+    """Yield a temporary path beside `target` to write the file to; when the block succeeds it is synced and
+    renamed onto `target` (which `check_file_target` allowed); on failure it is deleted and `target` stays as
+    it was."""
+    check_file_target(target, protected, overwrite=overwrite, label=label, flag=flag, suffix=suffix)
+    target = Path(target).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.writing-", dir=target.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        mask = os.umask(0)
+        os.umask(mask)
+        # mkstemp makes 0600; the output is as shareable as the user's umask says
+        os.chmod(tmp, 0o666 & ~mask)
+        _fsync_tree(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
