@@ -170,7 +170,8 @@ def fields(path) -> dict:
 
 
 def rounded(model: torch.nn.Module, gguf_type: str) -> torch.nn.Module:
-    """A copy of `model` whose matrices are what the file stores: float16-rounded, or Q8_0 quantised and back."""
+    """A copy of `model` whose matrices are what the file stores: float16-rounded, or Q8_0 quantised and back
+    (float16 where a row is not whole Q8_0 blocks)."""
     import copy
 
     out = copy.deepcopy(model)
@@ -179,7 +180,7 @@ def rounded(model: torch.nn.Module, gguf_type: str) -> torch.nn.Module:
             if p.ndim != 2:
                 continue
             data = p.numpy()
-            if gguf_type == "f16":
+            if gguf_type == "f16" or data.shape[-1] % 32:
                 p.copy_(torch.from_numpy(data.astype(np.float16).astype(np.float32)))
             else:
                 q8 = gguf.GGMLQuantizationType.Q8_0
@@ -464,3 +465,44 @@ def test_a_gguf_converted_base_keeps_its_files_pre_tokenizer(tmp_path):
     source.unlink()  # the file gone: the tokenizer's own pre-tokenizer decides
     assert source_pre_tokenizer(str(converted)) is None
     assert source_pre_tokenizer(str(tmp_path)) is None
+
+
+def test_q8_0_keeps_in_float16_the_matrices_whose_rows_are_not_whole_blocks(tmp_path):
+    """Hidden size 48 (two heads of 24): every matrix whose rows hold 48 values, not whole 32-value Q8_0
+    blocks, stays float16; ffn_down (rows of 128) is Q8_0. The file reads back as the model stored so."""
+    from lora_grpo.model.gguf_export import Provenance, write_gguf
+
+    tokenizer = byte_level_tokenizer(qwen=False)
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=48,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=24,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path / "odd.gguf"
+    provenance = Provenance(name="odd", base_name="odd", base_repo=None, description="a test")
+    written = write_gguf(model, tokenizer, path, gguf_type="q8_0", provenance=provenance)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
+    kept = {name for name, kind in types.items() if kind == "F16"}
+    assert (
+        kept
+        == set(written.kept_f16)
+        == {
+            "token_embd.weight",
+            *(
+                f"blk.0.{part}.weight"
+                for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")
+            ),
+        }
+    )
+    back, _ = read_back(path)
+    ids = list(range(3, 40))
+    assert torch.allclose(logits(back, ids), logits(rounded(model, "q8_0"), ids), atol=ROUNDED_BOUND)
