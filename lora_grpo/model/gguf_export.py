@@ -52,6 +52,11 @@ ARCHITECTURES = {
     "qwen2": Architecture(gguf_name="qwen2", rotary_rows_interleaved=False),
 }
 GGUF_TYPES = ("f16", "q8_0")
+# The way out for what this export does not write, ending its refusals.
+CONVERT_INSTEAD = (
+    "write a transformers checkpoint with `lora-grpo merge RUN --out DIR` and convert that with llama.cpp's "
+    "convert_hf_to_gguf.py"
+)
 # The rope_type values llama.cpp reads from metadata alone (llama3 and longrope need factor tensors).
 ROPE_SCALING = ("linear", "yarn")
 
@@ -89,8 +94,7 @@ def architecture_of(config) -> Architecture:
         kind = (getattr(config, "architectures", None) or [config.model_type])[0]
         raise GGUFExportError(
             f"exporting a {kind} (model_type {config.model_type!r}) as GGUF is not supported; supported "
-            f"model types: {supported_architectures()}. Use `lora-grpo merge` for a transformers checkpoint "
-            "of it, which llama.cpp's convert_hf_to_gguf.py can convert"
+            f"model types: {supported_architectures()}. For this model, {CONVERT_INSTEAD}"
         )
     return found
 
@@ -162,7 +166,7 @@ def _hyperparameters(writer, gguf, config, rows: int) -> None:
     if scaling not in ROPE_SCALING:
         raise GGUFExportError(
             f"the model's RoPE scaling {scaling!r} is not written by this export (it writes "
-            f"{', '.join(ROPE_SCALING)}); use `lora-grpo merge` and llama.cpp's convert_hf_to_gguf.py for this model"
+            f"{', '.join(ROPE_SCALING)}); for this model, {CONVERT_INSTEAD}"
         )
     writer.add_rope_scaling_type(gguf.RopeScalingType(scaling))
     writer.add_rope_scaling_factor(float(rope["factor"]))
@@ -182,8 +186,7 @@ def _pre_tokenizer(tokenizer) -> tuple[dict, dict]:
         kind = (spec.get("model") or {}).get("type") or type(tokenizer).__name__
         raise GGUFExportError(
             f"the tokenizer is a {kind} tokenizer without byte-level pre-tokenization; this export writes "
-            "byte-level BPE tokenizers (gpt2-style: SmolLM2, Qwen2). Use `lora-grpo merge` and llama.cpp's "
-            "convert_hf_to_gguf.py for this model"
+            f"byte-level BPE tokenizers (gpt2-style: SmolLM2, Qwen2). For this model, {CONVERT_INSTEAD}"
         )
     return spec, pre
 
@@ -206,8 +209,8 @@ def pre_tokenizer_name(tokenizer) -> str:
         return "qwen2"
     raise GGUFExportError(
         f"the tokenizer's pre-tokenizer ({' + '.join(map(str, kinds))}) is none this export knows llama.cpp's "
-        "name for (GPT-2's byte-level regex: gpt-2; digits then GPT-2's: smollm; Qwen2's split: qwen2). Use "
-        "`lora-grpo merge` and llama.cpp's convert_hf_to_gguf.py for this tokenizer"
+        f"name for (GPT-2's byte-level regex: gpt-2; digits then GPT-2's: smollm; Qwen2's split: qwen2). For this "
+        f"tokenizer, {CONVERT_INSTEAD}"
     )
 
 
