@@ -48,10 +48,10 @@ class MergeSource:
     protected: dict
 
 
-@dataclass
+@dataclass(frozen=True)
 class MergedPolicy:
-    """The merged model (a plain transformers model), the policy it came from (base as trained + adapter),
-    the tokenizer, what it was merged into, and the largest logit difference between the two."""
+    """The merged model (a plain transformers model), its tokenizer, what it was merged into, and the largest
+    logit difference between it and the policy as trained (base as trained + adapter)."""
 
     model: object
     tokenizer: object
