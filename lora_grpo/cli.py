@@ -1,9 +1,11 @@
-"""`lora-grpo train | eval | plot | merge | recipes | trl`. The CLI builds a GRPOConfig and calls the Python API.
+"""`lora-grpo train | eval | plot | merge | export | recipes | trl`. The CLI builds a GRPOConfig and calls the
+Python API.
 
     lora-grpo train toy-addition --set max_steps=20 --set output_dir=runs/try
     lora-grpo eval runs/try/adapter --recipe toy-addition
     lora-grpo plot runs/try
     lora-grpo merge runs/try/adapter --recipe toy-addition --out merged/
+    lora-grpo export runs/try --gguf try.gguf  # one GGUF file for llama.cpp / ollama / LM Studio
     lora-grpo recipes                  # the shipped recipes; `lora-grpo recipes NAME > my.yaml` to copy one
     lora-grpo trl --config grpo.yaml   # a TRL GRPO recipe (what `trl grpo --config` takes), via lora_grpo.trl
 
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, GRPOConfig
-from .model.adapter_files import check_adapter_fits, trained_base
+from .model.adapter_files import check_adapter_fits
 
 DEFAULT_RECIPE = "toy-addition"  # shipped in the package, so it works outside a clone too
 
@@ -152,6 +154,7 @@ def cmd_recipes(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from .export import other_base_fix
     from .model.adapters import POLICY
     from .model.load import resolve_model_path
     from .run.checkpoint import load_adapter_weights, resolve_adapter
@@ -177,7 +180,7 @@ def cmd_eval(args) -> int:
             adapter,
             label=what[0].upper() + what[1:],
             base_given=(config.model_name_or_path, resolve_model_path(config)),
-            fix=_other_base_fix(adapter, "Evaluate it on"),
+            fix=other_base_fix(adapter, "Evaluate it on"),
         )
         load_adapter_weights(trainer.model, adapter, POLICY)
     metrics = trainer.evaluate()  # under torchrun / accelerate launch the processes split the prompts
@@ -185,15 +188,6 @@ def cmd_eval(args) -> int:
         print(f"lora-grpo: evaluated {what}", file=sys.stderr)
         print(json.dumps(metrics, indent=2))
     return 0
-
-
-def _other_base_fix(adapter: Path, action: str) -> str:
-    """How to eval or merge (`action`: "Evaluate it on", "Merge it into") an adapter with the base it was trained
-    on, in the CLI's words."""
-    saved_for = trained_base(adapter)
-    if saved_for is None:
-        return f"{action} the base it was trained on: the recipe (or --set model_name_or_path=...) of its run"
-    return f"{action} that base: --set model_name_or_path={saved_for} (or the recipe it was trained with)"
 
 
 def cmd_plot(args) -> int:
@@ -205,80 +199,42 @@ def cmd_plot(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    """Merge an adapter into its base: by default into the weights it was trained against (a 4-bit base
-    dequantised: what the trained policy computes), --base full into the original weights; then say how far
-    the merged model's logits are from the policy's (base as trained + adapter) on a few prompts.
+    """Merge an adapter into its base (export.merge_policy: --base trained or full) and save the merged model
+    with its tokenizer, saying how far its logits are from the trained policy's.
 
     --out is written whole (run/owned_dir.py): never the base, its cache or the adapter; a directory holding
     files lora_grpo did not write there only with --overwrite; into a temporary directory renamed into place."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from .model.load import load_base_model, load_tokenizer, resolve_dtype, resolve_model_path
-    from .model.loading import loading
-    from .run.checkpoint import resolve_adapter
-    from .run.owned_dir import check_whole_target, protected_paths, write_whole
+    from .export import MERGE_CHECK_PROMPTS, merge_policy, merge_source
+    from .run.owned_dir import check_whole_target, write_whole
 
     config = load_config(args.recipe, args.set)
-    adapter, what = resolve_adapter(args.adapter)
-    path, dtype = resolve_model_path(config), resolve_dtype(config.torch_dtype)
+    source = merge_source(config, args.adapter)
     # Before any weight is loaded: a refused --out costs nothing.
-    target = dict(protected=protected_paths(config, path, adapter), overwrite=args.overwrite, label="--out")
+    target = dict(protected=source.protected, overwrite=args.overwrite, label="--out")
     replaced = check_whole_target(args.out, **target, flag="--overwrite")
-    tokenizer = load_tokenizer(config, path)
-    trained = load_base_model(config, path)
-    check_adapter_fits(
-        trained,
-        adapter,
-        label=what[0].upper() + what[1:],
-        base_given=(config.model_name_or_path, path),
-        fix=_other_base_fix(adapter, "Merge it into"),
-    )
-    with loading("merge", "adapter", adapter):
-        policy = PeftModel.from_pretrained(trained, str(adapter)).eval()
-    if args.base == "trained" and config.quantization != "none":
-        base, into = (
-            load_base_model(config, path).dequantize(),
-            f"the dequantised {config.quantization} base it was trained on",
-        )
-    else:
-        with loading("merge", "base model", path):
-            base = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, trust_remote_code=config.trust_remote_code
-            )
-        into = "the original weights" + (
-            f" (it was trained on the {config.quantization} base)" if config.quantization != "none" else ""
-        )
-    with loading("merge", "adapter", adapter):
-        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().eval()
-    gap = largest_logit_difference(policy, merged, tokenizer, MERGE_CHECK_PROMPTS)
+    merged = merge_policy(config, source, args.base)
     with write_whole(args.out, **target, flag="--overwrite", writer="lora_grpo merge") as tmp:
-        merged.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        merged.model.save_pretrained(tmp)
+        merged.tokenizer.save_pretrained(tmp)
     print(
-        f"merged {what} into {into} of {path} ({str(dtype).removeprefix('torch.')}) → {args.out}; the merged model's "
-        f"logits differ from the trained policy's by at most {gap:.3g} on {len(MERGE_CHECK_PROMPTS)} prompts"
-        + (f" ({replaced})" if replaced else "")
+        f"merged {source.what} into {merged.into} of {source.path} ({str(source.dtype).removeprefix('torch.')}) → "
+        f"{args.out}; the merged model's logits differ from the trained policy's by at most {merged.gap:.3g} on "
+        f"{len(MERGE_CHECK_PROMPTS)} prompts" + (f" ({replaced})" if replaced else "")
     )
     return 0
 
 
-# What the merge is checked on: short texts any tokenizer can encode.
-MERGE_CHECK_PROMPTS = ("12+7=", "Question: what is 3 + 4? Answer:", "The capital of France is")
+def cmd_export(args) -> int:
+    """The policy of a run merged (as `merge` does) and written as one GGUF file for llama.cpp / ollama; the
+    config is --recipe's, else the run's own config.yaml, with --set on top."""
+    from .export import export_gguf, run_config
 
-
-def largest_logit_difference(a, b, tokenizer, prompts) -> float:
-    """max |logits_a - logits_b| over every position of `prompts` (each run alone: no padding involved)."""
-    import torch
-
-    gap = 0.0
-    with torch.no_grad():
-        for text in prompts:
-            ids = tokenizer(text, return_tensors="pt").input_ids
-            la = a(input_ids=ids.to(a.device)).logits.float().cpu()
-            lb = b(input_ids=ids.to(b.device)).logits.float().cpu()
-            gap = max(gap, (la - lb).abs().max().item())
-    return gap
+    config = load_config(args.recipe, args.set) if args.recipe else run_config(args.run, _overrides(args.set))
+    exported = export_gguf(
+        args.run, args.gguf, config=config, gguf_type=args.gguf_type, base=args.base, overwrite=args.overwrite
+    )
+    print(exported.summary)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,6 +331,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common(p, False)
     p.set_defaults(func=cmd_merge)
+    p = sub.add_parser(
+        "export",
+        help="merge a trained adapter into its base and write it as one GGUF file (llama.cpp, ollama)",
+    )
+    p.add_argument(
+        "run", help="a run dir (its final adapter/), a checkpoint dir (its policy adapter) or an adapter dir"
+    )
+    p.add_argument(
+        "--gguf", required=True, metavar="FILE", help="the GGUF file to write (*.gguf); never inside the base"
+    )
+    p.add_argument(
+        "--gguf-type",
+        choices=("f16", "q8_0"),
+        default="f16",
+        help="f16 (default): matrices in float16; q8_0: 8-bit blocks, about half the size",
+    )
+    p.add_argument(
+        "--base",
+        choices=("trained", "full"),
+        default="trained",
+        help="as merge's --base: trained (default) the weights the adapter was trained against; full the "
+        "original full-precision weights",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace the file at --gguf if there is one")
+    common(p, False)
+    p.set_defaults(func=cmd_export)
     return parser
 
 

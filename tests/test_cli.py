@@ -190,8 +190,8 @@ def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lora_grpo.cli import largest_logit_difference
     from lora_grpo.config import GRPOConfig as Config
+    from lora_grpo.export import largest_logit_difference
     from lora_grpo.model.load import load_base_model, load_tokenizer
 
     recipe = write_recipe(

@@ -19,6 +19,9 @@ Every directory we create or fill goes through here:
 - **Files into a run's own directory** (``write_into``: the TRL front door's ``save_model`` into its
   output_dir, as TRL saves beside its checkpoints): written to a temporary directory inside it, then
   each file renamed over its name; the run's other files stay, and a reader sees each file whole.
+- **A single file** (``export --gguf``: ``write_file``) is written to a temporary name beside it and renamed
+  into place: a full disk or an interrupted write leaves no half-written file under its name. An existing
+  file there is replaced only with the flag (``check_file_target``), and never one of the protected paths.
 """
 
 from __future__ import annotations
@@ -216,3 +219,56 @@ def write_into(target: str | os.PathLike, protected: dict, *, label: str) -> Ite
             os.replace(item, target / item.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- a single file
+def check_file_target(
+    target: str | os.PathLike, protected: dict, *, overwrite: bool, label: str, flag: str, suffix: str
+) -> str | None:
+    """Refuse (TargetError) a file target for `write_file` that is protected or inside a protected path, a
+    directory, not named ``*{suffix}``, or an existing file unless `overwrite`. Returns a note when an
+    existing file will be replaced, else None."""
+    check_not_protected(target, protected, label)
+    path = Path(target).expanduser()
+    if path.is_dir():
+        raise TargetError(
+            f"{label} {str(target)!r} is a directory; give {label} a file name ending in {suffix}"
+        )
+    if not path.name.lower().endswith(suffix):
+        raise TargetError(
+            f"{label} {str(target)!r} is not named *{suffix}; give {label} a file name ending in {suffix}"
+        )
+    if not path.exists():
+        return None
+    if not overwrite:
+        raise TargetError(
+            f"{label} {str(target)!r} exists; writing it would replace that file. Give {label} a new file name, "
+            f"or add {flag} to replace it"
+        )
+    return f"{flag}: replaced the file that was at {target}"
+
+
+@contextmanager
+def write_file(
+    target: str | os.PathLike, protected: dict, *, overwrite: bool, label: str, flag: str, suffix: str
+) -> Iterator[Path]:
+    """Yield a temporary path beside `target` to write the file to; when the block succeeds it is synced and
+    renamed onto `target` (which `check_file_target` allowed); on failure it is deleted and `target` stays as
+    it was."""
+    check_file_target(target, protected, overwrite=overwrite, label=label, flag=flag, suffix=suffix)
+    target = Path(target).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.writing-", dir=target.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        mask = os.umask(0)
+        os.umask(mask)
+        # mkstemp makes 0600; the output is as shareable as the user's umask says
+        os.chmod(tmp, 0o666 & ~mask)
+        _fsync_tree(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
