@@ -428,7 +428,9 @@ class GRPOConfig:
     output_dir: str = _f("runs/grpo", "run directory: config, metrics.jsonl, checkpoints, final adapter")
     save_steps: int = _f(50, "checkpoint every N steps (0 = only at the end)")
     save_total_limit: int = _f(2, "keep at most this many checkpoints (0 = all)")
-    resume_from_checkpoint: str | None = _f(None, "a checkpoint dir, or 'latest' in output_dir")
+    resume_from_checkpoint: str | bool | None = _f(
+        None, "a checkpoint dir, or 'latest' (or true) for the newest in output_dir"
+    )
     overwrite_output_dir: bool = _f(
         False,
         "a new run into a directory that holds another run's files moves them to "

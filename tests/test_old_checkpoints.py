@@ -15,7 +15,6 @@ import math
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint_e7b67b7"
@@ -64,5 +63,9 @@ def test_a_checkpoint_from_before_the_folders_move_resumes_and_continues_its_run
     saved = load_file(str(FIXTURE / "expected_adapters.safetensors"))
     now = writer.adapters(trainer.model)
     assert now.keys() == saved.keys()
+    # Each tensor within 1e-4 of its norm: kernels of other library versions round the last bits otherwise
+    # (peft 0.21.2 / transformers 5.25 against the fixture's: 2.2e-5 at most), while a step lost or replayed
+    # moves an adapter by a whole Adam step, orders of magnitude more.
     for name in saved:
-        torch.testing.assert_close(now[name], saved[name], rtol=1e-4, atol=1e-6, msg=name)
+        drift = float((now[name] - saved[name]).norm() / saved[name].norm())
+        assert drift <= 1e-4, f"{name}: {drift:.2e} of its norm from where the run that wrote it ended"

@@ -136,7 +136,7 @@ def _general(writer, gguf, gguf_type: str, provenance: Provenance) -> None:
         organization, _, _ = provenance.base_repo.partition("/")
         writer.add_base_model_organization(0, organization)
         writer.add_base_model_repo_url(0, f"https://huggingface.co/{provenance.base_repo}")
-    writer.add_tags(["lora_grpo", "grpo", "lora"])
+    writer.add_tags(["lora_grpo", "GRPO", "lora"])
     file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

@@ -133,7 +133,7 @@ def reward_funcs(script) -> list:
 
 
 def _could_not_load(name: str, registry: dict) -> str:
-    # TRL's grpo script's sentence
+    # the sentence of TRL's GRPO script
     return (
         f"Could not load reward function '{name}'. Expected one of {list(registry)} or a valid import path."
     )
