@@ -60,8 +60,11 @@ def load_value(text: str) -> Any:
     return yaml.load(text, Loader=RecipeLoader)
 
 
-def read_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
+def read_recipe(path: str | Path, *, not_a_mapping: str = "") -> tuple[dict[str, Any], dict[str, int]]:
     """A recipe file's fields → values, and fields → the line (1-based) each is on.
+
+    not_a_mapping: the sentence the refusal of a file that is not a mapping starts with (the TRL front
+    door: TRL's own); given, an empty file is refused too (a recipe may be empty: every field its default).
 
     Raises:
         ConfigError: the file is not UTF-8, not valid YAML, holds a tag, gives a field twice or is not a
@@ -94,10 +97,11 @@ def read_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         raise ConfigError(f"{path}: not valid YAML ({e}): {_SYNTAX_FIX}") from None
     finally:
         loader.dispose()
-    if not isinstance(values, dict):
+    if not isinstance(values, dict) or (not_a_mapping and node is None):
+        got = "an empty file" if node is None else type(values).__name__
         raise ConfigError(
-            f"{path}: a recipe is a mapping of config fields to values, got {type(values).__name__}: write one "
-            "`field: value` a line, e.g. `model_name_or_path: toy`"
+            f"{not_a_mapping + ' ' if not_a_mapping else ''}{path}: a recipe is a mapping of config fields to "
+            f"values, got {got}: write one `field: value` a line, e.g. `model_name_or_path: toy`"
         )
     lines: dict[str, int] = {}
     for key, _ in node.value if node is not None else ():

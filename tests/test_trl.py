@@ -519,6 +519,69 @@ def _trls_script(data, tmp_path, tiny_base_dir, **fields):
     return info.value
 
 
+def _trls_parser_error(recipe):
+    """The exception TRL's own parser raises reading `recipe` as `trl grpo --config` does, or None."""
+    pytest.importorskip("trl")
+    from trl import GRPOConfig, ModelConfig
+    from trl.scripts.grpo import GRPOScriptArguments
+    from trl.scripts.utils import DatasetMixtureConfig, TrlParser
+
+    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig))
+    try:
+        parser.parse_args_and_config(["--config", str(recipe)], fail_with_unknown_args=False)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever TRL raises is what is compared
+        return e
+    return None
+
+
+def test_a_trl_recipe_file_is_read_as_trls_parser_reads_it_and_its_errors_name_line_and_fix(
+    tiny_base_dir, tmp_path, capsys, monkeypatch
+):
+    from lora_grpo.cli import main
+    from lora_grpo.trl.script import parse
+
+    data = _jsonl(tmp_path / "data.jsonl", PROMPTS[:8])
+    good = _trl_recipe(tmp_path, tiny_base_dir, data)
+
+    def refused(text):
+        recipe = tmp_path / "bad.yaml"
+        recipe.write_text(text)
+        assert main(["trl", "--config", str(recipe)]) == 2
+        return recipe, capsys.readouterr().err
+
+    # `env:` is set in the environment, as TRL's parser does
+    monkeypatch.delenv("LORA_GRPO_TEST_ENV", raising=False)
+    (tmp_path / "env.yaml").write_text(good.read_text() + "env: {LORA_GRPO_TEST_ENV: 7}\n")
+    _, args, _ = parse(["--config", str(tmp_path / "env.yaml")])
+    assert args.max_steps == 1 and __import__("os").environ["LORA_GRPO_TEST_ENV"] == "7"
+    # an empty file: TRL's sentence first
+    recipe, err = refused("# nothing yet\n")
+    assert str(_trls_parser_error(recipe)) == f"Config file {recipe} must contain a YAML mapping."
+    assert err.startswith(
+        f"lora-grpo: config error: Config file {recipe} must contain a YAML mapping. {recipe}: a recipe is a mapping"
+    )
+    # an env that is not a mapping: TRL's sentence first, then the fix
+    recipe, err = refused(good.read_text() + "env: 3\n")
+    assert str(_trls_parser_error(recipe)) == "`env` field should be a dict in the YAML file."
+    assert "`env` field should be a dict in the YAML file." in err and "NAME: value" in err
+    # a syntax error: the line and column, where TRL's parser prints PyYAML's scanner error
+    recipe, err = refused(good.read_text() + "reward_funcs: [accuracy_reward\n")
+    line = len(good.read_text().splitlines()) + 1
+    assert f"{recipe}, line {line + 1}" in err and f"starts at line {line}" in err
+    # a tag builds nothing
+    recipe, err = refused(good.read_text() + "max_steps: !!python/object/apply:os.getcwd []\n")
+    assert f"line {line}" in err and "tag" in err
+    # a misspelt key: TRL's script drops it silently (fail_with_unknown_args=False); refused here, named
+    recipe, err = refused(good.read_text() + "num_generation: 4\n")
+    assert _trls_parser_error(recipe) is None
+    assert "'num_generation' (did you mean 'num_generations'?)" in err
+    # TRL's dataset mixtures are refused by name, with the one-dataset way
+    recipe, err = refused(good.read_text() + "datasets: [{path: trl-lib/tldr}]\n")
+    assert "dataset mixtures" in err and "dataset_name" in err
+    assert main(["trl", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: no such file" in capsys.readouterr().err
+
+
 def test_an_eval_strategy_without_a_test_split_names_the_dataset_the_split_and_the_fixes(
     tiny_base_dir, tmp_path, capsys
 ):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError
+from ..recipe_yaml import read_recipe
 from ..rewards.specs import import_hint
 
 
@@ -199,9 +200,12 @@ def peft_and_quantization(model_args):
     return peft, quant
 
 
+# TRL's grpo script parses a fourth dataclass, DatasetMixtureConfig: a list of datasets to mix
+MIXTURE_KEYS = ("datasets", "streaming", "test_split_size")
+
+
 def parse(argv: list[str]):
     """(ScriptArguments, GRPOConfig, ModelConfig) from `--config file.yaml` (defaults) and flags (override)."""
-    import yaml
     from transformers import HfArgumentParser
 
     from .config import GRPOConfig
@@ -211,15 +215,7 @@ def parse(argv: list[str]):
     if "--config" in argv:
         at = argv.index("--config")
         path, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
-        values = yaml.safe_load(open(path)) or {}
-        known = {
-            f.name for cls in (ScriptArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)
-        }
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"{path}: unknown keys {unknown} (not in TRL's ScriptArguments, GRPOConfig or ModelConfig)"
-            )
+        values = read_config(path)
         parser.set_defaults(**values)
         for (
             action
@@ -227,6 +223,44 @@ def parse(argv: list[str]):
             if action.dest in values:
                 action.required = False
     return parser.parse_args_into_dataclasses(args=argv)
+
+
+def read_config(path: str) -> dict:
+    """A `--config` file's values, read as a recipe is (recipe_yaml.read_recipe: errors at their line and
+    column, no tag builds an object); its `env` mapping set in the environment, as TRL's parser does."""
+    from .config import GRPOConfig
+
+    if not Path(path).is_file():
+        raise ConfigError(f"--config {path}: no such file: give the path of a TRL GRPO recipe (YAML)")
+    values, _ = read_recipe(path, not_a_mapping=f"Config file {path} must contain a YAML mapping.")
+    env = values.pop("env", {})
+    if not isinstance(env, dict):
+        raise ConfigError(
+            f"`env` field should be a dict in the YAML file. {path}: write one `NAME: value` a line under `env:`, "
+            "e.g. `env: {WANDB_PROJECT: grpo}`"
+        )
+    known = {f.name for cls in (ScriptArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    mixture = [k for k in unknown if k in MIXTURE_KEYS]
+    if mixture:
+        raise ConfigError(
+            f"{path}: {mixture}: TRL's dataset mixtures (DatasetMixtureConfig) are not supported by lora-grpo trl: "
+            "give one dataset as dataset_name (a hub name, a data file or a directory of split files)"
+        )
+    if unknown:
+        hints = [
+            f"{k!r} (did you mean {close[0]!r}?)"
+            if (close := difflib.get_close_matches(k, known, n=1))
+            else repr(k)
+            for k in unknown
+        ]
+        raise ConfigError(
+            f"{path}: unknown keys {', '.join(hints)} (not in TRL's ScriptArguments, GRPOConfig or ModelConfig): "
+            "correct or remove them"
+        )
+    for key, value in env.items():
+        os.environ[str(key)] = str(value)
+    return values
 
 
 DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
