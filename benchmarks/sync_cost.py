@@ -45,7 +45,9 @@ slower (threads spin at barriers waiting for a descheduled sibling): a 48-column
 with 1 thread and 50–600 ms with 2 on the 2-core machine this was written on. Use --threads to
 change it; the header prints the load average so a contended run can be recognised.
 
-Models are random-init, built locally from a Qwen2Config (nothing is downloaded): "tiny" and
+Models are random-init, built locally from a Qwen2Config or LlamaConfig (nothing is downloaded):
+"smollm2-135m" (SmolLM2-135M-Instruct's shape, a Llama: hidden 576, intermediate 1536, 30 layers, 9 heads,
+3 KV heads, vocab 49152, tied embeddings; 134.5 M parameters), "tiny" and
 "qwen2-0.5b" (Qwen2-0.5B's shape: hidden 896, intermediate 4864, 24 layers, 14 heads, 2 KV heads,
 vocab 151936, tied embeddings; 494 M parameters). The base dtype is --dtype (default float32).
 
@@ -98,6 +100,18 @@ MODELS = {
         max_position_embeddings=32768,
         rope_theta=1_000_000.0,
     ),
+    # SmolLM2-135M-Instruct's shape (the smollm2-135m-chat-sum recipe's model): a Llama
+    "smollm2-135m": dict(
+        architecture="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
 }
 LARGE = 100_000_000  # models with more parameters than this use --repeats-large
 
@@ -118,10 +132,12 @@ class Row:
 
 def build_base(name: str, dtype: torch.dtype):
     """A random-init causal LM with the named shape, frozen, built locally."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+    shape = dict(MODELS[name])
+    config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[shape.pop("architecture", "qwen2")](**shape)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**MODELS[name]), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.requires_grad_(False)
     return model
 

@@ -70,6 +70,9 @@ SCHEDULES = {  # name → (label, config overrides); "N" is replaced by --sync-e
     ),
 }
 DRIFT = "eval/kl_to_base"
+# The eval at step 0 is the base's, whatever the schedule or seed (the LoRA B factors start at zero,
+# the held-out completions are greedy): measured by a process's first run, reused by its others.
+START_EVAL: dict[str, float] = {}
 
 
 def run_one(schedule: str, seed: int, args) -> dict:
@@ -89,6 +92,7 @@ def run_one(schedule: str, seed: int, args) -> dict:
             "eval_steps": args.eval_steps,
             "eval_pass_k": [],
             "eval_kl_to_base": True,
+            "eval_on_start": not START_EVAL,
             "seed": seed,
             "output_dir": tempfile.mkdtemp(prefix=f"study-{schedule}-{seed}-"),
             "disable_tqdm": True,
@@ -102,16 +106,24 @@ def run_one(schedule: str, seed: int, args) -> dict:
     seconds = time.perf_counter() - start
     # the held-out score is the first reward function's greedy mean
     ACCURACY = f"eval/{trainer.reward_names[0]}"
-    curve = [(0, summary["eval_before"][ACCURACY], summary["eval_before"].get(DRIFT, 0.0))]
+    START_EVAL.update(summary["eval_before"])
+    curve = [(0, START_EVAL[ACCURACY], START_EVAL.get(DRIFT, 0.0))]
     curve += [
         (i + 1, m[ACCURACY], m[DRIFT]) for i, m in enumerate(trainer.state.log_history) if ACCURACY in m
     ]
     curve.append((trainer.state.global_step, summary["eval_after"][ACCURACY], summary["eval_after"][DRIFT]))
-    last = trainer.state.log_history[-10:]
+    history = trainer.state.log_history
+    last = history[-10:]
     penalty = [config.beta * m.get("kl", 0.0) for m in last]
+    syncs = [m for m in history if m.get("sync/event")]
     return {
         "schedule": schedule,
+        "beta": config.beta,
         "seed": seed,
+        # the step's mean per-token KL to the reference (what ref_sync_kl compares): the trigger's scale
+        "step_kl": [m.get("kl", 0.0) for m in history],
+        "sync_ms": [1000 * m["sync/seconds"] for m in syncs],
+        "truncation_error": [m["sync/truncation_error"] for m in syncs],
         "curve": curve,
         "accuracy": summary["accuracy_after"],
         "kl_to_base": summary["eval_after"][DRIFT],
@@ -124,22 +136,50 @@ def run_one(schedule: str, seed: int, args) -> dict:
     }
 
 
-def write_table(results: dict[str, list[dict]], args, path: Path) -> str:
-    lines = [
-        f"Recipe {args.recipe}, beta {args.beta}, {args.steps} steps, N = {args.sync_every}, "
-        f"KL trigger {args.kl_threshold}, eval every {args.eval_steps} steps on the recipe's held-out "
-        f"prompts; seeds {args.seeds}; mean ± std over seeds.",
-        "",
-        "| schedule | held-out accuracy | per seed | KL to base (nats/token) | KL share of loss | seconds | syncs |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def run_beta(schedule: str, run: dict, args) -> float:
+    """The run's beta (studies before it was recorded: --beta, and 0 without a reference)."""
+    return 0.0 if schedule == "none" else run.get("beta", args.beta)
+
+
+def groups(results: dict[str, list[dict]], args) -> list[tuple[str, list[dict]]]:
+    """(label, runs) per schedule and beta, in the order met: merged studies at several betas (the
+    sweep that finds where a fixed reference binds) get a row each; the beta is in the label when
+    the rows' betas differ."""
+    cells: dict[tuple[str, float], list[dict]] = {}
     for schedule, runs in results.items():
+        for r in runs:
+            cells.setdefault((schedule, run_beta(schedule, r, args)), []).append(r)
+    several = len({beta for _, beta in cells}) > 1
+    labels = []
+    for (schedule, beta), runs in cells.items():
+        label = SCHEDULES[schedule][0].replace("N", str(args.sync_every))
+        if schedule == "kl":
+            label = label.replace("(hard)", f"(hard, KL > {args.kl_threshold})")
+        labels.append((f"{label}, beta {beta:g}" if several and schedule != "none" else label, runs))
+    return labels
+
+
+def write_table(results: dict[str, list[dict]], args, path: Path) -> str:
+    betas = sorted({run_beta(schedule, r, args) for schedule, runs in results.items() for r in runs})
+    lines = [
+        f"Recipe {args.recipe}, beta {', '.join(format(b, 'g') for b in betas)}, {args.steps} steps, "
+        f"N = {args.sync_every}, eval every {args.eval_steps} steps on the recipe's held-out prompts; "
+        f"seeds {args.seeds}; mean ± std over seeds.",
+        "",
+        "| schedule | held-out accuracy | per seed | KL to base (nats/token) | KL share of loss | seconds "
+        "| syncs | ms a sync | truncation error (max) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, runs in groups(results, args):
+        sync_ms = [ms for r in runs for ms in r.get("sync_ms", [])]
+        errors = [e for r in runs for e in r.get("truncation_error", [])]
         lines.append(
-            f"| {SCHEDULES[schedule][0].replace('N', str(args.sync_every))} | "
-            f"{mean_std([r['accuracy'] for r in runs])} | "
+            f"| {label} | {mean_std([r['accuracy'] for r in runs])} | "
             f"{', '.join(format(r['accuracy'], '.3f') for r in runs)} | {mean_std([r['kl_to_base'] for r in runs])} | "
-            f"{statistics.mean(r['kl_share'] for r in runs):.2f} | {statistics.mean(r['seconds'] for r in runs):.1f} | "
-            f"{statistics.mean(r['syncs'] for r in runs):.1f} |"
+            f"{statistics.mean(r['kl_share'] for r in runs):.2f} | {statistics.mean(r['seconds'] for r in runs):.0f} | "
+            f"{statistics.mean(r['syncs'] for r in runs):.1f} | "
+            f"{format(statistics.median(sync_ms), '.1f') if sync_ms else '–'} | "
+            f"{format(max(errors), '.1e') if errors else '–'} |"
         )
     text = "\n".join(lines) + "\n"
     path.write_text(text)
@@ -153,12 +193,12 @@ def plot(results: dict[str, list[dict]], args, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (acc_ax, kl_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for schedule, runs in results.items():
+    for label, runs in groups(results, args):
         steps = [s for s, _, _ in runs[0]["curve"]]
         for ax, column in ((acc_ax, 1), (kl_ax, 2)):
             values = [[c[column] for c in r["curve"]] for r in runs]
             mean = [statistics.mean(v) for v in zip(*values)]
-            (line,) = ax.plot(steps, mean, label=SCHEDULES[schedule][0].replace("N", str(args.sync_every)))
+            (line,) = ax.plot(steps, mean, label=label)
             ax.fill_between(
                 steps,
                 [min(v) for v in zip(*values)],
@@ -173,7 +213,10 @@ def plot(results: dict[str, list[dict]], args, path: Path) -> None:
     )
     kl_ax.set(xlabel="step", ylabel="nats per token", title="eval/kl_to_base: KL of the policy to the start")
     acc_ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"Iterative GRPO, recipe {args.recipe}: beta {args.beta}, {args.steps} steps")
+    betas = sorted({run_beta(schedule, r, args) for schedule, runs in results.items() for r in runs})
+    fig.suptitle(
+        f"Iterative GRPO, recipe {args.recipe}: beta {', '.join(format(b, 'g') for b in betas)}, {args.steps} steps"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -192,6 +235,9 @@ def main() -> None:
     parser.add_argument("--eval-steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/iterative_study")
+    parser.add_argument(
+        "--name", help="the output files' stem (default iterative_study, or iterative_study_<recipe>)"
+    )
     parser.add_argument(
         "--merge",
         nargs="+",
@@ -220,7 +266,9 @@ def main() -> None:
                 flush=True,
             )
     # the default recipe's study is docs/iterative_study.*; another recipe's is named after it
-    stem = "iterative_study" if args.recipe == "toy-addition" else f"iterative_study_{args.recipe}"
+    stem = args.name or (
+        "iterative_study" if args.recipe == "toy-addition" else f"iterative_study_{args.recipe}"
+    )
     if not args.merge:
         (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     print(write_table(results, args, out / f"{stem}.md"))
