@@ -200,7 +200,7 @@ def peft_and_quantization(model_args):
     return peft, quant
 
 
-# TRL's grpo script parses a fourth dataclass, DatasetMixtureConfig: a list of datasets to mix
+# TRL's GRPO script parses a fourth dataclass, DatasetMixtureConfig: a list of datasets to mix
 MIXTURE_KEYS = ("datasets", "streaming", "test_split_size")
 
 
@@ -237,14 +237,14 @@ def read_config(path: str) -> dict:
     if not isinstance(env, dict):
         raise ConfigError(
             f"`env` field should be a dict in the YAML file. {path}: write one `NAME: value` a line under `env:`, "
-            "e.g. `env: {WANDB_PROJECT: grpo}`"
+            "e.g. `env: {WANDB_PROJECT: my-project}`"
         )
     known = {f.name for cls in (ScriptArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     mixture = [k for k in unknown if k in MIXTURE_KEYS]
     if mixture:
         raise ConfigError(
-            f"{path}: {mixture}: TRL's dataset mixtures (DatasetMixtureConfig) are not supported by lora-grpo trl: "
+            f"{path}: {mixture}: TRL's dataset mixtures (DatasetMixtureConfig) are not supported by the TRL front door; "
             "give one dataset as dataset_name (a hub name, a data file or a directory of split files)"
         )
     if unknown:
