@@ -244,8 +244,8 @@ def read_config(path: str) -> dict:
     mixture = [k for k in unknown if k in MIXTURE_KEYS]
     if mixture:
         raise ConfigError(
-            f"{path}: {mixture}: TRL's dataset mixtures (DatasetMixtureConfig) are not supported by the TRL front door; "
-            "give one dataset as dataset_name (a hub name, a data file or a directory of split files)"
+            f"{path}: {mixture}: TRL's dataset mixtures (DatasetMixtureConfig) are not supported by the TRL front "
+            "door; give one dataset as dataset_name (a hub name, a data file or a directory of split files)"
         )
     if unknown:
         hints = [
