@@ -8,7 +8,6 @@ construction and names the field and the fix.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import inspect
 import os
@@ -39,6 +38,7 @@ from .config_checks import (  # noqa: F401  (the option names are part of config
     ConfigError,
     check_generation_batch_size,
     check_types,
+    did_you_mean,
     validate,
     value_problem,
 )
@@ -554,10 +554,7 @@ class GRPOConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in values if k not in known]
         if unknown:
-            hints = []
-            for k in unknown:
-                close = difflib.get_close_matches(k, known, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hints = [f"{k!r}{did_you_mean(k, known)}" for k in unknown]
             raise ConfigError(
                 f"unknown key(s) in {source}: {', '.join(hints)}. `lora-grpo train --help` lists the fields."
             )
@@ -603,10 +600,7 @@ class GRPOConfig:
         """
         known = {f.name: f for f in dataclasses.fields(cls)}
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            raise ConfigError(
-                f"unknown config field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-            )
+            raise ConfigError(f"unknown config field {key!r}{did_you_mean(key, known)}")
         hints, defaults = _annotations(cls)
         hint = hints[key]
         optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(

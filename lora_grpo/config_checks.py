@@ -76,6 +76,12 @@ CHOICES = {  # field → its options: validate() checks the value, and each fiel
 }
 
 
+def did_you_mean(word: str, options) -> str:
+    """' (did you mean 'x'?)' with the option closest to word (difflib's default cutoff), or ''."""
+    close = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def warn_about_sampling_filters(cfg) -> None:
     filters = [
         f"{k}={getattr(cfg, k)}"
@@ -183,9 +189,10 @@ def _validate_fields(cfg) -> None:
     def choice(name, options):
         value = getattr(cfg, name)
         if value not in options:
-            close = difflib.get_close_matches(str(value), options, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{name}={value!r} is not one of {list(options)}{hint}", field=name)
+            raise ConfigError(
+                f"{name}={value!r} is not one of {list(options)}{did_you_mean(str(value), options)}",
+                field=name,
+            )
 
     def positive(name, allow_zero=False):
         value = getattr(cfg, name)
@@ -243,10 +250,9 @@ def _validate_fields(cfg) -> None:
     trackers = [cfg.report_to] if isinstance(cfg.report_to, str) else cfg.report_to or []  # None = none
     for tracker in trackers if isinstance(trackers, list) else [trackers]:
         if tracker not in TRACKERS + ("none",):
-            close = difflib.get_close_matches(str(tracker), TRACKERS, n=1)
             raise ConfigError(
                 f"report_to={cfg.report_to!r}: expected 'none', one of {list(TRACKERS)} or a list of them"
-                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + did_you_mean(str(tracker), TRACKERS)
             )
     positive("log_completions_steps")
     group = cfg.clip_ratio_group_size

@@ -141,6 +141,12 @@ def run_beta(schedule: str, run: dict, args) -> float:
     return 0.0 if schedule == "none" else run.get("beta", args.beta)
 
 
+def betas(results: dict[str, list[dict]], args) -> str:
+    """The betas of the runs, for a title: "0, 1"."""
+    values = sorted({run_beta(schedule, r, args) for schedule, runs in results.items() for r in runs})
+    return ", ".join(format(b, "g") for b in values)
+
+
 def groups(results: dict[str, list[dict]], args) -> list[tuple[str, list[dict]]]:
     """(label, runs) per schedule and beta, in the order met: merged studies at several betas (the
     sweep that finds where a fixed reference binds) get a row each; the beta is in the label when
@@ -160,9 +166,8 @@ def groups(results: dict[str, list[dict]], args) -> list[tuple[str, list[dict]]]
 
 
 def write_table(results: dict[str, list[dict]], args, path: Path) -> str:
-    betas = sorted({run_beta(schedule, r, args) for schedule, runs in results.items() for r in runs})
     lines = [
-        f"Recipe {args.recipe}, beta {', '.join(format(b, 'g') for b in betas)}, {args.steps} steps, "
+        f"Recipe {args.recipe}, beta {betas(results, args)}, {args.steps} steps, "
         f"N = {args.sync_every}, eval every {args.eval_steps} steps on the recipe's held-out prompts; "
         f"seeds {args.seeds}; mean ± std over seeds.",
         "",
@@ -213,10 +218,7 @@ def plot(results: dict[str, list[dict]], args, path: Path) -> None:
     )
     kl_ax.set(xlabel="step", ylabel="nats per token", title="eval/kl_to_base: KL of the policy to the start")
     acc_ax.legend(fontsize=8, loc="lower right")
-    betas = sorted({run_beta(schedule, r, args) for schedule, runs in results.items() for r in runs})
-    fig.suptitle(
-        f"Iterative GRPO, recipe {args.recipe}: beta {', '.join(format(b, 'g') for b in betas)}, {args.steps} steps"
-    )
+    fig.suptitle(f"Iterative GRPO, recipe {args.recipe}: beta {betas(results, args)}, {args.steps} steps")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -17,7 +17,6 @@ built-ins of the same meaning (rewards/builtins.py).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import importlib
 import os
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import ConfigError
+from ..config_checks import did_you_mean
 from ..recipe_yaml import read_recipe
 from ..rewards.specs import import_hint
 
@@ -123,10 +123,9 @@ def reward_funcs(script) -> list:
             sys.path.insert(0, os.getcwd())
             funcs.append(_import_reward(name, registry))
         else:
-            close = difflib.get_close_matches(name, registry, n=1)
             raise ConfigError(
                 f"{_could_not_load(name, registry)} reward_funcs: {name!r} is neither one of TRL's reward names"
-                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + did_you_mean(name, registry)
                 + " nor a dotted path 'module.function' (a function in module.py beside the recipe, or in an "
                 "installed package)"
             )
@@ -248,12 +247,7 @@ def read_config(path: str) -> dict:
             "door; give one dataset as dataset_name (a hub name, a data file or a directory of split files)"
         )
     if unknown:
-        hints = [
-            f"{k!r} (did you mean {close[0]!r}?)"
-            if (close := difflib.get_close_matches(k, known, n=1))
-            else repr(k)
-            for k in unknown
-        ]
+        hints = [f"{k!r}{did_you_mean(k, known)}" for k in unknown]
         raise ConfigError(
             f"{path}: unknown keys {', '.join(hints)} (not in TRL's ScriptArguments, GRPOConfig or ModelConfig): "
             "correct or remove them"
