@@ -15,9 +15,9 @@ no device time pre-training on its CPU. It fails when the folder would not fit u
 Then, on the lent machine (carry the folder), the command this script prints (first_command): it
 installs the wheels offline beside the image's own packages (--target /tmp/site, first on
 PYTHONPATH with the checkout; the image's environment is left as it is) with the image's python3,
-and runs the check, writing summary.json / summary.txt / log.txt to $OUT. A second command
-(rerun_command; the check prints it, filled in, as its last line) runs the sections the first one
-stopped or skipped for want of time, on the same warm machine without reinstalling (it installs
+and runs the check, writing summary.json / summary.txt / log.txt to $OUT. A second command, only
+when the check prints one (rerun_command; filled in, its last line), runs the sections the first
+one stopped or skipped for want of time, on the same warm machine without reinstalling (it installs
 first only when /tmp/site is gone: a machine started afresh). benchmarks/README.md has the
 device-time plan.
 
@@ -44,9 +44,8 @@ PACKAGES = [
     "transformers==5.24.0",
     "trl==1.16.0",
 ]
-# Seconds: two commands in one visit of the lent machine (the plan: benchmarks/README.md). The whole
-# check does not fit one command of 540 s (a 600 s command limit); the second holds what the first
-# skipped for want of time.
+# Seconds: one command of a lent machine's visit (a 600 s command limit; the plan, ~496 s by the
+# estimates: benchmarks/README.md), and a second for what the first stopped or skipped for want of time.
 FIRST_BUDGET, RERUN_BUDGET = 540, 250
 INSTALL = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "

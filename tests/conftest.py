@@ -47,3 +47,17 @@ def toy_base(tmp_path_factory):
     from lora_grpo.tasks.toy import ensure_toy_base
 
     return ensure_toy_base(tmp_path_factory.mktemp("toy_cache"))
+
+
+@pytest.fixture
+def cuda_build(monkeypatch):
+    """A CUDA build of torch whose CUDA has not started; both allocator variables unset (what
+    lora_grpo.device.use_expandable_segments decides on: tests/test_device.py, test_gpu_check.py)."""
+    from lora_grpo import device
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(device, "_ALLOCATOR", {"set": False, "why": "not decided"})
+    for name in device.ALLOC_CONF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)

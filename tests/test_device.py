@@ -221,17 +221,7 @@ def test_the_trainer_reads_accelerates_mixed_precision(tiny_base_dir, tmp_path, 
 
 
 # ------------------------------------------------------------------------------ the allocator
-@pytest.fixture
-def cuda_build(monkeypatch):
-    """A CUDA build of torch whose CUDA has not started; both allocator variables unset."""
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(device_module, "_ALLOCATOR", {"set": False, "why": "not decided"})
-    for name in device_module.ALLOC_CONF_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-
-
+# cuda_build: conftest.py
 def test_expandable_segments_are_set_when_the_user_set_no_allocator_variable(cuda_build):
     assert device_module.use_expandable_segments() is True
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

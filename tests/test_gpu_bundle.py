@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -93,7 +94,17 @@ def test_the_gpu_checks_dry_run_passes_and_writes_its_summary(tmp_path):
     assert sections["7"]["findings"]["equal"] is True  # the resumed run's adapters, tensor by tensor
     text = (out / "summary.txt").read_text()
     assert text.count("PASS") == 14 and text.count("SKIP") == 1
-    assert (out / "log.txt").read_text().count("\n## ") == 15
+    # Every section's heading in log.txt: the lanes' behind their labels.
+    headings = re.findall(r"^(\[lane §[\d,]+\] )?## (\d+)\. ", (out / "log.txt").read_text(), re.MULTILINE)
+    assert sorted(int(number) for _, number in headings) == list(range(1, 16))
+    from benchmarks.gpu_check.sections import LANES
+
+    for lane in LANES:  # each lane's process wrote its own summary of its sections
+        written = json.loads(
+            (out / "lanes" / f"lane-{'-'.join(map(str, lane))}" / "summary.json").read_text()
+        )
+        assert [int(name.split(".")[0]) for name in written["sections"]] == list(lane)
+        assert all(sections[str(n)]["lane"] == "lane §" + ",".join(map(str, lane)) for n in lane)
 
 
 def test_the_readme_shows_the_commands_the_bundle_prints():

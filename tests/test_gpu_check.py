@@ -3,11 +3,13 @@ sections and the rerun command, what the memory sections start with, the bundled
 section 11's worker process. (Its whole --cpu dry run: tests/test_gpu_bundle.py.)"""
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,12 +125,178 @@ def test_the_deadline_stops_the_running_section_writes_the_summary_and_exits_0(t
     assert "running: §5" in (out / "log.txt").read_text()
 
 
+LANE_SECTIONS = """
+import os, re, time
+from pathlib import Path
+from benchmarks.gpu_check.harness import Section
+
+MEETING = Path(os.environ["MEETING"])
+
+
+def here(run):
+    run.findings["pid"] = os.getpid()
+
+
+def meet(run):
+    # Each lane's first section marks its process, then waits for the other lane's mark: in lanes run
+    # one after another it would wait in vain.
+    here(run)
+    (MEETING / str(os.getpid())).write_text("")
+    waited = time.monotonic() + 60
+    while len(list(MEETING.iterdir())) < 2 and time.monotonic() < waited:
+        time.sleep(0.05)
+    run.expect(len(list(MEETING.iterdir())) == 2, "the other lane ran beside this one")
+
+
+def dies(run):
+    os._exit(3)
+
+
+def fails(run):
+    run.expect(False, "a threshold")
+
+
+SECTIONS = [
+    Section(1, "alone", here, 1),
+    Section(2, "meets", meet, 1),
+    Section(3, "on 2's result", here, 1, needs=(2,)),
+    Section(4, "meets too", meet, 1),
+    Section(5, "misses a threshold", fails, 1),
+    Section(6, "dies", dies, 1),
+    Section(7, "after the death", here, 1),
+    Section(8, "{last}", {last_check}, 1),
+]
+LANES = [(2, 3, 8), (4, 5, 6, 7)]
+"""
+
+
+def lane_run(tmp_path, budget, last="after it", last_check="here"):
+    """The check over LANE_SECTIONS (a module of its own, which each lane's process imports) in a fresh
+    process: its exit status, its summary.json, its log, the parent's process id and the seconds it took."""
+    (tmp_path / "lane_sections.py").write_text(LANE_SECTIONS.format(last=last, last_check=last_check))
+    (tmp_path / "meeting").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), MEETING=str(tmp_path / "meeting"))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--cpu", "--budget", str(budget)]
+    command += ["--out", str(out), "--sections", "lane_sections"]
+    started = time.monotonic()
+    with subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as child:
+        log, _ = child.communicate(timeout=budget + 120)
+    summary = json.loads((out / "summary.json").read_text())
+    return child.returncode, summary, log, child.pid, time.monotonic() - started
+
+
+def test_lanes_run_side_by_side_in_processes_of_their_own_and_their_verdicts_join_the_summary(tmp_path):
+    """The sections in no lane run alone in the check's process, then each lane in a process of its
+    own beside the others (each lane's first section waits for the other's); every lane's verdict
+    joins the summary in the list's order. A lane whose process dies fails the section it ran and
+    leaves the rest of that lane for the rerun; the other lane and the exit status (the failures)
+    are the run's."""
+    code, summary, log, parent, _ = lane_run(tmp_path, budget=240)
+    sections = summary["sections"]
+    status = {name.split(".")[0]: v["status"] for name, v in sections.items()}
+    assert list(sections) == [
+        "1. alone",
+        "2. meets",
+        "3. on 2's result",
+        "4. meets too",
+        "5. misses a threshold",
+        "6. dies",
+        "7. after the death",
+        "8. after it",
+    ], log
+    assert status == {
+        "1": "passed",
+        "2": "passed",
+        "3": "passed",
+        "4": "passed",
+        "5": "failed",
+        "6": "failed",
+        "7": "skipped",
+        "8": "passed",
+    }, log
+    pid = {name.split(".")[0]: v["findings"].get("pid") for name, v in sections.items()}
+    assert pid["1"] == parent and pid["2"] == pid["3"] == pid["8"] and pid["4"] not in (parent, pid["2"])
+    assert sections["5. misses a threshold"]["findings"]["failures"] == ["a threshold"]
+    assert "exit 3" in sections["6. dies"]["reason"] and "while it ran" in sections["6. dies"]["reason"]
+    assert sections["7. after the death"]["reason"] == "not started: its lane's process ended (exit 3)"
+    assert sections["2. meets"]["lane"] == "lane §2,3,8" and "lane" not in sections["1. alone"]
+    assert code == 2 and summary["failed"] == ["5. misses a threshold", "6. dies"]
+    assert summary["rerun"] == gpu_bundle.rerun_command("7") and summary["lanes_running"] is None
+    assert "[lane §4,5,6,7] FAIL: a threshold" in log
+
+
+@pytest.mark.parametrize(
+    "last, last_check, reason",
+    [
+        # The lane's own watchdog stops it, 5 s before the check's deadline.
+        ("sleeps", "lambda run: time.sleep(600)", "stopped at the deadline"),
+        # Stuck in C code holding the GIL, the lane cannot stop itself: the check ends it at its deadline.
+        (
+            "holds the GIL",
+            "lambda run: re.match('(a+)+$', 'a' * 64 + 'b')",
+            "its lane's process was ended at the parent's deadline while it ran (lane-2-3-8/log.txt)",
+        ),
+    ],
+    ids=["the lane's deadline", "the check's deadline"],
+)
+def test_a_lane_running_at_the_deadline_stops_its_section_and_the_rest_of_the_lane_goes_to_the_rerun(
+    tmp_path, last, last_check, reason
+):
+    """The section a lane runs at the deadline is stopped, the ones after it not started, both named
+    in the rerun; the other lane's verdicts stand; the exit status counts the failures alone."""
+    budget = 40
+    code, summary, log, _, wall = lane_run(tmp_path, budget, last=last, last_check=last_check)
+    sections = summary["sections"]
+    stopped = sections[f"8. {last}"]
+    assert stopped["status"] == "stopped" and stopped["reason"] == reason, log
+    assert sections["7. after the death"]["status"] == "skipped"
+    assert sections["2. meets"]["status"] == sections["3. on 2's result"]["status"] == "passed"
+    assert summary["rerun"] == gpu_bundle.rerun_command("7,8") and summary["lanes_running"] is None
+    assert code == 2  # sections 5 and 6; a stop is not a failure
+    # A correctness bound on the deadlines (no one waited for the section to end), not a timing.
+    assert wall < budget + 10, wall
+
+
+def test_lanes_with_too_little_of_the_budget_left_are_not_started_and_go_to_the_rerun(tmp_path):
+    from benchmarks.gpu_check import lanes
+
+    first, second = Section(2, "first", lambda run: None, 1), Section(4, "second", lambda run: None, 1)
+    args, run = dry_run(tmp_path, sections=[first, second])
+    args.budget = run.elapsed() + lanes.LANE_START_S - 1
+    lanes.run_lanes(run, [(2,), (4,)])
+    assert [v["status"] for v in run.summary.values()] == ["skipped", "skipped"]
+    assert "too little to start its lane" in run.summary["2. first"]["reason"] and not _common.CHILDREN
+    assert run.rerun() == gpu_bundle.rerun_command("2,4")
+
+
+def test_the_lanes_fit_the_plan_one_command_of_the_budget_by_the_estimates():
+    """Each section in one lane at most; the lanes' sections after the alone ones in the list, each
+    lane in its list order; what a section needs in its own lane before it (or alone with it); the
+    estimates (the alone sections' sum, the longest lane's, and the start-ups) within one --budget."""
+    from benchmarks.gpu_check.sections import LANES
+
+    in_lanes = [number for lane in LANES for number in lane]
+    assert len(in_lanes) == len(set(in_lanes))
+    order = [section.number for section in SECTIONS]
+    alone = [n for n in order if n not in in_lanes]
+    assert order == alone + in_lanes
+    for lane in LANES:
+        for k, number in enumerate(lane):
+            assert all(need in lane[:k] for need in BY_NUMBER[number].needs), number
+    for number in alone:
+        assert all(need in alone[: alone.index(number)] for need in BY_NUMBER[number].needs), number
+    assert harness.planned_s(SECTIONS, LANES) <= gpu_bundle.FIRST_BUDGET, harness.planned_s(SECTIONS, LANES)
+
+
 def test_the_unmeasured_sections_run_first_and_a_rerun_of_section_3_brings_section_2(tmp_path):
     """What the first GPU run left unmeasured (12 against TRL, 2 and 4 after the memory fix) runs
     before what passed there; section 3 runs right after section 2, on its trained model."""
     order = [section.number for section in SECTIONS]
     # What the first GPU run left unmeasured first: 12, the profile (14) and the weight forms (13) on its step.
-    assert sorted(order) == list(range(1, 16)) and order[:6] == [12, 14, 13, 2, 3, 4]
+    assert sorted(order) == list(range(1, 16)) and order[:6] == [12, 14, 13, 2, 3, 15]
     assert all(section.estimate_s > 0 for section in SECTIONS)
     assert BY_NUMBER[3].check is check_decode and BY_NUMBER[3].needs == (2,)
     args, run = dry_run(tmp_path)
@@ -324,10 +492,45 @@ def test_only_2_4_starts_section_4_with_no_tensor_of_section_2_alive(tmp_path, m
 
 
 def test_the_readme_lists_the_sections_in_their_order_with_their_estimates():
-    """benchmarks/README.md's device-time table is sections.py's list, row by row."""
+    """benchmarks/README.md's device-time table is sections.py's list, row by row, with where each
+    section runs (alone, or its lane), and the page gives the sums the plan computes."""
+    from benchmarks.gpu_check.sections import LANES
+
     readme = (BENCHMARKS / "README.md").read_text()
     rows = [line for line in readme.splitlines() if line.startswith("| ") and line.endswith(" s |")]
-    expected = [f"| {k} | {s.number} | {s.title} | ~{s.estimate_s:g} s |" for k, s in enumerate(SECTIONS, 1)]
+    lane_of = {number: k for k, lane in enumerate(LANES, 1) for number in lane}
+    expected = [
+        f"| {k} | {s.number} | {s.title} | {f'lane {lane_of[s.number]}' if s.number in lane_of else 'alone'} "
+        f"| ~{s.estimate_s:g} s |"
+        for k, s in enumerate(SECTIONS, 1)
+    ]
     assert rows == expected
+    text = readme.replace("\n", " ")
     total = sum(section.estimate_s for section in SECTIONS)
-    assert f"add up to ~{total:g} s" in readme.replace("\n", " ")
+    assert f"add up to ~{total:g} s" in text
+    assert f"~{harness.planned_s(SECTIONS, LANES):g} s of the first command" in text
+
+
+def test_workers_decide_their_allocator_as_fresh_processes_and_a_users_variable_reaches_them(
+    cuda_build, monkeypatch
+):
+    """The allocator variable lora_grpo set in the check's process (expandable segments) is not handed
+    to a worker or a lane: ours sets it again when it imports lora_grpo, and TRL's worker runs torch's
+    default, as its users do (section 12's memory figures); a variable the user set reaches every one."""
+    from lora_grpo import device
+
+    # No allocator variable set on a CUDA build (cuda_build): lora_grpo sets its own.
+    assert device.use_expandable_segments() is True
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in harness.worker_options()["env"]
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # this process keeps it
+    environ = dict(os.environ)
+    harness.without_our_allocator(environ)  # what TRL's worker does to its own environment
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in environ
+
+    monkeypatch.setattr(device, "_ALLOCATOR", {"set": False, "why": "not decided"})
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert device.use_expandable_segments() is False
+    assert harness.worker_options()["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    assert (
+        harness.without_our_allocator(dict(os.environ))["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    )

@@ -1,5 +1,6 @@
-"""The GPU check: what only a GPU can show about lora_grpo, in two commands of a lent machine's visit
-(the whole check does not fit one command of 540 s: benchmarks/README.md's device-time plan).
+"""The GPU check: what only a GPU can show about lora_grpo, in one command of a lent machine's visit
+(the sections that time something alone, then the others in three lanes side by side: ~496 s by the
+estimates against --budget 540; benchmarks/README.md's device-time plan).
 
 Nothing is downloaded: the models are random-init Qwen2s built locally (_common.build_qwen2), in
 Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes (their bodies and 151,936-token vocabularies) for the
@@ -90,19 +91,24 @@ inductor on a CPU takes tens of seconds a shape, and tests/test_fast_decode.py c
 CUDA has skipped and listed under the section's "skipped_parts" (section 8 skips whole); section 12's
 workers run as on a GPU.
 
-The order (sections.py, one Section record a section: number, title, check, estimate_s, needs):
-what the first GPU run left unmeasured first (12, the profile 14 and the weight forms 13 that
-extrapolate from it, then 2 with 3 on its trained model, 4, then the compile cache 15 on section 2's
-compile), then what passed there (1, 7, 10, 11, 6, 5, 9, 8); estimate_s is each one's seconds on the
-H200 as that run measured them (section 12: its workers' caps; 13, 14 and 15: estimated), printed as
-the plan at the start.
+The order (sections.py: one Section record a section, with its number, title, check, estimate_s
+and needs, and LANES): first, alone in the check's process, what times something and the first GPU
+run left unmeasured (12, the profile 14 and the weight forms 13 that extrapolate from it); then the
+lanes side by side, each a worker process of the check (--lane, lanes.py) running its sections in
+order: 2 with 3 on its trained model and the compile cache 15 on its compile; 4, 6, 10; and 1, 7,
+11, 5, 9, 8, which passed there. What runs in a lane checks memory and correctness (each process has
+its own allocator, emulated card, peaks and compiler); its seconds are taken beside the other
+lanes. estimate_s is each one's seconds on the H200 as that run measured them, alone (section 12:
+its workers' caps; 13, 14 and 15: estimated), printed as the plan at the start.
 
 --budget (default 540) is a hard deadline in seconds of wall time from the process's start: a
 section that would start past it is skipped, and so, on a GPU, is one whose estimate exceeds what is
 left (it would be cut at the deadline; the time goes to the shorter sections after it), and sections
 8 and 12 with less than 60 / 120 s of it left; child processes (sections 7, 8, 11, 12, 15) get what it
-leaves, and at the deadline a watchdog thread records the running section as stopped, the ones not
-started as skipped, writes the summary and exits with the number of failed sections (a stop is no
+leaves; a lane's deadline falls 5 s before the check's, and a lane is not started with less than
+15 s left. At the deadline a watchdog thread ends the lanes still running (taking what they
+recorded), records the running section as stopped, the ones not started as skipped, writes the
+summary and exits with the number of failed sections (a stop is no
 failure; SIGTERM does the same; a section stuck in C code holding the GIL is ended by faulthandler
 10 s later, exit 1). The last line printed, summary.txt's last line and summary.json's "rerun" are
 the command for the sections stopped or skipped for want of time (--only those, --budget 250;
@@ -110,10 +116,12 @@ section 3 brings section 2, and is left for the rerun with it). --only 2,4: run 
 alone. With --out DIR, summary.json (each section: status, seconds, reason, rerun, findings;
 "running" while one runs), summary.txt (one line per section) and log.txt (everything printed,
 line-buffered) are written there, the summary as each section starts and ends. The device-time plan
-of a lent machine's visit (start-up, install, the two commands): benchmarks/README.md.
+of a lent machine's visit (start-up, install, the command and a rerun if it prints one):
+benchmarks/README.md.
 
 The modules: harness.py (the Section record, the Run, the budget, the deadline, the summary and
-the rerun), sections.py (the list), cli.py (the arguments, the workers, main), common.py (what several
+the rerun), lanes.py (sections side by side, a worker process a lane), sections.py (the list and
+the lanes), cli.py (the arguments, the workers, main), common.py (what several
 sections use), and one module per topic (devices, recipe_memory, decode, numerics, resume,
 pytest_gpu, tools, reward_model, paged_adamw, vs_trl, decode_bound, profile_step; kernel_shares: the
 profile's kinds of kernel and their floors). From the checkout, with it on PYTHONPATH:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib
 import json
 import logging
 import os
@@ -27,8 +28,10 @@ from benchmarks.gpu_check.harness import (
     run_section,
     stop,
     watch,
+    without_our_allocator,
     write_summary,
 )
+from benchmarks.gpu_check.lanes import run_lanes
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
         "--only", type=lambda s: {int(x) for x in s.split(",")}, help="e.g. 2,4: these sections alone"
     )
     parser.add_argument("--out", help="write summary.json, summary.txt and log.txt to this folder")
+    # A lane's process (lanes.py): these sections, in this order, alone in it.
+    parser.add_argument("--lane", type=lambda s: [int(x) for x in s.split(",")], help=argparse.SUPPRESS)
+    # The module that lists SECTIONS and LANES (the tests give their own, which a lane's process imports).
+    parser.add_argument("--sections", default="benchmarks.gpu_check.sections", help=argparse.SUPPRESS)
     # The worker processes' options: section 7's, section 12's, section 11's (its LoRA rank).
     parser.add_argument("--resume-on-cpu", help=argparse.SUPPRESS)
     parser.add_argument("--peer-worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
@@ -79,21 +86,32 @@ def work(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None, sections: list[Section] | None = None) -> int:
-    """Run the check (`sections`: the list of sections.py unless given, as the tests give theirs);
-    the exit status is the number of failed sections."""
+def main(argv: list[str] | None = None, sections: list[Section] | None = None, lanes=None) -> int:
+    """Run the check: the sections that are in no lane alone, in the order of the list, then the
+    lanes side by side (`sections` and `lanes`: the --sections module's SECTIONS and LANES unless
+    given, as the tests give theirs; given sections without lanes run one after another). In a
+    lane's process (--lane), its sections one after another. The exit status is the number of
+    failed sections."""
     options = parser()
     args = options.parse_args(argv)
     # lora_grpo sets CUDA's allocator up when its device module is imported (expandable segments:
     # device.use_expandable_segments), before this process starts CUDA, as a user's script does.
     import lora_grpo.device  # noqa: F401
 
+    if args.peer_worker == "trl":
+        # TRL's worker runs torch's default allocator, as a TRL user's script does (torch reads the
+        # variable at its first CUDA allocation, after this).
+        without_our_allocator(os.environ)
+
     if args.resume_on_cpu or args.peer_worker or args.paged_worker:
         return work(args)
     if sections is None:
-        from benchmarks.gpu_check.sections import SECTIONS
-
-        sections = SECTIONS
+        listed = importlib.import_module(args.sections)
+        sections, lanes = listed.SECTIONS, getattr(listed, "LANES", ()) if lanes is None else lanes
+    lanes = [tuple(lane) for lane in lanes or ()]
+    if args.lane:
+        by_number = {s.number: s for s in sections}
+        sections, lanes = [by_number[number] for number in args.lane], []
     if not args.cpu and not torch.cuda.is_available():
         options.error("no CUDA device: run on a GPU, or pass --cpu for a dry run")
     if args.out:
@@ -115,9 +133,12 @@ def main(argv: list[str] | None = None, sections: list[Section] | None = None) -
         run = Run(args, device, root, sections)
         signal.signal(signal.SIGTERM, lambda signum, frame: stop(run, "stopped by SIGTERM"))
         deadline = watch(run)
-        print_plan(run)
+        print_plan(run, lanes)
+        in_lanes = {number for lane in lanes for number in lane}
         for section in sections:
-            run_section(section, run)
+            if section.number not in in_lanes:
+                run_section(section, run)
+        run_lanes(run, lanes)
         # Past the last section: the watchdog has nothing left to stop.
         with run.lock:
             deadline.cancel()

@@ -29,6 +29,8 @@ MiB = 2**20
 MARGIN = 2.0
 # Seconds past the deadline at which faulthandler ends a process its watchdog could not.
 GRACE = 10.0
+# A fresh process's start-up on the lent machine (the interpreter, torch, transformers): ~10 s on the first GPU run.
+PROCESS_START_S = 10.0
 IMPORTED = time.perf_counter()
 LABELS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "stopped": "STOP"}
 
@@ -87,10 +89,22 @@ def worker_command(*args: str) -> list[str]:
 
 def worker_options(env: dict | None = None) -> dict:
     """cwd and env for a worker process: the checkout first on PYTHONPATH (the parent may have been
-    started from elsewhere, or with a relative path)."""
+    started from elsewhere, or with a relative path), and the allocator variable that lora_grpo set
+    in this process left out, so that the worker decides as a fresh process does (lora_grpo sets it
+    again when imported; TRL's worker runs torch's default: cli.main). A variable the user set stays."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return {"cwd": REPO, "env": env}
+    return {"cwd": REPO, "env": without_our_allocator(env)}
+
+
+def without_our_allocator(env) -> dict:
+    """`env` (a dict, or os.environ itself) without the allocator variable lora_grpo set in this
+    process when it was imported (device.use_expandable_segments); a variable the user set stays."""
+    from lora_grpo.device import allocator_setting
+
+    if "set by lora_grpo" in allocator_setting():
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    return env
 
 
 class Run:
@@ -112,6 +126,8 @@ class Run:
         self.running: dict = {}
         self.findings: dict = {}
         self.lock = threading.RLock()
+        # The lanes started (lanes.Lane: sections side by side, a worker process each), for stop.
+        self.lanes: list = []
 
     # -------------------------------------------------------------------- what a section reports
     def expect(self, ok: bool, what: str) -> bool:
@@ -166,16 +182,21 @@ class Run:
         return self._models[key]
 
     # -------------------------------------------------------------------- the verdict so far
-    def record(self, section: Section, status: str, seconds: float, reason: str | None, again: bool) -> None:
+    @staticmethod
+    def entry(status: str, seconds: float, reason: str | None, again: bool, findings: dict) -> dict:
         """One section's entry in the summary; `again`: it is named in the rerun command (stopped, or
         skipped for want of time)."""
-        self.summary[section.name] = {
+        return {
             "status": status,
             "seconds": round(seconds, 1),
             "reason": reason,
             "rerun": again,
-            "findings": dict(self.findings),
+            "findings": dict(findings),
         }
+
+    def record(self, section: Section, status: str, seconds: float, reason: str | None, again: bool) -> None:
+        """The running section's entry, with its findings."""
+        self.summary[section.name] = self.entry(status, seconds, reason, again, self.findings)
 
     def names(self, numbers) -> list[str]:
         """The summary's names of the sections numbered `numbers`."""
@@ -185,7 +206,7 @@ class Run:
         return [name for name, v in self.summary.items() if v["status"] == "failed"]
 
     def rerun(self) -> str | None:
-        """The second command on the lent machine: the sections this run stopped or skipped for want
+        """The second command on the lent machine, if any: the sections this run stopped or skipped for want
         of time, with the sections they need, in the order they run."""
         by_name = {s.name: s for s in self.sections}
         again = [by_name[name].number for name, v in self.summary.items() if v.get("rerun")]
@@ -291,10 +312,14 @@ def run_section(section: Section, run: Run) -> None:
 
 
 def write_summary(run: Run, seconds: float) -> None:
-    """summary.json and summary.txt in --out: the run's verdict so far, one entry per section."""
+    """summary.json and summary.txt in --out: the run's verdict so far, one entry per section in the
+    order of the list (lanes end in any order), each file replaced whole (a lane's parent may read it
+    at any moment)."""
     out = Path(run.args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = run.summary
+    order = {s.name: k for k, s in enumerate(run.sections)}
+    summary = dict(sorted(run.summary.items(), key=lambda item: order.get(item[0], len(order))))
+    running_lanes = [lane.label for lane in run.lanes if not lane.collected and lane.process is not None]
     verdict = {
         "passed": not run.failed(),
         "failed": run.failed(),
@@ -304,28 +329,53 @@ def write_summary(run: Run, seconds: float) -> None:
         "seconds": round(seconds, 1),
         "budget": run.args.budget,
         "running": dict(run.running) or None,
+        "lanes_running": running_lanes or None,
         "sections": summary,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
-    (out / "summary.json").write_text(json.dumps(verdict, indent=2, default=str) + "\n")
+    replace(out / "summary.json", json.dumps(verdict, indent=2, default=str) + "\n")
     lines = []
     for name, v in summary.items():
-        line = f"{LABELS[v['status']]} {name} ({v['seconds']} s)"
+        line = f"{LABELS[v['status']]} {name} ({v['seconds']} s{', ' + v['lane'] if v.get('lane') else ''})"
         detail = v["findings"].get("error") or "; ".join(v["findings"].get("failures", [])) or v["reason"]
         lines.append(line + (f": {detail[:300]}" if detail else ""))
     command = run.rerun()
     lines.append(f"{len(run.failed())} failed, {seconds:.0f} s")
-    (out / "summary.txt").write_text("\n".join(lines + ([f"rerun: {command}"] if command else [])) + "\n")
+    replace(out / "summary.txt", "\n".join(lines + ([f"rerun: {command}"] if command else [])) + "\n")
 
 
-def print_plan(run: Run) -> None:
-    """The sections selected, in the order they run, with their estimated seconds, against the budget."""
-    chosen = [s for s in run.sections if run.selected(s.number)]
-    total = sum(s.estimate_s for s in chosen)
+def replace(path: Path, text: str) -> None:
+    """`path` written whole: the text to a temporary file beside it, renamed over it."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def planned_s(sections: list[Section], lanes, selected: Callable[[int], bool] = lambda number: True) -> float:
+    """The selected sections' estimated seconds on the H200: those alone one after another, then the
+    longest lane (lanes run side by side, each a fresh process: PROCESS_START_S more), and this
+    process's own start-up."""
+    in_lanes = {number for lane in lanes for number in lane}
+    estimate = {s.number: s.estimate_s for s in sections if selected(s.number)}
+    alone = sum(seconds for number, seconds in estimate.items() if number not in in_lanes)
+    longest = max((sum(estimate.get(n, 0.0) for n in lane) for lane in lanes), default=0.0)
+    return PROCESS_START_S + alone + (PROCESS_START_S + longest if longest else 0.0)
+
+
+def print_plan(run: Run, lanes) -> None:
+    """The sections selected, alone in the order they run, then the lanes side by side, with their
+    estimated seconds, against the budget."""
+    in_lanes = {number for lane in lanes for number in lane}
+    alone = [s for s in run.sections if run.selected(s.number) and s.number not in in_lanes]
+    estimate = {s.number: s.estimate_s for s in run.sections}
+    side = [[n for n in lane if run.selected(n)] for lane in lanes]
+    side = " ".join(f"[{', '.join(f'§{n} ~{estimate[n]:g}' for n in lane)}]" for lane in side if lane)
     print(
-        f"plan: {', '.join(f'§{s.number} ~{s.estimate_s:g} s' for s in chosen)} (~{total:g} s estimated on an "
-        f"H200); --budget {run.args.budget:g} s from the process's start, {run.elapsed():.0f} s gone",
+        f"plan: {', '.join(f'§{s.number} ~{s.estimate_s:g} s' for s in alone) or 'nothing'} alone"
+        + (f", then side by side {side}" if side else "")
+        + f" (~{planned_s(run.sections, lanes, run.selected):g} s estimated on an H200, start-ups included); "
+        f"--budget {run.args.budget:g} s from the process's start, {run.elapsed():.0f} s gone",
         flush=True,
     )
 
@@ -365,6 +415,9 @@ def stop(run: Run, why: str) -> None:
     # The main thread holds the lock only while it writes the summary.
     run.lock.acquire(timeout=10)
     try:
+        # Each lane is past its own deadline: ended, and what it recorded taken (lanes.Lane.end).
+        for lane in run.lanes:
+            lane.end(run)
         by_name = {s.name: s for s in run.sections}
         if run.running:
             name = run.running["section"]

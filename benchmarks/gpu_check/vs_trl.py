@@ -25,6 +25,7 @@ import gc
 import io
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -119,6 +120,8 @@ def memory_figures(cuda: bool, loaded: float) -> dict:
             "peak_allocated_mib": torch.cuda.max_memory_allocated() / MiB,
             "peak_reserved_mib": torch.cuda.max_memory_reserved() / MiB,
             "above_loaded_mib": (torch.cuda.max_memory_allocated() - loaded) / MiB,
+            # What the reserved peak was kept under: lora_grpo's expandable segments, or torch's default.
+            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         }
     import resource
 
