@@ -152,6 +152,30 @@ def test_the_floors_count_the_weights_a_real_qwen2_has():
     assert update["GEMM"] > ks.update_floors(spec, rows, 16, 16, 4, recompute=False)["GEMM"]
 
 
+def test_the_floors_divide_by_the_lent_gpus_own_peak():
+    """The lent machine may be an H200 or an H100 (SXM or PCIe): each by torch's device name, at the
+    share of NVIDIA's figures issue 48 took for the H200 (790 TFLOP/s, 4.3 TB/s); a GPU not in the
+    table gets the H200's, named so; a bandwidth-bound floor scales with the bandwidth."""
+    h200 = ks.peak("NVIDIA H200")
+    assert (h200.device, h200.flops, h200.bytes_per_s) == (
+        "H200",
+        pytest.approx(790e12),
+        pytest.approx(4.3e12),
+    )
+    assert ks.peak("NVIDIA H100 80GB HBM3").device == "H100 SXM"
+    assert ks.peak("NVIDIA H100 PCIe").device == "H100 PCIe"
+    sxm = ks.peak("NVIDIA H100 80GB HBM3")
+    assert sxm.bytes_per_s == pytest.approx(4.3e12 * 3.35 / 4.8) and sxm.flops == pytest.approx(790e12)
+    other = ks.peak("NVIDIA A100-SXM4-40GB")
+    assert other.bytes_per_s == h200.bytes_per_s and "A100" in other.device
+    step = "vocabulary: softmax, top-p, sampling"
+    on = {
+        name: ks.decode_step_floors(QWEN2_SHAPES["tiny"], 8, 4, 8, 4, "bf16", 128, ks.peak(name))[step]
+        for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")
+    }
+    assert on["NVIDIA H100 80GB HBM3"] == pytest.approx(on["NVIDIA H200"] * 4.8 / 3.35)
+
+
 def test_the_forms_are_extrapolated_from_the_4bit_steps_at_two_layer_counts():
     forms = {"4bit": 0.006, "bf16": 0.004, "merged": 0.003}
     fixed, at_24 = extrapolate(forms, 6, 0.015, 24, "4bit")

@@ -68,7 +68,8 @@ number of failed sections.
 14. profile      torch.profiler over compiled decode token steps of the 0.5B recipe and over one
                  update: the top kernels, each kind's ms (dequantisation, GEMMs, attention, the
                  vocabulary's softmax / sampling, norms, copies, the gaps between graphs) against its
-                 floor on the H200 (limit.py's FLOPs and bytes); gzipped traces to --out.
+                 floor on the GPU lent (an H200 or an H100: kernel_shares.peak; limit.py's FLOPs and
+                 bytes); gzipped traces to --out.
 15. compile cache a fresh process with the 0.5B recipe's settings and an empty inductor cache of its
                  own finds section 2's compile in lora_grpo's compile cache (rollout/compile_cache.py):
                  its step 1 − step 2 ≤ 15 s (57.8 − 8.9 s before the cache); a first process fills the

@@ -1,6 +1,7 @@
 """What a profile of the decode or the update is made of: each kernel (or, on a CPU, each op) put in
 one kind by a table of name patterns (the first that matches), each kind's time per step, and each
-kind's floor on the lent H200 from benchmarks/limit.py's model of the step's FLOPs and bytes.
+kind's floor on the lent GPU (an H200 or an H100: peak) from benchmarks/limit.py's model of the
+step's FLOPs and bytes.
 
 The kinds are what decides whether the decode could be faster: the 4-bit base's dequantisation
 (bitsandbytes' kernels), the GEMMs (the base's, the head's and LoRA's together: LoRA's are GEMMs
@@ -12,13 +13,41 @@ counted is the launches and gaps between graphs (Python, syncs, graph breaks).""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from benchmarks.limit import step_flops, weight_bytes
 
-# The lent H200's dense bf16 tensor-core peak and its HBM bandwidth (NVIDIA's figures, rounded down).
-H200_FLOPS = 790e12
-H200_BYTES_PER_S = 4.3e12
+
+@dataclass(frozen=True)
+class Peak:
+    """A device's dense bf16 tensor-core FLOP/s and HBM bytes/s that the floors divide by."""
+
+    device: str
+    flops: float
+    bytes_per_s: float
+
+
+# The lent machines' GPUs: (a pattern of torch.cuda.get_device_name(), the device, NVIDIA's dense bf16
+# tensor-core peak, its HBM bandwidth). The floors take the same share of each that issue 48 took of
+# the H200's (790 of 989 TFLOP/s, 4.3 of 4.8 TB/s: about what kernels reach). The first that matches.
+DATASHEETS = (
+    ("H200", "H200", 989e12, 4.8e12),
+    ("H100.*PCIe", "H100 PCIe", 756e12, 2.0e12),
+    ("H100", "H100 SXM", 989e12, 3.35e12),
+)
+COMPUTE_SHARE, BANDWIDTH_SHARE = 790 / 989, 4.3 / 4.8
+
+
+def peak(device_name: str) -> Peak:
+    """The floors' peak for the GPU named `device_name`; the H200's for one not in DATASHEETS (and for
+    the CPU dry run), its device then saying so."""
+    for pattern, device, flops, bandwidth in DATASHEETS:
+        if re.search(pattern, device_name, re.IGNORECASE):
+            return Peak(device, COMPUTE_SHARE * flops, BANDWIDTH_SHARE * bandwidth)
+    return replace(peak("H200"), device=f"H200 (the table has no {device_name})")
+
+
+H200 = peak("H200")
 GAPS = "launches and gaps"
 OTHER = "other"
 
@@ -115,9 +144,16 @@ def decode_step_flops(spec: dict, rows: int, context: int, lora_r: int) -> dict[
 
 
 def decode_step_floors(
-    spec: dict, rows: int, context: int, slots: int, lora_r: int, base: str, kv_bytes_per_slot: int
+    spec: dict,
+    rows: int,
+    context: int,
+    slots: int,
+    lora_r: int,
+    base: str,
+    kv_bytes_per_slot: int,
+    at: Peak = H200,
 ) -> dict[str, float]:
-    """Seconds one token step cannot beat on the H200, per kind: the larger of FLOPs / peak and bytes /
+    """Seconds one token step cannot beat on the GPU `at`, per kind: the larger of FLOPs / peak and bytes /
     bandwidth. GEMM: the body's weights read in bf16 (a 4-bit base's dequantised copies) and the bf16
     head; dequantisation: the 4-bit weights read and their bf16 copies written (4-bit bases only);
     attention: the static cache's `slots` read per row; the vocabulary: the float32 logits read and
@@ -128,22 +164,20 @@ def decode_step_floors(
     gemm_bytes = 2 * linear + 2 * H * V
     dequant_bytes = linear * (0.5 + 4 / 64 + 2) if base == "4bit" else 0.0
     floors = {
-        "GEMM": max((flops["GEMM"] + flops["LoRA"]) / H200_FLOPS, gemm_bytes / H200_BYTES_PER_S),
-        "dequantisation": dequant_bytes / H200_BYTES_PER_S,
-        "attention": max(
-            flops["attention"] / H200_FLOPS, rows * slots * kv_bytes_per_slot / H200_BYTES_PER_S
-        ),
-        "vocabulary: softmax, top-p, sampling": 2 * rows * V * 4 / H200_BYTES_PER_S,
+        "GEMM": max((flops["GEMM"] + flops["LoRA"]) / at.flops, gemm_bytes / at.bytes_per_s),
+        "dequantisation": dequant_bytes / at.bytes_per_s,
+        "attention": max(flops["attention"] / at.flops, rows * slots * kv_bytes_per_slot / at.bytes_per_s),
+        "vocabulary: softmax, top-p, sampling": 2 * rows * V * 4 / at.bytes_per_s,
     }
     floors["step"] = sum(floors.values())
     return floors
 
 
 def update_floors(
-    spec: dict, rows: int, prompt: int, completion: int, lora_r: int, recompute: bool
+    spec: dict, rows: int, prompt: int, completion: int, lora_r: int, recompute: bool, at: Peak = H200
 ) -> dict[str, float]:
     """Seconds one update (forward, backward and, with gradient checkpointing, the recomputed forward)
-    cannot beat on the H200, per kind: GEMM all of limit.step_flops's "train" FLOPs (attention's
+    cannot beat on the GPU `at`, per kind: GEMM all of limit.step_flops's "train" FLOPs (attention's
     included) at the bf16 peak, or the bf16 body's and head's reads, the larger; dequantisation the
     4-bit weights read and their bf16 copies written once a pass."""
     flops = step_flops(
@@ -153,8 +187,8 @@ def update_floors(
     linear = linear_parameters(spec)
     read = passes * (2 * linear + 2 * spec["hidden_size"] * spec["vocab_size"])
     floors = {
-        "GEMM": max(flops / H200_FLOPS, read / H200_BYTES_PER_S),
-        "dequantisation": passes * linear * (0.5 + 4 / 64 + 2) / H200_BYTES_PER_S,
+        "GEMM": max(flops / at.flops, read / at.bytes_per_s),
+        "dequantisation": passes * linear * (0.5 + 4 / 64 + 2) / at.bytes_per_s,
     }
     floors["step"] = sum(floors.values())
     return floors

@@ -6,7 +6,7 @@ with gradient checkpointing, not what 'auto' would choose on the H200).
 
 For each: the top kernels by CUDA time, each kind's ms per step (kernel_shares.KINDS: dequantisation,
 GEMMs, attention, the vocabulary's softmax / top-p / sampling, norms, copies) and the launches and
-gaps (the step's wall time the kernels leave empty) against its floor on the H200 (limit.py's FLOPs
+gaps (the step's wall time the kernels leave empty) against its floor on this GPU (limit.py's FLOPs
 and bytes), as a Markdown table in the log and in summary.json's findings ("decode_table",
 "update_table"); the traces, gzipped Chrome traces, to --out (decode-trace.json.gz,
 update-trace.json.gz; one over 16 MiB is dropped and named). The 24-layer decode step's seconds go to
@@ -59,6 +59,16 @@ def save_trace(run: Run, prof, name: str) -> None:
     else:
         print(f"trace: {target.name} ({size / MiB:.1f} MiB)")
         run.findings.setdefault("traces", []).append(target.name)
+
+
+def gpu_peak(run: Run) -> ks.Peak:
+    """The peak the floors divide by: this GPU's (kernel_shares.DATASHEETS), recorded in the findings;
+    the H200's in the CPU dry run."""
+    import torch
+
+    at = ks.peak(torch.cuda.get_device_name(run.device)) if run.cuda else ks.H200
+    run.findings["floors_for"] = at.device
+    return at
 
 
 def report(run: Run, what: str, prof, wall: float, steps: int, floors: dict[str, float] | None) -> dict:
@@ -133,8 +143,9 @@ def check_profile(run: Run) -> None:
     slots = loop.decoder.attn.shape[1]
     loop.close()
     dtype = model.get_input_embeddings().weight.dtype
+    at = gpu_peak(run)
     floors = ks.decode_step_floors(
-        spec, rows, context, slots, config.lora_r, "4bit", kv_bytes_per_slot(model.config, dtype)
+        spec, rows, context, slots, config.lora_r, "4bit", kv_bytes_per_slot(model.config, dtype), at
     )
     run.findings["decode_floor_ms"] = {k: v * 1e3 for k, v in floors.items()}
     if run.cuda:
@@ -144,7 +155,7 @@ def check_profile(run: Run) -> None:
     # The gaps: the unprofiled step's wall time less the profiled kernels' (the profiler slows the host).
     per_step = report(run, "decode token steps", prof, seconds * PROFILED_STEPS, PROFILED_STEPS, floors)
     print(
-        f"the step's floor on the H200: {floors['step'] * 1e3:.3g} ms; measured {seconds * 1e3:.2f} ms "
+        f"the step's floor on the {at.device}: {floors['step'] * 1e3:.3g} ms; measured {seconds * 1e3:.2f} ms "
         f"({seconds / floors['step']:,.0f}× the floor)"
     )
     if run.cuda and per_step[ks.GAPS] > 0.9 * seconds:
@@ -167,11 +178,12 @@ def check_profile(run: Run) -> None:
     # The wall time: the faster of the two (the first allocates the optimizer's states, the second is profiled).
     wall = min(warm, profiled)
     T = int(batch.completion_mask.shape[1])
-    floors = ks.update_floors(spec, rows, prompt, T, config.lora_r, recompute=True)
+    at = gpu_peak(run)
+    floors = ks.update_floors(spec, rows, prompt, T, config.lora_r, recompute=True, at=at)
     run.findings.update(update_s=wall, update_floor_s=floors["step"])
     report(run, "update (log-probs, loss, backward, optimizer step)", prof, wall, 1, floors)
     print(
-        f"update: {warm:.3f} s, profiled {profiled:.3f} s; its floor on the H200 {floors['step']:.3g} s "
+        f"update: {warm:.3f} s, profiled {profiled:.3f} s; its floor on the {at.device} {floors['step']:.3g} s "
         f"({wall / floors['step']:,.0f}×)"
     )
     run.expect(seconds > 0 and wall > 0, "the decode and the update were profiled")
