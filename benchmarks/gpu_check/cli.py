@@ -22,6 +22,7 @@ from benchmarks.gpu_check.harness import (
     Run,
     Section,
     Tee,
+    in_lanes,
     no_plots,
     print_plan,
     print_rerun,
@@ -134,9 +135,9 @@ def main(argv: list[str] | None = None, sections: list[Section] | None = None, l
         signal.signal(signal.SIGTERM, lambda signum, frame: stop(run, "stopped by SIGTERM"))
         deadline = watch(run)
         print_plan(run, lanes)
-        in_lanes = {number for lane in lanes for number in lane}
+        side = in_lanes(lanes)
         for section in sections:
-            if section.number not in in_lanes:
+            if section.number not in side:
                 run_section(section, run)
         run_lanes(run, lanes)
         # Past the last section: the watchdog has nothing left to stop.

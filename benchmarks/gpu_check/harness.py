@@ -352,13 +352,18 @@ def replace(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
+def in_lanes(lanes) -> set[int]:
+    """The numbers of the sections that run in one of `lanes` (the rest run alone, before them)."""
+    return {number for lane in lanes for number in lane}
+
+
 def planned_s(sections: list[Section], lanes, selected: Callable[[int], bool] = lambda number: True) -> float:
     """The selected sections' estimated seconds on the H200: those alone one after another, then the
     longest lane (lanes run side by side, each a fresh process: PROCESS_START_S more), and this
     process's own start-up."""
-    in_lanes = {number for lane in lanes for number in lane}
+    side = in_lanes(lanes)
     estimate = {s.number: s.estimate_s for s in sections if selected(s.number)}
-    alone = sum(seconds for number, seconds in estimate.items() if number not in in_lanes)
+    alone = sum(seconds for number, seconds in estimate.items() if number not in side)
     longest = max((sum(estimate.get(n, 0.0) for n in lane) for lane in lanes), default=0.0)
     return PROCESS_START_S + alone + (PROCESS_START_S + longest if longest else 0.0)
 
@@ -366,14 +371,14 @@ def planned_s(sections: list[Section], lanes, selected: Callable[[int], bool] = 
 def print_plan(run: Run, lanes) -> None:
     """The sections selected, alone in the order they run, then the lanes side by side, with their
     estimated seconds, against the budget."""
-    in_lanes = {number for lane in lanes for number in lane}
-    alone = [s for s in run.sections if run.selected(s.number) and s.number not in in_lanes]
+    side = in_lanes(lanes)
+    alone = [s for s in run.sections if run.selected(s.number) and s.number not in side]
     estimate = {s.number: s.estimate_s for s in run.sections}
-    side = [[n for n in lane if run.selected(n)] for lane in lanes]
-    side = " ".join(f"[{', '.join(f'§{n} ~{estimate[n]:g}' for n in lane)}]" for lane in side if lane)
+    chosen = [[n for n in lane if run.selected(n)] for lane in lanes]
+    together = " ".join(f"[{', '.join(f'§{n} ~{estimate[n]:g}' for n in lane)}]" for lane in chosen if lane)
     print(
         f"plan: {', '.join(f'§{s.number} ~{s.estimate_s:g} s' for s in alone) or 'nothing'} alone"
-        + (f", then side by side {side}" if side else "")
+        + (f", then side by side {together}" if together else "")
         + f" (~{planned_s(run.sections, lanes, run.selected):g} s estimated on an H200, start-ups included); "
         f"--budget {run.args.budget:g} s from the process's start, {run.elapsed():.0f} s gone",
         flush=True,

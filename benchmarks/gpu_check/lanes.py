@@ -66,7 +66,7 @@ class Lane:
         for number in self.numbers:
             section = by_number[number]
             if section.name in sections:
-                entry = dict(sections[section.name])
+                entry = sections[section.name]
             elif section.name == running:
                 seconds = time.perf_counter() - self.started - (written.get("running") or {}).get("at_s", 0)
                 status = "stopped" if self.ended_by_parent else "failed"
@@ -74,8 +74,11 @@ class Lane:
                 entry = run.entry(status, seconds, reason, self.ended_by_parent, {})
             else:
                 entry = run.entry("skipped", 0.0, f"not started: its lane's process {how}", True, {})
-            entry["lane"] = self.label
-            run.summary[section.name] = entry
+            self.put(run, section.name, entry)
+
+    def put(self, run: Run, name: str, entry: dict) -> None:
+        """One of the lane's sections into the parent's summary, named with the lane."""
+        run.summary[name] = {**entry, "lane": self.label}
 
     def end(self, run: Run) -> None:
         """At the parent's deadline: the lane's process ended (it is past its own deadline), its summary taken."""
@@ -144,10 +147,7 @@ def run_lanes(run: Run, lanes: list[tuple[int, ...]]) -> None:
             lane.collected = True
             for section in (s for s in run.sections if s.number in lane.numbers):
                 reason = f"{run.left():.0f} s of the budget left: too little to start its lane"
-                run.summary[section.name] = {
-                    **run.entry("skipped", 0.0, reason, True, {}),
-                    "lane": lane.label,
-                }
+                lane.put(run, section.name, run.entry("skipped", 0.0, reason, True, {}))
         print(f"\n## side by side: {labels}: not started, {run.left():.0f} s of the budget left", flush=True)
         return
     threads = lane_threads(len(run.lanes))

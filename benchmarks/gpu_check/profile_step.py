@@ -100,6 +100,7 @@ def check_profile(run: Run) -> None:
     from lora_grpo.rollout.fast_decode import kv_bytes_per_slot
 
     fresh_compiler(run)
+    at = gpu_peak(run)
     shape = run.shape("qwen2.5-0.5b")
     spec = QWEN2_SHAPES[shape]
     path = run.model(shape)
@@ -143,7 +144,6 @@ def check_profile(run: Run) -> None:
     slots = loop.decoder.attn.shape[1]
     loop.close()
     dtype = model.get_input_embeddings().weight.dtype
-    at = gpu_peak(run)
     floors = ks.decode_step_floors(
         spec, rows, context, slots, config.lora_r, "4bit", kv_bytes_per_slot(model.config, dtype), at
     )
@@ -178,7 +178,6 @@ def check_profile(run: Run) -> None:
     # The wall time: the faster of the two (the first allocates the optimizer's states, the second is profiled).
     wall = min(warm, profiled)
     T = int(batch.completion_mask.shape[1])
-    at = gpu_peak(run)
     floors = ks.update_floors(spec, rows, prompt, T, config.lora_r, recompute=True, at=at)
     run.findings.update(update_s=wall, update_floor_s=floors["step"])
     report(run, "update (log-probs, loss, backward, optimizer step)", prof, wall, 1, floors)
