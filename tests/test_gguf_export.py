@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import char_tokenizer, write_recipe
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -45,6 +45,11 @@ PADDED_ROWS = 3
 # float32 model with its matrices rounded as stored (float16, or Q8_0 and back) to 0.0; against the float32
 # model itself they are 2.0e-3 off in f16 and 8.6e-2 in q8_0 (64-wide random matrices: Q8_0's worst case).
 F16_BOUND, ROUNDED_BOUND, Q8_BOUND = 5e-3, 1e-5, 0.15
+# Meta-Llama-3's tokenizer.json: its pre_tokenizer's Split pattern.
+LLAMA3_REGEX = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
 TEXTS = (
     "the 12 apples, then 1 more",
     "héllo wörld 世界 🙂 — ok?\n\n  two  spaces\ttab",
@@ -52,21 +57,30 @@ TEXTS = (
 )
 
 
-def byte_level_tokenizer(qwen: bool) -> PreTrainedTokenizerFast:
+def byte_level_tokenizer(qwen: bool, llama3: bool = False) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with ChatML specials and a user-defined <think>: GPT-2's split (Llama, as
-    SmolLM2 read from its GGUF) or Qwen2's, with Qwen2's convention of no BOS and no unknown token."""
+    SmolLM2 read from its GGUF) or Qwen2's, with Qwen2's convention of no BOS and no unknown token; `llama3`:
+    Llama 3's split (written out here from its tokenizer.json, not the export's constant) and, as Llama 3, BOS
+    put before every text by the tokenizer itself."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {t: i for i, t in enumerate(SPECIALS + alphabet + ["".join(m) for m in MERGES])}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
-    if qwen:
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=MERGES, ignore_merges=llama3))
+    if qwen or llama3:
+        split = LLAMA3_REGEX if llama3 else PRETOKENIZE_REGEX
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
     else:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if llama3:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<|im_start|> $A",
+            pair="<|im_start|> $A <|im_start|> $B",
+            special_tokens=[("<|im_start|>", 1)],
+        )
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -81,18 +95,24 @@ def byte_level_tokenizer(qwen: bool) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+# The tiny models' sizes (Qwen3's heads differ: tiny_qwen3).
+TINY_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
 def tiny_model(qwen: bool, rows: int):
     """Llama: tied embeddings, head_dim 16 (its q / k rows permuted in the file); Qwen2: untied, q/k/v
     biases. Norms and biases moved off their initial values, so a misplaced one shows in the logits."""
     torch.manual_seed(0)
     sizes = dict(
         vocab_size=rows,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        **TINY_SIZES,
         rms_norm_eps=1e-5,
         bos_token_id=None if qwen else 1,
         eos_token_id=2,
@@ -423,8 +443,8 @@ def test_an_unsupported_architecture_is_refused_by_name_before_loading(tmp_path,
         in err
     )
     assert (
-        "llama (llama), qwen2 (qwen2). For this model, write a transformers checkpoint with `lora-grpo merge"
-        in err
+        "llama (llama), qwen2 (qwen2), qwen3 (qwen3). For this model, write a transformers checkpoint with "
+        "`lora-grpo merge" in err
     )
     assert not out.exists()
     with pytest.raises(GGUFExportError, match="supported model types: llama"):
@@ -434,6 +454,7 @@ def test_an_unsupported_architecture_is_refused_by_name_before_loading(tmp_path,
 def test_the_pre_tokenizer_names_llama_cpp_knows_and_a_tokenizer_it_cannot_read():
     assert pre_tokenizer_name(byte_level_tokenizer(qwen=False)) == "gpt-2"
     assert pre_tokenizer_name(byte_level_tokenizer(qwen=True)) == "qwen2"
+    assert pre_tokenizer_name(byte_level_tokenizer(qwen=False, llama3=True)) == "llama-bpe"
     smollm = byte_level_tokenizer(qwen=False)
     smollm.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -510,3 +531,197 @@ def test_q8_0_keeps_in_float16_the_matrices_whose_rows_are_not_whole_blocks(tmp_
     back, _ = read_back(path)
     ids = list(range(3, 40))
     assert torch.allclose(logits(back, ids), logits(rounded(model, "q8_0"), ids), atol=ROUNDED_BOUND)
+
+
+# ------------------------------------------------------------------------------------- Qwen3, Llama 3 and RoPE
+
+
+def write(model, tokenizer, path, gguf_type="f16"):
+    from lora_grpo.model.gguf_export import Provenance, write_gguf
+
+    provenance = Provenance(name="tiny", base_name="tiny", base_repo=None, description="a test")
+    return write_gguf(model, tokenizer, path, gguf_type=gguf_type, provenance=provenance)
+
+
+def tiny_qwen3(rows: int):
+    """Qwen3: per-head q / k RMS norms (moved off 1), head_dim 128 over a hidden size of 64 (the file must
+    say so: llama.cpp assumes hidden / heads), tied embeddings."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    config = Qwen3Config(vocab_size=rows, **(TINY_SIZES | heads), tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def llama3_rope() -> dict:
+    """Llama 3's RoPE over a tiny context: with 32 original positions, frequencies of all three kinds
+    (kept, divided by the factor, smoothed between) at head_dim 16."""
+    return dict(
+        rope_type="llama3",
+        rope_theta=10000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=32,
+    )
+
+
+def tiny_llama(rows: int, rope: dict | None = None):
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=rows,
+        **TINY_SIZES,
+        tie_word_embeddings=True,
+        **({"rope_parameters": rope} if rope else {}),
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def meta_llama3_divisors(theta: float, dim: int, factor, low, high, old_context) -> list[float]:
+    """Per frequency, plain RoPE's frequency over Llama 3's: Meta's apply_scaling (llama-models), in float64."""
+    import math
+
+    out = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / theta ** (i / dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            scaled = freq
+        elif wavelen > old_context / low:
+            scaled = freq / factor
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            scaled = (1 - smooth) * freq / factor + smooth * freq
+        out.append(freq / scaled)
+    return out
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
+def test_qwen3_is_written_with_its_q_k_norms_and_head_size_and_reads_back_as_stored(tmp_path, gguf_type):
+    tokenizer = byte_level_tokenizer(qwen=True)
+    model = tiny_qwen3(len(tokenizer))
+    path = tmp_path / "qwen3.gguf"
+    written = write(model, tokenizer, path, gguf_type)
+    assert (written.architecture, written.pre_tokenizer) == ("qwen3", "qwen2")
+    found, tensors = fields(path)
+    assert found["general.architecture"] == "qwen3"
+    assert found["qwen3.attention.key_length"] == found["qwen3.attention.value_length"] == 128
+    assert found["qwen3.rope.dimension_count"] == 128 and found["qwen3.embedding_length"] == 64
+    assert {"blk.1.attn_q_norm.weight", "blk.1.attn_k_norm.weight"} <= set(tensors)
+    assert "output.weight" not in tensors and "rope_freqs.weight" not in tensors
+    back, _ = read_back(path)
+    assert type(back).__name__ == "Qwen3ForCausalLM"
+    ids = list(range(3, 60))
+    assert torch.allclose(logits(back, ids), logits(rounded(model, gguf_type), ids), atol=ROUNDED_BOUND)
+
+
+def test_llama3_rope_is_written_as_llama_cpps_rope_freqs_and_its_split_as_llama_bpe(tmp_path):
+    tokenizer = byte_level_tokenizer(qwen=False, llama3=True)
+    rope = llama3_rope()
+    model = tiny_llama(len(tokenizer), rope)
+    path = tmp_path / "llama3.gguf"
+    written = write(model, tokenizer, path)
+    assert written.pre_tokenizer == "llama-bpe"
+    found, _ = fields(path)
+    assert found["tokenizer.ggml.pre"] == "llama-bpe" and found["tokenizer.ggml.add_bos_token"] is True
+    assert not [key for key in found if key.startswith("llama.rope.scaling")]  # the tensor is all of it
+    reader = gguf.GGUFReader(str(path))
+    freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    assert freqs.tensor_type == gguf.GGMLQuantizationType.F32
+    expected = meta_llama3_divisors(10000.0, 16, 8.0, 1.0, 4.0, 32)
+    assert np.allclose(np.asarray(freqs.data, dtype=np.float64), expected, rtol=1e-5)
+    assert expected[0] == 1.0 and expected[-1] == 8.0 and 1.0 < expected[1] < 8.0  # all three kinds occur
+    # The weights are the model's: transformers' reader (which ignores rope_freqs) reads them back; its
+    # logits differ from the model's only through the RoPE it does not apply.
+    back, _ = read_back(path)
+    plain = tiny_llama(len(tokenizer))
+    plain.load_state_dict(model.state_dict())
+    ids = list(range(3, 60))
+    assert torch.allclose(logits(back, ids), logits(rounded(plain, "f16"), ids), atol=ROUNDED_BOUND)
+
+
+@pytest.mark.parametrize(
+    "rope, keys",
+    [
+        (
+            {"rope_type": "linear", "factor": 2.0},
+            {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
+        ),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "attention_factor": 1.25,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+            },
+            {
+                "llama.rope.scaling.type": "yarn",
+                "llama.rope.scaling.factor": 4.0,
+                "llama.rope.scaling.original_context_length": 64,
+                "llama.rope.scaling.yarn_attn_factor": 1.25,
+                "llama.rope.scaling.yarn_beta_fast": 16.0,
+                "llama.rope.scaling.yarn_beta_slow": 2.0,
+            },
+        ),
+    ],
+)
+def test_linear_and_yarn_rope_scaling_are_written_as_metadata_with_every_number_set(tmp_path, rope, keys):
+    tokenizer = byte_level_tokenizer(qwen=False)
+    path = tmp_path / "scaled.gguf"
+    write(tiny_llama(len(tokenizer), {"rope_theta": 10000.0, **rope}), tokenizer, path)
+    found, tensors = fields(path)
+    assert {key: found.get(key) for key in keys} == keys and "rope_freqs.weight" not in tensors
+    assert "llama.rope.scaling.yarn_ext_factor" not in found  # not set, not written: llama.cpp's default
+
+
+def test_a_rope_scaling_llama_cpp_reads_otherwise_is_refused_by_name_before_loading(
+    tmp_path, capsys, monkeypatch
+):
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = byte_level_tokenizer(qwen=False)
+    model = tiny_llama(len(tokenizer), {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    refusal = (
+        "the model's RoPE scaling 'dynamic' is not written by this export (it writes linear, yarn, llama3); "
+        "for this model, write a transformers checkpoint with `lora-grpo merge RUN --out DIR`"
+    )
+    with pytest.raises(GGUFExportError) as refused:
+        write(model, tokenizer, tmp_path / "dynamic.gguf")
+    assert str(refused.value).startswith(refusal)
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "dynamic.gguf"
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the base was loaded before the refusal")
+
+    import lora_grpo.export
+
+    monkeypatch.setattr(lora_grpo.export, "merge_policy", loaded)
+    base = f"model_name_or_path={tmp_path / 'base'}"
+    assert main(["export", str(tmp_path / "adapter"), "--gguf", str(out), "--set", base]) == 1
+    err = capsys.readouterr().err
+    assert refusal in err and "Traceback" not in err and not out.exists()
+
+
+def test_a_transformers_4_config_names_its_rope_scaling_as_transformers_5_does():
+    from types import SimpleNamespace
+
+    from lora_grpo.model.gguf_export import rope_factors, rope_parameters
+
+    old = SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
+    assert rope_parameters(old) == {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}
+    assert rope_parameters(SimpleNamespace(rope_theta=1e6, rope_scaling=None)) == {
+        "rope_type": "default",
+        "rope_theta": 1e6,
+    }
+    assert rope_factors(LlamaConfig(hidden_size=64, num_attention_heads=4)) is None

@@ -8,13 +8,17 @@ Written with the gguf package's own pieces: ``GGUFWriter`` for the file, ``get_t
   llama.cpp's own converter does. No ``output.weight`` when the embeddings are tied.
 - **Llama's q and k rows in llama.cpp's rotary order**: llama.cpp rotates pairs of neighbouring rows where
   transformers rotates the two halves of each head, so its converter permutes q and k (per query head, per
-  KV head) and transformers' GGUF reader (``LlamaTensorProcessor``) undoes exactly that. Qwen2 needs nothing.
+  KV head) and transformers' GGUF reader (``LlamaTensorProcessor``) undoes exactly that. Qwen2 and Qwen3
+  (whose per-head q / k norms are written as they are) need nothing.
 - **The architecture's numbers**: context length, embedding and feed-forward sizes, blocks, heads and KV
-  heads, RoPE base (and linear or YaRN scaling when set), RMS-norm epsilon, vocabulary size.
+  heads, RoPE base, RMS-norm epsilon, vocabulary size, and the RoPE scaling when set: linear or YaRN as
+  metadata, Llama 3's (``rope_type: llama3``) as llama.cpp reads it, a ``rope_freqs`` tensor of what each
+  frequency is divided by (the model's own frequencies against plain RoPE's).
 - **The tokenizer** (byte-level BPE, llama.cpp's ``gpt2`` model): every token (added ones typed control when
   special, user-defined otherwise; ids the model has and the tokenizer lacks as unused ``[PAD{id}]``), the
   merges, the BOS / EOS / pad / unknown ids, whether it adds BOS, its pre-tokenizer's name
-  (``tokenizer.ggml.pre``: which regex splits text before the merges) and the chat template.
+  (``tokenizer.ggml.pre``: which regex splits text before the merges: GPT-2's, SmolLM's, Qwen2's or Llama
+  3's) and the chat template.
 - **Where it came from**: ``general.name``, ``general.base_model.*`` naming the base (names, never a path
   of this machine) and a description saying it was trained with lora_grpo.
 
@@ -50,6 +54,7 @@ class Architecture:
 ARCHITECTURES = {
     "llama": Architecture(gguf_name="llama", rotary_rows_interleaved=True),
     "qwen2": Architecture(gguf_name="qwen2", rotary_rows_interleaved=False),
+    "qwen3": Architecture(gguf_name="qwen3", rotary_rows_interleaved=False),
 }
 GGUF_TYPES = ("f16", "q8_0")
 # The way out for what this export does not write, ending its refusals.
@@ -57,8 +62,21 @@ CONVERT_INSTEAD = (
     "write a transformers checkpoint with `lora-grpo merge RUN --out DIR` and convert that with llama.cpp's "
     "convert_hf_to_gguf.py"
 )
-# The rope_type values llama.cpp reads from metadata alone (llama3 and longrope need factor tensors).
-ROPE_SCALING = ("linear", "yarn")
+# The rope_type values written: linear and yarn as llama.cpp's metadata, llama3 as its rope_freqs tensor
+# (longrope's two factor tensors are not written).
+ROPE_SCALING = ("linear", "yarn", "llama3")
+# YaRN's optional numbers (transformers' rope_parameters key, the writer's method), written when the model sets them.
+YARN_NUMBERS = (
+    ("extrapolation_factor", "add_rope_scaling_yarn_ext_factor"),
+    ("attention_factor", "add_rope_scaling_yarn_attn_factor"),
+    ("beta_fast", "add_rope_scaling_yarn_beta_fast"),
+    ("beta_slow", "add_rope_scaling_yarn_beta_slow"),
+)
+# Llama 3's split before the merges (its tokenizer.json's Split regex), which llama.cpp calls llama-bpe.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -142,10 +160,23 @@ def _general(writer, gguf, gguf_type: str, provenance: Provenance) -> None:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
+def rope_parameters(config) -> dict:
+    """The model's RoPE settings as transformers 5 names them (``rope_parameters``: rope_type, rope_theta and
+    the scaling's numbers), also from a config of transformers 4 (``rope_scaling`` beside ``rope_theta``)."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _hyperparameters(writer, gguf, config, rows: int) -> None:
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rope = dict(getattr(config, "rope_parameters", None) or {})
+    head_dim = _head_dim(config)
+    rope = rope_parameters(config)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -157,21 +188,48 @@ def _hyperparameters(writer, gguf, config, rows: int) -> None:
         # llama.cpp assumes hidden_size / heads unless told
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(rows)
-    scaling = rope.get("rope_type", "default")
-    if scaling in (None, "default"):
+    scaling = rope_scaling(config)
+    # Llama 3's scaling has no metadata: the rope_freqs tensor (rope_factors) is all of it.
+    if scaling in ("default", "llama3"):
         return
-    if scaling not in ROPE_SCALING:
-        raise GGUFExportError(
-            f"the model's RoPE scaling {scaling!r} is not written by this export (it writes "
-            f"{', '.join(ROPE_SCALING)}); for this model, {CONVERT_INSTEAD}"
-        )
     writer.add_rope_scaling_type(gguf.RopeScalingType(scaling))
     writer.add_rope_scaling_factor(float(rope["factor"]))
     if original := rope.get("original_max_position_embeddings"):
         writer.add_rope_scaling_orig_ctx_len(int(original))
+    if scaling == "yarn":
+        for key, add in YARN_NUMBERS:
+            if rope.get(key) is not None:
+                getattr(writer, add)(float(rope[key]))
+
+
+def rope_scaling(config) -> str:
+    """The model's RoPE scaling ("default" for none); GGUFExportError for one this export does not write."""
+    scaling = rope_parameters(config)["rope_type"] or "default"
+    if scaling != "default" and scaling not in ROPE_SCALING:
+        raise GGUFExportError(
+            f"the model's RoPE scaling {scaling!r} is not written by this export (it writes "
+            f"{', '.join(ROPE_SCALING)}); for this model, {CONVERT_INSTEAD}"
+        )
+    return scaling
+
+
+def rope_factors(config) -> np.ndarray | None:
+    """Llama 3's RoPE scaling as llama.cpp reads it (its ``rope_freqs`` tensor): per frequency, what plain
+    RoPE's frequency is divided by to give the model's. The model's frequencies are transformers' own
+    (``ROPE_INIT_FUNCTIONS["llama3"]``); None for any other RoPE."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = rope_parameters(config)
+    if rope["rope_type"] != "llama3":
+        return None
+    dim = _head_dim(config)
+    plain = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    return (plain / scaled.float()).numpy().astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- the tokenizer
@@ -193,8 +251,8 @@ def _pre_tokenizer(tokenizer) -> tuple[dict, dict]:
 
 def pre_tokenizer_name(tokenizer) -> str:
     """llama.cpp's name for how the tokenizer splits text before its merges (``tokenizer.ggml.pre``), read
-    from its pre-tokenizer: GPT-2's regex alone (gpt-2), digits split one by one before it (smollm), or
-    Qwen2's regex (qwen2). GGUFExportError naming the split for any other."""
+    from its pre-tokenizer: GPT-2's regex alone (gpt-2), digits split one by one before it (smollm), Qwen2's
+    regex (qwen2, also Qwen3's) or Llama 3's (llama-bpe). GGUFExportError naming the split for any other."""
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT
 
     _, pre = _pre_tokenizer(tokenizer)
@@ -205,12 +263,15 @@ def pre_tokenizer_name(tokenizer) -> str:
         return "gpt-2"
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and regex_byte_level:
         return "smollm"
-    if kinds == ["Split", "ByteLevel"] and (steps[0].get("pattern") or {}).get("Regex") == QWEN2_SPLIT:
+    split = (steps[0].get("pattern") or {}).get("Regex") if kinds == ["Split", "ByteLevel"] else None
+    if split == QWEN2_SPLIT:
         return "qwen2"
+    if split == LLAMA3_SPLIT:
+        return "llama-bpe"
     raise GGUFExportError(
         f"the tokenizer's pre-tokenizer ({' + '.join(map(str, kinds))}) is none this export knows llama.cpp's "
-        f"name for (GPT-2's byte-level regex: gpt-2; digits then GPT-2's: smollm; Qwen2's split: qwen2). For this "
-        f"tokenizer, {CONVERT_INSTEAD}"
+        f"name for (GPT-2's byte-level regex: gpt-2; digits then GPT-2's: smollm; Qwen2's split: qwen2; Llama "
+        f"3's split: llama-bpe). For this tokenizer, {CONVERT_INSTEAD}"
     )
 
 
@@ -281,6 +342,9 @@ def _tensors(writer, gguf, model, arch: Architecture, gguf_type: str) -> tuple[i
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     count, kept = 0, []
+    if (factors := rope_factors(config)) is not None:
+        writer.add_tensor(f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS]}.weight", factors)
+        count += 1
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue
@@ -314,10 +378,11 @@ def _tensors(writer, gguf, model, arch: Architecture, gguf_type: str) -> tuple[i
 
 
 def check_exportable(path: str, trust_remote_code: bool = False) -> None:
-    """Refuse (GGUFExportError) a base of an architecture this export does not write, from its config alone:
-    before minutes of loading and merging."""
+    """Refuse (GGUFExportError) a base of an architecture or RoPE scaling this export does not write, from its
+    config alone: before minutes of loading and merging."""
     from transformers import AutoConfig
 
     with loading("merge", "base model's config", path):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     architecture_of(config)
+    rope_scaling(config)
