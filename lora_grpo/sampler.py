@@ -33,6 +33,16 @@ def resolve_callable(spec, what: str) -> Callable:
         ) from e
 
 
+def reset_fields(row: Mapping) -> dict:
+    """What an environment's ``reset(**row)`` gets for a prompt dataset's row: its fields as TRL passes them,
+    the prompt as the row gave it (its chat messages, or its text), not the loader's rendered text beside the
+    messages' own column."""
+    fields = {k: v for k, v in row.items() if k != PROMPT_MESSAGES}
+    if row.get(PROMPT_MESSAGES) is not None:
+        fields["prompt"] = row[PROMPT_MESSAGES]
+    return fields
+
+
 class PolicySampler:
     """sample(prompts, ...) → a Rollout of the policy, with the run's tools when it has any."""
 
@@ -91,7 +101,9 @@ class PolicySampler:
         cfg, G = self.config, num_generations or self.config.num_generations
         tools = None
         if self.toolbox is not None:
-            row_dicts = [dict(zip(rows, values)) for values in zip(*rows.values())] if rows else None
+            row_dicts = (
+                [reset_fields(dict(zip(rows, values))) for values in zip(*rows.values())] if rows else None
+            )
             with stage("environment"):  # the environments' constructors and reset(**row): the user's code
                 tools = self.toolbox.episode(
                     [r for r in row_dicts for _ in range(G)] if row_dicts else len(prompts) * G

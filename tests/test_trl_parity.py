@@ -330,6 +330,57 @@ def test_an_environment_that_owns_its_prompts_trains_without_a_dataset(qwen_tool
     assert set(seen) == {"2+2="}  # the reward functions see the prompt reset() filled, as the model did
 
 
+class Keeper:
+    """An environment whose reset() names its fields (no **kwargs) and keeps what it got."""
+
+    got = []
+
+    def reset(self, prompt, answer):
+        Keeper.got.append({"prompt": prompt, "answer": answer})
+
+    def get_reward(self) -> float:
+        return 0.0
+
+
+class KeeperOfAll:
+    """The same, for whatever fields come (TRL's docs' reset(self, **kwargs))."""
+
+    got = []
+
+    def reset(self, **kwargs):
+        KeeperOfAll.got.append(kwargs)
+
+    def get_reward(self) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_reset_gets_the_rows_own_fields_as_trl_passes_them(qwen_tool_base_dir, tmp_path, library):
+    from datasets import Dataset
+
+    Keeper.got, KeeperOfAll.got = [], []
+    rows = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"add {i}"}], "answer": str(i)} for i in range(4)]
+    )
+    script = f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, shuffle_dataset=False)
+        trainer = GRPOTrainer(model=MODEL, processing_class=TOKENIZER, reward_funcs=length_reward, args=args,
+                              train_dataset=ROWS, environment_factory=ENVIRONMENT)
+        trainer.train()
+    """
+    common = dict(MODEL=qwen_tool_base_dir, TOKENIZER=tool_tokenizer(qwen_tool_base_dir), ROWS=rows)
+    run(library, script, OUT=str(tmp_path / "named"), ENVIRONMENT=Keeper, **common)
+    # a step: the first prompt's group of 4 (1 prompt: 4 rows = per_device_train_batch_size); every rollout
+    # is reset with its row's own fields, the prompt as the row gave it (its messages)
+    assert Keeper.got and {(g["answer"], g["prompt"][-1]["content"]) for g in Keeper.got} <= {
+        (str(i), f"add {i}") for i in range(4)
+    }
+    assert all(g["prompt"] == [{"role": "user", "content": f"add {g['answer']}"}] for g in Keeper.got)
+    run(library, script, OUT=str(tmp_path / "all"), ENVIRONMENT=KeeperOfAll, **common)
+    assert KeeperOfAll.got and all(set(g) == {"prompt", "answer"} for g in KeeperOfAll.got)
+
+
 class Coding:
     """A routed environment with a tool: reset() returns the task, the prompt's only text."""
 
