@@ -35,8 +35,9 @@ def resolve_callable(spec, what: str) -> Callable:
 
 def reset_fields(row: Mapping) -> dict:
     """What an environment's ``reset(**row)`` gets for a prompt dataset's row: its fields as TRL passes them,
-    the prompt as the row gave it (its chat messages, or its text), not the loader's rendered text beside the
-    messages' own column."""
+    ``prompt`` the row's chat messages where it had them (as the policy sees them: ``system_prompt`` applied),
+    else its text (rendered: the row's own unless prompt_template, use_chat_template or system_prompt changed
+    it); never the loader's ``prompt_messages`` column beside it."""
     fields = {k: v for k, v in row.items() if k != PROMPT_MESSAGES}
     if row.get(PROMPT_MESSAGES) is not None:
         fields["prompt"] = row[PROMPT_MESSAGES]

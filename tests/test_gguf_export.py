@@ -621,6 +621,46 @@ def test_qwen3_is_written_with_its_q_k_norms_and_head_size_and_reads_back_as_sto
     assert torch.allclose(logits(back, ids), logits(rounded(model, gguf_type), ids), atol=ROUNDED_BOUND)
 
 
+def test_a_qwen3_base_trains_through_qlora_and_its_run_exports_as_its_merged_policy(tmp_path):
+    """The whole path on Qwen3: two GRPO steps on its 4-bit base with a reference sync, through the CLI, then
+    the run exported (merged into the dequantised base it was trained on) and read back."""
+    tokenizer = byte_level_tokenizer(qwen=True)
+    tiny_qwen3(len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    recipe = write_recipe(
+        tmp_path,
+        str(tmp_path / "base"),
+        max_steps=2,
+        learning_rate=5e-2,
+        reward_funcs=["helpers:digit_share"],
+        num_generations=4,
+        max_completion_length=8,
+        lora_alpha=8,
+        beta=0.04,
+        ref_sync_steps=1,
+        quantization="4bit",
+        eval_on_start=False,
+        eval_on_end=False,
+        eval_dataset=None,
+        torch_dtype="float32",
+    )
+    assert main(["train", str(recipe)]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["syncs"] == 2
+    exported = export_gguf(tmp_path / "run", tmp_path / "qwen3.gguf")
+    assert exported.merge_gap < 1e-4 and "qwen3" in exported.summary
+    # Merged into the original weights (--base full), the file is peft's own merge of the run's adapter.
+    export_gguf(tmp_path / "run", tmp_path / "full.gguf", base="full")
+    back, _ = read_back(tmp_path / "full.gguf")
+    assert type(back).__name__ == "Qwen3ForCausalLM"
+    ids = list(range(3, 60))
+    from_file = logits(back, ids)
+    merged = logits(merged_reference(str(tmp_path / "base"), tmp_path / "run" / "adapter"), ids)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    assert (from_file - merged).abs().max() < F16_BOUND
+    assert (from_file - logits(base, ids)).abs().max() > 20 * F16_BOUND  # the trained adapter is in the file
+
+
 def test_llama3_rope_is_written_as_llama_cpps_rope_freqs_and_its_split_as_llama_bpe(tmp_path):
     tokenizer = byte_level_tokenizer(qwen=False, llama3=True)
     rope = llama3_rope()
