@@ -392,12 +392,17 @@ if which == "ours":
             step(variant, number, seconds)
         result[variant] = dict(steps_timed=2, step_s=2.0, peak_rss_mib=100.0)
         print("VARIANT " + json.dumps(dict(variant=variant, **result[variant])), flush=True)
+        if "--ours-hangs" in sys.argv:
+            time.sleep(600)
     print("RESULT " + json.dumps(result))
 else:
     step("trl", 1, 40.0)
     step("trl", 2, 8.0)
     if "--fail" in sys.argv:
         sys.exit("TRL's worker broke")
+    if "--trl-ends" in sys.argv:
+        print("RESULT " + json.dumps({"trl": dict(steps_timed=1, step_s=8.0, peak_rss_mib=90.0)}))
+        sys.exit(0)
     time.sleep(600)
 """
 
@@ -441,16 +446,59 @@ def test_section_12_fails_naming_a_worker_that_broke_and_keeps_the_others_figure
     assert "every worker ran (trl failed)" in section["findings"]["failures"]
 
 
+def test_section_12_runs_trls_worker_when_ours_ends_at_its_limit(tmp_path, monkeypatch):
+    """Ours killed at its cap (after its first variant) leaves TRL's worker its own run: both recorded, the
+    section failed naming ours' cap (a cap too small for the work is a failure; the budget's end, a stop)."""
+    from benchmarks.gpu_check import vs_trl
+
+    monkeypatch.setattr(
+        vs_trl,
+        "worker_command",
+        lambda *args: [sys.executable, "-c", PEER_STUB, *args, "--ours-hangs", "--trl-ends"],
+    )
+    monkeypatch.setattr(vs_trl, "CAPS", {"ours": 2.0, "trl": 20.0})  # × 3 in the dry run
+    args, run = dry_run(tmp_path)
+    args.budget = float("inf")
+    run_section(BY_NUMBER[12], run)
+    section = run.summary[BY_NUMBER[12].name]
+    failures = section["findings"]["failures"]
+    assert section["status"] == "failed" and "the ours run finished within 6 s" in failures, section
+    found = section["findings"]
+    assert found["ours"]["step_s"] == 2.0 and found["trl"] == {
+        "steps_timed": 1,
+        "step_s": 8.0,
+        "peak_rss_mib": 90.0,
+    }
+    assert found["ours_over_trl"]["defaults"]["step_s"] == 0.25 and not _common.CHILDREN
+
+
 def test_a_worker_stops_itself_after_the_step_that_would_leave_too_little_of_its_time():
     from benchmarks.gpu_check import vs_trl
 
     age = harness.process_age()
     steps = vs_trl.Steps("trl", 16, deadline=age + 100)
+    steps.add(step_s=80.0, tokens=1)  # the first (ours: the decode's compile) does not predict the next
+    assert steps.more()
     steps.add(step_s=10.0, tokens=1)
     assert steps.more()
     steps.add(step_s=80.0, tokens=1)
     assert not steps.more()
     assert vs_trl.Steps("ours", 16, deadline=None).more()
+    late = vs_trl.Steps("ours", 16, deadline=age + vs_trl.FIRST_RESERVE - 1)
+    late.add(step_s=1.0, tokens=1)
+    assert not late.more()  # after the first step alone: FIRST_RESERVE must be left
+
+
+def test_a_second_variant_starts_only_where_its_load_retrace_and_two_steps_fit():
+    from benchmarks.gpu_check import vs_trl
+
+    first = {"first_step_s": 50.0, "step_s": 6.0}  # need LOAD_S + 0.3 × 50 + 2 × 6 = 34 s
+    age = harness.process_age()
+    assert vs_trl.room_for_another(age + 40, first)
+    assert not vs_trl.room_for_another(age + 30, first)
+    assert vs_trl.room_for_another(None, first)
+    untimed = {"first_step_s": 50.0, "step_s": float("nan")}  # no step after the first: FIRST_RESERVE
+    assert vs_trl.room_for_another(age + 15, untimed) and not vs_trl.room_for_another(age + 5, untimed)
 
 
 def test_only_2_4_starts_section_4_with_no_tensor_of_section_2_alive(tmp_path, monkeypatch):

@@ -117,6 +117,34 @@ def test_the_profile_gives_the_ops_on_a_cpu_and_no_kernels_without_cuda():
     assert ks.events_of(prof, cuda=True) == [] and ks.graph_launches(prof) == 0
 
 
+def test_on_cuda_the_kernels_count_and_the_annotated_ranges_around_them_do_not():
+    """What key_averages() gives on a GPU (kineto's events as torch 2.13 names them): a compiled region's
+    range on the GPU spans its kernels and is not one of them; CUPTI may suffix cudaGraphLaunch."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(key, device_type, us, count=1, annotation=False):
+        return SimpleNamespace(
+            key=key,
+            device_type=device_type,
+            device_time_total=us,
+            self_cpu_time_total=us,
+            count=count,
+            is_user_annotation=annotation,
+        )
+
+    averages = [
+        event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 700.0, count=2),
+        event("Torch-Compiled Region: 0/0", DeviceType.CUDA, 900.0, annotation=True),
+        event("aten::mm", DeviceType.CPU, 300.0, count=2),
+        event("cudaGraphLaunch_v10000", DeviceType.CPU, 5.0, count=3),
+    ]
+    prof = SimpleNamespace(key_averages=lambda: averages)
+    assert ks.events_of(prof, cuda=True) == [ks.Event("sm90_xmma_gemm_bf16", 700.0, 2)]
+    assert ks.graph_launches(prof) == 3
+
+
 def test_the_table_gives_each_kind_its_share_and_its_distance_from_the_floor():
     lines = ks.table({"GEMM": 0.003, "attention": 0.001, ks.GAPS: 0.0}, {"GEMM": 0.001})
     assert lines[2] == "| GEMM | 3.000 | 75% | 1 | 3.0× |"

@@ -1,5 +1,5 @@
 """The GPU check: what only a GPU can show about lora_grpo, in one command of a lent machine's visit
-(the sections that time something alone, then the others in three lanes side by side: ~496 s by the
+(the sections that time something alone, then the others in three lanes side by side: ~516 s by the
 estimates against --budget 540; benchmarks/README.md's device-time plan).
 
 Nothing is downloaded: the models are random-init Qwen2s built locally (_common.build_qwen2), in

@@ -94,10 +94,14 @@ def worker(model: str, out: str, shape: str = SHAPE) -> dict:
 
 
 def expandable_segments() -> dict:
-    """How many of this process's allocator segments are expandable (CUDA; {} elsewhere)."""
+    """How many of this process's allocator segments are expandable (CUDA; {} elsewhere). A tensor is held
+    while the snapshot is taken: a process that has allocated nothing yet (section 15 rerun alone) maps no
+    segment to look at."""
     if not torch.cuda.is_available():
         return {}
+    held = torch.empty(2**20, dtype=torch.uint8, device="cuda")
     segments = torch.cuda.memory_snapshot()
+    del held
     return {
         "segments": len(segments),
         "expandable_segments": sum(bool(s.get("is_expandable")) for s in segments),

@@ -87,7 +87,9 @@ def events_of(profile, cuda: bool) -> list[Event]:
     out = []
     for e in profile.key_averages():
         if cuda:
-            if e.device_type != DeviceType.CUDA:
+            # A record_function range on the GPU (a compiled region, an optimizer step) spans its kernels: not
+            # one of them (torch's own table leaves these out of the device total too).
+            if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
                 continue
             us = getattr(e, "device_time_total", None)
             us = e.cuda_time_total if us is None else us
@@ -101,7 +103,7 @@ def events_of(profile, cuda: bool) -> list[Event]:
 def graph_launches(profile) -> int:
     """How many CUDA graphs the profiled steps launched (cudaGraphLaunch calls): one per graph a step
     runs, so a step with graph breaks launches several."""
-    return sum(int(e.count) for e in profile.key_averages() if e.key == "cudaGraphLaunch")
+    return sum(int(e.count) for e in profile.key_averages() if e.key.startswith("cudaGraphLaunch"))
 
 
 def shares(events: list[Event], wall_s: float, steps: int) -> dict[str, float]:

@@ -90,9 +90,11 @@ class Lane:
 
 
 def lane_threads(lanes: int) -> int:
-    """Each lane's CPU threads (OMP_NUM_THREADS, when the user set none): the machine's cores shared,
-    so that a lane's CPU work (section 7's CPU resume, inductor's compiles) does not oversubscribe."""
-    return max(1, (os.cpu_count() or 1) // max(1, lanes))
+    """Each lane's CPU threads (OMP_NUM_THREADS, when the user set none): the cores this process may run on
+    (not the host's count a container may report) shared, so that a lane's CPU work (section 7's CPU resume,
+    inductor's compiles) does not oversubscribe."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, lanes))
 
 
 def relay(lane: Lane) -> None:
@@ -124,7 +126,12 @@ def start(run: Run, lane: Lane, budget: float, threads: int) -> None:
     (lane.folder / "summary.json").unlink(missing_ok=True)
     lane.started = time.perf_counter()
     lane.process = subprocess.Popen(
-        worker_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **options
+        worker_command(*args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",  # a stray byte must not end the relay (the lane would then block on a full pipe)
+        **options,
     )
     CHILDREN.add(lane.process)
     lane.relay = threading.Thread(target=relay, args=(lane,), daemon=True)
@@ -138,8 +145,11 @@ def run_lanes(run: Run, lanes: list[tuple[int, ...]]) -> None:
     chosen = [numbers for numbers in chosen if numbers]
     if not chosen:
         return
-    root = Path(run.args.out) if run.args.out else run.root
-    run.lanes = [Lane(numbers, root / "lanes" / f"lane-{'-'.join(map(str, numbers))}") for numbers in chosen]
+    # Each lane's own --out in the scratch folder, not under --out: the device tool brings back at most 8 files
+    # (OUT_FILES), and the lane's lines are in log.txt, its verdicts in summary.json.
+    run.lanes = [
+        Lane(numbers, run.root / "lanes" / f"lane-{'-'.join(map(str, numbers))}") for numbers in chosen
+    ]
     budget = run.left() - LANE_MARGIN
     labels = ", ".join(lane.label for lane in run.lanes)
     if budget < LANE_START_S:
