@@ -56,7 +56,7 @@ number of failed sections.
 12. vs TRL       step time (split into generation, rewards with reference log-probs, and the update)
                  and peak allocated and reserved memory of lora_grpo and of TRL's GRPOTrainer + a peft
                  LoraConfig on the same random 0.5B 4-bit model, prompts, reward and settings (2
-                 prompts × G 8, 64 + 64 tokens, up to 3 timed steps after one), both at their
+                 prompts × G 8, 64 + 64 tokens, up to 2 timed steps after one), both at their
                  defaults and again with gradient checkpointing on in both (TRL's default); each
                  trainer in a fresh worker that stops itself before its limit, its figures recorded
                  as it ends (vs_trl.py); when TRL imports. A measurement: it fails only when a run
