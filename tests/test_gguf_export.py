@@ -138,18 +138,21 @@ def save_base(root, qwen: bool) -> str:
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def trained(request, tmp_path_factory):
-    """(architecture, base dir, run dir) of a two-step GRPO run through the CLI, rewarded for digits (which
-    the random model writes some of), learning rate high enough that the adapter's B is well off zero;
+    """(architecture, base dir, run dir) of a two-step GRPO run through the CLI (train_two_steps),
     checkpoint-1 and checkpoint-2 kept."""
     qwen = request.param == "qwen2"
     tmp = tmp_path_factory.mktemp(request.param)
     base = save_base(tmp / "base", qwen)
+    return request.param, base, train_two_steps(tmp, base, save_steps=1, save_total_limit=0)
+
+
+def train_two_steps(tmp, base: str, **settings):
+    """The run directory of two GRPO steps on `base` through the CLI (`settings` on top), rewarded for digits
+    (which the random model writes some of), learning rate high enough that the adapter's B is well off zero."""
     recipe = write_recipe(
         tmp,
         base,
         max_steps=2,
-        save_steps=1,
-        save_total_limit=0,
         learning_rate=5e-2,
         reward_funcs=["helpers:digit_share"],
         num_generations=4,
@@ -159,9 +162,10 @@ def trained(request, tmp_path_factory):
         eval_on_end=False,
         eval_dataset=None,
         torch_dtype="float32",
+        **settings,
     )
     assert main(["train", str(recipe)]) == 0
-    return request.param, base, tmp / "run"
+    return tmp / "run"
 
 
 def merged_reference(base: str, adapter) -> torch.nn.Module:
@@ -627,24 +631,7 @@ def test_a_qwen3_base_trains_through_qlora_and_its_run_exports_as_its_merged_pol
     tokenizer = byte_level_tokenizer(qwen=True)
     tiny_qwen3(len(tokenizer)).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
-    recipe = write_recipe(
-        tmp_path,
-        str(tmp_path / "base"),
-        max_steps=2,
-        learning_rate=5e-2,
-        reward_funcs=["helpers:digit_share"],
-        num_generations=4,
-        max_completion_length=8,
-        lora_alpha=8,
-        beta=0.04,
-        ref_sync_steps=1,
-        quantization="4bit",
-        eval_on_start=False,
-        eval_on_end=False,
-        eval_dataset=None,
-        torch_dtype="float32",
-    )
-    assert main(["train", str(recipe)]) == 0
+    train_two_steps(tmp_path, str(tmp_path / "base"), beta=0.04, ref_sync_steps=1, quantization="4bit")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["syncs"] == 2
     exported = export_gguf(tmp_path / "run", tmp_path / "qwen3.gguf")

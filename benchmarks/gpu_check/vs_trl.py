@@ -58,8 +58,8 @@ PAIRS = [("defaults", "ours", "trl"), ("checkpointing alike (on)", "ours_checkpo
 CAPS = {"ours": 120.0, "trl": 70.0}
 # Seconds a worker keeps before its limit to end cleanly (its last lines printed).
 SELF_STOP = 6.0
-# Seconds left after a variant's first step for a second one to start (estimated, not measured: a 0.5B
-# step after the first took 8.9 s on the H200 at 64 + 128 tokens).
+# Seconds that must be left after a variant's first step for its second step to start (estimated, not
+# measured: a 0.5B step after the first took 8.9 s on the H200 at 64 + 128 tokens).
 FIRST_RESERVE = 10.0
 # A second variant of ours: loading its trainer (~7 s on the H200), and its first step's share of the first
 # variant's (the decode re-traced for the new model; inductor's compiled code is cached in the process).
@@ -306,8 +306,7 @@ def peer_run(which: str, path: str, settings: dict, cuda: bool) -> dict:
     prompts = token_prompts(QWEN2_SHAPES[s["shape"]]["vocab_size"], s["prompt"], count=16 * s["prompts"])
     results = {}
     for variant, checkpointing in VARIANTS[which]:
-        if results and not room_for_another(deadline, results[list(results)[-1]]):
-            emit("SKIPPED", {"variant": variant, "age_s": process_age()})
+        if results and not room_for_another(deadline, list(results.values())[-1]):
             break
         if cuda:
             gc.collect()
