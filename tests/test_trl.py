@@ -552,7 +552,7 @@ def test_a_trl_recipe_file_is_read_as_trls_parser_reads_it_and_its_errors_name_l
     # `env:` is set in the environment, as TRL's parser does
     monkeypatch.delenv("LORA_GRPO_TEST_ENV", raising=False)
     (tmp_path / "env.yaml").write_text(good.read_text() + "env: {LORA_GRPO_TEST_ENV: 7}\n")
-    _, args, _ = parse(["--config", str(tmp_path / "env.yaml")])
+    _, args, _, _ = parse(["--config", str(tmp_path / "env.yaml")])
     assert args.max_steps == 1 and __import__("os").environ["LORA_GRPO_TEST_ENV"] == "7"
     # an empty file: TRL's sentence first
     recipe, err = refused("# nothing yet\n")
@@ -575,11 +575,211 @@ def test_a_trl_recipe_file_is_read_as_trls_parser_reads_it_and_its_errors_name_l
     recipe, err = refused(good.read_text() + "num_generation: 4\n")
     assert _trls_parser_error(recipe) is None
     assert "'num_generation' (did you mean 'num_generations'?)" in err
-    # TRL's dataset mixtures are refused by name, with the one-dataset way
-    recipe, err = refused(good.read_text() + "datasets: [{path: trl-lib/tldr}]\n")
-    assert "dataset mixtures" in err and "dataset_name" in err
+    # a misspelt key inside a dataset mixture's entry: TRL's sentence first, then the key's name
+    recipe, err = refused(
+        good.read_text() + f"datasets: [{{path: json, data_files: {data}, colums: [prompt]}}]\n"
+    )
+    trls = str(_trls_parser_error(recipe))
+    assert trls == "DatasetConfig.__init__() got an unexpected keyword argument 'colums'"
+    assert err.startswith(f"lora-grpo: config error: {trls}. datasets[0]: 'colums' (did you mean 'columns'?)")
     assert main(["trl", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml: no such file" in capsys.readouterr().err
+
+
+def test_the_recipe_scripts_dataclasses_are_trls_field_by_field():
+    pytest.importorskip("trl")
+    from trl import ModelConfig
+    from trl.scripts.grpo import GRPOScriptArguments
+    from trl.scripts.utils import DatasetMixtureConfig
+
+    from lora_grpo.trl import script, script_data
+
+    for theirs, ours in (
+        (GRPOScriptArguments, script.ScriptArguments),
+        (ModelConfig, script.ModelConfig),
+        (DatasetMixtureConfig, script_data.DatasetMixtureConfig),
+    ):
+        assert {f.name: _default(f) for f in dataclasses.fields(theirs)} == {
+            f.name: _default(f) for f in dataclasses.fields(ours)
+        }, theirs.__name__
+
+
+# ------------------------------------------------------------------------------ TRL's dataset mixtures
+def _sources(tmp_path):
+    """Two datasets of different extra columns, each a directory holding train.jsonl: a (10 rows, a `source`
+    column) and b (6 rows, a `level` column)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for where, rows, extra in ((a, PROMPTS[:10], "source"), (b, PROMPTS[10:16], "level")):
+        where.mkdir()
+        (where / "train.jsonl").write_text(
+            "".join(
+                json.dumps({"prompt": r["prompt"], "solution": r["answer"], extra: 1}) + "\n" for r in rows
+            )
+        )
+    return a, b
+
+
+def _mixture(a, b, fractions=(None, None), columns=("prompt", "solution")):
+    entries = [{"path": "json", "data_files": str(a / "train.jsonl")}, {"path": str(b)}]
+    for entry, fraction in zip(entries, fractions, strict=True):
+        entry["columns"] = list(columns)
+        if fraction is not None:
+            entry["fraction"] = fraction
+    return entries
+
+
+def _trls_mixture(recipe, *flags):
+    """TRL's own parser and get_dataset over a recipe (what `trl grpo --config recipe` loads), or its error."""
+    from trl import GRPOConfig, ModelConfig
+    from trl.scripts.grpo import GRPOScriptArguments
+    from trl.scripts.utils import DatasetMixtureConfig, TrlParser, get_dataset
+
+    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig))
+    *_, mixture = parser.parse_args_and_config(
+        ["--config", str(recipe), *flags], fail_with_unknown_args=False
+    )
+    try:
+        return get_dataset(mixture)
+    except ValueError as e:
+        return e
+
+
+def _our_mixture(recipe, *flags):
+    from lora_grpo.trl.script import parse
+    from lora_grpo.trl.script_data import script_dataset
+
+    script, args, _, mixture = parse(["--config", str(recipe), *flags])
+    return script_dataset(script, mixture, args.seed)
+
+
+def test_a_dataset_mixture_loads_what_trls_get_dataset_loads(tiny_base_dir, tmp_path):
+    pytest.importorskip("trl")
+    a, b = _sources(tmp_path)
+    cases = {
+        # whole, concatenated in order
+        "whole": _mixture(a, b),
+        # shares 0.75 / 0.25: the largest mixture that repeats no row is 13.3, so 10 and 3 rows
+        "fractions": _mixture(a, b, fractions=(0.75, 0.25)),
+        # shares normalised (1 : 3): 2 and 6 rows
+        "unnormalised": _mixture(a, b, fractions=(1, 3)),
+        # one column of each
+        "columns": _mixture(a, b, columns=("prompt",)),
+    }
+    sizes = {"whole": 16, "fractions": 13, "unnormalised": 8, "columns": 16}
+    for case, entries in cases.items():
+        recipe = _trl_recipe(tmp_path, tiny_base_dir, a, name=f"{case}.yaml", datasets=entries)
+        theirs, ours = _trls_mixture(recipe), _our_mixture(recipe)
+        assert list(ours) == list(theirs) == ["train"], case
+        assert ours["train"].to_list() == theirs["train"].to_list(), case
+        assert len(ours["train"]) == sizes[case], case
+    # the command line's --datasets: paths, as TRL's parser reads them
+    recipe = _trl_recipe(tmp_path, tiny_base_dir, a, name="flags.yaml")
+    theirs, ours = (
+        _trls_mixture(recipe, "--datasets", str(a), str(b)),
+        _our_mixture(recipe, "--datasets", str(a), str(b)),
+    )
+    assert ours["train"].to_list() == theirs["train"].to_list() and len(ours["train"]) == 16
+    # test_split_size: the same sizes as TRL's split; drawn with the run's seed, the same split every time
+    # (TRL's draws fresh entropy); the two splits hold the mixture's rows between them
+    recipe = _trl_recipe(
+        tmp_path, tiny_base_dir, a, name="split.yaml", datasets=_mixture(a, b), test_split_size=0.25
+    )
+    theirs, ours, again = _trls_mixture(recipe), _our_mixture(recipe), _our_mixture(recipe)
+    assert (
+        {k: len(v) for k, v in ours.items()}
+        == {k: len(v) for k, v in theirs.items()}
+        == {"train": 12, "test": 4}
+    )
+    assert all(ours[k].to_list() == again[k].to_list() for k in ("train", "test"))
+    whole = list(_our_mixture(tmp_path / "whole.yaml")["train"]["prompt"])
+    assert sorted([*ours["train"]["prompt"], *ours["test"]["prompt"]]) == sorted(whole)
+    other_seed = _our_mixture(recipe, "--seed", "7")
+    assert other_seed["test"].to_list() != ours["test"].to_list()
+
+
+def test_a_wrong_mixture_is_refused_with_trls_sentence_first_and_the_fix(tiny_base_dir, tmp_path, capsys):
+    pytest.importorskip("trl")
+    from trl import GRPOConfig, ModelConfig
+    from trl.scripts.grpo import GRPOScriptArguments
+    from trl.scripts.grpo import main as trls_script
+    from trl.scripts.utils import DatasetMixtureConfig
+
+    from lora_grpo.cli import main
+
+    a, b = _sources(tmp_path)
+
+    def refused(**fields):
+        recipe = _trl_recipe(tmp_path, tiny_base_dir, a, name="bad.yaml", **fields)
+        assert main(["trl", "--config", str(recipe)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and not (tmp_path / "run").exists()
+        (line,) = [line for line in err.splitlines() if line.startswith("lora-grpo:")]
+        return recipe, line.removeprefix("lora-grpo: config error: ")
+
+    # a share on one entry only: TRL's sentence, then the shares
+    recipe, err = refused(datasets=_mixture(a, b, fractions=(0.5, None)))
+    trls = str(_trls_mixture(recipe))
+    assert trls == "`fraction` must be set for either all datasets in the mixture or none of them."
+    assert err.startswith(f"{trls} Fractions now: [0.5, None]")
+    # an entry without a path
+    recipe, err = refused(datasets=[{"data_files": str(a / "train.jsonl")}])
+    assert err.startswith(
+        "DatasetConfig.__init__() missing 1 required positional argument: 'path'. datasets[0]"
+    )
+    # a column that is not there
+    recipe, err = refused(datasets=_mixture(a, b, columns=("prompt", "soluton")))
+    assert "datasets[0] (path 'json'): no column 'soluton' (did you mean 'solution'?)" in err
+    # a column of two types does not mix (columns that one dataset lacks are filled with None, as in TRL)
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "train.jsonl").write_text(json.dumps({"prompt": "1+1=", "solution": 2}) + "\n")
+    recipe, err = refused(datasets=[{"path": str(a)}, {"path": str(c)}])
+    assert err.startswith("the datasets do not mix (The features can't be aligned because the key solution")
+    assert "datasets[0]: ['prompt', 'solution', 'source']; datasets[1]: ['prompt', 'solution']" in err
+    assert "leave it out with the entry's `columns:`" in err
+    # a split the entry's files do not have
+    recipe, err = refused(datasets=[{"path": str(a), "split": "validation"}])
+    assert err.startswith(f"datasets[0] (path {str(a)!r}): Unknown split") and "set its `split:`" in err
+    # an eval without a test split: test_split_size is the fix
+    recipe, err = refused(datasets=_mixture(a, b), eval_strategy="steps")
+    assert err.startswith(
+        "the mixture (datasets:) has no split 'test' (dataset_test_split); its splits are ['train']"
+    )
+    assert "set test_split_size to hold part of the mixture out for evaluation" in err
+    # streaming: lora_grpo shuffles a map-style dataset
+    recipe, err = refused(datasets=_mixture(a, b), streaming=True)
+    assert err.startswith("streaming: lora_grpo draws prompts from a map-style dataset")
+    # no data at all: TRL's sentence
+    with pytest.raises(ValueError) as theirs:
+        trls_script(
+            GRPOScriptArguments(),
+            GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none"),
+            ModelConfig(model_name_or_path=tiny_base_dir),
+            DatasetMixtureConfig(),
+        )
+    recipe, err = refused(dataset_name=None)
+    assert err.startswith(f"{theirs.value} Give dataset_name")
+
+
+def test_a_trl_recipe_trains_and_evaluates_on_a_mixture_with_trls_warning_for_a_dataset_name_beside_it(
+    tiny_base_dir, tmp_path, caplog
+):
+    import logging
+
+    from lora_grpo.cli import main
+
+    a, b = _sources(tmp_path)
+    recipe = _trl_recipe(
+        tmp_path, tiny_base_dir, a, datasets=_mixture(a, b), test_split_size=0.25, eval_strategy="steps"
+    )
+    with caplog.at_level(logging.WARNING):
+        assert main(["trl", "--config", str(recipe)]) == 0
+    assert (
+        "Both `datasets` and `dataset_name` are provided. The `datasets` argument will be used to load the dataset "
+        "and `dataset_name` will be ignored."
+    ) in caplog.messages
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(any(k.startswith("eval/") for k in r) for r in history)
 
 
 def test_an_eval_strategy_without_a_test_split_names_the_dataset_the_split_and_the_fixes(

@@ -1,13 +1,15 @@
 """`lora-grpo trl --config recipe.yaml [--flag value ...]`: what `trl grpo --config` accepts, run here.
 
-A TRL recipe holds three groups of keys, as TRL's GRPO script parses them (transformers'
-HfArgumentParser over three dataclasses; the YAML gives the defaults, flags override them):
+A TRL recipe holds four groups of keys, as TRL's GRPO script parses them (transformers'
+HfArgumentParser over four dataclasses; the YAML gives the defaults, flags override them):
 
     ScriptArguments  dataset_name, dataset_config, dataset_train_split, dataset_test_split,
                      reward_model_name_or_path, reward_funcs (TRL's registry names or dotted paths)
     ModelConfig      model_name_or_path, model_revision, dtype, attn_implementation, use_peft, lora_*,
                      load_in_4bit / load_in_8bit, bnb_4bit_quant_type, use_bnb_nested_quant
     GRPOConfig       every field of TRL's GRPOConfig (lora_grpo.trl.GRPOConfig)
+    DatasetMixtureConfig  datasets (several to mix), streaming, test_split_size (script_data.py, which
+                     loads the data as TRL's script does)
 
 TRL's reward registry: accuracy_reward, reasoning_accuracy_reward, think_format_reward,
 get_soft_overlong_punishment (max_completion_len 1280, soft_punish_cache 256), as lora_grpo's
@@ -28,6 +30,7 @@ from ..config import ConfigError
 from ..config_checks import did_you_mean
 from ..recipe_yaml import read_recipe
 from ..rewards.specs import import_hint
+from .script_data import DatasetMixtureConfig, dataset_split, script_dataset
 
 
 @dataclass
@@ -82,6 +85,13 @@ class ModelConfig:
     bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit type"})
     use_bnb_nested_quant: bool = field(default=False, metadata={"help": "double quantization"})
     bnb_4bit_quant_storage: str | None = field(default=None, metadata={"help": "4-bit storage dtype"})
+
+
+def groups() -> tuple:
+    """The four dataclasses of TRL's GRPO script, in its order (TRL's GRPOConfig imported on first use)."""
+    from .config import GRPOConfig
+
+    return (ScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig)
 
 
 def reward_registry() -> dict:
@@ -199,17 +209,12 @@ def peft_and_quantization(model_args):
     return peft, quant
 
 
-# TRL's GRPO script parses a fourth dataclass, DatasetMixtureConfig: a list of datasets to mix
-MIXTURE_KEYS = ("datasets", "streaming", "test_split_size")
-
-
 def parse(argv: list[str]):
-    """(ScriptArguments, GRPOConfig, ModelConfig) from `--config file.yaml` (defaults) and flags (override)."""
+    """(ScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig) from `--config file.yaml` (defaults) and
+    flags (override)."""
     from transformers import HfArgumentParser
 
-    from .config import GRPOConfig
-
-    parser = HfArgumentParser((ScriptArguments, GRPOConfig, ModelConfig), prog="lora-grpo trl")
+    parser = HfArgumentParser(groups(), prog="lora-grpo trl")
     argv = list(argv)
     if "--config" in argv:
         at = argv.index("--config")
@@ -227,8 +232,6 @@ def parse(argv: list[str]):
 def read_config(path: str) -> dict:
     """A `--config` file's values, read as a recipe is (recipe_yaml.read_recipe: errors at their line and
     column, no tag builds an object); its `env` mapping set in the environment, as TRL's parser does."""
-    from .config import GRPOConfig
-
     if not Path(path).is_file():
         raise ConfigError(f"--config {path}: no such file: give the path of a TRL GRPO recipe (YAML)")
     values, _ = read_recipe(path, not_a_mapping=f"Config file {path} must contain a YAML mapping.")
@@ -238,73 +241,26 @@ def read_config(path: str) -> dict:
             f"`env` field should be a dict in the YAML file. {path}: write one `NAME: value` a line under `env:`, "
             "e.g. `env: {WANDB_PROJECT: my-project}`"
         )
-    known = {f.name for cls in (ScriptArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)}
+    known = {f.name for cls in groups() for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
-    mixture = [k for k in unknown if k in MIXTURE_KEYS]
-    if mixture:
-        raise ConfigError(
-            f"{path}: {mixture}: TRL's dataset mixtures (DatasetMixtureConfig) are not supported by the TRL front "
-            "door; give one dataset as dataset_name (a hub name, a data file or a directory of split files)"
-        )
     if unknown:
         hints = [f"{k!r}{did_you_mean(k, known)}" for k in unknown]
         raise ConfigError(
-            f"{path}: unknown keys {', '.join(hints)} (not in TRL's ScriptArguments, GRPOConfig or ModelConfig): "
-            "correct or remove them"
+            f"{path}: unknown keys {', '.join(hints)} (not in TRL's ScriptArguments, GRPOConfig, ModelConfig or "
+            "DatasetMixtureConfig): correct or remove them"
         )
     for key, value in env.items():
         os.environ[str(key)] = str(value)
     return values
 
 
-DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def load_script_dataset(name: str, config_name: str | None):
-    """dataset_name as TRL's script loads it (datasets.load_dataset), and a local data file as datasets reads
-    one: its builder by extension, the file as the "train" split."""
-    from datasets import load_dataset
-
-    path = Path(name)
-    if path.is_file() and path.suffix in DATA_FILES:
-        return load_dataset(DATA_FILES[path.suffix], data_files={"train": str(path)})
-    if path.is_file():
-        raise ConfigError(
-            f"dataset_name={name!r}: a local file must be one of {sorted(DATA_FILES)} (or a directory "
-            "or hub name that datasets.load_dataset reads)"
-        )
-    return load_dataset(name, name=config_name)
-
-
-def dataset_split(dataset, script, field_name: str):
-    """The split `script.<field_name>` names, as TRL's script takes it (dataset[split]); a split the dataset does
-    not have is a ConfigError naming the dataset, the split, the splits it has and the fix (TRL: KeyError)."""
-    split = getattr(script, field_name)
-    if split in dataset:
-        return dataset[split]
-    fixes = f"set {field_name} to one of them"
-    if field_name == "dataset_test_split":
-        fixes += (
-            f", point dataset_name at a directory holding a file per split (train.jsonl and {split}.jsonl: "
-            "datasets names the splits after the files), or set eval_strategy: no to train without evaluation"
-        )
-    raise ConfigError(
-        f"dataset_name={script.dataset_name!r} has no split {split!r} ({field_name}); its splits are "
-        f"{list(dataset)}: {fixes}"
-    )
-
-
 def main(argv: list[str]) -> int:
     """TRL's GRPO script, on lora_grpo: load the data, build the trainer, train, save, end."""
     from . import GRPOTrainer
 
-    script, training_args, model_args = parse(argv)
-    if script.dataset_streaming:
-        raise ConfigError(
-            "dataset_streaming: lora_grpo draws prompts from a map-style dataset (shuffled, resumable)"
-        )
-    if not script.dataset_name or not model_args.model_name_or_path:
-        raise ConfigError("a TRL recipe needs dataset_name and model_name_or_path")
+    script, training_args, model_args, mixture = parse(argv)
+    if not model_args.model_name_or_path:
+        raise ConfigError("a TRL recipe needs model_name_or_path: the model's hub name or local directory")
     init = dict(
         revision=model_args.model_revision,
         attn_implementation=model_args.attn_implementation,
@@ -313,14 +269,15 @@ def main(argv: list[str]) -> int:
     )
     init.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = init
-    dataset = load_script_dataset(script.dataset_name, script.dataset_config)
+    dataset = script_dataset(script, mixture, training_args.seed)
+    mixed = bool(mixture.datasets)
     peft, quantization = peft_and_quantization(model_args)
     trainer = GRPOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=reward_funcs(script),
         args=training_args,
-        train_dataset=dataset_split(dataset, script, "dataset_train_split"),
-        eval_dataset=dataset_split(dataset, script, "dataset_test_split")
+        train_dataset=dataset_split(dataset, script, "dataset_train_split", mixed),
+        eval_dataset=dataset_split(dataset, script, "dataset_test_split", mixed)
         if training_args.eval_strategy != "no"
         else None,
         quantization_config=quantization,
