@@ -17,6 +17,7 @@ BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(REPO))
 
 from benchmarks import _common, gpu_bundle  # noqa: E402
+from benchmarks.gpu_check import cli as harness_cli  # noqa: E402
 from benchmarks.gpu_check import harness, paged_adamw, tools  # noqa: E402
 from benchmarks.gpu_check.decode import check_decode  # noqa: E402
 from benchmarks.gpu_check.harness import Section, run_section  # noqa: E402
@@ -135,6 +136,7 @@ MEETING = Path(os.environ["MEETING"])
 
 def here(run):
     run.findings["pid"] = os.getpid()
+    run.findings["caches"] = [os.environ.get(name) for name in ("LORA_GRPO_CACHE", "TORCHINDUCTOR_CACHE_DIR")]
 
 
 def meet(run):
@@ -176,6 +178,8 @@ def lane_run(tmp_path, budget, last="after it", last_check="here"):
     (tmp_path / "lane_sections.py").write_text(LANE_SECTIONS.format(last=last, last_check=last_check))
     (tmp_path / "meeting").mkdir()
     env = dict(os.environ, PYTHONPATH=str(tmp_path), MEETING=str(tmp_path / "meeting"))
+    for name in harness_cli.CACHES:
+        env.pop(name, None)
     out = tmp_path / "out"
     command = [sys.executable, "-m", "benchmarks.gpu_check", "--cpu", "--budget", str(budget)]
     command += ["--out", str(out), "--sections", "lane_sections"]
@@ -226,6 +230,13 @@ def test_lanes_run_side_by_side_in_processes_of_their_own_and_their_verdicts_joi
     assert code == 2 and summary["failed"] == ["5. misses a threshold", "6. dies"]
     assert summary["rerun"] == gpu_bundle.rerun_command("7") and summary["lanes_running"] is None
     assert "[lane §4,5,6,7] FAIL: a threshold" in log
+    # The compile caches are the check's own, one set for the parent and its lanes (section 15 reads what
+    # section 2 wrote), in its folder, gone with it: a rerun compiles cold, and nothing is written under $HOME.
+    caches = {tuple(v["findings"]["caches"]) for v in sections.values() if "caches" in v["findings"]}
+    ((ours, inductor),) = caches
+    assert ours.endswith("/caches/lora_grpo") and inductor.endswith("/caches/inductor"), caches
+    assert Path(ours).parent == Path(inductor).parent and not Path(ours).parent.exists()
+    assert not Path(ours).is_relative_to(Path.home())
 
 
 @pytest.mark.parametrize(

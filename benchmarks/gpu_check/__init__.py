@@ -76,6 +76,11 @@ number of failed sections.
                  cache when section 2 did not run. And whether lora_grpo's allocator setting
                  (expandable segments, set when it is imported) took effect in this process.
 
+Every process of the check compiles into caches in the check's own temporary folder (lora_grpo's,
+inductor's and Triton's: cli.CACHES, unless the caller set them), shared by its lanes and workers and
+removed at its end: a rerun on the same warm machine compiles cold, as the estimates were measured,
+and nothing is written under $HOME.
+
 The emulated 8 GB card (sections 2 and 4): torch's allocator is capped by
 set_per_process_memory_fraction at 8 GiB less the 0.5 GiB CUDA context that memory_estimate (and
 the recipes' headers) assume, and the free memory the plan reads, lora_grpo.memory.probe.available_bytes

@@ -87,6 +87,19 @@ def work(args) -> int:
     return 0
 
 
+# The compile caches the check's processes write: lora_grpo's (rollout/compile_cache.py), inductor's, Triton's.
+CACHES = {"LORA_GRPO_CACHE": "lora_grpo", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def own_caches(root: str) -> None:
+    """The compile caches in the check's own folder, unless the caller set them: a rerun on the same warm machine
+    compiles cold again, as the figures it is judged by were taken, and section 15's first process is cold; and
+    nothing is written under $HOME, which may be read-only there. Set in the environment before the lanes start,
+    so that their processes (and section 15's workers) share the parent's: section 15 reads what section 2 wrote."""
+    for name, folder in CACHES.items():
+        os.environ.setdefault(name, str(Path(root) / "caches" / folder))
+
+
 def main(argv: list[str] | None = None, sections: list[Section] | None = None, lanes=None) -> int:
     """Run the check: the sections that are in no lane alone, in the order of the list, then the
     lanes side by side (`sections` and `lanes`: the --sections module's SECTIONS and LANES unless
@@ -131,6 +144,7 @@ def main(argv: list[str] | None = None, sections: list[Section] | None = None, l
     torch._logging.set_logs(graph_breaks=True, recompiles=True)
     no_plots()
     with tempfile.TemporaryDirectory() as root:
+        own_caches(root)
         run = Run(args, device, root, sections)
         signal.signal(signal.SIGTERM, lambda signum, frame: stop(run, "stopped by SIGTERM"))
         deadline = watch(run)
