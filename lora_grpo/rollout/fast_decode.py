@@ -160,20 +160,26 @@ def _reason(error: BaseException) -> str:
 
 
 def _unsupported(model) -> str | None:
-    """Why this model cannot decode with a static cache, checked on its config before any work."""
+    """Why this model cannot decode with a static cache, read from the static cache transformers builds
+    for its config, before any work. Full and sliding-window attention layers are served (each as a
+    plain static layer: StaticDecoder); others (chunked, linear, offloaded) are not."""
     try:
         from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
     except ImportError as e:
-        return f"this transformers has no StaticCache ({e})"
+        return f"this transformers has no StaticCache or static sliding layer ({e})"
     try:
         cache = StaticCache(config=_transformers_model(model).config, max_cache_len=1)
     except Exception as e:  # older transformers (another signature), configs it cannot read
         return f"no static cache for this model ({_reason(e)})"
-    kinds = sorted({type(layer).__name__ for layer in cache.layers})
-    if kinds != [StaticLayer.__name__] or not hasattr(cache.layers[0], "cumulative_length"):
+    kinds = {type(layer) for layer in cache.layers}
+    if not kinds <= {StaticLayer, StaticSlidingWindowLayer} or not hasattr(
+        cache.layers[0], "cumulative_length"
+    ):
+        names = sorted(kind.__name__ for kind in kinds)
         return (
-            f"the model's static cache has {kinds} layers; static decoding supports plain full attention only"
+            f"the model's static cache has {names} layers; static decoding supports full and sliding-window "
+            "attention only"
         )
     return None
 
@@ -186,7 +192,8 @@ def resolve_decode_mode(mode: str, model, device: torch.device) -> str:
     batches; everywhere else (CPU, pre-Volta GPUs, bf16 on pre-Ampere ones) the eager sampler, which
     also drops finished rows, wins. What 'auto' chose is said once per model, in one line (a warning
     when a GPU does not compile). A model static decoding cannot serve, or whose compilation failed
-    before, gets "eager".
+    before, gets "eager". Sliding-window layers (Gemma 2 and 3, Mistral v0.1) decode statically too, at
+    any length: the model masks their window over the static cache's slots, as over the eager cache's.
     """
     if mode not in DECODE_MODES:
         raise ValueError(f"decode_mode={mode!r} is not one of {list(DECODE_MODES)}")
@@ -280,7 +287,7 @@ class StaticDecoder:
         (zeros in rows N..R). Kept (compiled): the smallest kept cache of at least N rows and
         cache_length(needed) slots, else a new one of cache_shape(...), which replaces the kept
         caches it holds."""
-        from transformers import StaticCache
+        from transformers.cache_utils import Cache, StaticLayer
 
         layers = prefill_cache.layers
         first = layers[0].keys
@@ -305,7 +312,10 @@ class StaticDecoder:
             key = (N, cache_length(needed), first.dtype, first.device)
         R, L = key[:2]
         if cache is None:
-            cache = StaticCache(config=self.model.config, max_cache_len=L)
+            # One plain static layer of L slots a model layer, sliding ones too: the model masks each
+            # sliding layer's window itself, over the slots (transformers' sliding static layer, a
+            # ring buffer of the window, counts its fill in a Python int: a recompile a token).
+            cache = Cache(layers=[StaticLayer(max_cache_len=L) for _ in layers])
         if keep:
             caches[key] = cache  # most recently used last
             while len(caches) > KEPT_CACHES:

@@ -131,6 +131,11 @@ def _forward_params(model) -> set[str]:
     return set(inspect.signature(base.forward).parameters)
 
 
+def _cache_keyword(model) -> str:
+    """The forward's KV cache argument: ``cache`` in transformers 5, ``past_key_values`` before."""
+    return "cache" if "cache" in _forward_params(model) else "past_key_values"
+
+
 def _cache_of(out):
     """The KV cache a forward returned: ``out.cache`` in transformers 5, ``past_key_values`` before."""
     cache = getattr(out, "cache", None)
@@ -230,10 +235,12 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int | Non
     return ids, mask
 
 
-def _prefill(model, ids, mask, *, G, sampling):
+def _prefill(model, ids, mask, *, G, sampling, every_slot=False):
     """Prefill the n distinct prompts of (ids, mask), (n, P) each, once; repeat for their G samples.
     -> (KV cache of N = n·G rows, last logits (N, V), padding mask (N, P'), next position (N,),
-    seen-token mask (N, V) bool or None), P' <= P after dropping columns that only pad."""
+    seen-token mask (N, V) bool or None), P' <= P after dropping columns that only pad.
+    ``every_slot``: a cache that keeps all P' prompt slots in every layer, for the static decode to copy
+    (the model's own keeps only the window of a sliding layer; the window is masked either way)."""
     # Drop leading columns that are padding in every row of this chunk: less prefill work.
     first = int((mask.sum(0) > 0).nonzero()[0])
     ids, mask = ids[:, first:], mask[:, first:]
@@ -241,6 +248,11 @@ def _prefill(model, ids, mask, *, G, sampling):
     # Positions count real tokens only, so a left-padded prompt gets the same positions as it
     # would alone (as transformers' generate does).
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    if every_slot:
+        from transformers import DynamicCache
+
+        # a cache of plain layers (none sliding), filled as the model runs
+        extra[_cache_keyword(model)] = DynamicCache()
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **extra)
     cache = _cache_of(out)
     # Share the prefix: the G samples of a prompt start from the same KV cache and logits.
@@ -304,7 +316,7 @@ def _decode_chunk(
     each, left-padded. -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a
     row's first EOS."""
     # renamed in transformers 5
-    cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
+    cache_kw = _cache_keyword(model)
     cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
 
     def advance(keep, tok):
@@ -345,7 +357,7 @@ def _decode_chunk_static(
     :func:`_decode_chunk`, and the same tokens under the same generator. All N rows run every step
     (finished ones feed pad, their outputs unused); the draws see only the rows still decoding, as
     in the eager sampler (:func:`_sample_tokens`)."""
-    cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
+    cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling, every_slot=True)
     decoder = StaticDecoder(model, cache, attn, max_new, compiled=compiled)
     del cache  # its KV now lives in the decoder's static cache
     N = logits.size(0)
