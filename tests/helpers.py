@@ -338,3 +338,54 @@ class Counter:
 
     def get_reward(self):
         return float(self.calls)
+
+
+def sliding_window_model(tok, kind: str, window: int, eos_boost: float = 12.0):
+    """A tiny model with sliding-window layers of `window` tokens and the trainer's two adapters: Gemma 3
+    (one sliding layer and one full, q / k norms), Gemma 2 (logit soft-capping, alternating layers) or
+    Mistral (every layer slides). The adapters' B factors are random, so each changes the output; EOS's
+    logit is scaled by `eos_boost`, so that some completions end early."""
+    import transformers
+
+    from lora_grpo.config import GRPOConfig
+    from lora_grpo.model.adapters import POLICY, REFERENCE, lora_layers
+    from lora_grpo.model.load import attach_adapters
+
+    torch.manual_seed(0)
+    sizes = dict(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=window,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
+    config, model_class = {
+        "gemma3": (
+            lambda: transformers.Gemma3TextConfig(
+                head_dim=16, layer_types=["sliding_attention", "full_attention"], **sizes
+            ),
+            transformers.Gemma3ForCausalLM,
+        ),
+        "gemma2": (
+            lambda: transformers.Gemma2Config(head_dim=16, final_logit_softcapping=5.0, **sizes),
+            transformers.Gemma2ForCausalLM,
+        ),
+        "mistral": (lambda: transformers.MistralConfig(**sizes), transformers.MistralForCausalLM),
+    }[kind]
+    base = model_class(config()).eval()
+    with torch.no_grad():
+        base.lm_head.weight[tok.eos_token_id] *= eos_boost
+    model = attach_adapters(
+        base, GRPOConfig(model_name_or_path="tiny", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
+    )
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, m in lora_layers(model):
+            for adapter in (POLICY, REFERENCE):
+                m.lora_B[adapter].weight.normal_(0, 0.1, generator=g)
+    return model

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from helpers import load_4bit
+from helpers import load_4bit, sliding_window_model
 
 from lora_grpo import config as config_module
 from lora_grpo.config import ConfigError, GRPOConfig
@@ -172,55 +172,13 @@ def test_failure_while_compiling_finishes_the_rollout_then_goes_eager(tok, monke
     assert len(messages) == 1 and "No working C++ compiler" in messages[0], messages
 
 
-def sliding_model(tok, kind: str, window: int):
-    """A tiny model with sliding-window layers of `window` tokens and the trainer's two adapters: Gemma 3
-    (one sliding layer and one full, q / k norms), Gemma 2 (logit soft-capping, alternating layers) or
-    Mistral (every layer slides)."""
-    import transformers
-
-    torch.manual_seed(0)
-    sizes = dict(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=window,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-    )
-    config, model_class = {
-        "gemma3": (
-            lambda: transformers.Gemma3TextConfig(
-                head_dim=16, layer_types=["sliding_attention", "full_attention"], **sizes
-            ),
-            transformers.Gemma3ForCausalLM,
-        ),
-        "gemma2": (
-            lambda: transformers.Gemma2Config(head_dim=16, final_logit_softcapping=5.0, **sizes),
-            transformers.Gemma2ForCausalLM,
-        ),
-        "mistral": (lambda: transformers.MistralConfig(**sizes), transformers.MistralForCausalLM),
-    }[kind]
-    base = model_class(config()).eval()
-    with torch.no_grad():
-        base.lm_head.weight[tok.eos_token_id] *= 12
-    model = attach_adapters(
-        base, GRPOConfig(model_name_or_path="tiny", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
-    )
-    randomize_lora(model, 0)
-    return model
-
-
 @pytest.mark.parametrize("kind", ["gemma3", "gemma2", "mistral"])
 def test_a_sliding_window_model_decodes_statically_with_the_eager_samplers_tokens(tok, kind):
     """A window of 6 tokens, narrower than the prompts (up to 14 tokens) and the decodes (24): the static
     cache keeps every slot in every layer and the model masks each sliding layer's window over them, so
     the tokens are the eager sampler's (whose cache keeps only the window). With a window wider than every
     decode the sliding layers attend to everything: a different rollout, so the window was in force."""
-    model = sliding_model(tok, kind, window=6)
+    model = sliding_window_model(tok, kind, window=6)
     eager = rollout(model, tok, "eager")
     assert eager.truncated.any() and (~eager.truncated).any()
     assert_same_rollout(rollout(model, tok, "static"), eager)
@@ -229,7 +187,7 @@ def test_a_sliding_window_model_decodes_statically_with_the_eager_samplers_token
         rollout(model, tok, "eager", micro_batch_prompts=3),
     )
     assert fast_decode.unavailable(model) is None
-    wide = sliding_model(tok, kind, window=64)
+    wide = sliding_window_model(tok, kind, window=64)
     assert not torch.equal(rollout(wide, tok, "eager").sampling_logprobs, eager.sampling_logprobs)
 
 
@@ -238,7 +196,7 @@ def test_a_sliding_window_model_compiles_its_decode_once(tok):
     tokens, one compile for every rollout of the shape (transformers' own sliding static layer counts its
     fill in a Python int: a recompile a token)."""
     torch._dynamo.reset()
-    model = sliding_model(tok, "gemma3", window=6)
+    model = sliding_window_model(tok, "gemma3", window=6)
     eager = rollout(model, tok, "eager")
     assert_same_rollout(rollout(model, tok, "compiled"), eager)
     compiled = compile_count()

@@ -128,3 +128,35 @@ def test_compiled_decode_on_cuda_matches_eager_in_float32_and_the_plan_counts_it
     assert torch.equal(eager.completion_ids, compiled.completion_ids)
     kept = fast_decode.kept_cache_bytes(trainer.model)
     assert 0 < kept <= plan.kept  # what stays allocated is within what the plan counted
+
+
+def test_a_sliding_window_model_decodes_compiled_on_cuda_as_eager_does_past_its_window():
+    """Tiny Gemma 3 (a sliding layer of a 6-token window beside a full layer), float32 on CUDA: the
+    compiled decode (a static cache of every slot, the model's own sliding masks, CUDA graphs) samples
+    the eager sampler's greedy tokens, with prompts and completions longer than the window."""
+    from helpers import sliding_window_model
+
+    from lora_grpo.rollout import fast_decode, generate_rollout
+    from lora_grpo.tasks.toy import make_tokenizer
+
+    tok = make_tokenizer()
+    model = sliding_window_model(tok, "gemma3", window=6, eos_boost=1.0).to("cuda")
+    prompts = ["what is 12*3? ", "1+2+3+4+5=", "7", "hi there"]
+
+    def sample(mode):
+        return generate_rollout(
+            model,
+            tok,
+            prompts,
+            num_generations=2,
+            max_prompt_length=None,
+            max_completion_length=12,
+            temperature=0.0,
+            generator=torch.Generator(device="cuda"),
+            decode_mode=mode,
+        )
+
+    eager, compiled = sample("eager"), sample("compiled")
+    assert fast_decode.unavailable(model) is None, fast_decode.unavailable(model)
+    assert compiled.completion_ids.shape[1] > 6
+    assert torch.equal(eager.completion_ids, compiled.completion_ids)
