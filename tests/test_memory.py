@@ -678,25 +678,45 @@ def test_no_forward_of_a_run_takes_more_rows_than_its_plan(tiny_base_dir, tmp_pa
     assert max(rows["forward"]) <= 2 and max(rows["reward model"]) <= 2 and max(rows["decode"]) <= 8
 
 
-def test_the_shape_estimates_count_the_real_models_weights_and_adapters():
-    """memory_estimate's weights and LoRA sizes against a real model's parameters and peft's adapter."""
+# model type → (extra config, the share of the real weights the estimate may leave out: Qwen2's q / k / v
+# biases, Qwen3's and Gemma's q / k norms, Gemma's two more norms a layer)
+ESTIMATED_ARCHITECTURES = {
+    "llama": ({"tie_word_embeddings": True}, 0.0),
+    "qwen2": ({}, 0.005),
+    "qwen3": ({"head_dim": 32}, 0.005),
+    "gemma3_text": ({"head_dim": 32}, 0.01),
+    "mistral": ({}, 0.0),
+    "phi3": ({}, 0.0),
+}
+
+
+@pytest.mark.parametrize("model_type", list(ESTIMATED_ARCHITECTURES))
+def test_the_shape_estimates_count_the_real_models_weights_and_adapters(model_type):
+    """memory_estimate's weights and LoRA sizes against a real model's parameters and peft's adapter: Phi-3's
+    fused qkv_proj and gate_up_proj take one adapter each; a head_dim apart from hidden / heads counts."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from lora_grpo.memory import estimate as memory_estimate
 
-    config = LlamaConfig(
+    extra, left_out = ESTIMATED_ARCHITECTURES[model_type]
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=300,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
     )
-    model = LlamaForCausalLM(config)
-    real = sum(p.numel() for p in model.parameters()) * 4  # float32, the tied head counted once
-    assert memory_estimate.weight_bytes(config, "none", torch.float32) == real
+    model = AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters()) * 4  # float32, a tied head counted once
+    estimated = memory_estimate.weight_bytes(config, "none", torch.float32)
+    assert real * (1 - left_out) <= estimated <= real, estimated / real
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     lora = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
     assert memory_estimate.lora_parameters(config, 4) == lora

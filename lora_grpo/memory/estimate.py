@@ -51,14 +51,29 @@ def _text(model_config):
     return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
+# Model types whose layers fuse q, k, v into one linear layer and gate, up into another (Phi-3's qkv_proj and
+# gate_up_proj): the same weights, but LoRA adds its two factors to each fused layer once.
+FUSED_PROJECTIONS = ("phi3",)
+
+
+def _kv_width(model_config) -> int:
+    """Keys' (and values') width: KV heads × head dim."""
+    cfg = _text(model_config)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
+
+
 def _linear_shapes(model_config) -> list[tuple[int, int]]:
-    """(in, out) of one decoder layer's linear layers: q, k, v, o, gate, up, down."""
+    """(in, out) of one decoder layer's linear layers: q, k, v, o, gate, up, down (fused: qkv, o, gate_up,
+    down)."""
     cfg = _text(model_config)
     h, heads = cfg.hidden_size, cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or h // heads
-    kv = (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
-    i = cfg.intermediate_size
-    return [(h, heads * head_dim), (h, kv), (h, kv), (heads * head_dim, h), (h, i), (h, i), (i, h)]
+    q = heads * (getattr(cfg, "head_dim", None) or h // heads)
+    kv, i = _kv_width(model_config), cfg.intermediate_size
+    if cfg.model_type in FUSED_PROJECTIONS:
+        return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
 
 
 def weight_bytes(model_config, quantization: str, dtype: torch.dtype) -> float:
@@ -88,7 +103,7 @@ def layer_activation_bytes(model_config, dtype: torch.dtype) -> float:
     cfg = _text(model_config)
     s = torch.empty(0, dtype=dtype).element_size()
     h, i = cfg.hidden_size, cfg.intermediate_size
-    kv = _linear_shapes(model_config)[1][1]
+    kv = _kv_width(model_config)
     return s * (11 * h + 3 * kv + 4 * i) + 4 * (6 * h + i)
 
 
