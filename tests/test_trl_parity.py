@@ -81,6 +81,36 @@ def test_the_last_logging_window_reaches_the_closing_record(tiny_base_dir, tmp_p
     assert 0.0 <= last["reward"] <= 2.0
 
 
+# ------------------------------------------------------------------------------ the device cache
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_torch_empty_cache_steps_empties_the_cache_before_each_step_it_divides(
+    tiny_base_dir, tmp_path, library, monkeypatch
+):
+    """transformers' Trainer empties the accelerator's cache (accelerate's clear_device_cache) before each
+    micro-batch of a step whose global_step torch_empty_cache_steps divides; with one micro-batch a step,
+    steps 1 and 3 of 4 here (global_step 0 and 2), under both."""
+    import transformers.trainer
+
+    import lora_grpo.trl.trainer
+
+    calls = []
+    for module in (transformers.trainer, lora_grpo.trl.trainer):
+        monkeypatch.setattr(module, "clear_device_cache", lambda *a, **k: calls.append(len(calls)))
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=4, torch_empty_cache_steps=2)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    assert scope["trainer"].state.global_step == 4
+    assert len(calls) == 2
+
+
 # ------------------------------------------------------------------------------ eval sets
 EVAL_FORMS = {
     "dataset": ("dataset(4, start=16)", [None]),

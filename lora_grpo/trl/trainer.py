@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils.memory import clear_device_cache
 from transformers import DefaultFlowCallback, TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import TrainOutput
@@ -425,6 +426,11 @@ class GRPOTrainer:
             self.control = handler.on_train_begin(args, state, self.control)
             self.control = handler.on_epoch_begin(args, state, self.control)
         elif event == "step_begin":
+            empty_every = args.torch_empty_cache_steps
+            if empty_every is not None and state.global_step % empty_every == 0:
+                # as transformers' Trainer.training_step, which TRL's calls (there before each micro-batch of
+                # such a step; once here, before its rollout): the accelerator's cached blocks are released
+                clear_device_cache()
             self.control = handler.on_step_begin(args, state, self.control)
         elif event in ("step_end", "epoch_end"):
             flow = payload["flow"]

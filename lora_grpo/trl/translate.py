@@ -316,7 +316,10 @@ FIELDS: dict[str, Field] = {
         "lora_grpo computes log-probs in chunks through the LM head itself (algo/logprobs.py)"
     ),
     "neftune_noise_alpha": _r("NEFTune noise is not added to embeddings in GRPO"),
-    "torch_empty_cache_steps": _r("lora_grpo does not empty the CUDA cache on a schedule"),
+    "torch_empty_cache_steps": _flow(
+        "the accelerator's cache is emptied before each step whose global_step it divides (transformers empties it "
+        "before each micro-batch of such a step)"
+    ),
     "auto_find_batch_size": _r(
         "micro_batch_size auto: a start-up memory probe sizes the micro-batch (refused by TRL too)"
     ),
