@@ -111,6 +111,39 @@ def test_torch_empty_cache_steps_empties_the_cache_before_each_step_it_divides(
     assert len(calls) == 2
 
 
+# ------------------------------------------------------------------------------ the prompt order
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_prompt_order_follows_seed_and_not_data_seed(tiny_base_dir, tmp_path, library):
+    """TRL's GRPOTrainer draws its prompts with a RepeatSampler seeded by seed: data_seed, accepted, changes
+    nothing; another seed changes the order."""
+
+    def prompts_seen(**seeds):
+        seen = []
+
+        def record(prompts, completions, **kwargs):
+            seen.extend(prompts)
+            return [0.0] * len(prompts)
+
+        fields = ", ".join(f"{k}={v}" for k, v in seeds.items())
+        run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=3, {fields})
+            GRPOTrainer(model=MODEL, reward_funcs=record, args=args, train_dataset=dataset(16)).train()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / library / fields.replace(", ", "-").replace("=", "")),
+            record=record,
+        )
+        return seen
+
+    first = prompts_seen(seed=5, data_seed=1)
+    assert len(first) == 3 * 4
+    assert prompts_seen(seed=5, data_seed=2) == prompts_seen(seed=5) == first
+    assert prompts_seen(seed=6, data_seed=1) != first
+
+
 # ------------------------------------------------------------------------------ eval sets
 EVAL_FORMS = {
     "dataset": ("dataset(4, start=16)", [None]),

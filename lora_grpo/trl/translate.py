@@ -333,7 +333,7 @@ FIELDS: dict[str, Field] = {
     "full_determinism": _r(
         "lora_grpo seeds every generator (seed) and resumes them exactly; it does not force deterministic kernels"
     ),
-    "data_seed": _r("the prompt order follows seed"),
+    "data_seed": _no("the prompt order follows seed, as in TRL's GRPOTrainer (its RepeatSampler takes seed)"),
     "debug": _r("transformers' debug modes are for its Trainer loop"),
 }
 
