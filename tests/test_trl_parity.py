@@ -144,6 +144,30 @@ def test_the_prompt_order_follows_seed_and_not_data_seed(tiny_base_dir, tmp_path
     assert prompts_seen(seed=6, data_seed=1) != first
 
 
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_label_smoothing_changes_nothing_in_a_grpo_run(tiny_base_dir, tmp_path, library):
+    """TRL's GRPOTrainer computes its own loss, so transformers' label smoother never runs: the same records
+    with label_smoothing_factor 0.1 as without it."""
+
+    def losses(smoothing):
+        scope = run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, beta=0.04,
+                              label_smoothing_factor={smoothing})
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
+            trainer.train()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / library / str(smoothing)),
+        )
+        return [(r["loss"], r["reward"], r["kl"]) for r in scope["trainer"].state.log_history if "kl" in r]
+
+    plain = losses(0.0)
+    assert len(plain) == 2 and losses(0.1) == plain
+
+
 # ------------------------------------------------------------------------------ eval sets
 EVAL_FORMS = {
     "dataset": ("dataset(4, start=16)", [None]),

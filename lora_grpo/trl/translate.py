@@ -299,7 +299,10 @@ FIELDS: dict[str, Field] = {
     },
     "optim_args": _r("the optimizer is built from adam_beta1/2, adam_epsilon and weight_decay"),
     "optim_target_modules": _r("only the LoRA policy adapter is optimised"),
-    "label_smoothing_factor": _r("GRPO has no labels to smooth"),
+    "label_smoothing_factor": _no(
+        "GRPO has no labels to smooth: TRL's GRPOTrainer computes its own loss, which transformers' label "
+        "smoother never enters"
+    ),
     "bf16_full_eval": _r("evaluate() runs in the training dtype"),
     "fp16_full_eval": _r("evaluate() runs in the training dtype"),
     "torch_compile": _r("the training forward is not compiled (the rollout's decode step is: decode_mode)"),
