@@ -340,11 +340,12 @@ class Counter:
         return float(self.calls)
 
 
-def sliding_window_model(tok, kind: str, window: int, eos_boost: float = 12.0):
+def sliding_window_model(tok, kind: str, window: int, eos_boost: float = 12.0, attention: str = "sdpa"):
     """A tiny model with sliding-window layers of `window` tokens and the trainer's two adapters: Gemma 3
     (one sliding layer and one full, q / k norms), Gemma 2 (logit soft-capping, alternating layers) or
     Mistral (every layer slides). The adapters' B factors are random, so each changes the output; EOS's
-    logit is scaled by `eos_boost`, so that some completions end early."""
+    logit is scaled by `eos_boost`, so that some completions end early; `attention`: transformers'
+    attn_implementation."""
     import transformers
 
     from lora_grpo.config import GRPOConfig
@@ -378,6 +379,7 @@ def sliding_window_model(tok, kind: str, window: int, eos_boost: float = 12.0):
         "mistral": (lambda: transformers.MistralConfig(**sizes), transformers.MistralForCausalLM),
     }[kind]
     base = model_class(config()).eval()
+    base.set_attn_implementation(attention)
     with torch.no_grad():
         base.lm_head.weight[tok.eos_token_id] *= eos_boost
     model = attach_adapters(

@@ -172,22 +172,29 @@ def test_failure_while_compiling_finishes_the_rollout_then_goes_eager(tok, monke
     assert len(messages) == 1 and "No working C++ compiler" in messages[0], messages
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gemma2", "mistral"])
-def test_a_sliding_window_model_decodes_statically_with_the_eager_samplers_tokens(tok, kind):
+@pytest.mark.parametrize(
+    "kind, attention",
+    [("gemma3", "sdpa"), ("gemma2", "eager"), ("mistral", "sdpa"), ("gemma3", "flex_attention")],
+)
+def test_a_sliding_window_model_decodes_statically_with_the_eager_samplers_tokens(tok, kind, attention):
     """A window of 6 tokens, narrower than the prompts (up to 14 tokens) and the decodes (24): the static
     cache keeps every slot in every layer and the model masks each sliding layer's window over them, so
     the tokens are the eager sampler's (whose cache keeps only the window). With a window wider than every
-    decode the sliding layers attend to everything: a different rollout, so the window was in force."""
-    model = sliding_window_model(tok, kind, window=6)
+    decode the sliding layers attend to everything: a different rollout, so the window was in force. Flex
+    attention reads the query's offset when its kernel runs, after the cache advanced: the static layers
+    give it a copy."""
+    model = sliding_window_model(tok, kind, window=6, attention=attention)
     eager = rollout(model, tok, "eager")
     assert eager.truncated.any() and (~eager.truncated).any()
     assert_same_rollout(rollout(model, tok, "static"), eager)
+    assert fast_decode.unavailable(model) is None
+    if attention == "flex_attention":
+        return  # flex runs uncompiled on a CPU, slowly: the one comparison
     assert_same_rollout(
         rollout(model, tok, "static", micro_batch_prompts=3),
         rollout(model, tok, "eager", micro_batch_prompts=3),
     )
-    assert fast_decode.unavailable(model) is None
-    wide = sliding_window_model(tok, kind, window=64)
+    wide = sliding_window_model(tok, kind, window=64, attention=attention)
     assert not torch.equal(rollout(wide, tok, "eager").sampling_logprobs, eager.sampling_logprobs)
 
 
@@ -202,6 +209,17 @@ def test_a_sliding_window_model_compiles_its_decode_once(tok):
     compiled = compile_count()
     assert_same_rollout(rollout(model, tok, "compiled"), eager)
     assert compiled >= 1 and compile_count() == compiled and fast_decode.unavailable(model) is None
+
+
+def test_a_model_that_attends_in_chunks_is_refused():
+    """Llama 4's chunked attention: transformers builds its static layers as sliding ones, but flash attention
+    refuses them past a chunk; eager, and why."""
+    from types import SimpleNamespace
+
+    from transformers import Llama4TextConfig
+
+    reason = fast_decode._unsupported(SimpleNamespace(config=Llama4TextConfig(attention_chunk_size=8)))
+    assert reason.startswith("the model attends in chunks (attention_chunk_size 8)"), reason
 
 
 def test_a_model_of_other_attention_layers_is_refused_with_one_message(tok, caplog, monkeypatch):

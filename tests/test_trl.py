@@ -672,6 +672,16 @@ def test_a_dataset_mixture_loads_what_trls_get_dataset_loads(tiny_base_dir, tmp_
         assert list(ours) == list(theirs) == ["train"], case
         assert ours["train"].to_list() == theirs["train"].to_list(), case
         assert len(ours["train"]) == sizes[case], case
+    # a data file as an entry's path (TRL reads only hub names, builders and directories): the file is the "train"
+    # split, which `split` may slice
+    recipe = _trl_recipe(
+        tmp_path,
+        tiny_base_dir,
+        a,
+        name="file.yaml",
+        datasets=[{"path": str(a / "train.jsonl"), "split": "train[:3]"}],
+    )
+    assert len(_our_mixture(recipe)["train"]) == 3
     # the command line's --datasets: paths, as TRL's parser reads them
     recipe = _trl_recipe(tmp_path, tiny_base_dir, a, name="flags.yaml")
     theirs, ours = (

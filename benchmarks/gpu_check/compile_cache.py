@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -112,7 +113,11 @@ def fresh_process(run: Run, args: list[str], what: str, inductor_dir: str, cap: 
     """A worker of this module in a fresh process with its own empty inductor cache."""
     from lora_grpo.rollout import compile_cache
 
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir)
+    # Triton's cache in the inductor cache too (where torch puts it when the variable is unset; the check sets it
+    # to its shared folder): only lora_grpo's cache may carry a compile over
+    env = dict(
+        os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir, TRITON_CACHE_DIR=str(Path(inductor_dir) / "triton")
+    )
     env.pop(compile_cache.SWITCH, None)
     limit = run.limit(cap)
     command = [sys.executable, "-m", "benchmarks.gpu_check.compile_cache", *args]

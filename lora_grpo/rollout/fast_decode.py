@@ -38,6 +38,7 @@ from collections import OrderedDict
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import StaticLayer
 
 from ..device import compile_pays
 from . import compile_cache
@@ -165,11 +166,19 @@ def _unsupported(model) -> str | None:
     plain static layer: StaticDecoder); others (chunked, linear, offloaded) are not."""
     try:
         from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+        from transformers.cache_utils import StaticSlidingWindowLayer
     except ImportError as e:
         return f"this transformers has no StaticCache or static sliding layer ({e})"
+    config = _transformers_model(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "attention_chunk_size", None):
+        # transformers builds chunked layers (Llama 4) as sliding ones; flash attention refuses them past a chunk
+        return (
+            f"the model attends in chunks (attention_chunk_size {text.attention_chunk_size}); static decoding "
+            "supports full and sliding-window attention only"
+        )
     try:
-        cache = StaticCache(config=_transformers_model(model).config, max_cache_len=1)
+        cache = StaticCache(config=config, max_cache_len=1)
     except Exception as e:  # older transformers (another signature), configs it cannot read
         return f"no static cache for this model ({_reason(e)})"
     kinds = {type(layer) for layer in cache.layers}
@@ -252,6 +261,16 @@ def _one_token_forward(model):
     return forward
 
 
+class _SlotLayer(StaticLayer):
+    """A static layer whose filled length is read as a copy: flex attention's mask function keeps the query
+    offset it is given and reads it when the kernel runs, after this layer's update has advanced the length
+    in place (one slot ahead: a sliding window one key short)."""
+
+    def get_seq_length(self):
+        length = super().get_seq_length()
+        return length.clone() if isinstance(length, Tensor) else length
+
+
 class StaticDecoder:
     """Fixed-shape decoding for one chunk: N rows, a static cache of L slots, one slot per step.
 
@@ -263,7 +282,7 @@ class StaticDecoder:
     def __init__(self, model, prefill_cache, attention_mask: Tensor, max_new: int, *, compiled: bool):
         """``prefill_cache``: the eager prefill's dynamic cache, already repeated to N rows;
         ``attention_mask`` (N, P): its padding mask. Call only for a model that
-        :func:`resolve_decode_mode` let through (its cache is plain full attention)."""
+        :func:`resolve_decode_mode` let through (full or sliding-window attention)."""
         self.owner = model
         self.model = _transformers_model(model)
         self.state = _state(model)
@@ -287,7 +306,7 @@ class StaticDecoder:
         (zeros in rows N..R). Kept (compiled): the smallest kept cache of at least N rows and
         cache_length(needed) slots, else a new one of cache_shape(...), which replaces the kept
         caches it holds."""
-        from transformers.cache_utils import Cache, StaticLayer
+        from transformers.cache_utils import Cache
 
         layers = prefill_cache.layers
         first = layers[0].keys
@@ -315,7 +334,7 @@ class StaticDecoder:
             # One plain static layer of L slots a model layer, sliding ones too: the model masks each
             # sliding layer's window itself, over the slots (transformers' sliding static layer, a
             # ring buffer of the window, counts its fill in a Python int: a recompile a token).
-            cache = Cache(layers=[StaticLayer(max_cache_len=L) for _ in layers])
+            cache = Cache(layers=[_SlotLayer(max_cache_len=L) for _ in layers])
         if keep:
             caches[key] = cache  # most recently used last
             while len(caches) > KEPT_CACHES:

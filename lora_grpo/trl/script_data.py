@@ -171,8 +171,9 @@ def _load_entry(at: int, entry: dict):
     where = f"datasets[{at}] (path {entry['path']!r})"
     try:
         if path.is_file():
+            # the file is the "train" split, as a data file given as dataset_name is; `split` may slice it
             dataset = load_dataset(
-                _builder(path, where), data_files={entry["split"]: str(path)}, split=entry["split"]
+                _builder(path, where), data_files={"train": str(path)}, split=entry["split"]
             )
         else:
             dataset = load_dataset(
