@@ -350,3 +350,65 @@ def test_a_model_with_code_of_its_own_is_refused_naming_trust_remote_code(tiny_b
     err = capsys.readouterr().err
     assert "trust_remote_code: true" in err and "Traceback" not in err
     assert not marker.exists()
+
+
+# model_type → the tiny config's extra fields: Qwen3 and Gemma with a head_dim apart from hidden / heads, Gemma
+# with sliding-window layers narrower than a rollout, Phi-3 with fused qkv_proj and gate_up_proj
+FAMILIES = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 32},
+    "gemma2": {"head_dim": 32, "sliding_window": 4},
+    "gemma3_text": {"head_dim": 32, "sliding_window": 4},
+    "mistral": {"sliding_window": 4},
+    "phi3": {},
+}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_each_model_family_trains_through_qlora_with_a_synced_reference(model_type, tmp_path):
+    """A tiny random model of each family the docs name, 4-bit, two steps with the static decode and a hard
+    sync after the first: finite losses, the policy moved, the reference slot equal to it after the sync."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lora_grpo.model.adapters import REFERENCE
+
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        **FAMILIES[model_type],
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    trainer = make_trainer(
+        str(tmp_path / "base"),
+        tmp_path,
+        max_steps=2,
+        ref_sync_steps=1,
+        ref_sync_alpha=1.0,
+        decode_mode="static",
+    )
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    for _, layer in lora_layers(trainer.model):
+        assert layer.lora_B[POLICY].weight.abs().sum() > 0  # B starts at 0: the policy moved
+    # synced after step 1 (the slot started at B = 0, the fresh policy), then step 2 moved the policy on: the slot
+    # holds step 1's policy, not step 2's
+    assert trainer.state.log_history[0]["sync/event"] == 1.0
+    assert all(layer.lora_B[REFERENCE].weight.abs().sum() > 0 for _, layer in lora_layers(trainer.model))
+    assert any(
+        not torch.equal(layer.lora_B[POLICY].weight, layer.lora_B[REFERENCE].weight)
+        for _, layer in lora_layers(trainer.model)
+    )
