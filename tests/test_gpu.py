@@ -92,10 +92,27 @@ def test_bf16_qlora_run_on_cuda_kl_is_zero_between_identical_adapters(tiny_base_
     assert k3_kl(first, second).abs().max().item() == 0.0
 
 
+def greedy(model, tokenizer, prompts, num_generations: int, max_new: int, decode_mode: str):
+    """A greedy rollout on CUDA with `decode_mode`."""
+    from lora_grpo.rollout import generate_rollout
+
+    return generate_rollout(
+        model,
+        tokenizer,
+        prompts,
+        num_generations=num_generations,
+        max_prompt_length=None,
+        max_completion_length=max_new,
+        temperature=0.0,
+        generator=torch.Generator(device="cuda"),
+        decode_mode=decode_mode,
+    )
+
+
 def test_compiled_decode_on_cuda_matches_eager_in_float32_and_the_plan_counts_its_caches(
     tiny_base_dir, tmp_path
 ):
-    from lora_grpo.rollout import fast_decode, generate_rollout
+    from lora_grpo.rollout import fast_decode
 
     trainer = make_trainer(
         tiny_base_dir,
@@ -110,20 +127,9 @@ def test_compiled_decode_on_cuda_matches_eager_in_float32_and_the_plan_counts_it
     plan = trainer.plan_memory()
     prompts = [row["prompt"] for row in PROMPTS[:2]]
 
-    def sample(mode):
-        return generate_rollout(
-            trainer.model,
-            trainer.tokenizer,
-            prompts,
-            num_generations=4,
-            max_prompt_length=None,
-            max_completion_length=6,
-            temperature=0.0,
-            generator=torch.Generator(device="cuda"),
-            decode_mode=mode,
-        )
-
-    eager, compiled = sample("eager"), sample("compiled")
+    eager, compiled = (
+        greedy(trainer.model, trainer.tokenizer, prompts, 4, 6, mode) for mode in ("eager", "compiled")
+    )
     assert fast_decode.unavailable(trainer.model) is None, fast_decode.unavailable(trainer.model)
     assert torch.equal(eager.completion_ids, compiled.completion_ids)
     kept = fast_decode.kept_cache_bytes(trainer.model)
@@ -136,27 +142,14 @@ def test_a_sliding_window_model_decodes_compiled_on_cuda_as_eager_does_past_its_
     the eager sampler's greedy tokens, with prompts and completions longer than the window."""
     from helpers import sliding_window_model
 
-    from lora_grpo.rollout import fast_decode, generate_rollout
+    from lora_grpo.rollout import fast_decode
     from lora_grpo.tasks.toy import make_tokenizer
 
     tok = make_tokenizer()
     model = sliding_window_model(tok, "gemma3", window=6, eos_boost=1.0).to("cuda")
     prompts = ["what is 12*3? ", "1+2+3+4+5=", "7", "hi there"]
 
-    def sample(mode):
-        return generate_rollout(
-            model,
-            tok,
-            prompts,
-            num_generations=2,
-            max_prompt_length=None,
-            max_completion_length=12,
-            temperature=0.0,
-            generator=torch.Generator(device="cuda"),
-            decode_mode=mode,
-        )
-
-    eager, compiled = sample("eager"), sample("compiled")
+    eager, compiled = (greedy(model, tok, prompts, 2, 12, mode) for mode in ("eager", "compiled"))
     assert fast_decode.unavailable(model) is None, fast_decode.unavailable(model)
     assert compiled.completion_ids.shape[1] > 6
     assert torch.equal(eager.completion_ids, compiled.completion_ids)
