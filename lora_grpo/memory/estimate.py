@@ -56,12 +56,14 @@ def _text(model_config):
 FUSED_PROJECTIONS = ("phi3",)
 
 
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def _kv_width(model_config) -> int:
     """Keys' (and values') width: KV heads × head dim."""
     cfg = _text(model_config)
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
+    return (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * _head_dim(cfg)
 
 
 def _linear_shapes(model_config) -> list[tuple[int, int]]:
@@ -69,7 +71,7 @@ def _linear_shapes(model_config) -> list[tuple[int, int]]:
     down)."""
     cfg = _text(model_config)
     h, heads = cfg.hidden_size, cfg.num_attention_heads
-    q = heads * (getattr(cfg, "head_dim", None) or h // heads)
+    q = heads * _head_dim(cfg)
     kv, i = _kv_width(model_config), cfg.intermediate_size
     if cfg.model_type in FUSED_PROJECTIONS:
         return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]

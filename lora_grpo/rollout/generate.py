@@ -315,7 +315,6 @@ def _decode_chunk(
     """The eager sampler. Sample G completions for each of the n prompts in (ids, mask): (n, P)
     each, left-padded. -> (tokens (n·G, T), log-probs (n·G, T)) with T <= max_new; pad_id after a
     row's first EOS."""
-    # renamed in transformers 5
     cache_kw = _cache_keyword(model)
     cache, logits, attn, next_pos, seen = _prefill(model, ids, mask, G=G, sampling=sampling)
 

@@ -62,7 +62,7 @@ DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "par
 def mixture_entries(mixture: DatasetMixtureConfig) -> list[dict]:
     """The mixture's entries, each with every DatasetConfig key (a bare string is a path, as TRL's
     `--datasets a b` reads), or a ConfigError that starts with TRL's sentence where TRL has one."""
-    if isinstance(mixture.datasets, dict) or not isinstance(mixture.datasets, list):
+    if not isinstance(mixture.datasets, list):
         raise ConfigError(
             f"datasets: {mixture.datasets!r} is not a list: write one `- path: ...` item per dataset under "
             "`datasets:`"
@@ -95,10 +95,15 @@ def script_dataset(script, mixture: DatasetMixtureConfig, seed: int):
     """What TRL's GRPO script loads for these arguments: the mixture when it lists datasets (with TRL's warning
     when dataset_name is given too), else dataset_name; a DatasetDict, the splits named by the script's
     dataset_train_split and dataset_test_split taken from it (`dataset_split`)."""
-    streaming = "streaming" if mixture.datasets else "dataset_streaming"
-    if mixture.streaming and mixture.datasets or script.dataset_streaming and not mixture.datasets:
+    # the streaming flag of the data that is loaded (TRL ignores the other)
+    flag, streaming = (
+        ("streaming", mixture.streaming)
+        if mixture.datasets
+        else ("dataset_streaming", script.dataset_streaming)
+    )
+    if streaming:
         raise ConfigError(
-            f"{streaming}: lora_grpo draws prompts from a map-style dataset (shuffled, resumable): remove it"
+            f"{flag}: lora_grpo draws prompts from a map-style dataset (shuffled, resumable): remove it"
         )
     if mixture.datasets:
         if script.dataset_name:
