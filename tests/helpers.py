@@ -391,3 +391,12 @@ def sliding_window_model(tok, kind: str, window: int, eos_boost: float = 12.0, a
             for adapter in (POLICY, REFERENCE):
                 m.lora_B[adapter].weight.normal_(0, 0.1, generator=g)
     return model
+
+
+def tiny_config(model_type: str, vocab_size: int, **fields):
+    """A tiny config of any transformers decoder family (`model_type`): hidden 64, intermediate 96, 4 heads,
+    2 KV heads; `fields` add to or replace those (layers, token ids, head_dim, sliding_window, ...)."""
+    from transformers import AutoConfig
+
+    sizes = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    return AutoConfig.for_model(model_type, vocab_size=vocab_size, **(sizes | fields))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import PROMPTS, adapter_state, assert_same_adapters, digit_share, make_trainer
+from helpers import PROMPTS, adapter_state, assert_same_adapters, digit_share, make_trainer, tiny_config
 
 from lora_grpo import GRPOConfig
 from lora_grpo.config import ConfigError
@@ -695,23 +695,13 @@ def test_the_shape_estimates_count_the_real_models_weights_and_adapters(model_ty
     """memory_estimate's weights and LoRA sizes against a real model's parameters and peft's adapter: Phi-3's
     fused qkv_proj and gate_up_proj take one adapter each; a head_dim apart from hidden / heads counts."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from lora_grpo.memory import estimate as memory_estimate
 
     extra, left_out = ESTIMATED_ARCHITECTURES[model_type]
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        **extra,
+    config = tiny_config(
+        model_type, 300, num_hidden_layers=3, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra
     )
     model = AutoModelForCausalLM.from_config(config)
     real = sum(p.numel() for p in model.parameters()) * 4  # float32, a tied head counted once

@@ -9,7 +9,7 @@ import bitsandbytes.functional as bnb_F
 import bitsandbytes.nn.modules as bnb_modules
 import pytest
 import torch
-from helpers import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer
+from helpers import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer, tiny_config
 
 from lora_grpo.config import GRPOConfig
 from lora_grpo.model.adapters import POLICY
@@ -369,20 +369,16 @@ FAMILIES = {
 def test_each_model_family_trains_through_qlora_with_a_synced_reference(model_type, tmp_path):
     """A tiny random model of each family the docs name, 4-bit, two steps with the static decode and a hard
     sync after the first: finite losses, the policy moved, the reference slot equal to it after the sync."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from lora_grpo.model.adapters import REFERENCE
 
     tok = make_tokenizer()
     torch.manual_seed(0)
-    config = AutoConfig.for_model(
+    config = tiny_config(
         model_type,
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=96,
+        len(tok),
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
