@@ -148,7 +148,7 @@ class ExportedGGUF:
     path: Path
     gguf_type: str
     bytes: int
-    pre_tokenizer: str
+    vocabulary: str
     merge_gap: float
     summary: str
 
@@ -205,7 +205,7 @@ def export_gguf(
     summary = (
         f"exported {source.what} merged into {merged.into} of {config.model_name_or_path} → {gguf} "
         f"({gguf_type}, {size / 2**20:.1f} MiB, {written.tensors} tensors, {written.architecture}, "
-        f"pre-tokenizer {written.pre_tokenizer}{kept}); the merged model's logits differ from the trained "
+        f"tokenizer {written.vocabulary}{kept}); the merged model's logits differ from the trained "
         f"policy's by at most {merged.gap:.3g} on {len(MERGE_CHECK_PROMPTS)} prompts"
         + (f" ({replaced})" if replaced else "")
     )
@@ -213,7 +213,7 @@ def export_gguf(
         path=Path(gguf),
         gguf_type=gguf_type,
         bytes=size,
-        pre_tokenizer=written.pre_tokenizer,
+        vocabulary=written.vocabulary,
         merge_gap=merged.gap,
         summary=summary,
     )

