@@ -17,6 +17,7 @@ from test_gguf_export import (
     PADDED_ROWS,
     TEXTS,
     byte_level_tokenizer,
+    fields,
     llama3_rope,
     logits,
     rounded,
@@ -123,6 +124,36 @@ def test_llama_cpp_reads_the_sentencepiece_families_as_stored_with_the_same_toke
     assert np.abs(got - logits(rounded(model, gguf_type), ids).numpy()).max() < (
         F16_BOUND if gguf_type == "f16" else Q8_BOUND
     )
+
+
+def test_llama_cpp_scales_gemma3s_full_attention_layers_only_as_transformers_does(tmp_path):
+    """Gemma 3's linear RoPE scaling (its 4B to 27B models' factor 8) is its full-attention layers' alone: the
+    file's scaling keys beside the sliding layers' own base give transformers' logits, and the model unscaled
+    is far from them."""
+    tokenizer = sentencepiece_tokenizer(space_prefix=False)
+    ids = sum((tokenizer(text)["input_ids"] for text in SPM_TEXTS), [])
+    stored, gaps = {}, []
+    for kind in ("linear", "default"):
+        full = {"rope_type": kind, "rope_theta": 100.0, **({"factor": 8.0} if kind == "linear" else {})}
+        sliding = {"rope_type": "default", "rope_theta": 100.0}
+        model = family_model(
+            "gemma3_text",
+            len(tokenizer),
+            rope_parameters={"full_attention": full, "sliding_attention": sliding},
+        )
+        path = tmp_path / f"gemma3.{kind}.gguf"
+        write(model, tokenizer, path)
+        llm = load(path)
+        try:
+            got = llama_cpp_logits(llm, ids)
+        finally:
+            llm.close()
+        stored[kind] = logits(rounded(model, "f16"), ids).numpy()
+        gaps.append(np.abs(got - stored[kind]).max())
+    found, _ = fields(tmp_path / "gemma3.linear.gguf")
+    assert found["gemma3.rope.scaling.type"] == "linear" and found["gemma3.rope.scaling.factor"] == 8.0
+    assert max(gaps) < F16_BOUND
+    assert np.abs(stored["linear"] - stored["default"]).max() > 10 * max(gaps)
 
 
 def test_llama_cpp_applies_phi3s_longrope_short_within_the_original_context_and_long_beyond(tmp_path):
