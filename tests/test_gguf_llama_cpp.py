@@ -10,6 +10,9 @@ machine whose CPU reports instructions it does not give (here AMX), the default 
 illegal instruction in llama.cpp's Q8_0 matmul; build it for AVX2 instead: CMAKE_ARGS="-DGGML_NATIVE=OFF
 -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install llama-cpp-python."""
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -186,6 +189,38 @@ def test_llama_cpp_applies_phi3s_longrope_short_within_the_original_context_and_
     always_long.config.rope_parameters["short_factor"] = list(model.config.rope_parameters["long_factor"])
     always_long.model.rotary_emb = type(stored.model.rotary_emb)(always_long.config)
     assert np.abs(logits(always_long, short).numpy() - logits(stored, short).numpy()).max() > 10 * max(gaps)
+
+
+@pytest.mark.parametrize("vocab", ["llama-spm", "phi-3"])
+def test_a_real_sentencepiece_vocabulary_exported_splits_llama_cpps_test_texts_as_its_own_scores_do(
+    tmp_path, vocab
+):
+    """The real Llama 2 and Phi-3 vocabularies from llama.cpp's tokenizer tests (its models/ folder:
+    ggml-vocab-*.gguf, the texts in .inp, the tokens llama.cpp gives them with sentencepiece's own scores in
+    .out), read by transformers, exported with a tiny model: llama.cpp splits every test text of our file into
+    the same tokens, so the scores derived from the merges order its joins as sentencepiece's do. Skipped
+    unless LLAMA_CPP_MODELS names that folder (llama.cpp's repository, or vendor/llama.cpp/models in the
+    llama-cpp-python sdist: `pip download --no-deps --no-binary :all: llama-cpp-python`)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    name = f"ggml-vocab-{vocab}.gguf"
+    models = Path(os.environ.get("LLAMA_CPP_MODELS", "/nonexistent"))
+    if not (models / name).exists():
+        pytest.skip(f"LLAMA_CPP_MODELS does not name llama.cpp's models/ folder with {name}")
+    texts = (models / f"{name}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = [[int(i) for i in line.split()] for line in (models / f"{name}.out").read_text().split("\n")]
+    tokenizer = AutoTokenizer.from_pretrained(models, gguf_file=name)
+    rows = max(tokenizer.get_vocab().values()) + 1
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    path = tmp_path / "vocab.gguf"
+    written = write(LlamaForCausalLM(LlamaConfig(vocab_size=rows, **sizes)), tokenizer, path)
+    assert written.vocabulary == "llama (sentencepiece, a space before a text)"
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        got = [llm.tokenize(text.encode(), add_bos=False, special=False) for text in texts[: len(expected)]]
+    finally:
+        llm.close()
+    assert len(got) == 47 and got == expected
 
 
 def test_smollm2_in_llama_cpp_tokenizes_and_answers_as_in_transformers(tmp_path):
