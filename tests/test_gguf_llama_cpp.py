@@ -191,14 +191,24 @@ def test_llama_cpp_applies_phi3s_longrope_short_within_the_original_context_and_
     assert np.abs(logits(always_long, short).numpy() - logits(stored, short).numpy()).max() > 10 * max(gaps)
 
 
-@pytest.mark.parametrize("vocab", ["llama-spm", "phi-3"])
-def test_a_real_sentencepiece_vocabulary_exported_splits_llama_cpps_test_texts_as_its_own_scores_do(
-    tmp_path, vocab
+@pytest.mark.parametrize(
+    "vocab, written_as",
+    [
+        ("llama-spm", "llama (sentencepiece, a space before a text)"),
+        ("phi-3", "llama (sentencepiece, a space before a text)"),
+        ("llama-bpe", "gpt2, pre-tokenizer llama-bpe"),
+        ("qwen2", "gpt2, pre-tokenizer qwen2"),
+        ("gpt-2", "gpt2, pre-tokenizer gpt-2"),
+    ],
+)
+def test_a_real_vocabulary_exported_splits_llama_cpps_test_texts_as_llama_cpps_own_file_does(
+    tmp_path, vocab, written_as
 ):
-    """The real Llama 2 and Phi-3 vocabularies from llama.cpp's tokenizer tests (its models/ folder:
-    ggml-vocab-*.gguf, the texts in .inp, the tokens llama.cpp gives them with sentencepiece's own scores in
-    .out), read by transformers, exported with a tiny model: llama.cpp splits every test text of our file into
-    the same tokens, so the scores derived from the merges order its joins as sentencepiece's do. Skipped
+    """The real Llama 2, Phi-3, Llama 3, Qwen2 and GPT-2 vocabularies from llama.cpp's tokenizer tests (its
+    models/ folder: ggml-vocab-*.gguf written by its converter, the texts in .inp, the tokens llama.cpp gives
+    them in .out), read by transformers, exported with a tiny model: llama.cpp splits every test text of our
+    file into the same tokens (for sentencepiece, the scores derived from the merges order its joins as
+    sentencepiece's own scores do; for byte-level BPE, the split named is the one it uses). Skipped
     unless LLAMA_CPP_MODELS names that folder (llama.cpp's repository, or vendor/llama.cpp/models in the
     llama-cpp-python sdist: `pip download --no-deps --no-binary :all: llama-cpp-python`)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -214,7 +224,7 @@ def test_a_real_sentencepiece_vocabulary_exported_splits_llama_cpps_test_texts_a
     sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     path = tmp_path / "vocab.gguf"
     written = write(LlamaForCausalLM(LlamaConfig(vocab_size=rows, **sizes)), tokenizer, path)
-    assert written.vocabulary == "llama (sentencepiece, a space before a text)"
+    assert written.vocabulary == written_as
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     try:
         got = [llm.tokenize(text.encode(), add_bos=False, special=False) for text in texts[: len(expected)]]
