@@ -57,9 +57,16 @@ GEMMA = dict(
 )
 FAMILIES = {
     "mistral": dict(space_prefix=True, config=dict(sliding_window=None)),
-    # Soft caps low enough to bite on a tiny model's logits.
+    # Soft caps low enough to bite on a tiny model's logits; the full layer first, not llama.cpp's default for
+    # Gemma 2 (every other layer sliding from the first), so that the file must say which layers slide.
     "gemma2": dict(
-        space_prefix=False, config=GEMMA | dict(attn_logit_softcapping=2.0, final_logit_softcapping=1.5)
+        space_prefix=False,
+        config=GEMMA
+        | dict(
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=1.5,
+            layer_types=["full_attention", "sliding_attention"],
+        ),
     ),
     # The sliding layers' RoPE base not llama.cpp's default (10000), so that the file must say it.
     "gemma3_text": dict(
@@ -252,7 +259,7 @@ def test_each_family_reads_back_as_the_model_stored_with_its_keys(tmp_path, fami
             "gemma2.attn_logit_softcapping": 2.0,
             "gemma2.final_logit_softcapping": 1.5,
             "gemma2.attention.sliding_window": 4,
-            "gemma2.attention.sliding_window_pattern": [True, False],
+            "gemma2.attention.sliding_window_pattern": [False, True],
         },
         "gemma3_text": {
             "gemma3.attention.key_length": 16,

@@ -84,8 +84,8 @@ def _sliding_layers(writer, config) -> None:
 
 
 def _gemma2(config, writer=None) -> None:
-    """Gemma 2: both soft caps (llama.cpp caps attention and logits always, at 50 and 30 unless told), every
-    other layer sliding."""
+    """Gemma 2: both soft caps (llama.cpp caps attention and logits always, at 50 and 30 unless told), the
+    window and which layers slide (llama.cpp reads the pattern; every other layer from the first unless told)."""
     if config.attn_logit_softcapping is None or config.final_logit_softcapping is None:
         raise GGUFExportError(
             "this gemma2 model leaves a logit soft cap unset (attn_logit_softcapping "
