@@ -395,8 +395,22 @@ def sliding_window_model(tok, kind: str, window: int, eos_boost: float = 12.0, a
 
 def tiny_config(model_type: str, vocab_size: int, **fields):
     """A tiny config of any transformers decoder family (`model_type`): hidden 64, intermediate 96, 4 heads,
-    2 KV heads; `fields` add to or replace those (layers, token ids, head_dim, sliding_window, ...)."""
-    from transformers import AutoConfig
+    2 KV heads; `fields` add to or replace those (layers, token ids, head_dim, sliding_window, ...). "gemma3":
+    Gemma 3 4B-27B's Gemma3ForConditionalGeneration, the tiny gemma3_text of `fields` as its language model
+    beside a one-layer vision tower."""
+    from transformers import AutoConfig, Gemma3Config
+
+    if model_type == "gemma3":
+        text = tiny_config("gemma3_text", vocab_size, **fields)
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+        return Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4)
 
     sizes = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     return AutoConfig.for_model(model_type, vocab_size=vocab_size, **(sizes | fields))

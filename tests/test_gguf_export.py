@@ -448,7 +448,7 @@ def test_an_unsupported_architecture_is_refused_by_name_before_loading(tmp_path,
     )
     assert (
         "llama (llama), mistral (llama), qwen2 (qwen2), qwen3 (qwen3), gemma2 (gemma2), gemma3_text (gemma3), "
-        "phi3 (phi3). For this model, write a transformers checkpoint with "
+        "gemma3 (gemma3), phi3 (phi3). For this model, write a transformers checkpoint with "
         "`lora-grpo merge" in err
     )
     assert not out.exists()

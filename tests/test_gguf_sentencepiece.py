@@ -82,7 +82,15 @@ FAMILIES = {
     ),
     "phi3": dict(space_prefix=True, config=dict(sliding_window=None, original_max_position_embeddings=128)),
 }
-GGUF_NAMES = {"mistral": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+# Gemma 3 4B to 27B: Gemma3ForConditionalGeneration, the tiny Gemma 3 as its language model beside a vision tower.
+FAMILIES["gemma3"] = FAMILIES["gemma3_text"]
+GGUF_NAMES = {
+    "mistral": "llama",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
+}
 
 
 def sentencepiece_tokenizer(space_prefix: bool, byte_fallback: bool = True) -> PreTrainedTokenizerFast:
@@ -128,7 +136,8 @@ def sentencepiece_tokenizer(space_prefix: bool, byte_fallback: bool = True) -> P
 
 def family_model(family: str, rows: int, **fields):
     """A tiny model of `family` (2 layers, hidden 64, 4 heads, 2 KV heads; `fields` on top of FAMILIES'), its
-    norms moved off their initial values so that a norm written without Gemma's offset shows in the logits."""
+    norms moved off their initial values so that a norm written without Gemma's offset shows in the logits.
+    "gemma3": a Gemma3ForConditionalGeneration whose language model is the tiny Gemma 3."""
     torch.manual_seed(4)
     sizes = dict(
         num_hidden_layers=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2
@@ -188,10 +197,17 @@ def llama_cpp_sentencepiece(
 
 
 def read_back_as(path, config):
-    """transformers' GGUF load of the file's weights and tokenizer; a Gemma's weights into its own `config`
-    (transformers' Gemma readers take neither the query scale nor the layer pattern from a file)."""
+    """transformers' GGUF load of the file's weights and tokenizer; a Gemma's weights into its own `config`'s
+    language model (transformers' Gemma readers take neither the query scale nor the layer pattern from a
+    file). A multimodal Gemma 3's language model uncapped, as transformers' Gemma3ForConditionalGeneration runs
+    it."""
+    import copy
+
+    text = copy.deepcopy(config.get_text_config())
+    if config.model_type == "gemma3":
+        text.final_logit_softcapping = None
     directory, name = os.path.split(path)
-    own = {"config": config} if config.model_type.startswith("gemma") else {}
+    own = {"config": text} if text.model_type.startswith("gemma") else {}
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32, **own)
     return model.eval(), AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
@@ -270,16 +286,21 @@ def test_each_family_reads_back_as_the_model_stored_with_its_keys(tmp_path, fami
             "gemma3.attention.sliding_window_pattern": [True, False],
         },
         "phi3": {"phi3.rope.scaling.original_context_length": 128, "phi3.attention.sliding_window": 0},
-    }[family]
+    }["gemma3_text" if family == "gemma3" else family]
+    if family == "gemma3":  # transformers' Gemma3ForConditionalGeneration never caps its logits
+        del expected["gemma3.final_logit_softcapping"]
+        assert "gemma3.final_logit_softcapping" not in found
     assert {key: found.get(key) for key in expected} == expected
     assert "gemma3.attn_logit_softcapping" not in found
     if family.startswith("gemma"):
         # Gemma scales by 1 + weight, llama.cpp by the weight: the file's norms are the model's plus one.
         reader = gguf.GGUFReader(str(path))
         stored = next(t for t in reader.tensors if t.name == "blk.0.attn_norm.weight")
-        hf = model.model.layers[0].input_layernorm.weight.detach().numpy()
+        hf = model.get_decoder().layers[0].input_layernorm.weight.detach().numpy()
         assert np.allclose(np.asarray(stored.data), hf + 1.0, atol=1e-6)
         assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"} <= set(tensors)
+        # The language model's alone (no vision tower, no projector): 11 a layer, Gemma 3's q / k norms 13
+        assert len(tensors) == 2 + 2 * (11 if family == "gemma2" else 13)
     back, back_tokenizer = read_back_as(path, model.config)
     ids = tokenizer(" ".join(SPM_TEXTS))["input_ids"]
     assert len(ids) > 20  # past the window of 4
@@ -339,11 +360,13 @@ def test_a_model_llama_cpp_would_compute_otherwise_is_refused_before_loading(
     assert refusal in err and "Traceback" not in err and not out.exists()
 
 
-def test_a_gemma3_base_trains_through_the_cli_and_its_run_exports_as_its_merged_policy(tmp_path):
-    """The whole path on Gemma 3 with a sentencepiece tokenizer: two GRPO steps through the CLI, the run
-    exported and read back as peft's own merge of its adapter."""
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma3"])
+def test_a_gemma3_base_trains_through_the_cli_and_its_run_exports_as_its_merged_policy(tmp_path, family):
+    """The whole path on Gemma 3 (1B's text model, and 4B-27B's with a vision tower) with a sentencepiece
+    tokenizer: two GRPO steps through the CLI, the run exported and read back as peft's own merge of its
+    adapter."""
     tokenizer = sentencepiece_tokenizer(space_prefix=False)
-    family_model("gemma3_text", len(tokenizer)).save_pretrained(tmp_path / "base")
+    family_model(family, len(tokenizer)).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     run = train_two_steps(tmp_path, str(tmp_path / "base"))
     assert json.loads((run / "summary.json").read_text())["steps"] == 2

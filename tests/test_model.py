@@ -360,6 +360,8 @@ FAMILIES = {
     "qwen3": {"head_dim": 32},
     "gemma2": {"head_dim": 32, "sliding_window": 4},
     "gemma3_text": {"head_dim": 32, "sliding_window": 4},
+    # Gemma 3 4B-27B: Gemma3ForConditionalGeneration, the tiny Gemma 3 as its language model beside a vision tower
+    "gemma3": {"head_dim": 32, "sliding_window": 4},
     "mistral": {"sliding_window": 4},
     "phi3": {},
 }
@@ -368,7 +370,8 @@ FAMILIES = {
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_each_model_family_trains_through_qlora_with_a_synced_reference(model_type, tmp_path):
     """A tiny random model of each family the docs name, 4-bit, two steps with the static decode and a hard
-    sync after the first: finite losses, the policy moved, the reference slot equal to it after the sync."""
+    sync after the first: finite losses, the policy moved, the reference slot equal to it after the sync. Every
+    adapter moves: a multimodal model's sit on its language model alone, none on the vision tower."""
     from transformers import AutoModelForCausalLM
 
     from lora_grpo.model.adapters import REFERENCE
@@ -398,6 +401,7 @@ def test_each_model_family_trains_through_qlora_with_a_synced_reference(model_ty
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert not [name for name, _ in lora_layers(trainer.model) if "vision" in name]
     for _, layer in lora_layers(trainer.model):
         assert layer.lora_B[POLICY].weight.abs().sum() > 0  # B starts at 0: the policy moved
     # synced after step 1 (the slot started at B = 0, the fresh policy), then step 2 moved the policy on: the slot

@@ -5,7 +5,9 @@ Written with the gguf package's own pieces: ``GGUFWriter`` for the file, ``get_t
 
 - **The weights**, named as llama.cpp names them; matrices in float16 (``f16``) or Q8_0 (``q8_0``; a matrix
   whose rows are not a whole number of Q8_0 blocks stays float16), vectors (norms, biases) in float32, as
-  llama.cpp's own converter does. No ``output.weight`` when the embeddings are tied.
+  llama.cpp's own converter does. No ``output.weight`` when the embeddings are tied. Of a multimodal model
+  (Gemma 3 4B to 27B), the language model alone, as llama.cpp's converter writes it: the vision tower goes in
+  llama.cpp's separate mmproj file, which this export does not write.
 - **Llama's and Mistral's q and k rows in llama.cpp's rotary order**: llama.cpp rotates pairs of neighbouring
   rows where transformers rotates the two halves of each head, so its converter permutes q and k (per query
   head, per KV head) and transformers' GGUF reader (``LlamaTensorProcessor``) undoes exactly that. Qwen2, Qwen3,
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +54,10 @@ class Architecture:
     llama.cpp's rotary order; what is added to every RMS norm's weight (Gemma's norms scale by 1 + weight,
     llama.cpp's by the weight); whether the head size is written even when it is hidden / heads (transformers'
     Gemma readers take 256 otherwise); the family's own checks and keys (``family(config, writer=None)``
-    refuses what llama.cpp would compute otherwise, and with a writer adds the family's keys); and whether a
-    LongRoPE scaling is written (llama.cpp reads its two factor tensors for Phi-3 only)."""
+    refuses what llama.cpp would compute otherwise, and with a writer adds the family's keys); whether a
+    LongRoPE scaling is written (llama.cpp reads its two factor tensors for Phi-3 only); and, for a multimodal
+    model, the name parts of its other towers' tensors, left out: its language model is written alone, as
+    llama.cpp's converter writes it (the vision tower goes in llama.cpp's separate mmproj file)."""
 
     gguf_name: str
     rotary_rows_interleaved: bool = False
@@ -60,6 +65,7 @@ class Architecture:
     head_size_always: bool = False
     family: Callable | None = None
     longrope: bool = False
+    other_towers: tuple[str, ...] = ()
 
 
 def _gemma_scale(config, name: str, layers_27b: int) -> None:
@@ -99,9 +105,10 @@ def _gemma2(config, writer=None) -> None:
         _sliding_layers(writer, config)
 
 
-def _gemma3(config, writer=None) -> None:
-    """Gemma 3: no attention soft cap (llama.cpp's Gemma 3 has none), the logits' cap when set, sliding layers
-    with their own RoPE base and no scaling."""
+def _gemma3(config, writer=None, final_cap: bool = True) -> None:
+    """Gemma 3: no attention soft cap (llama.cpp's Gemma 3 has none), the logits' cap when set and
+    `final_cap` (transformers' multimodal Gemma3ForConditionalGeneration never caps, whatever its text config
+    says: its file carries no cap), sliding layers with their own RoPE base and no scaling."""
     if config.attn_logit_softcapping is not None:
         raise GGUFExportError(
             f"this gemma3_text model caps its attention logits (attn_logit_softcapping "
@@ -115,7 +122,7 @@ def _gemma3(config, writer=None) -> None:
             f"Gemma 3 scales only the full-attention layers'; for this model, {CONVERT_INSTEAD}"
         )
     if writer is not None:
-        if config.final_logit_softcapping:
+        if config.final_logit_softcapping and final_cap:
             writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
         writer.add_rope_freq_base_swa(float(local["rope_theta"]))
         _sliding_layers(writer, config)
@@ -137,6 +144,14 @@ ARCHITECTURES = {
     "qwen3": Architecture(gguf_name="qwen3"),
     "gemma2": Architecture(gguf_name="gemma2", norm_offset=1.0, head_size_always=True, family=_gemma2),
     "gemma3_text": Architecture(gguf_name="gemma3", norm_offset=1.0, head_size_always=True, family=_gemma3),
+    # Gemma 3 4B to 27B: the language model of Gemma3ForConditionalGeneration.
+    "gemma3": Architecture(
+        gguf_name="gemma3",
+        norm_offset=1.0,
+        head_size_always=True,
+        family=partial(_gemma3, final_cap=False),
+        other_towers=("vision_tower.", "multi_modal_projector."),
+    ),
     "phi3": Architecture(gguf_name="phi3", family=_phi3, longrope=True),
 }
 GGUF_TYPES = ("f16", "q8_0")
@@ -190,9 +205,14 @@ def architecture_of(config) -> Architecture:
             f"model types: {supported_architectures()}. For this model, {CONVERT_INSTEAD}"
         )
     if found.family is not None:
-        found.family(config)
-    rope_scaling(config, found)
+        found.family(text_config(config))
+    rope_scaling(text_config(config), found)
     return found
+
+
+def text_config(config):
+    """The language model's config: a multimodal model's text_config, a text model's own config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def write_gguf(
@@ -202,8 +222,8 @@ def write_gguf(
     `path`. `pre` overrides the pre-tokenizer name read from the tokenizer (a base read from a GGUF keeps
     its file's name: transformers' reader drops splits it does not know, such as SmolLM's digits)."""
     gguf = gguf_package()
-    config = model.config
-    arch = architecture_of(config)
+    arch = architecture_of(model.config)
+    config = text_config(model.config)
     if gguf_type not in GGUF_TYPES:
         raise GGUFExportError(
             f"gguf_type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}; pick one of them"
@@ -364,10 +384,23 @@ def _rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def _language_model_name(hf_name: str) -> str:
+    """A multimodal model's language-model tensor under the name of the text model's (transformers 5's
+    ``model.language_model.X``, transformers 4's ``language_model.model.X`` and ``language_model.lm_head``)."""
+    for prefix, plain in (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.", ""),
+    ):
+        if hf_name.startswith(prefix):
+            return plain + hf_name[len(prefix) :]
+    return hf_name
+
+
 def _tensors(writer, gguf, model, arch: Architecture, gguf_type: str) -> tuple[int, list[str]]:
     """Add every tensor of `model` under its GGUF name; returns how many, and the matrices a q8_0 file keeps
     in float16."""
-    config = model.config
+    config = text_config(model.config)
     gguf_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch.gguf_name)
     names = gguf.get_tensor_name_map(gguf_arch, config.num_hidden_layers)
     known = set(gguf.MODEL_TENSORS[gguf_arch])
@@ -382,15 +415,18 @@ def _tensors(writer, gguf, model, arch: Architecture, gguf_type: str) -> tuple[i
         for name, data in longrope_factors(config)[0].items():
             writer.add_tensor(f"{name}.weight", data)
             count += 1
-    for hf_name, tensor in model.state_dict().items():
+    for full_name, tensor in model.state_dict().items():
+        if any(tower in full_name for tower in arch.other_towers):
+            continue
+        hf_name = _language_model_name(full_name)
         if tied and hf_name == "lm_head.weight":
             continue
         found = names.get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
         if found is None or found[0] not in known:
             raise GGUFExportError(
-                f"the model's tensor {hf_name} has no name in GGUF's {arch.gguf_name} architecture: this "
-                f"{type(model).__name__} is not a plain {config.model_type} model; export the model as trained, "
-                "merged (no extra modules)"
+                f"the model's tensor {full_name} has no name in GGUF's {arch.gguf_name} architecture: this "
+                f"{type(model).__name__} is not a plain {model.config.model_type} model; export the model as "
+                "trained, merged (no extra modules)"
             )
         name = found[1]
         count += 1

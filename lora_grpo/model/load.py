@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import torch
 from torch import nn
@@ -198,6 +199,28 @@ def lora_config(config: GRPOConfig):
     )
 
 
+def other_towers(base: nn.Module) -> str | None:
+    """A multimodal model's modules beside its language model (Gemma 3's vision tower and projector), as a
+    peft ``exclude_modules`` pattern; None for a text model. GRPO on text trains the language model: an
+    adapter on a tower the prompts never reach would take memory and never move."""
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    names = {id(module): name for name, module in base.named_modules()}
+    if decoder is None or id(decoder) not in names:
+        return None
+    inside = {id(module) for module in decoder.modules()}
+    head = base.get_output_embeddings()
+    path = names[id(decoder)].split(".")
+    towers = set()
+    for name, module in base.named_modules():
+        if isinstance(module, nn.Linear) and id(module) not in inside and module is not head:
+            parts = name.split(".")
+            shared = next(i for i, (a, b) in enumerate(zip([*path, None], parts)) if a != b)
+            towers.add(".".join(parts[: shared + 1]))
+    if not towers:
+        return None
+    return rf"({'|'.join(re.escape(tower) for tower in sorted(towers))})\..*"
+
+
 def reference_lora_config(policy_config, ref_rank: int):
     """The reference slot: same target modules as the policy, its own rank, scaling 1, no dropout."""
     from peft import LoraConfig
@@ -249,6 +272,8 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
             logger.warning("init_adapter has rank %d; config lora_r=%d is ignored", saved.r, config.lora_r)
     else:
         policy = lora_config(config) if lora is None else copy.deepcopy(lora)
+        if lora is None:  # a peft_config given (the TRL front door) is the user's, as it stands
+            policy.exclude_modules = other_towers(base)
         if policy.target_modules is not None:  # None: peft's default for the model type
             # an entry matching nothing, with the closest names
             check_target_modules(base, policy.target_modules)
