@@ -1,6 +1,7 @@
 """The exported GGUF files in llama.cpp itself (llama-cpp-python's build of it): for each architecture the export
 writes (Llama with GPT-2's split and q / k rows permuted, Llama 3's RoPE scaling and split, Qwen2, Qwen3; Mistral,
-Gemma 2, Gemma 3 and Phi-3 with a sentencepiece vocabulary, and Phi-3's LongRoPE) in f16 and q8_0, and for
+Gemma 2, Gemma 3 (with and without its vision tower) and Phi-3 with a sentencepiece vocabulary, Phi-3's LongRoPE)
+in f16 and q8_0, and for
 SmolLM2-135M-Instruct where its file is at hand, llama.cpp splits every text into the tokens transformers gives,
 and its logits over every position are the model's as the file stores it.
 
