@@ -99,6 +99,25 @@ def test_every_4bit_layer_is_pinned_to_the_portable_path(avx512bf16_cpu, tiny_ba
     assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
 
 
+def test_bitsandbytes_notice_of_its_packed_path_kernel_is_dropped_and_no_other_record(caplog):
+    """On an AVX512-BF16 CPU bitsandbytes warns at import that it could not fetch the kernel of the packed path
+    lora_grpo turns off (keep_4bit_weights_fixed); lora_grpo.model.load drops that record, from bitsandbytes'
+    own logger, and passes every other."""
+    import logging
+
+    import lora_grpo.model.load  # noqa: F401 (installs the filter)
+
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        log.warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
+            "`pip install kernels` and the kernels >= 0.11.1",
+            "Kernel repository 'kernels-community/quantization-bitsandbytes' could not verify publisher trust",
+        )
+        log.warning("Failed to load the CPU library")
+    assert [record.getMessage() for record in caplog.records] == ["Failed to load the CPU library"]
+
+
 def test_a_model_repacked_before_the_trainer_got_it_is_refused(tiny_base_dir, tmp_path):
     from lora_grpo.model.load import keep_4bit_weights_fixed
 
