@@ -27,25 +27,6 @@ from .reference import check_syncable, sync_reference
 logger = logging.getLogger(__name__)
 
 
-class UnusedKernelNotice(logging.Filter):
-    """Drops bitsandbytes' notice that it could not fetch its fused CPU kernel for packed 4-bit weights.
-
-    Imported on a CPU with AVX512-BF16 (Zen 4 and 5, Sapphire Rapids), bitsandbytes asks the hub's
-    kernels-community for that kernel and, where it gets none (offline, or the kernels package's trust check),
-    warns "Failed to load CPU gemm_4bit_forward from kernels-community ... pip install kernels" on every run.
-    The kernel serves only the packed path that keep_4bit_weights_fixed turns off, so the advice would send a
-    user after something lora_grpo never uses. Other records pass."""
-
-    NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.NOTICE)
-
-
-# Before bitsandbytes is imported (it warns at import): its logger, by the module's name.
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(UnusedKernelNotice())
-
-
 def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
     """The config's torch_dtype as a torch dtype; 'auto' says in one line what it chose and why
     (device.auto_dtype: bfloat16 only where the GPU computes it natively, else float32; float32 for
