@@ -712,6 +712,34 @@ def test_the_shape_estimates_count_the_real_models_weights_and_adapters(model_ty
     assert memory_estimate.lora_parameters(config, 4) == lora
 
 
+def test_a_multimodal_models_estimate_counts_its_language_model_and_the_adapters_it_gets():
+    """Gemma 3 4B-27B (a vision tower beside the language model): the estimate's weights are its language
+    model's (the start-up plan measures the tower once loaded), and its LoRA size is that of the adapters
+    lora_grpo puts on it, on the language model alone."""
+    from transformers import AutoModelForCausalLM
+
+    from lora_grpo.memory import estimate as memory_estimate
+    from lora_grpo.model.adapters import POLICY
+    from lora_grpo.model.load import attach_adapters
+    from lora_grpo.model.reference import lora_layers
+
+    config = tiny_config(
+        "gemma3", 300, num_hidden_layers=3, head_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    towers = ("vision_tower", "multi_modal_projector")
+    language = sum(p.numel() for n, p in model.named_parameters() if not any(t in n for t in towers)) * 4
+    assert language * 0.99 <= memory_estimate.weight_bytes(config, "none", torch.float32) <= language
+    peft_model = attach_adapters(
+        model, GRPOConfig(model_name_or_path="tiny", lora_r=4, gradient_checkpointing=False)
+    )
+    policy = sum(
+        layer.lora_A[POLICY].weight.numel() + layer.lora_B[POLICY].weight.numel()
+        for _, layer in lora_layers(peft_model)
+    )
+    assert memory_estimate.lora_parameters(config, 4) == policy
+
+
 # ------------------------------------------------------------------------------ memory_probe auto
 SHAPES = dict(micro_batch_size="auto", gradient_checkpointing="auto")  # memory_probe auto, the default
 
