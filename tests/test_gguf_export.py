@@ -181,10 +181,12 @@ def logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-def read_back(path):
-    """transformers' own GGUF load of the file: model (float32) and tokenizer."""
+def read_back(path, config=None):
+    """transformers' own GGUF load of the file: model (float32; into `config` where given instead of the
+    file's) and tokenizer."""
     directory, name = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    own = {} if config is None else {"config": config}
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32, **own).eval()
     return model, AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
 

@@ -6,7 +6,6 @@ scores (written out here from llama.cpp's description), transformers' own read-b
 CLI, and the models llama.cpp would compute otherwise, refused by name."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -19,12 +18,13 @@ from test_gguf_export import (
     fields,
     logits,
     merged_reference,
+    read_back,
     rounded,
     train_two_steps,
     write,
 )
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from lora_grpo import export_gguf
 from lora_grpo.cli import main
@@ -206,10 +206,7 @@ def read_back_as(path, config):
     text = copy.deepcopy(config.get_text_config())
     if config.model_type == "gemma3":
         text.final_logit_softcapping = None
-    directory, name = os.path.split(path)
-    own = {"config": text} if text.model_type.startswith("gemma") else {}
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32, **own)
-    return model.eval(), AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return read_back(path, text if text.model_type.startswith("gemma") else None)
 
 
 # ------------------------------------------------------------------------------------- the vocabulary

@@ -85,9 +85,10 @@ def backend_spec(tokenizer) -> dict:
     return json.loads(backend.to_str()) if backend is not None else {}
 
 
-def vocabulary_of(tokenizer) -> Vocabulary:
-    """The entry of VOCABULARIES the tokenizer is; GGUFExportError naming what it is otherwise."""
-    spec = backend_spec(tokenizer)
+def vocabulary_of(tokenizer, spec: dict | None = None) -> Vocabulary:
+    """The entry of VOCABULARIES the tokenizer is; GGUFExportError naming what it is otherwise. `spec`: its
+    backend_spec where the caller has it (a large vocabulary's takes a quarter of a second to serialise)."""
+    spec = backend_spec(tokenizer) if spec is None else spec
     for vocabulary in VOCABULARIES:
         if vocabulary.matches(spec):
             return vocabulary
@@ -101,14 +102,15 @@ def vocabulary_of(tokenizer) -> Vocabulary:
     )
 
 
-def pre_tokenizer_name(tokenizer) -> str:
+def pre_tokenizer_name(tokenizer, spec: dict | None = None) -> str:
     """llama.cpp's name for how a byte-level tokenizer splits text before its merges (``tokenizer.ggml.pre``),
     read from its pre-tokenizer: GPT-2's regex alone (gpt-2), digits split one by one before it (smollm), Qwen2's
-    regex (qwen2, also Qwen3's) or Llama 3's (llama-bpe). GGUFExportError naming the split for any other."""
+    regex (qwen2, also Qwen3's) or Llama 3's (llama-bpe). GGUFExportError naming the split for any other.
+    `spec`: as vocabulary_of's."""
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT
 
-    spec = backend_spec(tokenizer)
-    if vocabulary_of(tokenizer).model != "gpt2":
+    spec = backend_spec(tokenizer) if spec is None else spec
+    if vocabulary_of(tokenizer, spec).model != "gpt2":
         raise GGUFExportError(
             "a sentencepiece tokenizer has no pre-tokenizer name: llama.cpp does not split its text"
         )
@@ -153,7 +155,7 @@ def _pieces(tokenizer, text: str) -> list[str]:
 
 
 def _byte_level(writer, gguf, tokenizer, spec: dict, tokens: list[str], types: list, pre: str | None) -> str:
-    pre = pre or pre_tokenizer_name(tokenizer)
+    pre = pre or pre_tokenizer_name(tokenizer, spec)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -196,8 +198,8 @@ VOCABULARIES = (
 def write_vocabulary(writer, gguf, tokenizer, rows: int, pre: str | None = None) -> str:
     """Add the tokenizer's keys for a model of `rows` embedding rows; returns what was written, in words.
     `pre` overrides a byte-level tokenizer's split name read from the tokenizer."""
-    vocabulary = vocabulary_of(tokenizer)
     spec = backend_spec(tokenizer)
+    vocabulary = vocabulary_of(tokenizer, spec)
     by_id = {index: token for token, index in tokenizer.get_vocab().items()}
     if by_id and max(by_id) >= rows:
         raise GGUFExportError(
