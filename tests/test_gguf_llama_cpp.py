@@ -57,9 +57,9 @@ def tiny(kind: str):
     return tokenizer, model, plain
 
 
-def load(path):
+def load(path, context: int = 256):
     return llama_cpp.Llama(
-        model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, n_threads=1, verbose=False
+        model_path=str(path), n_ctx=context, n_batch=context, logits_all=True, n_threads=1, verbose=False
     )
 
 
@@ -177,9 +177,7 @@ def test_llama_cpp_applies_phi3s_longrope_short_within_the_original_context_and_
     short, long = ids[:80], ids[:300]
     gaps = []
     for context, part in ((256, short), (512, long)):
-        llm = llama_cpp.Llama(
-            model_path=str(path), n_ctx=context, n_batch=512, logits_all=True, n_threads=1, verbose=False
-        )
+        llm = load(path, context)
         try:
             assert llm.n_ctx() == context
             gaps.append(np.abs(llama_cpp_logits(llm, part) - logits(stored, part).numpy()).max())
