@@ -92,7 +92,9 @@ class GRPOConfig:
         True, "quantize the 4-bit quantization constants too (saves ~0.4 bit/param)"
     )
     torch_dtype: str = _f(
-        "auto", "dtype of the unquantized weights and 4-bit compute: auto | float32 | bfloat16 | float16"
+        "auto",
+        "dtype of the unquantized weights and 4-bit compute: auto | float32 | bfloat16 | float16 (the loss "
+        "then scaled dynamically: GPUs without bf16)",
     )
     trust_remote_code: bool = _f(False, "allow custom model code from the hub")
     attn_implementation: str | None = _f(

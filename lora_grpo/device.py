@@ -61,7 +61,9 @@ def native_bf16(device: torch.device | None = None) -> bool:
 def auto_dtype(device: torch.device | None = None) -> tuple[torch.dtype, str]:
     """torch_dtype 'auto' → (dtype, the reason in words): bfloat16 where the GPU computes it
     natively, float32 everywhere else, a CPU `device` included (use_cpu on a GPU machine). Never
-    float16: nothing here scales the loss, and fp16 activations underflow small gradients."""
+    float16, whose range (±65504) some models' activations exceed: a choice the user makes
+    (torch_dtype float16, the loss then scaled: optim.LossScale), which the reason suggests on GPUs
+    without bf16."""
     if not torch.cuda.is_available():
         return torch.float32, "no CUDA device"
     if device is not None and torch.device(device).type != "cuda":
@@ -70,31 +72,36 @@ def auto_dtype(device: torch.device | None = None) -> tuple[torch.dtype, str]:
     if native_bf16(device):
         return torch.bfloat16, f"native on {gpu}"
     return torch.float32, (
-        f"{gpu} has no native bfloat16 (it would be emulated, slower than float32); float16 "
-        "would need loss scaling, which lora_grpo does not do"
+        f"{gpu} has no native bfloat16 (it would be emulated, slower than float32); torch_dtype "
+        "float16 computes on its tensor cores (the loss is scaled) where the model's activations fit float16"
     )
 
 
-def mixed_precision_dtype(mixed_precision: str | None, torch_dtype: str) -> str:
+def mixed_precision_dtype(mixed_precision: str | None, torch_dtype: str, device_type: str) -> str:
     """The torch_dtype a run uses under accelerate's `mixed_precision` (`accelerate launch
     --mixed_precision`, its config file, or ACCELERATE_MIXED_PRECISION). lora_grpo does not autocast:
-    the model computes in torch_dtype. So "bf16" is honoured as torch_dtype bfloat16 (when torch_dtype
-    is auto or bfloat16), and everything else that is not "no" is refused by name (ValueError)."""
+    the model computes in torch_dtype. So "bf16" is honoured as torch_dtype bfloat16 and "fp16" as
+    float16 with a scaled loss (when torch_dtype is auto or that dtype; fp16 on a `device_type` other
+    than cuda changes nothing, as in accelerate, which neither autocasts nor scales there), and
+    everything else that is not "no" is refused by name (ValueError)."""
     if mixed_precision in (None, "no"):
         return torch_dtype
-    if mixed_precision == "bf16" and torch_dtype in ("auto", "bfloat16"):
-        return "bfloat16"
-    if mixed_precision == "bf16":
+    wanted = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision)
+    if wanted is None:
         raise ValueError(
-            f"accelerate's mixed_precision=bf16 and torch_dtype={torch_dtype} disagree: lora_grpo does "
-            "not autocast, the model computes in torch_dtype. Set torch_dtype to bfloat16 (or auto), or "
+            f"accelerate's mixed_precision={mixed_precision} is not supported: lora_grpo does not autocast "
+            "(the model computes in torch_dtype). Launch with --mixed_precision no, bf16 or fp16, and set "
+            "torch_dtype"
+        )
+    if torch_dtype not in ("auto", wanted):
+        raise ValueError(
+            f"accelerate's mixed_precision={mixed_precision} and torch_dtype={torch_dtype} disagree: lora_grpo does "
+            f"not autocast, the model computes in torch_dtype. Set torch_dtype to {wanted} (or auto), or "
             "launch with --mixed_precision no"
         )
-    raise ValueError(
-        f"accelerate's mixed_precision={mixed_precision} is not supported: lora_grpo does not autocast "
-        "or scale the loss (the model computes in torch_dtype). Launch with --mixed_precision no (or bf16) "
-        "and set torch_dtype"
-    )
+    if mixed_precision == "fp16" and device_type != "cuda":
+        return torch_dtype
+    return wanted
 
 
 def _triton_installed() -> bool:

@@ -27,6 +27,7 @@ from transformers import TrainerState
 from .algo.loss import AdaptiveEntropy
 from .batch import RolloutSteps
 from .model.reference import SyncSchedule
+from .optim import LossScale
 from .run.health import HealthMonitor
 
 # Fields that a run takes from its config, not from the checkpoint it resumes: a resumed run may
@@ -47,6 +48,8 @@ FROM_CONFIG = frozenset(
 # (an Any field) is saved as its state_dict(), a JSON object; a run without warmup restarts saves null for
 # them; transformers saves stateful_callbacks as an object.
 _SAVED_FORM = {"warmup_restarts": dict | None, "stateful_callbacks": dict | None}
+# A part's own check of what it would restore (the entries inside its JSON object).
+_PART_PROBLEMS = {"loss_scale": LossScale.saved_problems}
 # Saved integers count something (steps, tokens, updates): none is negative, and these are at least 1.
 _AT_LEAST_ONE = frozenset({"num_processes", "micro_batch_size"})
 # Fields a new run of the same trainer keeps (TRL's second train(), GRPOTrainer._start_again): facts about the
@@ -85,6 +88,7 @@ class TrainState(TrainerState):
     warmup_restarts: Any = None  # optim.WarmupRestarts: the update of the last warmup restart
     health: Any = None  # health.HealthMonitor: streaks, recent KLs, first-steps baselines, warnings given
     adaptive_entropy: Any = None  # loss.AdaptiveEntropy: the entropy coefficient and its last measurement
+    loss_scale: Any = None  # optim.LossScale: a float16 model's loss scale and its growth count
     # a front door's own state (the TRL front door's log history)
     extra: dict = dataclasses.field(default_factory=dict)
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
@@ -96,7 +100,9 @@ class TrainState(TrainerState):
     generation: Any = dataclasses.field(default=None, metadata={PER_PROCESS: RolloutSteps.from_state_dict})
 
     @classmethod
-    def for_run(cls, config, accelerator, total_steps: int, batches, warmup_restarts) -> "TrainState":
+    def for_run(
+        cls, config, accelerator, total_steps: int, batches, warmup_restarts, loss_scale
+    ) -> "TrainState":
         """A fresh run's state: transformers' fields from the config, our parts at their start."""
         return cls(
             max_steps=total_steps,
@@ -119,6 +125,7 @@ class TrainState(TrainerState):
                 config.entropy_coef_min,
                 config.entropy_coef_max,
             ),
+            loss_scale=loss_scale,
         )
 
     @property
@@ -190,6 +197,8 @@ class TrainState(TrainerState):
             form = _SAVED_FORM.get(f.name, dict if hints[f.name] is Any else hints[f.name])
             if not _fits(value, form):
                 problems.append(f"{f.name} is {_shown(value)}; it must be {_described(form)}")
+            elif f.name in _PART_PROBLEMS:
+                problems.extend(_PART_PROBLEMS[f.name](value))
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 least = 1 if f.name in _AT_LEAST_ONE else 0
                 # `not >=`: NaN fails too

@@ -49,6 +49,7 @@ from .model.adapters import POLICY, policy_parameters, reference_forward, set_tr
 from .model.load import keep_4bit_weights_fixed, load_model
 from .model.reference import sync_reference
 from .optim import (
+    LossScale,
     WarmupRestarts,
     build_optimizer,
     build_scheduler,
@@ -166,7 +167,14 @@ class GRPOTrainer:
         batches = self._build_data([*rewards, *environment_rewards], train_dataset, eval_dataset)
         warmup_restarts = self._build_optimizer(batches)
         # The loop's mutable state, saved and restored whole (state.py).
-        self.state = TrainState.for_run(config, self.accelerator, self.total_steps, batches, warmup_restarts)
+        self.state = TrainState.for_run(
+            config,
+            self.accelerator,
+            self.total_steps,
+            batches,
+            warmup_restarts,
+            LossScale.for_model(self.model, self.accelerator.device),
+        )
         self._build_stages(rewards, environment_rewards)
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
@@ -195,8 +203,10 @@ class GRPOTrainer:
         """self.model and self.tokenizer: the config's base with its adapters (model/load.py), or the
         caller's model, on this process's device in eval mode (sampling and log-probs run in it)."""
         config = self.config
-        # accelerate's mixed_precision is honoured as torch_dtype bfloat16, or refused by name (device.py)
-        config.torch_dtype = mixed_precision_dtype(self.accelerator.mixed_precision, config.torch_dtype)
+        # accelerate's mixed_precision is honoured as torch_dtype bfloat16 / float16, or refused by name (device.py)
+        config.torch_dtype = mixed_precision_dtype(
+            self.accelerator.mixed_precision, config.torch_dtype, self.accelerator.device.type
+        )
         if model is None:
             # on this process's device, the CPU too (use_cpu: not a GPU's)
             model, tokenizer = load_model(config, device_map={"": self.accelerator.device})
@@ -490,8 +500,8 @@ class GRPOTrainer:
         )
 
     def _start_again(self) -> None:
-        """A new run from the adapters and the optimizer's moments as they are (what TRL's second train()
-        does, for the TRL front door): step 0 with a fresh run's loop state (the data from its first
+        """A new run from the adapters, the optimizer's moments and the loss scale as they are (what TRL's
+        second train() does, for the TRL front door): step 0 with a fresh run's loop state (the data from its first
         batch, no history, the schedules at their start, no generation left), the LR schedule from its
         first update. The sampling and torch RNGs go on where they are, as in TRL."""
         cfg = self.config
@@ -499,7 +509,11 @@ class GRPOTrainer:
             self.train_dataset, cfg.prompts_per_generation, seed=cfg.seed, shuffle=cfg.shuffle_dataset
         )
         warmup = WarmupRestarts(steps_of(cfg.warmup_steps, self.total_steps))
-        self.state.start_again(TrainState.for_run(cfg, self.accelerator, self.total_steps, batches, warmup))
+        # The loss scale goes on (the same object), as accelerate's GradScaler does in TRL's second train().
+        fresh = TrainState.for_run(
+            cfg, self.accelerator, self.total_steps, batches, warmup, self.state.loss_scale
+        )
+        self.state.start_again(fresh)
         self.scheduler.last_epoch = 0
         refresh_lr(self.optimizer, self.scheduler)
         self.stop_requested = False

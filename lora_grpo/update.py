@@ -1,8 +1,12 @@
 """One optimizer update of the policy adapter on a Batch: accumulate → average → clip → step.
 
     micro-batches ─► forward (chunked log-probs, entropy) ─► grpo_loss × accumulation scale ─► backward
-                  ─► average over processes (one flat all-reduce) ─► clip ─► optimizer + LR step,
+                  ─► average over processes (one flat all-reduce) ─► unscale ─► clip ─► optimizer + LR step,
                      or skip a NaN/inf update (stopping.count_nonfinite ends the run after too many)
+
+A float16 model's loss is multiplied by its loss scale before backward and its gradients divided by it
+before clipping (optim.LossScale); an update whose scaled gradients overflowed is skipped and halves
+the scale, and is not counted as NaN/inf while the scale is above 1.
 
 The loss is normalised by a token count fixed for the whole step, or weighted by each micro-batch's
 share (the accumulation scale of the loss type's aggregation, loss.AGGREGATIONS), so the step's
@@ -164,10 +168,13 @@ class PolicyUpdate:
             sums["entropy_coef"] = control.coef * sums["tokens"]
         loss_total = sums.pop("loss", 0.0) / acc.num_processes
         tokens = max(sums.pop("tokens", 0.0), 1.0)
+        loss_scale = self.state.loss_scale
+        scaled_by = loss_scale.value
+        loss_scale.unscale(self.optimizer)  # after the average: every process finds the same overflow
         # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
         lr = self.scheduler.get_last_lr()[0]
-        nonfinite = self._step_unless_nonfinite(loss_total, grad_norm)
+        nonfinite = self._step_unless_nonfinite(loss_total, grad_norm, scaled_by)
         return {
             **{k: v / tokens for k, v in sums.items()},
             **extremes,
@@ -176,6 +183,7 @@ class PolicyUpdate:
             "lr": lr,
             "skipped_nonfinite": float(nonfinite),
             "zero_advantage_skipped": skipped / counts["rows"],
+            **({"loss_scale": scaled_by} if loss_scale.enabled else {}),
         }
 
     def accumulate(
@@ -207,16 +215,18 @@ class PolicyUpdate:
             accumulation=(mb.rows, n_seq, n_micro),
             tensor_metrics=True,
         )
-        loss.backward()
+        self.state.loss_scale.scale(loss).backward()  # × the loss scale in float16 (else × 1: loss itself)
         if cfg.use_adaptive_entropy:
             control.accumulate(entropy, mb.completion_mask, cfg.top_entropy_quantile, self.gather)
         m["entropy_sum"] = (entropy.detach() * mb.completion_mask).sum()
         part = (m, mb.completion_mask.sum(), loss.detach())
         return _read_once([part])[0] if read else part
 
-    def _step_unless_nonfinite(self, loss: float, grad_norm: float) -> bool:
+    def _step_unless_nonfinite(self, loss: float, grad_norm: float, scaled_by: float = 1.0) -> bool:
         """Step the optimizer, or skip a NaN/inf update (every process decides alike: the values are
-        already averaged); too many skips in a row end the run. Returns whether it skipped."""
+        already averaged); too many skips in a row end the run. An overflow of float16's scaled
+        gradients (the loss finite, the scale `scaled_by` above 1) is skipped too, halves the scale and
+        is not counted. Returns whether it skipped."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self.optimizer_steps += 1
         if finite:
@@ -224,6 +234,16 @@ class PolicyUpdate:
             self.state.reference_is_policy = False
         self.scheduler.step()  # the schedule follows the step count, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
+        loss_scale = self.state.loss_scale
+        loss_scale.update()  # halves after an overflow, else counts towards doubling
+        if not finite and loss_scale.enabled and math.isfinite(loss) and scaled_by > 1:
+            logger.info(
+                "step %d: float16 gradients overflowed at loss scale %g: update skipped, the scale is now %g",
+                self.state.global_step + 1,
+                scaled_by,
+                loss_scale.value,
+            )
+            return True
         if not finite:
             logger.warning(
                 "step %d: loss %s, grad norm %s: update skipped (%d in a row)",

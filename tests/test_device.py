@@ -61,8 +61,11 @@ def test_auto_dtype_is_bfloat16_only_where_the_gpu_computes_it_natively(gpu, cap
         f"torch_dtype auto → {str(expected).removeprefix('torch.')}" in line.getMessage()
         and name in line.getMessage()
     )
-    # float32 on a GPU is worth a warning: the user asked for "auto" and gets the slow dtype
+    # float32 on a GPU is worth a warning: the user asked for "auto" and gets the slow dtype; it names the fast one
     assert line.levelno == (logging.WARNING if expected == torch.float32 else logging.INFO)
+    assert ("torch_dtype float16 computes on its tensor cores" in line.getMessage()) == (
+        expected == torch.float32
+    )
 
 
 def test_auto_dtype_without_cuda_is_float32(monkeypatch):
@@ -84,6 +87,7 @@ def test_an_explicit_bfloat16_on_a_gpu_without_native_bf16_is_warned_about(gpu, 
         ("NVIDIA H200", torch.bfloat16, True),
         ("NVIDIA A100", torch.bfloat16, True),
         ("Tesla T4", torch.float32, True),  # Triton serves sm_75 in float32
+        ("Tesla T4", torch.float16, True),  # and in float16
         ("Tesla T4", torch.bfloat16, False),  # but not emulated bf16: inductor would skip the frame
         ("Tesla P100", torch.float32, False),  # older than Triton
     ],
@@ -190,20 +194,36 @@ def test_use_cpu_on_a_gpu_machine_gets_float32_and_the_cpu_device_map(gpu, monke
     assert passed["quantization_config"].bnb_4bit_compute_dtype == torch.float32
 
 
-def test_accelerates_mixed_precision_is_honoured_as_bfloat16_or_refused_by_name():
+def test_accelerates_mixed_precision_is_honoured_as_the_dtype_or_refused_by_name():
     from lora_grpo.device import mixed_precision_dtype
 
+    assert mixed_precision_dtype("no", "auto", "cuda") == "auto"
+    assert mixed_precision_dtype(None, "float32", "cuda") == "float32"
     assert (
-        mixed_precision_dtype("no", "auto") == "auto" and mixed_precision_dtype(None, "float32") == "float32"
+        mixed_precision_dtype("bf16", "auto", "cuda")
+        == mixed_precision_dtype("bf16", "bfloat16", "cpu")
+        == "bfloat16"
     )
-    assert mixed_precision_dtype("bf16", "auto") == mixed_precision_dtype("bf16", "bfloat16") == "bfloat16"
+    assert (
+        mixed_precision_dtype("fp16", "auto", "cuda")
+        == mixed_precision_dtype("fp16", "float16", "cuda")
+        == "float16"
+    )
+    # accelerate neither autocasts to float16 nor scales on a CPU: fp16 changes nothing there
+    assert mixed_precision_dtype("fp16", "auto", "cpu") == "auto"
+    assert mixed_precision_dtype("fp16", "float16", "cpu") == "float16"
     with pytest.raises(ValueError, match="mixed_precision=bf16 and torch_dtype=float32 disagree"):
-        mixed_precision_dtype("bf16", "float32")
-    with pytest.raises(ValueError, match="mixed_precision=fp16 is not supported.*--mixed_precision no"):
-        mixed_precision_dtype("fp16", "auto")
+        mixed_precision_dtype("bf16", "float32", "cuda")
+    with pytest.raises(ValueError, match="mixed_precision=fp16 and torch_dtype=bfloat16 disagree.*float16"):
+        mixed_precision_dtype("fp16", "bfloat16", "cuda")
+    with pytest.raises(ValueError, match="mixed_precision=fp8 is not supported.*--mixed_precision no"):
+        mixed_precision_dtype("fp8", "auto", "cuda")
 
 
-def test_the_trainer_reads_accelerates_mixed_precision(tiny_base_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("torch_dtype, refused", [("auto", False), ("bfloat16", True)])
+def test_the_trainer_reads_accelerates_mixed_precision(
+    tiny_base_dir, tmp_path, monkeypatch, torch_dtype, refused
+):
     from accelerate.state import AcceleratorState
     from helpers import make_trainer
 
@@ -214,8 +234,13 @@ def test_the_trainer_reads_accelerates_mixed_precision(tiny_base_dir, tmp_path, 
         reset_partial_state=True
     )  # accelerate reads it once per process: as a fresh one
     try:
-        with pytest.raises(ValueError, match="mixed_precision=fp16 is not supported"):
-            make_trainer(tiny_base_dir, tmp_path, quantization="none")
+        if refused:
+            with pytest.raises(ValueError, match="mixed_precision=fp16 and torch_dtype=bfloat16 disagree"):
+                make_trainer(tiny_base_dir, tmp_path, quantization="none", torch_dtype=torch_dtype)
+        else:  # on this CPU, as accelerate: float32, no loss scale
+            trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", torch_dtype=torch_dtype)
+            assert trainer.model.get_input_embeddings().weight.dtype == torch.float32
+            assert not trainer.state.loss_scale.enabled
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 

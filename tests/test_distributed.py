@@ -79,3 +79,39 @@ def test_two_processes_resume_exactly_with_lora_dropout(tiny_base_dir, tmp_path)
         record = json.loads((tmp_path / f"resume{rank}.json").read_text())
         assert record["same"], f"process {rank}: resumed adapters differ from the uninterrupted run"
         assert record["loss"][0] == record["loss"][1]
+
+
+OVERFLOW_SCRIPT = PRELUDE + textwrap.dedent(
+    """
+    cfg = GRPOConfig(model_name_or_path=base, quantization="none", torch_dtype="float16", lora_r=4,
+                     num_generations=4, prompts_per_step=2, max_completion_length=5, micro_batch_size=4,
+                     max_steps=2, beta=0.04, learning_rate=1e-2, output_dir=out + "/run", save_steps=0,
+                     gradient_checkpointing=False)
+    t = GRPOTrainer(cfg, reward_funcs=[digit_share], train_dataset=prompts)
+    rank = t.accelerator.process_index
+    real = t.update.accumulate
+
+    def overflow_on_rank_1(*a, **k):  # the first step's gradients overflow on process 1 alone
+        out = real(*a, **k)
+        if rank == 1 and t.state.global_step == 0:
+            t.params[0].grad.view(-1)[0] = float("inf")
+        return out
+
+    t.update.accumulate = overflow_on_rank_1
+    t.train()
+    sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
+    json.dump({"sums": sums, "history": t.state.log_history}, open(f"{out}/rank{rank}.json", "w"))
+    """
+)
+
+
+def test_a_float16_overflow_on_one_process_skips_the_step_on_both(tiny_base_dir, tmp_path):
+    """The gradients are averaged before they are unscaled, so an overflow anywhere is an overflow everywhere:
+    both processes skip the step and halve the scale, and their adapters stay identical."""
+    run_torchrun(OVERFLOW_SCRIPT, tmp_path, tiny_base_dir, tmp_path)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for record in (r0, r1):
+        assert [m["skipped_nonfinite"] for m in record["history"]] == [1.0, 0.0]
+        assert [m["loss_scale"] for m in record["history"]] == [2.0**16, 2.0**15]
+    assert r0["sums"] == r1["sums"]
+    assert any(v != 0 for k, v in r0["sums"].items() if "lora_B.policy" in k)  # the second step trained

@@ -92,6 +92,24 @@ def test_bf16_qlora_run_on_cuda_kl_is_zero_between_identical_adapters(tiny_base_
     assert k3_kl(first, second).abs().max().item() == 0.0
 
 
+def test_a_float16_qlora_run_on_cuda_scales_its_loss_with_cudas_scaler(tiny_base_dir, tmp_path):
+    """What a T4 runs (torch_dtype float16): the 4-bit CUDA kernels computing in float16, the loss scaled by
+    CUDA's GradScaler (tests/test_float16.py checks the arithmetic on a CPU)."""
+    trainer = make_trainer(
+        tiny_base_dir, tmp_path, quantization="4bit", torch_dtype="float16", max_steps=2, decode_mode="eager"
+    )
+    base_before, policy_before = frozen_4bit(trainer.model), adapter_state(trainer.model, POLICY)
+    scale = trainer.state.loss_scale
+    assert scale.enabled and scale.scaler._device == "cuda"
+    trainer.train()
+    history = trainer.state.log_history
+    assert [m["skipped_nonfinite"] for m in history] == [0.0, 0.0]
+    assert [m["loss_scale"] for m in history] == [2.0**16, 2.0**16]
+    assert all(torch.isfinite(torch.tensor([m["loss"], m["grad_norm"]])).all() for m in history)
+    assert changed(policy_before, adapter_state(trainer.model, POLICY))
+    assert_same_4bit(base_before, frozen_4bit(trainer.model))
+
+
 def greedy(model, tokenizer, prompts, num_generations: int, max_new: int, decode_mode: str):
     """A greedy rollout on CUDA with `decode_mode`."""
     from lora_grpo.rollout import generate_rollout

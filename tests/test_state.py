@@ -56,10 +56,12 @@ def _change_part(part):
 
 
 def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp_path):
+    # float16: its loss scale is state too (float32 and bfloat16 runs have none)
     trainer = make_trainer(
         tiny_base_dir,
         tmp_path / "a",
         quantization="none",
+        torch_dtype="float16",
         max_steps=2,
         save_steps=0,
         ref_sync_steps=1,
@@ -70,6 +72,7 @@ def test_a_checkpoint_restores_every_field_of_the_train_state(tiny_base_dir, tmp
         tiny_base_dir,
         tmp_path / "b",
         quantization="none",
+        torch_dtype="float16",
         max_steps=2,
         save_steps=0,
         ref_sync_steps=1,
@@ -157,6 +160,16 @@ def run_state(tiny_base_dir, tmp_path_factory):
 
 # Issue 47: a hand-edited trainer_state.json failed with "invalid literal for int()" ("two"), an AttributeError
 # (batches null), or was taken (global_step -3: the run then logged steps -2 ... 3).
+# A float16 run's saved loss scale (GradScaler.state_dict() at its defaults).
+SCALER = {
+    "scale": 65536.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "_growth_tracker": 0,
+}
+
+
 @pytest.mark.parametrize(
     "edit, named",
     [
@@ -168,6 +181,18 @@ def run_state(tiny_base_dir, tmp_path_factory):
         ({"epoch": float("nan")}, "epoch is NaN; it must be 0 or more"),
         ({"log_history": {"loss": 1.0}}, 'log_history is {"loss": 1.0}; it must be a list'),
         ({"unfinished_step": []}, "unfinished_step is []; it must be an object or null"),
+        (
+            {"loss_scale": {**SCALER, "scale": "big"}},
+            'loss_scale.scale is "big"; it must be a number above 0',
+        ),
+        (
+            {"loss_scale": {**SCALER, "_growth_tracker": -1}},
+            "loss_scale._growth_tracker is -1; it must be a whole number, 0 or more",
+        ),
+        (
+            {"loss_scale": {"scale": 2.0}},
+            "loss_scale.growth_interval is null; it must be a whole number above 0",
+        ),
     ],
     ids=[
         "string-step",
@@ -178,6 +203,9 @@ def run_state(tiny_base_dir, tmp_path_factory):
         "nan",
         "list",
         "obj",
+        "string-scale",
+        "negative-count",
+        "scale-entries-missing",
     ],
 )
 def test_a_saved_state_with_a_wrong_value_is_refused_naming_the_field(run_state, edit, named):

@@ -44,7 +44,6 @@ def test_every_field_of_trls_config_is_mapped_or_refused_by_name():
     [
         ("use_vllm", True),
         ("push_to_hub", True),
-        ("fp16", True),
         ("torch_compile", True),
         ("use_liger_kernel", True),
         ("num_generations_eval", 4),
@@ -950,3 +949,23 @@ def test_save_model_writes_beside_the_run_and_never_over_files_it_did_not_write(
         with pytest.raises(TargetError, match=r"the base model"):
             trainer.save_model(target, overwrite=True)
     assert sorted(p.name for p in Path(tiny_base_dir).iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "flags, gpu, dtype",
+    [
+        ({"fp16": True}, True, "float16"),
+        ({"fp16": True, "use_cpu": True}, True, "auto"),  # accelerate: no fp16 on a CPU, as in TRL's run
+        ({"fp16": True}, False, "auto"),
+        ({"bf16": True, "use_cpu": True}, False, "bfloat16"),
+        ({}, True, "auto"),
+    ],
+)
+def test_trls_precision_flags_are_the_native_runs_dtype(tmp_path, monkeypatch, flags, gpu, dtype):
+    import torch
+
+    from lora_grpo.trl.translate import to_native
+
+    args = OurConfig(output_dir=str(tmp_path), bf16=flags.pop("bf16", False), **flags)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert to_native(args, model_name_or_path="m").torch_dtype == dtype

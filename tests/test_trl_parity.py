@@ -11,6 +11,7 @@ import re
 import textwrap
 
 import pytest
+import torch
 from helpers import PROMPTS, QWEN_RESPONSE_TEMPLATE, load_4bit
 
 trl = pytest.importorskip("trl")
@@ -166,6 +167,31 @@ def test_label_smoothing_changes_nothing_in_a_grpo_run(tiny_base_dir, tmp_path, 
 
     plain = losses(0.0)
     assert len(plain) == 2 and losses(0.1) == plain
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_fp16_on_a_cpu_trains_in_float32_as_without_it(tiny_base_dir, tmp_path, library):
+    """accelerate neither autocasts to float16 nor scales the loss on a CPU: TRL's fp16=True run there is
+    its float32 run, record for record; so is ours (on a GPU ours computes in float16 with a loss scale)."""
+
+    def records(fp16):
+        scope = run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, beta=0.04, fp16={fp16})
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
+            trainer.train()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / library / str(fp16)),
+        )
+        trainer = scope["trainer"]
+        assert trainer.model.get_input_embeddings().weight.dtype == torch.float32
+        return [(r["loss"], r["reward"], r["kl"]) for r in trainer.state.log_history if "kl" in r]
+
+    plain = records(False)
+    assert len(plain) == 2 and records(True) == plain
 
 
 # ------------------------------------------------------------------------------ eval sets

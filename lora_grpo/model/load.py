@@ -39,8 +39,9 @@ def resolve_dtype(name: str, device: torch.device | str | None = None) -> torch.
         logger.log(level, "torch_dtype auto → %s (%s)", str(dtype).removeprefix("torch."), why)
         return dtype
     if name == "float16":
-        logger.warning(
-            "torch_dtype=float16: there is no loss scaling; prefer bfloat16, or float32 on GPUs without bf16"
+        logger.info(
+            "torch_dtype float16: the loss is scaled dynamically (optim.LossScale); activations beyond "
+            "float16's ±65504 become inf, which the start-up check names (bfloat16 or float32 then)"
         )
     if name == "bfloat16" and on_gpu and not native_bf16():
         logger.warning(

@@ -81,7 +81,7 @@ def count_nonfinite(state, finite: bool, config) -> None:
         raise NonFiniteError(
             f"the loss or gradients were NaN/inf for {state.nonfinite_in_a_row} updates in a row (up to step "
             f"{state.global_step + 1}); each was skipped, the adapters hold the last finite update. Common causes: "
-            f"a learning rate too high (learning_rate={config.learning_rate}), float16 without loss scaling "
-            f"(torch_dtype={config.torch_dtype!r}; use bfloat16 or float32), or a reward of extreme magnitude. "
+            f"a learning rate too high (learning_rate={config.learning_rate}), activations beyond float16's "
+            f"range (torch_dtype={config.torch_dtype!r}; use bfloat16 or float32), or a reward of extreme magnitude. "
             f"Resume from the last checkpoint with a lower learning_rate, or raise max_nonfinite_updates."
         )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
-from .translate import _as_dict
+from .translate import _as_dict, precision_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def build_model(
     fields: dict[str, Any] = {
         "torch_dtype": _dtype_name(init_kwargs.get("dtype", init_kwargs.get("torch_dtype")))
         if ("dtype" in init_kwargs or "torch_dtype" in init_kwargs)
-        else ("bfloat16" if args.bf16 else "auto")
+        else precision_dtype(args)
     }
     for key in ("attn_implementation", "revision"):
         if init_kwargs.get(key) is not None:

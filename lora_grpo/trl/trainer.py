@@ -57,12 +57,13 @@ TRL_NAMES = {
     "lr": "learning_rate",
     "time/step": "step_time",
 }
-# transformers and TRL log the latest of these, not a window mean
+# transformers and TRL log the latest of these, not a window mean (loss_scale, a float16 run's, is ours)
 _LAST = (
     "learning_rate",
     "grad_norm",
     "epoch",
     "num_tokens",
+    "loss_scale",
 )
 
 

@@ -101,7 +101,10 @@ FIELDS: dict[str, Field] = {
         "torch_dtype bfloat16 (None: where the GPU has bf16, else float32); lora_grpo computes in "
         "the dtype, no autocast"
     ),
-    "fp16": _r("float16 without a loss scaler underflows small gradients: use bf16, or float32 (bf16=False)"),
+    "fp16": _m(
+        "torch_dtype float16 on a GPU, the loss scaled dynamically as TRL's GradScaler does (optim.LossScale); "
+        "on a CPU float32, as in TRL (accelerate runs no fp16 there)"
+    ),
     "tf32": _no("transformers' TrainingArguments applies it to torch itself, as in TRL"),
     "average_tokens_across_devices": _m(
         "always on: the step's token count (the loss types normalised by it) spans every process "
@@ -380,6 +383,20 @@ def _value(v):
     return getattr(v, "value", v)
 
 
+def precision_dtype(args) -> str:
+    """The torch_dtype TRL's precision flags stand for. bf16: bfloat16. fp16: float16 on a GPU (TRL
+    autocasts to float16 and scales the loss; lora_grpo computes in float16 and scales the loss); on a
+    CPU accelerate neither autocasts to float16 nor scales, so TRL's run is float32 there, and so is
+    ours ("auto"). Neither: "auto"."""
+    import torch
+
+    if args.bf16:
+        return "bfloat16"
+    if args.fp16 and not args.use_cpu and torch.cuda.is_available():
+        return "float16"
+    return "auto"
+
+
 def _as_dict(value, name: str) -> dict:
     if value is None or value == "":
         return {}
@@ -533,7 +550,7 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
             "gradient_checkpointing": "auto" if checkpointing else False,
             "micro_batch_size": "auto",
             "clip_ratio_group_size": args.per_device_train_batch_size,
-            "torch_dtype": "bfloat16" if args.bf16 else "auto",
+            "torch_dtype": precision_dtype(args),
             "trust_remote_code": args.trust_remote_code,
             "max_completion_length": args.max_completion_length,
             "max_prompt_length": None,
