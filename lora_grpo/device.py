@@ -86,6 +86,8 @@ def mixed_precision_dtype(mixed_precision: str | None, torch_dtype: str, device_
     everything else that is not "no" is refused by name (ValueError)."""
     if mixed_precision in (None, "no"):
         return torch_dtype
+    if mixed_precision == "fp16" and device_type != "cuda":
+        return torch_dtype
     wanted = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision)
     if wanted is None:
         raise ValueError(
@@ -99,8 +101,6 @@ def mixed_precision_dtype(mixed_precision: str | None, torch_dtype: str, device_
             f"not autocast, the model computes in torch_dtype. Set torch_dtype to {wanted} (or auto), or "
             "launch with --mixed_precision no"
         )
-    if mixed_precision == "fp16" and device_type != "cuda":
-        return torch_dtype
     return wanted
 
 

@@ -99,13 +99,14 @@ class LossScale:
     and its growth count are the run's state, in checkpoints through state_dict (a checkpoint without
     them, from an older version or an unscaled run, starts at the initial scale)."""
 
-    def __init__(self, enabled: bool, device_type: str):
-        self.scaler = torch.amp.GradScaler(device_type, enabled=enabled)
+    def __init__(self, enabled: bool, device: torch.device | str):
+        self.scaler = torch.amp.GradScaler(torch.device(device).type, enabled=enabled)
+        self._made = False  # whether GradScaler's scale tensor exists (unscale)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, device: torch.device) -> "LossScale":
+    def for_model(cls, model: torch.nn.Module, device: torch.device | str) -> "LossScale":
         """On when the model computes in float16 (its embeddings' dtype: a 4-bit base's compute dtype too)."""
-        return cls(model.get_input_embeddings().weight.dtype == torch.float16, torch.device(device).type)
+        return cls(model.get_input_embeddings().weight.dtype == torch.float16, device)
 
     @property
     def enabled(self) -> bool:
@@ -122,11 +123,25 @@ class LossScale:
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the scale in place (after averaging over processes, so that every
         process sees the same overflow and skips alike); an overflow leaves inf/NaN in them."""
+        if self.enabled and not self._made:
+            # GradScaler makes its scale on the device of the first loss it scales, and unscale_ fails
+            # without one: a first step whose rows all have zero advantage scaled none. Scaling a zero
+            # on the gradients' device (this process's own) makes it.
+            self.scaler.scale(torch.zeros((), device=optimizer.param_groups[0]["params"][0].device))
+            self._made = True
         self.scaler.unscale_(optimizer)
 
     def update(self) -> None:
         """After the step (taken or skipped): halve on an overflow unscale found, else count towards doubling."""
         self.scaler.update()
+
+    def forget_step(self) -> None:
+        """After a step that raised between unscale and update (an out-of-memory error in the optimizer's
+        step): the scale and its count as they were, and the optimizer ready to be unscaled again, so that
+        a later train() on the same trainer can step. GradScaler has no public call for this: its
+        per-optimizer record is a defaultdict that rebuilds a fresh entry for each optimizer."""
+        if self.enabled:
+            self.scaler._per_optimizer_states.clear()
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict()

@@ -170,11 +170,15 @@ class PolicyUpdate:
         tokens = max(sums.pop("tokens", 0.0), 1.0)
         loss_scale = self.state.loss_scale
         scaled_by = loss_scale.value
-        loss_scale.unscale(self.optimizer)  # after the average: every process finds the same overflow
-        # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
         lr = self.scheduler.get_last_lr()[0]
-        nonfinite = self._step_unless_nonfinite(loss_total, grad_norm, scaled_by)
+        try:
+            loss_scale.unscale(self.optimizer)  # after the average: every process finds the same overflow
+            # clip_grad_norm_ also measures the norm; with no clipping (max_grad_norm 0) it scales by 1.
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf))
+            nonfinite = self._step_unless_nonfinite(loss_total, grad_norm, scaled_by)
+        except Exception:
+            loss_scale.forget_step()
+            raise
         return {
             **{k: v / tokens for k, v in sums.items()},
             **extremes,

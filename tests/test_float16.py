@@ -140,3 +140,50 @@ def test_the_trl_front_door_logs_the_windows_last_loss_scale():
 
     window = [{"step": 1, "loss_scale": 4.0, "loss": 1.0}, {"step": 2, "loss_scale": 2.0, "loss": 3.0}]
     assert trl_record(window) == {"loss_scale": 2.0, "loss": 2.0}
+
+
+def test_a_first_step_without_a_row_to_train_unscales_nothing_and_goes_on(tiny_base_dir, tmp_path):
+    """Every reward equal at beta 0: the step scales no loss (no forward, no backward), which is where
+    GradScaler would make its scale; the step still ends, as a float32 one does."""
+
+    def same_reward(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        reward_funcs=(same_reward,),
+        quantization="none",
+        torch_dtype="float16",
+        beta=0.0,
+        max_steps=2,
+    )
+    trainer.train()
+    history = trainer.state.log_history
+    assert [m["zero_advantage_skipped"] for m in history] == [1.0, 1.0]
+    assert [(m["skipped_nonfinite"], m["loss_scale"]) for m in history] == [(0.0, 2.0**16)] * 2
+
+
+def test_a_step_that_raised_after_unscaling_leaves_the_scale_ready_for_the_next_train(
+    tiny_base_dir, tmp_path
+):
+    """An out-of-memory error in the optimizer's step, between unscale and update: the next train() on the same
+    trainer unscales again (GradScaler refuses a second unscale_ before an update) at the same scale."""
+    from lora_grpo.run.failures import StepFailed
+
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="none", torch_dtype="float16", max_steps=2)
+    real, calls = trainer.optimizer.step, []
+
+    def out_of_memory_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    trainer.optimizer.step = out_of_memory_once
+    with pytest.raises(StepFailed, match="out of memory"):
+        trainer.train()
+    assert trainer.state.loss_scale.value == 2.0**16
+    trainer.train()
+    assert [m["loss_scale"] for m in trainer.state.log_history] == [2.0**16, 2.0**16]
+    assert len(calls) == 3

@@ -93,11 +93,12 @@ def test_bf16_qlora_run_on_cuda_kl_is_zero_between_identical_adapters(tiny_base_
 
 
 def test_a_float16_qlora_run_on_cuda_scales_its_loss_with_cudas_scaler(tiny_base_dir, tmp_path):
-    """What a T4 runs (torch_dtype float16): the 4-bit CUDA kernels computing in float16, the loss scaled by
-    CUDA's GradScaler (tests/test_float16.py checks the arithmetic on a CPU)."""
-    trainer = make_trainer(
-        tiny_base_dir, tmp_path, quantization="4bit", torch_dtype="float16", max_steps=2, decode_mode="eager"
-    )
+    """What a T4 runs (torch_dtype float16): the 4-bit CUDA kernels computing in float16, the compiled decode
+    that decode_mode auto picks for float16 on a GPU Triton serves, the loss scaled by CUDA's GradScaler
+    (tests/test_float16.py checks the arithmetic on a CPU)."""
+    from lora_grpo.rollout import fast_decode
+
+    trainer = make_trainer(tiny_base_dir, tmp_path, quantization="4bit", torch_dtype="float16", max_steps=2)
     base_before, policy_before = frozen_4bit(trainer.model), adapter_state(trainer.model, POLICY)
     scale = trainer.state.loss_scale
     assert scale.enabled and scale.scaler._device == "cuda"
@@ -108,6 +109,7 @@ def test_a_float16_qlora_run_on_cuda_scales_its_loss_with_cudas_scaler(tiny_base
     assert all(torch.isfinite(torch.tensor([m["loss"], m["grad_norm"]])).all() for m in history)
     assert changed(policy_before, adapter_state(trainer.model, POLICY))
     assert_same_4bit(base_before, frozen_4bit(trainer.model))
+    assert fast_decode.kept_cache_bytes(trainer.model) > 0  # the compiled decode keeps its caches; eager none
 
 
 def greedy(model, tokenizer, prompts, num_generations: int, max_new: int, decode_mode: str):

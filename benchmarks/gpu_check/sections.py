@@ -54,7 +54,7 @@ SECTIONS = [
         28,
     ),
     Section(9, "tools with the compiled decode", tools.check_tools, 11),
-    Section(8, "pytest -m gpu", pytest_gpu.check_pytest_gpu, 70),
+    Section(8, "pytest -m gpu", pytest_gpu.check_pytest_gpu, 80),
 ]
 
 # The sections that run side by side after the others, a worker process a lane (lanes.py), each
