@@ -77,7 +77,11 @@ def _build(
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     print(f"[{label}] building {final} (once; {how_long})", flush=True)
     try:
-        build(tmp)
+        # A build draws from torch's RNG (a GGUF conversion initialises the model before its weights are
+        # read): restored after it, so that the run that builds the base initialises its adapters from
+        # the same RNG state as every later run that finds it cached (same seed, same run).
+        with torch.random.fork_rng(devices=[]):
+            build(tmp)
         if (problem := base_problem(tmp, record, version)) is not None:  # never publish an unusable entry
             raise RuntimeError(f"the base built in {tmp} is unusable ({problem})")
         try:
