@@ -969,3 +969,31 @@ def test_trls_precision_flags_are_the_native_runs_dtype(tmp_path, monkeypatch, f
     args = OurConfig(output_dir=str(tmp_path), bf16=flags.pop("bf16", False), **flags)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     assert to_native(args, model_name_or_path="m").torch_dtype == dtype
+
+
+@pytest.mark.parametrize(
+    "init_kwargs, compute, dtype",
+    [
+        ({}, None, "float16"),
+        ({"dtype": "float32"}, None, "float32"),  # a dtype given wins over fp16, as over bf16
+        ({}, "bfloat16", "bfloat16"),  # so does a 4-bit compute dtype other than float32
+        ({}, "float32", "float16"),
+    ],
+)
+def test_fp16_on_a_gpu_gives_way_to_a_dtype_the_script_names(
+    tiny_base_dir, tmp_path, monkeypatch, init_kwargs, compute, dtype
+):
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    from lora_grpo.trl.models import build_model
+
+    args = OurConfig(output_dir=str(tmp_path), bf16=False, fp16=True, model_init_kwargs=init_kwargs or None)
+    quantization = (
+        None
+        if compute is None
+        else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=getattr(torch, compute))
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fields, _ = build_model(tiny_base_dir, args, quantization, None, None)
+    assert fields["torch_dtype"] == dtype
