@@ -267,11 +267,6 @@ class _LogitTransform(NamedTuple):
     vocab_limit: int | None = None
 
 
-def _text_config(causal_lm):
-    config = causal_lm.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _factor(value) -> float:
     return 1.0 if value is None else float(value)
 
@@ -279,7 +274,9 @@ def _factor(value) -> float:
 def _softcap_from_config(causal_lm) -> _LogitTransform:
     # CausalLMs read config.final_logit_softcapping; their multimodal wrappers read the text config's
     # (get_text_config() of a text config is the config itself).
-    return _LogitTransform(softcap=getattr(_text_config(causal_lm), "final_logit_softcapping", None))
+    return _LogitTransform(
+        softcap=getattr(causal_lm.config.get_text_config(), "final_logit_softcapping", None)
+    )
 
 
 def _minicpm(causal_lm) -> _LogitTransform:
@@ -291,7 +288,7 @@ def _minicpm(causal_lm) -> _LogitTransform:
 
 def _inkling(causal_lm) -> _LogitTransform:
     # lm_head(hidden / logits_mup_width_multiplier)[..., :unpadded_vocab_size]
-    text = _text_config(causal_lm)
+    text = causal_lm.config.get_text_config()
     return _LogitTransform(
         hidden_scale=1.0 / _factor(getattr(text, "logits_mup_width_multiplier", None)),
         vocab_limit=getattr(text, "unpadded_vocab_size", None),

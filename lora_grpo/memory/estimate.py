@@ -47,10 +47,6 @@ CUDA_CONTEXT = 0.5 * GiB  # ... and the CUDA context
 _HEAD_CAST = 2**23 * 4  # logprobs._CAST_ELEMENTS of a bf16 head's weight cast to float32 at once
 
 
-def _text(model_config):
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-
-
 # Model types whose layers fuse q, k, v into one linear layer and gate, up into another (Phi-3's qkv_proj and
 # gate_up_proj): the same weights, but LoRA adds its two factors to each fused layer once.
 FUSED_PROJECTIONS = ("phi3",)
@@ -62,14 +58,14 @@ def _head_dim(cfg) -> int:
 
 def _kv_width(model_config) -> int:
     """Keys' (and values') width: KV heads × head dim."""
-    cfg = _text(model_config)
+    cfg = model_config.get_text_config()
     return (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * _head_dim(cfg)
 
 
 def _linear_shapes(model_config) -> list[tuple[int, int]]:
     """(in, out) of one decoder layer's linear layers: q, k, v, o, gate, up, down (fused: qkv, o, gate_up,
     down)."""
-    cfg = _text(model_config)
+    cfg = model_config.get_text_config()
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     q = heads * _head_dim(cfg)
     kv, i = _kv_width(model_config), cfg.intermediate_size
@@ -82,7 +78,7 @@ def weight_bytes(model_config, quantization: str, dtype: torch.dtype) -> float:
     """The loaded base: body linear weights (4-bit: 0.5 byte + the double-quantised absmax, 64-weight
     blocks; 8-bit: 1 byte + a float32 scale per row; none: the dtype), embeddings, an untied head and
     the norms in the compute dtype."""
-    cfg = _text(model_config)
+    cfg = model_config.get_text_config()
     s = torch.empty(0, dtype=dtype).element_size()
     linear = cfg.num_hidden_layers * sum(a * b for a, b in _linear_shapes(model_config))
     per_weight = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0, "none": float(s)}[quantization]
@@ -95,14 +91,14 @@ def weight_bytes(model_config, quantization: str, dtype: torch.dtype) -> float:
 
 def lora_parameters(model_config, rank: int) -> int:
     """Parameters of one adapter of `rank` on every linear layer of the body (all-linear)."""
-    return _text(model_config).num_hidden_layers * sum(
+    return model_config.get_text_config().num_hidden_layers * sum(
         rank * (a + b) for a, b in _linear_shapes(model_config)
     )
 
 
 def layer_activation_bytes(model_config, dtype: torch.dtype) -> float:
     """A: one layer's activations saved for backward, per token (the module docstring's formula)."""
-    cfg = _text(model_config)
+    cfg = model_config.get_text_config()
     s = torch.empty(0, dtype=dtype).element_size()
     h, i = cfg.hidden_size, cfg.intermediate_size
     kv = _kv_width(model_config)
@@ -113,7 +109,7 @@ def training_pass_bytes(
     model_config, m: int, tokens: tuple[int, int], checkpointing: bool, dtype: torch.dtype, chunk_size: int
 ) -> float:
     """Estimated peak of one training forward + backward of m sequences of tokens = (prompt, completion)."""
-    cfg = _text(model_config)
+    cfg = model_config.get_text_config()
     s = torch.empty(0, dtype=dtype).element_size()
     n = m * sum(tokens)
     a = layer_activation_bytes(model_config, dtype)
@@ -139,7 +135,7 @@ def pass_estimate(
     no-grad log-prob forward at worst (the longest prompt, eval's included), as plan_memory's
     `estimate=` takes it. attention_scores: add the (heads, L, L) scores and probabilities each layer
     keeps for backward, as the CPU's attention kernel does (a GPU's memory-efficient one keeps none)."""
-    cfg = _text(model_config)
+    cfg = model_config.get_text_config()
     s = torch.empty(0, dtype=dtype).element_size()
 
     def scores(m: int, on: bool, length: int) -> float:
@@ -199,7 +195,7 @@ def run_memory(
     weights = weight_bytes(model_config, config.quantization, dtype)
     policy = lora_parameters(model_config, config.lora_r)
     adapters = 4.0 * (policy + lora_parameters(model_config, config.ref_rank))
-    vocab, device = _text(model_config).vocab_size, torch.device("cuda")
+    vocab, device = model_config.get_text_config().vocab_size, torch.device("cuda")
     rollout, kept = decode_memory(
         model_config, rollout_shapes(config, longest, eval_longest), dtype, vocab, mode, device
     )

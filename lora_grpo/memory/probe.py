@@ -154,8 +154,7 @@ def rollout_bytes(
     sampler = 4 * sequences * vocab_size * 4
     if mode == "eager":
         kv = sequences * length * slot
-        cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-        return float(kv + kv / cfg.num_hidden_layers + sampler)
+        return float(kv + kv / model_config.get_text_config().num_hidden_layers + sampler)
     prefill = sequences * (length if prompt_length is None else prompt_length) * slot
     return float(static_cache_bytes(model_config, sequences, length, dtype) + prefill + sampler)
 
@@ -186,9 +185,9 @@ def decode_memory(
     itemsize = torch.empty(0, dtype=dtype).element_size()
     pool = rows * vocab_size * (itemsize + 4) if device.type == "cuda" else 0
     kept = static_cache_bytes(model_config, rows, needed, dtype) + pool
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     slot = kv_bytes_per_slot(model_config, dtype)
-    padded = max(rows * p * slot / cfg.num_hidden_layers for _, p, _ in shapes)
+    layers = model_config.get_text_config().num_hidden_layers
+    padded = max(rows * p * slot / layers for _, p, _ in shapes)
     own = [peak - static_cache_bytes(model_config, n, p + c, dtype) for peak, (n, p, c) in zip(peaks, shapes)]
     return kept + max(own) + padded, float(kept)
 

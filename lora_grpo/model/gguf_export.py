@@ -204,15 +204,11 @@ def architecture_of(config) -> Architecture:
             f"exporting a {kind} (model_type {config.model_type!r}) as GGUF is not supported; supported "
             f"model types: {supported_architectures()}. For this model, {CONVERT_INSTEAD}"
         )
+    text = config.get_text_config()
     if found.family is not None:
-        found.family(text_config(config))
-    rope_scaling(text_config(config), found)
+        found.family(text)
+    rope_scaling(text, found)
     return found
-
-
-def text_config(config):
-    """The language model's config: a multimodal model's text_config, a text model's own config."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def write_gguf(
@@ -223,7 +219,7 @@ def write_gguf(
     its file's name: transformers' reader drops splits it does not know, such as SmolLM's digits)."""
     gguf = gguf_package()
     arch = architecture_of(model.config)
-    config = text_config(model.config)
+    config = model.config.get_text_config()
     if gguf_type not in GGUF_TYPES:
         raise GGUFExportError(
             f"gguf_type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}; pick one of them"
@@ -400,7 +396,7 @@ def _language_model_name(hf_name: str) -> str:
 def _tensors(writer, gguf, model, arch: Architecture, gguf_type: str) -> tuple[int, list[str]]:
     """Add every tensor of `model` under its GGUF name; returns how many, and the matrices a q8_0 file keeps
     in float16."""
-    config = text_config(model.config)
+    config = model.config.get_text_config()
     gguf_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch.gguf_name)
     names = gguf.get_tensor_name_map(gguf_arch, config.num_hidden_layers)
     known = set(gguf.MODEL_TENSORS[gguf_arch])

@@ -66,14 +66,9 @@ def cache_length(needed: int) -> int:
     return power * 3 // 4 if power * 3 // 4 >= needed else power
 
 
-def _text_config(model_config):
-    """The language model's config (a multimodal config holds it as its text config)."""
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-
-
 def kv_bytes_per_slot(model_config, dtype: torch.dtype) -> int:
     """Bytes one token's keys and values take in every layer, for a row of the KV cache."""
-    cfg = _text_config(model_config)
+    cfg = model_config.get_text_config()
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -175,7 +170,7 @@ def _unsupported(model) -> str | None:
     except ImportError as e:
         return f"this transformers has no StaticCache or static sliding layer ({e})"
     config = _transformers_model(model).config
-    text = _text_config(config)
+    text = config.get_text_config()
     if getattr(text, "attention_chunk_size", None):
         # transformers builds chunked layers (Llama 4) as sliding ones; flash attention refuses them past a chunk
         return (

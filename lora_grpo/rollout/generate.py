@@ -174,8 +174,7 @@ def context_limit(model_or_config) -> int | None:
     """The most tokens (prompt + completion) the model takes: its config's ``max_position_embeddings``,
     or its text config's (multimodal models); None when it declares no such limit."""
     config = getattr(model_or_config, "config", model_or_config)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else None
-    for cfg in (config, text_config):
+    for cfg in (config, config.get_text_config()):
         limit = getattr(cfg, "max_position_embeddings", None)
         if isinstance(limit, int) and limit > 0:
             return limit
