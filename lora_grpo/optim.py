@@ -76,13 +76,14 @@ class WarmupRestarts:
         refresh_lr(optimizer, scheduler)
 
 
-# What GradScaler.state_dict() holds, each entry with what a run writes there.
+# What GradScaler.state_dict() holds: each entry's type and whether it may be 0 (the scale, its factors and
+# its interval are above 0; the growth count is 0 or more).
 SCALER_ENTRIES = {
-    "scale": "a number above 0",
-    "growth_factor": "a number above 0",
-    "backoff_factor": "a number above 0",
-    "growth_interval": "a whole number above 0",
-    "_growth_tracker": "a whole number, 0 or more",
+    "scale": (float, False),
+    "growth_factor": (float, False),
+    "backoff_factor": (float, False),
+    "growth_interval": (int, False),
+    "_growth_tracker": (int, True),
 }
 
 
@@ -115,7 +116,7 @@ class LossScale:
     @property
     def value(self) -> float:
         """The scale the next backward multiplies the loss by (1.0 when off)."""
-        return float(self.scaler.get_scale()) if self.enabled else 1.0
+        return float(self.scaler.get_scale())
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
@@ -147,7 +148,7 @@ class LossScale:
         return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if self.enabled and state:
+        if state:  # {}: an unscaled run's (a scaler that is off loads nothing anyway)
             self.scaler.load_state_dict(state)
 
     @staticmethod
@@ -157,11 +158,13 @@ class LossScale:
         if not state:
             return []
         problems = []
-        for key, must in SCALER_ENTRIES.items():
+        for key, (kind, zero) in SCALER_ENTRIES.items():
             value = state.get(key)
-            kind = int if must.startswith("a whole") else (int, float)
-            fits = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
-            if not (fits and (value >= 0 if must.endswith("or more") else value > 0)):
+            fits = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+            if not (fits and math.isfinite(value) and (value >= 0 if zero else value > 0)):
+                must = ("a whole number" if kind is int else "a number") + (
+                    ", 0 or more" if zero else " above 0"
+                )
                 problems.append(f"loss_scale.{key} is {json.dumps(value)}; it must be {must}")
         return problems
 

@@ -226,7 +226,7 @@ class PolicyUpdate:
         part = (m, mb.completion_mask.sum(), loss.detach())
         return _read_once([part])[0] if read else part
 
-    def _step_unless_nonfinite(self, loss: float, grad_norm: float, scaled_by: float = 1.0) -> bool:
+    def _step_unless_nonfinite(self, loss: float, grad_norm: float, scaled_by: float) -> bool:
         """Step the optimizer, or skip a NaN/inf update (every process decides alike: the values are
         already averaged); too many skips in a row end the run. An overflow of float16's scaled
         gradients (the loss finite, the scale `scaled_by` above 1) is skipped too, halves the scale and
@@ -240,7 +240,7 @@ class PolicyUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         loss_scale = self.state.loss_scale
         loss_scale.update()  # halves after an overflow, else counts towards doubling
-        if not finite and loss_scale.enabled and math.isfinite(loss) and scaled_by > 1:
+        if not finite and math.isfinite(loss) and scaled_by > 1:  # (a scale that is off is 1)
             logger.info(
                 "step %d: float16 gradients overflowed at loss scale %g: update skipped, the scale is now %g",
                 self.state.global_step + 1,

@@ -404,14 +404,13 @@ def test_phi3_longrope_is_written_as_llama_cpps_two_factor_tensors_and_cos_sin_s
 
 
 def test_longrope_is_refused_for_an_architecture_llama_cpp_reads_it_not_for(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     tokenizer = sentencepiece_tokenizer(space_prefix=True)
     rope = dict(rope_type="longrope", rope_theta=1e4, long_factor=[2.0] * 8, short_factor=[1.0] * 8)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_attention_heads=4,
+    config = tiny_config(
+        "llama",
+        len(tokenizer),
         num_hidden_layers=1,
         max_position_embeddings=512,
         original_max_position_embeddings=128,
