@@ -81,7 +81,7 @@ class PolicySampler:
                 chat_template_kwargs=config.chat_template_kwargs,
             )
         self.environments = None  # the last rollout's environment instances (reward functions get them)
-        self.observations = None  # their reset() texts, per row (None where there is none)
+        self.observations = None  # their reset() texts or content blocks, per row (None where there is none)
 
     @property
     def prompt_template_kwargs(self) -> dict:

@@ -1,6 +1,7 @@
 """Prompt dataset loading/rendering and resumable seeded batching (CPU, offline, no model)."""
 
 import json
+import re
 
 import datasets
 import pytest
@@ -527,3 +528,49 @@ def test_a_streamed_dataset_without_a_bound_is_refused_clearly():
         TypeError, match=r"streamed datasets\.IterableDataset has no length: pass it to GRPOTrainer"
     ):
         load_prompt_dataset(stream)  # the loader alone does not guess how many rows to read
+
+
+# ------------------------------------------------------------------------------------- images
+
+
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_an_image_column_is_refused_and_either_fix_loads(tokenizer, column):
+    from PIL import Image
+
+    picture = Image.new("RGB", (4, 4))
+    rows = datasets.Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": "What colour is it?"}]] * 2, column: [picture] * 2}
+    )
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(rows, tokenizer=tokenizer)
+    msg = str(info.value)
+    assert msg.startswith(f"column {column!r}: TRL's GRPOTrainer shows") and "trains text models" in msg
+    # Each fix the message gives, run as written, loads: the column dropped, or kept for the rewards alone.
+    fixes = re.findall(r"ds = (ds\.\w+\([^)]*\))", msg)
+    assert len(fixes) == 2
+    kept = [load_prompt_dataset(eval(fix, {"ds": rows}), tokenizer=tokenizer).column_names for fix in fixes]
+    assert kept == [["prompt", PROMPT_MESSAGES], [f"{column}_ref", "prompt", PROMPT_MESSAGES]]
+
+
+@pytest.mark.parametrize("column", ["prompt", "messages"])
+def test_an_image_in_a_chat_message_is_refused_and_its_text_kept_by_the_fix(tokenizer, column):
+    def turn(*parts):
+        return [{"role": "user", "content": list(parts)}]
+
+    text = {"type": "text", "text": "What colour is it?"}
+    image = {"type": "image", "text": None}
+    rows = datasets.Dataset.from_dict({column: [turn(text), turn(image, text)], "answer": ["red", "blue"]})
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(rows, tokenizer=tokenizer, prompt_column=column)
+    msg = str(info.value)
+    assert msg.startswith(f"column {column!r}: row 1's message 0 has a content part of type 'image'")
+    fixed = eval(msg.split("e.g. keep each message's text parts: ds = ", 1)[1], {"ds": rows})
+    loaded = load_prompt_dataset(fixed, tokenizer=tokenizer, prompt_column=column)
+    plain = load_prompt_dataset(
+        [{column: [{"role": "user", "content": "What colour is it?"}]}] * 2,
+        tokenizer=tokenizer,
+        prompt_column=column,
+    )
+    assert loaded["prompt"] == plain["prompt"]
+    # A prompt given by a template reads no messages: its other columns are not looked into.
+    assert len(load_prompt_dataset(rows, prompt_template="{answer}?")) == 2

@@ -125,3 +125,44 @@ def test_smollm2s_template_renders_no_tool_calls_and_is_refused_as_trl_refuses_i
         tok.decode(reply_ids(tok, [{"role": "tool", "name": "add", "content": "5"}], [tok.eos_token_id]))
         == CASES["qwen2_5"][1]
     )
+
+
+def test_a_tools_content_blocks_reach_the_template_as_they_are_and_an_image_stops_the_step():
+    """TRL 1.16 gives the template a tool's list of content blocks as the reply's content (Llama 3.1's renders
+    it as JSON), where any other result is str(result); an image block, which only a vision-language model
+    could see, is refused by name."""
+    from lora_grpo.rollout import Toolbox
+
+    def add(a: int, b: int):
+        """Add two numbers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return [{"type": "text", "text": str(a + b)}]
+
+    def look(a: int):
+        """Look at a picture.
+
+        Args:
+            a: Which one.
+        """
+        return [{"type": "image", "image": None}, {"type": "text", "text": "a cat"}]
+
+    tok = tiny_tokenizer("llama3_1", "<|eot_id|>")
+    box = Toolbox(tok, [add, look], timeout=None)
+
+    def call(name):
+        return {"type": "function", "function": {"name": name, "arguments": {"a": 2, "b": 3}}}
+
+    [[(name, content, failed)]] = box.episode(1).run({0: [call("add")]}).values()
+    assert (name, content, failed) == ("add", [{"type": "text", "text": "5"}], False)
+    reply = tok.decode(box.reply_ids([{"role": "tool", "name": name, "content": content}]))
+    assert reply.startswith(
+        '<|start_header_id|>ipython<|end_header_id|>\n\n[{"type": "text", "text": "5"}]<|eot_id|>'
+    )
+    with pytest.raises(
+        ValueError, match=r"^the tool 'look' returned a content block of type 'image'; lora_grpo"
+    ):
+        box.episode(1).run({0: [{"type": "function", "function": {"name": "look", "arguments": {"a": 1}}}]})

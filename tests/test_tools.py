@@ -19,6 +19,7 @@ from lora_grpo.rollout import (
     parse_tool_calls,
     tool_metrics,
     tool_schema,
+    with_observation,
 )
 from lora_grpo.tasks import calculator, toy
 
@@ -481,6 +482,26 @@ def test_environments_one_instance_per_row_with_reset_text_and_reward(tok):
     assert G == 1 and len(texts) == 4  # a group's rows got different reset texts: one prompt per row
     with pytest.raises(ValueError, match=r"must define a callable `reset`"):
         Toolbox(tok, environment_factory=lambda: object())
+
+
+def test_a_reset_text_or_blocks_join_the_last_message_as_trl_joins_them(tok):
+    text, blocks = "go", [{"type": "text", "text": "go"}]
+    more = [{"type": "text", "text": " from 1"}]
+    user = [{"role": "system", "content": "s"}, {"role": "user", "content": text}]
+    assert with_observation(user, " from 1")[-1]["content"] == "go from 1"
+    assert with_observation(user, more)[-1]["content"] == blocks + more
+    as_blocks = [{"role": "user", "content": blocks}]
+    assert with_observation(as_blocks, " from 1")[-1]["content"] == blocks + more
+    assert with_observation(as_blocks, None) == as_blocks and as_blocks[0]["content"] == blocks  # copies
+
+    class Shows(Counter):
+        def reset(self, **row):
+            return [{"type": "image", "image": None}]
+
+    with pytest.raises(
+        ValueError, match=r"^Shows.reset\(\) returned a content block of type 'image'; lora_grpo"
+    ):
+        Toolbox(tok, environment_factory=Shows, timeout=None).episode(2)
 
 
 # --------------------------------------------------------------------------- a 4-bit base

@@ -443,6 +443,50 @@ def test_an_environment_that_owns_its_prompts_trains_without_a_dataset(qwen_tool
     assert set(seen) == {"2+2="}  # the reward functions see the prompt reset() filled, as the model did
 
 
+class BlockRiddle:
+    """Riddle, with reset() returning content blocks (TRL joins them to the prompt's last message)."""
+
+    def reset(self, **row):
+        return [{"type": "text", "text": "2+2="}]
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_reset_that_returns_content_blocks_joins_the_prompt_as_blocks(
+    qwen_tool_base_dir, tmp_path, library
+):
+    seen = []
+
+    def spy(prompts, completions, **kwargs):
+        seen.extend(p[-1]["content"] for p in prompts)
+        return [0.0] * len(completions)
+
+    tok = tool_tokenizer(qwen_tool_base_dir)
+    # a template that renders a message's blocks (as text: `~` joins a list as its repr)
+    tok.chat_template = tok.chat_template.replace(
+        "'\\n' + message.content + '<|im_end|>'", "'\\n' ~ message.content ~ '<|im_end|>'"
+    )
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, processing_class=TOKENIZER, reward_funcs=spy, args=args,
+                              environment_factory=BlockRiddle)
+        trainer.train()
+    """,
+        MODEL=qwen_tool_base_dir,
+        TOKENIZER=tok,
+        OUT=str(tmp_path / library),
+        BlockRiddle=BlockRiddle,
+        spy=spy,
+    )
+    # the placeholder prompt's text becomes a text block, and the reset's blocks follow it
+    assert seen and all(c == [{"type": "text", "text": ""}, {"type": "text", "text": "2+2="}] for c in seen)
+
+
 class Keeper:
     """An environment whose reset() names its fields (no **kwargs) and keeps what it got."""
 

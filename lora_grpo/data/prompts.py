@@ -129,6 +129,42 @@ def _message_problem(value: Any) -> str | None:
     return None
 
 
+# The columns TRL's GRPOTrainer shows a vision-language model beside each prompt.
+IMAGE_COLUMNS = ("image", "images")
+
+
+def _refuse_images(ds: datasets.Dataset, columns: list[str], message_columns: Sequence[str]) -> None:
+    """lora_grpo trains text models: a dataset whose images TRL would show the model (an ``image`` /
+    ``images`` column, a chat message with a part other than text) is refused at load, never trained on as
+    if the model had seen them."""
+    for column in IMAGE_COLUMNS:
+        if column in columns:
+            raise ValueError(
+                f"column {column!r}: TRL's GRPOTrainer shows a dataset's {' / '.join(IMAGE_COLUMNS)} column to a "
+                "vision-language model with each prompt; lora_grpo trains text models, which would never see "
+                f"these images. Drop the column (ds = ds.remove_columns([{column!r}])), or, if only your reward "
+                f"functions read it, rename it (ds = ds.rename_column({column!r}, '{column}_ref'))"
+            )
+    for column in message_columns:
+        for i, messages in enumerate(ds[column]):
+            if not isinstance(messages, Sequence) or isinstance(messages, str):
+                continue
+            for j, message in enumerate(messages):
+                content = message.get("content") if isinstance(message, Mapping) else None
+                if isinstance(content, str) or not isinstance(content, Sequence):
+                    continue
+                kinds = [part.get("type") for part in content if isinstance(part, Mapping)]
+                other = next((kind for kind in kinds if kind != "text"), None)
+                if other is not None:
+                    raise ValueError(
+                        f"column {column!r}: row {i}'s message {j} has a content part of type {other!r}; lora_grpo "
+                        "trains text models, which would never see it (TRL shows images to a vision-language "
+                        "model). Give the prompts as text, e.g. keep each message's text parts: ds = ds.map("
+                        f"lambda row: {{{column!r}: [{{**m, 'content': '\\n'.join(p['text'] for p in m['content'] "
+                        f"if p['type'] == 'text')}} for m in row[{column!r}]]}})"
+                    )
+
+
 def _is_messages(value: Any) -> bool:
     return (
         isinstance(value, Sequence)
@@ -241,7 +277,9 @@ def load_prompt_dataset(
             a role or content is named), or whose template field is None (the message names the column, the
             rows and a ``ds.filter`` that drops them); a template field missing from the columns (names the
             field and the columns) or a row the template cannot be filled from (names the row); a
-            prompt_template that is not a format string over column names (ConfigError).
+            prompt_template that is not a format string over column names (ConfigError); images (an
+            ``image`` / ``images`` column, a chat message with a part other than text; the message names the
+            column, or the row and message, and the fix).
         TypeError: a streamed ``IterableDataset`` (:func:`resolve_dataset` reads one), or an
             unsupported source.
     """
@@ -253,6 +291,10 @@ def load_prompt_dataset(
             f"the prompt dataset from {_describe(source)} is empty: check its file, split and filters"
         )
     columns = list(ds.column_names)
+    message_columns = [messages_column] if prompt_template is None and messages_column in columns else []
+    if prompt_template is None and not message_columns and prompt_column in columns:
+        message_columns = [prompt_column]
+    _refuse_images(ds, columns, message_columns)
     render = _Renderer(tokenizer, system_prompt, use_chat_template, chat_template_kwargs)
 
     if prompt_template is not None:

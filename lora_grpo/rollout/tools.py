@@ -8,13 +8,15 @@ model's calls parsed and run, and the per-chunk loop the sampler drives.
     ToolTurns    the sampler's side (:mod:`lora_grpo.rollout.generate`): at a drawn EOS, parse, run,
                  and schedule the reply's tokens to be fed, one per decode step, on the same KV cache
 
-As TRL 1.16's GRPOTrainer: a result is ``str(result)``, an error ``str({"error": message})``; the
+As TRL 1.16's GRPOTrainer: a result is ``str(result)`` (a list of content blocks, such as
+``[{"type": "text", "text": ...}]``, goes to the chat template as it is), an error ``str({"error": message})``; the
 reply tokens are what the template adds after the assistant's end of turn (a dummy conversation
 rendered with and without the tool messages); a reply that would overflow ``max_completion_length``
 is dropped and the row ends at its turn; after ``max_tool_calling_iterations`` rounds a turn's calls
-are not run; ``reset(**row)`` may return text for the prompt, ``get_reward()`` may score the rollout.
-Where we differ: each call has a timeout; a call that cannot be parsed or names no tool gets an error
-reply (TRL ends the completion).
+are not run; ``reset(**row)`` may return text (or content blocks) for the prompt, ``get_reward()`` may score
+the rollout. Where we differ: each call has a timeout; a call that cannot be parsed or names no tool gets an
+error reply (TRL ends the completion); a block that is not text (an image, which TRL shows a vision-language
+model) stops the step, naming the tool or environment: lora_grpo trains text models.
 """
 
 from __future__ import annotations
@@ -435,9 +437,11 @@ class Toolbox:
         }, calls
 
     def reply_ids(self, tool_messages: Sequence[Mapping]) -> list[int]:
+        # replies recur (an error, a fixed answer); content blocks are keyed by their repr
         key = tuple(
-            (m["name"], m["content"]) for m in tool_messages
-        )  # replies recur (an error, a fixed answer)
+            (m["name"], m["content"] if isinstance(m["content"], str) else repr(m["content"]))
+            for m in tool_messages
+        )
         if key not in self._replies:
             self._replies = {} if len(self._replies) > 4096 else self._replies
             self._replies[key] = reply_ids(
@@ -474,8 +478,8 @@ class Toolbox:
         ).start()
         return future
 
-    def result(self, name: str, future: Future, deadline: float | None) -> tuple[str, bool]:
-        """-> (reply content, failed)."""
+    def result(self, name: str, future: Future, deadline: float | None) -> tuple[str | list, bool]:
+        """-> (reply content: text, or the tool's list of content blocks; failed)."""
         try:
             value = future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -485,28 +489,52 @@ class Toolbox:
             return _error(str(e.args[0])), True
         except Exception as e:  # noqa: BLE001 - the model sees the error
             return _error(f"{type(e).__name__}: {e}"), True
-        return str(value), False
+        if not isinstance(value, list):
+            return str(value), False
+        refuse_non_text(value, f"the tool {name!r} returned")
+        return value, False
 
 
-def with_observation(messages: Sequence[Mapping], observation: str | None) -> list[dict]:
-    """Chat messages with an environment's reset text appended to the last message's content (TRL's prompt
-    for that rollout); copies, the row's own messages are left as they are."""
+def refuse_non_text(blocks: Sequence, what: str) -> None:
+    """ValueError when a list of content blocks holds one that is not text: lora_grpo trains text models, and
+    TRL would show an image to a vision-language model, which the model here would never see."""
+    kinds = (b.get("type") if isinstance(b, Mapping) else type(b).__name__ for b in blocks)
+    kind = next((k for k in kinds if k != "text"), None)
+    if kind is not None:
+        raise ValueError(
+            f"{what} a content block of type {kind!r}; lora_grpo trains text models, which would never see it "
+            "(TRL shows images to a vision-language model): return text, or a list of "
+            "{'type': 'text', 'text': ...} blocks"
+        )
+
+
+def with_observation(messages: Sequence[Mapping], observation: str | list | None) -> list[dict]:
+    """Chat messages with an environment's reset text (or content blocks) appended to the last message's
+    content, as TRL does: text joins text, and where either is a list of blocks the text becomes a text block.
+    Copies; the row's own messages are left as they are."""
     messages = [dict(m) for m in messages]
-    messages[-1]["content"] += observation or ""
+    content = messages[-1]["content"]
+    if observation is None:
+        return messages
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    messages[-1]["content"] = content + observation
     return messages
 
 
 class ToolEpisode:
     """One rollout's tools: per row (B = prompts × G rows), the standalone tools and its own
     environment instance (pooled by the Toolbox, reset here with the row's fields); ``observations``
-    are the reset texts (None where there is none), ``environments`` the instances (None without a
+    are the reset texts or content blocks (None where there is none), ``environments`` the instances (None without a
     factory; TRL passes them to reward functions as ``environments``)."""
 
     def __init__(self, toolbox: Toolbox, rows: int | Sequence[Mapping]):
         fields = [{}] * rows if isinstance(rows, int) else [dict(r) for r in rows]
         standalone = {f.__name__: f for f in toolbox.tools}
         self.toolbox, self.environments, self.functions = toolbox, None, [standalone] * len(fields)
-        self.observations: list[str | None] = [None] * len(fields)
+        self.observations: list[str | list | None] = [None] * len(fields)
         self.schemas = [toolbox.schemas] * len(fields)  # what each row's prompt lists
         if toolbox.factories:
             self.environments = toolbox.environments_for(fields)
@@ -514,6 +542,9 @@ class ToolEpisode:
                 self.schemas = [toolbox.env_schemas[row["environment"]] for row in fields]
                 fields = [{k: v for k, v in row.items() if k != "environment"} for row in fields]
             self.observations = [env.reset(**row) for env, row in zip(self.environments, fields)]
+            for env, seen in zip(self.environments, self.observations):
+                if isinstance(seen, list):
+                    refuse_non_text(seen, f"{type(env).__name__}.reset() returned")
             self.functions = [
                 {**standalone, **{m.__name__: m for m in _environment_methods(env)}}
                 for env in self.environments
@@ -522,7 +553,7 @@ class ToolEpisode:
     def __len__(self) -> int:
         return len(self.functions)
 
-    def run(self, calls: Mapping[int, Sequence[dict | str]]) -> dict[int, list[tuple[str, str, bool]]]:
+    def run(self, calls: Mapping[int, Sequence[dict | str]]) -> dict[int, list[tuple[str, str | list, bool]]]:
         """Run each row's calls (row -> calls as :meth:`Toolbox.parse` gives them) -> row -> [(tool name,
         reply content, failed)], in call order. A row's calls run one after another (they may change its
         environment); rows run side by side, each call under the timeout."""
