@@ -100,6 +100,9 @@ class PolicySampler:
         """num_generations completions per prompt; `generator` defaults to the training sampling stream.
         `rows` (the prompts' dataset columns) reset a tool run's environments."""
         cfg, G = self.config, num_generations or self.config.num_generations
+        messages = rows.get(PROMPT_MESSAGES) if rows else None
+        # the prompts the chat template rendered (no BOS beyond the template's own, as TRL)
+        chat = None if messages is None else [m is not None for m in messages]
         tools = None
         if self.toolbox is not None:
             row_dicts = (
@@ -112,6 +115,7 @@ class PolicySampler:
             if (any(tools.observations) or self.toolbox.named) and rows and rows.get(PROMPT_MESSAGES):
                 # reset texts join the prompts; with named environments each row lists its own one's tools
                 prompts, G = self.toolbox.prompts(rows[PROMPT_MESSAGES], tools, G)
+                chat = [True] * len(prompts)
             self.environments, self.observations = tools.environments, tools.observations
             if not self.toolbox.has_tools:  # environments without tool methods: a single-turn rollout
                 tools = None
@@ -131,4 +135,5 @@ class PolicySampler:
             generator=self.generator if generator is None else generator,
             tools=tools,
             max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+            chat=chat,
         )

@@ -53,13 +53,18 @@ class PromptLengths:
         return int(self.lengths.max())
 
 
-def prompt_lengths(tokenizer, prompts: list[str], max_prompt_length: int | None) -> PromptLengths:
-    """Tokenise the prompts once (in batches; no padded tensor) and return their lengths as cut."""
+def prompt_lengths(
+    tokenizer, prompts: list[str], max_prompt_length: int | None, chat: list[bool] | None = None
+) -> PromptLengths:
+    """Tokenise the prompts once (in batches; no padded tensor) and return their lengths as cut (``chat``: per
+    prompt, whether the chat template rendered it; None: none did)."""
     if max_prompt_length is not None and len(prompts) > PROMPT_SCAN_LIMIT:
         return PromptLengths(np.array([max_prompt_length]), 0, scanned=False)
     raw, highest = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
     for i in range(0, len(prompts), 4096):
-        rows = prompt_token_rows(tokenizer, prompts[i : i + 4096])
+        rows = prompt_token_rows(
+            tokenizer, prompts[i : i + 4096], None if chat is None else chat[i : i + 4096]
+        )
         raw.append(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)))
         kept = (
             rows if max_prompt_length is None else [r[-max_prompt_length:] for r in rows]
@@ -183,7 +188,14 @@ def check_special_tokens(model, tokenizer) -> list[int]:
     return eos
 
 
-def check_prompt_ids(prompts: list[str], lengths: PromptLengths, tokenizer, model, name: str) -> None:
+def chat_rendered(ds) -> list[bool] | None:
+    """Per row of a loaded dataset, whether the chat template rendered its prompt (None: no row's was)."""
+    return [m is not None for m in ds[PROMPT_MESSAGES]] if PROMPT_MESSAGES in ds.column_names else None
+
+
+def check_prompt_ids(
+    prompts: list[str], lengths: PromptLengths, tokenizer, model, name: str, chat: list[bool] | None = None
+) -> None:
     """Refuse, naming the first prompt and its token, when a prompt holds an id beyond the model's
     input embeddings (a tokenizer that does not fit its model)."""
     rows = embedding_rows(model)
@@ -192,7 +204,7 @@ def check_prompt_ids(prompts: list[str], lengths: PromptLengths, tokenizer, mode
     bad = np.flatnonzero(lengths.highest >= rows)
     if bad.size:
         i = int(bad[0])
-        ids = prompt_token_rows(tokenizer, [prompts[i]])[0]
+        ids = prompt_token_rows(tokenizer, [prompts[i]], None if chat is None else chat[i : i + 1])[0]
         token = next(t for t in ids if t >= rows)
         raise ValueError(
             f"{name}: {bad.size} of {len(prompts)} prompts hold token ids beyond the model's {rows} input embeddings; "
@@ -212,10 +224,10 @@ def check_datasets(reward_funcs, datasets: dict, tokenizer, model, config) -> di
         # messages, which arrive as `prompts` (trainer.rewards).
         columns = [c for c in ds.column_names if c not in ("prompt", PROMPT_MESSAGES)]
         check_reward_columns(reward_funcs, columns, name)
-        prompts = list(ds["prompt"])
-        lengths = prompt_lengths(tokenizer, prompts, config.max_prompt_length)
+        prompts, chat = list(ds["prompt"]), chat_rendered(ds)
+        lengths = prompt_lengths(tokenizer, prompts, config.max_prompt_length, chat)
         check_context(prompts, lengths, config.max_completion_length, model, name)
-        check_prompt_ids(prompts, lengths, tokenizer, model, name)
+        check_prompt_ids(prompts, lengths, tokenizer, model, name, chat)
         if lengths.truncated:
             warnings.warn(
                 f"{name}: {lengths.truncated} of {len(prompts)} prompts are longer than max_prompt_length="

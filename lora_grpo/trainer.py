@@ -290,7 +290,14 @@ class GRPOTrainer:
         config, accelerator = self.config, self.accelerator
         # one optimizer update (update.py)
         self.update = PolicyUpdate(
-            config, self.model, self.params, self.optimizer, self.scheduler, accelerator, self.state
+            config,
+            self.model,
+            self.params,
+            self.optimizer,
+            self.scheduler,
+            accelerator,
+            self.state,
+            self._event,
         )
         lengths = self.prompt_lengths
         eval_longest = [lengths[label].longest for label in eval_set_labels(self.eval_dataset)]
@@ -561,8 +568,9 @@ class GRPOTrainer:
         raise StepFailed(message, stages[-1] if stages else None, state.global_step, target) from error
 
     def _end_step(self, metrics: dict[str, Any], *, epoch_ended: bool, stop: StopSignals) -> None:
-        """After an optimizer step: eval if due, then the sync decision, log, stop signal, checkpoint. Hooks at
-        "step_end" may change what is due (the TRL front door: transformers' flow callbacks)."""
+        """After an optimizer step: eval if due, then the sync decision, log, stop signal, checkpoint, and the
+        epoch's end when the step ended one. Hooks at "step_end" may change what is due (the TRL front door:
+        transformers' flow callbacks)."""
         state = self.state
         step, last = state.global_step, state.global_step >= self.total_steps
         self.last_finished.update_done(state, self._rng(), self.update.optimizer_steps, metrics, epoch_ended)
@@ -574,9 +582,7 @@ class GRPOTrainer:
             log=step % self.logging_every == 0 or last,
             save=bool(self.config.save_steps) and step % self.config.save_steps == 0 and not last,
         )
-        self._event("step_end", flow=due)
-        if epoch_ended:
-            self._event("epoch_end", flow=due)
+        self._event("step_end", flow=due, epoch_ended=epoch_ended)
         # Eval before the sync decision, so that the plateau trigger reads this step's eval. For every
         # other trigger the order is free: eval reads only the policy and the start (base_forward), a
         # sync writes only the reference slot and the optimizer.
@@ -608,6 +614,8 @@ class GRPOTrainer:
         if due.save:
             with stage("checkpoint"):
                 self.save_checkpoint()
+        if epoch_ended:
+            self._event("epoch_end")
         self._finished_step()
 
     def generation_round(self, rows: dict[str, list]) -> tuple[list[Batch], dict[str, float]]:
@@ -932,9 +940,10 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ plumbing
     def _event(self, name: str, **payload) -> None:
-        """A named point of the loop: train_begin, step_begin, step_end (flow=StepFlow), log (logs=), evaluate
-        (metrics=), save, train_end. Callbacks hang here: hook(name, trainer, **payload) (the TRL front door
-        dispatches to transformers' CallbackHandler)."""
+        """A named point of the loop: train_begin, step_begin, pre_optimizer_step and optimizer_step (around the
+        optimizer's step, skipped or not), step_end (flow=StepFlow, epoch_ended=), log (logs=), evaluate (metrics=),
+        save, epoch_end (after the step that ended an epoch is done), train_end. Callbacks hang here:
+        hook(name, trainer, **payload) (the TRL front door dispatches to transformers' CallbackHandler)."""
         for hook in self.hooks:
             hook(name, self, **payload)
 

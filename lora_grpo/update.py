@@ -45,8 +45,10 @@ class PolicyUpdate:
     """The parts an update touches (model, trainable params, optimizer, LR scheduler) and the loss
     settings, built once; `state` is the run's TrainState (non-finite count, reference_is_policy)."""
 
-    def __init__(self, config, model, params, optimizer, scheduler, accelerator, state):
+    def __init__(self, config, model, params, optimizer, scheduler, accelerator, state, event=None):
         self.config, self.model, self.params = config, model, params
+        # event(name): the loop's named points around the optimizer's step (pre_optimizer_step, optimizer_step)
+        self.event = event or (lambda name: None)
         self.optimizer, self.scheduler, self.accelerator, self.state = (
             optimizer,
             scheduler,
@@ -233,9 +235,11 @@ class PolicyUpdate:
         is not counted. Returns whether it skipped."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self.optimizer_steps += 1
+        self.event("pre_optimizer_step")  # the gradients averaged, unscaled and clipped
         if finite:
             self.optimizer.step()
             self.state.reference_is_policy = False
+        self.event("optimizer_step")
         self.scheduler.step()  # the schedule follows the step count, skipped or not
         self.optimizer.zero_grad(set_to_none=True)
         loss_scale = self.state.loss_scale

@@ -35,6 +35,11 @@ def _close(a, b) -> bool:
     return a == b
 
 
+def completions_per_generation(settings) -> int:
+    """The completions of one generation, over which its reward metrics are taken."""
+    return settings["prompts_per_step"] * settings["num_generations"] * settings["steps_per_generation"]
+
+
 def test_a_checkpoint_from_before_the_folders_move_resumes_and_continues_its_run(tmp_path, monkeypatch):
     writer = _writer()
     expected = json.loads((FIXTURE / "expected.json").read_text())
@@ -54,8 +59,11 @@ def test_a_checkpoint_from_before_the_folders_move_resumes_and_continues_its_run
     assert trainer.state.global_step == 3 and len(history) == 3
     # Step 1 is the checkpoint's own record, read back exactly.
     assert history[0] == expected["history"][0]
-    # Steps 2 (on the saved rollout) and 3 (sampled again) are those of the run that wrote the checkpoint.
+    # Steps 2 (on the saved rollout) and 3 (sampled again) are those of the run that wrote the checkpoint. Its
+    # reward std was the population std; today's is the sample std (n - 1, as TRL's) of the generation's n.
+    n = completions_per_generation(writer.SETTINGS)
     for step, (got, want) in enumerate(zip(history[1:], expected["history"][1:]), start=2):
+        want = {k: v * math.sqrt(n / (n - 1)) if k.endswith("/std") else v for k, v in want.items()}
         assert got.keys() == want.keys(), f"step {step}: {sorted(got.keys() ^ want.keys())}"
         differ = {k: (got[k], want[k]) for k in want if not _close(got[k], want[k])}
         assert not differ, f"step {step} differs from the run that wrote the checkpoint: {differ}"

@@ -4,6 +4,7 @@ import ast
 import functools
 import inspect
 import math
+import statistics
 import textwrap
 
 import numpy as np
@@ -365,13 +366,20 @@ def test_compute_rewards_weighted_sum_and_none_handling():
     assert torch.equal(
         per_func.isnan(), torch.tensor([[False, False], [True, False], [False, True], [True, True]])
     )
-    # Means leave None out (f over [1, 0], g over [2, -1]); population std.
+    # Means leave None out (f over [1, 0], g over [2, -1]); the sample std (n - 1), as TRL's nanstd.
     assert metrics["rewards/f/mean"] == pytest.approx(0.5)
-    assert metrics["rewards/f/std"] == pytest.approx(0.5)
+    assert metrics["rewards/f/std"] == pytest.approx(statistics.stdev([1.0, 0.0]))
     assert metrics["rewards/g/mean"] == pytest.approx(0.5)
-    assert metrics["rewards/g/std"] == pytest.approx(1.5)
+    assert metrics["rewards/g/std"] == pytest.approx(statistics.stdev([2.0, -1.0]))
     assert metrics["reward/mean"] == pytest.approx(0.5)  # over the 3 non-NaN rewards
-    assert metrics["reward/std"] == pytest.approx(torch.tensor([2.0, -0.5, 0.0]).std(correction=0).item())
+    assert metrics["reward/std"] == pytest.approx(statistics.stdev([2.0, -0.5, 0.0]))
+    # one scored value has no sample std (TRL: NaN)
+    _, _, one = compute_rewards([lambda completions, **kw: [1.0, None]], _q(2), ["a", "b"])
+    assert (
+        one["reward/mean"] == 1.0
+        and math.isnan(one["reward/std"])
+        and math.isnan(one["rewards/<lambda>/std"])
+    )
 
 
 def test_compute_rewards_default_weights_columns_and_value_types():
@@ -680,6 +688,36 @@ def test_compute_rewards_calls_every_function_by_keyword_only():
     )
     assert seen == [(["p0", "p1"], ["a", "bb"], ["completion_ids", "solution", "trainer_state"])]
     assert per_func.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 2.0]]
+
+
+def test_our_own_keywords_go_only_to_functions_that_can_take_them():
+    """completion_lengths and truncated are not TRL's: a function written for TRL's keywords alone (no
+    **kwargs) does not get them, also in the per-sample calls that name a failing sample; one that names
+    them, or takes **kwargs, does."""
+    got = {}
+
+    def trl_exact(prompts, completions, completion_ids):
+        got["exact"] = True
+        return [1.0 / len(ids) for ids in completion_ids]
+
+    def names_one(prompts, completions, completion_ids, truncated):
+        got["one"] = truncated
+        return [0.0] * len(completions)
+
+    def takes_all(completions, **kwargs):
+        got["all"] = sorted(kwargs)
+        return [0.0] * len(completions)
+
+    columns = {"completion_ids": [[1], [2, 3]], "completion_lengths": [1, 2], "truncated": [False, True]}
+    compute_rewards([trl_exact, names_one, takes_all], ["p0", "p1"], ["a", "bb"], columns)
+    assert got == {
+        "exact": True,
+        "one": [False, True],
+        "all": ["completion_ids", "completion_lengths", "prompts", "truncated"],
+    }
+    columns["completion_ids"][1] = []  # the per-sample calls find sample 1, without a keyword error
+    with pytest.raises(RuntimeError, match=r"'trl_exact'.*ZeroDivisionError.*sample 1"):
+        compute_rewards([trl_exact], ["p0", "p1"], ["a", "bb"], columns)
 
 
 def test_compute_rewards_passes_trainer_state_whole_also_per_sample():

@@ -312,6 +312,51 @@ def test_plain_prompts_get_bos_once_when_the_tokenizer_uses_one():
     assert ids[0].tolist() == plain("ab")["input_ids"]
 
 
+def test_chat_prompts_get_only_their_templates_special_tokens_and_text_prompts_bos(tmp_path):
+    """A tokenizer that puts BOS before text and a chat template that does not write it (ChatML on a Llama-style
+    tokenizer): a chat-rendered prompt is fed as apply_chat_template(tokenize=True) gives it (TRL's prompt ids),
+    a text prompt with BOS once; in the rollout of a run and in the start-up's prompt lengths alike."""
+    from transformers import AutoTokenizer
+
+    from lora_grpo import GRPOConfig, GRPOTrainer
+    from lora_grpo.data.prompts import PROMPT_MESSAGES
+    from lora_grpo.tasks.toy import save_tiny_base
+
+    base = save_tiny_base(tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.bos_token = "<unk>"  # a token the model has
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<unk> $A", special_tokens=[("<unk>", tokenizer.bos_token_id)]
+    )
+    tokenizer.save_pretrained(base)
+    messages = [{"role": "user", "content": "1+2="}]
+    trainer = GRPOTrainer(
+        GRPOConfig(
+            model_name_or_path=str(base),
+            output_dir=str(tmp_path / "run"),
+            num_generations=2,
+            prompts_per_step=2,
+            max_completion_length=2,
+            gradient_checkpointing=False,
+        ),
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        train_dataset=[{"prompt": messages}, {"prompt": messages}],
+    )
+    tok, bos = trainer.tokenizer, trainer.tokenizer.bos_token_id
+    assert tok("a")["input_ids"][0] == bos
+    chat = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
+    assert chat[0] != bos  # the template writes no BOS
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rollout = trainer.sampler.sample(
+        [text, "1+2="], 1, 0.0, None, {"prompt": [text, "1+2="], PROMPT_MESSAGES: [messages, None]}
+    )
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.prompt_ids, rollout.prompt_mask)]
+    assert rows == [chat, [bos] + tok("1+2=", add_special_tokens=False)["input_ids"]]
+    assert trainer.prompt_lengths["train_dataset"].longest == len(chat)
+
+
 # --------------------------------------------------------------------------- pure filters
 
 

@@ -79,7 +79,9 @@ def test_each_prompt_is_tokenised_once_at_start(tiny_base_dir, tmp_path, monkeyp
     seen = []
     real = startup.prompt_token_rows
     monkeypatch.setattr(
-        startup, "prompt_token_rows", lambda tok, prompts: seen.extend(prompts) or real(tok, prompts)
+        startup,
+        "prompt_token_rows",
+        lambda tok, prompts, chat=None: seen.extend(prompts) or real(tok, prompts, chat),
     )
     trainer = make_trainer(
         tiny_base_dir,

@@ -82,6 +82,270 @@ def test_the_last_logging_window_reaches_the_closing_record(tiny_base_dir, tmp_p
     assert 0.0 <= last["reward"] <= 2.0
 
 
+# ------------------------------------------------------------------------------ reward functions
+def exact_keywords(prompts, completions, completion_ids, answer, trainer_state, log_extra, log_metric):
+    """Every keyword TRL passes (a dataset with an `answer` column), no **kwargs: legal under TRL's contract."""
+    exact_keywords.calls += 1
+    return [float(len(c) % 3) for c in completions]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_reward_naming_exactly_trls_keywords_trains(tiny_base_dir, tmp_path, library):
+    exact_keywords.calls = 0
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=exact_keywords, args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        exact_keywords=exact_keywords,
+    )
+    assert exact_keywords.calls == 1
+
+
+def by_position(completions, **kwargs):
+    """0, 1, 2, 3 in each group of 4, whatever was sampled."""
+    return [float(i % 4) for i in range(len(completions))]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_logged_reward_std_is_the_sample_std(tiny_base_dir, tmp_path, library):
+    import statistics
+
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=by_position, args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        by_position=by_position,
+    )
+    record = scope["trainer"].state.log_history[0]
+    expected = statistics.stdev([0.0, 1.0, 2.0, 3.0])  # n - 1, as TRL's nanstd: 1.29, not 1.12
+    assert record["reward_std"] == pytest.approx(expected) and record[
+        "rewards/by_position/std"
+    ] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_trainer_state_of_a_run_that_does_not_evaluate(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    state = scope["trainer"].state
+    assert (state.eval_steps, state.save_steps, state.logging_steps, state.max_steps) == (500, 500, 1, 1)
+    assert state.total_flos == 0.0 and isinstance(state.total_flos, float)
+
+
+def never(completions, **kwargs):
+    return [None] * len(completions)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_reward_that_applied_to_nothing_in_a_window_is_logged_as_none(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=2)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=[never, length_reward], args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        never=never,
+    )
+    record = scope["trainer"].state.log_history[0]
+    assert record["rewards/never/mean"] is None and record["rewards/never/std"] is None
+    assert isinstance(record["rewards/length_reward/mean"], float)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_reward_models_chat_template_gets_the_runs_chat_template_kwargs(tiny_base_dir, tmp_path, library):
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(tiny_base_dir)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if flag %}FLAG{% endif %}"
+    torch.manual_seed(0)
+    judge = LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_labels=1,
+            pad_token_id=tok.pad_token_id,
+        )
+    ).eval()
+    seen = []
+    judge.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.extend(
+            tok.decode(ids[mask.bool()]) for ids, mask in zip(kwargs["input_ids"], kwargs["attention_mask"])
+        ),
+        with_kwargs=True,
+    )
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, chat_template_kwargs={{"flag": True}})
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=JUDGE, reward_processing_classes=TOK, args=args,
+                              train_dataset=dataset(4, conversational=True))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        JUDGE=judge,
+        TOK=tok,
+    )
+    # the step's 4 completions, scored last (lora_grpo's start-up also runs the model on a probe of its own)
+    # prompt, completion, then what the kwargs add
+    assert all(text.endswith("\nFLAG") for text in seen[-4:]), seen[-4:]
+
+
+# ------------------------------------------------------------------------------ callbacks
+EVENTS = [
+    "on_init_end",
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_step_begin",
+    "on_substep_end",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+    "on_log",
+    "on_save",
+]
+
+
+def recorder(seen: list):
+    """A TrainerCallback that records (event, global_step) for every event of EVENTS."""
+    from transformers import TrainerCallback
+
+    def record(name):
+        return lambda self, args, state, control, **kwargs: seen.append(
+            (name.removeprefix("on_"), state.global_step)
+        )
+
+    return type("Recorder", (TrainerCallback,), {name: record(name) for name in EVENTS})()
+
+
+def _step(n, substeps=0, then=("log",)):
+    return [
+        ("step_begin", n - 1),
+        *[("substep_end", n - 1)] * substeps,
+        ("pre_optimizer_step", n - 1),
+        ("optimizer_step", n - 1),
+        ("step_end", n),
+        *[(e, n) for e in then],
+    ]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize(
+    "case, fields, expected",
+    [
+        (  # max_steps inside the epoch, 2 micro-batches a step, nothing saved
+            "accumulation",
+            "per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2, save_strategy='no'",
+            [("epoch_begin", 0), *_step(1, 1), *_step(2, 1), ("epoch_end", 2)],
+        ),
+        (  # two whole epochs of two steps, a checkpoint every step (the last one once)
+            "epochs",
+            "num_train_epochs=2, save_strategy='steps', save_steps=1",
+            [
+                ("epoch_begin", 0),
+                *_step(1, then=("log", "save")),
+                *_step(2, then=("log", "save")),
+                ("epoch_end", 2),
+                ("epoch_begin", 2),
+                *_step(3, then=("log", "save")),
+                *_step(4, then=("log", "save")),
+                ("epoch_end", 4),
+            ],
+        ),
+    ],
+)
+def test_callbacks_see_transformers_events_in_its_order(
+    tiny_base_dir, tmp_path, library, case, fields, expected
+):
+    seen = []
+    args = ARGS.replace("per_device_train_batch_size=4, ", "").replace("save_strategy='no', ", "")
+    batch = "" if "per_device_train_batch_size" in fields else "per_device_train_batch_size=4, "
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {args}, {batch}{fields}, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(2),
+                              callbacks=[RECORDER])
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        RECORDER=recorder(seen),
+    )
+    last = expected[-1][1]
+    assert seen == [("init_end", 0), ("train_begin", 0), *expected, ("log", last), ("train_end", last)]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_on_pre_optimizer_step_sees_the_steps_gradients_before_the_weights_move(
+    tiny_base_dir, tmp_path, library
+):
+    import torch
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            trained = [p for p in model.parameters() if p.requires_grad]
+            self.before = [p.detach().clone() for p in trained]
+            seen.append(("pre", all(p.grad is not None for p in trained)))
+
+        def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+            trained = [p for p in model.parameters() if p.requires_grad]
+            seen.append(("post", any(not torch.equal(a, b) for a, b in zip(self.before, trained))))
+
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, learning_rate=1e-2)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=by_position, args=args, train_dataset=dataset(8),
+                              callbacks=[WATCH])
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        WATCH=Watch(),
+        by_position=by_position,
+    )
+    assert seen == [("pre", True), ("post", True)]
+
+
 # ------------------------------------------------------------------------------ the device cache
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_torch_empty_cache_steps_empties_the_cache_before_each_step_it_divides(

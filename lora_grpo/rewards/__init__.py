@@ -20,7 +20,8 @@ A function names the keywords it uses and takes ``**kwargs`` for the rest; it ma
     <column>            each dataset column (``answer``, ``solution``, ...), except ``prompt`` (the
                         rendered text; it is ``prompts`` for a text row) and ``prompt_messages``
                         (which is ``prompts`` for a conversational row)
-    completion_lengths  int: tokens in the completion, ``len(completion_ids[i])``
+    completion_lengths  int: tokens in the completion, ``len(completion_ids[i])`` (this and ``truncated``:
+                        to a function that names them or takes ``**kwargs``)
     truncated           bool: the completion hit max_completion_length without EOS
     trainer_state       the run's state (``transformers.TrainerState``, as TRL passes it):
                         ``global_step`` (optimizer steps done, 0 on the first step), ``epoch``
@@ -39,7 +40,8 @@ reward functions returned None for the following kwargs ...") and trains on as i
 out of its group's mean and std and its advantage is 0. See :func:`compute_rewards`.
 
 Where we differ from TRL:
-  - we also pass ``completion_lengths`` and ``truncated`` (the length penalties below use them);
+  - we also pass ``completion_lengths`` and ``truncated`` (the length penalties below use them), to a
+    function that names them or takes ``**kwargs``: one written for TRL's keywords alone runs unchanged;
   - a function may also return a tensor or array, bools or numpy scalars; an infinite value is an
     error;
   - prompts from a ``messages_column`` are conversational too (TRL reads only ``prompt``).

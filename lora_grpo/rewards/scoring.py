@@ -132,11 +132,27 @@ def _keywords(prompts, completions, columns, i: int | None = None) -> dict[str, 
     }
 
 
+# The keywords passed beyond TRL's, given only to a function that names them or takes **kwargs: a function
+# written for TRL's keyword set alone (no **kwargs) runs unchanged.
+_OWN_KEYWORDS = frozenset({"completion_lengths", "truncated"})
+
+
+def _taken(fn, keywords: dict[str, Any]) -> dict[str, Any]:
+    """``keywords`` less those of :data:`_OWN_KEYWORDS` that ``fn`` cannot take."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: pass them all, as before
+        return keywords
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return keywords
+    return {k: v for k, v in keywords.items() if k not in _OWN_KEYWORDS or k in params}
+
+
 def _find_failing_sample(fn, prompts, completions, columns) -> tuple[int, Exception] | None:
     """Call ``fn`` one sample at a time to find the first that raises (only on the error path)."""
     for i in range(len(completions)):
         try:
-            value = fn(**_keywords(prompts, completions, columns, i))
+            value = fn(**_taken(fn, _keywords(prompts, completions, columns, i)))
             if inspect.isawaitable(value) and isinstance(error := run_coroutines([value])[0], Exception):
                 raise error
         except Exception as e:  # noqa: BLE001 - reported to the user
@@ -206,7 +222,7 @@ def _start(fn, name, prompts, completions, columns):
     """Call one reward function on the batch: its values, an awaitable (an async function, awaited with
     the others), or the exception it raised. A signature that cannot take the keywords fails first."""
     when, step = _when(columns)
-    keywords = _keywords(prompts, completions, columns)
+    keywords = _taken(fn, _keywords(prompts, completions, columns))
     try:
         _check_signature(fn, name, keywords)
     except ValueError as e:
@@ -317,8 +333,8 @@ def compute_rewards(
         per_func: (N, F) float32, NaN where a function returned None (a NaN return counts as None).
         metrics: ``rewards/{name}/mean`` and ``rewards/{name}/std`` per function over its non-None
             values (NaN when all are None), ``reward/mean`` and ``reward/std`` over the non-NaN
-            rewards. Std is the population std (ddof=0). A name repeated among the functions gets a
-            suffix (``length_penalty_2``).
+            rewards. Std is the sample std (n − 1, TRL's nanstd; NaN for fewer than two values). A name
+            repeated among the functions gets a suffix (``length_penalty_2``).
 
     Example: two functions, weights (1, 0.5), per_func [[1, None], [0, -1]] -> rewards [1.0, -0.5];
     metrics rewards/f/mean = 0.5, rewards/g/mean = -1.0 (the None is left out, not averaged as 0).
@@ -405,9 +421,8 @@ def reward_metrics(rewards: torch.Tensor, per_func: torch.Tensor, names: Sequenc
 
 
 def _mean_std(prefix: str, values: torch.Tensor) -> dict[str, float]:
-    if values.numel() == 0:
-        return {f"{prefix}/mean": float("nan"), f"{prefix}/std": float("nan")}
-    return {
-        f"{prefix}/mean": values.mean().item(),
-        f"{prefix}/std": values.std(correction=0).item(),
-    }
+    """The mean and the sample standard deviation (n − 1, as TRL's nanstd and the group advantages; NaN for
+    fewer than two values)."""
+    mean = values.mean().item() if values.numel() else float("nan")
+    std = values.std(correction=1).item() if values.numel() > 1 else float("nan")
+    return {f"{prefix}/mean": mean, f"{prefix}/std": std}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -199,22 +200,28 @@ def check_prompt_lengths(
         )
 
 
-def prompt_token_rows(tokenizer, prompts: list[str]) -> list[list[int]]:
-    """Each prompt's token ids as the rollout feeds them, before any cut."""
-    # Rendered chat templates already carry their special tokens, so add none (as TRL does); but a
-    # plain-text prompt to a model that expects BOS (Llama, Gemma) gets one, once.
+def prompt_token_rows(tokenizer, prompts: list[str], chat: Sequence[bool] | None = None) -> list[list[int]]:
+    """Each prompt's token ids as the rollout feeds them, before any cut. ``chat``: per prompt, whether the
+    chat template rendered it (None: none did)."""
+    # A rendered chat template carries the special tokens it wants, so add none (as TRL, and transformers'
+    # apply_chat_template(tokenize=True)); a plain-text prompt to a model that expects BOS (Llama, Gemma)
+    # gets one, once.
     rows = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id
     if bos is not None and tokenizer("a")["input_ids"][:1] == [bos]:
-        rows = [r if r[:1] == [bos] else [bos] + r for r in rows]
+        text = [True] * len(rows) if chat is None else [not c for c in chat]
+        rows = [[bos] + r if plain and r[:1] != [bos] else r for r, plain in zip(rows, text, strict=True)]
     if any(len(r) == 0 for r in rows):
         raise ValueError("a prompt tokenized to zero tokens; there is nothing to condition on")
     return rows
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int | None) -> tuple[Tensor, Tensor]:
-    """-> (ids (N, P), mask (N, P)), left-padded, each prompt cut to its last max_prompt_length tokens."""
-    rows = prompt_token_rows(tokenizer, prompts)
+def tokenize_prompts(
+    tokenizer, prompts: list[str], max_prompt_length: int | None, chat: Sequence[bool] | None = None
+) -> tuple[Tensor, Tensor]:
+    """-> (ids (N, P), mask (N, P)), left-padded, each prompt cut to its last max_prompt_length tokens
+    (``chat``: :func:`prompt_token_rows`)."""
+    rows = prompt_token_rows(tokenizer, prompts, chat)
     if max_prompt_length is not None:
         n_cut = sum(len(r) > max_prompt_length for r in rows)
         if n_cut:
@@ -406,8 +413,10 @@ def generate_rollout(
     decode_mode: str = "eager",
     tools: Toolbox | ToolEpisode | None = None,
     max_tool_calling_iterations: int | None = None,
+    chat: Sequence[bool] | None = None,
 ) -> Rollout:
-    """Sample ``num_generations`` completions for each prompt (already-rendered text).
+    """Sample ``num_generations`` completions for each prompt (already-rendered text; ``chat``: per prompt,
+    whether the chat template rendered it, which then gets no BOS beyond the template's own; None: none did).
 
     Returns a Rollout of B = len(prompts) · num_generations rows, groups contiguous. The model
     (a transformers causal LM or a peft wrapper of one) runs in eval mode, so LoRA dropout is off;
@@ -447,7 +456,7 @@ def generate_rollout(
     sampling = dict(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty
     )
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, chat)
     limit = context_limit(model)
     if limit is not None:  # a clear error here, not an index error deep inside the model
         check_prompt_lengths(prompts, prompt_mask.sum(1).tolist(), max_completion_length, limit)

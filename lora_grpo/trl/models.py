@@ -211,9 +211,10 @@ def build_model(
     return fields, build
 
 
-def reward_models(reward_funcs, reward_processing_classes) -> list:
+def reward_models(reward_funcs, reward_processing_classes, chat_template_kwargs: dict | None = None) -> list:
     """TRL's reward_funcs: a callable stays; a string or a PreTrainedModel is a reward model (TRL's rule), with
-    its tokenizer from reward_processing_classes (same position) or its own."""
+    its tokenizer from reward_processing_classes (same position) or its own, and the run's chat_template_kwargs
+    for its chat template (as TRL renders a conversational row for it)."""
     from transformers import PreTrainedModel
 
     from ..rewards import RewardModel
@@ -230,6 +231,12 @@ def reward_models(reward_funcs, reward_processing_classes) -> list:
         tokenizer = tokenizers[i] if tokenizers is not None and i < len(tokenizers) else None
         if isinstance(fn, (str, PreTrainedModel)):
             # to the device in scorer.py
-            fn = in_position(i, fn, lambda fn=fn, tokenizer=tokenizer: RewardModel(fn, tokenizer))
+            fn = in_position(
+                i,
+                fn,
+                lambda fn=fn, tokenizer=tokenizer: RewardModel(
+                    fn, tokenizer, chat_template_kwargs=chat_template_kwargs
+                ),
+            )
         out.append(fn)
     return out  # none at all: refused in TRL's words unless an environment scores (checks.refuse_as_trl)

@@ -67,22 +67,23 @@ _LAST = (
 )
 
 
-def trl_record(records: list[dict[str, Any]]) -> dict[str, float]:
+def trl_record(records: list[dict[str, Any]]) -> dict[str, float | None]:
     """One TRL log record from the native per-step records of a logging window: every numeric metric
-    averaged over the steps that have it (NaN left out, as TRL's log()), renamed to TRL's names."""
-    out: dict[str, float] = {}
+    averaged over the steps that have it, renamed to TRL's names. As TRL's log(), NaN is left out, and a
+    metric that is NaN at every step (a reward function that returned None for all) is None."""
+    out: dict[str, float | None] = {}
     keys = dict.fromkeys(k for r in records for k in r)
     for key in keys:
-        values = [
+        numbers = [
             r[key]
             for r in records
             if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
         ]
-        values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
-        if not values or key in ("step", "epoch") or key.startswith("eval/"):
+        values = [v for v in numbers if not (isinstance(v, float) and math.isnan(v))]
+        if not numbers or key in ("step", "epoch") or key.startswith("eval/"):
             continue
         name = TRL_NAMES.get(key, key)
-        out[name] = values[-1] if name in _LAST else sum(values) / len(values)
+        out[name] = None if not values else values[-1] if name in _LAST else sum(values) / len(values)
     return out
 
 
@@ -187,7 +188,7 @@ class GRPOTrainer:
         model_fields, build = build_model(model, args, quantization_config, peft_config, processing_class)
         config = to_native(args, model_name_or_path=str(name), world_size=world, **model_fields)
         peft_model, tokenizer = build(config)
-        funcs = reward_models(reward_funcs, reward_processing_classes)
+        funcs = reward_models(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
         extra = {} if tools is None else {"tools": tools}
         if environment_factory is not None:
             extra["environment_factory"] = environment_factory
@@ -232,6 +233,11 @@ class GRPOTrainer:
         # the native record of this train() call's first step (its train_loss); None until its loop begins
         self._first_record: int | None = 0
         self._eval_prefix, self._eval_records = "eval", []  # evaluate()'s metric_key_prefix; its records
+        # an epoch begun and not yet ended (for the callbacks' on_epoch_*); the step on_save was last called at
+        self._epoch_open, self._saved_at = False, None
+        self._flow_callback = next(
+            c for c in self.callback_handler.callbacks if isinstance(c, DefaultFlowCallback)
+        )
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # ------------------------------------------------------------------ TRL's public methods
@@ -251,10 +257,16 @@ class GRPOTrainer:
             else str(resume_from_checkpoint)
         )
         started, self._first_record = time.perf_counter(), None
+        self._epoch_open, self._saved_at = False, None
         try:
             native.train()
         finally:
             native.config.resume_from_checkpoint = None
+        if (
+            self._epoch_open
+        ):  # the run ended inside an epoch (max_steps, a callback's stop): transformers ends it
+            self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+            self._epoch_open = False
         if self._first_record is None:
             # a resumed checkpoint at max_steps: the loop never began, no event told the TRL state where it is
             self._at_checkpoint(native.state)
@@ -271,7 +283,9 @@ class GRPOTrainer:
             "total_flos": 0.0,
             "train_loss": sum(loss) / max(len(loss), 1),
         }
+        self.state.total_flos = 0.0  # as TRL's: its inputs have no input_ids for transformers to count from
         self.log({**self._unlogged_window(), **metrics})
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(steps, metrics["train_loss"], {**metrics, "epoch": self.state.epoch})
 
     def _start_again(self) -> None:
@@ -296,9 +310,8 @@ class GRPOTrainer:
             max_steps=total,
             num_train_epochs=math.ceil(total / self.native.steps_per_epoch),
             logging_steps=resolved_steps(args.logging_steps, total, 500),
-            eval_steps=resolved_steps(
-                args.eval_steps, total, args.logging_steps if args.eval_steps is None else 500
-            ),
+            # (TrainingArguments sets eval_steps to logging_steps when it evaluates every N steps)
+            eval_steps=resolved_steps(args.eval_steps, total, 500),
             save_steps=resolved_steps(args.save_steps, total, 500),
             train_batch_size=args.per_device_train_batch_size,
             is_local_process_zero=self.accelerator.is_local_main_process,
@@ -425,26 +438,42 @@ class GRPOTrainer:
             self._restore(trainer.state.extra)
             self._first_record = len(trainer.state.log_history)
             self.control = handler.on_train_begin(args, state, self.control)
-            self.control = handler.on_epoch_begin(args, state, self.control)
         elif event == "step_begin":
+            if not self._epoch_open:  # transformers begins an epoch before its first step
+                self.control = handler.on_epoch_begin(args, state, self.control)
+                self._epoch_open = True
             empty_every = args.torch_empty_cache_steps
             if empty_every is not None and state.global_step % empty_every == 0:
                 # as transformers' Trainer.training_step, which TRL's calls (there before each micro-batch of
                 # such a step; once here, before its rollout): the accelerator's cached blocks are released
                 clear_device_cache()
             self.control = handler.on_step_begin(args, state, self.control)
-        elif event in ("step_end", "epoch_end"):
+        elif event == "pre_optimizer_step":
+            # transformers' order: a substep end after each micro-batch of the step but its last, then the
+            # gradients clipped, then this (here all the micro-batches' gradients are in when they are called)
+            for _ in range(args.gradient_accumulation_steps - 1):
+                self.control = handler.on_substep_end(args, state, self.control)
+            self.control = handler.on_pre_optimizer_step(args, state, self.control)
+        elif event == "optimizer_step":
+            self.control = handler.on_optimizer_step(args, state, self.control)
+        elif event == "step_end":
             flow = payload["flow"]
-            if event == "step_end":
-                self.control = handler.on_step_end(args, state, self.control)
-            else:
-                self.control = handler.on_epoch_end(args, state, self.control)
-                self.control = handler.on_epoch_begin(args, state, self.control)
+            self.control = handler.on_step_end(args, state, self.control)
+            if payload["epoch_ended"]:
+                # what transformers' flow callback asks at an epoch's end (the epoch strategies) is done with
+                # this step's log, eval and save; the callbacks' on_epoch_end comes after them (epoch_end)
+                self.control = self._flow_callback.on_epoch_end(args, state, self.control)
             flow.log, flow.evaluate, flow.save = (
                 self.control.should_log,
                 self.control.should_evaluate,
                 self.control.should_save,
             )
+            trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
+        elif event == "epoch_end":
+            self.control = handler.on_epoch_end(args, state, self.control)
+            self._epoch_open = False
+            # its log, eval and save were the step's; a stop it asks for ends the run before the next step
+            self.control.should_log = self.control.should_evaluate = self.control.should_save = False
             trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
         elif event == "log":
             self.log(trl_record(self._take_window()))
@@ -453,10 +482,15 @@ class GRPOTrainer:
             self._eval_record(payload)
             self.control.should_evaluate = False
         elif event == "save":
-            self.control = handler.on_save(args, state, self.control)
+            # as TRL: once a step, never under save_strategy "no" (lora_grpo still keeps the run's last checkpoint
+            # and its adapter: trainer._save_final)
+            strategy = getattr(
+                args.save_strategy, "value", args.save_strategy
+            )  # transformers' enum, or a str
+            if strategy != "no" and self._saved_at != state.global_step:
+                self.control = handler.on_save(args, state, self.control)
+                self._saved_at = state.global_step
             self.control.should_save = False
-        elif event == "train_end":
-            self.control = handler.on_train_end(args, state, self.control)
         trainer.state.extra = {"trl_log_history": state.log_history, "trl_logged_upto": self._logged_upto}
 
     def _take_window(self) -> list[dict[str, Any]]:
