@@ -3,7 +3,7 @@ score head run by hand on hand-built token ids; nothing is downloaded."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from helpers import tiny_reward_model
 
 from lora_grpo.rewards import RewardModel
 from lora_grpo.tasks.toy import make_tokenizer
@@ -26,25 +26,6 @@ CHAT_TEXTS = [
     "system: add\nuser: 2+2=\nassistant: 4\n",
     "user: 3+4=?\nassistant: 7 it is\n",
 ]
-
-
-def tiny_reward_model(tokenizer, seed=0, dropout=0.0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        attention_dropout=dropout,
-    )
-    return LlamaForSequenceClassification(config).eval()
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import PROMPTS, QWEN_RESPONSE_TEMPLATE, load_4bit
+from helpers import PROMPTS, QWEN_RESPONSE_TEMPLATE, load_4bit, tiny_reward_model
 
 trl = pytest.importorskip("trl")
 
@@ -178,24 +178,11 @@ def test_a_reward_that_applied_to_nothing_in_a_window_is_logged_as_none(tiny_bas
 
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_a_reward_models_chat_template_gets_the_runs_chat_template_kwargs(tiny_base_dir, tmp_path, library):
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_base_dir)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if flag %}FLAG{% endif %}"
-    torch.manual_seed(0)
-    judge = LlamaForSequenceClassification(
-        LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            num_labels=1,
-            pad_token_id=tok.pad_token_id,
-        )
-    ).eval()
+    judge = tiny_reward_model(tok)
     seen = []
     judge.register_forward_pre_hook(
         lambda module, args, kwargs: seen.extend(
