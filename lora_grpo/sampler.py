@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from .data.prompts import PROMPT_MESSAGES
+from .data.prompts import PROMPT_MESSAGES, chat_rendered
 from .rewards.specs import _import_object
 from .rollout import Rollout, Toolbox, eos_token_ids, generate_rollout
 from .run.failures import stage
@@ -100,9 +100,8 @@ class PolicySampler:
         """num_generations completions per prompt; `generator` defaults to the training sampling stream.
         `rows` (the prompts' dataset columns) reset a tool run's environments."""
         cfg, G = self.config, num_generations or self.config.num_generations
-        messages = rows.get(PROMPT_MESSAGES) if rows else None
         # the prompts the chat template rendered (no BOS beyond the template's own, as TRL)
-        chat = None if messages is None else [m is not None for m in messages]
+        chat = chat_rendered(rows.get(PROMPT_MESSAGES) if rows else None, len(prompts), cfg.use_chat_template)
         tools = None
         if self.toolbox is not None:
             row_dicts = (

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .algo.logprobs import sequence_log_probs
-from .data.prompts import PROMPT_MESSAGES
+from .data.prompts import PROMPT_MESSAGES, chat_rendered
 from .model.adapters import use_adapter
 from .rewards import check_reward_columns
 from .rollout import (
@@ -188,11 +188,6 @@ def check_special_tokens(model, tokenizer) -> list[int]:
     return eos
 
 
-def chat_rendered(ds) -> list[bool] | None:
-    """Per row of a loaded dataset, whether the chat template rendered its prompt (None: no row's was)."""
-    return [m is not None for m in ds[PROMPT_MESSAGES]] if PROMPT_MESSAGES in ds.column_names else None
-
-
 def check_prompt_ids(
     prompts: list[str], lengths: PromptLengths, tokenizer, model, name: str, chat: list[bool] | None = None
 ) -> None:
@@ -224,7 +219,8 @@ def check_datasets(reward_funcs, datasets: dict, tokenizer, model, config) -> di
         # messages, which arrive as `prompts` (trainer.rewards).
         columns = [c for c in ds.column_names if c not in ("prompt", PROMPT_MESSAGES)]
         check_reward_columns(reward_funcs, columns, name)
-        prompts, chat = list(ds["prompt"]), chat_rendered(ds)
+        messages = ds[PROMPT_MESSAGES] if PROMPT_MESSAGES in ds.column_names else None
+        prompts, chat = list(ds["prompt"]), chat_rendered(messages, len(ds), config.use_chat_template)
         lengths = prompt_lengths(tokenizer, prompts, config.max_prompt_length, chat)
         check_context(prompts, lengths, config.max_completion_length, model, name)
         check_prompt_ids(prompts, lengths, tokenizer, model, name, chat)

@@ -330,18 +330,23 @@ def test_chat_prompts_get_only_their_templates_special_tokens_and_text_prompts_b
     )
     tokenizer.save_pretrained(base)
     messages = [{"role": "user", "content": "1+2="}]
-    trainer = GRPOTrainer(
-        GRPOConfig(
-            model_name_or_path=str(base),
-            output_dir=str(tmp_path / "run"),
-            num_generations=2,
-            prompts_per_step=2,
-            max_completion_length=2,
-            gradient_checkpointing=False,
-        ),
-        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-        train_dataset=[{"prompt": messages}, {"prompt": messages}],
-    )
+
+    def trainer_of(rows, **fields):
+        return GRPOTrainer(
+            GRPOConfig(
+                model_name_or_path=str(base),
+                output_dir=str(tmp_path / "run"),
+                num_generations=2,
+                prompts_per_step=2,
+                max_completion_length=2,
+                gradient_checkpointing=False,
+                **fields,
+            ),
+            reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+            train_dataset=rows,
+        )
+
+    trainer = trainer_of([{"prompt": messages}, {"prompt": messages}])
     tok, bos = trainer.tokenizer, trainer.tokenizer.bos_token_id
     assert tok("a")["input_ids"][0] == bos
     chat = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)[
@@ -354,6 +359,11 @@ def test_chat_prompts_get_only_their_templates_special_tokens_and_text_prompts_b
     )
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.prompt_ids, rollout.prompt_mask)]
     assert rows == [chat, [bos] + tok("1+2=", add_special_tokens=False)["input_ids"]]
+    assert trainer.prompt_lengths["train_dataset"].longest == len(chat)
+    # text prompts that use_chat_template renders as a user message are chat-rendered too
+    trainer = trainer_of([{"prompt": "1+2="}, {"prompt": "1+2="}], use_chat_template=True)
+    rollout = trainer.sampler.sample([text], 1, 0.0, None, {"prompt": [text], PROMPT_MESSAGES: [None]})
+    assert rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist() == chat
     assert trainer.prompt_lengths["train_dataset"].longest == len(chat)
 
 

@@ -39,6 +39,7 @@ from .files import FILE_BUILDERS, load_data_file
 __all__ = [
     "PROMPT_MESSAGES",
     "PromptBatches",
+    "chat_rendered",
     "load_prompt_dataset",
     "process_shard",
     "resolve_dataset",
@@ -127,6 +128,15 @@ def _message_problem(value: Any) -> str | None:
                 if m.get(key) is None or (key == "role" and not (isinstance(m[key], str) and m[key])):
                     return f"its message {j} has {'no' if m.get(key) is None else 'an empty'} {key!r} ({dict(m)!r:.80})"
     return None
+
+
+def chat_rendered(messages: Sequence | None, rows: int, use_chat_template: bool) -> list[bool] | None:
+    """Per prompt of ``rows`` loaded ones, whether the chat template rendered its text (its messages, a
+    ``PROMPT_MESSAGES`` entry that is not None; or, with ``use_chat_template``, every prompt); None when none
+    was. The rollout adds no BOS to those beyond the template's own, as TRL (rollout.prompt_token_rows)."""
+    if use_chat_template:
+        return [True] * rows
+    return None if messages is None else [m is not None for m in messages]
 
 
 # The columns TRL's GRPOTrainer shows a vision-language model beside each prompt.
