@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .algo.advantages import multi_objective_advantages, zero_std_fraction
+from .batch import loss_mask
 from .data.prompts import PROMPT_MESSAGES
 from .rewards import (
     RewardModel,
@@ -262,7 +263,14 @@ class RolloutScorer:
         )
         uneven = sampled is not None  # each process may have sampled another number of rounds
         rewards, per_func = seen.rewards, seen.per_func
-        lengths, truncated = seen_rollout.completion_lengths.float(), seen_rollout.truncated.float()
+        # the tokens the model generated, as TRL counts them: not those of tool replies (the rewards' keyword
+        # completion_lengths counts every token of the completion)
+        generated = (
+            seen_rollout.completion_lengths
+            if seen_rollout.tool_mask is None
+            else loss_mask(seen_rollout, False).sum(1)
+        )
+        lengths, truncated = generated.float(), seen_rollout.truncated.float()
         # every token the step generated from, prompt and completion (TRL's num_tokens)
         tokens = seen_rollout.prompt_mask.sum().float().reshape(1) + lengths.sum().reshape(1)
         calls = (

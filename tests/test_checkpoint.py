@@ -126,6 +126,22 @@ def test_resume_from_a_run_dir_or_an_adapter_says_what_to_pass(tiny_base_dir, tm
         resume(tiny_base_dir, tmp_path / "empty", "latest")
 
 
+def test_peft_loads_a_checkpoint_itself_as_its_policy_as_from_a_trl_checkpoint(tiny_base_dir, saved_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def lora(path):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(path))
+        return {k: v for k, v in model.state_dict().items() if "lora_" in k}
+
+    checkpoint = saved_run / "checkpoint-2"
+    at_root, policy = lora(checkpoint), lora(checkpoint / POLICY)
+    assert at_root.keys() == policy.keys() and all(torch.equal(at_root[k], policy[k]) for k in policy)
+    assert (checkpoint / ckpt.ADAPTER_WEIGHTS).read_bytes() == (
+        checkpoint / POLICY / ckpt.ADAPTER_WEIGHTS
+    ).read_bytes()
+
+
 def test_resume_from_checkpoint_true_is_the_newest_checkpoint_as_in_transformers(
     tiny_base_dir, tmp_path, saved_run
 ):

@@ -230,16 +230,16 @@ def test_errors_and_timeouts_become_error_replies_the_model_sees(tok):
     assert time.monotonic() - t0 < 2.5  # each round waits at most the timeout, not the 3 s sleeps
     assert out[0] == [
         ("ping", "PONG", False),
-        ("boom", "{'error': 'ZeroDivisionError: no way'}", True),
+        ("boom", "{'error': 'no way'}", True),  # TRL's words: str(exception)
         ("sleepy", "{'error': 'sleepy timed out after 0.3 s'}", True),
     ]
     assert out[1][0] == ("aping", "APONG", False)
     assert out[1][1] == ("asleepy", "{'error': 'asleepy timed out after 0.3 s'}", True)
-    assert out[1][2][2] and "no tool named 'nope'" in out[1][2][1] and "'ping'" in out[1][2][1]
+    assert out[1][2] == ("nope", "{'error': 'Tool nope not found.'}", True)  # TRL's words
     assert [failed for _, _, failed in out[2]] == [True, True, True]
-    assert "TypeError" in out[2][0][1] and "unexpected keyword argument 'y'" in out[2][0][1]
+    assert "unexpected keyword argument 'y'" in out[2][0][1]  # a sync tool called with wrong arguments
     assert out[2][1] == ("invalid", "{'error': \"could not parse the tool call '{'\"}", True)
-    assert "TypeError" in out[2][2][1]
+    assert "unexpected keyword argument 'y'" in out[2][2][1]  # an async one
     assert tool_metrics(torch.tensor([3, 3, 3, 0]), torch.tensor([2, 2, 3, 0])) == {
         "tools/call_frequency": 2.25,
         "tools/failure_frequency": 7 / 9,
@@ -502,6 +502,48 @@ def test_a_reset_text_or_blocks_join_the_last_message_as_trl_joins_them(tok):
         ValueError, match=r"^Shows.reset\(\) returned a content block of type 'image'; lora_grpo"
     ):
         Toolbox(tok, environment_factory=Shows, timeout=None).episode(2)
+
+
+def test_logged_lengths_and_tokens_count_what_the_model_drew_not_the_tool_replies():
+    """As TRL: completions/*_length and num_tokens count the tokens the model generated (tool_mask 1); the
+    reward keyword completion_lengths keeps every token of the completion."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerState
+
+    from lora_grpo import GRPOConfig
+    from lora_grpo.rollout import Rollout
+    from lora_grpo.scorer import RolloutScorer
+
+    lengths_seen = []
+
+    def reward(completions, completion_lengths, **kwargs):
+        lengths_seen.extend(completion_lengths)
+        return [0.0, 1.0]
+
+    completion_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    drawn = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0]])  # row 0: a 2-token reply in the middle
+    rollout = Rollout(
+        torch.ones(2, 3, dtype=torch.long),
+        torch.ones(2, 3, dtype=torch.long),
+        torch.ones(2, 6, dtype=torch.long),
+        completion_mask,
+        torch.zeros(2, dtype=torch.bool),
+        ["p", "p"],
+        ["a", "b"],
+        tool_mask=drawn,
+    )
+    state = TrainerState()
+    scorer = RolloutScorer(
+        GRPOConfig(model_name_or_path="toy", num_generations=2),
+        [reward],
+        SimpleNamespace(num_processes=1),
+        state,
+    )
+    _, metrics = scorer.advantages(rollout, {"prompt": ["p"]})
+    assert (metrics["completion_length/mean"], metrics["completion_length/max"]) == (4.0, 4.0)
+    assert metrics["num_tokens"] == 6 + 8 and state.num_input_tokens_seen == 14
+    assert lengths_seen == [6, 4]
 
 
 # --------------------------------------------------------------------------- a 4-bit base

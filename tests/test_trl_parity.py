@@ -209,6 +209,36 @@ def test_a_reward_models_chat_template_gets_the_runs_chat_template_kwargs(tiny_b
     assert all(text.endswith("\nFLAG") for text in seen[-4:]), seen[-4:]
 
 
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_report_to_sends_trackers_trls_records_through_transformers_callbacks(
+    tiny_base_dir, tmp_path, library
+):
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / library
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS.replace("report_to='none'", "report_to='tensorboard'")}, max_steps=3,
+                          logging_steps=2)
+        GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8)).train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(out),
+    )
+    (events,) = {str(Path(f).parent) for f in Path(out).glob("runs/**/events.out.tfevents.*")}
+    accumulator = EventAccumulator(events)
+    accumulator.Reload()
+    scalars = accumulator.Tags()["scalars"]
+    # TRL's names under transformers' train/ prefix, at the logging steps (2, and 3: the closing record's window)
+    assert {"train/reward", "train/loss", "train/learning_rate", "train/train_loss"} <= set(scalars)
+    assert not {"reward/mean", "reward", "lr"} & set(scalars)
+    assert [e.step for e in accumulator.Scalars("train/reward")] == [2, 3]
+
+
 # ------------------------------------------------------------------------------ callbacks
 EVENTS = [
     "on_init_end",
@@ -446,6 +476,63 @@ def test_fp16_on_a_cpu_trains_in_float32_as_without_it(tiny_base_dir, tmp_path, 
 
 
 # ------------------------------------------------------------------------------ eval sets
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_evaluate_without_an_eval_dataset_is_refused_in_transformers_words(tiny_base_dir, tmp_path, library):
+    with pytest.raises(ValueError, match=r"^Trainer: evaluation requires an eval_dataset\."):
+        run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1)
+            GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8)).evaluate()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / library),
+        )
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_steps_train_record_comes_before_its_eval_record(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=3, logging_steps=1, eval_strategy="steps", eval_steps=2,
+                          per_device_eval_batch_size=4)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8),
+                              eval_dataset=dataset(4, start=8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    kinds = [
+        (r["step"], "train_loss" if "train_loss" in r else "eval" if "eval_runtime" in r else "train")
+        for r in scope["trainer"].state.log_history
+    ]
+    assert kinds == [(1, "train"), (2, "train"), (2, "eval"), (3, "train"), (3, "eval"), (3, "train_loss")]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_eval_on_start_evaluates_at_step_0_whatever_the_strategy(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, eval_on_start=True, per_device_eval_batch_size=4)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8),
+                              eval_dataset=dataset(4, start=8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    history = scope["trainer"].state.log_history
+    assert str(scope["trainer"].args.eval_strategy) == "IntervalStrategy.NO"
+    assert history[0]["step"] == 0 and "eval_runtime" in history[0]
+    assert not any("eval_runtime" in r for r in history[1:])
+
+
 EVAL_FORMS = {
     "dataset": ("dataset(4, start=16)", [None]),
     "conversational stream": ("dataset(4, start=16, conversational=True).to_iterable_dataset()", [None]),
@@ -1595,6 +1682,35 @@ def test_the_offline_toy_bases_are_models_by_name(toy_base, tmp_path, monkeypatc
 
 
 # ------------------------------------------------------------------------------ train() again, resume at the end
+def by_step(completions, trainer_state, **kwargs):
+    """The optimizer steps done, + 0 or 1: each step's mean reward names the step."""
+    return [float(trainer_state.global_step) + (i % 2) for i in range(len(completions))]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_first_logging_window_after_a_resume_starts_at_the_resumed_step(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        fields = dict(output_dir=OUT, save_strategy="steps", save_steps=3, logging_steps=2)
+        args = GRPOConfig({ARGS.replace("save_strategy='no', ", "")}, **fields, max_steps=3)
+        GRPOTrainer(model=MODEL, reward_funcs=by_step, args=args, train_dataset=dataset(16)).train()
+        args = GRPOConfig({ARGS.replace("save_strategy='no', ", "")}, **fields, max_steps=6)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=by_step, args=args, train_dataset=dataset(16))
+        trainer.train(resume_from_checkpoint=True)
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        by_step=by_step,
+    )
+    records = [
+        (r["step"], r.get("reward")) for r in scope["trainer"].state.log_history if "train_loss" not in r
+    ]
+    # step 2 from the first run's checkpoint; step 4's window is step 4 alone (its rewards 3 and 4), not step 3's
+    assert records == [(2, 1.0), (4, 3.5), (6, 5.0)]
+
+
 SAVING = ARGS.replace("save_strategy='no'", "save_strategy='steps', save_steps=1")
 
 

@@ -14,7 +14,8 @@ reply tokens are what the template adds after the assistant's end of turn (a dum
 rendered with and without the tool messages); a reply that would overflow ``max_completion_length``
 is dropped and the row ends at its turn; after ``max_tool_calling_iterations`` rounds a turn's calls
 are not run; ``reset(**row)`` may return text (or content blocks) for the prompt, ``get_reward()`` may score
-the rollout. Where we differ: each call has a timeout; a call that cannot be parsed or names no tool gets an
+the rollout; a call that names no tool gets TRL's error reply ("Tool <name> not found."), a tool that raises
+``{"error": str(exception)}``. Where we differ: each call has a timeout; a call that cannot be parsed gets an
 error reply (TRL ends the completion); a block that is not text (an image, which TRL shows a vision-language
 model) stops the step, naming the tool or environment: lora_grpo trains text models.
 """
@@ -487,8 +488,8 @@ class Toolbox:
             return _error(f"{name} timed out after {self.timeout:g} s"), True
         except _Unrunnable as e:  # could not be parsed, or no such tool: the message says it all
             return _error(str(e.args[0])), True
-        except Exception as e:  # noqa: BLE001 - the model sees the error
-            return _error(f"{type(e).__name__}: {e}"), True
+        except Exception as e:  # noqa: BLE001 - the model sees the error, in TRL's words: str(exception)
+            return _error(str(e)), True
         if not isinstance(value, list):
             return str(value), False
         refuse_non_text(value, f"the tool {name!r} returned")
@@ -573,11 +574,7 @@ class ToolEpisode:
         fn = None if isinstance(call, str) else self.functions[row].get(name)
         try:
             if fn is None:
-                raise _Unrunnable(
-                    call
-                    if isinstance(call, str)
-                    else f"no tool named {name!r}; the tools are {sorted(self.functions[row])}"
-                )
+                raise _Unrunnable(call if isinstance(call, str) else f"Tool {name} not found.")  # TRL's words
             return name, self.toolbox.start(fn, call["function"]["arguments"])
         except Exception as e:  # noqa: BLE001 - also an async tool called with wrong arguments
             future: Future = Future()

@@ -6,6 +6,8 @@ fsynced, then renamed into place):
     checkpoint-{step}/
       policy/      adapter_model.safetensors, adapter_config.json   (a plain peft adapter)
       reference/   the same for the reference slot
+      adapter_model.safetensors, adapter_config.json    the policy's again (hard links), as TRL's checkpoints
+                   hold their adapter: PeftModel.from_pretrained(base, "checkpoint-N") loads the policy
       trainer_state.pt    optimizer, LR scheduler, every process's RNG states and per-process state
                           (the steps left of the generation the checkpoint lies in: its rollout's rows)
       trainer_state.json  the loop's TrainState (state.py): step, data position, metrics history, ...
@@ -242,12 +244,23 @@ def save_checkpoint(
     with atomic_dir(target) as tmp:
         save_adapter(model, tmp / POLICY, POLICY)
         save_adapter(model, tmp / REFERENCE, REFERENCE)
+        # the policy at the root too, as a TRL checkpoint holds its adapter: peft loads the checkpoint itself
+        # (PeftModel.from_pretrained(base, "checkpoint-N")); hard links, so that it costs no space where they work
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            _link_or_copy(tmp / POLICY / name, tmp / name)
         buffer = io.BytesIO()
         torch.save(blobs, buffer)
         write_bytes(tmp / STATE_BLOBS, buffer.getvalue())
         (tmp / STATE_JSON).write_text(json.dumps(state))
         (tmp / "config.yaml").write_text(config_yaml)
     return target
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a filesystem without hard links
+        shutil.copyfile(source, target)
 
 
 def _step_of(path: Path) -> int | None:
@@ -285,14 +298,15 @@ def resolve_adapter(path: str | Path) -> tuple[Path, str]:
     """(the adapter dir, what it is) for what a user passes to eval or merge: an adapter dir itself, a
     checkpoint dir (its policy adapter) or a run dir (its final adapter/). CheckpointError otherwise."""
     path = Path(path)
-    if (path / ADAPTER_CONFIG).is_file():
-        return _whole_adapter(path, "another adapter"), f"the adapter {path}"
+    # a checkpoint first: it holds its policy at its root as well (save_checkpoint)
     if (path / POLICY / ADAPTER_CONFIG).is_file() and (path / STATE_JSON).is_file():
         others = [p for p in list_checkpoints(path.parent) if p != path and not missing_checkpoint_files(p)]
         instead = (
             f"another checkpoint ({others[-1]}, the newest complete one)" if others else "another checkpoint"
         )
         return _whole_adapter(path / POLICY, instead), f"the policy adapter of checkpoint {path}"
+    if (path / ADAPTER_CONFIG).is_file():
+        return _whole_adapter(path, "another adapter"), f"the adapter {path}"
     if (path / "adapter" / ADAPTER_CONFIG).is_file():
         return _whole_adapter(
             path / "adapter", "one of the run's checkpoints"

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from accelerate.utils.memory import clear_device_cache
 from transformers import DefaultFlowCallback, TrainerControl, TrainerState
+from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import TrainOutput
 
@@ -213,8 +214,10 @@ class GRPOTrainer:
         self.reward_func_names = list(self.native.reward_names)
         self.state = self._new_state()
         self.control = TrainerControl()
+        # as transformers' Trainer: the flow, the trackers report_to names (TRL's records, at its logging steps),
+        # then the script's own
         self.callback_handler = CallbackHandler(
-            [DefaultFlowCallback, *(callbacks or [])],
+            [DefaultFlowCallback, *get_reporting_integration_callbacks(args.report_to), *(callbacks or [])],
             self.model,
             tokenizer,
             self.native.optimizer,
@@ -235,6 +238,8 @@ class GRPOTrainer:
         self._eval_prefix, self._eval_records = "eval", []  # evaluate()'s metric_key_prefix; its records
         # an epoch begun and not yet ended (for the callbacks' on_epoch_*); the step on_save was last called at
         self._epoch_open, self._saved_at = False, None
+        # whether this step's eval records wait for its train record, and those waiting (_on_event's "log")
+        self._evals_wait, self._waiting_evals = False, []
         self._flow_callback = next(
             c for c in self.callback_handler.callbacks if isinstance(c, DefaultFlowCallback)
         )
@@ -257,7 +262,7 @@ class GRPOTrainer:
             else str(resume_from_checkpoint)
         )
         started, self._first_record = time.perf_counter(), None
-        self._epoch_open, self._saved_at = False, None
+        self._epoch_open, self._saved_at, self._evals_wait, self._waiting_evals = False, None, False, []
         try:
             native.train()
         finally:
@@ -324,6 +329,11 @@ class GRPOTrainer:
         """lora_grpo's evaluation (greedy scores, pass@k, KL to the base) under transformers' names:
         <prefix>_<metric>, or <prefix>_<name>_<metric> for each set of a dict of eval sets (as the run's, a
         DatasetDict, a plain dict, or a name of one of the run's sets); streams are read whole."""
+        if eval_dataset is None and self.native.eval_dataset is None:
+            raise ValueError(
+                "Trainer: evaluation requires an eval_dataset. Pass one: trainer.evaluate(eval_dataset=...), or "
+                "GRPOTrainer(..., eval_dataset=...)"
+            )
         if isinstance(eval_dataset, str):
             sets = self.native.eval_dataset if isinstance(self.native.eval_dataset, dict) else {}
             if eval_dataset not in sets:
@@ -468,6 +478,9 @@ class GRPOTrainer:
                 self.control.should_evaluate,
                 self.control.should_save,
             )
+            # the native loop evaluates before it logs (its plateau trigger reads the eval); transformers logs the
+            # step's record first: a logging step's eval records wait for it ("log")
+            self._evals_wait = flow.log
             trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
         elif event == "epoch_end":
             self.control = handler.on_epoch_end(args, state, self.control)
@@ -478,8 +491,14 @@ class GRPOTrainer:
         elif event == "log":
             self.log(trl_record(self._take_window()))
             self.control.should_log = False
+            waiting, self._waiting_evals, self._evals_wait = self._waiting_evals, [], False
+            for one in waiting:
+                self._eval_record(one)
         elif event == "evaluate":
-            self._eval_record(payload)
+            if self._evals_wait:
+                self._waiting_evals.append(payload)
+            else:
+                self._eval_record(payload)
             self.control.should_evaluate = False
         elif event == "save":
             # as TRL: once a step, never under save_strategy "no" (lora_grpo still keeps the run's last checkpoint
@@ -491,7 +510,7 @@ class GRPOTrainer:
                 self.control = handler.on_save(args, state, self.control)
                 self._saved_at = state.global_step
             self.control.should_save = False
-        trainer.state.extra = {"trl_log_history": state.log_history, "trl_logged_upto": self._logged_upto}
+        trainer.state.extra = {"trl_log_history": state.log_history}
 
     def _take_window(self) -> list[dict[str, Any]]:
         """The native step records not yet averaged into a TRL record (the logging window), taken."""
@@ -524,7 +543,8 @@ class GRPOTrainer:
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, record)
 
     def _restore(self, extra: dict[str, Any]) -> None:
-        """On resume: TRL's log history and logging position, from the native checkpoint's state."""
+        """On resume: TRL's log history, from the native checkpoint's state; the logging window starts at the
+        resumed step, as TRL's (its metrics of the steps before are not kept in a checkpoint)."""
         if extra and extra.get("trl_log_history") is not self.state.log_history:
             self.state.log_history = list(extra.get("trl_log_history", []))
-            self._logged_upto = int(extra.get("trl_logged_upto", 0))
+            self._logged_upto = len(self.native.state.log_history)

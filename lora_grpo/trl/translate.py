@@ -194,8 +194,9 @@ FIELDS: dict[str, Field] = {
     "save_strategy": _flow("DefaultFlowCallback for 'steps', 'epoch', 'no'; 'best' is refused"),
     "save_steps": _flow(),
     "save_total_limit": _m("save_total_limit (None: every checkpoint is kept)"),
-    "report_to": _m(
-        "report_to: 'all' → every installed tracker lora_grpo supports (tensorboard, wandb, trackio); 'none'"
+    "report_to": _flow(
+        "transformers' reporting callbacks (get_reporting_integration_callbacks), as in TRL: every tracker "
+        "transformers knows, sent TRL's records at its logging steps (train/<metric>, eval/<metric>)"
     ),
     "run_name": _m("run_name"),
     "project": _m("project"),
@@ -363,7 +364,6 @@ OPTIMIZERS = {
     "adamw_bnb_8bit": "adamw_8bit",
     "paged_adamw_8bit": "paged_adamw_8bit",
 }
-TRACKERS = ("tensorboard", "wandb", "trackio")
 GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -462,20 +462,6 @@ def _is_default_accelerator_config(value) -> bool:
         return False
 
 
-def _report_to(value) -> Any:
-    names = [value] if isinstance(value, str) else list(value or [])
-    if names in (["none"], []):
-        return "none"
-    if "all" in names:
-        import importlib.util
-
-        return [t for t in TRACKERS if importlib.util.find_spec(t) is not None] or "none"
-    unknown = [n for n in names if n not in TRACKERS]
-    if unknown:
-        raise ConfigError(f"report_to={value!r}: lora_grpo reports to {list(TRACKERS)} only (not {unknown})")
-    return names
-
-
 def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: Any) -> NativeConfig:
     """The native GRPOConfig a TRL GRPOConfig (ours, or TRL's own: read by field name) stands for.
 
@@ -522,7 +508,6 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
         )
     checkpointing = getattr(args, "activation_checkpointing", None)
     checkpointing = args.gradient_checkpointing if checkpointing is None else checkpointing
-    eval_strategy = _value(args.eval_strategy)
     warmup = 0 if schedule == "constant" else args.warmup_steps  # transformers' 'constant' ignores the warmup
     return NativeConfig(
         **{
@@ -595,10 +580,11 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
             "logging_steps": 1,
             "eval_steps": 0,
             "save_steps": 0,
-            "eval_on_start": bool(args.eval_on_start) and eval_strategy != "no",
+            "eval_on_start": bool(args.eval_on_start),  # whatever the strategy, as transformers
             "eval_on_end": False,
             "save_total_limit": args.save_total_limit or 0,
-            "report_to": _report_to(args.report_to),
+            # trackers are transformers' callbacks on TRL's records (trl.trainer), not lora_grpo's own
+            "report_to": "none",
             "run_name": args.run_name,
             "project": getattr(args, "project", "huggingface"),
             "disable_tqdm": bool(args.disable_tqdm),
