@@ -239,6 +239,39 @@ def test_report_to_sends_trackers_trls_records_through_transformers_callbacks(
     assert [e.step for e in accumulator.Scalars("train/reward")] == [2, 3]
 
 
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_log_completions_sends_a_completions_table_to_wandb(tiny_base_dir, tmp_path, library, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    from wandb.sdk.wandb_run import Run
+
+    tables, log = [], Run.log
+
+    # every log of the run (wandb.init binds the module's wandb.log to it)
+    def spy(run, data, *args, **kwargs):
+        tables.extend(v for k, v in data.items() if k == "completions")
+        return log(run, data, *args, **kwargs)
+
+    monkeypatch.setattr(Run, "log", spy)
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS.replace("report_to='none'", "report_to='wandb'")}, max_steps=1,
+                          logging_steps=1, log_completions=True)
+        GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8)).train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    wandb.finish()
+    # TRL's log() sends one at each logging step and one with the closing record; here one per rollout
+    assert tables and all(isinstance(t, wandb.Table) for t in tables)
+    assert {"prompt", "completion", "advantage"} <= set(tables[0].columns) and len(tables[0].data) == 4
+
+
 # ------------------------------------------------------------------------------ callbacks
 EVENTS = [
     "on_init_end",

@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +166,12 @@ def _cell(value: Any) -> Any:
     return value if value is None or isinstance(value, (bool, int, float, str)) else json.dumps(value)
 
 
+def table_of(records: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """(columns, rows) of completion records for a tracker's table: chat messages as JSON text."""
+    columns = list(records[0])
+    return columns, [[_cell(r.get(c)) for c in columns] for r in records]
+
+
 def _markdown_table(records: list[dict[str, Any]]) -> str:
     columns = list(records[0])
 
@@ -275,6 +281,8 @@ class RunReporter:
         self.is_main = accelerator.is_main_process
         self.output_dir = Path(config.output_dir)
         self.trackers = tracker_names(config.report_to)
+        # called with (step, records) where completions.jsonl gets them (main process)
+        self.completion_listeners: list[Callable[[int, list[dict[str, Any]]], None]] = []
         self.bar = None
         self._started = False
         self._plotted_records = -1
@@ -424,10 +432,11 @@ class RunReporter:
             return
         with self.completions_path.open("a") as f:
             f.writelines(json_line(r) for r in records)
+        for listener in self.completion_listeners:  # the TRL front door's trackers
+            listener(step, records)
         if not self._started:
             return
-        columns = list(records[0])
-        rows = [[_cell(r.get(c)) for c in columns] for r in records]
+        columns, rows = table_of(records)
         for name in self.trackers:
             tracker = self.accelerator.get_tracker(name)
             if name == "wandb":

@@ -33,6 +33,7 @@ from ..rewards import RewardModel
 from ..rng import seed_everything
 from ..run.checkpoint import save_adapter
 from ..run.owned_dir import protected_paths, write_into, write_whole
+from ..run.reporting import table_of
 from ..run.run_dir import not_a_runs
 from ..trainer import GRPOTrainer as NativeTrainer
 from .checks import refuse_as_trl, warn_as_trl
@@ -224,6 +225,8 @@ class GRPOTrainer:
             self.native.scheduler,
         )
         self.native.hooks.append(self._on_event)
+        if args.log_completions:
+            self.native.reporter.completion_listeners.append(self._completions_table)
         self.native.resume_hint = (
             "trainer.train(resume_from_checkpoint=True)"  # TRL's words, with the same args
         )
@@ -511,6 +514,25 @@ class GRPOTrainer:
                 self._saved_at = state.global_step
             self.control.should_save = False
         trainer.state.extra = {"trl_log_history": state.log_history}
+
+    def _completions_table(self, step: int, records: list[dict[str, Any]]) -> None:
+        """With log_completions, TRL's table of the step's completions to W&B (its run, when there is one) and
+        Trackio, the report_to trackers that take tables (completions.jsonl has them all)."""
+        names = (
+            [self.args.report_to] if isinstance(self.args.report_to, str) else list(self.args.report_to or [])
+        )
+        backends = []
+        if "wandb" in names:
+            import wandb
+
+            backends += [wandb] if wandb.run is not None else []
+        if "trackio" in names:
+            import trackio
+
+            backends.append(trackio)
+        columns, rows = table_of(records)
+        for backend in backends:
+            backend.log({"completions": backend.Table(columns=columns, data=rows)})
 
     def _take_window(self) -> list[dict[str, Any]]:
         """The native step records not yet averaged into a TRL record (the logging window), taken."""
