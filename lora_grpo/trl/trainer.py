@@ -529,7 +529,7 @@ class GRPOTrainer:
         if "trackio" in names:
             import trackio
 
-            backends.append(trackio)
+            backends += [trackio] if hasattr(trackio, "Table") else []  # (older trackio has no tables)
         columns, rows = table_of(records)
         for backend in backends:
             backend.log({"completions": backend.Table(columns=columns, data=rows)})
