@@ -569,8 +569,8 @@ class GRPOTrainer:
 
     def _end_step(self, metrics: dict[str, Any], *, epoch_ended: bool, stop: StopSignals) -> None:
         """After an optimizer step: eval if due, then the sync decision, log, stop signal, checkpoint, and the
-        epoch's end when the step ended one. Hooks at "step_end" may change what is due (the TRL front door:
-        transformers' flow callbacks)."""
+        epoch's end (_end_epoch) when the step ends one. Hooks at "step_end" may change what is due (the TRL
+        front door: transformers' flow callbacks)."""
         state = self.state
         step, last = state.global_step, state.global_step >= self.total_steps
         self.last_finished.update_done(state, self._rng(), self.update.optimizer_steps, metrics, epoch_ended)
@@ -582,7 +582,7 @@ class GRPOTrainer:
             log=step % self.logging_every == 0 or last,
             save=bool(self.config.save_steps) and step % self.config.save_steps == 0 and not last,
         )
-        self._event("step_end", flow=due, epoch_ended=epoch_ended)
+        self._event("step_end", flow=due)
         # Eval before the sync decision, so that the plateau trigger reads this step's eval. For every
         # other trigger the order is free: eval reads only the policy and the start (base_forward), a
         # sync writes only the reference slot and the optimizer.
@@ -599,7 +599,7 @@ class GRPOTrainer:
             metrics["sync/reason"] = reason
         with stage("log"):
             # health/* flags go into this step's metrics (run/health.py)
-            for line in state.health.observe(step, metrics):
+            for line in state.health.observe(step, metrics, self.config.max_completion_length):
                 self._print(line)
             state.log_history.append(metrics)
             # a rollout's first optimizer step: its completions are logged once
@@ -613,10 +613,25 @@ class GRPOTrainer:
             self._stop(signum)
         if due.save:
             with stage("checkpoint"):
-                self.save_checkpoint()
-        if epoch_ended:
-            self._event("epoch_end")
+                self.save_checkpoint(due=True)
+        if epoch_ended or last or self.stop_requested:
+            self._end_epoch(metrics)
         self._finished_step()
+
+    def _end_epoch(self, metrics: dict[str, Any]) -> None:
+        """The epoch_end event, where transformers ends an epoch: at an epoch's last step, and at the run's last
+        step or a hook's stop inside one. A hook may ask for a log, an eval or a checkpoint there (the TRL front
+        door: the epoch strategies, a callback's control), done in transformers' order."""
+        then = StepFlow(evaluate=False, log=False, save=False)
+        self._event("epoch_end", flow=then)
+        if then.log:
+            self._event("log", logs=metrics)
+        if then.evaluate and self.eval_dataset is not None:
+            with stage("eval"):
+                self.evaluate()
+        if then.save:
+            with stage("checkpoint"):
+                self.save_checkpoint(due=True)
 
     def generation_round(self, rows: dict[str, list]) -> tuple[list[Batch], dict[str, float]]:
         """One rollout of the round's prompts, scored, ready for its optimizer steps: (the step batches in
@@ -852,12 +867,14 @@ class GRPOTrainer:
     def _rng(self) -> dict[str, Any]:
         return {**rng_state(), "sampling": self.generator.get_state()}
 
-    def save_checkpoint(self, rng: dict[str, Any] | None = None) -> Path | None:
+    def save_checkpoint(self, rng: dict[str, Any] | None = None, *, due: bool = False) -> Path | None:
         """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, every process's RNG
         states, and the TrainState whole (each process's steps left of its generation included).
         Atomic (run/checkpoint.py). Called on every process: each one's RNG states and own state are
         gathered; the main process writes. `rng`: this process's states to save
-        instead of the current ones (those of the last finished step, after a failure)."""
+        instead of the current ones (those of the last finished step, after a failure). `due`: a save the
+        step's flow asked for (save_steps, a hook), not the run's last, a failure's or a stop's (the save
+        event's payload)."""
         from accelerate.utils import gather_object
 
         mine = (rng or self._rng(), self.state.process_state_dict())
@@ -882,7 +899,7 @@ class GRPOTrainer:
                 ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit)
             self.reporter.plot()  # metrics.png so far (a failure is only a warning)
         self.accelerator.wait_for_everyone()
-        self._event("save")
+        self._event("save", due=due)
         return target if self.is_main else None
 
     def load_checkpoint(self, path: str | Path) -> Path:
@@ -941,9 +958,10 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ plumbing
     def _event(self, name: str, **payload) -> None:
         """A named point of the loop: train_begin, step_begin, pre_optimizer_step and optimizer_step (around the
-        optimizer's step, skipped or not), step_end (flow=StepFlow, epoch_ended=), log (logs=), evaluate (metrics=),
-        save, epoch_end (after the step that ended an epoch is done), train_end. Callbacks hang here:
-        hook(name, trainer, **payload) (the TRL front door dispatches to transformers' CallbackHandler)."""
+        optimizer's step, skipped or not), step_end (flow=StepFlow), log (logs=), evaluate (metrics=), save (due=),
+        epoch_end (flow=StepFlow: after the step that ends an epoch, the run or a hook's stop; _end_epoch),
+        train_end. Callbacks hang here: hook(name, trainer, **payload) (the TRL front door dispatches to
+        transformers' CallbackHandler)."""
         for hook in self.hooks:
             hook(name, self, **payload)
 

@@ -559,7 +559,10 @@ def test_an_image_in_a_chat_message_is_refused_and_its_text_kept_by_the_fix(toke
 
     text = {"type": "text", "text": "What colour is it?"}
     image = {"type": "image", "text": None}
-    rows = datasets.Dataset.from_dict({column: [turn(text), turn(image, text)], "answer": ["red", "blue"]})
+    untyped = {"type": None, "text": "?"}  # a part of no type (datasets fills a missing key with None) passes
+    rows = datasets.Dataset.from_dict(
+        {column: [turn(text), turn(untyped, image, text)], "answer": ["red", "blue"]}
+    )
     with pytest.raises(ValueError) as info:
         load_prompt_dataset(rows, tokenizer=tokenizer, prompt_column=column)
     msg = str(info.value)

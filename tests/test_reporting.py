@@ -71,8 +71,8 @@ def tb_run(tiny_base_dir, tmp_path_factory):
     seen_at_checkpoint = []
     original = trainer.save_checkpoint
 
-    def save_and_look():  # metrics.png right after each checkpoint, as the user would see it
-        target = original()
+    def save_and_look(**kwargs):  # metrics.png right after each checkpoint, as the user would see it
+        target = original(**kwargs)
         png = run / "metrics.png"
         seen_at_checkpoint.append((trainer.state.global_step, png.read_bytes() if png.exists() else None))
         return target

@@ -150,14 +150,26 @@ def test_a_tools_content_blocks_reach_the_template_as_they_are_and_an_image_stop
         """
         return [{"type": "image", "image": None}, {"type": "text", "text": "a cat"}]
 
+    def hits(a: int, b: int):
+        """Search.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return ["one", 2]
+
     tok = tiny_tokenizer("llama3_1", "<|eot_id|>")
-    box = Toolbox(tok, [add, look], timeout=None)
+    box = Toolbox(tok, [add, look, hits], timeout=None)
 
     def call(name):
         return {"type": "function", "function": {"name": name, "arguments": {"a": 2, "b": 3}}}
 
     [[(name, content, failed)]] = box.episode(1).run({0: [call("add")]}).values()
     assert (name, content, failed) == ("add", [{"type": "text", "text": "5"}], False)
+    # any other list goes to the template as it is too (TRL's `result if isinstance(result, list)`)
+    [[(_, hits, failed)]] = box.episode(1).run({0: [call("hits")]}).values()
+    assert (hits, failed) == (["one", 2], False)
     reply = tok.decode(box.reply_ids([{"role": "tool", "name": name, "content": content}]))
     assert reply.startswith(
         '<|start_header_id|>ipython<|end_header_id|>\n\n[{"type": "text", "text": "5"}]<|eot_id|>'

@@ -396,6 +396,101 @@ def test_on_pre_optimizer_step_sees_the_steps_gradients_before_the_weights_move(
     assert seen == [("pre", True), ("post", True)]
 
 
+STOP_AT_1 = """
+class Stop(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == 1
+"""
+ASK_AT_EPOCH_END = """
+class Ask(TrainerCallback):
+    def on_epoch_end(self, args, state, control, **kwargs):
+        control.should_save = control.should_evaluate = True
+"""
+
+
+@pytest.mark.parametrize(
+    "fields, callback, prompts",
+    [
+        ("num_iterations=2, max_steps=4, save_strategy='no'", None, 2),
+        ("steps_per_generation=2, per_device_train_batch_size=2, max_steps=4, save_strategy='no'", None, 2),
+        ("num_train_epochs=2, save_strategy='epoch'", None, 2),
+        ("num_train_epochs=2, logging_strategy='epoch', save_strategy='no'", None, 2),
+        ("max_steps=3, save_strategy='no', eval_strategy='epoch'", None, 8),  # the run ends inside its epoch
+        ("save_strategy='steps', save_steps=1, eval_strategy='epoch'", STOP_AT_1, 8),
+        ("save_strategy='steps', save_steps=100", ASK_AT_EPOCH_END, 2),
+    ],
+    ids=["num_iterations", "steps_per_generation", "save_epoch", "log_epoch", "eval_epoch", "stop", "ask"],
+)
+def test_callbacks_see_trls_events_whatever_the_strategies(
+    tiny_base_dir, tmp_path, fields, callback, prompts
+):
+    """The events TRL's own run sends a callback (with an eval set), against ours: equal, in order."""
+    seen = {}
+    for library in LIBRARIES:
+        seen[library] = events = []
+        args = ARGS.replace("save_strategy='no', ", "")
+        if "per_device_train_batch_size" in fields:
+            args = args.replace("per_device_train_batch_size=4, ", "")
+        extra = "" if callback is None else ", " + callback.split("class ", 1)[1].split("(", 1)[0] + "()"
+        run(
+            library,
+            f"""
+            from transformers import TrainerCallback
+            from trl import GRPOConfig, GRPOTrainer
+            {textwrap.indent(callback or "", " " * 12).strip()}
+            args = GRPOConfig(output_dir=OUT, {args}, logging_steps=1, per_device_eval_batch_size=4, {fields})
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(PROMPTS),
+                                  eval_dataset=dataset(4, start=8), callbacks=[RECORDER{extra}])
+            trainer.train()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / library),
+            PROMPTS=prompts,
+            RECORDER=recorder(events),
+        )
+    assert seen["lora_grpo.trl"] == seen["trl"]
+
+
+def test_evaluate_after_a_failed_train_records_its_metrics(tiny_base_dir, tmp_path):
+    from lora_grpo.run.failures import StepFailed
+    from lora_grpo.trl import GRPOConfig, GRPOTrainer
+
+    calls = []
+
+    def fails_once_in_eval(completions, **kwargs):  # the second call is step 1's eval
+        calls.append(len(completions))
+        if len(calls) == 2:
+            raise RuntimeError("eval-time failure")
+        return [float(len(c) % 3) for c in completions]
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        save_strategy="no",
+        report_to="none",
+        max_steps=2,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=4,
+    )
+    trainer = GRPOTrainer(
+        model=tiny_base_dir,
+        reward_funcs=fails_once_in_eval,
+        args=args,
+        train_dataset=dataset(8),
+        eval_dataset=dataset(4, start=8),
+    )
+    with pytest.raises(StepFailed, match="eval-time failure"):
+        trainer.train()
+    metrics = trainer.evaluate()
+    assert "eval_runtime" in metrics and "eval_runtime" in trainer.state.log_history[-1]
+
+
 # ------------------------------------------------------------------------------ the device cache
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_torch_empty_cache_steps_empties_the_cache_before_each_step_it_divides(

@@ -164,11 +164,11 @@ def _refuse_images(ds: datasets.Dataset, columns: list[str], message_columns: Se
                 if isinstance(content, str) or not isinstance(content, Sequence):
                     continue
                 kinds = [part.get("type") for part in content if isinstance(part, Mapping)]
-                other = next((kind for kind in kinds if kind != "text"), None)
+                other = next((kind for kind in kinds if kind not in ("text", None)), None)
                 if other is not None:
                     raise ValueError(
                         f"column {column!r}: row {i}'s message {j} has a content part of type {other!r}; lora_grpo "
-                        "trains text models, which would never see it (TRL shows images to a vision-language "
+                        "trains text models, which would never see it (TRL gives such parts to a vision-language "
                         "model). Give the prompts as text, e.g. keep each message's text parts: ds = ds.map("
                         f"lambda row: {{{column!r}: [{{**m, 'content': '\\n'.join(p['text'] for p in m['content'] "
                         f"if p['type'] == 'text')}} for m in row[{column!r}]]}})"

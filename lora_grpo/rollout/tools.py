@@ -497,14 +497,15 @@ class Toolbox:
 
 
 def refuse_non_text(blocks: Sequence, what: str) -> None:
-    """ValueError when a list of content blocks holds one that is not text: lora_grpo trains text models, and
-    TRL would show an image to a vision-language model, which the model here would never see."""
-    kinds = (b.get("type") if isinstance(b, Mapping) else type(b).__name__ for b in blocks)
-    kind = next((k for k in kinds if k != "text"), None)
+    """ValueError when a list of content blocks holds one of a type other than text (an image, audio...), which
+    TRL gives a vision-language model and a text model here would never see; any other list passes, as in TRL."""
+    kind = next(
+        (b["type"] for b in blocks if isinstance(b, Mapping) and b.get("type") not in (None, "text")), None
+    )
     if kind is not None:
         raise ValueError(
             f"{what} a content block of type {kind!r}; lora_grpo trains text models, which would never see it "
-            "(TRL shows images to a vision-language model): return text, or a list of "
+            "(TRL gives such blocks to a vision-language model): return text, or a list of "
             "{'type': 'text', 'text': ...} blocks"
         )
 
@@ -574,7 +575,8 @@ class ToolEpisode:
         fn = None if isinstance(call, str) else self.functions[row].get(name)
         try:
             if fn is None:
-                raise _Unrunnable(call if isinstance(call, str) else f"Tool {name} not found.")  # TRL's words
+                # (TRL's words for a tool it does not have)
+                raise _Unrunnable(call if isinstance(call, str) else f"Tool {name} not found.")
             return name, self.toolbox.start(fn, call["function"]["arguments"])
         except Exception as e:  # noqa: BLE001 - also an async tool called with wrong arguments
             future: Future = Future()

@@ -6,8 +6,8 @@ fsynced, then renamed into place):
     checkpoint-{step}/
       policy/      adapter_model.safetensors, adapter_config.json   (a plain peft adapter)
       reference/   the same for the reference slot
-      adapter_model.safetensors, adapter_config.json    the policy's again (hard links), as TRL's checkpoints
-                   hold their adapter: PeftModel.from_pretrained(base, "checkpoint-N") loads the policy
+      adapter_model.safetensors, adapter_config.json    the policy's again (the weights a hard link), as TRL's
+                   checkpoints hold their adapter: PeftModel.from_pretrained(base, "checkpoint-N") loads the policy
       trainer_state.pt    optimizer, LR scheduler, every process's RNG states and per-process state
                           (the steps left of the generation the checkpoint lies in: its rollout's rows)
       trainer_state.json  the loop's TrainState (state.py): step, data position, metrics history, ...
@@ -245,9 +245,10 @@ def save_checkpoint(
         save_adapter(model, tmp / POLICY, POLICY)
         save_adapter(model, tmp / REFERENCE, REFERENCE)
         # the policy at the root too, as a TRL checkpoint holds its adapter: peft loads the checkpoint itself
-        # (PeftModel.from_pretrained(base, "checkpoint-N")); hard links, so that it costs no space where they work
-        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-            _link_or_copy(tmp / POLICY / name, tmp / name)
+        # (PeftModel.from_pretrained(base, "checkpoint-N")); the weights hard-linked, so that they cost no space
+        # where links work, the config copied (a resume reads policy/'s: an edit of this one must not reach it)
+        _link_or_copy(tmp / POLICY / ADAPTER_WEIGHTS, tmp / ADAPTER_WEIGHTS)
+        shutil.copyfile(tmp / POLICY / ADAPTER_CONFIG, tmp / ADAPTER_CONFIG)
         buffer = io.BytesIO()
         torch.save(blobs, buffer)
         write_bytes(tmp / STATE_BLOBS, buffer.getvalue())

@@ -70,8 +70,11 @@ class HealthMonitor:
     )  # condition -> [warned in this episode, steps off]
 
     # ------------------------------------------------------------------ per step
-    def observe(self, step: int, metrics: dict[str, Any]) -> list[str]:
-        """Read step `step`'s metrics, add the health/* flags to them, return the warnings that start now."""
+    def observe(
+        self, step: int, metrics: dict[str, Any], max_completion_length: int | None = None
+    ) -> list[str]:
+        """Read step `step`'s metrics, add the health/* flags to them, return the warnings that start now.
+        max_completion_length: the run's, for the messages (the logged lengths count no tool reply)."""
         holds = {
             name: None for name in CONDITIONS
         }  # None: nothing to say this step (no metric); counts as off
@@ -114,7 +117,9 @@ class HealthMonitor:
                 if not episode[0]:
                     warnings.append(
                         f"step {step}: "
-                        + self._message(name, metrics, previous_kl if name == "kl_spike" else None)
+                        + self._message(
+                            name, metrics, previous_kl if name == "kl_spike" else None, max_completion_length
+                        )
                     )
                 episode[0], episode[1] = True, 0
             else:
@@ -137,7 +142,9 @@ class HealthMonitor:
         return baseline > minimum and value < ratio * baseline
 
     # ------------------------------------------------------------------ messages
-    def _message(self, name: str, m: dict[str, Any], previous_kl: float | None) -> str:
+    def _message(
+        self, name: str, m: dict[str, Any], previous_kl: float | None, max_completion_length: int | None
+    ) -> str:
         reward = _number(m, "reward/mean")
         parts = ", ".join(
             f"{k[len('rewards/') : -len('/mean')]} {v:.3g}"
@@ -155,7 +162,7 @@ class HealthMonitor:
                 "credit, or more num_generations"
             )
         if name == "all_truncated":
-            longest = _number(m, "completion_length/max")
+            longest = max_completion_length or _number(m, "completion_length/max")
             return (
                 f"every completion hit max_completion_length ({longest if longest is None else int(longest)} tokens) "
                 "without ending: the rewards read cut-off text. Look at the completions log (does the model ever "

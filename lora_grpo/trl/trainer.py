@@ -239,13 +239,10 @@ class GRPOTrainer:
         # the native record of this train() call's first step (its train_loss); None until its loop begins
         self._first_record: int | None = 0
         self._eval_prefix, self._eval_records = "eval", []  # evaluate()'s metric_key_prefix; its records
-        # an epoch begun and not yet ended (for the callbacks' on_epoch_*); the step on_save was last called at
-        self._epoch_open, self._saved_at = False, None
+        # an epoch begun and not yet ended (for the callbacks' on_epoch_*)
+        self._epoch_open = False
         # whether this step's eval records wait for its train record, and those waiting (_on_event's "log")
         self._evals_wait, self._waiting_evals = False, []
-        self._flow_callback = next(
-            c for c in self.callback_handler.callbacks if isinstance(c, DefaultFlowCallback)
-        )
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # ------------------------------------------------------------------ TRL's public methods
@@ -265,14 +262,13 @@ class GRPOTrainer:
             else str(resume_from_checkpoint)
         )
         started, self._first_record = time.perf_counter(), None
-        self._epoch_open, self._saved_at, self._evals_wait, self._waiting_evals = False, None, False, []
+        self._epoch_open, self._evals_wait, self._waiting_evals = False, False, []
         try:
             native.train()
         finally:
             native.config.resume_from_checkpoint = None
-        if (
-            self._epoch_open
-        ):  # the run ended inside an epoch (max_steps, a callback's stop): transformers ends it
+        # an epoch the native loop did not end (dynamic sampling out of prompts): transformers ends it
+        if self._epoch_open:
             self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
             self._epoch_open = False
         if self._first_record is None:
@@ -344,11 +340,13 @@ class GRPOTrainer:
                     f"evaluate({eval_dataset!r}): not one of this trainer's eval sets {sorted(sets)}"
                 )
             eval_dataset = sets[eval_dataset]
+        # recorded now, also from a callback inside a step (only the loop's own evals wait for a step's record)
+        waiting, self._evals_wait = self._evals_wait, False
         self._eval_prefix, self._eval_records = metric_key_prefix, []
         try:
             self.native.evaluate(eval_sets(eval_dataset))
         finally:
-            self._eval_prefix = "eval"
+            self._eval_prefix, self._evals_wait = "eval", waiting
         merged = {}
         for record in self._eval_records:
             merged.update(record)
@@ -449,7 +447,9 @@ class GRPOTrainer:
         handler = self.callback_handler
         if event == "train_begin":
             self._restore(trainer.state.extra)
-            self._first_record = len(trainer.state.log_history)
+            # the logging window starts here, also at a resumed step, as TRL's (a checkpoint keeps no metrics of
+            # the steps after its last log)
+            self._first_record = self._logged_upto = len(trainer.state.log_history)
             self.control = handler.on_train_begin(args, state, self.control)
         elif event == "step_begin":
             if not self._epoch_open:  # transformers begins an epoch before its first step
@@ -472,10 +472,6 @@ class GRPOTrainer:
         elif event == "step_end":
             flow = payload["flow"]
             self.control = handler.on_step_end(args, state, self.control)
-            if payload["epoch_ended"]:
-                # what transformers' flow callback asks at an epoch's end (the epoch strategies) is done with
-                # this step's log, eval and save; the callbacks' on_epoch_end comes after them (epoch_end)
-                self.control = self._flow_callback.on_epoch_end(args, state, self.control)
             flow.log, flow.evaluate, flow.save = (
                 self.control.should_log,
                 self.control.should_evaluate,
@@ -486,15 +482,25 @@ class GRPOTrainer:
             self._evals_wait = flow.log
             trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
         elif event == "epoch_end":
+            # after the step's log, eval and save, as transformers; what on_epoch_end asks for (the epoch
+            # strategies, a callback's control) follows in their order: log, eval, save
+            flow = payload["flow"]
             self.control = handler.on_epoch_end(args, state, self.control)
-            self._epoch_open = False
-            # its log, eval and save were the step's; a stop it asks for ends the run before the next step
-            self.control.should_log = self.control.should_evaluate = self.control.should_save = False
+            self._epoch_open, self._evals_wait = False, False
+            flow.log, flow.evaluate, flow.save = (
+                self.control.should_log,
+                self.control.should_evaluate,
+                self.control.should_save,
+            )
             trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
         elif event == "log":
-            self.log(trl_record(self._take_window()))
-            self.control.should_log = False
             waiting, self._waiting_evals, self._evals_wait = self._waiting_evals, [], False
+            window = self._take_window()
+            if (
+                window
+            ):  # (transformers logs a step once: an epoch's end right after its logging step adds none)
+                self.log(trl_record(window))
+            self.control.should_log = False
             for one in waiting:
                 self._eval_record(one)
         elif event == "evaluate":
@@ -504,14 +510,10 @@ class GRPOTrainer:
                 self._eval_record(payload)
             self.control.should_evaluate = False
         elif event == "save":
-            # as TRL: once a step, never under save_strategy "no" (lora_grpo still keeps the run's last checkpoint
-            # and its adapter: trainer._save_final)
-            strategy = getattr(
-                args.save_strategy, "value", args.save_strategy
-            )  # transformers' enum, or a str
-            if strategy != "no" and self._saved_at != state.global_step:
+            # on_save for the saves transformers makes (the flow's); not for the run's last checkpoint, which
+            # lora_grpo always keeps (also under save_strategy "no"), nor a failure's or a stop's
+            if payload["due"]:
                 self.control = handler.on_save(args, state, self.control)
-                self._saved_at = state.global_step
             self.control.should_save = False
         trainer.state.extra = {"trl_log_history": state.log_history}
 
@@ -565,8 +567,6 @@ class GRPOTrainer:
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, record)
 
     def _restore(self, extra: dict[str, Any]) -> None:
-        """On resume: TRL's log history, from the native checkpoint's state; the logging window starts at the
-        resumed step, as TRL's (its metrics of the steps before are not kept in a checkpoint)."""
+        """On resume: TRL's log history, from the native checkpoint's state."""
         if extra and extra.get("trl_log_history") is not self.state.log_history:
             self.state.log_history = list(extra.get("trl_log_history", []))
-            self._logged_upto = len(self.native.state.log_history)

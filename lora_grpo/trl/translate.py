@@ -198,8 +198,8 @@ FIELDS: dict[str, Field] = {
         "transformers' reporting callbacks (get_reporting_integration_callbacks), as in TRL: every tracker "
         "transformers knows, sent TRL's records at its logging steps (train/<metric>, eval/<metric>)"
     ),
-    "run_name": _m("run_name"),
-    "project": _m("project"),
+    "run_name": _flow("transformers' reporting callbacks read it (the W&B / Trackio run's name), as in TRL"),
+    "project": _flow("transformers' reporting callbacks read it (the Trackio / W&B project), as in TRL"),
     "disable_tqdm": _m("disable_tqdm"),
     "log_completions": _m(
         "log_completions (completions.jsonl, tracker tables) and printing num_completions_to_print"
@@ -585,8 +585,6 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
             "save_total_limit": args.save_total_limit or 0,
             # trackers are transformers' callbacks on TRL's records (trl.trainer), not lora_grpo's own
             "report_to": "none",
-            "run_name": args.run_name,
-            "project": getattr(args, "project", "huggingface"),
             "disable_tqdm": bool(args.disable_tqdm),
             "log_completions": args.log_completions,
             "num_completions_to_print": (
