@@ -153,6 +153,23 @@ def test_the_trainer_state_of_a_run_that_does_not_evaluate(tiny_base_dir, tmp_pa
     assert state.total_flos == 0.0 and isinstance(state.total_flos, float)
 
 
+@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_kl_is_logged_only_with_a_kl_term(tiny_base_dir, tmp_path, library, beta):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1, beta={beta})
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    assert ("kl" in scope["trainer"].state.log_history[0]) == bool(beta)
+
+
 def never(completions, **kwargs):
     return [None] * len(completions)
 

@@ -283,3 +283,42 @@ def test_messages_column_with_system_prompt_reaches_rewards_once_as_prompts(tiny
             assert completion[0]["role"] == "assistant"
     assert eval_calls[1]["trainer_state"].global_step == 1  # after the step
     assert "eval/accuracy_reward" in trainer.evaluate()
+
+
+# ------------------------------------------------------------------ TRL's registry names score as TRL's
+
+
+@pytest.mark.parametrize("name", ["accuracy_reward", "reasoning_accuracy_reward"])
+def test_trls_registry_rewards_score_as_trls_own(name):
+    """A `trl grpo` recipe's reward_funcs: [accuracy_reward] must train on TRL's signal: the same scores as
+    trl.rewards' function on answers it reads differently from lora_grpo's lenient answer_accuracy (a bare
+    number, $3$, an equation, an answer inside the reasoning, a solution that does not parse)."""
+    trl_rewards = pytest.importorskip("trl.rewards")
+    pytest.importorskip("math_verify")
+    from lora_grpo.rewards import BUILTIN_REWARDS
+
+    texts = [
+        r"it is \boxed{\frac{1}{3}}",
+        r"\boxed{1/2}",
+        "3",
+        "$3$",
+        "x = 3",
+        r"<think>\boxed{4}</think> \boxed{3}",
+        r"<think>so</think> \(3\)",
+        "<think>x</think> the answer is 3",
+        r"<think>unfinished \boxed{3}",
+        r"\boxed{3}",
+    ]
+    solution = ["1/3", "1/3", "3", "3", "3", "3", "3", "3", "3", "no answer here"]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    ours, _ = BUILTIN_REWARDS[name]
+    theirs = getattr(trl_rewards, name)(completions, solution)
+    assert ours(completions=completions, solution=solution) == theirs
+    assert len(set(map(str, theirs))) > 1  # the table tells scores apart
+    extra = {}
+    ours(
+        completions=completions,
+        solution=solution,
+        log_extra=lambda column, values: extra.update({column: values}),
+    )
+    assert set(extra) == {"solution", "gold_parsed", "answer_parsed"}

@@ -51,7 +51,7 @@ Built-ins (:mod:`lora_grpo.rewards.builtins`; names usable from YAML via
 conversational completions alike:
 
     "format"         think_answer_format                           1.0 / 0.0
-    "think_format_reward", "reasoning_accuracy_reward"   TRL's of those names (and "accuracy_reward")
+    "think_format_reward", "reasoning_accuracy_reward", "accuracy_reward"   TRL's, scoring as TRL 1.16's
     "reward_model"   RewardModel(model=<hub id or path>, batch_size)  a sequence-classification model
     "accuracy"       answer_accuracy                               1.0 / 0.0 / None
     "soft_overlong"  soft_overlong_penalty(max_completion_length, buffer_length)   in [-1, 0]
@@ -64,6 +64,7 @@ imports from ``lora_grpo.rewards``.
 """
 
 from .builtins import (
+    accuracy_reward,
     answer_accuracy,
     extract_answer,
     length_penalty,
@@ -94,6 +95,7 @@ __all__ = [
     "TRAINER_KEYWORDS",
     "RewardFunc",
     "RewardModel",
+    "accuracy_reward",
     "answer_accuracy",
     "check_reward_weights",
     "check_reward_columns",

@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _math_verify = None
 
 __all__ = [
+    "accuracy_reward",
     "answer_accuracy",
     "extract_answer",
     "length_penalty",
@@ -281,27 +282,89 @@ def think_format_reward(completions: list, **kwargs) -> list[float]:
     return [1.0 if _THINK_RE.match(_text(c)) else 0.0 for c in completions]
 
 
-def reasoning_accuracy_reward(
-    completions: list, reasoning_delimiters: Sequence[str] | None = None, **kwargs
+def accuracy_reward(
+    completions: list, solution: list, log_extra: Callable | None = None, **kwargs
 ) -> list[float | None]:
-    """TRL's ``reasoning_accuracy_reward``: :func:`answer_accuracy` of the text after the last reasoning
-    delimiter (default ``</think>``); 0.0 when the completion has no delimiter (no final answer).
-    None where the reference is missing, as answer_accuracy.
+    r"""TRL's ``accuracy_reward``, as TRL 1.16 scores (what a ``trl grpo`` recipe naming it expects): math_verify
+    reads the ``solution`` column (None where it finds no answer there: the row is skipped) and the first LaTeX
+    answer of the completion that has an anchor (``\boxed{}`` first, ``$...$``, ``\(...\)``; units
+    normalised), and verifies them equal: 1.0 or 0.0. A bare number or a plain ``x = 3`` is no answer here (0.0);
+    :func:`answer_accuracy` is the lenient one. Logs TRL's columns (solution, gold_parsed, answer_parsed) with
+    log_extra. Needs math_verify (``pip install 'lora_grpo[math]'``).
 
-    >>> reasoning_accuracy_reward(completions=["<think>maybe 5</think> it is 7", "<think>it is 7"], answer=["7", "7"])
+    >>> accuracy_reward(completions=[r"it is \boxed{\frac{1}{3}}", r"\boxed{1/2}", "3"], solution=["1/3"] * 3)
+    [1.0, 0.0, 0.0]
+    """
+    return _math_verified([_text(c) for c in completions], solution, log_extra, "accuracy_reward")
+
+
+def reasoning_accuracy_reward(
+    completions: list,
+    solution: list,
+    reasoning_delimiters: Sequence[str] | None = None,
+    log_extra: Callable | None = None,
+    **kwargs,
+) -> list[float | None]:
+    r"""TRL's ``reasoning_accuracy_reward``: :func:`accuracy_reward` of the text after the first of the reasoning
+    delimiters (default ``</think>``) that the completion holds (after its last occurrence); 0.0 for a completion
+    without one (its reasoning never ended), as TRL 1.16.
+
+    >>> reasoning_accuracy_reward(completions=[r"<think>5?</think> \boxed{7}", r"<think>\boxed{7}"], solution=["7"] * 2)
     [1.0, 0.0]
     """
-    delimiters = list(reasoning_delimiters or ["</think>"])
     finals = []
-    for completion in completions:
-        text = _text(completion)
-        cut = max((text.rfind(d) + len(d) for d in delimiters if d in text), default=-1)
-        finals.append(None if cut < 0 else text[cut:])
-    scores = answer_accuracy(completions=[f or "" for f in finals], **kwargs)
-    return [0.0 if f is None and score is not None else score for f, score in zip(finals, scores)]
+    for text in map(_text, completions):
+        delimiter = next((d for d in reasoning_delimiters or ["</think>"] if d in text), None)
+        finals.append(None if delimiter is None else text.split(delimiter)[-1])
+    return _math_verified(finals, solution, log_extra, "reasoning_accuracy_reward")
 
 
-reasoning_accuracy_reward.required_columns = (("answer", "solution"),)
+def _math_verified(
+    answers: list, solutions: list, log_extra: Callable | None, who: str
+) -> list[float | None]:
+    """TRL's math_verify scoring of each answer text against its solution (an answer None: 0.0, its reasoning
+    never ended); see :func:`accuracy_reward`."""
+    if _math_verify is None:
+        raise ImportError(
+            f"Please install the `math_verify` package to use {who}: pip install 'lora_grpo[math]'"
+        )
+    from latex2sympy2_extended import NormalizationConfig
+
+    # math_verify's timeouts use signal.alarm, which works in the main thread only
+    main = threading.current_thread() is threading.main_thread()
+    parse_timeout, verify_timeout = (10, 5) if main else (None, None)
+    # an answer only where an anchor marks it, \boxed{} first, the first one found: as TRL asks math_verify
+    anchored = [
+        _math_verify.LatexExtractionConfig(
+            normalization_config=NormalizationConfig(units=True),
+            boxed_match_priority=0,
+            try_extract_without_anchor=False,
+        )
+    ]
+    scores, golds, found = [], [], []
+    for answer, solution in zip(answers, solutions, strict=True):
+        if answer is None:
+            scores.append(0.0)
+            golds.append("[incomplete reasoning]")
+            found.append("[incomplete reasoning]")
+            continue
+        gold = _math_verify.parse(solution, parsing_timeout=parse_timeout)
+        if not gold:
+            scores.append(None)
+            golds.append("[unparseable]")
+            found.append("[skipped]")
+            continue
+        parsed = _math_verify.parse(
+            answer, extraction_config=anchored, extraction_mode="first_match", parsing_timeout=parse_timeout
+        )
+        scores.append(float(_math_verify.verify(gold, parsed, timeout_seconds=verify_timeout)))
+        golds.append(str(gold))
+        found.append(str(parsed) if parsed else "[unparseable]")
+    if log_extra is not None:
+        log_extra("solution", list(solutions))
+        log_extra("gold_parsed", golds)
+        log_extra("answer_parsed", found)
+    return scores
 
 
 # ------------------------------------------------------------------------------ length penalties

@@ -18,6 +18,7 @@ from typing import Any
 from ..model.loading import LoadError
 from ..tasks.countdown import countdown_reward
 from .builtins import (
+    accuracy_reward,
     answer_accuracy,
     length_penalty,
     reasoning_accuracy_reward,
@@ -43,10 +44,8 @@ __all__ = [
 BUILTIN_REWARDS: dict[str, tuple[Callable, bool]] = {
     "format": (think_answer_format, False),
     "accuracy": (answer_accuracy, False),
-    "accuracy_reward": (
-        answer_accuracy,
-        False,
-    ),  # TRL's registry names, lora_grpo's functions of that meaning
+    # TRL's registry names: its functions' scoring
+    "accuracy_reward": (accuracy_reward, False),
     "think_format_reward": (think_format_reward, False),
     "reasoning_accuracy_reward": (reasoning_accuracy_reward, False),
     "soft_overlong": (soft_overlong_penalty, True),

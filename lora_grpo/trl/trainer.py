@@ -496,10 +496,12 @@ class GRPOTrainer:
         elif event == "log":
             waiting, self._waiting_evals, self._evals_wait = self._waiting_evals, [], False
             window = self._take_window()
-            if (
-                window
-            ):  # (transformers logs a step once: an epoch's end right after its logging step adds none)
-                self.log(trl_record(window))
+            # transformers logs a step once: an epoch's end right after its logging step adds no record
+            if window:
+                record = trl_record(window)
+                if not args.beta:  # TRL logs kl only with a KL term (the native records hold its 0)
+                    record.pop("kl", None)
+                self.log(record)
             self.control.should_log = False
             for one in waiting:
                 self._eval_record(one)
