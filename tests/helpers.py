@@ -418,16 +418,15 @@ def tiny_config(model_type: str, vocab_size: int, **fields):
 
 def tiny_reward_model(tokenizer, seed=0, dropout=0.0):
     """A tiny random Llama sequence classifier (one score) over `tokenizer`'s vocabulary, in eval mode."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from transformers import LlamaForSequenceClassification
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    config = tiny_config(
+        "llama",
+        len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=128,
         num_labels=1,
         pad_token_id=tokenizer.pad_token_id,

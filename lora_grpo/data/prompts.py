@@ -28,6 +28,7 @@ from typing import Any
 import datasets
 
 from ..config_checks import template_columns
+from ..rollout.tools import non_text_block
 from ..tasks.calculator import calculator_problems
 from ..tasks.chat_arithmetic import chat_sum_problems
 from ..tasks.countdown import countdown_problems
@@ -163,8 +164,7 @@ def _refuse_images(ds: datasets.Dataset, columns: list[str], message_columns: Se
                 content = message.get("content") if isinstance(message, Mapping) else None
                 if isinstance(content, str) or not isinstance(content, Sequence):
                     continue
-                kinds = [part.get("type") for part in content if isinstance(part, Mapping)]
-                other = next((kind for kind in kinds if kind not in ("text", None)), None)
+                other = non_text_block(content)
                 if other is not None:
                     raise ValueError(
                         f"column {column!r}: row {i}'s message {j} has a content part of type {other!r}; lora_grpo "

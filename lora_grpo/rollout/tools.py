@@ -496,12 +496,19 @@ class Toolbox:
         return value, False
 
 
-def refuse_non_text(blocks: Sequence, what: str) -> None:
-    """ValueError when a list of content blocks holds one of a type other than text (an image, audio...), which
-    TRL gives a vision-language model and a text model here would never see; any other list passes, as in TRL."""
-    kind = next(
+def non_text_block(blocks: Sequence) -> str | None:
+    """The type of the first content block whose type is set and is not text (an image, audio...): what TRL gives
+    a vision-language model, which a text model here would never see; None when there is none (plain text
+    blocks, untyped parts, any other list)."""
+    return next(
         (b["type"] for b in blocks if isinstance(b, Mapping) and b.get("type") not in (None, "text")), None
     )
+
+
+def refuse_non_text(blocks: Sequence, what: str) -> None:
+    """ValueError when a list of content blocks holds one of a type other than text (:func:`non_text_block`);
+    any other list passes, as in TRL."""
+    kind = non_text_block(blocks)
     if kind is not None:
         raise ValueError(
             f"{what} a content block of type {kind!r}; lora_grpo trains text models, which would never see it "

@@ -33,7 +33,7 @@ from ..rewards import RewardModel
 from ..rng import seed_everything
 from ..run.checkpoint import save_adapter
 from ..run.owned_dir import protected_paths, write_into, write_whole
-from ..run.reporting import table_of
+from ..run.reporting import table_of, tracker_names
 from ..run.run_dir import not_a_runs
 from ..trainer import GRPOTrainer as NativeTrainer
 from .checks import refuse_as_trl, warn_as_trl
@@ -299,7 +299,6 @@ class GRPOTrainer:
         self.native._start_again()
         self.state = self._new_state()
         self.native.scorer.trainer_state = self.state
-        self._logged_upto = self._first_record = 0
 
     def _at_checkpoint(self, native_state) -> None:
         """The TRL state of a resumed checkpoint with no step left: its step, epoch and TRL log history."""
@@ -472,27 +471,17 @@ class GRPOTrainer:
         elif event == "step_end":
             flow = payload["flow"]
             self.control = handler.on_step_end(args, state, self.control)
-            flow.log, flow.evaluate, flow.save = (
-                self.control.should_log,
-                self.control.should_evaluate,
-                self.control.should_save,
-            )
+            self._follow_control(flow, trainer)
             # the native loop evaluates before it logs (its plateau trigger reads the eval); transformers logs the
             # step's record first: a logging step's eval records wait for it ("log")
             self._evals_wait = flow.log
-            trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
         elif event == "epoch_end":
             # after the step's log, eval and save, as transformers; what on_epoch_end asks for (the epoch
             # strategies, a callback's control) follows in their order: log, eval, save
             flow = payload["flow"]
             self.control = handler.on_epoch_end(args, state, self.control)
             self._epoch_open, self._evals_wait = False, False
-            flow.log, flow.evaluate, flow.save = (
-                self.control.should_log,
-                self.control.should_evaluate,
-                self.control.should_save,
-            )
-            trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
+            self._follow_control(flow, trainer)
         elif event == "log":
             waiting, self._waiting_evals, self._evals_wait = self._waiting_evals, [], False
             window = self._take_window()
@@ -519,12 +508,20 @@ class GRPOTrainer:
             self.control.should_save = False
         trainer.state.extra = {"trl_log_history": state.log_history}
 
+    def _follow_control(self, flow, trainer: NativeTrainer) -> None:
+        """What the callbacks' control asks of the native loop at step_end and epoch_end: a log, an eval, a save
+        (flow, a StepFlow), the run's stop."""
+        flow.log, flow.evaluate, flow.save = (
+            self.control.should_log,
+            self.control.should_evaluate,
+            self.control.should_save,
+        )
+        trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
+
     def _completions_table(self, step: int, records: list[dict[str, Any]]) -> None:
         """With log_completions, TRL's table of the step's completions to W&B (its run, when there is one) and
         Trackio, the report_to trackers that take tables (completions.jsonl has them all)."""
-        names = (
-            [self.args.report_to] if isinstance(self.args.report_to, str) else list(self.args.report_to or [])
-        )
+        names = tracker_names(self.args.report_to)
         backends = []
         if "wandb" in names:
             import wandb
