@@ -153,7 +153,7 @@ class LossScale:
 
     @staticmethod
     def saved_problems(state: dict) -> list[str]:
-        """What is wrong in a saved loss scale (trainer_state.json's "loss_scale"), entry by entry: it is {}
+        """What is wrong in a saved loss scale (lora_grpo_state.json's "loss_scale"), entry by entry: it is {}
         (an unscaled run's) or GradScaler's five entries as SCALER_ENTRIES says; [] when it fits."""
         if not state:
             return []

@@ -44,7 +44,7 @@ FROM_CONFIG = frozenset(
         "is_world_process_zero",
     }
 )
-# A field's saved form (in trainer_state.json) where its annotation says another or nothing: a part
+# A field's saved form (in lora_grpo_state.json) where its annotation says another or nothing: a part
 # (an Any field) is saved as its state_dict(), a JSON object; a run without warmup restarts saves null for
 # them; transformers saves stateful_callbacks as an object.
 _SAVED_FORM = {"warmup_restarts": dict | None, "stateful_callbacks": dict | None}
@@ -141,6 +141,11 @@ class TrainState(TrainerState):
             if PER_PROCESS not in f.metadata
         }
 
+    def transformers_state_dict(self) -> dict[str, Any]:
+        """transformers' TrainerState fields alone (a checkpoint's trainer_state.json, which
+        TrainerState.load_from_json and scripts that read a run's log_history take)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainerState)}
+
     def process_parts(self) -> dict[str, Any]:
         """The PER_PROCESS fields' values themselves (immutable parts: a reference keeps them as they are)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if PER_PROCESS in f.metadata}
@@ -184,7 +189,7 @@ class TrainState(TrainerState):
 
     @classmethod
     def saved_problems(cls, saved: Mapping[str, Any]) -> list[str]:
-        """What is wrong in `saved` (a state_dict(), as trainer_state.json holds it), field by field: a value of
+        """What is wrong in `saved` (a state_dict(), as lora_grpo_state.json holds it), field by field: a value of
         another type than its field's (`"global_step": "two"`, `"batches": null`) or out of range (a negative
         count); [] when every field it restores fits. Unknown keys and FROM_CONFIG fields (not restored) are not
         checked."""

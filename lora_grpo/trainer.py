@@ -192,6 +192,11 @@ class GRPOTrainer:
             f"set resume_from_checkpoint='latest' in the GRPOConfig (output_dir={str(self.output_dir)!r}) "
             "and call train() again"
         )
+        # What a checkpoint's trainer_state.json holds: transformers' TrainerState of the run, in the meaning of
+        # its entry point (the TRL front door gives its own, TRL's log history).
+        self.checkpoint_trainer_state: Callable[[], dict[str, Any]] = lambda: (
+            self.state.transformers_state_dict()
+        )
         # How to train this run on to more steps (max_steps), in the same words.
         self.train_further_hint: Callable[[int], str] = lambda max_steps: (
             f"build a new GRPOTrainer with max_steps={max_steps} and resume_from_checkpoint='latest' in its "
@@ -399,7 +404,7 @@ class GRPOTrainer:
             return False
         self._print(line)
         if no_adapter and self.is_main:
-            ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY)
+            ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY, tokenizer=self.tokenizer)
         return True
 
     def _begin(self, plan: MemoryPlan | None) -> None:
@@ -433,7 +438,9 @@ class GRPOTrainer:
             ckpt.explain_write_failure(
                 "the final adapter",
                 self.output_dir,
-                lambda: ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY),
+                lambda: ckpt.save_adapter(
+                    self.model, self.output_dir / "adapter", POLICY, tokenizer=self.tokenizer
+                ),
             )
 
     def _run_steps(self, stop: StopSignals) -> None:
@@ -887,12 +894,18 @@ class GRPOTrainer:
                 "rng": [rng for rng, _ in gathered],
                 "process_state": [process for _, process in gathered],
             }
-            state = self.state.state_dict()
+            state, trainer_state = self.state.state_dict(), self.checkpoint_trainer_state()
             ckpt.explain_write_failure(
                 f"checkpoint {target.name}",
                 self.output_dir,
                 lambda: ckpt.save_checkpoint(
-                    target, self.model, blobs=blobs, state=state, config_yaml=self.config.to_yaml()
+                    target,
+                    self.model,
+                    blobs=blobs,
+                    state=state,
+                    trainer_state=trainer_state,
+                    config_yaml=self.config.to_yaml(),
+                    tokenizer=self.tokenizer,
                 ),
             )
             if self.config.save_total_limit:  # 0: keep them all

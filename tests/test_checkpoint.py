@@ -51,7 +51,7 @@ def run_copy(saved_run, tmp_path):
             r"policy/adapter_model.safetensors is damaged or truncated",
         ),
         (lambda c: (c / ckpt.STATE_BLOBS).write_bytes(b"not a torch file"), r"trainer_state.pt is damaged"),
-        (lambda c: (c / ckpt.STATE_JSON).write_text('{"step": 2, "batc'), r"trainer_state.json is damaged"),
+        (lambda c: (c / ckpt.STATE_JSON).write_text('{"step": 2, "batc'), r"lora_grpo_state.json is damaged"),
         (
             lambda c: (c / REFERENCE / ckpt.ADAPTER_WEIGHTS).unlink(),
             r"missing reference/adapter_model.safetensors",
@@ -142,6 +142,43 @@ def test_peft_loads_a_checkpoint_itself_as_its_policy_as_from_a_trl_checkpoint(t
     ).read_bytes()
 
 
+def test_a_checkpoint_and_the_final_adapter_hold_the_tokenizer_and_transformers_trainer_state(
+    tiny_base_dir, saved_run
+):
+    """As TRL's checkpoints: AutoTokenizer loads a checkpoint (and the final adapter), and trainer_state.json is
+    transformers' TrainerState alone (TrainerState.load_from_json failed on the loop's own fields), with the
+    run's records; the loop's state is lora_grpo_state.json."""
+    from transformers import AutoTokenizer, TrainerState
+
+    base = AutoTokenizer.from_pretrained(tiny_base_dir)
+    text = "12+30=42"
+    for directory in (saved_run / "checkpoint-1", saved_run / "checkpoint-2", saved_run / "adapter"):
+        assert AutoTokenizer.from_pretrained(directory)(text).input_ids == base(text).input_ids
+    checkpoint = saved_run / "checkpoint-2"
+    state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    ours = json.loads((checkpoint / ckpt.STATE_JSON).read_text())
+    assert (state.global_step, state.max_steps) == (2, 2)
+    assert len(state.log_history) == 2 and state.log_history == ours["log_history"]
+    assert {"reward/mean", "kl", "loss"} <= set(state.log_history[1])
+    assert "batches" in ours and not hasattr(state, "batches")
+
+
+def test_a_trl_checkpoint_is_named_as_one_with_the_way_to_start_from_its_adapter(
+    tiny_base_dir, tmp_path, saved_run
+):
+    # what TRL's GRPOTrainer writes: the adapter, the tokenizer and transformers' trainer_state.json at the root
+    trl_checkpoint = tmp_path / "trl-run" / "checkpoint-5"
+    trl_checkpoint.mkdir(parents=True)
+    for name in (ckpt.ADAPTER_WEIGHTS, ckpt.ADAPTER_CONFIG, "trainer_state.json", "tokenizer.json"):
+        shutil.copyfile(saved_run / "checkpoint-2" / name, trl_checkpoint / name)
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint of transformers' Trainer \(TRL's GRPOTrainer writes these\), not of lora_grpo.*"
+        r"init_adapter=.*checkpoint-5",
+    ):
+        resume(tiny_base_dir, tmp_path, trl_checkpoint)
+
+
 def test_resume_from_checkpoint_true_is_the_newest_checkpoint_as_in_transformers(
     tiny_base_dir, tmp_path, saved_run
 ):
@@ -167,7 +204,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_stops_clearly(
     real_save = ckpt.save_adapter
     calls = {"n": 0}
 
-    def failing_save(model, path, adapter=POLICY):
+    def failing_save(model, path, adapter=POLICY, **kwargs):
         # checkpoint-1 writes 2 adapters; fail inside checkpoint-2, or at the final adapter.
         calls["n"] += 1
         fail = calls["n"] == 3 if where == "checkpoint" else path.name == "adapter"
@@ -178,7 +215,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_stops_clearly(
                 + ": "
                 + ("No space left on device" if failure == errno.ENOSPC else "Permission denied"),
             )
-        return real_save(model, path, adapter)
+        return real_save(model, path, adapter, **kwargs)
 
     monkeypatch.setattr(ckpt, "save_adapter", failing_save)
     with pytest.raises(
@@ -368,7 +405,7 @@ def test_misplaced_paths_inside_a_run_say_what_to_pass(tiny_base_dir, tmp_path, 
     with pytest.raises(CheckpointError, match=r"run directory without any checkpoint"):
         ckpt.resolve_checkpoint(bare, bare)
     (run_copy / "checkpoint-2" / ckpt.STATE_JSON).write_text('{"step": 2}')
-    with pytest.raises(CheckpointError, match=r"trainer_state.json is damaged \(no batches\)"):
+    with pytest.raises(CheckpointError, match=r"lora_grpo_state.json is damaged \(no batches\)"):
         ckpt.load_checkpoint_state(run_copy / "checkpoint-2")
 
 

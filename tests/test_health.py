@@ -154,7 +154,7 @@ def test_state_survives_a_checkpoint_mid_streak_and_mid_episode():
     )
     first = HealthMonitor(zero_std_steps=5)
     head = _run(first, [dict(s) for s in steps])
-    saved = json.loads(json.dumps(first.state_dict()))  # as trainer_state.json holds it
+    saved = json.loads(json.dumps(first.state_dict()))  # as lora_grpo_state.json holds it
     resumed = HealthMonitor(zero_std_steps=5)
     resumed.load_state_dict(saved)
     tail = _run(resumed, [_step(frac_reward_zero_std=1.0, truncated_fraction=1.0)], start=5)

@@ -33,7 +33,7 @@ def _finished_run(root, steps=4):
     (root / "completions.jsonl").write_text('{"step": 1, "completion": "x"}\n')
     for s in (2, steps):
         (root / f"checkpoint-{s}").mkdir()
-        (root / f"checkpoint-{s}" / "trainer_state.json").write_text("{}")
+        (root / f"checkpoint-{s}" / "lora_grpo_state.json").write_text("{}")
     (root / "adapter").mkdir()
     (root / "summary.json").write_text(json.dumps({"steps": steps}))
     return root

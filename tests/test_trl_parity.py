@@ -1894,6 +1894,45 @@ def test_a_second_train_starts_a_new_run_from_the_trained_weights(tiny_base_dir,
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
+def test_a_checkpoint_holds_the_tokenizer_and_transformers_trainer_state(tiny_base_dir, tmp_path, library):
+    """What scripts read from a TRL checkpoint: AutoTokenizer loads it, TrainerState.load_from_json reads its
+    trainer_state.json (the TRL records, the control's state)."""
+    from transformers import AutoTokenizer, TrainerState
+
+    out = tmp_path / library
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1)
+        args.save_strategy, args.save_steps = "steps", 1
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(out),
+    )
+    checkpoint = out / "checkpoint-2"
+    text = "12+30=42"
+    assert (
+        AutoTokenizer.from_pretrained(checkpoint)(text).input_ids
+        == AutoTokenizer.from_pretrained(tiny_base_dir)(text).input_ids
+    )
+    state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    assert (state.global_step, state.max_steps, state.save_steps, state.logging_steps) == (2, 2, 1, 1)
+    assert [r["step"] for r in state.log_history] == [1, 2]
+    assert all({"loss", "reward", "rewards/length_reward/mean"} <= set(r) for r in state.log_history)
+    assert isinstance(state.total_flos, float)
+    assert set(state.stateful_callbacks["TrainerControl"]["args"]) == {
+        "should_training_stop",
+        "should_epoch_stop",
+        "should_save",
+        "should_evaluate",
+        "should_log",
+    }
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
 def test_resuming_a_checkpoint_at_max_steps_reports_its_step_and_trains_nothing(
     tiny_base_dir, tmp_path, library
 ):

@@ -10,8 +10,14 @@ fsynced, then renamed into place):
                    checkpoints hold their adapter: PeftModel.from_pretrained(base, "checkpoint-N") loads the policy
       trainer_state.pt    optimizer, LR scheduler, every process's RNG states and per-process state
                           (the steps left of the generation the checkpoint lies in: its rollout's rows)
-      trainer_state.json  the loop's TrainState (state.py): step, data position, metrics history, ...
+      lora_grpo_state.json  the loop's TrainState (state.py) whole: step, data position, metrics history, ...
+      trainer_state.json  transformers' TrainerState alone, as TRL's checkpoints hold it
+                          (TrainerState.load_from_json reads it; a resume reads lora_grpo_state.json)
+      tokenizer files     the run's tokenizer, as TRL's checkpoints hold it (AutoTokenizer loads the checkpoint)
       config.yaml         the run's resolved config
+
+Checkpoints written before lora_grpo_state.json existed hold the loop's state as trainer_state.json (and no
+tokenizer); they resume as they are (state_file).
 
 trainer_state.pt is read with weights_only=True: only tensors and plain values (optimizer, scheduler,
 rng.py's states) unpickle, anything else is refused, so a checkpoint from elsewhere cannot run code.
@@ -57,7 +63,9 @@ from .logs import read_log
 logger = logging.getLogger(__name__)
 
 STATE_BLOBS = "trainer_state.pt"
-STATE_JSON = "trainer_state.json"
+STATE_JSON = "lora_grpo_state.json"
+# transformers' TrainerState; in a checkpoint written before STATE_JSON existed, the loop's state
+TRAINER_STATE_JSON = "trainer_state.json"
 # Fields that fix the adapters' shapes or meaning: a checkpoint resumes only under the same values.
 # (Target modules are compared as the resolved sets in the adapters' configs, not as written.)
 STRUCTURAL_FIELDS = ("model_name_or_path", "lora_r", "lora_alpha", "use_rslora", "ref_rank")
@@ -144,8 +152,9 @@ def adapter_state_dict(model: nn.Module, adapter: str) -> dict[str, torch.Tensor
     return {k: p.detach() for k, p in adapter_tensors(model, adapter).items()}
 
 
-def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> Path:
-    """Save one adapter as a standard peft adapter dir (loadable by PeftModel.from_pretrained), atomically.
+def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY, *, tokenizer=None) -> Path:
+    """Save one adapter as a standard peft adapter dir (loadable by PeftModel.from_pretrained), atomically;
+    with `tokenizer`, its files beside it (AutoTokenizer loads the directory too).
 
     Refuses to write non-finite weights: an adapter on disk is never NaN.
     """
@@ -163,6 +172,8 @@ def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY) -> P
         write_bytes(tmp / ADAPTER_WEIGHTS, save({k: v.contiguous().cpu() for k, v in state.items()}))
         model.peft_config[adapter].save_pretrained(str(tmp))
         (tmp / "lora_grpo.json").write_text(json.dumps({"adapter": adapter}))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
     return Path(path)
 
 
@@ -237,10 +248,14 @@ def save_checkpoint(
     *,
     blobs: dict[str, Any],
     state: dict[str, Any],
+    trainer_state: dict[str, Any],
     config_yaml: str,
+    tokenizer=None,
 ) -> Path:
     """Write checkpoint dir `target` atomically. `blobs` go to trainer_state.pt (tensors: optimizer,
-    scheduler, per-process RNG), `state` to trainer_state.json (step, data position, history)."""
+    scheduler, per-process RNG), `state` to lora_grpo_state.json (step, data position, history),
+    `trainer_state` (transformers' TrainerState fields) to trainer_state.json as TrainerState.save_to_json
+    writes it, the tokenizer's files beside them."""
     with atomic_dir(target) as tmp:
         save_adapter(model, tmp / POLICY, POLICY)
         save_adapter(model, tmp / REFERENCE, REFERENCE)
@@ -253,6 +268,9 @@ def save_checkpoint(
         torch.save(blobs, buffer)
         write_bytes(tmp / STATE_BLOBS, buffer.getvalue())
         (tmp / STATE_JSON).write_text(json.dumps(state))
+        (tmp / TRAINER_STATE_JSON).write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         (tmp / "config.yaml").write_text(config_yaml)
     return target
 
@@ -262,6 +280,13 @@ def _link_or_copy(source: Path, target: Path) -> None:
         os.link(source, target)
     except OSError:  # a filesystem without hard links
         shutil.copyfile(source, target)
+
+
+def state_file(path: Path) -> Path:
+    """The loop state's file of checkpoint `path`: lora_grpo_state.json, or trainer_state.json in a checkpoint
+    written before lora_grpo_state.json existed (that file held the loop's state then)."""
+    ours, before = path / STATE_JSON, path / TRAINER_STATE_JSON
+    return before if before.is_file() and not ours.is_file() else ours
 
 
 def _step_of(path: Path) -> int | None:
@@ -300,7 +325,7 @@ def resolve_adapter(path: str | Path) -> tuple[Path, str]:
     checkpoint dir (its policy adapter) or a run dir (its final adapter/). CheckpointError otherwise."""
     path = Path(path)
     # a checkpoint first: it holds its policy at its root as well (save_checkpoint)
-    if (path / POLICY / ADAPTER_CONFIG).is_file() and (path / STATE_JSON).is_file():
+    if (path / POLICY / ADAPTER_CONFIG).is_file() and state_file(path).is_file():
         others = [p for p in list_checkpoints(path.parent) if p != path and not missing_checkpoint_files(p)]
         instead = (
             f"another checkpoint ({others[-1]}, the newest complete one)" if others else "another checkpoint"
@@ -372,23 +397,34 @@ def resolve_checkpoint(path: str | Path | bool, output_dir: Path) -> Path:
         raise CheckpointError(
             f"resume_from_checkpoint={str(path)!r} is a file; pass a checkpoint-N directory"
         )
-    if (path / ADAPTER_CONFIG).exists() and (path.parent / STATE_JSON).exists():
+    if (path / ADAPTER_CONFIG).exists() and state_file(path.parent).exists():
         raise CheckpointError(
             f"{path} is the {path.name} adapter inside checkpoint {path.parent}; pass the checkpoint itself: "
             f"resume_from_checkpoint={str(path.parent)!r}"
         )
-    if (path / ADAPTER_CONFIG).exists() and not (path / STATE_JSON).exists():
+    if (
+        (path / ADAPTER_CONFIG).exists()
+        and (path / TRAINER_STATE_JSON).exists()
+        and not (path / POLICY).exists()
+    ):
+        raise CheckpointError(
+            f"{path} is a checkpoint of transformers' Trainer (TRL's GRPOTrainer writes these), not of lora_grpo: "
+            "it holds no reference slot or data position to resume. To start a new run from its adapter, set "
+            f"init_adapter={str(path)!r} instead of resume_from_checkpoint (lora_grpo.trl: pass "
+            f"PeftModel.from_pretrained(base, {str(path)!r}, is_trainable=True) as the model)"
+        )
+    if (path / ADAPTER_CONFIG).exists() and not state_file(path).exists():
         raise CheckpointError(
             f"{path} is an adapter, not a checkpoint (it has no optimizer or trainer state). To start a new run "
             f"from its weights, set init_adapter={str(path)!r} instead of resume_from_checkpoint"
         )
     inner = list_checkpoints(path)
-    if inner and not (path / STATE_JSON).exists():
+    if inner and not state_file(path).exists():
         raise CheckpointError(
             f"{path} is a run directory, not a checkpoint; pass one of its checkpoints (e.g. {inner[-1]}), "
             f"or resume_from_checkpoint='latest' with output_dir={str(path)!r}"
         )
-    if (path / "metrics.jsonl").exists() and not (path / STATE_JSON).exists():
+    if (path / "metrics.jsonl").exists() and not state_file(path).exists():
         raise CheckpointError(
             f"{path} is a run directory without any checkpoint (save_steps=0 and the run did not finish?); "
             "there is nothing to resume: start the run again, with save_steps > 0 to be able to resume"
@@ -405,7 +441,7 @@ def resolve_checkpoint(path: str | Path | bool, output_dir: Path) -> Path:
 def missing_checkpoint_files(path: Path) -> list[str]:
     """The files of a complete checkpoint that `path` lacks ([] for a complete one): a write that never
     finished, or files deleted since."""
-    required = [STATE_JSON, STATE_BLOBS, "config.yaml"] + [
+    required = [state_file(path).name, STATE_BLOBS, "config.yaml"] + [
         f"{adapter}/{name}" for adapter in (POLICY, REFERENCE) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
     ]
     return [name for name in required if not (path / name).is_file()]
@@ -469,9 +505,10 @@ def check_compatible(
 
 
 def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(trainer_state.json, trainer_state.pt) of a resolved checkpoint, with clear errors when damaged."""
+    """(lora_grpo_state.json, trainer_state.pt) of a resolved checkpoint, with clear errors when damaged."""
+    file = state_file(path)
     try:
-        state = json.loads((path / STATE_JSON).read_text())
+        state = json.loads(file.read_text())
         missing = [
             k
             for k in ("global_step", "batches")
@@ -480,7 +517,7 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         if missing:
             raise ValueError(f"no {', '.join(missing)}")
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{path / STATE_JSON} is damaged ({e}). " + _earlier_hint(path)) from None
+        raise CheckpointError(f"{file} is damaged ({e}). " + _earlier_hint(path)) from None
     try:
         # CPU first: RNG states must be CPU byte tensors; optimizer states move in restore_training_state.
         blobs = torch.load(path / STATE_BLOBS, map_location="cpu", weights_only=True)
@@ -548,7 +585,7 @@ def restore_training_state(
     problems = state.saved_problems(saved)
     if problems:
         raise CheckpointError(
-            f"{path / STATE_JSON}: {'; '.join(problems)}. No run writes that: the file was edited or damaged. "
+            f"{state_file(path)}: {'; '.join(problems)}. No run writes that: the file was edited or damaged. "
             "Put back the values the run wrote, or else: " + _earlier_hint(path)
         )
     check_compatible(

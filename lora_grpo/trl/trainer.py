@@ -12,6 +12,7 @@ update, log_history holds TRL-named records); the native loop's own state is `tr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -22,7 +23,7 @@ import torch
 from accelerate.utils.memory import clear_device_cache
 from transformers import DefaultFlowCallback, TrainerControl, TrainerState
 from transformers.integrations import get_reporting_integration_callbacks
-from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import TrainOutput
 
 from ..algo.loss import high_entropy_mask, off_policy_mask, padded_gather
@@ -235,6 +236,7 @@ class GRPOTrainer:
             "trainer.train(resume_from_checkpoint=True)"
         )
         self.native.scorer.trainer_state = self.state  # reward functions see TRL's TrainerState, as in TRL
+        self.native.checkpoint_trainer_state = self._checkpoint_state  # trainer_state.json: TRL's, as in TRL
         self._logged_upto = 0  # native records already averaged into a TRL log record
         # the native record of this train() call's first step (its train_loss); None until its loop begins
         self._first_record: int | None = 0
@@ -287,7 +289,6 @@ class GRPOTrainer:
             "total_flos": 0.0,
             "train_loss": sum(loss) / max(len(loss), 1),
         }
-        self.state.total_flos = 0.0  # as TRL's: its inputs have no input_ids for transformers to count from
         self.log({**self._unlogged_window(), **metrics})
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(steps, metrics["train_loss"], {**metrics, "epoch": self.state.epoch})
@@ -306,6 +307,19 @@ class GRPOTrainer:
         self._restore(native_state.extra)
         self._logged_upto = self._first_record = len(native_state.log_history)
 
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """A checkpoint's trainer_state.json: the TRL state, with the states of the control and of each
+        ExportableState callback in its stateful_callbacks (several of one class: a list), as transformers'
+        _save_checkpoint writes it."""
+        states: dict[str, list] = {}
+        for callback in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(callback, ExportableState):
+                states.setdefault(type(callback).__name__, []).append(callback.state())
+        self.state.stateful_callbacks = {
+            name: saved[0] if len(saved) == 1 else saved for name, saved in states.items()
+        }
+        return dataclasses.asdict(self.state)
+
     def _new_state(self) -> TrainerState:
         """A TrainerState of TRL's meaning at step 0, as transformers' Trainer fills it."""
         args, total = self.args, self.native.total_steps
@@ -317,6 +331,7 @@ class GRPOTrainer:
             eval_steps=resolved_steps(args.eval_steps, total, 500),
             save_steps=resolved_steps(args.save_steps, total, 500),
             train_batch_size=args.per_device_train_batch_size,
+            total_flos=0.0,  # as TRL's: its inputs have no input_ids for transformers to count from
             is_local_process_zero=self.accelerator.is_local_main_process,
             is_world_process_zero=self.accelerator.is_main_process,
         )
@@ -378,10 +393,10 @@ class GRPOTrainer:
                     writer="lora_grpo.trl GRPOTrainer.save_model",
                 )
             with writer as tmp:
-                for item in save_adapter(self.model, tmp / "adapter", POLICY).iterdir():
+                saved = save_adapter(self.model, tmp / "adapter", POLICY, tokenizer=self.processing_class)
+                for item in saved.iterdir():
                     os.replace(item, tmp / item.name)
-                (tmp / "adapter").rmdir()
-                self.processing_class.save_pretrained(str(tmp))
+                saved.rmdir()
         self.accelerator.wait_for_everyone()
 
     def end(self) -> None:
