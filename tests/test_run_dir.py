@@ -77,6 +77,9 @@ def test_an_unfinished_run_is_refused_naming_its_last_checkpoint(tmp_path):
 def test_overwrite_sets_the_previous_run_aside_and_deletes_nothing(tmp_path):
     run = _finished_run(tmp_path / "run")
     (run / "my_notes.txt").write_text("mine")  # not a run's file: stays
+    # what transformers' save_metrics / save_state wrote for that run (a TRL script's) goes with it
+    (run / "train_results.json").write_text("{}")
+    (run / "trainer_state.json").write_text("{}")
     with claim_output_dir(run, overwrite=True) as claim:
         assert claim.set_aside == run / "previous-run-1"
         assert "moved to" in claim.notes[0] and "nothing deleted" in claim.notes[0]
@@ -89,6 +92,8 @@ def test_overwrite_sets_the_previous_run_aside_and_deletes_nothing(tmp_path):
             "config.yaml",
             "metrics.jsonl",
             "summary.json",
+            "train_results.json",
+            "trainer_state.json",
         ]
     _finished_run(run)
     with claim_output_dir(run, overwrite=True) as claim:

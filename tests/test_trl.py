@@ -949,6 +949,18 @@ def test_save_model_writes_beside_the_run_and_never_over_files_it_did_not_write(
         with pytest.raises(TargetError, match=r"the base model"):
             trainer.save_model(target, overwrite=True)
     assert sorted(p.name for p in Path(tiny_base_dir).iterdir()) == before
+    # create_model_card writes output_dir/README.md again over its own card, never over the user's README
+    trainer.create_model_card(dataset_name="sums")
+    trainer.create_model_card(dataset_name="sums", tags="math")
+    assert "- math" in (run / "README.md").read_text()
+    (run / "README.md").write_text("# my notes\n")
+    with pytest.raises(
+        FileExistsError, match=r"README\.md exists and is not a model card lora_grpo wrote.*overwrite=True"
+    ):
+        trainer.create_model_card(dataset_name="sums")
+    assert (run / "README.md").read_text() == "# my notes\n"
+    trainer.create_model_card(dataset_name="sums", overwrite=True)
+    assert "A LoRA adapter of" in (run / "README.md").read_text()
 
 
 @pytest.mark.parametrize(

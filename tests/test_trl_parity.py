@@ -1933,6 +1933,55 @@ def test_a_checkpoint_holds_the_tokenizer_and_transformers_trainer_state(tiny_ba
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
+def test_open_r1s_script_tail_runs_transformers_trainer_methods(tiny_base_dir, tmp_path, capsys, library):
+    """What open-r1's grpo.py calls after train(): log_metrics, save_metrics, save_state, save_model,
+    create_model_card (AttributeError here before), and the trainable parameters of the policy alone."""
+    import json
+
+    from huggingface_hub import ModelCard
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, TrainerState
+
+    out = tmp_path / library
+    scope = run(
+        library,
+        f"""
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8),
+                              peft_config=LoraConfig(r=4, task_type="CAUSAL_LM"))
+        metrics = trainer.train().metrics
+        metrics["train_samples"] = 8
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        trainer.save_model(args.output_dir)
+        if trainer.accelerator.is_main_process:
+            trainer.create_model_card(dataset_name="sums", tags=["open-r1"])
+        trainable = trainer.get_num_trainable_parameters()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(out),
+    )
+    assert "***** train metrics *****" in capsys.readouterr().out
+    for name in ("train_results.json", "all_results.json"):
+        saved = json.loads((out / name).read_text())
+        assert saved["train_samples"] == 8 and saved["train_loss"] == scope["metrics"]["train_loss"]
+    state = TrainerState.load_from_json(str(out / "trainer_state.json"))
+    assert state.global_step == 2 and "train_runtime" in state.log_history[-1]
+    card = ModelCard.load(out / "README.md")
+    assert "open-r1" in card.data.tags and card.data.datasets in (
+        "sums",
+        ["sums"],
+    )  # TRL's a name, ours a list
+    fresh = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_base_dir), LoraConfig(r=4, task_type="CAUSAL_LM")
+    )
+    assert scope["trainable"] == fresh.get_nb_trainable_parameters()[0]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
 def test_resuming_a_checkpoint_at_max_steps_reports_its_step_and_trains_nothing(
     tiny_base_dir, tmp_path, library
 ):

@@ -53,6 +53,11 @@ RUN_FILES = (
     "metrics.png",
     "adapter",
     "runs",
+    # what transformers' Trainer methods write there (the TRL front door's save_metrics, save_state)
+    "train_results.json",
+    "eval_results.json",
+    "all_results.json",
+    "trainer_state.json",
 )
 _CHECKPOINT_GLOB = "checkpoint-*"
 

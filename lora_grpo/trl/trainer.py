@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from accelerate.utils.memory import clear_device_cache
-from transformers import DefaultFlowCallback, TrainerControl, TrainerState
+from transformers import DefaultFlowCallback, TrainerControl, TrainerState, trainer_pt_utils
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import TrainOutput
@@ -32,6 +32,7 @@ from ..model.adapters import POLICY
 from ..model.bases import resolve_base
 from ..rewards import RewardModel
 from ..rng import seed_everything
+from ..run import model_card
 from ..run.checkpoint import save_adapter
 from ..run.owned_dir import protected_paths, write_into, write_whole
 from ..run.reporting import table_of, tracker_names
@@ -399,6 +400,39 @@ class GRPOTrainer:
                 saved.rmdir()
         self.accelerator.wait_for_everyone()
 
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        *,
+        overwrite: bool = False,
+    ) -> None:
+        """A model card for the saved adapter, output_dir/README.md, as TRL's (open-r1's script calls it after
+        save_model): the base, the adapter, how it was trained, how to load it. A README.md there that lora_grpo
+        did not write is refused unless overwrite=True (TRL writes over it)."""
+        if not self.is_world_process_zero():
+            return
+        target = Path(self.args.output_dir) / "README.md"
+        if not overwrite and not model_card.is_ours(target):
+            raise FileExistsError(
+                f"{target} exists and is not a model card lora_grpo wrote: not overwritten. Move it away, or "
+                "call trainer.create_model_card(..., overwrite=True) to replace it"
+            )
+        native = self.native
+        card = model_card.model_card(
+            native.config,
+            steps=self.state.global_step,
+            reward_names=list(native.reward_names),
+            syncs=model_card.sync_count(native.state.log_history),
+            where=str(self.args.output_dir),
+            model_name=model_name,
+            dataset_name=dataset_name,
+            tags=[tags] if isinstance(tags, str) else list(tags or ()),
+        )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(card, encoding="utf-8")
+
     def end(self) -> None:
         """Finish the trackers and leave the process group (transformers ≥ 5.18's Trainer.end)."""
         self.native.reporter.finish()
@@ -423,6 +457,26 @@ class GRPOTrainer:
 
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process
+
+    # transformers' Trainer methods for scripts, bound as transformers' Trainer binds them (open-r1's script calls
+    # log_metrics, save_metrics and save_state after train(): {split}_results.json, all_results.json and
+    # trainer_state.json in output_dir, on the main process)
+    log_metrics = trainer_pt_utils.log_metrics
+    metrics_format = trainer_pt_utils.metrics_format
+    save_metrics = trainer_pt_utils.save_metrics
+    save_state = trainer_pt_utils.save_state
+    get_num_trainable_parameters = trainer_pt_utils.get_num_trainable_parameters
+    get_learning_rates = trainer_pt_utils.get_learning_rates
+    get_optimizer_group = trainer_pt_utils.get_optimizer_group
+
+    @property
+    def optimizer(self):
+        """The policy adapter's optimizer (TRL's trainer.optimizer)."""
+        return self.native.optimizer
+
+    @property
+    def lr_scheduler(self):
+        return self.native.scheduler
 
     @property
     def train_dataset(self):

@@ -1,0 +1,139 @@
+"""A trained adapter's model card (README.md): what it is, how to load it, how it was trained.
+
+In the Hub's format: YAML metadata (huggingface_hub's ModelCardData) above Markdown. The TRL front door's
+create_model_card writes it where TRL's does (output_dir/README.md). A card carries MARKER, so that a later card
+replaces only a card of ours, never a README the user wrote.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Any
+
+MARKER = "<!-- model card written by lora_grpo -->"
+# Shao et al. 2024, the paper that introduced GRPO (arXiv:2402.03300), as its authors list it.
+GRPO_CITATION = """@article{shao2024deepseekmath,
+    title   = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},
+    author  = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and Mingchuan Zhang and
+               Y. K. Li and Y. Wu and Daya Guo},
+    year    = 2024,
+    eprint  = {arXiv:2402.03300},
+}"""
+VERSIONS = ("lora_grpo", "transformers", "peft", "torch", "datasets", "bitsandbytes")
+
+
+def is_ours(path: Path) -> bool:
+    """Whether the README.md at `path` is a card this module wrote (or there is none)."""
+    return not path.exists() or MARKER in path.read_text(errors="replace")
+
+
+def model_card(
+    config,
+    *,
+    steps: int,
+    reward_names: list[str],
+    syncs: int,
+    where: str,
+    model_name: str | None = None,
+    dataset_name: str | None = None,
+    tags: list[str] = (),
+) -> str:
+    """The card's text for the adapter in `where` (a directory or a Hub id), trained under the native `config`
+    for `steps` optimizer steps with `syncs` reference syncs."""
+    from huggingface_hub import ModelCardData
+
+    base = str(config.model_name_or_path)
+    on_hub = not Path(base).expanduser().exists()
+    metadata = ModelCardData(
+        base_model=base if on_hub else None,
+        library_name="peft",
+        pipeline_tag="text-generation",
+        datasets=[dataset_name] if dataset_name else None,
+        tags=list(
+            dict.fromkeys(["lora_grpo", "lora", *(["qlora"] if config.quantization == "4bit" else []), *tags])
+        ),
+    )
+    base_shown = f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{base}`"
+    dataset_shown = (
+        f" on [{dataset_name}](https://huggingface.co/datasets/{dataset_name})" if dataset_name else ""
+    )
+    weights = config.reward_weights or [1.0] * len(reward_names)
+    rows = {
+        "base": base_shown + {"4bit": ", 4-bit NF4 (QLoRA)", "8bit": ", 8-bit"}.get(config.quantization, ""),
+        "adapter": f"LoRA r {config.lora_r}, alpha {config.lora_alpha:g}",
+        "reward functions": ", ".join(f"{name} (weight {w:g})" for name, w in zip(reward_names, weights)),
+        "completions per prompt": config.num_generations,
+        "optimizer steps": steps,
+        "learning rate": f"{config.learning_rate:g}",
+        "KL weight (beta)": f"{config.beta:g}",
+        "loss type": config.loss_type,
+        "reference": _reference(config, syncs),
+    }
+    table = "\n".join(f"| {name} | {value} |" for name, value in rows.items())
+    versions = "\n".join(f"- {name}: {_version(name)}" for name in VERSIONS if _version(name))
+    return f"""---
+{metadata.to_yaml()}
+---
+{MARKER}
+
+# {model_name or Path(where).name}
+
+A LoRA adapter of {base_shown} trained with GRPO (Shao et al., 2024){dataset_shown} by lora_grpo.
+
+## Use it
+
+```python
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
+
+model = AutoPeftModelForCausalLM.from_pretrained("{where}")
+tokenizer = AutoTokenizer.from_pretrained("{where}")
+```
+
+## Training
+
+| | |
+|---|---|
+{table}
+
+## Framework versions
+
+{versions}
+
+## Citation
+
+GRPO:
+
+```bibtex
+{GRPO_CITATION}
+```
+"""
+
+
+def _reference(config, syncs: int) -> str:
+    """The KL penalty's reference in words: fixed, or when and how it was re-synced to the policy."""
+    if not config.beta:
+        return "none (beta 0)"
+    when = [
+        *([f"every {config.ref_sync_steps} steps"] if config.ref_sync_steps else []),
+        *(["every epoch"] if config.ref_sync_every_epoch else []),
+        *([f"when the KL passed {config.ref_sync_kl:g}"] if config.ref_sync_kl is not None else []),
+        *(["on an eval plateau"] if config.ref_sync_on_plateau else []),
+    ]
+    if not when:
+        return "fixed (the adapter it started from)"
+    how = "hard copy" if config.ref_sync_alpha == 1 else f"mix alpha {config.ref_sync_alpha:g}"
+    return f"iterative: re-synced to the policy {' or '.join(when)} ({how}), {syncs} times"
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def sync_count(log_history: list[dict[str, Any]]) -> int:
+    """The reference syncs a run's records hold."""
+    return sum(1 for record in log_history if record.get("sync/event"))

@@ -1,0 +1,76 @@
+"""The model card (run/model_card.py): the Hub's metadata as huggingface_hub reads it back, the training table
+in the run's own terms, and a README the user wrote left alone."""
+
+import pytest
+from huggingface_hub import ModelCard
+
+from lora_grpo import GRPOConfig
+from lora_grpo.run import model_card
+
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def card(config, syncs=0, **kwargs) -> ModelCard:
+    text = model_card.model_card(
+        config, steps=12, reward_names=["accuracy", "format"], syncs=syncs, where="runs/sums", **kwargs
+    )
+    return ModelCard(text)
+
+
+def row(card: ModelCard, name: str) -> str:
+    line = next(line for line in card.text.splitlines() if line.startswith(f"| {name} |"))
+    return line.removeprefix(f"| {name} | ").removesuffix(" |")
+
+
+def test_the_metadata_reads_back_as_the_hubs():
+    read = card(
+        GRPOConfig(model_name_or_path=HUB_ID, quantization="4bit", reward_weights=[1.0, 0.5]),
+        dataset_name="openai/gsm8k",
+        tags=["math"],
+    )
+    assert read.data.base_model == HUB_ID and read.data.library_name == "peft"
+    assert read.data.tags == ["lora_grpo", "lora", "qlora", "math"] and read.data.datasets == ["openai/gsm8k"]
+    assert model_card.MARKER in read.text and "# sums" in read.text
+    assert row(read, "base") == f"[{HUB_ID}](https://huggingface.co/{HUB_ID}), 4-bit NF4 (QLoRA)"
+    assert row(read, "reward functions") == "accuracy (weight 1), format (weight 0.5)"
+    assert row(read, "optimizer steps") == "12"
+    assert 'AutoPeftModelForCausalLM.from_pretrained("runs/sums")' in read.text
+
+
+def test_a_local_base_is_no_hub_id(tmp_path):
+    read = card(GRPOConfig(model_name_or_path=str(tmp_path)), model_name="my-adapter")
+    assert read.data.base_model is None and f"`{tmp_path}`" in row(read, "base")
+    assert "# my-adapter" in read.text and "qlora" not in read.data.tags
+
+
+@pytest.mark.parametrize(
+    "fields, syncs, said",
+    [
+        ({}, 0, "fixed (the adapter it started from)"),
+        ({"beta": 0.0}, 0, "none (beta 0)"),
+        ({"ref_sync_steps": 4}, 3, "iterative: re-synced to the policy every 4 steps (hard copy), 3 times"),
+        (
+            {"ref_sync_every_epoch": True, "ref_sync_kl": 0.1, "ref_sync_alpha": 0.5},
+            2,
+            "iterative: re-synced to the policy every epoch or when the KL passed 0.1 (mix alpha 0.5), 2 times",
+        ),
+    ],
+)
+def test_the_reference_row_says_how_the_reference_moved(fields, syncs, said):
+    assert row(card(GRPOConfig(model_name_or_path=HUB_ID, **fields), syncs=syncs), "reference") == said
+
+
+def test_syncs_are_counted_from_the_records():
+    assert (
+        model_card.sync_count([{"loss": 1.0}, {"sync/event": 1.0}, {"sync/event": 0.0}, {"sync/event": 1.0}])
+        == 2
+    )
+
+
+def test_only_a_card_of_ours_counts_as_ours(tmp_path):
+    readme = tmp_path / "README.md"
+    assert model_card.is_ours(readme)  # none there
+    readme.write_text(card(GRPOConfig(model_name_or_path=HUB_ID)).content)
+    assert model_card.is_ours(readme)
+    readme.write_text("# my notes\n")
+    assert not model_card.is_ours(readme)
