@@ -285,10 +285,7 @@ class RolloutScorer:
                 gather(acc, t) for t in (rewards, per_func, lengths, truncated, tokens)
             )
             calls = None if calls is None else tuple(gather(acc, t) for t in calls)
-            metrics = {
-                **reward_metrics(rewards, per_func, self.names),
-                **{k: v for k, v in metrics.items() if k in seen.logged},
-            }  # log_metric's: this process's
+            metrics = {**reward_metrics(rewards, per_func, self.names), **_pooled_logged(seen.logged)}
         metrics.update(
             {
                 "frac_reward_zero_std": zero_std_fraction(rewards, cfg.num_generations),
@@ -314,6 +311,19 @@ def terminated_length_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, f
         "completion_length/terminated_min": ended.min().item(),
         "completion_length/terminated_max": ended.max().item(),
     }
+
+
+def _pooled_logged(logged: dict[str, list[float]]) -> dict[str, float]:
+    """Each log_metric name's mean over every process's values, as TRL's (a name one process logged alone is its
+    mean; a collective: every process calls it)."""
+    from accelerate.utils import gather_object
+
+    sums: dict[str, list[float]] = {}
+    for part in gather_object([{name: (sum(values), len(values)) for name, values in logged.items()}]):
+        for name, (total, count) in part.items():
+            pooled = sums.setdefault(name, [0.0, 0])
+            pooled[0], pooled[1] = pooled[0] + total, pooled[1] + count
+    return {name: total / count for name, (total, count) in sorted(sums.items()) if count}
 
 
 def _gather(acc, t: Tensor) -> Tensor:

@@ -36,7 +36,6 @@ from .config_checks import require_eval_set
 from .data.prompts import (
     PromptBatches,
     named_eval_sets,
-    process_shard,
     resolve_datasets,
     resolve_eval_dataset,
 )
@@ -259,15 +258,18 @@ class GRPOTrainer:
         self.log_prob_check = check_model_log_probs(
             self.model, tokenizer, list(self.train_dataset[:2]["prompt"]), config
         )
-        # Each process samples its own prompts, an equal share (data.process_shard).
-        self.train_dataset = process_shard(
-            self.train_dataset, self.accelerator.num_processes, self.accelerator.process_index
-        )
+        return self._prompt_batches()
+
+    def _prompt_batches(self) -> PromptBatches:
+        """The run's prompt batches from the first: each process its slice of every batch (data.PromptBatches)."""
+        cfg, acc = self.config, self.accelerator
         return PromptBatches(
             self.train_dataset,
-            config.prompts_per_generation,
-            seed=config.seed,
-            shuffle=config.shuffle_dataset,
+            cfg.prompts_per_generation,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle_dataset,
+            num_processes=acc.num_processes,
+            process_index=acc.process_index,
         )
 
     def _build_optimizer(self, batches: PromptBatches) -> WarmupRestarts:
@@ -519,9 +521,7 @@ class GRPOTrainer:
         batch, no history, the schedules at their start, no generation left), the LR schedule from its
         first update. The sampling and torch RNGs go on where they are, as in TRL."""
         cfg = self.config
-        batches = PromptBatches(
-            self.train_dataset, cfg.prompts_per_generation, seed=cfg.seed, shuffle=cfg.shuffle_dataset
-        )
+        batches = self._prompt_batches()
         warmup = WarmupRestarts(steps_of(cfg.warmup_steps, self.total_steps))
         # The loss scale goes on (the same object), as accelerate's GradScaler does in TRL's second train().
         fresh = TrainState.for_run(

@@ -380,9 +380,27 @@ def test_batches_no_shuffle_and_num_epochs():
 def test_batches_exact_fit_and_too_small():
     assert _take(PromptBatches(_ds(4), 4, shuffle=False), 2) == [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3])]
     with pytest.raises(
-        ValueError, match=r"3 rows \(per process, under several\), fewer than one batch of prompts_per_step=4"
+        ValueError, match=r"has 3 rows, fewer than one batch of prompts_per_step=4 \(the prompts"
     ):
         PromptBatches(_ds(3), 4)
+    with pytest.raises(
+        ValueError, match=r"has 3 rows, fewer than one batch of prompts_per_step=2 × 2 processes"
+    ):
+        PromptBatches(_ds(3), 2, num_processes=2)
+
+
+def test_each_process_takes_its_slice_of_every_batch_of_the_whole_dataset():
+    """As TRL's sampler: the processes together draw what one process drawing their batches draws, so over the
+    epochs every process sees every row (a fixed shard per process never trained on the others' rows, and its
+    len % processes rows were never drawn)."""
+    one = _take(PromptBatches(_ds(7), 2, seed=3), 30)
+    parts = [PromptBatches(_ds(7), 1, seed=3, num_processes=2, process_index=p) for p in (0, 1)]
+    assert all(len(part) == part.steps_per_epoch == 3 for part in parts)
+    both = [_take(part, 30) for part in parts]
+    assert [(e0, r0 + r1) for (e0, r0), (_, r1) in zip(*both)] == one
+    for rank in (0, 1):  # 10 epochs
+        assert {i for _, rows in both[rank] for i in rows} == set(range(7))
+    assert parts[0].epochs_done == 10.0
 
 
 @pytest.mark.parametrize("stop", [1, 3, 4, 7])

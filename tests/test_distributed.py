@@ -24,11 +24,15 @@ SCRIPT = PRELUDE + textwrap.dedent(
                      prompts_per_step=2, max_completion_length=5, micro_batch_size=4, max_steps=2,
                      beta=0.04, ref_sync_steps=1, ref_sync_alpha=0.5, learning_rate=1e-2,
                      output_dir=out + "/run", save_steps=0, gradient_checkpointing=False)
-    t = GRPOTrainer(cfg, reward_funcs=[digit_share], train_dataset=prompts)
+    sampled = []
+    def digits(prompts, completions, **kwargs):
+        sampled.extend(prompts[::4])  # a group's prompt once
+        return digit_share(prompts, completions, **kwargs)
+    t = GRPOTrainer(cfg, reward_funcs=[digits], train_dataset=prompts)
     t.train()
     rank = t.accelerator.process_index
     sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
-    record = {"prompts": list(t.train_dataset["prompt"]), "sums": sums, "history": t.state.log_history}
+    record = {"prompts": sampled, "rows": len(t.train_dataset), "sums": sums, "history": t.state.log_history}
     json.dump(record, open(f"{out}/rank{rank}.json", "w"))
     """
 )
@@ -38,7 +42,9 @@ def test_two_processes_stay_in_sync(tiny_base_dir, tmp_path):
     # accelerate's launcher has no multi-process CPU flag; torchrun sets the same environment.
     run_torchrun(SCRIPT, tmp_path, tiny_base_dir, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert set(r0["prompts"]).isdisjoint(r1["prompts"])  # each process sampled its own prompts
+    # each process sampled its own prompts: its slice of each batch of the whole dataset, which it holds
+    assert len(r0["prompts"]) == len(r1["prompts"]) == 4 and set(r0["prompts"]).isdisjoint(r1["prompts"])
+    assert r0["rows"] == r1["rows"] == 16
     assert r0["sums"].keys() == r1["sums"].keys()
     for name in r0["sums"]:
         assert r0["sums"][name] == pytest.approx(r1["sums"][name], rel=1e-6, abs=1e-9), name

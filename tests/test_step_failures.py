@@ -616,7 +616,7 @@ def test_none_for_every_completion_is_does_not_apply_not_an_error():
             None,
             r"^train_dataset: the prompt dataset from Dataset is empty",
         ),
-        (PROMPTS[:1], None, r"the train dataset has 1 rows .*fewer than one batch of prompts_per_step=2"),
+        (PROMPTS[:1], None, r"the train dataset has 1 rows, fewer than one batch of prompts_per_step=2"),
         (
             [{"question": "1+1"}] * 4,
             None,

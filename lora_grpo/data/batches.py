@@ -13,15 +13,18 @@ class PromptBatches:
 
     Each epoch visits the rows in a fresh permutation drawn from ``(seed, epoch)`` (or in order
     with ``shuffle=False``) and yields ``rows: dict[str, list]`` (column -> ``prompts_per_step``
-    values) batches. The last ``len(dataset) % prompts_per_step`` rows of each epoch's permutation
-    are dropped, so every step has exactly ``prompts_per_step × G`` completions; with reshuffling a
-    different remainder is dropped each epoch. The iterator never ends; the trainer stops it
-    (``max_steps``), or pass ``num_epochs``.
+    values) batches. Under several processes every one holds the whole dataset and draws the same
+    permutation; a batch of the run is ``prompts_per_step × num_processes`` consecutive rows of it, and
+    process p takes its p-th slice (as TRL's sampler: over the epochs every process sees every row). The
+    last ``len(dataset) % (prompts_per_step × num_processes)`` rows of each epoch's permutation are
+    dropped, so every step has exactly ``prompts_per_step × G`` completions on each process; with
+    reshuffling a different remainder is dropped each epoch. The iterator never ends; the trainer stops
+    it (``max_steps``), or pass ``num_epochs``.
 
     Position: ``(epoch, index)``, where ``index`` is the row offset of the next batch in that
-    epoch's permutation. ``state_dict()`` taken after a batch was yielded points at the next one,
-    so a run restored with ``load_state_dict`` (or built with ``start_epoch``/``start_index``)
-    yields exactly the batches an uninterrupted run would have.
+    epoch's permutation (the same on every process). ``state_dict()`` taken after a batch was
+    yielded points at the next one, so a run restored with ``load_state_dict`` (or built with
+    ``start_epoch``/``start_index``) yields exactly the batches an uninterrupted run would have.
 
     >>> batches = PromptBatches(datasets.Dataset.from_dict({"prompt": list("abcde")}), 2, seed=0)
     >>> [epoch for epoch, _ in (next(batches) for _ in range(5))]
@@ -38,16 +41,22 @@ class PromptBatches:
         start_epoch: int = 0,
         start_index: int = 0,
         num_epochs: int | None = None,
+        num_processes: int = 1,
+        process_index: int = 0,
     ):
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
-        if len(dataset) < prompts_per_step:
+        if len(dataset) < prompts_per_step * num_processes:
+            under = f" × {num_processes} processes" if num_processes > 1 else ""
             raise ValueError(
-                f"the train dataset has {len(dataset)} rows (per process, under several), "
-                f"fewer than one batch of prompts_per_step={prompts_per_step} (the prompts one rollout draws: "
-                "prompts_per_step × steps_per_generation); lower prompts_per_step, or add prompts"
+                f"the train dataset has {len(dataset)} rows, fewer than one batch of prompts_per_step="
+                f"{prompts_per_step}{under} (the prompts one rollout draws: prompts_per_step × steps_per_generation "
+                "on each process); lower prompts_per_step, or add prompts"
             )
         self.dataset, self.prompts_per_step, self.seed = dataset, int(prompts_per_step), int(seed)
+        # a batch of the run (every process's prompts) and this process's slice of it
+        self.batch_rows = self.prompts_per_step * int(num_processes)
+        self.first = self.prompts_per_step * int(process_index)
         self.shuffle, self.num_epochs = shuffle, num_epochs
         self._order_epoch: int | None = None
         self._order: np.ndarray | None = None
@@ -55,8 +64,8 @@ class PromptBatches:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Batches per epoch, ``len(dataset) // prompts_per_step``."""
-        return len(self.dataset) // self.prompts_per_step
+        """Batches per epoch, ``len(dataset) // (prompts_per_step × num_processes)``."""
+        return len(self.dataset) // self.batch_rows
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -64,7 +73,7 @@ class PromptBatches:
     @property
     def epochs_done(self) -> float:
         """Passes over the data so far: the epoch plus the share of its batches already drawn."""
-        return self.epoch + self.index / (self.steps_per_epoch * self.prompts_per_step)
+        return self.epoch + self.index / (self.steps_per_epoch * self.batch_rows)
 
     def _set_position(self, epoch: int, index: int) -> None:
         if epoch < 0 or not 0 <= index <= len(self.dataset):
@@ -72,7 +81,7 @@ class PromptBatches:
                 f"invalid start position epoch={epoch}, index={index} for {len(self.dataset)} rows"
             )
         self.epoch, self.index = int(epoch), int(index)
-        if self.index + self.prompts_per_step > len(self.dataset):  # a partial batch: next epoch
+        if self.index + self.batch_rows > len(self.dataset):  # a partial batch: next epoch
             self.epoch, self.index = self.epoch + 1, 0
 
     def order(self, epoch: int) -> np.ndarray:
@@ -92,8 +101,9 @@ class PromptBatches:
         if self.num_epochs is not None and self.epoch >= self.num_epochs:
             raise StopIteration
         epoch, start = self.epoch, self.index
-        indices = self.order(epoch)[start : start + self.prompts_per_step].tolist()
-        self._set_position(epoch, start + self.prompts_per_step)
+        mine = start + self.first
+        indices = self.order(epoch)[mine : mine + self.prompts_per_step].tolist()
+        self._set_position(epoch, start + self.batch_rows)
         return epoch, self.dataset[indices]
 
     def state_dict(self) -> dict[str, int]:
@@ -113,7 +123,7 @@ class PromptBatches:
         if "num_rows" in state and int(state["num_rows"]) != len(self.dataset):
             raise ValueError(
                 f"cannot resume: the checkpoint's run drew its prompts from {state['num_rows']} rows, this run's train "
-                f"dataset has {len(self.dataset)} (counted per process, after filters); the data position ({where} "
+                f"dataset has {len(self.dataset)} (after filters); the data position ({where} "
                 "of a seeded order of those rows) means nothing for other rows. Resume with the same dataset (the same "
                 "file, split, filters and prompt settings), or start a new run from the checkpoint's weights: "
                 "init_adapter=<checkpoint>/policy (the optimizer state and step count start afresh)"

@@ -42,7 +42,6 @@ __all__ = [
     "PromptBatches",
     "chat_rendered",
     "load_prompt_dataset",
-    "process_shard",
     "resolve_dataset",
     "resolve_datasets",
 ]
@@ -442,7 +441,7 @@ def stream_rows(config, split: str, num_processes: int | None = None) -> int:
 def read_stream(stream, config, split: str) -> datasets.Dataset:
     """The first stream_rows(...) rows of a stream as a Dataset: accepted (as TRL does, with max_steps) by
     reading at start the rows the run consumes, so every prompt is checked and the batches stay seeded,
-    sharded and resumable. A stream that ends sooner gives fewer rows, visited in epochs."""
+    split across processes and resumable. A stream that ends sooner gives fewer rows, visited in epochs."""
     if isinstance(stream, datasets.IterableDatasetDict):
         stream = _pick_split(
             stream, config.dataset_split if split == "train" else config.eval_split, "the stream"
@@ -538,12 +537,3 @@ def resolve_datasets(config, train_dataset, eval_dataset, tokenizer, template_kw
         eval_dataset if eval_dataset is not None else config.eval_dataset, config, tokenizer, template_kwargs
     )
     return train, held_out
-
-
-def process_shard(dataset: datasets.Dataset, num_processes: int, process_index: int) -> datasets.Dataset:
-    """This process's prompts: equal shards (the last len % num_processes rows dropped), so every process
-    has the same step count and epoch boundaries (collectives match, epoch syncs happen together)."""
-    if num_processes == 1:
-        return dataset
-    usable = len(dataset) - len(dataset) % num_processes
-    return dataset.select(range(usable)).shard(num_processes, process_index)

@@ -398,7 +398,7 @@ class GRPOTrainer:
                 for item in saved.iterdir():
                     os.replace(item, tmp / item.name)
                 saved.rmdir()
-        self.accelerator.wait_for_everyone()
+        # no barrier: a script may call it on the main process alone (transformers' save_model has none either)
 
     def create_model_card(
         self,
