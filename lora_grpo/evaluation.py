@@ -50,6 +50,7 @@ from .algo.loss import k3_kl
 from .batch import MicroBatch
 from .memory.probe import decode_rows
 from .model.adapters import base_forward, eval_mode
+from .run.failures import agreed_failures
 
 Tensor = torch.Tensor
 
@@ -271,6 +272,20 @@ class Evaluator:
         rows_at_once = decode_rows(cfg)  # the training rollout's rows: one decode shape for the run
         # samples of the policy itself
         kl_on_pass_k = cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature
+        # the chunks of this process (reward functions, tools) before the gather: a failure on one stops all
+        with agreed_failures(acc):
+            results = self._chunks(dataset, batch_prompts, n, temperature, rows_at_once, kl_on_pass_k)
+        if acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            results = gather_object(results)
+        return eval_metrics(results, self.reward_names, cfg.eval_pass_k, n, len(dataset))
+
+    def _chunks(
+        self, dataset, batch_prompts: int, n: int, temperature: float, rows_at_once: int, kl_on_pass_k
+    ):
+        """This process's chunks of the eval prompts: their per-prompt results (prompt_results)."""
+        cfg, acc = self.config, self.accelerator
         results = []
         for chunk, start, stop in eval_chunks(
             len(dataset), batch_prompts, acc.num_processes, acc.process_index
@@ -304,11 +319,7 @@ class Evaluator:
                         self.kl_to_base(self.sample(sub["prompt"], 1, cfg.temperature, generator, sub), 1)
                     )
             results += prompt_results(start, scores, lengths, correct, torch.cat(kl) if kl else None, calls)
-        if acc.num_processes > 1:
-            from accelerate.utils import gather_object
-
-            results = gather_object(results)
-        return eval_metrics(results, self.reward_names, cfg.eval_pass_k, n, len(dataset))
+        return results
 
     @torch.no_grad()
     def kl_to_base(self, rollout, group_size: int) -> Tensor:

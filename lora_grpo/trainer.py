@@ -62,7 +62,16 @@ from .rewards.scoring import RewardFunctionError
 from .rng import rng_state, sampling_seed, seed_everything, shuffle_seed
 from .rollout import Rollout
 from .run import checkpoint as ckpt
-from .run.failures import LastFinishedStep, StepFailed, describe_stages, stage, stages_of
+from .run.failures import (
+    LastFinishedStep,
+    PeerFailed,
+    StepFailed,
+    agreed,
+    agreed_failures,
+    describe_stages,
+    stage,
+    stages_of,
+)
 from .run.reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
 from .run.run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
 from .run.stopping import StopSignals, TrainingInterrupted, agreed_signal
@@ -538,14 +547,15 @@ class GRPOTrainer:
 
     def _step_failed(self, error: Exception) -> None:
         """Something raised inside the run (run/failures.py): keep what can be kept, then stop with one error
-        naming the stage, the step and how to resume, the original error chained. One process: a checkpoint
-        of the last finished step when its state is whole (LastFinishedStep), else the last checkpoint.
-        Several: the last checkpoint (a checkpoint gathers every process's RNG states, a collective that the
-        other processes, waiting in their own, would never join)."""
+        naming the stage, the step and how to resume, the original error chained. A checkpoint of the last
+        finished step when its state is whole (LastFinishedStep), else the last checkpoint. Under several
+        processes only for a failure every process raised together (agreed_failures): a checkpoint gathers every
+        process's RNG states, a collective that the other processes, waiting in their own, would never join."""
         state, stages = self.state, stages_of(error)
         step, target = self.last_finished.failing_step, None
         saved = self.last_finished.for_failure(stages, self.update.optimizer_steps)
-        if saved is not None and saved.state["global_step"] > 0 and self.accelerator.num_processes == 1:
+        together = self.accelerator.num_processes == 1 or agreed(error)
+        if saved is not None and saved.state["global_step"] > 0 and together:
             state.load_state_dict(saved.state)
             for name, part in saved.process.items():  # the generation's steps as that step left them
                 setattr(state, name, part)
@@ -560,7 +570,13 @@ class GRPOTrainer:
                     f"the checkpoint of step {state.global_step} could not be written either: {write_error}"
                 )
         reward = isinstance(error, RewardFunctionError)
-        what = str(error) if reward else f"{describe_stages(stages)} raised {type(error).__name__}: {error}"
+        what = (
+            str(error)
+            if reward
+            else _peer_failure(error, stages)
+            if isinstance(error, PeerFailed)
+            else f"{describe_stages(stages)} raised {type(error).__name__}: {error}"
+        )
         kept = kept_work(
             self.output_dir,
             target,
@@ -656,8 +672,8 @@ class GRPOTrainer:
         batch = Batch.from_rollout(
             rollout, advantages, mask_truncated_completions=cfg.mask_truncated_completions
         )
-        # the log-probs the update needs
-        with stage("update"):
+        # the log-probs the update needs (forwards that may run out of memory on one process)
+        with stage("update"), agreed_failures(self.accelerator):
             self._add_log_probs(batch)
         metrics["reference_reused_policy"] = float(cfg.beta != 0 and self.state.reference_is_policy)
         if cfg.steps_per_generation > 1:
@@ -683,13 +699,17 @@ class GRPOTrainer:
         dynamic sampling (every completion the step sampled, their Scored, the trained rows of them);
         dynamic sampling's metrics over every process)."""
         cfg = self.config
-        with stage("rollout"):
-            rollout = self.generate(rows["prompt"], rows=rows)
-        with stage("reward"):
-            scored = self.scorer.score(rollout, rows, cfg.num_generations)
+        # the processes' own code (the model's sampling, tools, environments, reward functions), before the step's
+        # first collective
+        with agreed_failures(self.accelerator):
+            with stage("rollout"):
+                rollout = self.generate(rows["prompt"], rows=rows)
+            with stage("reward"):
+                scored = self.scorer.score(rollout, rows, cfg.num_generations)
+            if cfg.dynamic_sampling:
+                step = self.sample_step(Round(rows, rollout, scored))
         if not cfg.dynamic_sampling:
             return rows, rollout, scored, None, {}
-        step = self.sample_step(Round(rows, rollout, scored))
         rows, rollout, scored = step.trained(self.reward_names)
         counts = sum_over_processes(step.counts, self.accelerator)
         sampled = (step.rollout, step.scored, step.trained_rows)
@@ -874,11 +894,11 @@ class GRPOTrainer:
     def _rng(self) -> dict[str, Any]:
         return {**rng_state(), "sampling": self.generator.get_state()}
 
-    def save_checkpoint(self, rng: dict[str, Any] | None = None, *, due: bool = False) -> Path | None:
+    def save_checkpoint(self, rng: dict[str, Any] | None = None, *, due: bool = False) -> Path:
         """output_dir/checkpoint-{step}: both adapters, optimizer, scheduler, every process's RNG
         states, and the TrainState whole (each process's steps left of its generation included).
         Atomic (run/checkpoint.py). Called on every process: each one's RNG states and own state are
-        gathered; the main process writes. `rng`: this process's states to save
+        gathered; the main process writes; every process returns its path. `rng`: this process's states to save
         instead of the current ones (those of the last finished step, after a failure). `due`: a save the
         step's flow asked for (save_steps, a hook), not the run's last, a failure's or a stop's (the save
         event's payload)."""
@@ -913,7 +933,7 @@ class GRPOTrainer:
             self.reporter.plot()  # metrics.png so far (a failure is only a warning)
         self.accelerator.wait_for_everyone()
         self._event("save", due=due)
-        return target if self.is_main else None
+        return target
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """Resume from a checkpoint dir, or 'latest' in output_dir; clear errors for anything else."""
@@ -980,3 +1000,11 @@ class GRPOTrainer:
 
     def _print(self, text: str) -> None:
         self.reporter.print(text)  # through the progress bar (tqdm.write), main process only
+
+
+def _peer_failure(error: PeerFailed, stages: tuple[str, ...]) -> str:
+    """Another process's failure in a stopped step's words: a reward function's error says itself which function
+    and sample, any other its stage, type and text."""
+    if error.error_type == RewardFunctionError.__name__:
+        return f"process {error.process} stopped: {error.error_text}"
+    return f"process {error.process} stopped: {describe_stages(stages)} raised {error.error_type}: {error.error_text}"

@@ -35,6 +35,7 @@ from .batch import Batch, MicroBatch
 from .model.adapters import eval_mode, train_mode
 from .optim import average_gradients, sum_over_processes
 from .rng import shuffle_seed
+from .run.failures import agreed_failures
 from .run.stopping import count_nonfinite
 
 logger = logging.getLogger(__name__)
@@ -129,19 +130,21 @@ class PolicyUpdate:
             skipped = counts["idle"] - counts["all_idle"]
         trained = batch if not idle.any() else batch.rows((~idle).nonzero().flatten())
         n_micro = math.ceil(trained.input_ids.shape[0] / micro_batch_size)
-        with train_mode(self.model):  # checkpointing on; the model goes back to eval mode for sampling
-            parts = [
-                self.accumulate(mb, num_tokens, n_seq, n_micro, read=False)
-                for mb in trained.micro_batches(micro_batch_size)
-            ]
         sums: dict[str, float] = {}
         per_sequence: dict[str, list[Tensor]] = {}
-        for m, weight, loss in _read_once(parts):  # one device sync for every micro-batch's metrics
-            for k in (SEQUENCE_LOW_CLIP, SEQUENCE_HIGH_CLIP):
-                if k in m:
-                    per_sequence.setdefault(k, []).append(m.pop(k))
-            for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss)]:
-                sums[k] = sums.get(k, 0.0) + v
+        # forwards and backwards that may run out of memory on one process, before the gradients' average
+        with agreed_failures(acc):
+            with train_mode(self.model):  # checkpointing on; the model goes back to eval mode for sampling
+                parts = [
+                    self.accumulate(mb, num_tokens, n_seq, n_micro, read=False)
+                    for mb in trained.micro_batches(micro_batch_size)
+                ]
+            for m, weight, loss in _read_once(parts):  # one device sync for every micro-batch's metrics
+                for k in (SEQUENCE_LOW_CLIP, SEQUENCE_HIGH_CLIP):
+                    if k in m:
+                        per_sequence.setdefault(k, []).append(m.pop(k))
+                for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss)]:
+                    sums[k] = sums.get(k, 0.0) + v
         if acc.num_processes > 1:
             average_gradients(self.params, acc)
             # Empty on every process alike when no process ran a forward.

@@ -121,3 +121,81 @@ def test_a_float16_overflow_on_one_process_skips_the_step_on_both(tiny_base_dir,
         assert [m["loss_scale"] for m in record["history"]] == [2.0**16, 2.0**15]
     assert r0["sums"] == r1["sums"]
     assert any(v != 0 for k, v in r0["sums"].items() if "lora_B.policy" in k)  # the second step trained
+
+
+FAILURE_SCRIPT = PRELUDE + textwrap.dedent(
+    """
+    from lora_grpo.run.failures import StepFailed
+
+    def config(output_dir, **kw):
+        return GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, num_generations=4, prompts_per_step=2,
+                          max_completion_length=5, micro_batch_size=4, max_steps=3, beta=0.04, learning_rate=1e-2,
+                          output_dir=output_dir, save_steps=0, gradient_checkpointing=False, **kw)
+
+    evals = [{"prompt": f"eval {i}+1="} for i in range(4)]
+    failure = {}  # the stage that raises, on which process
+
+    def reward(prompts, completions, **kwargs):  # raises in step 2's rollout, or in the eval after step 2
+        t, rank = failure.get("trainer"), int(__import__("os").environ["RANK"])
+        evaluating = prompts[0].startswith("eval")
+        if t is not None and rank == failure["rank"] and evaluating == (failure["where"] == "eval"):
+            if t.state.global_step == (2 if evaluating else 1):
+                raise KeyError("answer")
+        return digit_share(prompts, completions, **kwargs)
+
+    def train(output_dir, where=None, failing=None, **kw):
+        t = GRPOTrainer(config(output_dir, **kw), reward_funcs=[reward], train_dataset=prompts, eval_dataset=evals)
+        failure.clear()
+        if where in ("reward", "eval"):
+            failure.update(trainer=t, rank=failing, where=where)
+        elif where == "update" and t.accelerator.process_index == failing:  # out of memory in step 2's update
+            real = t.update.accumulate
+            def broken(*a, **k):
+                if t.state.global_step == 1:
+                    raise KeyError("answer")
+                return real(*a, **k)
+            t.update.accumulate = broken
+        try:
+            t.train()
+            return t, None
+        except StepFailed as e:
+            return t, e
+
+    rank = int(__import__("os").environ["RANK"])
+    said = {}
+    for where, failing in (("reward", 1), ("update", 0), ("eval", 0)):
+        t, error = train(f"{out}/{where}", where, failing, eval_steps=2 if where == "eval" else 0)
+        said[where] = {"error": str(error), "checkpoint": str(error.checkpoint), "stage": error.stage}
+    # the reward failure's checkpoint of step 1 resumes into the run an uninterrupted one is
+    whole, _ = train(f"{out}/whole")
+    resumed, _ = train(f"{out}/resumed", resume_from_checkpoint=f"{out}/reward/checkpoint-1")
+    pairs = zip(whole.model.named_parameters(), resumed.model.named_parameters())
+    said["same"] = all(torch.equal(p, q) for (_, p), (_, q) in pairs)
+    json.dump(said, open(f"{out}/failed{rank}.json", "w"))
+    """
+)
+
+
+def test_a_step_failing_on_one_process_stops_both_and_keeps_the_last_finished_step(tiny_base_dir, tmp_path):
+    """A reward function, an update's forward or an eval that raises on one process alone: every process learns it
+    before the step's next collective, so both stop in that stage together and the last finished step is
+    checkpointed as in one process (before: the other process died in a collective the failing one had left,
+    blaming a closed connection, and nothing was kept); its checkpoint resumes exactly."""
+    run_torchrun(FAILURE_SCRIPT, tmp_path, tiny_base_dir, tmp_path)
+    ranks = [json.loads((tmp_path / f"failed{r}.json").read_text()) for r in (0, 1)]
+    # (an eval fails after its step's update: that step is kept, its end pending; 4 eval prompts are one chunk, the
+    # main process's)
+    for where, failing, step in (("reward", 1, 1), ("update", 0, 1), ("eval", 0, 2)):
+        for rank, said in enumerate(ranks):
+            assert said[where]["stage"] in (where, "reward")  # a reward function's own error names its stage
+            assert said[where]["checkpoint"] == str(tmp_path / where / f"checkpoint-{step}"), (where, rank)
+            assert f"checkpoint written to {tmp_path / where / f'checkpoint-{step}'}" in said[where]["error"]
+            if rank != failing:
+                cause = (
+                    f"after {step} of 3 optimizer steps: reward function 'reward' raised KeyError: 'answer'"
+                    if where in ("reward", "eval")
+                    else f"the {where} raised KeyError: 'answer'"
+                )
+                assert f"process {failing} stopped: {cause}" in said[where]["error"]
+        assert (tmp_path / where / f"checkpoint-{step}" / "lora_grpo_state.json").is_file()
+    assert ranks[0]["same"] and ranks[1]["same"]

@@ -24,6 +24,13 @@ step can still be checkpointed when its state is whole:
 
 A failure in the checkpoint stage never writes another checkpoint: the atomic write left the previous one
 whole, and a second write would meet the same full disk.
+
+Under several processes a stage can raise on one process alone (a reward function, a tool, an environment, a
+forward out of memory) while the others go on to the step's next collective, which the failing one never joins.
+`agreed_failures()` closes each stretch of such code before its next collective: every process learns there
+whether any raised, and all raise together (the others a `PeerFailed` naming the process and its error, in its
+stages), so that every process reaches the failure handling, and the checkpoint of the last finished step
+(which gathers every process's RNG states) is written as in one process.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from typing import Any
 # The stages an exception left, outermost first, are kept on the exception itself: an id kept beside it
 # could name a later exception that reuses a dead one's id.
 _STAGES_ATTRIBUTE = "_lora_grpo_stages"
+# Marks an exception every process raised together (agreed_failures).
+_AGREED_ATTRIBUTE = "_lora_grpo_agreed"
 
 
 @contextmanager
@@ -63,6 +72,59 @@ def describe_stages(stages: tuple[str, ...]) -> str:
         return "the step"
     outer = [s for s in stages[:-1] if s != stages[-1]]
     return f"the {stages[-1]}" + (f" (in the {outer[-1]})" if outer else "")
+
+
+class PeerFailed(RuntimeError):
+    """Another process's step raised (agreed_failures): this process stops with it. `process` is the one that
+    raised, `error_type` and `error_text` its error's type name and text."""
+
+    def __init__(self, process: int, error_type: str, error_text: str):
+        super().__init__(f"process {process} stopped: {error_type}: {error_text}")
+        self.process, self.error_type, self.error_text = process, error_type, error_text
+
+
+@contextmanager
+def agreed_failures(accelerator):
+    """A stretch of a step that may raise on one process alone, before the step's next collective (a collective
+    itself under several processes: every process runs it). On leaving it, every process raises when any raised:
+    the one that did its own error, the others a PeerFailed in its stages naming it; both marked `agreed`."""
+    if accelerator.num_processes == 1:
+        yield
+        return
+    import torch
+    from accelerate.utils import gather_object
+
+    failure = None
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - any error of the stretch is told to the other processes
+        failure = error
+    flag = torch.tensor([int(failure is not None)], device=accelerator.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if not flag.item():
+        return
+    told = gather_object(
+        [None if failure is None else (stages_of(failure), type(failure).__name__, str(failure))]
+    )
+    first = next(i for i, one in enumerate(told) if one is not None)
+    if failure is None:
+        stages, error_type, error_text = told[first]
+        failure = PeerFailed(first, error_type, error_text)
+        setattr(failure, _STAGES_ATTRIBUTE, stages)
+    _mark(failure, _AGREED_ATTRIBUTE, True)
+    raise failure
+
+
+def agreed(error: BaseException) -> bool:
+    """Whether every process raised `error`'s failure together (agreed_failures)."""
+    return getattr(error, _AGREED_ATTRIBUTE, False)
+
+
+def _mark(error: BaseException, name: str, value) -> None:
+    try:
+        setattr(error, name, value)
+    except (AttributeError, TypeError):  # an exception that takes no attributes goes on unmarked
+        pass
 
 
 class StepFailed(RuntimeError):
