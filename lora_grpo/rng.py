@@ -95,7 +95,7 @@ def restore_sampling(
             return None
         except RuntimeError:  # the same size from another generator kind: reseed as below
             pass
-    generator.manual_seed(_derived_seed(seed, process_index, step))
+    fresh_sampling(generator, seed=seed, process_index=process_index, step=step)
     kind = {16: "a CUDA", 5056: "a CPU"}.get(saved.numel(), "another")
     return (
         f"the checkpoint's sampling generator state comes from {kind} generator ({saved.numel()} bytes); this "
@@ -103,6 +103,13 @@ def restore_sampling(
         f"{process_index} and step {step} instead. The run continues reproducibly (every resume of this "
         "checkpoint on this device type draws alike), but not with the draws of a run that was never interrupted"
     )
+
+
+def fresh_sampling(generator: torch.Generator, *, seed: int, process_index: int, step: int) -> None:
+    """Seed the sampling generator from (seed, process_index, step): a resumed process without a saved state of
+    its own to restore (another device type's, or a process the saved run did not have). Every resume of that
+    checkpoint draws alike."""
+    generator.manual_seed(_derived_seed(seed, process_index, step))
 
 
 def shuffle_seed(seed: int, global_step: int) -> int:

@@ -82,7 +82,7 @@ class TrainState(TrainerState):
     reference_is_policy: bool = True
     micro_batch_size: int | str | None = None  # the sizes in use ('auto' resolved by the memory plan)
     gradient_checkpointing: bool | str | None = None
-    num_processes: int = 1  # a checkpoint resumes only under the same number (each one's RNG is saved)
+    num_processes: int = 1  # the processes that wrote a checkpoint (each one's RNG is saved)
     batches: Any = None  # data.PromptBatches: the data position
     sync_schedule: Any = None  # reference.SyncSchedule: the plateau trigger's best score and count
     warmup_restarts: Any = None  # optim.WarmupRestarts: the update of the last warmup restart

@@ -91,15 +91,35 @@ def test_a_checkpoint_of_another_model_is_refused(tiny_base_dir, tmp_path, run_c
         resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
 
 
-def test_a_checkpoint_of_another_process_count_is_refused(tiny_base_dir, tmp_path, run_copy):
+def test_a_checkpoint_of_another_process_count_resumes_and_says_so(tiny_base_dir, tmp_path, run_copy, caplog):
+    """As TRL's: a checkpoint of 2 processes resumes under 1 (the adapters, optimizer, schedule and data position;
+    process 1's sampling stream is left, and the line says the run is no longer the uninterrupted one's)."""
     state_file = run_copy / "checkpoint-2" / ckpt.STATE_JSON
     state = json.loads(state_file.read_text())
     state["num_processes"] = 2
     state_file.write_text(json.dumps(state))
+    with caplog.at_level("WARNING", logger="lora_grpo.run.checkpoint"):
+        summary = resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
+    assert summary["steps"] == 3
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "saved by 2 process(es); this run has 1: resumed with the checkpoint's adapters" in said
+    assert "the sampling streams of process 1 of that run are left" in said
+
+
+def test_a_checkpoint_inside_a_generation_resumes_only_under_its_process_count(tiny_base_dir, tmp_path):
+    make_trainer(
+        tiny_base_dir, tmp_path, quantization="none", max_steps=2, save_steps=1, steps_per_generation=2
+    ).train()
+    state_file = tmp_path / "run" / "checkpoint-1" / ckpt.STATE_JSON  # the generation's second step left
+    state = json.loads(state_file.read_text())
+    state["num_processes"] = 2
+    state_file.write_text(json.dumps(state))
     with pytest.raises(
-        CheckpointError, match=r"saved by 2 process\(es\); this run has 1.*--nproc_per_node 2"
+        CheckpointError,
+        match=r"saved by 2 process\(es\) inside a generation .* and this run has 1: those rows cannot be dealt out"
+        r".*--nproc_per_node 2",
     ):
-        resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
+        resume(tiny_base_dir, tmp_path / "again", tmp_path / "run" / "checkpoint-1", steps_per_generation=2)
 
 
 def test_shapes_that_differ_are_named(tiny_base_dir, tmp_path, run_copy):

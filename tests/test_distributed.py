@@ -199,3 +199,32 @@ def test_a_step_failing_on_one_process_stops_both_and_keeps_the_last_finished_st
                 assert f"process {failing} stopped: {cause}" in said[where]["error"]
         assert (tmp_path / where / f"checkpoint-{step}" / "lora_grpo_state.json").is_file()
     assert ranks[0]["same"] and ranks[1]["same"]
+
+
+OTHER_COUNT_SCRIPT = PRELUDE + textwrap.dedent(
+    """
+    import logging
+    logging.basicConfig()
+    resuming = len(sys.argv) > 3  # the second run: two processes resume the first's checkpoint of one
+    kw = dict(resume_from_checkpoint=out + "/one/checkpoint-2", save_steps=0) if resuming else dict(save_steps=1)
+    cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, num_generations=4, prompts_per_step=2,
+                     max_completion_length=5, micro_batch_size=4, max_steps=4 if resuming else 2, beta=0.04,
+                     learning_rate=1e-2, output_dir=out + ("/two" if resuming else "/one"),
+                     gradient_checkpointing=False, **kw)
+    t = GRPOTrainer(cfg, reward_funcs=[digit_share], train_dataset=prompts)
+    t.train()
+    rank = t.accelerator.process_index
+    sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
+    json.dump({"sums": sums, "steps": t.state.global_step}, open(f"{out}/count{rank}.json", "w"))
+    """
+)
+
+
+def test_a_checkpoint_of_one_process_resumes_under_two(tiny_base_dir, tmp_path):
+    """As TRL's: the second process samples from a fresh stream, both train on in step (their adapters the same)."""
+    run_torchrun(OTHER_COUNT_SCRIPT, tmp_path, tiny_base_dir, tmp_path, nproc=1)
+    result = run_torchrun(OTHER_COUNT_SCRIPT, tmp_path, tiny_base_dir, tmp_path, "resume")
+    assert "saved by 1 process(es); this run has 2: resumed" in result.stderr
+    assert "process 1 (not in that run) sample from fresh streams" in result.stderr
+    r0, r1 = (json.loads((tmp_path / f"count{r}.json").read_text()) for r in (0, 1))
+    assert r0["steps"] == r1["steps"] == 4 and r0["sums"] == r1["sums"]

@@ -2086,3 +2086,60 @@ def test_two_processes_share_the_data_pool_log_metrics_and_save_from_the_main_pr
         assert len(rank["records"]) == 12  # 4 epochs of 3 steps
         assert all(r["rank"] == 0.5 and r["only_rank1"] == 7.0 for r in rank["records"])
     assert PeftConfig.from_pretrained(str(tmp_path / "final")).r == 4
+
+
+# ------------------------------------------------------------------------------ subclasses
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_subclass_overriding_trls_loop_is_refused_not_silently_ignored(
+    tiny_base_dir, tmp_path, caplog, library
+):
+    """TRL's loop calls a subclass's compute_loss and _generate_and_score_completions; lora_grpo's never would, so
+    such a subclass is refused by name (what replaces each here said). An override of log runs under both."""
+    source = f"""
+        from trl import GRPOConfig, GRPOTrainer
+        calls = {{"loss": 0, "generate": 0, "log": 0}}
+        class Mine(GRPOTrainer):
+            def compute_loss(self, *args, **kwargs):
+                calls["loss"] += 1
+                return super().compute_loss(*args, **kwargs)
+            def _generate_and_score_completions(self, *args, **kwargs):
+                calls["generate"] += 1
+                return super()._generate_and_score_completions(*args, **kwargs)
+        class Logging(GRPOTrainer):
+            def log(self, logs, *args, **kwargs):
+                calls["log"] += 1
+                return super().log(logs, *args, **kwargs)
+            def evaluate(self, *args, **kwargs):
+                return super().evaluate(*args, **kwargs)
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, logging_steps=1)
+        Logging(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8)).train()
+        error = None
+        try:
+            Mine(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8)).train()
+        except TypeError as e:
+            error = str(e)
+    """
+    with caplog.at_level(logging.WARNING):
+        scope = run(library, source, MODEL=tiny_base_dir, OUT=str(tmp_path / library))
+    calls, error = scope["calls"], scope["error"]
+    assert calls["log"] >= 2  # the step's record and the closing one
+    if library == "trl":
+        assert error is None and calls["loss"] >= 1 and calls["generate"] >= 1
+    else:
+        assert calls["loss"] == calls["generate"] == 0
+        assert error.startswith(
+            "Mine overrides methods of TRL's training loop, which lora_grpo.trl never calls"
+        )
+        assert "_generate_and_score_completions: use reward functions" in error
+        assert "compute_loss: use GRPOConfig's loss fields" in error
+        said = [r.getMessage() for r in caplog.records]
+        assert any("Logging overrides evaluate: it runs when your script calls it" in m for m in said)
+
+
+def test_every_loop_method_refused_is_trls():
+    """The names refused are methods of TRL 1.16's GRPOTrainer (or the Trainer it is), so no typo refuses nothing."""
+    from lora_grpo.trl.overrides import LOOP_METHODS, SCRIPT_METHODS
+
+    names = [name for group in LOOP_METHODS.values() for name in group] + list(SCRIPT_METHODS)
+    assert [name for name in names if not hasattr(trl.GRPOTrainer, name)] == []
+    assert len(names) == len(set(names))

@@ -57,7 +57,7 @@ from ..model.adapter_files import (
     trained_base,
 )
 from ..model.adapters import POLICY, REFERENCE, lora_layers
-from ..rng import restore_sampling, set_rng_state
+from ..rng import fresh_sampling, restore_sampling, set_rng_state
 from .logs import read_log
 
 logger = logging.getLogger(__name__)
@@ -460,11 +460,9 @@ def _target_modules(config_file: Path) -> set[str]:
 def check_compatible(
     path: Path,
     config_values: dict[str, Any],
-    num_processes: int,
-    saved_processes: int,
     policy_targets: set[str] | None = None,
 ) -> None:
-    """Refuse a checkpoint saved with other adapter-shaping fields or another number of processes.
+    """Refuse a checkpoint saved with other adapter-shaping fields.
 
     policy_targets: the resolved target modules of this run's policy adapter ('all-linear' and the
     explicit list it stands for are the same thing), compared with the checkpoint's.
@@ -497,11 +495,37 @@ def check_compatible(
             f"(its config.yaml), or start a new run; to start from its policy weights use "
             f"init_adapter={str(path / POLICY)!r}"
         )
-    if saved_processes != num_processes:
+
+
+def _other_process_count(path: Path, per_process: list[dict], saved: int, num_processes: int) -> str:
+    """The line a resume under another number of processes than the checkpoint's says (TRL resumes so too): each
+    process that was in the saved run takes back its own RNG states, the others start their sampling afresh. A
+    checkpoint inside a generation is refused: its steps left train on each process's own rows of the rollout,
+    which cannot be dealt out to another number of processes."""
+    inside = [i for i, part in enumerate(per_process) if (part.get("generation") or {}).get("steps")]
+    if inside:
         raise CheckpointError(
-            f"{path} was saved by {saved_processes} process(es); this run has {num_processes}. Resume it with "
-            f"--nproc_per_node {saved_processes} (each process's sampling state is restored from its own slot)"
+            f"{path} was saved by {saved} process(es) inside a generation (steps_per_generation × num_iterations: "
+            f"optimizer steps of the rollout were left, each process's on its own rows), and this run has "
+            f"{num_processes}: those rows cannot be dealt out to another number of processes. Resume it with "
+            f"--nproc_per_node {saved}, or from a checkpoint at the start of a rollout (save_steps a multiple of "
+            "steps_per_generation × num_iterations)"
         )
+    return (
+        f"saved by {saved} process(es); this run has {num_processes}: resumed with the checkpoint's adapters, "
+        "optimizer, LR schedule and data position; "
+        + (
+            f"{_processes(saved, num_processes)} (not in that run) sample from fresh streams"
+            if num_processes > saved
+            else f"the sampling streams of {_processes(num_processes, saved)} of that run are left"
+        )
+        + ". The run goes on, but not with the draws of one never interrupted"
+    )
+
+
+def _processes(first: int, end: int) -> str:
+    """'process 1', or 'processes 1-3' (first to end - 1)."""
+    return f"process {first}" if end - first == 1 else f"processes {first}-{end - 1}"
 
 
 def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -588,29 +612,28 @@ def restore_training_state(
             f"{state_file(path)}: {'; '.join(problems)}. No run writes that: the file was edited or damaged. "
             "Put back the values the run wrote, or else: " + _earlier_hint(path)
         )
-    check_compatible(
-        path,
-        config_values,
-        num_processes,
-        int(saved.get("num_processes", len(blobs["rng"]))),
-        policy_targets=set(model.peft_config[POLICY].target_modules),
-    )
+    check_compatible(path, config_values, policy_targets=set(model.peft_config[POLICY].target_modules))
+    # Checkpoints written before the per-process state existed have none: no generation left.
+    per_process = blobs.get("process_state") or [{}] * len(blobs["rng"])
+    saved_processes = int(saved.get("num_processes", len(blobs["rng"])))
+    if saved_processes != num_processes:
+        logger.warning(
+            "%s: %s", path, _other_process_count(path, per_process, saved_processes, num_processes)
+        )
     load_checkpoint_adapters(model, path)
     optimizer.load_state_dict(optimizer_state_on_devices(blobs["optimizer"], optimizer))
     scheduler.load_state_dict(blobs["scheduler"])
     state.load_state_dict(saved)
-    # Checkpoints written before the per-process state existed have none: no generation left.
-    per_process = blobs.get("process_state") or [{}] * len(blobs["rng"])
+    state.num_processes = num_processes
+    seed, step = int(config_values.get("seed", 0)), int(saved.get("global_step", saved.get("step", 0)))
+    if process_index >= saved_processes:  # a process the saved run did not have: its RNGs as a fresh run's
+        state.load_process_state_dict({}, generator.device if device is None else device)
+        fresh_sampling(generator, seed=seed, process_index=process_index, step=step)
+        return saved
     state.load_process_state_dict(per_process[process_index], generator.device if device is None else device)
     rng = blobs["rng"][process_index]  # this process's own states
     set_rng_state(rng)
-    line = restore_sampling(
-        generator,
-        rng["sampling"],
-        seed=int(config_values.get("seed", 0)),
-        process_index=process_index,
-        step=int(saved.get("global_step", saved.get("step", 0))),
-    )
+    line = restore_sampling(generator, rng["sampling"], seed=seed, process_index=process_index, step=step)
     if line:
         logger.warning("%s: %s", path, line)
     return saved

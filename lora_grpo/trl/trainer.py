@@ -42,6 +42,7 @@ from .checks import refuse_as_trl, warn_as_trl
 from .config import GRPOConfig
 from .inputs import environment_prompts, eval_sets, placeholder_prompts
 from .models import build_model, reward_models
+from .overrides import refuse_loop_overrides
 from .translate import _as_dict, resolved_steps, to_native
 
 # Our metric names → TRL 1.16's; others (sync/*, time/*, ...) are logged under our names beside them.
@@ -141,6 +142,8 @@ class GRPOTrainer:
         rollout_func=None,
         environment_factory=None,
     ):
+        # a subclass that overrides TRL's loop methods (its override would never run here)
+        refuse_loop_overrides(type(self), GRPOTrainer)
         if optimizers != (None, None) and any(o is not None for o in optimizers):
             raise ConfigError(
                 "optimizers=(...): lora_grpo builds the AdamW of the LoRA policy itself; set optim, "
