@@ -34,6 +34,7 @@ from .batch import Batch, RolloutSteps, StepBatch
 from .config import GRPOConfig
 from .config_checks import require_eval_set
 from .data.prompts import (
+    LOCAL_DATASETS,
     PromptBatches,
     named_eval_sets,
     resolve_datasets,
@@ -62,6 +63,7 @@ from .rewards.scoring import RewardFunctionError
 from .rng import rng_state, sampling_seed, seed_everything, shuffle_seed
 from .rollout import Rollout
 from .run import checkpoint as ckpt
+from .run import model_card
 from .run.failures import (
     LastFinishedStep,
     PeerFailed,
@@ -414,8 +416,8 @@ class GRPOTrainer:
         if not line:
             return False
         self._print(line)
-        if no_adapter and self.is_main:
-            ckpt.save_adapter(self.model, self.output_dir / "adapter", POLICY, tokenizer=self.tokenizer)
+        if no_adapter:
+            self._save_final_adapter()
         return True
 
     def _begin(self, plan: MemoryPlan | None) -> None:
@@ -445,14 +447,39 @@ class GRPOTrainer:
     def _save_final(self) -> None:
         """The last checkpoint and the final adapter (output_dir/adapter)."""
         self.save_checkpoint()
+        self._save_final_adapter()
+
+    def _save_final_adapter(self) -> None:
+        """output_dir/adapter: the policy as a standard peft adapter, with the tokenizer and its model card."""
         if self.is_main:
+            target = self.output_dir / "adapter"
             ckpt.explain_write_failure(
                 "the final adapter",
                 self.output_dir,
                 lambda: ckpt.save_adapter(
-                    self.model, self.output_dir / "adapter", POLICY, tokenizer=self.tokenizer
+                    self.model, target, POLICY, tokenizer=self.tokenizer, card=self.model_card(target)
                 ),
             )
+
+    def model_card(
+        self, where: Path, *, model_name: str | None = None, dataset_name: str | None = None, tags=()
+    ) -> str:
+        """The policy adapter's model card as it stands (run/model_card.py), for the directory or Hub id `where`;
+        the dataset by default the config's when it is a hub dataset."""
+        config = self.config
+        if dataset_name is None and isinstance(config.dataset, str):
+            local = config.dataset in LOCAL_DATASETS or Path(config.dataset).expanduser().exists()
+            dataset_name = None if local else config.dataset
+        return model_card.model_card(
+            config,
+            steps=self.state.global_step,
+            reward_names=list(self.reward_names),
+            syncs=model_card.sync_count(self.state.log_history),
+            where=str(where),
+            model_name=model_name or self.output_dir.name,
+            dataset_name=dataset_name,
+            tags=list(tags),
+        )
 
     def _run_steps(self, stop: StopSignals) -> None:
         """The optimizer steps, in run order: each step's batch (_step_batches: the rollout, dynamic
@@ -926,6 +953,7 @@ class GRPOTrainer:
                     trainer_state=trainer_state,
                     config_yaml=self.config.to_yaml(),
                     tokenizer=self.tokenizer,
+                    card=self.model_card(target),
                 ),
             )
             if self.config.save_total_limit:  # 0: keep them all

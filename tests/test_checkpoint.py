@@ -180,6 +180,15 @@ def test_a_checkpoint_and_the_final_adapter_hold_the_tokenizer_and_transformers_
     assert (state.global_step, state.max_steps) == (2, 2)
     assert len(state.log_history) == 2 and state.log_history == ours["log_history"]
     assert {"reward/mean", "kl", "loss"} <= set(state.log_history[1])
+    # the policy's model card beside it, as peft writes one: the Hub's metadata, the steps it stands at
+    from huggingface_hub import ModelCard
+
+    for directory, steps in ((saved_run / "checkpoint-1", 1), (checkpoint, 2), (saved_run / "adapter", 2)):
+        card = ModelCard.load(directory / "README.md")
+        assert card.data.library_name == "peft" and "lora_grpo" in card.data.tags
+        assert (
+            f"| optimizer steps | {steps} |" in card.text and f'from_pretrained("{directory}")' in card.text
+        )
     assert "batches" in ours and not hasattr(state, "batches")
 
 

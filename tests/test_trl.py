@@ -919,6 +919,7 @@ def test_save_model_writes_beside_the_run_and_never_over_files_it_did_not_write(
     # TRL's script: save_model(output_dir) into the run's own directory, beside its checkpoints and logs
     trainer.save_model(str(run))
     assert PeftConfig.from_pretrained(str(run)).r == 16 and (run / "tokenizer.json").is_file()
+    assert "A LoRA adapter of" in (run / "README.md").read_text()  # its model card, as peft's save_pretrained
     assert (run / "checkpoint-1").is_dir() and (run / "metrics.jsonl").is_file()
     assert not [p.name for p in run.iterdir() if p.name.startswith(".adapter.")]  # no temporary dir left
     # a new directory is written whole; saving there again replaces what save_model wrote
@@ -954,6 +955,8 @@ def test_save_model_writes_beside_the_run_and_never_over_files_it_did_not_write(
     trainer.create_model_card(dataset_name="sums", tags="math")
     assert "- math" in (run / "README.md").read_text()
     (run / "README.md").write_text("# my notes\n")
+    trainer.save_model(str(run))  # its adapter's card joins the run's files, but not over the user's README
+    assert (run / "README.md").read_text() == "# my notes\n" and (run / "adapter_model.safetensors").is_file()
     with pytest.raises(
         FileExistsError, match=r"README\.md exists and is not a model card lora_grpo wrote.*overwrite=True"
     ):

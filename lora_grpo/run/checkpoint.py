@@ -14,6 +14,7 @@ fsynced, then renamed into place):
       trainer_state.json  transformers' TrainerState alone, as TRL's checkpoints hold it
                           (TrainerState.load_from_json reads it; a resume reads lora_grpo_state.json)
       tokenizer files     the run's tokenizer, as TRL's checkpoints hold it (AutoTokenizer loads the checkpoint)
+      README.md           the policy's model card (run/model_card.py), as peft writes one beside an adapter
       config.yaml         the run's resolved config
 
 Checkpoints written before lora_grpo_state.json existed hold the loop's state as trainer_state.json (and no
@@ -152,9 +153,12 @@ def adapter_state_dict(model: nn.Module, adapter: str) -> dict[str, torch.Tensor
     return {k: p.detach() for k, p in adapter_tensors(model, adapter).items()}
 
 
-def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY, *, tokenizer=None) -> Path:
+def save_adapter(
+    model: nn.Module, path: str | Path, adapter: str = POLICY, *, tokenizer=None, card: str | None = None
+) -> Path:
     """Save one adapter as a standard peft adapter dir (loadable by PeftModel.from_pretrained), atomically;
-    with `tokenizer`, its files beside it (AutoTokenizer loads the directory too).
+    with `tokenizer`, its files beside it (AutoTokenizer loads the directory too); with `card`, its model card
+    as README.md (run/model_card.py), as peft's save_pretrained writes one.
 
     Refuses to write non-finite weights: an adapter on disk is never NaN.
     """
@@ -174,6 +178,8 @@ def save_adapter(model: nn.Module, path: str | Path, adapter: str = POLICY, *, t
         (tmp / "lora_grpo.json").write_text(json.dumps({"adapter": adapter}))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        if card is not None:
+            (tmp / "README.md").write_text(card, encoding="utf-8")
     return Path(path)
 
 
@@ -251,11 +257,12 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     config_yaml: str,
     tokenizer=None,
+    card: str | None = None,
 ) -> Path:
     """Write checkpoint dir `target` atomically. `blobs` go to trainer_state.pt (tensors: optimizer,
     scheduler, per-process RNG), `state` to lora_grpo_state.json (step, data position, history),
     `trainer_state` (transformers' TrainerState fields) to trainer_state.json as TrainerState.save_to_json
-    writes it, the tokenizer's files beside them."""
+    writes it, the tokenizer's files and the policy's model card (README.md) beside them."""
     with atomic_dir(target) as tmp:
         save_adapter(model, tmp / POLICY, POLICY)
         save_adapter(model, tmp / REFERENCE, REFERENCE)
@@ -271,6 +278,8 @@ def save_checkpoint(
         (tmp / TRAINER_STATE_JSON).write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        if card is not None:
+            (tmp / "README.md").write_text(card, encoding="utf-8")
         (tmp / "config.yaml").write_text(config_yaml)
     return target
 

@@ -373,19 +373,20 @@ class GRPOTrainer:
     def save_model(
         self, output_dir: str | None = None, _internal_call: bool = False, *, overwrite: bool = False
     ) -> None:
-        """The policy as a standard peft adapter (adapter_config.json + adapter_model.safetensors) and the
-        tokenizer, into output_dir (default args.output_dir). Into the run's own output_dir (as TRL's script
-        saves) the files join the run's, each renamed into place. Any other directory is written whole
-        (run/owned_dir.py): a new one, or one save_model wrote before, is replaced; one holding files
-        lora_grpo did not write there is refused unless overwrite=True (which replaces its contents); the
-        base model, its tokenizer and the caches are refused whatever the flag (TRL writes into any
-        directory, over files of the same names)."""
+        """The policy as a standard peft adapter (adapter_config.json + adapter_model.safetensors), the
+        tokenizer and the adapter's model card (README.md), into output_dir (default args.output_dir). Into the
+        run's own output_dir (as TRL's script saves) the files join the run's, each renamed into place (the card
+        not over a README of the user's). Any other directory is written whole (run/owned_dir.py): a new one, or
+        one save_model wrote before, is replaced; one holding files lora_grpo did not write there is refused
+        unless overwrite=True (which replaces its contents); the base model, its tokenizer and the caches are
+        refused whatever the flag (TRL writes into any directory, over files of the same names)."""
         target = Path(output_dir or self.native.output_dir)
         if self.accelerator.is_main_process:
             protected = protected_paths(self.native.config, self._base_path)
             label = "save_model's output_dir"
             own = target.expanduser().resolve() == self.native.output_dir.expanduser().resolve()
-            if own and not not_a_runs(target):
+            into = own and not not_a_runs(target)  # the run's directory: the files join the run's
+            if into:
                 writer = write_into(target, protected, label=label)
             else:
                 writer = write_whole(
@@ -396,8 +397,14 @@ class GRPOTrainer:
                     flag="overwrite=True (trainer.save_model(output_dir, overwrite=True))",
                     writer="lora_grpo.trl GRPOTrainer.save_model",
                 )
+            # the adapter's model card, as peft's save_pretrained writes one; into the run's directory not over a
+            # README of the user's (another directory is written whole, or refused)
+            ours = not into or model_card.is_ours(target / "README.md")
+            card = self.native.model_card(target) if ours else None
             with writer as tmp:
-                saved = save_adapter(self.model, tmp / "adapter", POLICY, tokenizer=self.processing_class)
+                saved = save_adapter(
+                    self.model, tmp / "adapter", POLICY, tokenizer=self.processing_class, card=card
+                )
                 for item in saved.iterdir():
                     os.replace(item, tmp / item.name)
                 saved.rmdir()
@@ -422,13 +429,8 @@ class GRPOTrainer:
                 f"{target} exists and is not a model card lora_grpo wrote: not overwritten. Move it away, or "
                 "call trainer.create_model_card(..., overwrite=True) to replace it"
             )
-        native = self.native
-        card = model_card.model_card(
-            native.config,
-            steps=self.state.global_step,
-            reward_names=list(native.reward_names),
-            syncs=model_card.sync_count(native.state.log_history),
-            where=str(self.args.output_dir),
+        card = self.native.model_card(
+            Path(self.args.output_dir),
             model_name=model_name,
             dataset_name=dataset_name,
             tags=[tags] if isinstance(tags, str) else list(tags or ()),
