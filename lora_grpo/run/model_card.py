@@ -44,9 +44,9 @@ def model_card(
     from huggingface_hub import ModelCardData
 
     base = str(config.model_name_or_path)
-    on_hub = not Path(base).expanduser().exists()
+    hub_id, base_shown = _base(base)
     metadata = ModelCardData(
-        base_model=base if on_hub else None,
+        base_model=hub_id,
         library_name="peft",
         pipeline_tag="text-generation",
         datasets=[dataset_name] if dataset_name else None,
@@ -54,7 +54,6 @@ def model_card(
             dict.fromkeys(["lora_grpo", "lora", *(["qlora"] if config.quantization == "4bit" else []), *tags])
         ),
     )
-    base_shown = f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{base}`"
     dataset_shown = (
         f" on [{dataset_name}](https://huggingface.co/datasets/{dataset_name})" if dataset_name else ""
     )
@@ -84,11 +83,7 @@ A LoRA adapter of {base_shown} trained with GRPO (Shao et al., 2024){dataset_sho
 ## Use it
 
 ```python
-from peft import AutoPeftModelForCausalLM
-from transformers import AutoTokenizer
-
-model = AutoPeftModelForCausalLM.from_pretrained("{where}")
-tokenizer = AutoTokenizer.from_pretrained("{where}")
+{_loading(hub_id, where)}
 ```
 
 ## Training
@@ -109,6 +104,39 @@ GRPO:
 {GRPO_CITATION}
 ```
 """
+
+
+def _loading(hub_id: str | None, where: str) -> str:
+    """The Python that loads the adapter on its base: the hub's base by its id, or else the base its
+    adapter_config.json names (a path on the machine that trained it)."""
+    if hub_id is None:
+        return (
+            "from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{where}")  # its base: adapter_config.json\'s path\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{where}")'
+        )
+    return (
+        "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+        f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{hub_id}"), "{where}")\n'
+        f'tokenizer = AutoTokenizer.from_pretrained("{where}")'
+    )
+
+
+def _base(name: str) -> tuple[str | None, str]:
+    """(the base's hub id or None, the base in the card's words): a hub id links to its page; an offline task's base
+    and a local directory or GGUF file have none; a packaged GGUF names the hub model it was made from."""
+    from ..model.bases import LOCAL_BASES, PACKAGED
+
+    if name in LOCAL_BASES:
+        return None, f"`{name}` (an offline task's base, built locally)"
+    if (packaged := PACKAGED.get(name.lower())) is not None:
+        return packaged.original, (
+            f"`{name}`, the {packaged.file} of [{packaged.original}](https://huggingface.co/{packaged.original}) "
+            f"({packaged.distribution} {packaged.version})"
+        )
+    if Path(name).expanduser().exists():
+        return None, f"`{name}`"
+    return name, f"[{name}](https://huggingface.co/{name})"
 
 
 def _reference(config, syncs: int) -> str:
