@@ -199,6 +199,15 @@ def test_a_checkpoint_and_the_final_adapter_hold_the_tokenizer_and_transformers_
     assert "batches" in ours and not hasattr(state, "batches")
 
 
+def test_a_checkpoint_without_its_loop_state_names_that_file(tiny_base_dir, tmp_path, run_copy):
+    # trainer_state.json beside it is transformers' alone: not the loop's state of an old checkpoint
+    (run_copy / "checkpoint-2" / ckpt.STATE_JSON).unlink()
+    with pytest.raises(
+        CheckpointError, match=r"not a complete lora_grpo checkpoint: missing lora_grpo_state\.json"
+    ):
+        resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")
+
+
 def test_a_trl_checkpoint_is_named_as_one_with_the_way_to_start_from_its_adapter(
     tiny_base_dir, tmp_path, saved_run
 ):

@@ -293,9 +293,17 @@ def _link_or_copy(source: Path, target: Path) -> None:
 
 def state_file(path: Path) -> Path:
     """The loop state's file of checkpoint `path`: lora_grpo_state.json, or trainer_state.json in a checkpoint
-    written before lora_grpo_state.json existed (that file held the loop's state then)."""
+    written before lora_grpo_state.json existed (that file held the loop's state then: its data position). A
+    trainer_state.json that is transformers' alone (a TRL checkpoint's, or one whose lora_grpo_state.json is
+    gone) is not: lora_grpo_state.json is then the file missing."""
     ours, before = path / STATE_JSON, path / TRAINER_STATE_JSON
-    return before if before.is_file() and not ours.is_file() else ours
+    if ours.is_file() or not before.is_file():
+        return ours
+    try:
+        loop_state = "batches" in json.loads(before.read_text())
+    except (OSError, ValueError):
+        loop_state = True  # a damaged file of either kind: its reader names the damage
+    return before if loop_state else ours
 
 
 def _step_of(path: Path) -> int | None:
@@ -422,7 +430,7 @@ def resolve_checkpoint(path: str | Path | bool, output_dir: Path) -> Path:
             f"init_adapter={str(path)!r} instead of resume_from_checkpoint (lora_grpo.trl: pass "
             f"PeftModel.from_pretrained(base, {str(path)!r}, is_trainable=True) as the model)"
         )
-    if (path / ADAPTER_CONFIG).exists() and not state_file(path).exists():
+    if (path / ADAPTER_CONFIG).exists() and not state_file(path).exists() and not (path / POLICY).exists():
         raise CheckpointError(
             f"{path} is an adapter, not a checkpoint (it has no optimizer or trainer state). To start a new run "
             f"from its weights, set init_adapter={str(path)!r} instead of resume_from_checkpoint"
