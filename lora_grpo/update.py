@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -60,6 +61,9 @@ class PolicyUpdate:
         self.settings = LossSettings.from_config(config)
         # The entropy quantile is over every process's tokens of the micro-batch (each process calls the gather).
         self.gather = padded_gather(accelerator) if accelerator.num_processes > 1 else None
+        # Where a failure on one process is agreed on (run.failures.agreed_failures): before the gradients' average,
+        # or, when each micro-batch gathers entropies (top_entropy_quantile < 1), before each micro-batch's gathers.
+        self.agreed_per_micro_batch = self.gather is not None and config.top_entropy_quantile < 1
         # The entropy bonus needs the entropy's gradient; the adaptive coefficient may turn the bonus on later.
         self.entropy_grad = config.entropy_coef != 0 or config.use_adaptive_entropy
         # Optimizer / LR scheduler steps begun: from the first, the adapters and the optimizer may be
@@ -133,7 +137,7 @@ class PolicyUpdate:
         sums: dict[str, float] = {}
         per_sequence: dict[str, list[Tensor]] = {}
         # forwards and backwards that may run out of memory on one process, before the gradients' average
-        with agreed_failures(acc):
+        with nullcontext() if self.agreed_per_micro_batch else agreed_failures(acc):
             with train_mode(self.model):  # checkpointing on; the model goes back to eval mode for sampling
                 parts = [
                     self.accumulate(mb, num_tokens, n_seq, n_micro, read=False)
@@ -202,7 +206,10 @@ class PolicyUpdate:
         (loss metrics, the micro-batch's loss tokens, its scaled loss) as floats, or as 0-d tensors
         with read=False (no device sync: the step reads every micro-batch's at once)."""
         cfg = self.config
-        logp, entropy = self.forward(mb, return_entropy=True, entropy_grad=self.entropy_grad)
+        # the forward and the backward, each before a collective of every process when the micro-batch gathers
+        agreed = (lambda: agreed_failures(self.accelerator)) if self.agreed_per_micro_batch else nullcontext
+        with agreed():
+            logp, entropy = self.forward(mb, return_entropy=True, entropy_grad=self.entropy_grad)
         ref = mb.ref_logp
         # the reference equals the policy this step (trainer.generation_round)
         if ref is None and cfg.beta != 0:
@@ -224,7 +231,10 @@ class PolicyUpdate:
             accumulation=(mb.rows, n_seq, n_micro),
             tensor_metrics=True,
         )
-        self.state.loss_scale.scale(loss).backward()  # × the loss scale in float16 (else × 1: loss itself)
+        with agreed():
+            self.state.loss_scale.scale(
+                loss
+            ).backward()  # × the loss scale in float16 (else × 1: loss itself)
         if cfg.use_adaptive_entropy:
             control.accumulate(entropy, mb.completion_mask, cfg.top_entropy_quantile, self.gather)
         m["entropy_sum"] = (entropy.detach() * mb.completion_mask).sum()

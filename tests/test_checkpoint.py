@@ -106,6 +106,26 @@ def test_a_checkpoint_of_another_process_count_resumes_and_says_so(tiny_base_dir
     assert "the sampling streams of process 1 of that run are left" in said
 
 
+def test_a_checkpoint_of_processes_that_each_held_a_shard_resumes_at_the_same_share_of_its_epoch(
+    tiny_base_dir, tmp_path, run_copy, caplog
+):
+    """Written before every process held the whole dataset (trainer_state.json the loop's state; each of 2
+    processes drew from its own len // 2 rows): its position is taken to the same share of the epoch."""
+    checkpoint = run_copy / "checkpoint-2"
+    state = json.loads((checkpoint / ckpt.STATE_JSON).read_text())
+    rows = state["batches"]["num_rows"]
+    state["num_processes"] = 2
+    state["batches"].update(num_rows=rows // 2, index=1)
+    (checkpoint / ckpt.STATE_JSON).unlink()
+    (checkpoint / ckpt.TRAINER_STATE_JSON).write_text(json.dumps(state))  # as it was then, beside its files
+    with caplog.at_level("WARNING", logger="lora_grpo.run.checkpoint"):
+        summary = resume(tiny_base_dir, tmp_path, checkpoint)
+    assert summary["steps"] == 3
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"written by 2 processes when each drew from its own {rows // 2} of the {rows} rows" in said
+    assert f"(row 2 of {rows})" in said
+
+
 def test_a_checkpoint_inside_a_generation_resumes_only_under_its_process_count(tiny_base_dir, tmp_path):
     make_trainer(
         tiny_base_dir, tmp_path, quantization="none", max_steps=2, save_steps=1, steps_per_generation=2
@@ -197,6 +217,14 @@ def test_a_checkpoint_and_the_final_adapter_hold_the_tokenizer_and_transformers_
     saved = load_file(str(saved_run / "adapter" / ckpt.ADAPTER_WEIGHTS))
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert "batches" in ours and not hasattr(state, "batches")
+
+
+def test_transformers_trainer_state_in_the_run_directory_leaves_resume_alone(
+    tiny_base_dir, tmp_path, run_copy
+):
+    # what save_state() writes into output_dir (open-r1's script): the run is no checkpoint for it
+    shutil.copyfile(run_copy / "checkpoint-2" / "trainer_state.json", run_copy / "trainer_state.json")
+    assert resume(tiny_base_dir, tmp_path, run_copy / "checkpoint-2")["steps"] == 3
 
 
 def test_a_checkpoint_without_its_loop_state_names_that_file(tiny_base_dir, tmp_path, run_copy):

@@ -148,13 +148,13 @@ FAILURE_SCRIPT = PRELUDE + textwrap.dedent(
         failure.clear()
         if where in ("reward", "eval"):
             failure.update(trainer=t, rank=failing, where=where)
-        elif where == "update" and t.accelerator.process_index == failing:  # out of memory in step 2's update
-            real = t.update.accumulate
-            def broken(*a, **k):
-                if t.state.global_step == 1:
+        elif where in ("update", "entropy") and t.accelerator.process_index == failing:
+            real = t.update.forward
+            def broken(*a, **k):  # step 2's training forward runs out of memory
+                if t.state.global_step == 1 and k.get("return_entropy"):
                     raise KeyError("answer")
                 return real(*a, **k)
-            t.update.accumulate = broken
+            t.update.forward = broken
         try:
             t.train()
             return t, None
@@ -163,8 +163,10 @@ FAILURE_SCRIPT = PRELUDE + textwrap.dedent(
 
     rank = int(__import__("os").environ["RANK"])
     said = {}
-    for where, failing in (("reward", 1), ("update", 0), ("eval", 0)):
-        t, error = train(f"{out}/{where}", where, failing, eval_steps=2 if where == "eval" else 0)
+    # entropy: each micro-batch gathers entropies (top_entropy_quantile < 1): the processes agree before each gather
+    for where, failing in (("reward", 1), ("update", 0), ("eval", 0), ("entropy", 0)):
+        extra = {"top_entropy_quantile": 0.5} if where == "entropy" else {}
+        t, error = train(f"{out}/{where}", where, failing, eval_steps=2 if where == "eval" else 0, **extra)
         said[where] = {"error": str(error), "checkpoint": str(error.checkpoint), "stage": error.stage}
     # the reward failure's checkpoint of step 1 resumes into the run an uninterrupted one is
     whole, _ = train(f"{out}/whole")
@@ -185,16 +187,17 @@ def test_a_step_failing_on_one_process_stops_both_and_keeps_the_last_finished_st
     ranks = [json.loads((tmp_path / f"failed{r}.json").read_text()) for r in (0, 1)]
     # (an eval fails after its step's update: that step is kept, its end pending; 4 eval prompts are one chunk, the
     # main process's)
-    for where, failing, step in (("reward", 1, 1), ("update", 0, 1), ("eval", 0, 2)):
+    for where, failing, step in (("reward", 1, 1), ("update", 0, 1), ("eval", 0, 2), ("entropy", 0, 1)):
         for rank, said in enumerate(ranks):
-            assert said[where]["stage"] in (where, "reward")  # a reward function's own error names its stage
+            # a reward function's own error names its stage; the entropy case is an update's
+            assert said[where]["stage"] in (where, "reward", "update")
             assert said[where]["checkpoint"] == str(tmp_path / where / f"checkpoint-{step}"), (where, rank)
             assert f"checkpoint written to {tmp_path / where / f'checkpoint-{step}'}" in said[where]["error"]
             if rank != failing:
                 cause = (
                     f"after {step} of 3 optimizer steps: reward function 'reward' raised KeyError: 'answer'"
                     if where in ("reward", "eval")
-                    else f"the {where} raised KeyError: 'answer'"
+                    else "the update raised KeyError: 'answer'"
                 )
                 assert f"process {failing} stopped: {cause}" in said[where]["error"]
         assert (tmp_path / where / f"checkpoint-{step}" / "lora_grpo_state.json").is_file()

@@ -34,10 +34,11 @@ def test_the_metadata_reads_back_as_the_hubs():
     assert row(read, "base") == f"[{HUB_ID}](https://huggingface.co/{HUB_ID}), 4-bit NF4 (QLoRA)"
     assert row(read, "reward functions") == "accuracy (weight 1), format (weight 0.5)"
     assert row(read, "optimizer steps") == "12"
-    assert (
-        f'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{HUB_ID}"), "runs/sums")'
-        in read.text
-    )
+    loads = f'base = AutoModelForCausalLM.from_pretrained("{HUB_ID}")\n'
+    loads += 'model = PeftModel.from_pretrained(base, "runs/sums")'
+    assert loads in read.text
+    gguf = card(GRPOConfig(model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct-GGUF", gguf_file="q4_k_m.gguf"))
+    assert 'from_pretrained("Qwen/Qwen2.5-0.5B-Instruct-GGUF", gguf_file="q4_k_m.gguf")' in gguf.text
 
 
 def test_a_packaged_base_names_the_hub_model_it_was_made_from_and_a_task_base_none():

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from lora_grpo.run import model_card
 from lora_grpo.run.run_dir import (
     LOCK_NAME,
     OutputDirError,
@@ -80,11 +81,15 @@ def test_overwrite_sets_the_previous_run_aside_and_deletes_nothing(tmp_path):
     # what transformers' save_metrics / save_state wrote for that run (a TRL script's) goes with it
     (run / "train_results.json").write_text("{}")
     (run / "trainer_state.json").write_text("{}")
+    (run / "README.md").write_text(
+        f"{model_card.MARKER}\n# run\n"
+    )  # its model card goes too; a user's would stay
     with claim_output_dir(run, overwrite=True) as claim:
         assert claim.set_aside == run / "previous-run-1"
         assert "moved to" in claim.notes[0] and "nothing deleted" in claim.notes[0]
         assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME, "my_notes.txt", "previous-run-1"]
         assert sorted(p.name for p in claim.set_aside.iterdir()) == [
+            "README.md",
             "adapter",
             "checkpoint-2",
             "checkpoint-4",

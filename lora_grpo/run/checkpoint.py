@@ -540,6 +540,31 @@ def _other_process_count(path: Path, per_process: list[dict], saved: int, num_pr
     )
 
 
+def _whole_dataset_position(path: Path, position: dict, saved_processes: int, batches) -> dict:
+    """The data position of a checkpoint that several processes wrote before each held the whole dataset (each
+    drew from a shard of len // processes rows; data.PromptBatches): the same share of the same epoch of the seeded
+    order of every row, said in a warning (the rest of that epoch is not exactly the prompts the run had left). A
+    position of any other size is left for PromptBatches to refuse."""
+    rows = len(batches.dataset)
+    shard = (rows - rows % saved_processes) // saved_processes
+    if int(position.get("num_rows", -1)) != shard:
+        return position
+    index = int(position["index"]) * saved_processes
+    logger.warning(
+        "%s: written by %d processes when each drew from its own %d of the %d rows: resumed at the same share of "
+        "epoch %s (row %s of %d) of the seeded order of every row, which every process now holds; the rest of that "
+        "epoch is not exactly the prompts that run had left",
+        path,
+        saved_processes,
+        shard,
+        rows,
+        position["epoch"],
+        index,
+        rows,
+    )
+    return {**position, "num_rows": rows, "index": index}
+
+
 def _processes(first: int, end: int) -> str:
     """'process 1', or 'processes 1-3' (first to end - 1)."""
     return f"process {first}" if end - first == 1 else f"processes {first}-{end - 1}"
@@ -637,6 +662,11 @@ def restore_training_state(
         logger.warning(
             "%s: %s", path, _other_process_count(path, per_process, saved_processes, num_processes)
         )
+    if state_file(path).name == TRAINER_STATE_JSON and saved_processes > 1:
+        saved = {
+            **saved,
+            "batches": _whole_dataset_position(path, saved["batches"], saved_processes, state.batches),
+        }
     load_checkpoint_adapters(model, path)
     optimizer.load_state_dict(optimizer_state_on_devices(blobs["optimizer"], optimizer))
     scheduler.load_state_dict(blobs["scheduler"])

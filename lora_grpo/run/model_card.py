@@ -83,7 +83,7 @@ A LoRA adapter of {base_shown} trained with GRPO (Shao et al., 2024){dataset_sho
 ## Use it
 
 ```python
-{_loading(hub_id, where)}
+{_loading(hub_id, where, getattr(config, "gguf_file", None))}
 ```
 
 ## Training
@@ -106,9 +106,9 @@ GRPO:
 """
 
 
-def _loading(hub_id: str | None, where: str) -> str:
-    """The Python that loads the adapter on its base: the hub's base by its id, or else the base its
-    adapter_config.json names (a path on the machine that trained it)."""
+def _loading(hub_id: str | None, where: str, gguf_file: str | None = None) -> str:
+    """The Python that loads the adapter on its base: the hub's base by its id (a GGUF repository's with its
+    file), or else the base its adapter_config.json names (a path on the machine that trained it)."""
     if hub_id is None:
         return (
             "from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
@@ -117,7 +117,10 @@ def _loading(hub_id: str | None, where: str) -> str:
         )
     return (
         "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-        f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{hub_id}"), "{where}")\n'
+        f'base = AutoModelForCausalLM.from_pretrained("{hub_id}"'
+        + (f', gguf_file="{gguf_file}"' if gguf_file else "")
+        + ")\n"
+        f'model = PeftModel.from_pretrained(base, "{where}")\n'
         f'tokenizer = AutoTokenizer.from_pretrained("{where}")'
     )
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from . import model_card
 from .checkpoint import list_checkpoints
 from .logs import read_log
 from .owned_dir import TargetError, check_not_protected, protected_paths, shown
@@ -185,7 +186,13 @@ def set_aside(output_dir: str | Path) -> Path:
     while (target := root / f"previous-run-{k}").exists():
         k += 1
     target.mkdir()
-    for path in [root / name for name in RUN_FILES] + sorted(root.glob(_CHECKPOINT_GLOB)):
+    # the run's model card too (save_model's, create_model_card's), never a README of the user's
+    card = (
+        [root / "README.md"]
+        if (root / "README.md").is_file() and model_card.is_ours(root / "README.md")
+        else []
+    )
+    for path in [root / name for name in RUN_FILES] + card + sorted(root.glob(_CHECKPOINT_GLOB)):
         if path.exists():
             shutil.move(str(path), str(target / path.name))
     return target
