@@ -8,7 +8,8 @@ position, the sync schedule, the warmup restarts) is saved through that part's `
 
 Fields marked PER_PROCESS hold tensors and are each process's own (the steps left of the current
 generation): `state_dict()` leaves them out, `process_state_dict()` gives them as CPU tensors, which
-run/checkpoint.py writes to trainer_state.pt beside every process's RNG states. Not in here at all: the
+run/checkpoint.py writes to trainer_state.pt beside every process's RNG states, with each process's own data
+position (ALSO_PER_PROCESS: the JSON holds the main process's). Not in here at all: the
 optimizer, the LR scheduler, the RNG states and the adapters themselves.
 """
 
@@ -57,6 +58,9 @@ _AT_LEAST_ONE = frozenset({"num_processes", "micro_batch_size"})
 OF_THE_MODEL = frozenset(
     {"reference_is_policy", "micro_batch_size", "gradient_checkpointing", "num_processes"}
 )
+# Parts saved in lora_grpo_state.json (the main process's) and again per process in trainer_state.pt, where each
+# process's own is restored: with dynamic sampling each process draws its prompts at its own pace.
+ALSO_PER_PROCESS = ("batches",)
 # A field's metadata key: the field is this process's own, saved with tensors in trainer_state.pt; its value
 # is the function that rebuilds the part from its saved state (saved, device) -> part.
 PER_PROCESS = "lora_grpo_per_process"
@@ -151,16 +155,24 @@ class TrainState(TrainerState):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if PER_PROCESS in f.metadata}
 
     def process_state_dict(self) -> dict[str, Any]:
-        """This process's PER_PROCESS fields as plain values and CPU tensors (for trainer_state.pt)."""
-        return {name: _export(value) for name, value in self.process_parts().items()}
+        """This process's PER_PROCESS fields as plain values and CPU tensors, and its ALSO_PER_PROCESS parts' states
+        (for trainer_state.pt)."""
+        own = {
+            name: _export(getattr(self, name)) for name in ALSO_PER_PROCESS if getattr(self, name) is not None
+        }
+        return {**{name: _export(value) for name, value in self.process_parts().items()}, **own}
 
     def load_process_state_dict(self, saved: dict[str, Any], device) -> None:
         """Restore process_state_dict()'s fields, tensors onto `device`; a field the checkpoint lacks
-        (one written before the field existed) is None."""
+        (one written before the field existed) is None, an ALSO_PER_PROCESS part it lacks keeps the main
+        process's state (load_state_dict's)."""
         for f in dataclasses.fields(self):
             if PER_PROCESS in f.metadata:
                 value = saved.get(f.name)
                 setattr(self, f.name, None if value is None else f.metadata[PER_PROCESS](value, device))
+        for name in ALSO_PER_PROCESS:
+            if saved.get(name) is not None and getattr(self, name) is not None:
+                getattr(self, name).load_state_dict(saved[name])
 
     def start_again(self, fresh: TrainState) -> None:
         """Become `fresh` (a new run's state, TrainState.for_run) in place, parts included, but for the

@@ -320,6 +320,43 @@ def test_two_processes_fill_their_own_quota_and_stay_identical(tiny_base_dir, tm
     assert max(r0["epochs_done"], r1["epochs_done"]) >= 1  # the first process out of prompts ended it
 
 
+TWO_PROCESSES_RESUME = """
+import json, sys, torch
+from lora_grpo import GRPOConfig, GRPOTrainer
+from test_dynamic_sampling import half_constant
+
+base, out = sys.argv[1], sys.argv[2]
+prompts = [{"prompt": f"{i}+{i % 5}="} for i in range(24)]
+
+def run(output_dir, **kw):
+    cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, num_generations=4, prompts_per_step=2,
+                     max_completion_length=5, micro_batch_size=8, max_steps=4, beta=0.0, dynamic_sampling=True,
+                     learning_rate=1e-2, output_dir=output_dir, gradient_checkpointing=False, **kw)
+    t = GRPOTrainer(cfg, reward_funcs=[half_constant], train_dataset=prompts)
+    t.train()
+    return t
+
+full = run(out + "/full", save_steps=2)
+resumed = run(out + "/resumed", save_steps=0, resume_from_checkpoint=out + "/full/checkpoint-2")
+pairs = zip(full.model.named_parameters(), resumed.model.named_parameters())
+saved = torch.load(out + "/full/checkpoint-2/trainer_state.pt", weights_only=True)
+positions = [p.get("batches") for p in saved["process_state"]]
+json.dump({"same": all(torch.equal(p, q) for (_, p), (_, q) in pairs), "positions": positions,
+           "rounds": [[m.get("dynamic_sampling/rounds") for m in t.state.log_history] for t in (full, resumed)]},
+          open(f"{out}/resume{full.accelerator.process_index}.json", "w"))
+"""
+
+
+def test_two_processes_resume_exactly_each_at_its_own_data_position(tiny_base_dir, tmp_path):
+    """Each process draws its prompts at its own pace: a checkpoint keeps every process's own data position (the
+    main process's alone sent the others to its place), so the resumed run is the uninterrupted one."""
+    run_torchrun(TWO_PROCESSES_RESUME, tmp_path, tiny_base_dir, tmp_path)
+    r0, r1 = (json.loads((tmp_path / f"resume{r}.json").read_text()) for r in (0, 1))
+    assert r0["same"] and r1["same"]
+    assert r0["positions"][0] != r0["positions"][1]  # the processes were at other places
+    assert r0["rounds"][0] == r0["rounds"][1]  # each step drew as many rounds
+
+
 # ------------------------------------------------------------------------------ the exact saving
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo", "sapo", "vespo", "luspo"])
 def test_leaving_out_zero_advantage_rows_gives_the_full_update(
