@@ -268,24 +268,23 @@ class Evaluator:
         process returns the same metrics."""
         cfg, acc = self.config, self.accelerator
         n = num_eval_samples(cfg.eval_pass_k, cfg.eval_num_samples)
-        temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
-        rows_at_once = decode_rows(cfg)  # the training rollout's rows: one decode shape for the run
-        # samples of the policy itself
-        kl_on_pass_k = cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature
         # the chunks of this process (reward functions, tools) before the gather: a failure on one stops all
         with agreed_failures(acc):
-            results = self._chunks(dataset, batch_prompts, n, temperature, rows_at_once, kl_on_pass_k)
+            results = self._chunks(dataset, batch_prompts, n)
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
 
             results = gather_object(results)
         return eval_metrics(results, self.reward_names, cfg.eval_pass_k, n, len(dataset))
 
-    def _chunks(
-        self, dataset, batch_prompts: int, n: int, temperature: float, rows_at_once: int, kl_on_pass_k
-    ):
-        """This process's chunks of the eval prompts: their per-prompt results (prompt_results)."""
+    def _chunks(self, dataset, batch_prompts: int, n: int) -> list:
+        """This process's chunks of the eval prompts, n sampled completions per prompt: their per-prompt results
+        (prompt_results)."""
         cfg, acc = self.config, self.accelerator
+        temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
+        rows_at_once = decode_rows(cfg)  # the training rollout's rows: one decode shape for the run
+        # samples of the policy itself
+        kl_on_pass_k = cfg.eval_kl_to_base and n > 0 and temperature == cfg.temperature
         results = []
         for chunk, start, stop in eval_chunks(
             len(dataset), batch_prompts, acc.num_processes, acc.process_index

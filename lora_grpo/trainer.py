@@ -597,13 +597,7 @@ class GRPOTrainer:
                     f"the checkpoint of step {state.global_step} could not be written either: {write_error}"
                 )
         reward = isinstance(error, RewardFunctionError)
-        what = (
-            str(error)
-            if reward
-            else _peer_failure(error, stages)
-            if isinstance(error, PeerFailed)
-            else f"{describe_stages(stages)} raised {type(error).__name__}: {error}"
-        )
+        what = _failure_words(error, stages)
         kept = kept_work(
             self.output_dir,
             target,
@@ -1030,9 +1024,13 @@ class GRPOTrainer:
         self.reporter.print(text)  # through the progress bar (tqdm.write), main process only
 
 
-def _peer_failure(error: PeerFailed, stages: tuple[str, ...]) -> str:
-    """Another process's failure in a stopped step's words: a reward function's error says itself which function
-    and sample, any other its stage, type and text."""
-    if error.error_type == RewardFunctionError.__name__:
-        return f"process {error.process} stopped: {error.error_text}"
-    return f"process {error.process} stopped: {describe_stages(stages)} raised {error.error_type}: {error.error_text}"
+def _failure_words(error: Exception, stages: tuple[str, ...]) -> str:
+    """A stopped step's error in its message's words: a reward function's error says itself which function and
+    sample, any other its stage, type and text; another process's (PeerFailed) the same, after that process."""
+    if isinstance(error, PeerFailed):
+        said, kind, text = f"process {error.process} stopped: ", error.error_type, error.error_text
+    else:
+        said, kind, text = "", type(error).__name__, str(error)
+    if kind == RewardFunctionError.__name__:
+        return said + text
+    return f"{said}{describe_stages(stages)} raised {kind}: {text}"

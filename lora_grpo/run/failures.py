@@ -53,11 +53,7 @@ def stage(name: str):
     try:
         yield
     except Exception as error:
-        try:
-            setattr(error, _STAGES_ATTRIBUTE, (name, *stages_of(error)))
-        except (AttributeError, TypeError):
-            # an exception that takes no attributes (slots, frozen) goes on unnamed, never masked
-            pass
+        _mark(error, _STAGES_ATTRIBUTE, (name, *stages_of(error)))
         raise
 
 
@@ -123,7 +119,8 @@ def agreed(error: BaseException) -> bool:
 def _mark(error: BaseException, name: str, value) -> None:
     try:
         setattr(error, name, value)
-    except (AttributeError, TypeError):  # an exception that takes no attributes goes on unmarked
+    except (AttributeError, TypeError):
+        # an exception that takes no attributes (slots, frozen) goes on unmarked, never masked
         pass
 
 

@@ -70,7 +70,8 @@ def model_card(
         "reference": _reference(config, syncs),
     }
     table = "\n".join(f"| {name} | {value} |" for name, value in rows.items())
-    versions = "\n".join(f"- {name}: {_version(name)}" for name in VERSIONS if _version(name))
+    installed = {name: _version(name) for name in VERSIONS}
+    versions = "\n".join(f"- {name}: {version}" for name, version in installed.items() if version)
     return f"""---
 {metadata.to_yaml()}
 ---
