@@ -462,7 +462,7 @@ class GRPOTrainer:
             )
 
     def model_card(
-        self, where: Path, *, model_name: str | None = None, dataset_name: str | None = None, tags=()
+        self, where: Path | str, *, model_name: str | None = None, dataset_name: str | None = None, tags=()
     ) -> str:
         """The policy adapter's model card as it stands (run/model_card.py), for the directory or Hub id `where`;
         the dataset by default the config's when it is a hub dataset."""
@@ -954,7 +954,7 @@ class GRPOTrainer:
                 ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit)
             self.reporter.plot()  # metrics.png so far (a failure is only a warning)
         self.accelerator.wait_for_everyone()
-        self._event("save", due=due)
+        self._event("save", due=due, path=target)
         return target
 
     def load_checkpoint(self, path: str | Path) -> Path:
@@ -1013,10 +1013,10 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ plumbing
     def _event(self, name: str, **payload) -> None:
         """A named point of the loop: train_begin, step_begin, pre_optimizer_step and optimizer_step (around the
-        optimizer's step, skipped or not), step_end (flow=StepFlow), log (logs=), evaluate (metrics=), save (due=),
-        epoch_end (flow=StepFlow: after the step that ends an epoch, the run or a hook's stop; _end_epoch),
-        train_end. Callbacks hang here: hook(name, trainer, **payload) (the TRL front door dispatches to
-        transformers' CallbackHandler)."""
+        optimizer's step, skipped or not), step_end (flow=StepFlow), log (logs=), evaluate (metrics=), save (due=,
+        path=: the checkpoint written), epoch_end (flow=StepFlow: after the step that ends an epoch, the run or a
+        hook's stop; _end_epoch), train_end. Callbacks hang here: hook(name, trainer, **payload) (the TRL front door
+        dispatches to transformers' CallbackHandler)."""
         for hook in self.hooks:
             hook(name, self, **payload)
 

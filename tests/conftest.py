@@ -61,3 +61,11 @@ def cuda_build(monkeypatch):
     monkeypatch.setattr(device, "_ALLOCATOR", {"set": False, "why": "not decided"})
     for name in device.ALLOC_CONF_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """The hub, recorded instead of reached (helpers.FakeHub): tests that push."""
+    from helpers import FakeHub
+
+    return FakeHub().install(monkeypatch)

@@ -435,3 +435,91 @@ def tiny_reward_model(tokenizer, seed=0, dropout=0.0):
         attention_dropout=dropout,
     )
     return LlamaForSequenceClassification(config).eval()
+
+
+class FakeHub:
+    """The Hugging Face Hub for tests that push (nothing reaches a network): `install(monkeypatch)` replaces
+    huggingface_hub's HfApi.create_repo and upload_folder, which transformers' Trainer and lora_grpo both call, by
+    a record of each call. An upload records the files it sends (huggingface_hub's own filter_repo_objects applies
+    its allow and ignore patterns) with their bytes, read when it runs: at once, or, for a background one, in a
+    worker thread once `release()` follows `hold()`. `fail` is an exception every upload raises, `refuse` one
+    create_repo raises."""
+
+    def __init__(self):
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.created: list[dict] = []
+        self.uploads: list[dict] = []
+        self.fail: Exception | None = None
+        self.refuse: Exception | None = None
+        self._gate = threading.Event()
+        self._gate.set()
+        self._pool = ThreadPoolExecutor(1)
+
+    def install(self, monkeypatch) -> "FakeHub":
+        from huggingface_hub import HfApi
+
+        hub = self
+        monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: hub.create_repo(repo_id, **kw))
+        monkeypatch.setattr(HfApi, "upload_folder", lambda api, **kw: hub.upload_folder(**kw))
+        return self
+
+    def hold(self) -> None:
+        self._gate.clear()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def create_repo(self, repo_id, *, token=None, private=None, exist_ok=False, **_):
+        from huggingface_hub.hf_api import RepoUrl
+
+        if self.refuse is not None:
+            raise self.refuse
+        self.created.append({"repo_id": repo_id, "token": token, "private": private, "exist_ok": exist_ok})
+        return RepoUrl(f"https://huggingface.co/{repo_id if '/' in repo_id else 'me/' + repo_id}")
+
+    def upload_folder(
+        self,
+        *,
+        repo_id,
+        folder_path,
+        path_in_repo=None,
+        commit_message=None,
+        token=None,
+        revision=None,
+        allow_patterns=None,
+        ignore_patterns=None,
+        run_as_future=False,
+        **_,
+    ):
+        from pathlib import Path
+
+        from huggingface_hub.hf_api import CommitInfo
+        from huggingface_hub.utils import filter_repo_objects
+
+        def upload():
+            self._gate.wait(timeout=120)
+            if self.fail is not None:
+                raise self.fail
+            root = Path(folder_path)
+            names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+            kept = filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns)
+            self.uploads.append(
+                {
+                    "repo_id": repo_id,
+                    "path_in_repo": path_in_repo,
+                    "message": commit_message,
+                    "revision": revision,
+                    "token": token,
+                    "files": {name: (root / name).read_bytes() for name in kept},
+                }
+            )
+            return CommitInfo(
+                commit_url=f"https://huggingface.co/{repo_id}/commit/{len(self.uploads):040d}",
+                commit_message=commit_message or "",
+                commit_description="",
+                oid=f"{len(self.uploads):040d}",
+            )
+
+        return self._pool.submit(upload) if run_as_future else upload()

@@ -35,15 +35,30 @@ def test_every_field_of_trls_config_is_mapped_or_refused_by_name():
     assert not set(EXTENSIONS) & set(theirs)  # an extension TRL took up would need its own entry
     unlisted = sorted(set(theirs) - set(FIELDS))
     assert not unlisted, f"fields of TRL's GRPOConfig with no entry in lora_grpo.trl.FIELDS: {unlisted}"
-    assert {f.how for f in FIELDS.values()} == {"mapped", "flow", "no effect", "refused"}
+    assert {f.how for f in FIELDS.values()} == {"mapped", "flow", "no effect", "trainer", "refused"}
     assert all(f.why for f in FIELDS.values())
+
+
+def test_the_guide_counts_each_fate_as_the_table_has_it():
+    import collections
+
+    text = " ".join((Path(__file__).parents[1] / "docs" / "guides" / "from-trl.md").read_text().split())
+    counts = collections.Counter(f.how for f in FIELDS.values())
+    said = {
+        "mapped": r"(\d+) act through a lora_grpo field",
+        "flow": r"(\d+) through transformers' flow",
+        "no effect": r"(\d+) change nothing here",
+        "trainer": r"(\d+) act in the front door's trainer",
+        "refused": r"(\d+) are refused by name",
+    }
+    assert {how: int(re.search(pattern, text).group(1)) for how, pattern in said.items()} == dict(counts)
 
 
 @pytest.mark.parametrize(
     "field, value",
     [
         ("use_vllm", True),
-        ("push_to_hub", True),
+        ("trackio_space_id", "me/dashboard"),
         ("torch_compile", True),
         ("use_liger_kernel", True),
         ("num_generations_eval", 4),

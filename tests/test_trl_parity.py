@@ -1757,6 +1757,101 @@ def test_what_trl_users_read_off_the_trainer(tiny_base_dir, tmp_path, library):
     assert keep.tolist() == [[1.0], [1.0], [0.0]]
 
 
+# ------------------------------------------------------------------------------ the hub
+def pushes_begun(seen: list):
+    """A TrainerCallback that records the global_step of each on_push_begin."""
+    from transformers import TrainerCallback
+
+    class Pushes(TrainerCallback):
+        def on_push_begin(self, args, state, control, **kwargs):
+            seen.append(state.global_step)
+
+    return Pushes()
+
+
+HUB_COMMITS = {
+    # hub_strategy: what the two save steps push (path_in_repo, commit message), in order
+    "end": [],
+    "every_save": [(None, "Training in progress, step 1"), (None, "Training in progress, step 2")],
+    "checkpoint": [
+        (None, "Training in progress, step 1"),
+        ("last-checkpoint", "Training in progress, step 1, checkpoint"),
+        (None, "Training in progress, step 2"),
+        ("last-checkpoint", "Training in progress, step 2, checkpoint"),
+    ],
+    "all_checkpoints": [
+        (None, "Training in progress, step 1"),
+        ("checkpoint-1", "Training in progress, step 1, checkpoint"),
+        (None, "Training in progress, step 2"),
+        ("checkpoint-2", "Training in progress, step 2, checkpoint"),
+    ],
+}
+
+
+@pytest.mark.parametrize("strategy", list(HUB_COMMITS))
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_push_to_hub_pushes_what_transformers_pushes(tiny_base_dir, tmp_path, library, strategy, fake_hub):
+    """The repository made when the trainer is built; each save step's push by hub_strategy, in the background;
+    a script's save_model() and push_to_hub() pushing output_dir: the adapter, its tokenizer and card, never a
+    checkpoint at the root."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load
+
+    seen = []
+    scope = run(
+        library,
+        f"""
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS.replace("save_strategy='no'", "save_steps=1")}, max_steps=2,
+                          push_to_hub=True, hub_model_id="me/tiny-grpo", hub_strategy=STRATEGY)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8),
+                              callbacks=[PUSHES], peft_config=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+        created = list(HUB.created)
+        trainer.train()
+        during = list(HUB.uploads)
+        trainer.save_model()
+        info = trainer.push_to_hub(dataset_name="me/sums")
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        STRATEGY=strategy,
+        HUB=fake_hub,
+        PUSHES=pushes_begun(seen),
+    )
+    trainer = scope["trainer"]
+    assert scope["created"] == [{"repo_id": "me/tiny-grpo", "token": None, "private": None, "exist_ok": True}]
+    assert trainer.hub_model_id == "me/tiny-grpo"
+    assert [(u["path_in_repo"], u["message"]) for u in scope["during"]] == HUB_COMMITS[strategy]
+    # on_push_begin: each save step's push, save_model's and push_to_hub's
+    assert seen == [1, 2][: 0 if strategy == "end" else 2] + [2, 2]
+    model_files = {"adapter_config.json", "adapter_model.safetensors", "README.md", "tokenizer_config.json"}
+    for upload in scope["during"]:
+        assert model_files <= set(upload["files"])
+        if upload["path_in_repo"]:  # the whole checkpoint, resumable from the hub
+            assert "trainer_state.json" in upload["files"]
+    ended = fake_hub.uploads[len(scope["during"]) :]
+    assert [(u["path_in_repo"], u["message"]) for u in ended] == [
+        (None, "Model save"),
+        (None, "End of training"),
+    ]
+    assert scope["info"].commit_url.startswith("https://huggingface.co/me/tiny-grpo/commit/")
+    model = trainer.model
+    trained = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    # the repository's root after the last save step, save_model and push_to_hub: the trained adapter
+    for upload in [u for u in scope["during"] if u["path_in_repo"] is None][-1:] + ended:
+        assert model_files <= set(upload["files"])
+        assert not any(name.startswith("checkpoint-") for name in upload["files"])
+        # its card loads the model from the repository, not from this machine's output_dir
+        card = upload["files"]["README.md"].decode()
+        assert '"me/tiny-grpo"' in card and str(tmp_path) not in card
+        pushed = load(upload["files"]["adapter_model.safetensors"])
+        assert pushed.keys() == trained.keys()
+        assert all(torch.equal(pushed[k], trained[k].to(pushed[k].dtype)) for k in trained)
+    # the card names the dataset given to push_to_hub
+    assert "me/sums" in ended[-1]["files"]["README.md"].decode()
+
+
 # ------------------------------------------------------------------------------ lora-grpo trl
 def test_the_trl_cli_reads_a_local_data_file_and_logs_trls_reward_names(tiny_base_dir, tmp_path):
     import json

@@ -70,7 +70,7 @@ def model_card(
         "reference": _reference(config, syncs),
     }
     table = "\n".join(f"| {name} | {value} |" for name, value in rows.items())
-    installed = {name: _version(name) for name in VERSIONS}
+    installed = {name: package_version(name) for name in VERSIONS}
     versions = "\n".join(f"- {name}: {version}" for name, version in installed.items() if version)
     return f"""---
 {metadata.to_yaml()}
@@ -159,7 +159,8 @@ def _reference(config, syncs: int) -> str:
     return f"iterative: re-synced to the policy {' or '.join(when)} ({how}), {syncs} times"
 
 
-def _version(name: str) -> str | None:
+def package_version(name: str) -> str | None:
+    """The installed version of the package `name`; None when it is not installed."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:

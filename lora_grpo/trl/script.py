@@ -255,7 +255,7 @@ def read_config(path: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    """TRL's GRPO script, on lora_grpo: load the data, build the trainer, train, save, end."""
+    """TRL's GRPO script, on lora_grpo: load the data, build the trainer, train, save, push (push_to_hub), end."""
     from . import GRPOTrainer
 
     script, training_args, model_args, mixture = parse(argv)
@@ -287,5 +287,10 @@ def main(argv: list[str]) -> int:
     trainer.accelerator.print("Training completed.")
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script.dataset_name)
+        trainer.accelerator.print(
+            f"Model pushed to the Hub in https://huggingface.co/{trainer.hub_model_id}."
+        )
     trainer.end()
     return 0

@@ -5,6 +5,8 @@
     its loop's named points (trainer._event) ─► transformers' CallbackHandler: DefaultFlowCallback
         decides when to log, evaluate and save from the TrainingArguments, the user's callbacks run
     its per-step records ─► TRL's metric names, averaged over each logging window (as TRL's log())
+    push_to_hub ─► run/hub.py: the repository made when built, each save step's checkpoint pushed in the
+        background by hub_strategy, output_dir pushed by save_model() and push_to_hub()
 
 `trainer.state` is a transformers TrainerState of TRL's meaning (global_step counts every optimizer
 update, log_history holds TRL-named records); the native loop's own state is `trainer.native.state`.
@@ -34,6 +36,7 @@ from ..rewards import RewardModel
 from ..rng import seed_everything
 from ..run import model_card
 from ..run.checkpoint import save_adapter
+from ..run.hub import HubRepo
 from ..run.owned_dir import protected_paths, write_into, write_whole
 from ..run.reporting import table_of, tracker_names
 from ..run.run_dir import not_a_runs
@@ -249,6 +252,11 @@ class GRPOTrainer:
         self._epoch_open = False
         # whether this step's eval records wait for its train record, and those waiting (_on_event's "log")
         self._evals_wait, self._waiting_evals = False, []
+        # the hub repository, as transformers' Trainer makes it when built (on the main process): a missing login
+        # stops the script before it trains
+        self.hub_model_id, self._hub = None, None
+        if args.push_to_hub:
+            self.init_hf_repo()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # ------------------------------------------------------------------ TRL's public methods
@@ -295,6 +303,8 @@ class GRPOTrainer:
         }
         self.log({**self._unlogged_window(), **metrics})
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        if self._hub is not None:  # the checkpoints' pushes finish, as transformers waits for them here
+            self._hub.wait()
         return TrainOutput(steps, metrics["train_loss"], {**metrics, "epoch": self.state.epoch})
 
     def _start_again(self) -> None:
@@ -409,6 +419,10 @@ class GRPOTrainer:
                     os.replace(item, tmp / item.name)
                 saved.rmdir()
         # no barrier: a script may call it on the main process alone (transformers' save_model has none either)
+        if (
+            self.args.push_to_hub and not _internal_call
+        ):  # as transformers': a script's save pushes output_dir
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def create_model_card(
         self,
@@ -430,13 +444,62 @@ class GRPOTrainer:
                 "call trainer.create_model_card(..., overwrite=True) to replace it"
             )
         card = self.native.model_card(
-            Path(self.args.output_dir),
+            # its "Use it" loads from the hub repository when the run pushes there, as TRL's card does
+            self.hub_model_id or Path(self.args.output_dir),
             model_name=model_name,
             dataset_name=dataset_name,
             tags=[tags] if isinstance(tags, str) else list(tags or ()),
         )
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(card, encoding="utf-8")
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """Create (or find) the hub repository: hub_model_id, or output_dir's name under the token's user; on the
+        main process, as transformers'. HubPushError names what the hub said and the fix."""
+        if not self.is_world_process_zero():
+            return
+        args = self.args
+        self._hub = HubRepo.create(
+            args.hub_model_id or Path(args.output_dir).absolute().name,
+            token=token if token is not None else args.hub_token,
+            private=private if private is not None else args.hub_private_repo,
+            revision=args.hub_revision,
+            strategy=args.hub_strategy,
+            always_push=args.hub_always_push,
+        )
+        self.hub_model_id = self._hub.repo_id
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs,
+    ):
+        """Save the adapter into output_dir, write its model card and upload output_dir to the hub repository
+        (transformers' push_to_hub, which TRL's script calls after save_model): the adapter, the tokenizer, the
+        card and the run's config, metrics and results, without the checkpoints, previous runs and
+        completions.jsonl. `kwargs` go to create_model_card (dataset_name, tags). The CommitInfo, or a Future of
+        it when not `blocking`; None on the other processes."""
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        model_name = kwargs.pop("model_name", None)
+        if model_name is None:
+            model_name = (self.args.hub_model_id or Path(self.args.output_dir).name).split("/")[-1]
+        if self._hub is None:  # push_to_hub=False in the config: the repository is made now
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        self.create_model_card(model_name=model_name, **kwargs)
+        return self._hub.push_folder(
+            Path(self.args.output_dir),
+            commit_message,
+            blocking=blocking,
+            token=token,
+            revision=revision if revision is not None else self.args.hub_revision,
+        )
 
     def end(self) -> None:
         """Finish the trackers and leave the process group (transformers ≥ 5.18's Trainer.end)."""
@@ -578,6 +641,21 @@ class GRPOTrainer:
             # on_save for the saves transformers makes (the flow's); not for the run's last checkpoint, which
             # lora_grpo always keeps (also under save_strategy "no"), nor a failure's or a stop's
             if payload["due"]:
+                if self._hub is not None and self._hub.wants():
+                    # transformers' _push_from_checkpoint, before on_save: on_push_begin, its commit message
+                    self.control = handler.on_push_begin(args, state, self.control)
+                    done = (
+                        f"step {state.global_step}"
+                        if args.save_strategy == "steps"
+                        else f"epoch {int(state.epoch or 0)}"
+                    )
+                    self._hub.push_checkpoint(
+                        payload["path"],
+                        f"Training in progress, {done}",
+                        card=self.native.model_card(
+                            self.hub_model_id, model_name=self.hub_model_id.split("/")[-1]
+                        ),
+                    )
                 self.control = handler.on_save(args, state, self.control)
             self.control.should_save = False
         trainer.state.extra = {"trl_log_history": state.log_history}

@@ -7,6 +7,7 @@ Each of TRL 1.16's 191 GRPOConfig fields (its own and TrainingArguments') is in 
                (logging / eval / save strategies and steps, eval_delay, logging_first_step)
     no effect  accepted at any value, with the reason it changes nothing here (no DataLoader, no
                DeepSpeed, vLLM-only, what lora_grpo always does)
+    trainer    acts as in TRL, in the front door's GRPOTrainer itself (the hub push, run/hub.py)
     refused    lora_grpo has no equivalent: set away from TRL's default, it is a ConfigError naming the
                field, why, and what to do
 
@@ -28,7 +29,7 @@ from .config import EXTENSIONS, GRPOConfig
 
 @dataclass(frozen=True)
 class Field:
-    how: str  # mapped | flow | no effect | refused
+    how: str  # mapped | flow | no effect | trainer | refused
     why: str  # the native field(s) it becomes, or the reason
 
 
@@ -48,10 +49,17 @@ def _r(why):
     return Field("refused", why)
 
 
+def _t(why):
+    return Field("trainer", why)
+
+
 NO_LOADER = "lora_grpo has no DataLoader (prompts are drawn by data.PromptBatches)"
 NO_DDP = "lora_grpo averages the LoRA gradients itself (one flat all-reduce), without torch DDP"
 VLLM = "used only with use_vllm, as in TRL"
-NO_HUB = "lora_grpo does not push to the hub: push trainer.save_model()'s directory yourself"
+NO_HUB = (
+    "lora_grpo pushes the model to the hub (push_to_hub), not its completions or trackers: completions.jsonl in "
+    "output_dir holds every completion"
+)
 
 FIELDS: dict[str, Field] = {
     # --- the run and its batches ---------------------------------------------------------------
@@ -272,16 +280,21 @@ FIELDS: dict[str, Field] = {
             "vllm_tensor_parallel_size",
         )
     },
+    # the hub push: the front door's GRPOTrainer, as transformers' Trainer (run/hub.py)
+    "push_to_hub": _t(
+        "creates the repository when the trainer is built; save_model() and push_to_hub() push"
+    ),
+    "hub_model_id": _t("the repository (None: output_dir's name under the token's user)"),
+    "hub_strategy": _t(
+        "what a save step pushes in the background: end, every_save, checkpoint, all_checkpoints"
+    ),
+    "hub_token": _t("the token of every push"),
+    "hub_private_repo": _t("a repository created private"),
+    "hub_always_push": _t("a save step pushes even while the last push is still uploading"),
+    "hub_revision": _t("the branch pushed to"),
     **{
         name: _r(NO_HUB)
         for name in (
-            "push_to_hub",
-            "hub_token",
-            "hub_private_repo",
-            "hub_model_id",
-            "hub_strategy",
-            "hub_always_push",
-            "hub_revision",
             "log_completions_hub_repo",
             "trackio_space_id",
             "trackio_bucket_id",

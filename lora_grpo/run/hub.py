@@ -1,0 +1,249 @@
+"""A run's adapter on the Hugging Face Hub, as transformers' Trainer pushes with ``push_to_hub`` (TRL's
+GRPOTrainer inherits it), through huggingface_hub's ``HfApi``:
+
+- **The repository** is created (or found: ``exist_ok``) when the trainer is built, so that a missing login
+  or a wrong name stops the script before it trains, in one message with the fix (``HubPushError``).
+- **Each checkpoint a save step writes** is pushed in the background while training goes on, by
+  ``hub_strategy``: ``every_save`` its adapter, tokenizer and model card to the repository's root;
+  ``checkpoint`` also the whole checkpoint to ``last-checkpoint/`` (resumable from the hub);
+  ``all_checkpoints`` to ``checkpoint-N/``; ``end`` nothing. While one push is still uploading the next is
+  skipped, unless ``hub_always_push``.
+- **The final push** (``push_folder``: ``trainer.push_to_hub()``, or ``save_model()`` with ``push_to_hub``)
+  uploads output_dir after the background pushes finish, without what is not the model's: the checkpoints,
+  previous runs, the ``adapter/`` copy of the root's files, ``completions.jsonl`` (the prompts and answers
+  trained on) and the run's lock.
+
+Where this differs from transformers': a checkpoint is pushed from a snapshot of its files (hard links,
+made at once), so that rotation (``save_total_limit``) or a later save cannot change a file under an
+upload; a background push that fails is a warning naming the checkpoint, the error and that it is kept on
+disk (transformers' waits over it in silence); a final push that fails is ``HubPushError`` naming the
+folder, which is left as it was, and how to push it again. Nothing on the hub is deleted: files of the same
+names are replaced, as ``upload_folder`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import tempfile
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import model_card
+
+logger = logging.getLogger(__name__)
+
+# transformers' HubStrategy values
+STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
+
+# A checkpoint's files that are not the model's: its adapters for resuming, optimizer and loop state
+# (pushed whole only to last-checkpoint/ or checkpoint-N/).
+CHECKPOINT_ONLY = ["policy/*", "reference/*", "*.pt", "lora_grpo_state.json", "trainer_state.json"]
+# output_dir's files that are not the model's (the model is its root's adapter, tokenizer and card, with the
+# run's config, metrics and results beside it). "_*" and "checkpoint-*" are transformers' own patterns.
+NOT_PUSHED = [
+    "_*",
+    "checkpoint-*",
+    "previous-run-*",
+    "adapter/*",
+    "completions.jsonl",
+    ".lora_grpo.lock",
+]
+
+
+class HubPushError(RuntimeError):
+    """A push to the hub failed: the message names the repository, the error and what to do."""
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def upload_command(repo_id: str, folder: Path, path_in_repo: str, exclude: list[str] | tuple = ()) -> str:
+    """The `hf upload` command line that pushes `folder` as these pushes do (for a failure's message)."""
+    words = ["hf", "upload", repo_id, str(folder), path_in_repo]
+    for pattern in exclude:
+        words += ["--exclude", pattern]
+    return "`" + shlex.join(words) + "`"
+
+
+def _api():
+    from huggingface_hub import HfApi
+
+    # the hub's record of which library pushed (as transformers' hf_api() names itself)
+    return HfApi(library_name="lora_grpo", library_version=model_card.package_version("lora_grpo"))
+
+
+@dataclass
+class _Push:
+    """One checkpoint's background uploads and the snapshot they read."""
+
+    checkpoint: Path
+    futures: list[Future]
+    snapshot: Path
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+
+def _snapshot(folder: Path) -> Path:
+    """A copy of `folder`'s files as they are now, in a temporary directory: hard links where it shares their
+    file system (instant, no space), else copies. lora_grpo writes a checkpoint's files once, under new names
+    renamed into place, so a link keeps the bytes saved whatever later saves and rotation do."""
+    root = Path(tempfile.mkdtemp(prefix=f"lora_grpo-push-{folder.name}-"))
+    for path in folder.rglob("*"):
+        target = root / path.relative_to(folder)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:  # another file system, or none with hard links
+            shutil.copyfile(path, target)
+    return root
+
+
+class HubRepo:
+    """One hub model repository a run pushes to (``create`` makes or finds it)."""
+
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        token: str | None = None,
+        revision: str | None = None,
+        strategy: str = "every_save",
+        always_push: bool = False,
+    ):
+        strategy = getattr(strategy, "value", strategy)  # transformers' HubStrategy, or its value
+        if strategy not in STRATEGIES:
+            raise ValueError(f"hub_strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+        self.repo_id, self.token, self.revision = repo_id, token, revision
+        self.strategy, self.always_push = strategy, always_push
+        self._pushes: list[_Push] = []
+
+    @classmethod
+    def create(cls, name: str, *, token: str | None = None, private: bool | None = None, **kwargs) -> HubRepo:
+        """The repository `name` (``user/model``, or a bare name under the token's user), created if it is not
+        there; HubPushError when the hub refuses or cannot be reached."""
+        try:
+            url = _api().create_repo(name, token=token, private=private, exist_ok=True)
+        except Exception as error:  # the hub's HTTP errors, offline mode, no network: all say the same here
+            raise HubPushError(
+                f"push_to_hub: could not create or reach the hub repository {name!r} ({_reason(error)}). Log in "
+                "(`hf auth login`) or give hub_token a token that may write there, check hub_model_id, or set "
+                "push_to_hub=False to train without pushing"
+            ) from error
+        return cls(url.repo_id, token=token, **kwargs)
+
+    # ------------------------------------------------------------------ background pushes of checkpoints
+    def busy(self) -> bool:
+        """Whether a checkpoint's push is still uploading (its failures, if any, reported)."""
+        self._reap()
+        return any(not push.done() for push in self._pushes)
+
+    def wants(self) -> bool:
+        """Whether the checkpoint just saved is pushed: a strategy that pushes checkpoints, and the last push
+        done (or hub_always_push)."""
+        busy = self.busy()  # (also reports a finished push's failure now, not at the run's end)
+        return self.strategy != "end" and (self.always_push or not busy)
+
+    def push_checkpoint(self, checkpoint: Path, message: str, *, card: str | None = None) -> None:
+        """Start the uploads of `checkpoint` (a snapshot of it) by the strategy, in the background; `card`: the
+        model card pushed as its README.md (one that loads the adapter from this repository, not from disk)."""
+        checkpoint = Path(checkpoint)
+        snapshot = _snapshot(checkpoint)
+        if card is not None:
+            # the snapshot's README.md is a link to the checkpoint's own card: unlinked, not written through
+            (snapshot / "README.md").unlink(missing_ok=True)
+            (snapshot / "README.md").write_text(card, encoding="utf-8")
+        api = _api()
+        futures = [
+            api.upload_folder(
+                repo_id=self.repo_id,
+                folder_path=snapshot,
+                commit_message=message,
+                token=self.token,
+                revision=self.revision,
+                ignore_patterns=CHECKPOINT_ONLY,
+                run_as_future=True,
+            )
+        ]
+        if self.strategy in ("checkpoint", "all_checkpoints"):
+            futures.append(
+                api.upload_folder(
+                    repo_id=self.repo_id,
+                    folder_path=snapshot,
+                    path_in_repo="last-checkpoint" if self.strategy == "checkpoint" else checkpoint.name,
+                    commit_message=f"{message}, checkpoint",
+                    token=self.token,
+                    revision=self.revision,
+                    run_as_future=True,
+                )
+            )
+        self._pushes.append(_Push(checkpoint, futures, snapshot))
+
+    def wait(self) -> None:
+        """Wait for the background pushes to finish; a failed one is a warning (its checkpoint is on disk)."""
+        pending = [push for push in self._pushes if not push.done()]
+        if pending:
+            logger.info(
+                "waiting for the push of %s to the hub to finish",
+                ", ".join(p.checkpoint.name for p in pending),
+            )
+        for push in pending:
+            for future in push.futures:
+                future.exception()  # waits; the error, if any, is reported below
+        self._reap()
+
+    def _reap(self) -> None:
+        """Report each finished push's failure once and remove its snapshot."""
+        for push in [p for p in self._pushes if p.done()]:
+            errors = [f.exception() for f in push.futures if f.exception() is not None]
+            if errors:
+                logger.warning(
+                    "pushing %s to the hub repository %s failed (%s); training goes on and the checkpoint is kept "
+                    "at %s: trainer.push_to_hub() pushes the model at the end, %s the checkpoint",
+                    push.checkpoint.name,
+                    self.repo_id,
+                    _reason(errors[0]),
+                    push.checkpoint,
+                    upload_command(self.repo_id, push.checkpoint, push.checkpoint.name),
+                )
+            shutil.rmtree(push.snapshot, ignore_errors=True)
+            self._pushes.remove(push)
+
+    # ------------------------------------------------------------------ the final push
+    def push_folder(
+        self,
+        folder: Path,
+        message: str,
+        *,
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+    ):
+        """Upload `folder` (output_dir) without NOT_PUSHED, after the background pushes: the CommitInfo, or a
+        Future of it when not `blocking`. HubPushError when the upload fails (the folder is as it was)."""
+        self.wait()
+        try:
+            return _api().upload_folder(
+                repo_id=self.repo_id,
+                folder_path=folder,
+                commit_message=message,
+                token=token if token is not None else self.token,
+                revision=revision if revision is not None else self.revision,
+                ignore_patterns=NOT_PUSHED,
+                run_as_future=not blocking,
+            )
+        except Exception as error:
+            raise HubPushError(
+                f"push_to_hub: uploading {folder} to the hub repository {self.repo_id!r} failed ({_reason(error)}). "
+                f"The folder is as it was: push it again with trainer.push_to_hub(), or from a shell with "
+                f"{upload_command(self.repo_id, folder, '.', NOT_PUSHED)}"
+            ) from error

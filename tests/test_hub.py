@@ -1,0 +1,239 @@
+"""Pushing a run to the hub (run/hub.py) where lora_grpo goes beyond transformers' push: a checkpoint pushed as it
+was saved whatever happens to it after, a failed push that keeps the run going and says so, a repository the hub
+refuses stopping the script before it trains, and output_dir pushed without what is not the model's. What TRL
+does alike (the commits of each hub_strategy) is tests/test_trl_parity.py's. The hub is helpers.FakeHub."""
+
+import json
+import logging
+import shutil
+import tempfile
+
+import pytest
+import yaml
+from helpers import PROMPTS
+
+from lora_grpo.run.hub import HubPushError, HubRepo
+
+
+def checkpoint_dir(root, step=1):
+    path = root / f"checkpoint-{step}"
+    (path / "policy").mkdir(parents=True)
+    (path / "adapter_model.safetensors").write_bytes(b"weights of step %d" % step)
+    (path / "README.md").write_text("card")
+    (path / "policy" / "adapter_model.safetensors").write_bytes(b"the same weights")
+    (path / "trainer_state.pt").write_bytes(b"optimizer")
+    return path
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """tempfile's directory, to see the snapshots pushes make there."""
+    where = tmp_path / "tmp"
+    where.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(where))
+    return where
+
+
+def test_a_checkpoint_is_pushed_as_it_was_saved_whatever_happens_to_it_after(tmp_path, fake_hub, private_tmp):
+    saved = checkpoint_dir(tmp_path / "run")
+    repo = HubRepo("me/tiny-grpo", strategy="checkpoint")
+    fake_hub.hold()  # the upload has not read a byte yet when...
+    repo.push_checkpoint(saved, "Training in progress, step 1")
+    assert repo.busy()
+    # ...rotation deletes the checkpoint, and a save of the same step writes a new one in its place (each written
+    # whole in a temporary directory renamed into place, run/checkpoint.py)
+    shutil.rmtree(saved)
+    saved.mkdir()
+    (saved / "adapter_model.safetensors").write_bytes(b"another save")
+    fake_hub.release()
+    repo.wait()
+    root, whole = fake_hub.uploads
+    # the root: the model's files as saved, not the checkpoint's own (policy/, optimizer and loop state)
+    assert root["files"] == {"README.md": b"card", "adapter_model.safetensors": b"weights of step 1"}
+    assert (whole["path_in_repo"], whole["message"]) == (
+        "last-checkpoint",
+        "Training in progress, step 1, checkpoint",
+    )
+    assert set(whole["files"]) == {
+        "README.md",
+        "adapter_model.safetensors",
+        "policy/adapter_model.safetensors",
+        "trainer_state.pt",
+    }
+    # the snapshot is gone once pushed, and the checkpoint untouched by it
+    assert not repo.busy() and list(private_tmp.iterdir()) == []
+    assert (saved / "adapter_model.safetensors").read_bytes() == b"another save"
+
+
+def test_a_save_step_skips_its_push_while_the_last_one_uploads_unless_always_push(
+    tmp_path, fake_hub, private_tmp
+):
+    fake_hub.hold()
+    waits, always = HubRepo("me/a"), HubRepo("me/b", always_push=True)
+    for repo in (waits, always):
+        repo.push_checkpoint(checkpoint_dir(tmp_path / repo.repo_id), "step 1")
+    assert not waits.wants() and always.wants()
+    assert not HubRepo("me/c", strategy="end").wants()
+    fake_hub.release()
+    waits.wait()
+    assert waits.wants()
+    always.wait()
+
+
+def test_a_failed_push_keeps_the_run_going_and_says_what_to_push(tiny_base_dir, tmp_path, fake_hub, caplog):
+    from lora_grpo.trl import GRPOConfig, GRPOTrainer
+
+    fake_hub.fail = OSError("503 Service Unavailable")
+    out = tmp_path / "run"
+    args = GRPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        save_steps=1,
+        report_to="none",
+        push_to_hub=True,
+        hub_model_id="me/tiny-grpo",
+        hub_always_push=True,
+    )
+    from datasets import Dataset
+
+    trainer = GRPOTrainer(
+        model=tiny_base_dir,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=Dataset.from_list(PROMPTS[:8]),
+    )
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.run.hub"):
+        trainer.train()
+    assert trainer.state.global_step == 2 and (out / "checkpoint-2").is_dir()
+    warned = [r.getMessage() for r in caplog.records if r.name == "lora_grpo.run.hub"]
+    assert len(warned) == 2
+    assert (
+        "pushing checkpoint-1 to the hub repository me/tiny-grpo failed (OSError: 503 Service Unavailable)"
+        in (warned[0])
+    )
+    assert f"kept at {out / 'checkpoint-1'}" in warned[0] and "trainer.push_to_hub()" in warned[0]
+    with pytest.raises(HubPushError) as failed:
+        trainer.push_to_hub()
+    message = str(failed.value)
+    assert f"uploading {out} to the hub repository 'me/tiny-grpo' failed (OSError: 503" in message
+    assert "hf upload me/tiny-grpo" in message and "--exclude 'checkpoint-*'" in message
+    # the folder is as it was: the adapter saved, the checkpoints kept
+    assert (out / "adapter_model.safetensors").is_file() and (out / "checkpoint-1").is_dir()
+
+
+def test_a_repository_the_hub_refuses_stops_the_script_before_it_trains(tiny_base_dir, tmp_path, fake_hub):
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    from lora_grpo.trl import GRPOConfig, GRPOTrainer
+
+    fake_hub.refuse = OfflineModeIsEnabled(
+        "Cannot reach https://huggingface.co/api/repos/create: offline mode"
+    )
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        report_to="none",
+        push_to_hub=True,
+        hub_model_id="me/tiny-grpo",
+    )
+    from datasets import Dataset
+
+    with pytest.raises(HubPushError) as refused:
+        GRPOTrainer(
+            model=tiny_base_dir,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_list(PROMPTS[:8]),
+        )
+    message = str(refused.value)
+    assert (
+        "could not create or reach the hub repository 'me/tiny-grpo' (OfflineModeIsEnabled: Cannot reach"
+        in message
+    )
+    assert "`hf auth login`" in message and "push_to_hub=False" in message
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_the_trl_cli_pushes_after_saving_as_trls_script_and_keeps_the_completions_local(
+    tiny_base_dir, tmp_path, fake_hub
+):
+    from lora_grpo.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in PROMPTS[:8])
+    )
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model_name_or_path": tiny_base_dir,
+                "dataset_name": str(data),
+                "reward_funcs": ["accuracy_reward"],
+                "output_dir": str(tmp_path / "run"),
+                "per_device_train_batch_size": 4,
+                "num_generations": 4,
+                "max_completion_length": 4,
+                "max_steps": 1,
+                "save_strategy": "no",
+                "use_cpu": True,
+                "report_to": "none",
+                "log_completions": True,
+                "push_to_hub": True,
+                "hub_model_id": "me/sums-grpo",
+            }
+        )
+    )
+    assert main(["trl", "--config", str(recipe)]) == 0
+    assert [u["message"] for u in fake_hub.uploads] == ["Model save", "End of training"]
+    pushed = fake_hub.uploads[-1]["files"]
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "README.md",
+        "config.yaml",
+        "metrics.jsonl",
+    } <= set(pushed)
+    # the prompts and answers trained on, the adapter/ copy of the root's files: on disk, not on the hub
+    assert (tmp_path / "run" / "completions.jsonl").is_file() and "completions.jsonl" not in pushed
+    assert not any(name.startswith(("adapter/", "checkpoint-")) for name in pushed)
+    assert str(data) in pushed["README.md"].decode()  # TRL's script names its dataset_name in the card
+
+
+def test_the_trl_cli_says_in_one_line_that_the_hub_refused(tiny_base_dir, tmp_path, fake_hub, capsys):
+    from lora_grpo.cli import main
+
+    fake_hub.refuse = OSError("401 Client Error: Unauthorized")
+    recipe = tmp_path / "grpo.yaml"
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in PROMPTS[:8])
+    )
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model_name_or_path": tiny_base_dir,
+                "dataset_name": str(data),
+                "reward_funcs": ["accuracy_reward"],
+                "output_dir": str(tmp_path / "run"),
+                "use_cpu": True,
+                "push_to_hub": True,
+            }
+        )
+    )
+    assert main(["trl", "--config", str(recipe)]) == 1
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("lora-grpo:")]
+    assert said == [
+        "lora-grpo: error: push_to_hub: could not create or reach the hub repository 'run' (OSError: 401 Client "
+        "Error: Unauthorized). Log in (`hf auth login`) or give hub_token a token that may write there, check "
+        "hub_model_id, or set push_to_hub=False to train without pushing"
+    ]
+    assert "Traceback" not in err
