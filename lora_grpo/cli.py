@@ -1,4 +1,4 @@
-"""`lora-grpo train | eval | plot | merge | export | recipes | trl`. The CLI builds a GRPOConfig and calls the
+"""`lora-grpo train | eval | plot | merge | export | push | recipes | trl`. The CLI builds a GRPOConfig and calls the
 Python API.
 
     lora-grpo train toy-addition --set max_steps=20 --set output_dir=runs/try
@@ -6,6 +6,7 @@ Python API.
     lora-grpo plot runs/try
     lora-grpo merge runs/try/adapter --recipe toy-addition --out merged/
     lora-grpo export runs/try --gguf try.gguf  # one GGUF file for llama.cpp / ollama / LM Studio
+    lora-grpo push runs/try you/try-grpo  # the adapter to the Hugging Face Hub (`hf auth login` first)
     lora-grpo recipes                  # the shipped recipes; `lora-grpo recipes NAME > my.yaml` to copy one
     lora-grpo trl --config grpo.yaml   # a TRL GRPO recipe (what `trl grpo --config` takes), via lora_grpo.trl
 
@@ -237,6 +238,23 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_push(args) -> int:
+    """A trained adapter to a hub repository in one commit (run.hub.push_run): a run's final adapter with its
+    config and metrics, a checkpoint's adapter, or an adapter directory."""
+    from .run.hub import push_run
+
+    pushed = push_run(
+        args.run,
+        args.repo_id,
+        token=args.token,
+        private=args.private,
+        revision=args.revision,
+        message=args.message,
+    )
+    print(f"pushed {pushed.what} to {args.repo_id}: {pushed.commit_url}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lora-grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -357,6 +375,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace the file at --gguf if there is one")
     common(p, False)
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser(
+        "push",
+        help="push a trained adapter to the Hugging Face Hub, with a model card that loads it from there",
+    )
+    p.add_argument(
+        "run",
+        help="a run dir (its final adapter/, with config.yaml, metrics.jsonl, summary.json, metrics.png), a "
+        "checkpoint dir (its adapter, tokenizer and card) or an adapter dir",
+    )
+    p.add_argument("repo_id", help="the repository, user/name (created if it is not there)")
+    p.add_argument(
+        "--private",
+        action="store_const",
+        const=True,
+        default=None,
+        help="create the repository private (no effect on one that exists)",
+    )
+    p.add_argument("--revision", help="the branch to push to (default: main)")
+    p.add_argument("--token", help="a token that may write to the repository (default: `hf auth login`'s)")
+    p.add_argument(
+        "--message", default="Upload the adapter trained with lora_grpo", help="the commit message"
+    )
+    p.set_defaults(func=cmd_push)
     return parser
 
 

@@ -74,6 +74,7 @@ from .run.failures import (
     stage,
     stages_of,
 )
+from .run.hub import push_run
 from .run.reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
 from .run.run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
 from .run.stopping import StopSignals, TrainingInterrupted, agreed_signal
@@ -448,6 +449,21 @@ class GRPOTrainer:
         """The last checkpoint and the final adapter (output_dir/adapter)."""
         self.save_checkpoint()
         self._save_final_adapter()
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+    ):
+        """Push the final adapter (output_dir/adapter/, after train()) with the run's config and metrics to the hub
+        repository `repo_id`, created if needed, its model card loading the adapter from there (run/hub.py's
+        push_run; `lora-grpo push` from a shell). On the main process; the commit's address, None elsewhere."""
+        if not self.is_main:
+            return None
+        return push_run(self.output_dir, repo_id, token=token, private=private, revision=revision).commit_url
 
     def _save_final_adapter(self) -> None:
         """output_dir/adapter: the policy as a standard peft adapter, with the tokenizer and its model card."""

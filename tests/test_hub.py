@@ -237,3 +237,103 @@ def test_the_trl_cli_says_in_one_line_that_the_hub_refused(tiny_base_dir, tmp_pa
         "hub_model_id, or set push_to_hub=False to train without pushing"
     ]
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------ a finished run: lora-grpo push
+@pytest.fixture(scope="module")
+def finished_run(tiny_base_dir, tmp_path_factory):
+    """A native run of 2 steps (a checkpoint at each) with its completions logged: output_dir, its trainer."""
+    from helpers import make_trainer
+
+    trainer = make_trainer(
+        tiny_base_dir,
+        str(tmp_path_factory.mktemp("pushed")),
+        quantization="none",
+        max_steps=2,
+        save_steps=1,
+        log_completions=True,
+    )
+    trainer.train()
+    return trainer.output_dir, trainer
+
+
+def test_lora_grpo_push_sends_a_runs_final_adapter_with_its_records_and_a_card_for_the_hub(
+    finished_run, fake_hub, private_tmp, capsys
+):
+    from lora_grpo.cli import main
+
+    run, _ = finished_run
+    saved_card = (run / "adapter" / "README.md").read_text()
+    assert main(["push", str(run), "me/sums-grpo", "--private"]) == 0
+    assert fake_hub.created == [{"repo_id": "me/sums-grpo", "token": None, "private": True, "exist_ok": True}]
+    (upload,) = fake_hub.uploads
+    files = upload["files"]
+    assert upload["message"] == "Upload the adapter trained with lora_grpo" and upload["path_in_repo"] is None
+    # the final adapter as saved, beside how it was trained; not the completions, checkpoints or adapter/ copy
+    assert files["adapter_model.safetensors"] == (run / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert {
+        "adapter_config.json",
+        "tokenizer_config.json",
+        "config.yaml",
+        "metrics.jsonl",
+        "summary.json",
+    } <= set(files)
+    assert (run / "completions.jsonl").is_file() and "completions.jsonl" not in files
+    assert not any("/" in name for name in files)
+    # the card loads the adapter from the repository; the one on disk is untouched
+    card = files["README.md"].decode()
+    assert 'from_pretrained("me/sums-grpo")' in card and str(run) not in card and "# sums-grpo" in card
+    assert (run / "adapter" / "README.md").read_text() == saved_card and str(run / "adapter") in saved_card
+    assert list(private_tmp.iterdir()) == []
+    assert capsys.readouterr().out.startswith(
+        f"pushed the final adapter of the run {run} to me/sums-grpo: https://"
+    )
+
+
+def test_lora_grpo_push_sends_a_checkpoints_adapter_without_its_training_state(finished_run, fake_hub):
+    from lora_grpo.cli import main
+
+    run, _ = finished_run
+    assert main(["push", str(run / "checkpoint-1"), "me/sums-grpo", "--revision", "step-1"]) == 0
+    (upload,) = fake_hub.uploads
+    assert upload["revision"] == "step-1"
+    assert set(upload["files"]) >= {"adapter_model.safetensors", "adapter_config.json", "README.md"}
+    assert not any(
+        name.startswith(("policy/", "reference/")) or name.endswith(".pt") for name in upload["files"]
+    )
+    policy = run / "checkpoint-1" / "policy" / "adapter_model.safetensors"
+    assert upload["files"]["adapter_model.safetensors"] == policy.read_bytes()
+
+
+def test_the_native_trainer_pushes_its_final_adapter(finished_run, fake_hub):
+    run, trainer = finished_run
+    url = trainer.push_to_hub("me/sums-grpo", token="hf_write")
+    (upload,) = fake_hub.uploads
+    assert url.startswith("https://huggingface.co/me/sums-grpo/commit/")
+    assert upload["token"] == "hf_write" and fake_hub.created[0]["token"] == "hf_write"
+    assert "adapter_model.safetensors" in upload["files"]
+
+
+def test_lora_grpo_push_says_in_one_line_what_is_wrong(finished_run, fake_hub, tmp_path, capsys):
+    from lora_grpo.cli import main
+
+    run, _ = finished_run
+    # a run without a final adapter, a directory without any adapter: resolve_adapter's words
+    assert main(["push", str(tmp_path), "me/x"]) == 1
+    assert f"{tmp_path} holds no adapter" in capsys.readouterr().err
+    fake_hub.refuse = OSError("403 Forbidden: you cannot write to me/x")
+    assert main(["push", str(run), "me/x"]) == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lora-grpo:")]
+    assert said == [
+        "lora-grpo: error: push_to_hub: could not create or reach the hub repository 'me/x' (OSError: 403 "
+        "Forbidden: you cannot write to me/x). Log in (`hf auth login`) or pass --token (token=) a token that may "
+        "write there, and check the repository's name"
+    ]
+    fake_hub.refuse, fake_hub.fail = None, OSError("Connection reset by peer")
+    assert main(["push", str(run), "me/x"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        f"pushing the final adapter of the run {run} to the hub repository 'me/x' failed (OSError: Connection"
+        in (err)
+    )
+    assert fake_hub.created and not fake_hub.uploads

@@ -59,6 +59,24 @@ def test_a_local_base_is_no_hub_id(tmp_path):
     assert 'AutoPeftModelForCausalLM.from_pretrained("runs/sums")' in read.text
 
 
+@pytest.mark.parametrize("base", [HUB_ID, "/data/models/local-base"])
+def test_a_card_pushed_to_a_repository_loads_the_adapter_from_there_and_the_base_as_before(base):
+    config = GRPOConfig(model_name_or_path=base)
+    saved = model_card.model_card(
+        config, steps=3, reward_names=["accuracy"], syncs=0, where="runs/sums/adapter"
+    )
+    pushed = model_card.relocated(saved, "me/sums-grpo")
+    assert "runs/sums" not in pushed and "# sums-grpo" in pushed and "# adapter" in saved
+    assert pushed.count('"me/sums-grpo"') == 2  # the adapter and its tokenizer
+    if base == HUB_ID:
+        assert f'AutoModelForCausalLM.from_pretrained("{HUB_ID}")' in pushed
+    # everything but the title and the adapter's location as it was; a README not ours as it is
+    assert pushed.replace("me/sums-grpo", "runs/sums/adapter").replace("# sums-grpo", "# adapter") == saved
+    assert (
+        model_card.relocated('# my notes\nfrom_pretrained("x")', "me/a") == '# my notes\nfrom_pretrained("x")'
+    )
+
+
 @pytest.mark.parametrize(
     "fields, syncs, said",
     [

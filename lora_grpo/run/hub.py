@@ -32,7 +32,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..model.adapters import POLICY
 from . import model_card
+from .checkpoint import resolve_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -90,22 +92,30 @@ class _Push:
         return all(f.done() for f in self.futures)
 
 
-def _snapshot(folder: Path) -> Path:
-    """A copy of `folder`'s files as they are now, in a temporary directory: hard links where it shares their
-    file system (instant, no space), else copies. lora_grpo writes a checkpoint's files once, under new names
-    renamed into place, so a link keeps the bytes saved whatever later saves and rotation do."""
+def _snapshot(folder: Path, also: tuple[Path, ...] = ()) -> Path:
+    """A copy of `folder`'s files as they are now (and of the files `also`, at its root), in a temporary
+    directory: hard links where it shares their file system (instant, no space), else copies. lora_grpo writes a
+    checkpoint's files once, under new names renamed into place, so a link keeps the bytes saved whatever later
+    saves and rotation do."""
     root = Path(tempfile.mkdtemp(prefix=f"lora_grpo-push-{folder.name}-"))
-    for path in folder.rglob("*"):
-        target = root / path.relative_to(folder)
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-            continue
+    files = [(path, root / path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()]
+    for path, target in [*files, *((path, root / path.name) for path in also)]:
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(path, target)
         except OSError:  # another file system, or none with hard links
             shutil.copyfile(path, target)
     return root
+
+
+def _card_for(snapshot: Path, repo_id: str) -> None:
+    """The snapshot's model card (ours) made to load the adapter from `repo_id`, not from the disk it was saved
+    on. Its README.md is a link to the saved card: unlinked, never written through."""
+    card = snapshot / "README.md"
+    if card.is_file() and model_card.is_ours(card):
+        text = card.read_text(encoding="utf-8")
+        card.unlink()
+        card.write_text(model_card.relocated(text, repo_id), encoding="utf-8")
 
 
 class HubRepo:
@@ -128,16 +138,24 @@ class HubRepo:
         self._pushes: list[_Push] = []
 
     @classmethod
-    def create(cls, name: str, *, token: str | None = None, private: bool | None = None, **kwargs) -> HubRepo:
+    def create(
+        cls,
+        name: str,
+        *,
+        token: str | None = None,
+        private: bool | None = None,
+        fix: str = "give hub_token a token that may write there, check hub_model_id, or set push_to_hub=False to "
+        "train without pushing",
+        **kwargs,
+    ) -> HubRepo:
         """The repository `name` (``user/model``, or a bare name under the token's user), created if it is not
-        there; HubPushError when the hub refuses or cannot be reached."""
+        there; HubPushError when the hub refuses or cannot be reached, its message ending in `fix`."""
         try:
             url = _api().create_repo(name, token=token, private=private, exist_ok=True)
         except Exception as error:  # the hub's HTTP errors, offline mode, no network: all say the same here
             raise HubPushError(
                 f"push_to_hub: could not create or reach the hub repository {name!r} ({_reason(error)}). Log in "
-                "(`hf auth login`) or give hub_token a token that may write there, check hub_model_id, or set "
-                "push_to_hub=False to train without pushing"
+                f"(`hf auth login`) or {fix}"
             ) from error
         return cls(url.repo_id, token=token, **kwargs)
 
@@ -153,15 +171,12 @@ class HubRepo:
         busy = self.busy()  # (also reports a finished push's failure now, not at the run's end)
         return self.strategy != "end" and (self.always_push or not busy)
 
-    def push_checkpoint(self, checkpoint: Path, message: str, *, card: str | None = None) -> None:
-        """Start the uploads of `checkpoint` (a snapshot of it) by the strategy, in the background; `card`: the
-        model card pushed as its README.md (one that loads the adapter from this repository, not from disk)."""
+    def push_checkpoint(self, checkpoint: Path, message: str) -> None:
+        """Start the uploads of `checkpoint` (a snapshot of it, its card loading the adapter from this repository)
+        by the strategy, in the background."""
         checkpoint = Path(checkpoint)
         snapshot = _snapshot(checkpoint)
-        if card is not None:
-            # the snapshot's README.md is a link to the checkpoint's own card: unlinked, not written through
-            (snapshot / "README.md").unlink(missing_ok=True)
-            (snapshot / "README.md").write_text(card, encoding="utf-8")
+        _card_for(snapshot, self.repo_id)
         api = _api()
         futures = [
             api.upload_folder(
@@ -247,3 +262,62 @@ class HubRepo:
                 f"The folder is as it was: push it again with trainer.push_to_hub(), or from a shell with "
                 f"{upload_command(self.repo_id, folder, '.', NOT_PUSHED)}"
             ) from error
+
+
+# ----------------------------------------------------------------------------- a finished run, pushed whole
+# A run's records pushed beside its final adapter: how it was trained and what it logged (not completions.jsonl,
+# the prompts and answers trained on).
+RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "metrics.png")
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """What push_run pushed (in the words of resolve_adapter) and its commit's address."""
+
+    what: str
+    commit_url: str
+
+
+def push_run(
+    path: str | os.PathLike,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
+    message: str = "Upload the adapter trained with lora_grpo",
+) -> Pushed:
+    """Push a trained adapter to the hub repository `repo_id` (created if needed) in one commit: a run directory's
+    final adapter/ with the run's RUN_RECORDS, a checkpoint's adapter with its tokenizer and card (not its
+    optimizer, loop state or reference), or an adapter directory as it is. Its model card, if ours, is pushed
+    loading the adapter from `repo_id`; nothing on disk changes. CheckpointError for a path that holds no adapter,
+    HubPushError when the hub refuses."""
+    path = Path(path)
+    adapter, what = resolve_adapter(path)
+    if adapter == path / POLICY:  # a checkpoint: its root holds the adapter with its tokenizer and card
+        folder, also, ignore = path, (), CHECKPOINT_ONLY
+    elif adapter == path / "adapter":  # a run: its final adapter, and how it was trained
+        folder, also, ignore = adapter, tuple(path / n for n in RUN_RECORDS if (path / n).is_file()), None
+    else:
+        folder, also, ignore = adapter, (), None
+    fix = "pass --token (token=) a token that may write there, and check the repository's name"
+    repo = HubRepo.create(repo_id, token=token, private=private, revision=revision, fix=fix)
+    snapshot = _snapshot(folder, also)
+    try:
+        _card_for(snapshot, repo.repo_id)
+        info = _api().upload_folder(
+            repo_id=repo.repo_id,
+            folder_path=snapshot,
+            commit_message=message,
+            token=token,
+            revision=revision,
+            ignore_patterns=ignore,
+        )
+    except Exception as error:
+        raise HubPushError(
+            f"pushing {what} to the hub repository {repo.repo_id!r} failed ({_reason(error)}). Nothing on disk "
+            "changed: run the same push again"
+        ) from error
+    finally:
+        shutil.rmtree(snapshot, ignore_errors=True)
+    return Pushed(what, info.commit_url)

@@ -8,6 +8,7 @@ replaces only a card of ours, never a README the user wrote.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,22 @@ GRPO_CITATION = """@article{shao2024deepseekmath,
     eprint  = {arXiv:2402.03300},
 }"""
 VERSIONS = ("lora_grpo", "transformers", "peft", "torch", "datasets", "bitsandbytes")
+
+
+# The "Use it" calls that name the adapter's location (the base's own from_pretrained names the base).
+_LOADS = re.compile(
+    r'((?:AutoPeftModelForCausalLM|AutoTokenizer)\.from_pretrained\(|PeftModel\.from_pretrained\(base, )"[^"]*"'
+)
+
+
+def relocated(card: str, repo_id: str) -> str:
+    """A card of ours (`card`'s text) for the same adapter pushed to the hub repository `repo_id`: titled with the
+    repository's name, its "Use it" code loading the adapter and tokenizer from there. A card not ours is kept."""
+    head, marker, body = card.partition(MARKER)
+    if not marker:
+        return card
+    body = re.sub(r"^# .*$", f"# {repo_id.split('/')[-1]}", body, count=1, flags=re.MULTILINE)
+    return head + marker + _LOADS.sub(lambda m: f'{m.group(1)}"{repo_id}"', body)
 
 
 def is_ours(path: Path) -> bool:

@@ -649,13 +649,7 @@ class GRPOTrainer:
                         if args.save_strategy == "steps"
                         else f"epoch {int(state.epoch or 0)}"
                     )
-                    self._hub.push_checkpoint(
-                        payload["path"],
-                        f"Training in progress, {done}",
-                        card=self.native.model_card(
-                            self.hub_model_id, model_name=self.hub_model_id.split("/")[-1]
-                        ),
-                    )
+                    self._hub.push_checkpoint(payload["path"], f"Training in progress, {done}")
                 self.control = handler.on_save(args, state, self.control)
             self.control.should_save = False
         trainer.state.extra = {"trl_log_history": state.log_history}
