@@ -5,6 +5,9 @@ the session fixtures (the tiny bases on disk) are in conftest.py."""
 
 import os
 import string
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -441,28 +444,27 @@ class FakeHub:
     """The Hugging Face Hub for tests that push (nothing reaches a network): `install(monkeypatch)` replaces
     huggingface_hub's HfApi.create_repo and upload_folder, which transformers' Trainer and lora_grpo both call, by
     a record of each call. An upload records the files it sends (huggingface_hub's own filter_repo_objects applies
-    its allow and ignore patterns) with their bytes, read when it runs: at once, or, for a background one, in a
-    worker thread once `release()` follows `hold()`. `fail` is an exception every upload raises, `refuse` one
-    create_repo raises."""
+    its allow and ignore patterns) with their bytes, read when it runs: at once, or, for a background one, in the
+    worker thread of its HfApi client (one each, as huggingface_hub's) once `release()` follows `hold()`. `fail` is
+    an exception every upload raises, `refuse` one create_repo raises, `slow` {commit message: seconds} delays
+    those uploads."""
 
     def __init__(self):
-        import threading
-        from concurrent.futures import ThreadPoolExecutor
-
         self.created: list[dict] = []
         self.uploads: list[dict] = []
         self.fail: Exception | None = None
         self.refuse: Exception | None = None
+        self.slow: dict[str, float] = {}
         self._gate = threading.Event()
         self._gate.set()
-        self._pool = ThreadPoolExecutor(1)
+        self._pools: dict[int, ThreadPoolExecutor] = {}
 
     def install(self, monkeypatch) -> "FakeHub":
         from huggingface_hub import HfApi
 
         hub = self
         monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: hub.create_repo(repo_id, **kw))
-        monkeypatch.setattr(HfApi, "upload_folder", lambda api, **kw: hub.upload_folder(**kw))
+        monkeypatch.setattr(HfApi, "upload_folder", lambda api, **kw: hub.upload_folder(api, **kw))
         return self
 
     def hold(self) -> None:
@@ -481,6 +483,7 @@ class FakeHub:
 
     def upload_folder(
         self,
+        api,
         *,
         repo_id,
         folder_path,
@@ -500,6 +503,7 @@ class FakeHub:
 
         def upload():
             self._gate.wait(timeout=120)
+            time.sleep(self.slow.get(commit_message, 0.0))
             if self.fail is not None:
                 raise self.fail
             root = Path(folder_path)
@@ -522,4 +526,9 @@ class FakeHub:
                 oid=f"{len(self.uploads):040d}",
             )
 
-        return self._pool.submit(upload) if run_as_future else upload()
+        if not run_as_future:
+            return upload()
+        # one worker a client, as each HfApi has its own
+        if id(api) not in self._pools:
+            self._pools[id(api)] = ThreadPoolExecutor(1)
+        return self._pools[id(api)].submit(upload)

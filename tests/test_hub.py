@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import tempfile
+import time
 
 import pytest
 import yaml
@@ -60,9 +61,58 @@ def test_a_checkpoint_is_pushed_as_it_was_saved_whatever_happens_to_it_after(tmp
         "policy/adapter_model.safetensors",
         "trainer_state.pt",
     }
-    # the snapshot is gone once pushed, and the checkpoint untouched by it
-    assert not repo.busy() and list(private_tmp.iterdir()) == []
+    # the snapshot (beside the checkpoint, in the run's directory) is gone once pushed; the checkpoint untouched
+    assert not repo.busy() and sorted(p.name for p in saved.parent.iterdir()) == ["checkpoint-1"]
     assert (saved / "adapter_model.safetensors").read_bytes() == b"another save"
+
+
+def test_pushes_land_in_the_order_they_were_made(tmp_path, fake_hub):
+    # step 1's upload is slow; with hub_always_push step 2's is made while it runs: the root must end on step 2
+    fake_hub.slow = {"step 1": 0.5}
+    repo = HubRepo("me/tiny-grpo", always_push=True)
+    for step in (1, 2):
+        repo.push_checkpoint(checkpoint_dir(tmp_path, step), f"step {step}")
+    repo.wait()
+    assert [u["message"] for u in fake_hub.uploads] == ["step 1", "step 2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_a_push_that_cannot_start_is_a_warning_and_leaves_nothing(tmp_path, fake_hub, monkeypatch, caplog):
+    import errno
+    import os
+
+    from lora_grpo.run import hub
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hub.os, "link", full)
+    monkeypatch.setattr(hub.shutil, "copyfile", full)
+    saved = checkpoint_dir(tmp_path)
+    repo = HubRepo("me/tiny-grpo")
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.run.hub"):
+        repo.push_checkpoint(saved, "step 1")  # does not raise: the run goes on
+    assert (
+        "pushing checkpoint-1 to the hub repository me/tiny-grpo failed (OSError: [Errno 28]" in caplog.text
+    )
+    assert os.listdir(tmp_path) == ["checkpoint-1"] and fake_hub.uploads == [] and not repo.busy()
+
+
+def test_a_snapshot_goes_when_its_upload_ends_even_if_nobody_waits(tmp_path, fake_hub):
+    fake_hub.hold()
+    repo = HubRepo("me/tiny-grpo", strategy="all_checkpoints")
+    repo.push_checkpoint(checkpoint_dir(tmp_path), "step 1")
+    assert len(list(tmp_path.glob(".hub-push-checkpoint-1.*"))) == 1
+    fake_hub.release()  # a run that failed after the push never calls wait(): the uploads end on their own
+    for push in repo._pushes:
+        for future in push.futures:
+            future.result(timeout=60)
+    # (a future's callbacks run in its worker just after result() returns here)
+    for _ in range(100):
+        if not list(tmp_path.glob(".hub-push-*")):
+            break
+        time.sleep(0.05)
+    assert len(fake_hub.uploads) == 2 and not list(tmp_path.glob(".hub-push-*"))
 
 
 def test_a_save_step_skips_its_push_while_the_last_one_uploads_unless_always_push(
@@ -255,6 +305,41 @@ def finished_run(tiny_base_dir, tmp_path_factory):
     )
     trainer.train()
     return trainer.output_dir, trainer
+
+
+def test_a_readme_of_yours_in_output_dir_is_pushed_as_it_is(tiny_base_dir, tmp_path, fake_hub, caplog):
+    from datasets import Dataset
+
+    from lora_grpo.trl import GRPOConfig, GRPOTrainer
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "README.md").write_text("# My sums model\n\nNotes of mine.\n")
+    args = GRPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        save_strategy="no",
+        report_to="none",
+        push_to_hub=True,
+        hub_model_id="me/tiny-grpo",
+    )
+    trainer = GRPOTrainer(
+        model=tiny_base_dir,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=Dataset.from_list(PROMPTS[:8]),
+    )
+    trainer.train()
+    with caplog.at_level(logging.WARNING, logger="lora_grpo.trl.trainer"):
+        trainer.save_model()  # TRL's script: save, then push (its card replaces your README there)
+    assert [u["message"] for u in fake_hub.uploads] == ["Model save"]
+    assert fake_hub.uploads[0]["files"]["README.md"] == b"# My sums model\n\nNotes of mine.\n"
+    assert (out / "README.md").read_text() == "# My sums model\n\nNotes of mine.\n"
+    assert "README.md is not a model card lora_grpo wrote: pushed as it is" in caplog.text
 
 
 def test_lora_grpo_push_sends_a_runs_final_adapter_with_its_records_and_a_card_for_the_hub(

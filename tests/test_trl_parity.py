@@ -1852,6 +1852,80 @@ def test_push_to_hub_pushes_what_transformers_pushes(tiny_base_dir, tmp_path, li
     assert "me/sums" in ended[-1]["files"]["README.md"].decode()
 
 
+def pushes_and_saves(seen: list):
+    """A TrainerCallback that records ("push" | "save", global_step) for on_push_begin and on_save, in order."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def on_push_begin(self, args, state, control, **kwargs):
+            seen.append(("push", state.global_step))
+
+        def on_save(self, args, state, control, **kwargs):
+            seen.append(("save", state.global_step))
+
+    return Recorder()
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_push_to_hub_passes_its_token_branch_and_privacy_and_names_epochs(
+    tiny_base_dir, tmp_path, library, fake_hub
+):
+    seen = []
+    scope = run(
+        library,
+        f"""
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS.replace("save_strategy='no'", "save_strategy='epoch'")},
+                          num_train_epochs=2, push_to_hub=True, hub_token="hf_write", hub_revision="dev",
+                          hub_private_repo=True)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(2),
+                              callbacks=[RECORDER], peft_config=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+        trainer.train()
+        future = trainer.push_to_hub(blocking=False)
+        info = future.result(timeout=60)
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "sums-grpo"),
+        RECORDER=pushes_and_saves(seen),
+    )
+    # no hub_model_id: output_dir's name, under the token's user
+    assert fake_hub.created == [
+        {"repo_id": "sums-grpo", "token": "hf_write", "private": True, "exist_ok": True}
+    ]
+    assert scope["trainer"].hub_model_id == "me/sums-grpo"
+    assert [u["message"] for u in fake_hub.uploads] == [
+        "Training in progress, epoch 1",
+        "Training in progress, epoch 2",
+        "End of training",
+    ]
+    assert all(u["token"] == "hf_write" and u["revision"] == "dev" for u in fake_hub.uploads)
+    assert scope["info"].commit_url.startswith("https://huggingface.co/me/sums-grpo/commit/")
+    # each save step's push begins before its on_save, as transformers' _save_checkpoint pushes
+    assert seen == [("push", 2), ("save", 2), ("push", 4), ("save", 4), ("push", 4)]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_push_before_training_does_not_make_the_save_steps_push(tiny_base_dir, tmp_path, library, fake_hub):
+    run(
+        library,
+        f"""
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS.replace("save_strategy='no'", "save_steps=1")}, max_steps=2,
+                          hub_model_id="me/tiny-grpo")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8),
+                              peft_config=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+        trainer.push_to_hub(commit_message="The untrained adapter")
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    assert [c["repo_id"] for c in fake_hub.created] == ["me/tiny-grpo"]
+    assert [u["message"] for u in fake_hub.uploads] == ["The untrained adapter"]
+
+
 # ------------------------------------------------------------------------------ lora-grpo trl
 def test_the_trl_cli_reads_a_local_data_file_and_logs_trls_reward_names(tiny_base_dir, tmp_path):
     import json

@@ -1,5 +1,6 @@
 """A run's adapter on the Hugging Face Hub, as transformers' Trainer pushes with ``push_to_hub`` (TRL's
-GRPOTrainer inherits it), through huggingface_hub's ``HfApi``:
+GRPOTrainer inherits it), through huggingface_hub's ``HfApi``, and a finished run pushed whole
+(``push_run``: ``lora-grpo push``):
 
 - **The repository** is created (or found: ``exist_ok``) when the trainer is built, so that a missing login
   or a wrong name stops the script before it trains, in one message with the fix (``HubPushError``).
@@ -7,18 +8,20 @@ GRPOTrainer inherits it), through huggingface_hub's ``HfApi``:
   ``hub_strategy``: ``every_save`` its adapter, tokenizer and model card to the repository's root;
   ``checkpoint`` also the whole checkpoint to ``last-checkpoint/`` (resumable from the hub);
   ``all_checkpoints`` to ``checkpoint-N/``; ``end`` nothing. While one push is still uploading the next is
-  skipped, unless ``hub_always_push``.
+  skipped, unless ``hub_always_push``; pushes upload one after another, in the order they were made.
 - **The final push** (``push_folder``: ``trainer.push_to_hub()``, or ``save_model()`` with ``push_to_hub``)
   uploads output_dir after the background pushes finish, without what is not the model's: the checkpoints,
   previous runs, the ``adapter/`` copy of the root's files, ``completions.jsonl`` (the prompts and answers
   trained on) and the run's lock.
+- **A card of ours** is pushed loading the adapter from the repository (``model_card.relocated``); the one on
+  disk keeps its path.
 
-Where this differs from transformers': a checkpoint is pushed from a snapshot of its files (hard links,
-made at once), so that rotation (``save_total_limit``) or a later save cannot change a file under an
-upload; a background push that fails is a warning naming the checkpoint, the error and that it is kept on
-disk (transformers' waits over it in silence); a final push that fails is ``HubPushError`` naming the
-folder, which is left as it was, and how to push it again. Nothing on the hub is deleted: files of the same
-names are replaced, as ``upload_folder`` does.
+Where this differs from transformers': a checkpoint is pushed from a snapshot of its files (hard links beside
+it, made at once), so that rotation (``save_total_limit``) or a later save cannot change a file under an
+upload; a background push that fails, or cannot start, is a warning naming the checkpoint, the error and that
+it is kept on disk (transformers' waits over it in silence), and training goes on; a final push that fails is
+``HubPushError`` naming the folder, which is left as it was, and how to push it again. Nothing on the hub is
+deleted: files of the same names are replaced, as ``upload_folder`` does.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 # A checkpoint's files that are not the model's: its adapters for resuming, optimizer and loop state
 # (pushed whole only to last-checkpoint/ or checkpoint-N/).
 CHECKPOINT_ONLY = ["policy/*", "reference/*", "*.pt", "lora_grpo_state.json", "trainer_state.json"]
+# A checkpoint's snapshot while it uploads: output_dir/.hub-push-checkpoint-N.<random> (the file system of the
+# checkpoint, so that its files are links, never copies), removed when its uploads end; one a killed run left is
+# removed by the next run's claim of output_dir (run_dir.remove_leftovers), and never pushed.
+SNAPSHOT_PREFIX = ".hub-push-"
 # output_dir's files that are not the model's (the model is its root's adapter, tokenizer and card, with the
 # run's config, metrics and results beside it). "_*" and "checkpoint-*" are transformers' own patterns.
 NOT_PUSHED = [
@@ -53,6 +60,7 @@ NOT_PUSHED = [
     "adapter/*",
     "completions.jsonl",
     ".lora_grpo.lock",
+    f"{SNAPSHOT_PREFIX}*",
 ]
 
 
@@ -91,20 +99,27 @@ class _Push:
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
 
+    def remove_snapshot(self) -> None:
+        shutil.rmtree(self.snapshot, ignore_errors=True)
 
-def _snapshot(folder: Path, also: tuple[Path, ...] = ()) -> Path:
-    """A copy of `folder`'s files as they are now (and of the files `also`, at its root), in a temporary
-    directory: hard links where it shares their file system (instant, no space), else copies. lora_grpo writes a
-    checkpoint's files once, under new names renamed into place, so a link keeps the bytes saved whatever later
-    saves and rotation do."""
-    root = Path(tempfile.mkdtemp(prefix=f"lora_grpo-push-{folder.name}-"))
-    files = [(path, root / path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()]
-    for path, target in [*files, *((path, root / path.name) for path in also)]:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:  # another file system, or none with hard links
-            shutil.copyfile(path, target)
+
+def _snapshot(folder: Path, also: tuple[Path, ...] = (), inside: Path | None = None) -> Path:
+    """A copy of `folder`'s files as they are now (and of the files `also`, at its root), in a new directory
+    `inside` (None: the system's temporary directory): hard links where it shares their file system (instant, no
+    space), else copies. lora_grpo writes a checkpoint's files once, under new names renamed into place, so a link
+    keeps the bytes saved whatever later saves and rotation do. Nothing is left behind when it fails."""
+    root = Path(tempfile.mkdtemp(prefix=f"{SNAPSHOT_PREFIX}{folder.name}.", dir=inside))
+    try:
+        files = [(path, root / path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()]
+        for path, target in [*files, *((path, root / path.name) for path in also)]:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:  # another file system, or none with hard links
+                shutil.copyfile(path, target)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     return root
 
 
@@ -136,6 +151,9 @@ class HubRepo:
         self.repo_id, self.token, self.revision = repo_id, token, revision
         self.strategy, self.always_push = strategy, always_push
         self._pushes: list[_Push] = []
+        # one client for every push: its one worker thread uploads the pushes in the order they were made (a
+        # client each would upload them side by side, and an older checkpoint could land last)
+        self.api = _api()
 
     @classmethod
     def create(
@@ -172,14 +190,31 @@ class HubRepo:
         return self.strategy != "end" and (self.always_push or not busy)
 
     def push_checkpoint(self, checkpoint: Path, message: str) -> None:
-        """Start the uploads of `checkpoint` (a snapshot of it, its card loading the adapter from this repository)
-        by the strategy, in the background."""
+        """Start the uploads of `checkpoint` (a snapshot of it beside it, its card loading the adapter from this
+        repository) by the strategy, in the background. A failure to start them is a warning, as a failed upload
+        is: training goes on."""
         checkpoint = Path(checkpoint)
-        snapshot = _snapshot(checkpoint)
-        _card_for(snapshot, self.repo_id)
-        api = _api()
+        try:
+            snapshot = _snapshot(checkpoint, inside=checkpoint.parent)
+        except Exception as error:  # a full disk, a checkpoint gone: the push, not the run, fails
+            self._warn(checkpoint, error)
+            return
+        try:
+            _card_for(snapshot, self.repo_id)
+            futures = self._uploads(checkpoint, snapshot, message)
+        except Exception as error:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            self._warn(checkpoint, error)
+            return
+        push = _Push(checkpoint, futures, snapshot)
+        self._pushes.append(push)
+        # the snapshot goes when the last upload ends, whether or not anyone waits (a run that failed after it)
+        for future in futures:
+            future.add_done_callback(lambda _, push=push: push.done() and push.remove_snapshot())
+
+    def _uploads(self, checkpoint: Path, snapshot: Path, message: str) -> list[Future]:
         futures = [
-            api.upload_folder(
+            self.api.upload_folder(
                 repo_id=self.repo_id,
                 folder_path=snapshot,
                 commit_message=message,
@@ -191,7 +226,7 @@ class HubRepo:
         ]
         if self.strategy in ("checkpoint", "all_checkpoints"):
             futures.append(
-                api.upload_folder(
+                self.api.upload_folder(
                     repo_id=self.repo_id,
                     folder_path=snapshot,
                     path_in_repo="last-checkpoint" if self.strategy == "checkpoint" else checkpoint.name,
@@ -201,7 +236,7 @@ class HubRepo:
                     run_as_future=True,
                 )
             )
-        self._pushes.append(_Push(checkpoint, futures, snapshot))
+        return futures
 
     def wait(self) -> None:
         """Wait for the background pushes to finish; a failed one is a warning (its checkpoint is on disk)."""
@@ -217,21 +252,24 @@ class HubRepo:
         self._reap()
 
     def _reap(self) -> None:
-        """Report each finished push's failure once and remove its snapshot."""
+        """Report each finished push's failure once and forget it (its snapshot is gone: push_checkpoint)."""
         for push in [p for p in self._pushes if p.done()]:
             errors = [f.exception() for f in push.futures if f.exception() is not None]
             if errors:
-                logger.warning(
-                    "pushing %s to the hub repository %s failed (%s); training goes on and the checkpoint is kept "
-                    "at %s: trainer.push_to_hub() pushes the model at the end, %s the checkpoint",
-                    push.checkpoint.name,
-                    self.repo_id,
-                    _reason(errors[0]),
-                    push.checkpoint,
-                    upload_command(self.repo_id, push.checkpoint, push.checkpoint.name),
-                )
-            shutil.rmtree(push.snapshot, ignore_errors=True)
+                self._warn(push.checkpoint, errors[0])
+            push.remove_snapshot()
             self._pushes.remove(push)
+
+    def _warn(self, checkpoint: Path, error: BaseException) -> None:
+        logger.warning(
+            "pushing %s to the hub repository %s failed (%s); training goes on and the checkpoint is kept at %s: "
+            "trainer.push_to_hub() pushes the model at the end, %s the checkpoint",
+            checkpoint.name,
+            self.repo_id,
+            _reason(error),
+            checkpoint,
+            upload_command(self.repo_id, checkpoint, checkpoint.name),
+        )
 
     # ------------------------------------------------------------------ the final push
     def push_folder(
@@ -247,7 +285,7 @@ class HubRepo:
         Future of it when not `blocking`. HubPushError when the upload fails (the folder is as it was)."""
         self.wait()
         try:
-            return _api().upload_folder(
+            return self.api.upload_folder(
                 repo_id=self.repo_id,
                 folder_path=folder,
                 commit_message=message,
@@ -305,7 +343,7 @@ def push_run(
     snapshot = _snapshot(folder, also)
     try:
         _card_for(snapshot, repo.repo_id)
-        info = _api().upload_folder(
+        info = repo.api.upload_folder(
             repo_id=repo.repo_id,
             folder_path=snapshot,
             commit_message=message,

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from . import model_card
 from .checkpoint import list_checkpoints
+from .hub import SNAPSHOT_PREFIX
 from .logs import read_log
 from .owned_dir import TargetError, check_not_protected, protected_paths, shown
 
@@ -466,8 +467,9 @@ def claim_output_dir(
     return claim
 
 
-# What checkpoint.atomic_dir writes before the rename into place: ".{name}.{random}" beside the target.
-_LEFTOVER_GLOBS = (".checkpoint-*.*", ".adapter.*")
+# What checkpoint.atomic_dir writes before the rename into place: ".{name}.{random}" beside the target; the
+# snapshot of a checkpoint whose push to the hub never ended (hub.py).
+_LEFTOVER_GLOBS = (".checkpoint-*.*", ".adapter.*", f"{SNAPSHOT_PREFIX}*")
 
 
 def remove_leftovers(root: Path) -> list[str]:

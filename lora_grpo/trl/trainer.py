@@ -15,6 +15,7 @@ update, log_history holds TRL-named records); the native loop's own state is `tr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -47,6 +48,8 @@ from .inputs import environment_prompts, eval_sets, placeholder_prompts
 from .models import build_model, reward_models
 from .overrides import refuse_loop_overrides
 from .translate import _as_dict, resolved_steps, to_native
+
+logger = logging.getLogger(__name__)
 
 # Our metric names → TRL 1.16's; others (sync/*, time/*, ...) are logged under our names beside them.
 TRL_NAMES = {
@@ -492,7 +495,13 @@ class GRPOTrainer:
         self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
-        self.create_model_card(model_name=model_name, **kwargs)
+        if model_card.is_ours(Path(self.args.output_dir) / "README.md"):
+            self.create_model_card(model_name=model_name, **kwargs)
+        else:  # (TRL writes its card over it)
+            logger.warning(
+                "%s/README.md is not a model card lora_grpo wrote: pushed as it is, as the repository's card",
+                self.args.output_dir,
+            )
         return self._hub.push_folder(
             Path(self.args.output_dir),
             commit_message,
@@ -641,7 +650,9 @@ class GRPOTrainer:
             # on_save for the saves transformers makes (the flow's); not for the run's last checkpoint, which
             # lora_grpo always keeps (also under save_strategy "no"), nor a failure's or a stop's
             if payload["due"]:
-                if self._hub is not None and self._hub.wants():
+                # (args.push_to_hub, as transformers': a script's own push_to_hub() makes the repository, but the
+                # save steps push only when the config asks)
+                if args.push_to_hub and self._hub is not None and self._hub.wants():
                     # transformers' _push_from_checkpoint, before on_save: on_push_begin, its commit message
                     self.control = handler.on_push_begin(args, state, self.control)
                     done = (
