@@ -2257,6 +2257,57 @@ def test_two_processes_share_the_data_pool_log_metrics_and_save_from_the_main_pr
     assert PeftConfig.from_pretrained(str(tmp_path / "final")).r == 4
 
 
+TWO_PROCESSES_PUSH = """
+import importlib, json, os, sys, types
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import TrainerCallback
+from helpers import FakeHub
+
+library, base, out = sys.argv[1:4]
+trl = importlib.import_module(library)
+rank = int(os.environ["RANK"])
+hub = FakeHub().install(types.SimpleNamespace(setattr=setattr))  # this process's hub record
+begun = []
+
+class Pushes(TrainerCallback):
+    def on_push_begin(self, args, state, control, **kwargs):
+        begun.append(state.global_step)
+
+args = trl.GRPOConfig(output_dir=f"{out}/run", use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, save_steps=1, max_steps=2, report_to="none",
+                      push_to_hub=True, hub_model_id="me/tiny-grpo")
+data = Dataset.from_list([{"prompt": f"{i}+{i % 3}="} for i in range(8)])
+trainer = trl.GRPOTrainer(model=base, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=args, train_dataset=data, callbacks=[Pushes()],
+                          peft_config=LoraConfig(r=4, task_type="CAUSAL_LM"))
+trainer.train()
+trainer.save_model(args.output_dir)  # TRL's script, on every process: save, then push
+trainer.push_to_hub()
+json.dump({"created": [c["repo_id"] for c in hub.created], "uploads": [u["message"] for u in hub.uploads],
+           "begun": begun, "hub_model_id": trainer.hub_model_id}, open(f"{out}/rank{rank}.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_two_processes_push_from_the_main_process_alone(tiny_base_dir, tmp_path, library):
+    import json
+
+    run_torchrun(TWO_PROCESSES_PUSH, tmp_path, library, tiny_base_dir, tmp_path)
+    main, other = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert main["created"] == ["me/tiny-grpo"] and main["hub_model_id"] == "me/tiny-grpo"
+    assert main["uploads"] == [
+        "Training in progress, step 1",
+        "Training in progress, step 2",
+        "Model save",
+        "End of training",
+    ]
+    # the other process makes no repository and pushes nothing; save_model's and push_to_hub's on_push_begin
+    # run on every process, a save step's on the main one
+    assert other["created"] == [] and other["uploads"] == [] and other["hub_model_id"] is None
+    assert main["begun"] == [1, 2, 2, 2] and other["begun"] == [2, 2]
+
+
 # ------------------------------------------------------------------------------ subclasses
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_a_subclass_overriding_trls_loop_is_refused_not_silently_ignored(
