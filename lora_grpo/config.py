@@ -438,6 +438,21 @@ class GRPOConfig:
         "a new run into a directory that holds another run's files moves them to "
         "output_dir/previous-run-K/ first (else it is refused)",
     )
+    hub_model_id: str | None = _f(
+        None,
+        "push the run to this Hugging Face Hub repository (user/name; made if missing; log in first: `hf auth "
+        "login`): each checkpoint in the background by hub_strategy, and at the end the final adapter with "
+        "config.yaml and the metrics (not completions.jsonl); a failed checkpoint push is a warning; None: no push",
+    )
+    hub_strategy: str = _f(
+        "every_save",
+        "with hub_model_id, what each checkpoint pushes: every_save (its adapter, tokenizer and card, to the "
+        "repository's root), checkpoint (also the whole checkpoint, to last-checkpoint/: resumable from the hub), "
+        "all_checkpoints (to checkpoint-N/), end (nothing before the final adapter)",
+    )
+    hub_private_repo: bool | None = _f(
+        None, "with hub_model_id: create the repository private (no effect on one that exists)"
+    )
     logging_steps: float = _f(1, "print metrics every N steps (below 1: a share of max_steps)")
     eval_steps: float = _f(
         0,

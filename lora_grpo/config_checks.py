@@ -51,6 +51,12 @@ SCHEDULERS = (
 )  # optim.build_scheduler: transformers.get_scheduler names
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MEMORY_PROBES = ("auto", "sweep")  # memory.plan_run_memory
+HUB_STRATEGIES = (
+    "every_save",
+    "checkpoint",
+    "all_checkpoints",
+    "end",
+)  # run/hub.py (transformers' HubStrategy)
 TRACKERS = ("tensorboard", "wandb", "trackio")  # report_to names (run/reporting.py maps each to its package)
 # the samplers of rollout.generate_rollout (fast_decode.DECODE_MODES)
 DECODE_MODES = (
@@ -73,6 +79,7 @@ CHOICES = {  # field → its options: validate() checks the value, and each fiel
     "decode_mode": DECODE_MODES,
     "memory_probe": MEMORY_PROBES,
     "multi_objective_aggregation": MULTI_OBJECTIVE,
+    "hub_strategy": HUB_STRATEGIES,
 }
 
 

@@ -74,7 +74,7 @@ from .run.failures import (
     stage,
     stages_of,
 )
-from .run.hub import push_run
+from .run.hub import HubRepo, push_run
 from .run.reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
 from .run.run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
 from .run.stopping import StopSignals, TrainingInterrupted, agreed_signal
@@ -212,6 +212,18 @@ class GRPOTrainer:
         self.train_further_hint: Callable[[int], str] = lambda max_steps: (
             f"build a new GRPOTrainer with max_steps={max_steps} and resume_from_checkpoint='latest' in its "
             f"GRPOConfig (output_dir={str(self.output_dir)!r})"
+        )
+        # hub_model_id: the repository the run pushes to, made (or found) now, on the main process, so that a
+        # missing login stops the run before it trains (run/hub.py)
+        self.hub = (
+            HubRepo.create(
+                config.hub_model_id,
+                private=config.hub_private_repo,
+                strategy=config.hub_strategy,
+                fix="check hub_model_id, or leave it unset to train without pushing",
+            )
+            if config.hub_model_id and self.is_main
+            else None
         )
 
     # ------------------------------------------------------------------ construction
@@ -403,6 +415,9 @@ class GRPOTrainer:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.reporter.finish()
         self._event("train_end")
+        if self.hub is not None:  # the run complete on disk first: a failed push loses nothing
+            pushed = self.hub.push_trained(self.output_dir, f"End of training, step {self.state.global_step}")
+            self._print(f"pushed {pushed.what} to https://huggingface.co/{self.hub.repo_id}")
         return summary
 
     def _resume_finished(self) -> bool:
@@ -446,8 +461,13 @@ class GRPOTrainer:
         return self._evaluate_and_log("after") if due else {}
 
     def _save_final(self) -> None:
-        """The last checkpoint and the final adapter (output_dir/adapter)."""
-        self.save_checkpoint()
+        """The last checkpoint and the final adapter (output_dir/adapter); with hub_model_id and a strategy that
+        pushes whole checkpoints, the last one too (its adapter reaches the repository's root with the final push)."""
+        target = self.save_checkpoint()
+        if self.hub is not None and self.hub.pushes_whole_checkpoints:
+            self.hub.push_checkpoint(
+                target, f"Training in progress, step {self.state.global_step}", root=False
+            )
         self._save_final_adapter()
 
     def push_to_hub(
@@ -970,6 +990,8 @@ class GRPOTrainer:
                 ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit)
             self.reporter.plot()  # metrics.png so far (a failure is only a warning)
         self.accelerator.wait_for_everyone()
+        if due and self.hub is not None and self.hub.wants():  # hub_model_id: in the background
+            self.hub.push_checkpoint(target, f"Training in progress, step {self.state.global_step}")
         self._event("save", due=due, path=target)
         return target
 

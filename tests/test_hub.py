@@ -282,7 +282,7 @@ def test_the_trl_cli_says_in_one_line_that_the_hub_refused(tiny_base_dir, tmp_pa
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("lora-grpo:")]
     assert said == [
-        "lora-grpo: error: push_to_hub: could not create or reach the hub repository 'run' (OSError: 401 Client "
+        "lora-grpo: error: could not create or reach the hub repository 'run' (OSError: 401 Client "
         "Error: Unauthorized). Log in (`hf auth login`) or give hub_token a token that may write there, check "
         "hub_model_id, or set push_to_hub=False to train without pushing"
     ]
@@ -410,7 +410,7 @@ def test_lora_grpo_push_says_in_one_line_what_is_wrong(finished_run, fake_hub, t
     assert main(["push", str(run), "me/x"]) == 1
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lora-grpo:")]
     assert said == [
-        "lora-grpo: error: push_to_hub: could not create or reach the hub repository 'me/x' (OSError: 403 "
+        "lora-grpo: error: could not create or reach the hub repository 'me/x' (OSError: 403 "
         "Forbidden: you cannot write to me/x). Log in (`hf auth login`) or pass --token (token=) a token that may "
         "write there, and check the repository's name"
     ]
@@ -422,3 +422,70 @@ def test_lora_grpo_push_says_in_one_line_what_is_wrong(finished_run, fake_hub, t
         in (err)
     )
     assert fake_hub.created and not fake_hub.uploads
+
+
+# ------------------------------------------------------------------------------ a native run's hub_model_id
+def test_a_run_with_hub_model_id_pushes_its_checkpoints_then_its_final_adapter(
+    tiny_base_dir, tmp_path, fake_hub
+):
+    from helpers import make_trainer
+
+    trainer = make_trainer(
+        tiny_base_dir,
+        str(tmp_path),
+        quantization="none",
+        max_steps=2,
+        save_steps=1,
+        hub_model_id="me/sums-grpo",
+        hub_strategy="checkpoint",
+        hub_private_repo=True,
+    )
+    # made when the trainer is built, before it trains
+    assert fake_hub.created == [{"repo_id": "me/sums-grpo", "token": None, "private": True, "exist_ok": True}]
+    trainer.train()
+    assert [(u["path_in_repo"], u["message"]) for u in fake_hub.uploads] == [
+        (None, "Training in progress, step 1"),
+        ("last-checkpoint", "Training in progress, step 1, checkpoint"),
+        # the last step: its whole checkpoint, then its adapter with the run's records (the final push)
+        ("last-checkpoint", "Training in progress, step 2, checkpoint"),
+        (None, "End of training, step 2"),
+    ]
+    run, final = trainer.output_dir, fake_hub.uploads[-1]["files"]
+    assert final["adapter_model.safetensors"] == (run / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert {"config.yaml", "metrics.jsonl", "summary.json"} <= set(final) and "completions.jsonl" not in final
+    assert 'from_pretrained("me/sums-grpo")' in final["README.md"].decode()
+    assert "trainer_state.pt" in fake_hub.uploads[2]["files"]  # the whole checkpoint: resumable from the hub
+    assert not list(run.glob(".hub-push-*"))
+
+
+def test_a_final_push_that_fails_leaves_the_finished_run_and_says_how_to_push_it(
+    tiny_base_dir, tmp_path, fake_hub
+):
+    from helpers import make_trainer
+
+    trainer = make_trainer(
+        tiny_base_dir, str(tmp_path), quantization="none", max_steps=1, hub_model_id="me/sums-grpo"
+    )
+    fake_hub.fail = OSError("504 Gateway Time-out")
+    with pytest.raises(HubPushError) as failed:
+        trainer.train()
+    run = trainer.output_dir
+    assert str(failed.value) == (
+        f"pushing the final adapter of the run {run} to the hub repository 'me/sums-grpo' failed (OSError: 504 "
+        f"Gateway Time-out). Nothing on disk changed: push it again with `lora-grpo push {run} me/sums-grpo`"
+    )
+    assert (run / "summary.json").is_file() and (run / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_lora_grpo_train_with_a_repository_the_hub_refuses_stops_before_training(tmp_path, fake_hub, capsys):
+    from lora_grpo.cli import main
+
+    fake_hub.refuse = OSError("401 Client Error: Unauthorized")
+    out = tmp_path / "run"
+    assert main(["train", "toy-addition", "--set", f"output_dir={out}", "--set", "hub_model_id=me/sums"]) == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lora-grpo:")]
+    assert said == [
+        "lora-grpo: error: could not create or reach the hub repository 'me/sums' (OSError: 401 Client Error: "
+        "Unauthorized). Log in (`hf auth login`) or check hub_model_id, or leave it unset to train without pushing"
+    ]
+    assert not list(out.glob("checkpoint-*"))

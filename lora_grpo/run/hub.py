@@ -35,14 +35,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config_checks import HUB_STRATEGIES
 from ..model.adapters import POLICY
 from . import model_card
 from .checkpoint import resolve_adapter
 
 logger = logging.getLogger(__name__)
 
-# transformers' HubStrategy values
-STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
+# transformers' HubStrategy values (the native config's hub_strategy options)
+STRATEGIES = HUB_STRATEGIES
 
 # A checkpoint's files that are not the model's: its adapters for resuming, optimizer and loop state
 # (pushed whole only to last-checkpoint/ or checkpoint-N/).
@@ -62,6 +63,11 @@ NOT_PUSHED = [
     ".lora_grpo.lock",
     f"{SNAPSHOT_PREFIX}*",
 ]
+
+
+# A run's records pushed beside its final adapter: how it was trained and what it logged (not completions.jsonl,
+# the prompts and answers trained on).
+RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "metrics.png")
 
 
 class HubPushError(RuntimeError):
@@ -86,6 +92,14 @@ def _api():
 
     # the hub's record of which library pushed (as transformers' hf_api() names itself)
     return HfApi(library_name="lora_grpo", library_version=model_card.package_version("lora_grpo"))
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """What push_trained pushed (in resolve_adapter's words) and its commit's address."""
+
+    what: str
+    commit_url: str
 
 
 @dataclass
@@ -172,7 +186,7 @@ class HubRepo:
             url = _api().create_repo(name, token=token, private=private, exist_ok=True)
         except Exception as error:  # the hub's HTTP errors, offline mode, no network: all say the same here
             raise HubPushError(
-                f"push_to_hub: could not create or reach the hub repository {name!r} ({_reason(error)}). Log in "
+                f"could not create or reach the hub repository {name!r} ({_reason(error)}). Log in "
                 f"(`hf auth login`) or {fix}"
             ) from error
         return cls(url.repo_id, token=token, **kwargs)
@@ -183,15 +197,21 @@ class HubRepo:
         self._reap()
         return any(not push.done() for push in self._pushes)
 
+    @property
+    def pushes_whole_checkpoints(self) -> bool:
+        """Whether the strategy pushes whole checkpoints (last-checkpoint/ or checkpoint-N/), to resume from."""
+        return self.strategy in ("checkpoint", "all_checkpoints")
+
     def wants(self) -> bool:
         """Whether the checkpoint just saved is pushed: a strategy that pushes checkpoints, and the last push
         done (or hub_always_push)."""
         busy = self.busy()  # (also reports a finished push's failure now, not at the run's end)
         return self.strategy != "end" and (self.always_push or not busy)
 
-    def push_checkpoint(self, checkpoint: Path, message: str) -> None:
+    def push_checkpoint(self, checkpoint: Path, message: str, *, root: bool = True) -> None:
         """Start the uploads of `checkpoint` (a snapshot of it beside it, its card loading the adapter from this
-        repository) by the strategy, in the background. A failure to start them is a warning, as a failed upload
+        repository) by the strategy, in the background; `root` False: only the whole checkpoint's (a run's last,
+        whose adapter the final push brings to the root). A failure to start them is a warning, as a failed upload
         is: training goes on."""
         checkpoint = Path(checkpoint)
         try:
@@ -201,7 +221,7 @@ class HubRepo:
             return
         try:
             _card_for(snapshot, self.repo_id)
-            futures = self._uploads(checkpoint, snapshot, message)
+            futures = self._uploads(checkpoint, snapshot, message, root)
         except Exception as error:
             shutil.rmtree(snapshot, ignore_errors=True)
             self._warn(checkpoint, error)
@@ -212,19 +232,21 @@ class HubRepo:
         for future in futures:
             future.add_done_callback(lambda _, push=push: push.done() and push.remove_snapshot())
 
-    def _uploads(self, checkpoint: Path, snapshot: Path, message: str) -> list[Future]:
-        futures = [
-            self.api.upload_folder(
-                repo_id=self.repo_id,
-                folder_path=snapshot,
-                commit_message=message,
-                token=self.token,
-                revision=self.revision,
-                ignore_patterns=CHECKPOINT_ONLY,
-                run_as_future=True,
+    def _uploads(self, checkpoint: Path, snapshot: Path, message: str, root: bool) -> list[Future]:
+        futures = []
+        if root:
+            futures.append(
+                self.api.upload_folder(
+                    repo_id=self.repo_id,
+                    folder_path=snapshot,
+                    commit_message=message,
+                    token=self.token,
+                    revision=self.revision,
+                    ignore_patterns=CHECKPOINT_ONLY,
+                    run_as_future=True,
+                )
             )
-        ]
-        if self.strategy in ("checkpoint", "all_checkpoints"):
+        if self.pushes_whole_checkpoints:
             futures.append(
                 self.api.upload_folder(
                     repo_id=self.repo_id,
@@ -271,6 +293,48 @@ class HubRepo:
             upload_command(self.repo_id, checkpoint, checkpoint.name),
         )
 
+    # ------------------------------------------------------------------ a trained adapter, in one commit
+    def push_trained(self, path: str | os.PathLike, message: str) -> Pushed:
+        """Push what `path` holds in one commit, after the background pushes: a run directory's final adapter/
+        with the run's RUN_RECORDS, a checkpoint's adapter with its tokenizer and card (not its optimizer, loop
+        state or reference), or an adapter directory as it is. A card of ours is pushed loading the adapter from
+        this repository; nothing on disk changes. HubPushError when the upload fails."""
+        path = Path(path)
+        adapter, what = resolve_adapter(path)
+        if adapter == path / POLICY:  # a checkpoint: its root holds the adapter with its tokenizer and card
+            folder, also, ignore = path, (), CHECKPOINT_ONLY
+        elif adapter == path / "adapter":  # a run: its final adapter, and how it was trained
+            folder, also, ignore = adapter, tuple(path / n for n in RUN_RECORDS if (path / n).is_file()), None
+        else:
+            folder, also, ignore = adapter, (), None
+        self.wait()
+        snapshot = _snapshot(folder, also)
+        try:
+            _card_for(snapshot, self.repo_id)
+            info = self.api.upload_folder(
+                repo_id=self.repo_id,
+                folder_path=snapshot,
+                commit_message=message,
+                token=self.token,
+                revision=self.revision,
+                ignore_patterns=ignore,
+            )
+        except Exception as error:
+            again = [
+                "lora-grpo",
+                "push",
+                str(path),
+                self.repo_id,
+                *(["--revision", self.revision] if self.revision else []),
+            ]
+            raise HubPushError(
+                f"pushing {what} to the hub repository {self.repo_id!r} failed ({_reason(error)}). Nothing on disk "
+                f"changed: push it again with `{shlex.join(again)}`"
+            ) from error
+        finally:
+            shutil.rmtree(snapshot, ignore_errors=True)
+        return Pushed(what, info.commit_url)
+
     # ------------------------------------------------------------------ the final push
     def push_folder(
         self,
@@ -303,19 +367,6 @@ class HubRepo:
 
 
 # ----------------------------------------------------------------------------- a finished run, pushed whole
-# A run's records pushed beside its final adapter: how it was trained and what it logged (not completions.jsonl,
-# the prompts and answers trained on).
-RUN_RECORDS = ("config.yaml", "metrics.jsonl", "summary.json", "metrics.png")
-
-
-@dataclass(frozen=True)
-class Pushed:
-    """What push_run pushed (in the words of resolve_adapter) and its commit's address."""
-
-    what: str
-    commit_url: str
-
-
 def push_run(
     path: str | os.PathLike,
     repo_id: str,
@@ -325,37 +376,10 @@ def push_run(
     revision: str | None = None,
     message: str = "Upload the adapter trained with lora_grpo",
 ) -> Pushed:
-    """Push a trained adapter to the hub repository `repo_id` (created if needed) in one commit: a run directory's
-    final adapter/ with the run's RUN_RECORDS, a checkpoint's adapter with its tokenizer and card (not its
-    optimizer, loop state or reference), or an adapter directory as it is. Its model card, if ours, is pushed
-    loading the adapter from `repo_id`; nothing on disk changes. CheckpointError for a path that holds no adapter,
-    HubPushError when the hub refuses."""
-    path = Path(path)
-    adapter, what = resolve_adapter(path)
-    if adapter == path / POLICY:  # a checkpoint: its root holds the adapter with its tokenizer and card
-        folder, also, ignore = path, (), CHECKPOINT_ONLY
-    elif adapter == path / "adapter":  # a run: its final adapter, and how it was trained
-        folder, also, ignore = adapter, tuple(path / n for n in RUN_RECORDS if (path / n).is_file()), None
-    else:
-        folder, also, ignore = adapter, (), None
+    """Push a trained adapter to the hub repository `repo_id` (created if needed) in one commit
+    (HubRepo.push_trained: a run's final adapter with its records, a checkpoint's adapter, an adapter
+    directory). CheckpointError for a path that holds no adapter, HubPushError when the hub refuses."""
+    resolve_adapter(path)  # a path without an adapter is refused before the hub is asked anything
     fix = "pass --token (token=) a token that may write there, and check the repository's name"
     repo = HubRepo.create(repo_id, token=token, private=private, revision=revision, fix=fix)
-    snapshot = _snapshot(folder, also)
-    try:
-        _card_for(snapshot, repo.repo_id)
-        info = repo.api.upload_folder(
-            repo_id=repo.repo_id,
-            folder_path=snapshot,
-            commit_message=message,
-            token=token,
-            revision=revision,
-            ignore_patterns=ignore,
-        )
-    except Exception as error:
-        raise HubPushError(
-            f"pushing {what} to the hub repository {repo.repo_id!r} failed ({_reason(error)}). Nothing on disk "
-            "changed: run the same push again"
-        ) from error
-    finally:
-        shutil.rmtree(snapshot, ignore_errors=True)
-    return Pushed(what, info.commit_url)
+    return repo.push_trained(path, message)
