@@ -26,6 +26,37 @@ def checkpoint_dir(root, step=1):
     return path
 
 
+def front_door(base, out, **fields):
+    """lora_grpo.trl's GRPOTrainer of a tiny run into `out` that pushes to me/tiny-grpo (`fields` override)."""
+    from datasets import Dataset
+
+    from lora_grpo.trl import GRPOConfig, GRPOTrainer
+
+    settings = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=4, max_steps=1)
+    settings.update(report_to="none", push_to_hub=True, hub_model_id="me/tiny-grpo")
+    args = GRPOConfig(output_dir=str(out), use_cpu=True, **{**settings, **fields})
+    return GRPOTrainer(
+        model=base,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=Dataset.from_list(PROMPTS[:8]),
+    )
+
+
+def trl_recipe(tmp_path, base, **fields):
+    """A TRL GRPO recipe (`lora-grpo trl --config`) of a tiny run on a local data file, into tmp_path/run."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in PROMPTS[:8])
+    )
+    recipe = tmp_path / "grpo.yaml"
+    values = dict(
+        model_name_or_path=base, dataset_name=str(data), reward_funcs=["accuracy_reward"], use_cpu=True
+    )
+    recipe.write_text(yaml.safe_dump({**values, "output_dir": str(tmp_path / "run"), **fields}))
+    return recipe
+
+
 @pytest.fixture
 def private_tmp(tmp_path, monkeypatch):
     """tempfile's directory, to see the snapshots pushes make there."""
@@ -131,31 +162,9 @@ def test_a_save_step_skips_its_push_while_the_last_one_uploads_unless_always_pus
 
 
 def test_a_failed_push_keeps_the_run_going_and_says_what_to_push(tiny_base_dir, tmp_path, fake_hub, caplog):
-    from lora_grpo.trl import GRPOConfig, GRPOTrainer
-
     fake_hub.fail = OSError("503 Service Unavailable")
     out = tmp_path / "run"
-    args = GRPOConfig(
-        output_dir=str(out),
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=2,
-        save_steps=1,
-        report_to="none",
-        push_to_hub=True,
-        hub_model_id="me/tiny-grpo",
-        hub_always_push=True,
-    )
-    from datasets import Dataset
-
-    trainer = GRPOTrainer(
-        model=tiny_base_dir,
-        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-        args=args,
-        train_dataset=Dataset.from_list(PROMPTS[:8]),
-    )
+    trainer = front_door(tiny_base_dir, out, max_steps=2, save_steps=1, hub_always_push=True)
     with caplog.at_level(logging.WARNING, logger="lora_grpo.run.hub"):
         trainer.train()
     assert trainer.state.global_step == 2 and (out / "checkpoint-2").is_dir()
@@ -178,30 +187,11 @@ def test_a_failed_push_keeps_the_run_going_and_says_what_to_push(tiny_base_dir, 
 def test_a_repository_the_hub_refuses_stops_the_script_before_it_trains(tiny_base_dir, tmp_path, fake_hub):
     from huggingface_hub.errors import OfflineModeIsEnabled
 
-    from lora_grpo.trl import GRPOConfig, GRPOTrainer
-
     fake_hub.refuse = OfflineModeIsEnabled(
         "Cannot reach https://huggingface.co/api/repos/create: offline mode"
     )
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "run"),
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        report_to="none",
-        push_to_hub=True,
-        hub_model_id="me/tiny-grpo",
-    )
-    from datasets import Dataset
-
     with pytest.raises(HubPushError) as refused:
-        GRPOTrainer(
-            model=tiny_base_dir,
-            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=args,
-            train_dataset=Dataset.from_list(PROMPTS[:8]),
-        )
+        front_door(tiny_base_dir, tmp_path / "run")
     message = str(refused.value)
     assert (
         "could not create or reach the hub repository 'me/tiny-grpo' (OfflineModeIsEnabled: Cannot reach"
@@ -216,30 +206,18 @@ def test_the_trl_cli_pushes_after_saving_as_trls_script_and_keeps_the_completion
 ):
     from lora_grpo.cli import main
 
-    data = tmp_path / "train.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in PROMPTS[:8])
-    )
-    recipe = tmp_path / "grpo.yaml"
-    recipe.write_text(
-        yaml.safe_dump(
-            {
-                "model_name_or_path": tiny_base_dir,
-                "dataset_name": str(data),
-                "reward_funcs": ["accuracy_reward"],
-                "output_dir": str(tmp_path / "run"),
-                "per_device_train_batch_size": 4,
-                "num_generations": 4,
-                "max_completion_length": 4,
-                "max_steps": 1,
-                "save_strategy": "no",
-                "use_cpu": True,
-                "report_to": "none",
-                "log_completions": True,
-                "push_to_hub": True,
-                "hub_model_id": "me/sums-grpo",
-            }
-        )
+    recipe = trl_recipe(
+        tmp_path,
+        tiny_base_dir,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        save_strategy="no",
+        report_to="none",
+        log_completions=True,
+        push_to_hub=True,
+        hub_model_id="me/sums-grpo",
     )
     assert main(["trl", "--config", str(recipe)]) == 0
     assert [u["message"] for u in fake_hub.uploads] == ["Model save", "End of training"]
@@ -254,30 +232,16 @@ def test_the_trl_cli_pushes_after_saving_as_trls_script_and_keeps_the_completion
     # the prompts and answers trained on, the adapter/ copy of the root's files: on disk, not on the hub
     assert (tmp_path / "run" / "completions.jsonl").is_file() and "completions.jsonl" not in pushed
     assert not any(name.startswith(("adapter/", "checkpoint-")) for name in pushed)
-    assert str(data) in pushed["README.md"].decode()  # TRL's script names its dataset_name in the card
+    assert (
+        str(tmp_path / "train.jsonl") in pushed["README.md"].decode()
+    )  # TRL's script names its dataset_name
 
 
 def test_the_trl_cli_says_in_one_line_that_the_hub_refused(tiny_base_dir, tmp_path, fake_hub, capsys):
     from lora_grpo.cli import main
 
     fake_hub.refuse = OSError("401 Client Error: Unauthorized")
-    recipe = tmp_path / "grpo.yaml"
-    data = tmp_path / "train.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": r["prompt"], "solution": r["answer"]}) + "\n" for r in PROMPTS[:8])
-    )
-    recipe.write_text(
-        yaml.safe_dump(
-            {
-                "model_name_or_path": tiny_base_dir,
-                "dataset_name": str(data),
-                "reward_funcs": ["accuracy_reward"],
-                "output_dir": str(tmp_path / "run"),
-                "use_cpu": True,
-                "push_to_hub": True,
-            }
-        )
-    )
+    recipe = trl_recipe(tmp_path, tiny_base_dir, push_to_hub=True)
     assert main(["trl", "--config", str(recipe)]) == 1
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("lora-grpo:")]
@@ -308,31 +272,10 @@ def finished_run(tiny_base_dir, tmp_path_factory):
 
 
 def test_a_readme_of_yours_in_output_dir_is_pushed_as_it_is(tiny_base_dir, tmp_path, fake_hub, caplog):
-    from datasets import Dataset
-
-    from lora_grpo.trl import GRPOConfig, GRPOTrainer
-
     out = tmp_path / "run"
     out.mkdir()
     (out / "README.md").write_text("# My sums model\n\nNotes of mine.\n")
-    args = GRPOConfig(
-        output_dir=str(out),
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        save_strategy="no",
-        report_to="none",
-        push_to_hub=True,
-        hub_model_id="me/tiny-grpo",
-    )
-    trainer = GRPOTrainer(
-        model=tiny_base_dir,
-        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-        args=args,
-        train_dataset=Dataset.from_list(PROMPTS[:8]),
-    )
+    trainer = front_door(tiny_base_dir, out, save_strategy="no")
     trainer.train()
     with caplog.at_level(logging.WARNING, logger="lora_grpo.trl.trainer"):
         trainer.save_model()  # TRL's script: save, then push (its card replaces your README there)
