@@ -441,8 +441,9 @@ class GRPOConfig:
     hub_model_id: str | None = _f(
         None,
         "push the run to this Hugging Face Hub repository (user/name; made if missing; log in first: `hf auth "
-        "login`): each checkpoint in the background by hub_strategy, and at the end the final adapter with "
-        "config.yaml and the metrics (not completions.jsonl); a failed checkpoint push is a warning; None: no push",
+        "login`; made when train() begins): each checkpoint in the background by hub_strategy (a save is skipped "
+        "while the last push still uploads), and at the end the final adapter with config.yaml and the metrics (not "
+        "completions.jsonl); a failed checkpoint push is a warning; None: no push",
     )
     hub_strategy: str = _f(
         "every_save",

@@ -213,18 +213,8 @@ class GRPOTrainer:
             f"build a new GRPOTrainer with max_steps={max_steps} and resume_from_checkpoint='latest' in its "
             f"GRPOConfig (output_dir={str(self.output_dir)!r})"
         )
-        # hub_model_id: the repository the run pushes to, made (or found) now, on the main process, so that a
-        # missing login stops the run before it trains (run/hub.py)
-        self.hub = (
-            HubRepo.create(
-                config.hub_model_id,
-                private=config.hub_private_repo,
-                strategy=config.hub_strategy,
-                fix="check hub_model_id, or leave it unset to train without pushing",
-            )
-            if config.hub_model_id and self.is_main
-            else None
-        )
+        # hub_model_id: the repository the run pushes to (run/hub.py), made when train() begins (_hub_repo)
+        self.hub: HubRepo | None = None
 
     # ------------------------------------------------------------------ construction
     def _build_model(self, model, tokenizer) -> None:
@@ -384,16 +374,41 @@ class GRPOTrainer:
                     self.train_further_hint,
                 )
             )
+        self._hub_repo()
         with claim_for_run(self.output_dir, self.config, self.accelerator) as claim:
             for note in claim.notes:
                 self._print(note)
-            return self._train()
+            try:
+                return self._train()
+            except BaseException:
+                if self.hub is not None and self.hub.pending():
+                    # the process ends once they have (the worker's uploads are not cut off)
+                    self._print(
+                        f"the push of {', '.join(self.hub.pending())} to {self.hub.repo_id} is still uploading: "
+                        "this process ends when it has"
+                    )
+                raise
+
+    def _hub_repo(self) -> None:
+        """With hub_model_id, the repository the run pushes to, made (or found) on the main process before the run
+        begins, so that a missing login stops it before it trains (an eval of the trainer never asks the hub)."""
+        cfg = self.config
+        if cfg.hub_model_id and self.is_main and self.hub is None:
+            self.hub = HubRepo.create(
+                cfg.hub_model_id,
+                private=cfg.hub_private_repo,
+                strategy=cfg.hub_strategy,
+                fix="check hub_model_id, or leave it unset to train without pushing",
+            )
+            self.hub.final_hint = "the final adapter is pushed when the run ends"
 
     def _train(self) -> dict[str, Any]:
         start = time.perf_counter()
         # before any rollout: the probe is also the preflight
         plan = self.plan_memory()
         if self.config.resume_from_checkpoint and self._resume_finished():
+            # (a run whose final push failed pushes now: resuming it is how it says to go on)
+            self._push_final()
             return self._summary(start, {}, {})
         self._begin(plan)
         # whatever raises from here on: keep the last finished step, then one error (_step_failed)
@@ -415,10 +430,16 @@ class GRPOTrainer:
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.reporter.finish()
         self._event("train_end")
-        if self.hub is not None:  # the run complete on disk first: a failed push loses nothing
+        self._push_final()
+        return summary
+
+    def _push_final(self) -> None:
+        """With hub_model_id, once the run is complete on disk (a failed push loses nothing): its final adapter with
+        config.yaml and the metrics, after the checkpoints' pushes."""
+        if self.hub is not None:
+            self.hub.wait(say=self._print)
             pushed = self.hub.push_trained(self.output_dir, f"End of training, step {self.state.global_step}")
             self._print(f"pushed {pushed.what} to https://huggingface.co/{self.hub.repo_id}")
-        return summary
 
     def _resume_finished(self) -> bool:
         """Resume from config.resume_from_checkpoint; True when the checkpoint's run has nothing left

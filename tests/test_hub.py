@@ -5,6 +5,7 @@ does alike (the commits of each hub_strategy) is tests/test_trl_parity.py's. The
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -335,11 +336,69 @@ def test_lora_grpo_push_sends_a_checkpoints_adapter_without_its_training_state(f
 
 def test_the_native_trainer_pushes_its_final_adapter(finished_run, fake_hub):
     run, trainer = finished_run
-    url = trainer.push_to_hub("me/sums-grpo", token="hf_write")
+    url = trainer.push_to_hub("me/sums-grpo", token="hf_write", private=True, revision="v1")
     (upload,) = fake_hub.uploads
     assert url.startswith("https://huggingface.co/me/sums-grpo/commit/")
-    assert upload["token"] == "hf_write" and fake_hub.created[0]["token"] == "hf_write"
-    assert "adapter_model.safetensors" in upload["files"]
+    assert fake_hub.created == [
+        {"repo_id": "me/sums-grpo", "token": "hf_write", "private": True, "exist_ok": True}
+    ]
+    assert (upload["token"], upload["revision"]) == ("hf_write", "v1")
+    records = {"config.yaml", "metrics.jsonl", "summary.json", "metrics.png"}
+    assert set(upload["files"]) == {p.name for p in (run / "adapter").iterdir()} | records
+
+
+def test_lora_grpo_push_of_a_trl_scripts_output_dir_sends_the_model_not_the_run(
+    tiny_base_dir, tmp_path, fake_hub
+):
+    """A TRL script saves the adapter into output_dir among the run's files (save_model): pushing that directory
+    sends what push_to_hub would, never its checkpoints, completions or the adapter/ copy."""
+    from lora_grpo.cli import main
+
+    out = tmp_path / "run"
+    trainer = front_door(
+        tiny_base_dir, out, push_to_hub=False, max_steps=2, save_steps=1, log_completions=True
+    )
+    trainer.train()
+    trainer.save_model()
+    assert main(["push", str(out), "me/tiny-grpo"]) == 0
+    (upload,) = fake_hub.uploads
+    files = set(upload["files"])
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "README.md",
+        "config.yaml",
+        "metrics.jsonl",
+    } <= files
+    assert not any(n.startswith(("checkpoint-", "adapter/")) or n == "completions.jsonl" for n in files)
+    assert (out / "completions.jsonl").is_file() and (out / "checkpoint-2").is_dir()
+
+
+def test_lora_grpo_push_refuses_a_run_that_is_training(finished_run, fake_hub, tmp_path):
+    import fcntl
+    import shutil
+
+    from lora_grpo.run.hub import push_run
+    from lora_grpo.run.run_dir import LOCK_NAME
+
+    run, _ = finished_run
+    busy = tmp_path / "busy"
+    shutil.copytree(run, busy)
+    (busy / LOCK_NAME).write_text(
+        json.dumps({"pid": 4242, "host": "gpu-box", "started": "2026-12-07 05:00:00"})
+    )
+    fd = os.open(busy / LOCK_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a live run holds it
+        with pytest.raises(
+            HubPushError, match="is in use by a run that is training \\(pid 4242 on host 'gpu-box'"
+        ):
+            push_run(busy, "me/x")
+    finally:
+        os.close(fd)
+    assert fake_hub.created == [] and fake_hub.uploads == []
+    push_run(busy, "me/x")  # the lock let go: the run has ended
+    assert len(fake_hub.uploads) == 1
 
 
 def test_lora_grpo_push_says_in_one_line_what_is_wrong(finished_run, fake_hub, tmp_path, capsys):
@@ -368,8 +427,29 @@ def test_lora_grpo_push_says_in_one_line_what_is_wrong(finished_run, fake_hub, t
 
 
 # ------------------------------------------------------------------------------ a native run's hub_model_id
+NATIVE_COMMITS = {
+    # hub_strategy: a 2-step run's commits (path_in_repo, message); the last step's checkpoint is no save step's
+    # (the run's last), its adapter reaching the root with the final push
+    "every_save": [(None, "Training in progress, step 1"), (None, "End of training, step 2")],
+    "checkpoint": [
+        (None, "Training in progress, step 1"),
+        ("last-checkpoint", "Training in progress, step 1, checkpoint"),
+        ("last-checkpoint", "Training in progress, step 2, checkpoint"),
+        (None, "End of training, step 2"),
+    ],
+    "all_checkpoints": [
+        (None, "Training in progress, step 1"),
+        ("checkpoint-1", "Training in progress, step 1, checkpoint"),
+        ("checkpoint-2", "Training in progress, step 2, checkpoint"),
+        (None, "End of training, step 2"),
+    ],
+    "end": [(None, "End of training, step 2")],
+}
+
+
+@pytest.mark.parametrize("strategy", list(NATIVE_COMMITS))
 def test_a_run_with_hub_model_id_pushes_its_checkpoints_then_its_final_adapter(
-    tiny_base_dir, tmp_path, fake_hub
+    tiny_base_dir, tmp_path, fake_hub, strategy
 ):
     from helpers import make_trainer
 
@@ -380,35 +460,31 @@ def test_a_run_with_hub_model_id_pushes_its_checkpoints_then_its_final_adapter(
         max_steps=2,
         save_steps=1,
         hub_model_id="me/sums-grpo",
-        hub_strategy="checkpoint",
+        hub_strategy=strategy,
         hub_private_repo=True,
     )
-    # made when the trainer is built, before it trains
-    assert fake_hub.created == [{"repo_id": "me/sums-grpo", "token": None, "private": True, "exist_ok": True}]
+    assert fake_hub.created == []  # a trainer that only evaluates never asks the hub
     trainer.train()
-    assert [(u["path_in_repo"], u["message"]) for u in fake_hub.uploads] == [
-        (None, "Training in progress, step 1"),
-        ("last-checkpoint", "Training in progress, step 1, checkpoint"),
-        # the last step: its whole checkpoint, then its adapter with the run's records (the final push)
-        ("last-checkpoint", "Training in progress, step 2, checkpoint"),
-        (None, "End of training, step 2"),
-    ]
+    assert fake_hub.created == [{"repo_id": "me/sums-grpo", "token": None, "private": True, "exist_ok": True}]
+    assert [(u["path_in_repo"], u["message"]) for u in fake_hub.uploads] == NATIVE_COMMITS[strategy]
     run, final = trainer.output_dir, fake_hub.uploads[-1]["files"]
+    records = {"config.yaml", "metrics.jsonl", "summary.json", "metrics.png"}
+    assert set(final) == {p.name for p in (run / "adapter").iterdir()} | records
     assert final["adapter_model.safetensors"] == (run / "adapter" / "adapter_model.safetensors").read_bytes()
-    assert {"config.yaml", "metrics.jsonl", "summary.json"} <= set(final) and "completions.jsonl" not in final
-    assert 'from_pretrained("me/sums-grpo")' in final["README.md"].decode()
-    assert "trainer_state.pt" in fake_hub.uploads[2]["files"]  # the whole checkpoint: resumable from the hub
+    for upload in fake_hub.uploads:  # every card pushed loads the adapter from the repository
+        assert 'from_pretrained("me/sums-grpo")' in upload["files"]["README.md"].decode()
+        if upload["path_in_repo"]:  # a whole checkpoint: resumable from the hub
+            assert "trainer_state.pt" in upload["files"]
     assert not list(run.glob(".hub-push-*"))
 
 
-def test_a_final_push_that_fails_leaves_the_finished_run_and_says_how_to_push_it(
+def test_a_final_push_that_fails_leaves_the_finished_run_and_resuming_it_pushes(
     tiny_base_dir, tmp_path, fake_hub
 ):
     from helpers import make_trainer
 
-    trainer = make_trainer(
-        tiny_base_dir, str(tmp_path), quantization="none", max_steps=1, hub_model_id="me/sums-grpo"
-    )
+    settings = dict(quantization="none", max_steps=1, hub_model_id="me/sums-grpo")
+    trainer = make_trainer(tiny_base_dir, str(tmp_path), **settings)
     fake_hub.fail = OSError("504 Gateway Time-out")
     with pytest.raises(HubPushError) as failed:
         trainer.train()
@@ -418,6 +494,55 @@ def test_a_final_push_that_fails_leaves_the_finished_run_and_says_how_to_push_it
         f"Gateway Time-out). Nothing on disk changed: push it again with `lora-grpo push {run} me/sums-grpo`"
     )
     assert (run / "summary.json").is_file() and (run / "adapter" / "adapter_model.safetensors").is_file()
+    # resuming a run with nothing left to train pushes it (lora-grpo push does the same)
+    fake_hub.fail = None
+    make_trainer(tiny_base_dir, str(tmp_path), resume_from_checkpoint="latest", **settings).train()
+    assert [u["message"] for u in fake_hub.uploads] == ["End of training, step 1"]
+
+
+def test_a_run_that_fails_while_a_push_uploads_says_so_and_its_failure_is_warned(
+    tiny_base_dir, tmp_path, fake_hub, caplog, capsys
+):
+    from helpers import make_trainer
+
+    calls = []
+
+    def breaks_at_step_2(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the grader is down")
+        return [float(len(c)) for c in completions]
+
+    fake_hub.slow, fake_hub.fail = {"Training in progress, step 1": 1.0}, OSError("502 Bad Gateway")
+    trainer = make_trainer(
+        tiny_base_dir,
+        str(tmp_path),
+        reward_funcs=(breaks_at_step_2,),
+        quantization="none",
+        max_steps=3,
+        save_steps=1,
+        hub_model_id="me/sums-grpo",
+        reward_bisect_on_error=False,
+    )
+    with (
+        caplog.at_level(logging.WARNING, logger="lora_grpo.run.hub"),
+        pytest.raises(Exception, match="grader"),
+    ):
+        trainer.train()
+    assert "the push of checkpoint-1 to me/sums-grpo is still uploading: this process ends when it has" in (
+        capsys.readouterr().out
+    )
+    # no one waits for it now: its failure is said when its upload ends, and its snapshot goes
+    for _ in range(200):
+        if "pushing checkpoint-1" in caplog.text:
+            break
+        time.sleep(0.05)
+    assert (
+        "pushing checkpoint-1 to the hub repository me/sums-grpo failed (OSError: 502 Bad Gateway)"
+        in caplog.text
+    )
+    assert "the final adapter is pushed when the run ends" in caplog.text
+    assert (trainer.output_dir / "checkpoint-1").is_dir() and not list(trainer.output_dir.glob(".hub-push-*"))
 
 
 def test_lora_grpo_train_with_a_repository_the_hub_refuses_stops_before_training(tmp_path, fake_hub, capsys):

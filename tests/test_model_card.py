@@ -1,6 +1,8 @@
 """The model card (run/model_card.py): the Hub's metadata as huggingface_hub reads it back, the training table
 in the run's own terms, and a README the user wrote left alone."""
 
+import ast
+
 import pytest
 from huggingface_hub import ModelCard
 
@@ -75,6 +77,25 @@ def test_a_card_pushed_to_a_repository_loads_the_adapter_from_there_and_the_base
     assert (
         model_card.relocated('# my notes\nfrom_pretrained("x")', "me/a") == '# my notes\nfrom_pretrained("x")'
     )
+
+
+def loads(card: str) -> list[str]:
+    """The string arguments of the from_pretrained calls of a card's "Use it" code, as Python reads them."""
+    code = ast.parse(card.split("```python")[1].split("```")[0])
+    calls = [
+        n
+        for n in ast.walk(code)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "from_pretrained"
+    ]
+    return [a.value for call in calls for a in call.args if isinstance(a, ast.Constant)]
+
+
+def test_a_path_with_quotes_or_backslashes_is_a_python_string_in_the_card_and_is_relocated():
+    where = 'C:\\runs\\the "best" run'
+    config = GRPOConfig(model_name_or_path=HUB_ID)
+    saved = model_card.model_card(config, steps=1, reward_names=["a"], syncs=0, where=where)
+    assert loads(saved) == [HUB_ID, where, where]  # the literals read back as the path
+    assert loads(model_card.relocated(saved, "me/sums-grpo")) == [HUB_ID, "me/sums-grpo", "me/sums-grpo"]
 
 
 @pytest.mark.parametrize(

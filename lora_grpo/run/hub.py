@@ -31,14 +31,16 @@ import os
 import shlex
 import shutil
 import tempfile
+import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config_checks import HUB_STRATEGIES
 from ..model.adapters import POLICY
 from . import model_card
 from .checkpoint import resolve_adapter
+from .run_dir import SNAPSHOT_PREFIX, held_by
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +50,6 @@ STRATEGIES = HUB_STRATEGIES
 # A checkpoint's files that are not the model's: its adapters for resuming, optimizer and loop state
 # (pushed whole only to last-checkpoint/ or checkpoint-N/).
 CHECKPOINT_ONLY = ["policy/*", "reference/*", "*.pt", "lora_grpo_state.json", "trainer_state.json"]
-# A checkpoint's snapshot while it uploads: output_dir/.hub-push-checkpoint-N.<random> (the file system of the
-# checkpoint, so that its files are links, never copies), removed when its uploads end; one a killed run left is
-# removed by the next run's claim of output_dir (run_dir.remove_leftovers), and never pushed.
-SNAPSHOT_PREFIX = ".hub-push-"
 # output_dir's files that are not the model's (the model is its root's adapter, tokenizer and card, with the
 # run's config, metrics and results beside it). "_*" and "checkpoint-*" are transformers' own patterns.
 NOT_PUSHED = [
@@ -104,14 +102,13 @@ class Pushed:
 
 @dataclass
 class _Push:
-    """One checkpoint's background uploads and the snapshot they read."""
+    """One checkpoint's background uploads and the snapshot they read; `ended` once the last has ended and its
+    failure (if any) was said and the snapshot removed (HubRepo._ended)."""
 
     checkpoint: Path
     futures: list[Future]
     snapshot: Path
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
+    ended: threading.Event = field(default_factory=threading.Event)
 
     def remove_snapshot(self) -> None:
         shutil.rmtree(self.snapshot, ignore_errors=True)
@@ -165,6 +162,8 @@ class HubRepo:
         self.repo_id, self.token, self.revision = repo_id, token, revision
         self.strategy, self.always_push = strategy, always_push
         self._pushes: list[_Push] = []
+        # what a failed checkpoint push's warning says of the model's push, in the entry point's words
+        self.final_hint = "trainer.push_to_hub() pushes the model at the end"
         # one client for every push: its one worker thread uploads the pushes in the order they were made (a
         # client each would upload them side by side, and an older checkpoint could land last)
         self.api = _api()
@@ -193,9 +192,13 @@ class HubRepo:
 
     # ------------------------------------------------------------------ background pushes of checkpoints
     def busy(self) -> bool:
-        """Whether a checkpoint's push is still uploading (its failures, if any, reported)."""
-        self._reap()
-        return any(not push.done() for push in self._pushes)
+        """Whether a checkpoint's push is still uploading."""
+        self._pushes = [push for push in self._pushes if not push.ended.is_set()]
+        return bool(self._pushes)
+
+    def pending(self) -> list[str]:
+        """The checkpoints whose pushes are still uploading (a stopped run's process ends once they have)."""
+        return [push.checkpoint.name for push in self._pushes if not push.ended.is_set()]
 
     @property
     def pushes_whole_checkpoints(self) -> bool:
@@ -205,8 +208,7 @@ class HubRepo:
     def wants(self) -> bool:
         """Whether the checkpoint just saved is pushed: a strategy that pushes checkpoints, and the last push
         done (or hub_always_push)."""
-        busy = self.busy()  # (also reports a finished push's failure now, not at the run's end)
-        return self.strategy != "end" and (self.always_push or not busy)
+        return self.strategy != "end" and (self.always_push or not self.busy())
 
     def push_checkpoint(self, checkpoint: Path, message: str, *, root: bool = True) -> None:
         """Start the uploads of `checkpoint` (a snapshot of it beside it, its card loading the adapter from this
@@ -214,6 +216,8 @@ class HubRepo:
         whose adapter the final push brings to the root). A failure to start them is a warning, as a failed upload
         is: training goes on."""
         checkpoint = Path(checkpoint)
+        if not root and not self.pushes_whole_checkpoints:
+            return  # nothing of it to push
         try:
             snapshot = _snapshot(checkpoint, inside=checkpoint.parent)
         except Exception as error:  # a full disk, a checkpoint gone: the push, not the run, fails
@@ -228,9 +232,18 @@ class HubRepo:
             return
         push = _Push(checkpoint, futures, snapshot)
         self._pushes.append(push)
-        # the snapshot goes when the last upload ends, whether or not anyone waits (a run that failed after it)
-        for future in futures:
-            future.add_done_callback(lambda _, push=push: push.done() and push.remove_snapshot())
+        # when its last upload ends (the client's one worker runs them in order, so the others have ended): a
+        # failure said at once, also in a run that failed or stopped since, which waits for no one; the snapshot gone
+        futures[-1].add_done_callback(lambda _: self._ended(push))
+
+    def _ended(self, push: _Push) -> None:
+        try:
+            push.remove_snapshot()
+            errors = [f.exception() for f in push.futures if f.exception() is not None]
+            if errors:
+                self._warn(push.checkpoint, errors[0])
+        finally:
+            push.ended.set()
 
     def _uploads(self, checkpoint: Path, snapshot: Path, message: str, root: bool) -> list[Future]:
         futures = []
@@ -260,37 +273,32 @@ class HubRepo:
             )
         return futures
 
-    def wait(self) -> None:
-        """Wait for the background pushes to finish; a failed one is a warning (its checkpoint is on disk)."""
-        pending = [push for push in self._pushes if not push.done()]
+    def wait(self, say=logger.info) -> None:
+        """Wait for the background pushes to finish (`say` names them first); a failed one is a warning, said as
+        its upload ended."""
+        pending = self.pending()
         if pending:
-            logger.info(
-                "waiting for the push of %s to the hub to finish",
-                ", ".join(p.checkpoint.name for p in pending),
+            say(
+                f"waiting for the push of {', '.join(pending)} to the hub repository {self.repo_id} to finish"
             )
-        for push in pending:
-            for future in push.futures:
-                future.exception()  # waits; the error, if any, is reported below
-        self._reap()
-
-    def _reap(self) -> None:
-        """Report each finished push's failure once and forget it (its snapshot is gone: push_checkpoint)."""
-        for push in [p for p in self._pushes if p.done()]:
-            errors = [f.exception() for f in push.futures if f.exception() is not None]
-            if errors:
-                self._warn(push.checkpoint, errors[0])
-            push.remove_snapshot()
-            self._pushes.remove(push)
+        for push in self._pushes:
+            push.ended.wait()
+        self.busy()
 
     def _warn(self, checkpoint: Path, error: BaseException) -> None:
+        kept = (
+            f"the checkpoint is kept at {checkpoint}: {upload_command(self.repo_id, checkpoint, checkpoint.name)} "
+            "pushes it"
+            if checkpoint.is_dir()
+            else f"{checkpoint} has since been rotated away (save_total_limit)"
+        )
         logger.warning(
-            "pushing %s to the hub repository %s failed (%s); training goes on and the checkpoint is kept at %s: "
-            "trainer.push_to_hub() pushes the model at the end, %s the checkpoint",
+            "pushing %s to the hub repository %s failed (%s); training goes on, %s; %s",
             checkpoint.name,
             self.repo_id,
             _reason(error),
-            checkpoint,
-            upload_command(self.repo_id, checkpoint, checkpoint.name),
+            self.final_hint,
+            kept,
         )
 
     # ------------------------------------------------------------------ a trained adapter, in one commit
@@ -305,8 +313,8 @@ class HubRepo:
             folder, also, ignore = path, (), CHECKPOINT_ONLY
         elif adapter == path / "adapter":  # a run: its final adapter, and how it was trained
             folder, also, ignore = adapter, tuple(path / n for n in RUN_RECORDS if (path / n).is_file()), None
-        else:
-            folder, also, ignore = adapter, (), None
+        else:  # an adapter directory; or a TRL script's output_dir, its adapter saved among the run's files
+            folder, also, ignore = adapter, (), NOT_PUSHED
         self.wait()
         snapshot = _snapshot(folder, also)
         try:
@@ -380,6 +388,12 @@ def push_run(
     (HubRepo.push_trained: a run's final adapter with its records, a checkpoint's adapter, an adapter
     directory). CheckpointError for a path that holds no adapter, HubPushError when the hub refuses."""
     resolve_adapter(path)  # a path without an adapter is refused before the hub is asked anything
+    training = held_by(path)
+    if training:
+        raise HubPushError(
+            f"{path} is in use by a run that is training ({training}): its adapter/ and metrics are not the run's "
+            "last. Push when it has ended, or push one of its checkpoints (checkpoint-N) now"
+        )
     fix = "pass --token (token=) a token that may write there, and check the repository's name"
     repo = HubRepo.create(repo_id, token=token, private=private, revision=revision, fix=fix)
     return repo.push_trained(path, message)

@@ -8,6 +8,7 @@ replaces only a card of ours, never a README the user wrote.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ VERSIONS = ("lora_grpo", "transformers", "peft", "torch", "datasets", "bitsandby
 
 # The "Use it" calls that name the adapter's location (the base's own from_pretrained names the base).
 _LOADS = re.compile(
-    r'((?:AutoPeftModelForCausalLM|AutoTokenizer)\.from_pretrained\(|PeftModel\.from_pretrained\(base, )"[^"]*"'
+    r"((?:AutoPeftModelForCausalLM|AutoTokenizer)\.from_pretrained\(|PeftModel\.from_pretrained\(base, )"
+    r'"(?:[^"\\]|\\.)*"'  # a string literal, its escapes included
 )
 
 
@@ -37,7 +39,7 @@ def relocated(card: str, repo_id: str) -> str:
     if not marker:
         return card
     body = re.sub(r"^# .*$", f"# {repo_id.split('/')[-1]}", body, count=1, flags=re.MULTILINE)
-    return head + marker + _LOADS.sub(lambda m: f'{m.group(1)}"{repo_id}"', body)
+    return head + marker + _LOADS.sub(lambda m: m.group(1) + json.dumps(repo_id), body)
 
 
 def is_ours(path: Path) -> bool:
@@ -127,19 +129,21 @@ GRPO:
 def _loading(hub_id: str | None, where: str, gguf_file: str | None = None) -> str:
     """The Python that loads the adapter on its base: the hub's base by its id (a GGUF repository's with its
     file), or else the base its adapter_config.json names (a path on the machine that trained it)."""
+    # each a Python string literal (a path may hold quotes or backslashes): JSON's escapes are Python's
+    where, hub_id, gguf_file = (json.dumps(v) if v is not None else None for v in (where, hub_id, gguf_file))
     if hub_id is None:
         return (
             "from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
-            f'model = AutoPeftModelForCausalLM.from_pretrained("{where}")  # its base: adapter_config.json\'s path\n'
-            f'tokenizer = AutoTokenizer.from_pretrained("{where}")'
+            f"model = AutoPeftModelForCausalLM.from_pretrained({where})  # its base: adapter_config.json's path\n"
+            f"tokenizer = AutoTokenizer.from_pretrained({where})"
         )
     return (
         "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-        f'base = AutoModelForCausalLM.from_pretrained("{hub_id}"'
-        + (f', gguf_file="{gguf_file}"' if gguf_file else "")
+        f"base = AutoModelForCausalLM.from_pretrained({hub_id}"
+        + (f", gguf_file={gguf_file}" if gguf_file else "")
         + ")\n"
-        f'model = PeftModel.from_pretrained(base, "{where}")\n'
-        f'tokenizer = AutoTokenizer.from_pretrained("{where}")'
+        f"model = PeftModel.from_pretrained(base, {where})\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({where})"
     )
 
 

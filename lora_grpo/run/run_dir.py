@@ -40,7 +40,6 @@ from pathlib import Path
 
 from . import model_card
 from .checkpoint import list_checkpoints
-from .hub import SNAPSHOT_PREFIX
 from .logs import read_log
 from .owned_dir import TargetError, check_not_protected, protected_paths, shown
 
@@ -315,6 +314,32 @@ def _acquire(output_dir: Path) -> tuple[int | None, str | None]:
     )
 
 
+def held_by(output_dir: str | Path) -> str | None:
+    """Who holds output_dir's lock now (a live run, in _holder_text's words), or None: the lock tried and let go
+    at once where the file system has locks, else the file's process looked up."""
+    lock = Path(output_dir) / LOCK_NAME
+    if not lock.is_file():
+        return None
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the file alone is the lock
+        fcntl = None
+    if fcntl is not None:
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                return _holder_text(_read_holder(lock))
+        finally:
+            os.close(fd)
+    holder = _read_holder(lock)
+    alive = holder.get("host") == socket.gethostname() and _process_alive(int(holder.get("pid") or -1))
+    return _holder_text(holder) if alive else None
+
+
 def _acquire_file_only(output_dir: Path, lock: Path) -> str | None:
     note = None
     for _ in range(5):
@@ -467,8 +492,12 @@ def claim_output_dir(
     return claim
 
 
-# What checkpoint.atomic_dir writes before the rename into place: ".{name}.{random}" beside the target; the
-# snapshot of a checkpoint whose push to the hub never ended (hub.py).
+# A checkpoint's snapshot while it uploads to the hub (hub.py): output_dir/.hub-push-checkpoint-N.<random>, on the
+# checkpoint's file system so that its files are links, never copies; removed when its uploads end, and never
+# pushed. One a killed run left is a leftover.
+SNAPSHOT_PREFIX = ".hub-push-"
+# What checkpoint.atomic_dir writes before the rename into place: ".{name}.{random}" beside the target; a push's
+# snapshot.
 _LEFTOVER_GLOBS = (".checkpoint-*.*", ".adapter.*", f"{SNAPSHOT_PREFIX}*")
 
 
