@@ -40,12 +40,9 @@ from ..config_checks import HUB_STRATEGIES
 from ..model.adapters import POLICY
 from . import model_card
 from .checkpoint import resolve_adapter
-from .run_dir import SNAPSHOT_PREFIX, held_by
+from .run_dir import LOCK_NAME, SNAPSHOT_PREFIX, held_by
 
 logger = logging.getLogger(__name__)
-
-# transformers' HubStrategy values (the native config's hub_strategy options)
-STRATEGIES = HUB_STRATEGIES
 
 # A checkpoint's files that are not the model's: its adapters for resuming, optimizer and loop state
 # (pushed whole only to last-checkpoint/ or checkpoint-N/).
@@ -58,7 +55,7 @@ NOT_PUSHED = [
     "previous-run-*",
     "adapter/*",
     "completions.jsonl",
-    ".lora_grpo.lock",
+    LOCK_NAME,
     f"{SNAPSHOT_PREFIX}*",
 ]
 
@@ -157,8 +154,8 @@ class HubRepo:
         always_push: bool = False,
     ):
         strategy = getattr(strategy, "value", strategy)  # transformers' HubStrategy, or its value
-        if strategy not in STRATEGIES:
-            raise ValueError(f"hub_strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+        if strategy not in HUB_STRATEGIES:
+            raise ValueError(f"hub_strategy {strategy!r}: one of {', '.join(HUB_STRATEGIES)}")
         self.repo_id, self.token, self.revision = repo_id, token, revision
         self.strategy, self.always_push = strategy, always_push
         self._pushes: list[_Push] = []
