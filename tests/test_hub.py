@@ -557,3 +557,39 @@ def test_lora_grpo_train_with_a_repository_the_hub_refuses_stops_before_training
         "Unauthorized). Log in (`hf auth login`) or check hub_model_id, or leave it unset to train without pushing"
     ]
     assert not list(out.glob("checkpoint-*"))
+
+
+def test_a_pushed_last_checkpoint_resumes_on_another_machine_as_the_run_would_have_gone_on(
+    tiny_base_dir, tmp_path, fake_hub
+):
+    """hub_strategy checkpoint: last-checkpoint/ as `hf download --local-dir` writes it (with its .cache/) into a new
+    output_dir, resumed there: the step after it equals the uninterrupted run's."""
+    from helpers import assert_same_adapters, make_trainer
+
+    settings = dict(quantization="none", save_steps=1, save_total_limit=0)
+    make_trainer(
+        tiny_base_dir,
+        str(tmp_path / "a"),
+        max_steps=2,
+        hub_model_id="me/x",
+        hub_strategy="checkpoint",
+        **settings,
+    ).train()
+    pushed = [u for u in fake_hub.uploads if u["path_in_repo"] == "last-checkpoint"][-1]["files"]
+    elsewhere = tmp_path / "b" / "run"
+    for name, data in pushed.items():
+        (elsewhere / "last-checkpoint" / name).parent.mkdir(parents=True, exist_ok=True)
+        (elsewhere / "last-checkpoint" / name).write_bytes(data)
+    (elsewhere / ".cache" / "huggingface").mkdir(parents=True)
+    resumed = make_trainer(
+        tiny_base_dir,
+        str(tmp_path / "b"),
+        max_steps=3,
+        resume_from_checkpoint=str(elsewhere / "last-checkpoint"),
+        **settings,
+    )
+    resumed.train()
+    straight = make_trainer(tiny_base_dir, str(tmp_path / "c"), max_steps=3, **settings)
+    straight.train()
+    assert resumed.state.global_step == 3
+    assert_same_adapters(resumed.model, straight.model)
