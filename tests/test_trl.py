@@ -61,7 +61,6 @@ def test_the_guide_counts_each_fate_as_the_table_has_it():
         ("trackio_space_id", "me/dashboard"),
         ("torch_compile", True),
         ("use_liger_kernel", True),
-        ("num_generations_eval", 4),
         ("load_best_model_at_end", True),
     ],
 )

@@ -721,6 +721,32 @@ def test_every_eval_dataset_form_is_evaluated_under_its_names(tiny_base_dir, tmp
     }
 
 
+def exact(completions, answer, **kwargs):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_num_generations_eval_samples_that_many_completions_per_eval_prompt(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, num_generations_eval=2, per_device_eval_batch_size=4)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=[exact, length_reward], args=args, train_dataset=dataset(8),
+                              eval_dataset=dataset(4, start=16))
+        metrics = trainer.evaluate()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+        exact=exact,
+    )
+    metrics = scope["metrics"]
+    assert metrics["eval_runtime"] > 0  # TRL takes it, and so does lora_grpo (it was refused)
+    if library == "lora_grpo.trl":  # the sampled completions as pass@1 and pass@2, beside the greedy scores
+        assert 0.0 <= metrics["eval_pass@1"] <= metrics["eval_pass@2"] <= 1.0
+        assert "eval_exact" in metrics and "eval_length_reward" in metrics
+
+
 # ------------------------------------------------------------------------------ environments
 class Counter:
     """An environment with a tool: the prompt comes from the dataset."""

@@ -146,9 +146,9 @@ FIELDS: dict[str, Field] = {
     "max_tool_calling_iterations": _m("max_tool_calling_iterations"),
     "pad_to_multiple_of": _no("lora_grpo trims padding per micro-batch; a multiple changes no result"),
     "ds3_gather_for_generation": _no("DeepSpeed only; lora_grpo does not use DeepSpeed"),
-    "num_generations_eval": _r(
-        "lora_grpo's evaluate() scores one greedy completion per prompt (+ pass@k): set "
-        "eval_pass_k in the native config"
+    "num_generations_eval": _m(
+        "eval_num_samples n and eval_pass_k [1, n]: n completions sampled per eval prompt, reported as pass@1 and "
+        "pass@n beside the greedy completion's rewards (None: the greedy eval alone)"
     ),
     "use_transformers_continuous_batching": _r("lora_grpo samples with its own prefix-shared sampler"),
     "transformers_continuous_batching_config": _r("lora_grpo samples with its own prefix-shared sampler"),
@@ -595,6 +595,7 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
             "save_steps": 0,
             "eval_on_start": bool(args.eval_on_start),  # whatever the strategy, as transformers
             "eval_on_end": False,
+            **_sampled_eval(args.num_generations_eval),
             "save_total_limit": args.save_total_limit or 0,
             # trackers are transformers' callbacks on TRL's records (trl.trainer), not lora_grpo's own
             "report_to": "none",
@@ -611,6 +612,12 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
             **native,
         }
     )
+
+
+def _sampled_eval(n: int | None) -> dict[str, Any]:
+    """TRL's num_generations_eval (n completions sampled per eval prompt) as lora_grpo's pass@k eval: pass@1 (the
+    share of sampled completions the first reward function counts correct) and pass@n; {} for None."""
+    return {} if not n else {"eval_num_samples": n, "eval_pass_k": sorted({1, n})}
 
 
 def resolved_steps(value: float | None, max_steps: int, fallback: float) -> int:
