@@ -381,12 +381,8 @@ class GRPOTrainer:
             try:
                 return self._train()
             except BaseException:
-                if self.hub is not None and self.hub.pending():
-                    # the process ends once they have (the worker's uploads are not cut off)
-                    self._print(
-                        f"the push of {', '.join(self.hub.pending())} to {self.hub.repo_id} is still uploading: "
-                        "this process ends when it has"
-                    )
+                if self.hub is not None and (line := self.hub.still_uploading()):
+                    self._print(line)
                 raise
 
     def _hub_repo(self) -> None:

@@ -197,6 +197,14 @@ class HubRepo:
         """The checkpoints whose pushes are still uploading (a stopped run's process ends once they have)."""
         return [push.checkpoint.name for push in self._pushes if not push.ended.is_set()]
 
+    def still_uploading(self) -> str | None:
+        """What a run that failed or stopped says of its pushes still uploading (its process ends once they
+        have; none is cut off), or None."""
+        pending = self.pending()
+        if not pending:
+            return None
+        return f"the push of {', '.join(pending)} to {self.repo_id} is still uploading: this process ends when it has"
+
     @property
     def pushes_whole_checkpoints(self) -> bool:
         """Whether the strategy pushes whole checkpoints (last-checkpoint/ or checkpoint-N/), to resume from."""

@@ -282,6 +282,10 @@ class GRPOTrainer:
         self._epoch_open, self._evals_wait, self._waiting_evals = False, False, []
         try:
             native.train()
+        except BaseException:
+            if self._hub is not None and (line := self._hub.still_uploading()):
+                native._print(line)
+            raise
         finally:
             native.config.resume_from_checkpoint = None
         # an epoch the native loop did not end (dynamic sampling out of prompts): transformers ends it
@@ -422,9 +426,8 @@ class GRPOTrainer:
                     os.replace(item, tmp / item.name)
                 saved.rmdir()
         # no barrier: a script may call it on the main process alone (transformers' save_model has none either)
-        if (
-            self.args.push_to_hub and not _internal_call
-        ):  # as transformers': a script's save pushes output_dir
+        # as transformers': a script's save pushes output_dir
+        if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def create_model_card(
@@ -650,10 +653,9 @@ class GRPOTrainer:
             # on_save for the saves transformers makes (the flow's); not for the run's last checkpoint, which
             # lora_grpo always keeps (also under save_strategy "no"), nor a failure's or a stop's
             if payload["due"]:
-                # (args.push_to_hub, as transformers': a script's own push_to_hub() makes the repository, but the
-                # save steps push only when the config asks)
+                # transformers' _push_from_checkpoint, before on_save, with its commit message: only when the config
+                # asks (a script's own push_to_hub() makes the repository without args.push_to_hub)
                 if args.push_to_hub and self._hub is not None and self._hub.wants():
-                    # transformers' _push_from_checkpoint, before on_save: on_push_begin, its commit message
                     self.control = handler.on_push_begin(args, state, self.control)
                     done = (
                         f"step {state.global_step}"
