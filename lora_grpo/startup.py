@@ -24,7 +24,7 @@ from torch import nn
 
 from .algo.logprobs import sequence_log_probs
 from .data.prompts import PROMPT_MESSAGES, chat_rendered
-from .model.adapters import use_adapter
+from .model.adapters import POLICY, REFERENCE, use_adapter
 from .rewards import check_reward_columns
 from .rollout import (
     check_prompt_lengths,
@@ -299,7 +299,7 @@ def check_log_probs(
     attention_mask: torch.Tensor,
     *,
     completion_length: int | None = None,
-    adapters: tuple[str, ...] = ("policy", "reference"),
+    adapters: tuple[str, ...] = (POLICY, REFERENCE),
     temperature: float = 1.0,
     chunk_size: int = 1024,
     atol: float | None = None,

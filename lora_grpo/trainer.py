@@ -117,7 +117,7 @@ class GRPOTrainer:
         environment_factory: a class whose public methods are the tools, one instance per completion.
 
     Attributes:
-        model: the peft model with the adapters "policy" and "reference" (and "base", a frozen copy
+        model: the peft model with the adapters "default" (the policy) and "reference" (and "base", a frozen copy
             of ``init_adapter``, in a warm-started run: what ``eval/kl_to_base`` measures from).
         state: the loop's state, transformers' ``TrainerState`` (``global_step``, ``log_history``, ...)
             and ours; checkpoints save and restore it whole.

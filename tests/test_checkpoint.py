@@ -482,28 +482,28 @@ def test_misplaced_paths_inside_a_run_say_what_to_pass(tiny_base_dir, tmp_path, 
         ckpt.load_checkpoint_state(run_copy / "checkpoint-2")
 
 
-def test_saved_adapter_keys_match_peft_when_a_module_is_named_policy(tmp_path):
-    # Key names come from the LoRA layers, not from matching ".policy." in parameter names.
+def test_saved_adapter_keys_match_peft_when_a_module_has_the_policy_adapters_name(tmp_path):
+    # Key names come from the LoRA layers, not from matching ".default." (POLICY) in parameter names.
     from peft import LoraConfig, PeftModel, get_peft_model
 
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.policy = torch.nn.Sequential(torch.nn.Linear(4, 4))
+            self.default = torch.nn.Sequential(torch.nn.Linear(4, 4))
             self.norm = torch.nn.LayerNorm(4)
 
         def forward(self, x):
-            return self.norm(self.policy(x))
+            return self.norm(self.default(x))
 
     torch.manual_seed(0)
     model = get_peft_model(
-        Net(), LoraConfig(r=2, target_modules=["policy.0"], init_lora_weights=False), adapter_name=POLICY
+        Net(), LoraConfig(r=2, target_modules=["default.0"], init_lora_weights=False), adapter_name=POLICY
     )
     ckpt.save_adapter(model, tmp_path / "a", POLICY)
     from safetensors.torch import load_file
 
     keys = set(load_file(str(tmp_path / "a" / ckpt.ADAPTER_WEIGHTS)))
-    assert keys == {"base_model.model.policy.0.lora_A.weight", "base_model.model.policy.0.lora_B.weight"}
+    assert keys == {"base_model.model.default.0.lora_A.weight", "base_model.model.default.0.lora_B.weight"}
     torch.manual_seed(0)
     fresh = Net()
     loaded = PeftModel.from_pretrained(fresh, str(tmp_path / "a"))

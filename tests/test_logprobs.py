@@ -4,6 +4,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_grpo.algo.logprobs import chunked_log_probs, sequence_log_probs
+from lora_grpo.model.adapters import POLICY, REFERENCE
 
 
 def _reference(hidden, head, targets, temperature=1.0):
@@ -269,11 +270,11 @@ def _with_adapters(base):
     def lora():  # init_lora_weights=False: random, non-zero B, so each adapter changes the logits
         return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
 
-    model = get_peft_model(base, lora(), adapter_name="policy")
-    model.add_adapter("reference", lora())
-    model.set_adapter("policy")
+    model = get_peft_model(base, lora(), adapter_name=POLICY)
+    model.add_adapter(REFERENCE, lora())
+    model.set_adapter(POLICY)
     for n, p in model.named_parameters():
-        p.requires_grad_(".policy." in n)
+        p.requires_grad_(f".{POLICY}." in n)
     return model
 
 
@@ -285,23 +286,23 @@ def test_check_log_probs_passes_for_each_adapter_and_restores_the_model():
     ids, mask = _batch()
     with torch.no_grad():
         per_adapter = {}
-        for name in ("policy", "reference"):
+        for name in (POLICY, REFERENCE):
             model.set_adapter(name)
             per_adapter[name] = sequence_log_probs(model.eval(), ids, mask, 4)[0]
-        model.set_adapter("policy")
+        model.set_adapter(POLICY)
         model.train()
-    assert (per_adapter["policy"] - per_adapter["reference"]).abs().max() > 1e-3  # the adapters matter
+    assert (per_adapter[POLICY] - per_adapter[REFERENCE]).abs().max() > 1e-3  # the adapters matter
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
 
     diff = check_log_probs(model, ids, mask, completion_length=4)
 
     assert isinstance(diff, float) and 0 <= diff < 1e-5
     assert model.training and all(m.training for m in model.modules())
-    assert model.active_adapter == "policy"
+    assert model.active_adapter == POLICY
     assert flags == {n: p.requires_grad for n, p in model.named_parameters()}
     # a plain transformers model, and adapters the model does not have, are fine too
     assert check_log_probs(model.get_base_model(), ids, mask) < 1e-5
-    assert check_log_probs(model, ids, mask, adapters=("reference", "missing")) < 1e-5
+    assert check_log_probs(model, ids, mask, adapters=(REFERENCE, "missing")) < 1e-5
 
 
 def test_check_log_probs_passes_for_a_known_transform():
@@ -339,7 +340,7 @@ def test_check_log_probs_rejects_an_unknown_logit_transform():
         ValueError, match=r"model type 'tripled_llama'.*max difference [0-9.]+ nats.*please report"
     ):
         check_log_probs(model, *_batch())
-    assert model.training and model.active_adapter == "policy"
+    assert model.training and model.active_adapter == POLICY
     assert flags == {n: p.requires_grad for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match="tripled_llama"):
         check_log_probs(model.get_base_model().eval(), *_batch())

@@ -5,6 +5,7 @@ import pytest
 from helpers import PROMPTS, digit_share, make_trainer
 
 from lora_grpo import GRPOConfig, GRPOTrainer
+from lora_grpo.model.adapters import POLICY
 from lora_grpo.tasks.toy import make_tiny_model, make_tokenizer
 
 
@@ -255,7 +256,7 @@ def test_lora_target_modules_matching_no_module_name_the_closest(targets, messag
 
 
 def test_lora_target_modules_that_match_are_untouched():
-    assert _attach(lora_target_modules=["q_proj", "v_proj"]).peft_config["policy"].target_modules == {
+    assert _attach(lora_target_modules=["q_proj", "v_proj"]).peft_config[POLICY].target_modules == {
         "q_proj",
         "v_proj",
     }
@@ -299,7 +300,7 @@ def test_an_init_adapter_of_another_model_is_refused_naming_the_layer(tmp_path):
         ValueError, match=r"it adapts 'model\.layers\.1\.mlp\.down_proj', which this model does not have"
     ):
         _attach(init_adapter=deeper)  # was: accepted, the second layer's weights silently dropped
-    assert _attach(init_adapter=_saved_adapter(tmp_path / "same")).peft_config["policy"].r == 4
+    assert _attach(init_adapter=_saved_adapter(tmp_path / "same")).peft_config[POLICY].r == 4
 
 
 def test_an_init_adapter_path_that_is_no_adapter_says_what_to_pass(tmp_path):

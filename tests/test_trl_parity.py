@@ -1783,6 +1783,47 @@ def test_what_trl_users_read_off_the_trainer(tiny_base_dir, tmp_path, library):
     assert keep.tolist() == [[1.0], [1.0], [0.0]]
 
 
+# ------------------------------------------------------------------------------ peft's own API on trainer.model
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_peft_sees_the_trained_policy_as_the_default_adapter(tiny_base_dir, tmp_path, library, beta):
+    """What a script does with trainer.model through peft itself: save_pretrained(dir) writes the trained adapter at
+    dir's root (PeftModel.from_pretrained loads it), get_peft_model_state_dict returns it, merge_and_unload merges
+    it. (With a KL term both libraries also hold a frozen reference adapter, saved in a subdirectory.)"""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    scope = run(
+        library,
+        f"""
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1, learning_rate=1e-2, beta=BETA)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8),
+                              peft_config=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+        trainer.train()
+        trainer.model.save_pretrained(SAVED)
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+        SAVED=str(tmp_path / "saved"),
+        BETA=beta,
+    )
+    model = scope["trainer"].model
+    assert model.active_adapter == "default"
+    trained = get_peft_model_state_dict(model)
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(tmp_path / "saved")
+    )
+    assert get_peft_model_state_dict(loaded).keys() == trained.keys()
+    assert all(torch.equal(get_peft_model_state_dict(loaded)[k], trained[k].cpu()) for k in trained)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = loaded(input_ids=ids).logits
+        merged = model.merge_and_unload()(input_ids=ids).logits
+    torch.testing.assert_close(merged, expected)
+
+
 # ------------------------------------------------------------------------------ the hub
 def pushes_begun(seen: list):
     """A TrainerCallback that records the global_step of each on_push_begin."""
@@ -1862,8 +1903,7 @@ def test_push_to_hub_pushes_what_transformers_pushes(tiny_base_dir, tmp_path, li
         (None, "End of training"),
     ]
     assert scope["info"].commit_url.startswith("https://huggingface.co/me/tiny-grpo/commit/")
-    model = trainer.model
-    trained = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    trained = get_peft_model_state_dict(trainer.model)  # the policy: peft's "default" adapter, under both
     # the repository's root after the last save step, save_model and push_to_hub: the trained adapter
     for upload in [u for u in scope["during"] if u["path_in_repo"] is None][-1:] + ended:
         assert model_files <= set(upload["files"])

@@ -18,6 +18,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from .adapters import POLICY_DIR
+
 logger = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -276,8 +278,8 @@ def check_init_adapter(model, init_adapter: str, model_name: str | None = None) 
     if not (path / "adapter_config.json").is_file():
         inside = [p.parent.name for p in sorted(path.glob("*/adapter_config.json"))]
         hint = (
-            f"; it is a checkpoint or run directory: pass {str(path / 'policy')!r}"
-            if "policy" in inside
+            f"; it is a checkpoint or run directory: pass {str(path / POLICY_DIR)!r}"
+            if POLICY_DIR in inside
             else f"; adapters inside it: {inside}"
             if inside
             else ""

@@ -1,6 +1,6 @@
 """The two adapters on the one frozen base, and switching between them.
 
-    policy    = base + ΔW_policy      adapter "policy", trainable
+    policy    = base + ΔW_policy      adapter "default" (POLICY), trainable
     reference = base + ΔW_ref         adapter "reference" (the reference slot), frozen; changed only
                                       by reference.sync_reference
     start     = base (+ ΔW_init)      adapters off, or adapter "base" (a frozen copy of the warm-start
@@ -18,7 +18,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-POLICY, REFERENCE = "policy", "reference"
+# The policy is peft's default adapter, so that peft's own API treats the trainer's model as TRL's (one adapter
+# "default", and with a KL term a frozen reference beside it): save_pretrained writes the policy at the
+# directory's root (PeftModel.from_pretrained loads it from there), get_peft_model_state_dict(model) returns it,
+# merge_and_unload merges it.
+POLICY, REFERENCE = "default", "reference"
+# On disk a checkpoint holds each adapter in a directory of its role's name (run/checkpoint.py).
+POLICY_DIR, REFERENCE_DIR = "policy", "reference"
 # A frozen copy of the warm-start adapter (model.attach_base_slot): the model a run that started from
 # init_adapter started from. Fresh runs have none: their starting point is the base, adapters off.
 BASE = "base"

@@ -1,4 +1,4 @@
-"""Load the base model (none / 8-bit / 4-bit), attach the "policy" and "reference" adapters.
+"""Load the base model (none / 8-bit / 4-bit), attach the policy ("default") and "reference" adapters.
 
     policy    = base + ΔW_policy      trainable
     reference = base + ΔW_ref         frozen; changed only by reference.sync_reference
@@ -242,7 +242,7 @@ def reference_lora_config(policy_config, ref_rank: int):
 
 
 def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module:
-    """Wrap the base in a peft model with the trainable "policy" and frozen "reference" adapters.
+    """Wrap the base in a peft model with the trainable policy ("default") and frozen "reference" adapters.
 
     The initial reference is an exact copy of the initial policy: the base itself for a fresh
     LoRA (ΔW = 0), the warm-start adapter when `init_adapter` is given. `lora`: a peft LoraConfig for

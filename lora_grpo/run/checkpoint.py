@@ -57,7 +57,7 @@ from ..model.adapter_files import (
     same_base,
     trained_base,
 )
-from ..model.adapters import POLICY, REFERENCE, lora_layers
+from ..model.adapters import POLICY, POLICY_DIR, REFERENCE, REFERENCE_DIR, lora_layers
 from ..rng import fresh_sampling, restore_sampling, set_rng_state
 from .logs import read_log
 
@@ -264,13 +264,13 @@ def save_checkpoint(
     `trainer_state` (transformers' TrainerState fields) to trainer_state.json as TrainerState.save_to_json
     writes it, the tokenizer's files and the policy's model card (README.md) beside them."""
     with atomic_dir(target) as tmp:
-        save_adapter(model, tmp / POLICY, POLICY)
-        save_adapter(model, tmp / REFERENCE, REFERENCE)
+        save_adapter(model, tmp / POLICY_DIR, POLICY)
+        save_adapter(model, tmp / REFERENCE_DIR, REFERENCE)
         # the policy at the root too, as a TRL checkpoint holds its adapter: peft loads the checkpoint itself
         # (PeftModel.from_pretrained(base, "checkpoint-N")); the weights hard-linked, so that they cost no space
         # where links work, the config copied (a resume reads policy/'s: an edit of this one must not reach it)
-        _link_or_copy(tmp / POLICY / ADAPTER_WEIGHTS, tmp / ADAPTER_WEIGHTS)
-        shutil.copyfile(tmp / POLICY / ADAPTER_CONFIG, tmp / ADAPTER_CONFIG)
+        _link_or_copy(tmp / POLICY_DIR / ADAPTER_WEIGHTS, tmp / ADAPTER_WEIGHTS)
+        shutil.copyfile(tmp / POLICY_DIR / ADAPTER_CONFIG, tmp / ADAPTER_CONFIG)
         buffer = io.BytesIO()
         torch.save(blobs, buffer)
         write_bytes(tmp / STATE_BLOBS, buffer.getvalue())
@@ -342,12 +342,12 @@ def resolve_adapter(path: str | Path) -> tuple[Path, str]:
     checkpoint dir (its policy adapter) or a run dir (its final adapter/). CheckpointError otherwise."""
     path = Path(path)
     # a checkpoint first: it holds its policy at its root as well (save_checkpoint)
-    if (path / POLICY / ADAPTER_CONFIG).is_file() and state_file(path).is_file():
+    if (path / POLICY_DIR / ADAPTER_CONFIG).is_file() and state_file(path).is_file():
         others = [p for p in list_checkpoints(path.parent) if p != path and not missing_checkpoint_files(p)]
         instead = (
             f"another checkpoint ({others[-1]}, the newest complete one)" if others else "another checkpoint"
         )
-        return _whole_adapter(path / POLICY, instead), f"the policy adapter of checkpoint {path}"
+        return _whole_adapter(path / POLICY_DIR, instead), f"the policy adapter of checkpoint {path}"
     if (path / ADAPTER_CONFIG).is_file():
         return _whole_adapter(path, "another adapter"), f"the adapter {path}"
     if (path / "adapter" / ADAPTER_CONFIG).is_file():
@@ -422,7 +422,7 @@ def resolve_checkpoint(path: str | Path | bool, output_dir: Path) -> Path:
     if (
         (path / ADAPTER_CONFIG).exists()
         and (path / TRAINER_STATE_JSON).exists()
-        and not (path / POLICY).exists()
+        and not (path / POLICY_DIR).exists()
     ):
         raise CheckpointError(
             f"{path} is a checkpoint of transformers' Trainer (TRL's GRPOTrainer writes these), not of lora_grpo: "
@@ -430,7 +430,11 @@ def resolve_checkpoint(path: str | Path | bool, output_dir: Path) -> Path:
             f"init_adapter={str(path)!r} instead of resume_from_checkpoint (lora_grpo.trl: pass "
             f"PeftModel.from_pretrained(base, {str(path)!r}, is_trainable=True) as the model)"
         )
-    if (path / ADAPTER_CONFIG).exists() and not state_file(path).exists() and not (path / POLICY).exists():
+    if (
+        (path / ADAPTER_CONFIG).exists()
+        and not state_file(path).exists()
+        and not (path / POLICY_DIR).exists()
+    ):
         raise CheckpointError(
             f"{path} is an adapter, not a checkpoint (it has no optimizer or trainer state). To start a new run "
             f"from its weights, set init_adapter={str(path)!r} instead of resume_from_checkpoint"
@@ -459,7 +463,9 @@ def missing_checkpoint_files(path: Path) -> list[str]:
     """The files of a complete checkpoint that `path` lacks ([] for a complete one): a write that never
     finished, or files deleted since."""
     required = [state_file(path).name, STATE_BLOBS, "config.yaml"] + [
-        f"{adapter}/{name}" for adapter in (POLICY, REFERENCE) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+        f"{adapter}/{name}"
+        for adapter in (POLICY_DIR, REFERENCE_DIR)
+        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
     ]
     return [name for name in required if not (path / name).is_file()]
 
@@ -501,7 +507,7 @@ def check_compatible(
         )
     ]
     if policy_targets is not None:
-        theirs = _target_modules(path / POLICY / ADAPTER_CONFIG)
+        theirs = _target_modules(path / POLICY_DIR / ADAPTER_CONFIG)
         if theirs != set(policy_targets):
             diffs.append(
                 f"lora_target_modules: checkpoint {sorted(theirs)}, this run {sorted(policy_targets)}"
@@ -510,7 +516,7 @@ def check_compatible(
         raise CheckpointError(
             f"{path} was saved under a different config ({'; '.join(diffs)}). Resume with the checkpoint's values "
             f"(its config.yaml), or start a new run; to start from its policy weights use "
-            f"init_adapter={str(path / POLICY)!r}"
+            f"init_adapter={str(path / POLICY_DIR)!r}"
         )
 
 
@@ -608,8 +614,8 @@ def load_checkpoint_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def load_checkpoint_adapters(model: nn.Module, path: Path) -> None:
     """Both adapters of a resolved checkpoint into the model; a damaged file names the way out."""
-    for adapter in (POLICY, REFERENCE):
-        load_adapter_weights(model, path / adapter, adapter, damaged_hint=f". {_earlier_hint(path)}")
+    for adapter, folder in ((POLICY, POLICY_DIR), (REFERENCE, REFERENCE_DIR)):
+        load_adapter_weights(model, path / folder, adapter, damaged_hint=f". {_earlier_hint(path)}")
 
 
 def truncate_log(path: Path, step: int) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config_checks import HUB_STRATEGIES
-from ..model.adapters import POLICY
+from ..model.adapters import POLICY_DIR
 from . import model_card
 from .checkpoint import resolve_adapter
 from .run_dir import LOCK_NAME, SNAPSHOT_PREFIX, held_by
@@ -314,7 +314,9 @@ class HubRepo:
         this repository; nothing on disk changes. HubPushError when the upload fails."""
         path = Path(path)
         adapter, what = resolve_adapter(path)
-        if adapter == path / POLICY:  # a checkpoint: its root holds the adapter with its tokenizer and card
+        if (
+            adapter == path / POLICY_DIR
+        ):  # a checkpoint: its root holds the adapter with its tokenizer and card
             folder, also, ignore = path, (), CHECKPOINT_ONLY
         elif adapter == path / "adapter":  # a run: its final adapter, and how it was trained
             folder, also, ignore = adapter, tuple(path / n for n in RUN_RECORDS if (path / n).is_file()), None

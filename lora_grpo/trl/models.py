@@ -110,7 +110,8 @@ def _quantization_fields(qconfig) -> dict[str, Any]:
 def build_model(
     model, args, quantization_config, peft_config, processing_class
 ) -> tuple[dict[str, Any], Callable]:
-    """(native config fields, build(native_config) → (peft model with "policy" and "reference", tokenizer))."""
+    """(native config fields, build(native_config) → (peft model with the policy "default" and "reference",
+    tokenizer))."""
     from peft import PeftModel
 
     init_kwargs = _as_dict(args.model_init_kwargs, "model_init_kwargs")
