@@ -17,7 +17,7 @@ What is measured, per setting (prompt length L, completion length T, P prompts, 
           distribution; with these settings generate adds no logits processor at all.
 
 Both run on the same model: the trainer's own peft model, `lora_grpo.model.load.attach_adapters(base,
-GRPOConfig(lora_r=16, all-linear, gradient_checkpointing=False))`, with the "policy" adapter active
+GRPOConfig(lora_r=16, all-linear, gradient_checkpointing=False))`, with the policy ("default") adapter active
 (B is zero at init, so LoRA changes no output, but every LoRA layer does its work), in eval mode,
 no gradients. Both include the same host-side work a trainer does around sampling: ours tokenizes
 the prompts and decodes the completions inside generate_rollout; the peer's timed call tokenizes
@@ -116,7 +116,7 @@ def build_tokenizer():
 
 def build_model(tokenizer, base_kind: str = "fp32"):
     """The trainer's model: a random-init Qwen2 base ("4bit": saved, then loaded as the trainer loads
-    a QLoRA base, NF4 with double quantisation, float32 compute) with the "policy" and "reference" adapters."""
+    a QLoRA base, NF4 with double quantisation, float32 compute) with the policy ("default") and "reference" adapters."""
     import tempfile
 
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config

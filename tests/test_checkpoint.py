@@ -12,7 +12,7 @@ import torch
 from helpers import SMALL_RUN, assert_same_adapters, make_trainer
 
 import lora_grpo.run.checkpoint as ckpt
-from lora_grpo.model.adapters import POLICY, REFERENCE
+from lora_grpo.model.adapters import POLICY, POLICY_DIR, REFERENCE_DIR
 from lora_grpo.rng import rng_state, set_rng_state
 from lora_grpo.run.checkpoint import CheckpointError
 from lora_grpo.run.failures import StepFailed
@@ -45,15 +45,15 @@ def run_copy(saved_run, tmp_path):
     "damage, match",
     [
         (
-            lambda c: (c / POLICY / ckpt.ADAPTER_WEIGHTS).write_bytes(
-                (c / POLICY / ckpt.ADAPTER_WEIGHTS).read_bytes()[:100]
+            lambda c: (c / POLICY_DIR / ckpt.ADAPTER_WEIGHTS).write_bytes(
+                (c / POLICY_DIR / ckpt.ADAPTER_WEIGHTS).read_bytes()[:100]
             ),
             r"policy/adapter_model.safetensors is damaged or truncated",
         ),
         (lambda c: (c / ckpt.STATE_BLOBS).write_bytes(b"not a torch file"), r"trainer_state.pt is damaged"),
         (lambda c: (c / ckpt.STATE_JSON).write_text('{"step": 2, "batc'), r"lora_grpo_state.json is damaged"),
         (
-            lambda c: (c / REFERENCE / ckpt.ADAPTER_WEIGHTS).unlink(),
+            lambda c: (c / REFERENCE_DIR / ckpt.ADAPTER_WEIGHTS).unlink(),
             r"missing reference/adapter_model.safetensors",
         ),
         (lambda c: (c / "config.yaml").unlink(), r"missing config.yaml"),
@@ -146,7 +146,7 @@ def test_shapes_that_differ_are_named(tiny_base_dir, tmp_path, run_copy):
     # Same config text, but the tensors are of another rank: the loader names the tensor and shapes.
     from safetensors.torch import load_file, save_file
 
-    f = run_copy / "checkpoint-2" / POLICY / ckpt.ADAPTER_WEIGHTS
+    f = run_copy / "checkpoint-2" / POLICY_DIR / ckpt.ADAPTER_WEIGHTS
     state = load_file(str(f))
     key = next(k for k in state if "lora_A" in k)
     state[key] = torch.zeros(state[key].shape[0] + 1, state[key].shape[1])
@@ -175,10 +175,10 @@ def test_peft_loads_a_checkpoint_itself_as_its_policy_as_from_a_trl_checkpoint(t
         return {k: v for k, v in model.state_dict().items() if "lora_" in k}
 
     checkpoint = saved_run / "checkpoint-2"
-    at_root, policy = lora(checkpoint), lora(checkpoint / POLICY)
+    at_root, policy = lora(checkpoint), lora(checkpoint / POLICY_DIR)
     assert at_root.keys() == policy.keys() and all(torch.equal(at_root[k], policy[k]) for k in policy)
     assert (checkpoint / ckpt.ADAPTER_WEIGHTS).read_bytes() == (
-        checkpoint / POLICY / ckpt.ADAPTER_WEIGHTS
+        checkpoint / POLICY_DIR / ckpt.ADAPTER_WEIGHTS
     ).read_bytes()
 
 
@@ -459,7 +459,9 @@ def test_target_modules_compare_as_resolved_sets(tiny_base_dir, tmp_path, saved_
     import json as _json
 
     written = sorted(
-        _json.loads((saved_run / "checkpoint-2" / POLICY / ckpt.ADAPTER_CONFIG).read_text())["target_modules"]
+        _json.loads((saved_run / "checkpoint-2" / POLICY_DIR / ckpt.ADAPTER_CONFIG).read_text())[
+            "target_modules"
+        ]
     )
     summary = resume(tiny_base_dir, tmp_path, saved_run / "checkpoint-2", lora_target_modules=written[::-1])
     assert summary["steps"] == 3
@@ -469,7 +471,7 @@ def test_misplaced_paths_inside_a_run_say_what_to_pass(tiny_base_dir, tmp_path, 
     with pytest.raises(
         CheckpointError, match=r"is the policy adapter inside checkpoint .*checkpoint-2; pass the checkpoint"
     ):
-        ckpt.resolve_checkpoint(saved_run / "checkpoint-2" / POLICY, saved_run)
+        ckpt.resolve_checkpoint(saved_run / "checkpoint-2" / POLICY_DIR, saved_run)
     with pytest.raises(CheckpointError, match=r"is a file; pass a checkpoint-N directory"):
         ckpt.resolve_checkpoint(saved_run / "checkpoint-2" / ckpt.STATE_BLOBS, saved_run)
     bare = tmp_path / "bare"

@@ -7,6 +7,8 @@ import textwrap
 import pytest
 from helpers import run_torchrun
 
+from lora_grpo.model.adapters import POLICY, REFERENCE
+
 # What both scripts start with: the tiny base and an output dir from the command line, 16 prompts.
 PRELUDE = """
 import json, sys, torch
@@ -52,8 +54,8 @@ def test_two_processes_stay_in_sync(tiny_base_dir, tmp_path):
     for h0, h1 in zip(r0["history"], r1["history"]):
         for key in ("reward/mean", "reward/std", "kl", "completion_length/mean", "entropy", "loss"):
             assert h0[key] == pytest.approx(h1[key], rel=1e-6, abs=1e-9), key
-    policy_b = [v for k, v in r0["sums"].items() if "lora_B.policy" in k]
-    ref_b = [v for k, v in r0["sums"].items() if "lora_B.reference" in k]
+    policy_b = [v for k, v in r0["sums"].items() if f"lora_B.{POLICY}." in k]
+    ref_b = [v for k, v in r0["sums"].items() if f"lora_B.{REFERENCE}." in k]
     assert any(v != 0 for v in policy_b) and any(v != 0 for v in ref_b)  # both adapters moved
 
 
@@ -120,7 +122,7 @@ def test_a_float16_overflow_on_one_process_skips_the_step_on_both(tiny_base_dir,
         assert [m["skipped_nonfinite"] for m in record["history"]] == [1.0, 0.0]
         assert [m["loss_scale"] for m in record["history"]] == [2.0**16, 2.0**15]
     assert r0["sums"] == r1["sums"]
-    assert any(v != 0 for k, v in r0["sums"].items() if "lora_B.policy" in k)  # the second step trained
+    assert any(v != 0 for k, v in r0["sums"].items() if f"lora_B.{POLICY}." in k)  # the second step trained
 
 
 FAILURE_SCRIPT = PRELUDE + textwrap.dedent(

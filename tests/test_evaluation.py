@@ -326,6 +326,7 @@ SHARDED = textwrap.dedent(
     """
     import json, sys, torch
     from lora_grpo import GRPOConfig, GRPOTrainer
+    from lora_grpo.model.adapters import POLICY
 
     from helpers import has_digit
 
@@ -339,7 +340,7 @@ SHARDED = textwrap.dedent(
     t = GRPOTrainer(cfg, reward_funcs=[has_digit, weight], train_dataset=prompts * 2, eval_dataset=prompts)
     torch.manual_seed(7)  # the same non-trivial adapter in every process and every run
     for name, p in t.model.named_parameters():
-        if "lora_B.policy" in name:
+        if f"lora_B.{POLICY}." in name:
             p.data.normal_(0, 0.3)
     metrics = t.evaluate(batch_prompts=2)  # chunks [0:2] [2:4] [4:5]: process 0 gets two, process 1 one
     world, rank = t.accelerator.num_processes, t.accelerator.process_index
