@@ -116,7 +116,8 @@ def build_tokenizer():
 
 def build_model(tokenizer, base_kind: str = "fp32"):
     """The trainer's model: a random-init Qwen2 base ("4bit": saved, then loaded as the trainer loads
-    a QLoRA base, NF4 with double quantisation, float32 compute) with the policy ("default") and "reference" adapters."""
+    a QLoRA base, NF4 with double quantisation, float32 compute) with the policy ("default") and "reference"
+    adapters."""
     import tempfile
 
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config
