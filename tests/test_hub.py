@@ -58,6 +58,15 @@ def trl_recipe(tmp_path, base, **fields):
     return recipe
 
 
+def assert_the_model_of(output_dir, pushed: dict) -> None:
+    """`pushed` (an upload's files) is output_dir's model: the adapter, tokenizer, card and the run's records, not
+    the prompts and answers trained on, the checkpoints or the adapter/ copy of the root's files (on disk still)."""
+    model = {"adapter_model.safetensors", "adapter_config.json", "README.md", "config.yaml", "metrics.jsonl"}
+    assert model <= set(pushed)
+    assert (output_dir / "completions.jsonl").is_file() and "completions.jsonl" not in pushed
+    assert not any(name.startswith(("adapter/", "checkpoint-")) for name in pushed)
+
+
 @pytest.fixture
 def private_tmp(tmp_path, monkeypatch):
     """tempfile's directory, to see the snapshots pushes make there."""
@@ -223,16 +232,7 @@ def test_the_trl_cli_pushes_after_saving_as_trls_script_and_keeps_the_completion
     assert main(["trl", "--config", str(recipe)]) == 0
     assert [u["message"] for u in fake_hub.uploads] == ["Model save", "End of training"]
     pushed = fake_hub.uploads[-1]["files"]
-    assert {
-        "adapter_model.safetensors",
-        "adapter_config.json",
-        "README.md",
-        "config.yaml",
-        "metrics.jsonl",
-    } <= set(pushed)
-    # the prompts and answers trained on, the adapter/ copy of the root's files: on disk, not on the hub
-    assert (tmp_path / "run" / "completions.jsonl").is_file() and "completions.jsonl" not in pushed
-    assert not any(name.startswith(("adapter/", "checkpoint-")) for name in pushed)
+    assert_the_model_of(tmp_path / "run", pushed)
     assert (
         str(tmp_path / "train.jsonl") in pushed["README.md"].decode()
     )  # TRL's script names its dataset_name
@@ -362,16 +362,8 @@ def test_lora_grpo_push_of_a_trl_scripts_output_dir_sends_the_model_not_the_run(
     trainer.save_model()
     assert main(["push", str(out), "me/tiny-grpo"]) == 0
     (upload,) = fake_hub.uploads
-    files = set(upload["files"])
-    assert {
-        "adapter_model.safetensors",
-        "adapter_config.json",
-        "README.md",
-        "config.yaml",
-        "metrics.jsonl",
-    } <= files
-    assert not any(n.startswith(("checkpoint-", "adapter/")) or n == "completions.jsonl" for n in files)
-    assert (out / "completions.jsonl").is_file() and (out / "checkpoint-2").is_dir()
+    assert_the_model_of(out, upload["files"])
+    assert (out / "checkpoint-2").is_dir()
 
 
 def test_lora_grpo_push_refuses_a_run_that_is_training(finished_run, fake_hub, tmp_path):
