@@ -176,11 +176,17 @@ def save_adapter(
         write_bytes(tmp / ADAPTER_WEIGHTS, save({k: v.contiguous().cpu() for k, v in state.items()}))
         model.peft_config[adapter].save_pretrained(str(tmp))
         (tmp / "lora_grpo.json").write_text(json.dumps({"adapter": adapter}))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        if card is not None:
-            (tmp / "README.md").write_text(card, encoding="utf-8")
+        _save_beside(tmp, tokenizer, card)
     return Path(path)
+
+
+def _save_beside(folder: Path, tokenizer, card: str | None) -> None:
+    """What lies beside an adapter in `folder`: the tokenizer's files (AutoTokenizer loads the folder) and the
+    model card as README.md, as peft's save_pretrained writes one; each when given."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    if card is not None:
+        (folder / "README.md").write_text(card, encoding="utf-8")
 
 
 def load_adapter_weights(model: nn.Module, path: str | Path, adapter: str, *, damaged_hint: str = "") -> None:
@@ -276,10 +282,7 @@ def save_checkpoint(
         write_bytes(tmp / STATE_BLOBS, buffer.getvalue())
         (tmp / STATE_JSON).write_text(json.dumps(state))
         (tmp / TRAINER_STATE_JSON).write_text(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        if card is not None:
-            (tmp / "README.md").write_text(card, encoding="utf-8")
+        _save_beside(tmp, tokenizer, card)
         (tmp / "config.yaml").write_text(config_yaml)
     return target
 

@@ -254,29 +254,26 @@ class HubRepo:
         futures = []
         if root:
             futures.append(
-                self.api.upload_folder(
-                    repo_id=self.repo_id,
-                    folder_path=snapshot,
-                    commit_message=message,
-                    token=self.token,
-                    revision=self.revision,
-                    ignore_patterns=CHECKPOINT_ONLY,
-                    run_as_future=True,
-                )
+                self._upload(snapshot, message, ignore_patterns=CHECKPOINT_ONLY, run_as_future=True)
             )
         if self.pushes_whole_checkpoints:
+            whole = "last-checkpoint" if self.strategy == "checkpoint" else checkpoint.name
             futures.append(
-                self.api.upload_folder(
-                    repo_id=self.repo_id,
-                    folder_path=snapshot,
-                    path_in_repo="last-checkpoint" if self.strategy == "checkpoint" else checkpoint.name,
-                    commit_message=f"{message}, checkpoint",
-                    token=self.token,
-                    revision=self.revision,
-                    run_as_future=True,
-                )
+                self._upload(snapshot, f"{message}, checkpoint", path_in_repo=whole, run_as_future=True)
             )
         return futures
+
+    def _upload(self, folder: Path, message: str, *, token=None, revision=None, **kwargs):
+        """huggingface_hub's upload_folder of `folder` to this repository, with its token and branch unless given
+        (`kwargs`: upload_folder's own: patterns, path_in_repo, run_as_future)."""
+        return self.api.upload_folder(
+            repo_id=self.repo_id,
+            folder_path=folder,
+            commit_message=message,
+            token=token if token is not None else self.token,
+            revision=revision if revision is not None else self.revision,
+            **kwargs,
+        )
 
     def wait(self, say=logger.info) -> None:
         """Wait for the background pushes to finish (`say` names them first); a failed one is a warning, said as
@@ -314,9 +311,8 @@ class HubRepo:
         this repository; nothing on disk changes. HubPushError when the upload fails."""
         path = Path(path)
         adapter, what = resolve_adapter(path)
-        if (
-            adapter == path / POLICY_DIR
-        ):  # a checkpoint: its root holds the adapter with its tokenizer and card
+        # a checkpoint: its root holds the adapter with its tokenizer and card
+        if adapter == path / POLICY_DIR:
             folder, also, ignore = path, (), CHECKPOINT_ONLY
         elif adapter == path / "adapter":  # a run: its final adapter, and how it was trained
             folder, also, ignore = adapter, tuple(path / n for n in RUN_RECORDS if (path / n).is_file()), None
@@ -326,14 +322,7 @@ class HubRepo:
         snapshot = _snapshot(folder, also)
         try:
             _card_for(snapshot, self.repo_id)
-            info = self.api.upload_folder(
-                repo_id=self.repo_id,
-                folder_path=snapshot,
-                commit_message=message,
-                token=self.token,
-                revision=self.revision,
-                ignore_patterns=ignore,
-            )
+            info = self._upload(snapshot, message, ignore_patterns=ignore)
         except Exception as error:
             again = [
                 "lora-grpo",
@@ -364,12 +353,11 @@ class HubRepo:
         Future of it when not `blocking`. HubPushError when the upload fails (the folder is as it was)."""
         self.wait()
         try:
-            return self.api.upload_folder(
-                repo_id=self.repo_id,
-                folder_path=folder,
-                commit_message=message,
-                token=token if token is not None else self.token,
-                revision=revision if revision is not None else self.revision,
+            return self._upload(
+                folder,
+                message,
+                token=token,
+                revision=revision,
                 ignore_patterns=NOT_PUSHED,
                 run_as_future=not blocking,
             )
