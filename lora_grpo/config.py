@@ -461,6 +461,22 @@ class GRPOConfig:
     )
     eval_on_start: bool = _f(True, "with an eval_dataset: evaluate before the first step")
     eval_on_end: bool = _f(True, "with an eval_dataset: evaluate after the last step")
+    metric_for_best_model: str | None = _f(
+        None,
+        "the eval metric that names the run's best checkpoint (eval/reward, eval/<reward function>, eval/pass@k, "
+        "...; 'eval/' may be left out): each eval after a step that beats the best so far saves that step's "
+        "checkpoint (if none is due), save_total_limit never removes it, and summary.json names it; needs an "
+        "eval_dataset (and eval_steps > 0 to compare more than the last step); None: no best checkpoint",
+    )
+    greater_is_better: bool = _f(
+        True,
+        "with metric_for_best_model: a higher value is better (false: a lower one, e.g. eval/kl_to_base)",
+    )
+    load_best_model_at_end: bool = _f(
+        False,
+        "with metric_for_best_model: after the last step the policy is the best checkpoint's (the final adapter, "
+        "and the trainer's model after train()); the last checkpoint still resumes the run",
+    )
     seed: int = _f(42, "random seed (sampling, data order, adapter init)")
     # --- reporting (TRL / transformers names where they have them) -----------------------------
     report_to: Any = _f(

@@ -394,9 +394,18 @@ def check_generation_batch_size(cfg) -> None:
 
 
 def require_eval_set(cfg, eval_dataset) -> None:
-    """Evals during training (eval_steps, ref_sync_on_plateau) need eval prompts: the config's eval_dataset or
-    the trainer's `eval_dataset`. Refused as transformers' Trainer refuses eval_strategy='steps' without one."""
-    if cfg.eval_steps == 0 or eval_dataset is not None or cfg.eval_dataset is not None:
+    """Evals during training (eval_steps, ref_sync_on_plateau, metric_for_best_model) need eval prompts: the config's
+    eval_dataset or the trainer's `eval_dataset`. Refused as transformers' Trainer refuses eval_strategy='steps'
+    without one."""
+    if eval_dataset is not None or cfg.eval_dataset is not None:
+        return
+    if cfg.metric_for_best_model is not None:
+        raise ConfigError(
+            f"metric_for_best_model={cfg.metric_for_best_model!r} picks the best checkpoint by its evals, but there "
+            "are no eval prompts: set eval_dataset (or pass eval_dataset=...), or leave metric_for_best_model unset",
+            field="metric_for_best_model",
+        )
+    if cfg.eval_steps == 0:
         return
     if cfg.ref_sync_on_plateau:
         raise ConfigError(
@@ -445,13 +454,20 @@ def _check_objective(cfg) -> None:
 
 
 def _check_schedule(cfg) -> None:
-    """Steps given as a count, or below 1 as a share of the run (TRL / transformers 5); tool rounds."""
+    """Steps given as a count, or below 1 as a share of the run (TRL / transformers 5); the best checkpoint's
+    metric; tool rounds."""
     for name in ("warmup_steps", "logging_steps", "eval_steps"):
         value = getattr(cfg, name)
         if value >= 1 and value != int(value):
             raise ConfigError(
                 f"{name}={value}: a number of steps (an integer) or, below 1, a share of max_steps"
             )
+    if cfg.load_best_model_at_end and cfg.metric_for_best_model is None:
+        raise ConfigError(
+            "load_best_model_at_end=true needs metric_for_best_model, the eval metric that names the best "
+            "checkpoint (e.g. eval/reward): set it, or turn load_best_model_at_end off",
+            field="load_best_model_at_end",
+        )
     if cfg.max_tool_calling_iterations is not None and cfg.max_tool_calling_iterations < 1:
         raise ConfigError(
             f"max_tool_calling_iterations={cfg.max_tool_calling_iterations} must be ≥ 1 or None (no limit)"

@@ -2,7 +2,8 @@
 
     eval prompts ─► chunks of `batch_prompts` prompts; process p takes chunks p, p + world, ...
                     (each decoded in parts of at most the training rollout's rows: memory.decode_rows)
-                 ─► greedy completion per prompt → every reward function   (eval/<reward>, eval/completion_length)
+                 ─► greedy completion per prompt → every reward function   (eval/<reward>, eval/completion_length;
+                                                          eval/reward: their weighted sum)
                  ─► with eval_pass_k: n sampled completions per prompt → c = how many the first
                     reward function scores ≥ eval_correct_threshold       (eval/pass@k)
                  ─► sampled completions (the pass@k ones when drawn at the training temperature,
@@ -187,10 +188,13 @@ def eval_metrics(
     pass_k: Sequence[int],
     num_samples: int,
     num_prompts: int,
+    weights: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """Every process's results -> eval/<name> (mean over prompts where the function applied; NaN
-    where it never did), eval/completion_length (greedy), eval/pass@k for each k in ``pass_k``,
-    eval/kl_to_base (Σ k3 / Σ tokens over every prompt, summed in prompt order) when the results carry it.
+    where it never did), eval/reward (the weighted sum of the functions' rewards, a None as 0, as a
+    training step's `reward`; `weights` None: all 1), eval/completion_length (greedy), eval/pass@k for
+    each k in ``pass_k``, eval/kl_to_base (Σ k3 / Σ tokens over every prompt, summed in prompt order)
+    when the results carry it. A reward function named "reward" keeps eval/reward for its own mean.
 
     Raises RuntimeError unless the results hold each of the ``num_prompts`` prompts exactly once.
     """
@@ -203,7 +207,9 @@ def eval_metrics(
     if not results:
         raise ValueError("the eval dataset has no prompts")
     scores = torch.tensor([r.scores for r in results], dtype=torch.float64)  # (N, F)
-    metrics = {f"eval/{name}": scores[:, j].nanmean().item() for j, name in enumerate(names)}
+    weights = torch.tensor([1.0] * len(names) if weights is None else list(weights), dtype=torch.float64)
+    metrics = {"eval/reward": (scores * weights).nansum(1).mean().item()}
+    metrics.update({f"eval/{name}": scores[:, j].nanmean().item() for j, name in enumerate(names)})
     metrics["eval/completion_length"] = float(np.mean([r.length for r in results]))
     for k in sorted(set(pass_k)):
         metrics[f"eval/pass@{k}"] = mean_pass_at_k(num_samples, [r.num_correct for r in results], k)
@@ -215,6 +221,18 @@ def eval_metrics(
         metrics["eval/tools/calling_fraction"] = float(np.mean([r.tool_calls > 0 for r in results]))
         metrics["eval/tools/call_frequency"] = float(np.mean([r.tool_calls for r in results]))
     return metrics
+
+
+def metric_names(reward_names: Sequence[str], config, *, tools: bool) -> list[str]:
+    """The eval/* metrics eval_metrics returns for a run's reward functions and config (eval_pass_k,
+    eval_kl_to_base), and `tools` (a tool run): what metric_for_best_model may name."""
+    names = ["eval/reward", *(f"eval/{name}" for name in reward_names), "eval/completion_length"]
+    names += [f"eval/pass@{k}" for k in sorted(set(config.eval_pass_k))]
+    if config.eval_kl_to_base:
+        names.append("eval/kl_to_base")
+    if tools:
+        names += ["eval/tools/calling_fraction", "eval/tools/call_frequency"]
+    return list(dict.fromkeys(names))  # a reward function named "reward": once
 
 
 def headline_score(metrics: dict[str, float], reward_names: Sequence[str]) -> float:
@@ -237,7 +255,8 @@ class Evaluator:
     score(rollout, rows, group_size) → (m·n, F) rewards per function, NaN where one returned None;
     log_probs(micro_batch) → (B, T) per-token log-probs under the active adapter (the trainer's own
     forward, so eval/kl_to_base uses the training KL's distributions); forward_rows() → the most
-    sequences one such forward may take (the run's micro_batch_size).
+    sequences one such forward may take (the run's micro_batch_size); weights: the reward functions'
+    (eval/reward), None: all 1.
 
     The config is read at each call (a test may turn eval_kl_to_base off between two evals).
     """
@@ -253,14 +272,16 @@ class Evaluator:
         score: Callable,
         log_probs: Callable,
         forward_rows: Callable[[], int],
+        weights: Sequence[float] | None = None,
     ):
         self.config, self.accelerator, self.reward_names = config, accelerator, list(reward_names)
+        self.weights = weights
         self.model, self.sample, self.score, self.log_probs = model, sample, score, log_probs
         self.forward_rows = forward_rows
 
     @torch.no_grad()
     def evaluate(self, dataset, batch_prompts: int = 64) -> dict[str, float]:
-        """eval/<reward> and eval/completion_length of one greedy completion per prompt; with
+        """eval/<reward>, eval/reward and eval/completion_length of one greedy completion per prompt; with
         eval_pass_k, eval/pass@k of eval_num_samples sampled ones (correct: the first reward function
         ≥ eval_correct_threshold); with eval_kl_to_base, eval/kl_to_base (pass@k's samples when
         they are drawn at the training temperature, else one more per prompt). Processes split the
@@ -275,7 +296,7 @@ class Evaluator:
             from accelerate.utils import gather_object
 
             results = gather_object(results)
-        return eval_metrics(results, self.reward_names, cfg.eval_pass_k, n, len(dataset))
+        return eval_metrics(results, self.reward_names, cfg.eval_pass_k, n, len(dataset), self.weights)
 
     def _chunks(self, dataset, batch_prompts: int, n: int) -> list:
         """This process's chunks of the eval prompts, n sampled completions per prompt: their per-prompt results

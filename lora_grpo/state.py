@@ -93,6 +93,8 @@ class TrainState(TrainerState):
     health: Any = None  # health.HealthMonitor: streaks, recent KLs, first-steps baselines, warnings given
     adaptive_entropy: Any = None  # loss.AdaptiveEntropy: the entropy coefficient and its last measurement
     loss_scale: Any = None  # optim.LossScale: a float16 model's loss scale and its growth count
+    # the eval metric that chose best_metric / best_model_checkpoint (run/best.py; metric_for_best_model)
+    best_metric_name: str | None = None
     # a front door's own state (the TRL front door's log history)
     extra: dict = dataclasses.field(default_factory=dict)
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed

@@ -42,10 +42,10 @@ from .data.prompts import (
 )
 from .device import mixed_precision_dtype, now, place_model
 from .dynamic_sampling import Round, StepSample, dropped_kinds, informative_groups, sample_step, step_metrics
-from .evaluation import Evaluator, headline_score
+from .evaluation import Evaluator, headline_score, metric_names
 from .memory.probe import MemoryPlan
 from .memory.sizes import RunSizes
-from .model.adapters import POLICY, policy_parameters, reference_forward, set_training
+from .model.adapters import POLICY, POLICY_DIR, policy_parameters, reference_forward, set_training
 from .model.load import keep_4bit_weights_fixed, load_model
 from .model.reference import sync_reference
 from .optim import (
@@ -62,8 +62,8 @@ from .optim import apply_config as apply_optimizer_config
 from .rewards.scoring import RewardFunctionError
 from .rng import rng_state, sampling_seed, seed_everything, shuffle_seed
 from .rollout import Rollout
+from .run import best, model_card
 from .run import checkpoint as ckpt
-from .run import model_card
 from .run.failures import (
     LastFinishedStep,
     PeerFailed,
@@ -187,6 +187,8 @@ class GRPOTrainer:
             LossScale.for_model(self.model, self.accelerator.device),
         )
         self._build_stages(rewards, environment_rewards)
+        if config.metric_for_best_model is not None:
+            best.check_metric(config.metric_for_best_model, self.eval_metric_names())
         self.output_dir = Path(config.output_dir)
         self.is_main = self.accelerator.is_main_process
         # named points of the loop call hook(event, trainer, **payload)
@@ -353,6 +355,7 @@ class GRPOTrainer:
             score=lambda rollout, rows, n: self.scorer.rewards(rollout, rows, n)[1],
             log_probs=lambda mb: self.update.forward(mb)[0],
             forward_rows=lambda: self.sizes.forward_rows,
+            weights=self.scorer.weights,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -473,19 +476,51 @@ class GRPOTrainer:
         return self._evaluate_and_log("before") if due else {}
 
     def _eval_at_end(self) -> dict[str, float]:
-        """The eval after training (eval_on_end, with eval prompts), or {}."""
+        """The eval after training (eval_on_end, with eval prompts), or {}; it may name the best checkpoint (the
+        last, which _save_final writes)."""
         due = self.eval_dataset is not None and self.config.eval_on_end
-        return self._evaluate_and_log("after") if due else {}
+        metrics = self._evaluate_and_log("after") if due else {}
+        if metrics and self.state.global_step > 0:
+            self._new_best(metrics)
+        return metrics
+
+    def _new_best(self, metrics: dict[str, float]) -> bool:
+        """With metric_for_best_model: whether this eval, after a step, is the best so far (run/best.py)."""
+        cfg = self.config
+        return cfg.metric_for_best_model is not None and best.improved(
+            self.state, metrics, cfg.metric_for_best_model, cfg.greater_is_better
+        )
 
     def _save_final(self) -> None:
-        """The last checkpoint and the final adapter (output_dir/adapter); with hub_model_id and a strategy that
-        pushes whole checkpoints, the last one too (its adapter reaches the repository's root with the final push)."""
+        """The last checkpoint, the best one said (metric_for_best_model) and the final adapter (output_dir/adapter:
+        the best checkpoint's policy with load_best_model_at_end); with hub_model_id and a strategy that pushes whole
+        checkpoints, the last checkpoint too (the final adapter reaches the repository's root with the final push)."""
         target = self.save_checkpoint()
         if self.hub is not None and self.hub.pushes_whole_checkpoints:
             self.hub.push_checkpoint(
                 target, f"Training in progress, step {self.state.global_step}", root=False
             )
-        self._save_final_adapter()
+        step = self._best_at_end() if self.config.metric_for_best_model is not None else None
+        self._save_final_adapter(step)
+
+    def _best_at_end(self) -> int | None:
+        """The best checkpoint, said in one line. With load_best_model_at_end its policy becomes the model's (on every
+        process), and its step is returned (the final adapter's card says it); else None."""
+        state, cfg = self.state, self.config
+        if state.best_model_checkpoint is None:
+            last = "; the final adapter is the last step's" if cfg.load_best_model_at_end else ""
+            self._print(
+                f"metric_for_best_model: no eval after step 0 gave {cfg.metric_for_best_model} a value, so there "
+                f"is no best checkpoint{last}"
+            )
+            return None
+        if not cfg.load_best_model_at_end:
+            self._print(f"the best checkpoint: {best.describe(state)}")
+            return None
+        if state.best_global_step != state.global_step:
+            ckpt.load_adapter_weights(self.model, Path(state.best_model_checkpoint) / POLICY_DIR, POLICY)
+        self._print(f"the final adapter is the best checkpoint's policy: {best.describe(state)}")
+        return state.best_global_step
 
     def push_to_hub(
         self,
@@ -502,30 +537,41 @@ class GRPOTrainer:
             return None
         return push_run(self.output_dir, repo_id, token=token, private=private, revision=revision).commit_url
 
-    def _save_final_adapter(self) -> None:
-        """output_dir/adapter: the policy as a standard peft adapter, with the tokenizer and its model card."""
+    def _save_final_adapter(self, step: int | None = None) -> None:
+        """output_dir/adapter: the policy as a standard peft adapter, with the tokenizer and its model card (`step`: the
+        step whose policy it is, when not the run's last)."""
         if self.is_main:
             target = self.output_dir / "adapter"
             ckpt.explain_write_failure(
                 "the final adapter",
                 self.output_dir,
                 lambda: ckpt.save_adapter(
-                    self.model, target, POLICY, tokenizer=self.tokenizer, card=self.model_card(target)
+                    self.model,
+                    target,
+                    POLICY,
+                    tokenizer=self.tokenizer,
+                    card=self.model_card(target, steps=step),
                 ),
             )
 
     def model_card(
-        self, where: Path | str, *, model_name: str | None = None, dataset_name: str | None = None, tags=()
+        self,
+        where: Path | str,
+        *,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags=(),
+        steps: int | None = None,
     ) -> str:
         """The policy adapter's model card as it stands (run/model_card.py), for the directory or Hub id `where`;
-        the dataset by default the config's when it is a hub dataset."""
+        the dataset by default the config's when it is a hub dataset; `steps` the policy's (default: the run's)."""
         config = self.config
         if dataset_name is None and isinstance(config.dataset, str):
             local = config.dataset in LOCAL_DATASETS or Path(config.dataset).expanduser().exists()
             dataset_name = None if local else config.dataset
         return model_card.model_card(
             config,
-            steps=self.state.global_step,
+            steps=self.state.global_step if steps is None else steps,
             reward_names=list(self.reward_names),
             syncs=model_card.sync_count(self.state.log_history),
             where=str(where),
@@ -590,7 +636,8 @@ class GRPOTrainer:
         metrics["epoch"] = epoch
 
     def _summary(self, start: float, before: dict, after: dict) -> dict[str, Any]:
-        return run_summary(
+        """summary.json (run/reporting.py), with the best checkpoint under "best" when one was kept (run/best.py)."""
+        summary = run_summary(
             self.state.log_history,
             steps=self.state.global_step,
             seconds=time.perf_counter() - start,
@@ -603,6 +650,8 @@ class GRPOTrainer:
             before=before,
             after=after,
         )
+        kept = best.summary(self.state)
+        return summary if kept is None else {**summary, "best": kept}
 
     def _start_again(self) -> None:
         """A new run from the adapters, the optimizer's moments and the loss scale as they are (what TRL's
@@ -683,10 +732,12 @@ class GRPOTrainer:
         # Eval before the sync decision, so that the plateau trigger reads this step's eval. For every
         # other trigger the order is free: eval reads only the policy and the start (base_forward), a
         # sync writes only the reference slot and the optimizer.
+        new_best = False
         if due.evaluate:
             with stage("eval"):
                 metrics.update(self.evaluate())
             state.sync_schedule.observe_eval(headline_score(metrics, self.reward_names))
+            new_best = self._new_best(metrics)
         self.last_finished.changing()  # from here the step end changes the state, until it is done
         reason = state.sync_schedule.due(step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
         if reason:
@@ -708,7 +759,8 @@ class GRPOTrainer:
         signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
         if signum:
             self._stop(signum)
-        if due.save:
+        # a new best is kept: its checkpoint is written now, unless the run's last checkpoint (_save_final) is next
+        if due.save or (new_best and not last):
             with stage("checkpoint"):
                 self.save_checkpoint(due=True)
         if epoch_ended or last or self.stop_requested:
@@ -723,10 +775,11 @@ class GRPOTrainer:
         self._event("epoch_end", flow=then)
         if then.log:
             self._event("log", logs=metrics)
+        new_best = False
         if then.evaluate and self.eval_dataset is not None:
             with stage("eval"):
-                self.evaluate()
-        if then.save:
+                new_best = self._new_best(self.evaluate())
+        if then.save or (new_best and self.state.global_step < self.total_steps):
             with stage("checkpoint"):
                 self.save_checkpoint(due=True)
 
@@ -923,6 +976,16 @@ class GRPOTrainer:
             )
         return metrics
 
+    def eval_metric_names(self) -> list[str]:
+        """The eval/* metrics evaluate() returns on the run's eval prompts (eval/<set>/... for named sets)."""
+        toolbox = self.sampler.toolbox
+        names = metric_names(self.reward_names, self.config, tools=toolbox is not None and toolbox.has_tools)
+        return [
+            name if set_name is None else f"eval/{set_name}/{name.removeprefix('eval/')}"
+            for set_name in named_eval_sets(self.eval_dataset)
+            for name in names
+        ]
+
     def _resolve_eval(self, source):
         """An eval source passed to evaluate(): rendered with the run's template and checked against
         the rewards and the context, as the run's own eval prompts were."""
@@ -978,9 +1041,10 @@ class GRPOTrainer:
         event's payload)."""
         from accelerate.utils import gather_object
 
+        target = self.output_dir / f"checkpoint-{self.state.global_step}"
+        best.saved(self.state, target)
         mine = (rng or self._rng(), self.state.process_state_dict())
         gathered = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
-        target = self.output_dir / f"checkpoint-{self.state.global_step}"
         if self.is_main:
             blobs = {
                 "optimizer": self.optimizer.state_dict(),
@@ -1003,8 +1067,10 @@ class GRPOTrainer:
                     card=self.model_card(target),
                 ),
             )
-            if self.config.save_total_limit:  # 0: keep them all
-                ckpt.rotate_checkpoints(self.output_dir, self.config.save_total_limit)
+            if self.config.save_total_limit:  # 0: keep them all, the best among them
+                ckpt.rotate_checkpoints(
+                    self.output_dir, self.config.save_total_limit, protect=self.state.best_model_checkpoint
+                )
             self.reporter.plot()  # metrics.png so far (a failure is only a warning)
         self.accelerator.wait_for_everyone()
         if due and self.hub is not None and self.hub.wants():  # hub_model_id: in the background
@@ -1037,6 +1103,9 @@ class GRPOTrainer:
                 f"using {self.config.learning_rate:g}"
             )
         line = self.sizes.resume(current, saved)
+        if line:
+            self._print(line)
+        line = best.resumed(state, self.output_dir, self.config.metric_for_best_model)
         if line:
             self._print(line)
         if self.is_main:

@@ -113,6 +113,18 @@ def test_eval_metrics_need_every_prompt_exactly_once():
     assert "eval/tools/call_frequency" not in metrics  # no tools, no tool metrics
 
 
+def test_eval_reward_is_the_weighted_sum_of_each_prompts_rewards_a_none_counting_0():
+    # prompt 0: 1.0 and 0.5; prompt 1: 0.0 and None; prompt 2: None and 2.0 (weights 2 and 0.5)
+    nan = float("nan")
+    results = [PromptResult(0, (1.0, 0.5), 3), PromptResult(1, (0.0, nan), 3), PromptResult(2, (nan, 2.0), 3)]
+    metrics = eval_metrics(results, ["a", "b"], [], 0, 3, weights=[2.0, 0.5])
+    assert metrics["eval/reward"] == pytest.approx(((2.0 + 0.25) + 0.0 + 1.0) / 3)
+    assert metrics["eval/a"] == 0.5 and metrics["eval/b"] == 1.25  # each function: over the prompts it scored
+    assert eval_metrics(results, ["a", "b"], [], 0, 3)["eval/reward"] == pytest.approx((1.5 + 0.0 + 2.0) / 3)
+    # a reward function named "reward" keeps its own name
+    assert eval_metrics(results, ["reward", "b"], [], 0, 3)["eval/reward"] == 0.5
+
+
 def test_eval_tool_metrics_count_greedy_completions_that_called_and_their_calls():
     results = [PromptResult(i, (1.0,), 5, tool_calls=c) for i, c in enumerate([0, 2, 1, 0])]
     metrics = eval_metrics(results, ["acc"], [], 0, 4)
@@ -155,6 +167,7 @@ def test_cli_eval_k(recipe, capsys):
         "eval/pass@1",
         "eval/pass@2",
         "eval/pass@4",
+        "eval/reward",
     ]
     assert all(0 <= metrics[f"eval/pass@{k}"] <= 1 for k in (1, 2, 4))
     assert main(["eval", "--recipe", str(recipe)]) == 0  # no --k: greedy only, as before
@@ -196,6 +209,7 @@ def test_evaluate_reports_pass_at_k_beside_greedy(tiny_base_dir, tmp_path):
     generator_state = trainer.generator.get_state()
     metrics = trainer.evaluate(batch_prompts=3)
     assert list(metrics) == [
+        "eval/reward",
         "eval/has_digit",
         "eval/digit_share",
         "eval/completion_length",
@@ -204,7 +218,10 @@ def test_evaluate_reports_pass_at_k_beside_greedy(tiny_base_dir, tmp_path):
         "eval/pass@4",
         "eval/kl_to_base",
     ]
-    assert all(0 <= metrics[k] <= 1 for k in metrics if k != "eval/completion_length")
+    assert trainer.eval_metric_names() == list(metrics)  # what metric_for_best_model may name
+    # the weighted sum (weights 1): of every prompt's two rewards, so also the sum of their means
+    assert metrics["eval/reward"] == pytest.approx(metrics["eval/has_digit"] + metrics["eval/digit_share"])
+    assert all(0 <= metrics[k] <= 1 for k in metrics if k not in ("eval/completion_length", "eval/reward"))
     assert 1 <= metrics["eval/completion_length"] <= 6
     assert metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= metrics["eval/pass@4"]
     assert torch.equal(trainer.generator.get_state(), generator_state)  # the training sampler drew nothing

@@ -11,8 +11,9 @@ from helpers import make_trainer
 from lora_grpo.state import FROM_CONFIG, PER_PROCESS, TrainState
 
 # Fields whose resume is a decision, tested on its own: the process count must match
-# (test_checkpoint), the sizes in use follow the memory plan (test_memory).
-DECIDED_ON_RESUME = {"num_processes", "micro_batch_size", "gradient_checkpointing"}
+# (test_checkpoint), the sizes in use follow the memory plan (test_memory), the best checkpoint is the one
+# under the run's output_dir, when it is there (test_best_checkpoint).
+DECIDED_ON_RESUME = {"num_processes", "micro_batch_size", "gradient_checkpointing", "best_model_checkpoint"}
 # Each process's own fields (tensors, in trainer_state.pt): their round trip is the test below this one's.
 PER_PROCESS_FIELDS = {f.name for f in dataclasses.fields(TrainState) if PER_PROCESS in f.metadata}
 

@@ -61,7 +61,7 @@ def test_the_guide_counts_each_fate_as_the_table_has_it():
         ("trackio_space_id", "me/dashboard"),
         ("torch_compile", True),
         ("use_liger_kernel", True),
-        ("load_best_model_at_end", True),
+        ("neftune_noise_alpha", 5.0),
     ],
 )
 def test_a_refused_field_set_away_from_its_default_names_itself_and_why(
@@ -69,17 +69,40 @@ def test_a_refused_field_set_away_from_its_default_names_itself_and_why(
 ):
     from lora_grpo.trl import GRPOTrainer
 
-    kw = {"eval_strategy": "steps", "save_strategy": "steps"} if field == "load_best_model_at_end" else {}
     try:
-        args = OurConfig(output_dir=str(tmp_path), use_cpu=True, **kw, **{field: value})
+        args = OurConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value})
     except ValueError as e:  # transformers itself refuses some combinations on this machine (fp16 on CPU)
         pytest.skip(f"TrainingArguments refuses {field}={value} here: {e}")
-    evals = (
-        {"eval_dataset": _dataset(4)} if kw else {}
-    )  # eval_strategy without an eval_dataset is refused first
     with pytest.raises(ConfigError, match=re.escape(f"{field}={value!r}: {FIELDS[field].why}")):
+        GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
+
+
+def test_trls_best_model_metric_names_are_the_native_eval_metrics():
+    from lora_grpo.trl.translate import best_metric
+
+    assert best_metric(None) is None
+    assert best_metric("reward") == best_metric("eval_reward") == "eval/reward"
+    assert best_metric("eval_rewards/exact/mean") == "eval/exact"  # TRL's name of a reward function's mean
+    assert best_metric("completions/mean_length") == "eval/completion_length"
+    assert best_metric("eval_pass@1") == "eval/pass@1"
+    assert best_metric("eval_hard_reward", ["easy", "hard"]) == "eval/hard/reward"  # a named eval set's
+    with pytest.raises(ConfigError, match=r"metric_for_best_model='loss' .*reports no eval_loss.*'reward'"):
+        best_metric("loss")
+
+
+def test_load_best_model_at_end_with_transformers_default_metric_says_what_to_name(tiny_base_dir, tmp_path):
+    from lora_grpo.trl import GRPOTrainer
+
+    strategies = {"eval_strategy": "steps", "save_strategy": "steps"}
+    args = OurConfig(output_dir=str(tmp_path), use_cpu=True, load_best_model_at_end=True, **strategies)
+    assert args.metric_for_best_model == "loss"  # transformers' default
+    with pytest.raises(ConfigError, match="reports no eval_loss"):
         GRPOTrainer(
-            model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8), **evals
+            model=tiny_base_dir,
+            reward_funcs=_length_reward,
+            args=args,
+            train_dataset=_dataset(8),
+            eval_dataset=_dataset(4),
         )
 
 

@@ -5,6 +5,7 @@ warnings, reproducibility). Where the two differ on purpose, README's "where we 
 
 import ast
 import inspect
+import json
 import logging
 import math
 import re
@@ -745,6 +746,144 @@ def test_num_generations_eval_samples_that_many_completions_per_eval_prompt(tiny
     if library == "lora_grpo.trl":  # the sampled completions as pass@1 and pass@2, beside the greedy scores
         assert 0.0 <= metrics["eval_pass@1"] <= metrics["eval_pass@2"] <= 1.0
         assert "eval_exact" in metrics and "eval_length_reward" in metrics
+
+
+# ------------------------------------------------------------------------------ the best checkpoint
+# Each eval step's reward, by plan: every completion of a step gets the same score from `planned`, which gives
+# no advantage (length_reward, weighted 0.01, trains); so eval_reward is the plan's, up to 0.01 × a length.
+PLAN = {2: 0.5, 4: 0.9, 6: 0.3}
+
+
+def planned(completions, trainer_state, **kwargs):
+    return [PLAN.get(trainer_state.global_step, 0.0)] * len(completions)
+
+
+BEST_RUN = ARGS.replace("save_strategy='no', ", "") + (
+    ", max_steps=6, eval_strategy='steps', eval_steps=2, per_device_eval_batch_size=4, metric_for_best_model='reward', "
+    "reward_weights=[1.0, 0.01], learning_rate=1e-2"
+)
+
+
+def saves_seen(seen: list):
+    """A TrainerCallback that records the global_step of each on_save."""
+    from transformers import TrainerCallback
+
+    class Saves(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            seen.append(state.global_step)
+
+    return Saves()
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_load_best_model_at_end_trains_on_to_the_best_evals_adapter(tiny_base_dir, tmp_path, library):
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    scope = run(
+        library,
+        f"""
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {BEST_RUN}, save_strategy="steps", save_steps=2,
+                          save_total_limit=2, load_best_model_at_end=True)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=[planned, length_reward], args=args,
+                              train_dataset=dataset(16), eval_dataset=dataset(4, start=16),
+                              peft_config=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+        planned=planned,
+    )
+    trainer, run_dir = scope["trainer"], tmp_path / "run"
+    state = trainer.state
+    evals = {r["step"]: r["eval_reward"] for r in state.log_history if "eval_reward" in r}
+    assert sorted(evals) == [2, 4, 6] and max(evals, key=evals.get) == 4
+    assert state.best_global_step == 4 and state.best_metric == pytest.approx(evals[4])
+    assert state.best_model_checkpoint == str(run_dir / "checkpoint-4")
+    # save_total_limit=2: the best and the newest
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    saved = json.loads((run_dir / "checkpoint-6" / "trainer_state.json").read_text())
+    assert saved["best_global_step"] == 4 and saved["best_model_checkpoint"] == str(run_dir / "checkpoint-4")
+    # the model the script holds after train() is the best checkpoint's adapter
+    best = load_file(str(run_dir / "checkpoint-4" / "adapter_model.safetensors"))
+    last = load_file(str(run_dir / "checkpoint-6" / "adapter_model.safetensors"))
+    held = {k: v.cpu() for k, v in get_peft_model_state_dict(trainer.model).items()}
+    assert held.keys() == best.keys()
+    assert all(torch.equal(held[k], best[k]) for k in best)
+    assert not all(torch.equal(last[k], best[k]) for k in best)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_save_strategy_best_saves_at_each_new_best(tiny_base_dir, tmp_path, library):
+    seen = []
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {BEST_RUN}, save_strategy="best")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=[planned, length_reward], args=args,
+                              train_dataset=dataset(16), eval_dataset=dataset(4, start=16), callbacks=[SAVES])
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+        planned=planned,
+        SAVES=saves_seen(seen),
+    )
+    assert seen == [2, 4]  # step 6's eval is no improvement
+    names = {p.name for p in (tmp_path / "run").glob("checkpoint-*")}
+    # lora_grpo also keeps the run's last checkpoint, to resume from (no on_save: it is not the flow's)
+    assert names - ({"checkpoint-6"} if library == "lora_grpo.trl" else set()) == {
+        "checkpoint-2",
+        "checkpoint-4",
+    }
+    assert scope["trainer"].state.best_model_checkpoint == str(tmp_path / "run" / "checkpoint-4")
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_best_model_metric_no_eval_reports_is_refused_in_transformers_words(
+    tiny_base_dir, tmp_path, library
+):
+    # (TRL finds out at the first eval, a KeyError; lora_grpo when the trainer is built, a ValueError)
+    with pytest.raises((KeyError, ValueError)) as raised:
+        run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {BEST_RUN.replace("'reward'", "'accuracy'")})
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=[planned, length_reward], args=args,
+                                  train_dataset=dataset(16), eval_dataset=dataset(4, start=16))
+            trainer.train()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / "run"),
+            planned=planned,
+        )
+    assert (
+        "The `metric_for_best_model` training argument is set to 'eval_accuracy', which is not found in the "
+        "evaluation metrics." in str(raised.value)
+    )
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_save_strategy_best_without_a_metric_is_refused_in_transformers_words(
+    tiny_base_dir, tmp_path, library
+):
+    with pytest.raises(
+        ValueError, match=re.escape("`args.metric_for_best_model` must be provided when using 'best'")
+    ):
+        run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {ARGS.replace("save_strategy='no'", "save_strategy='best'")})
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / "run"),
+        )
 
 
 # ------------------------------------------------------------------------------ environments

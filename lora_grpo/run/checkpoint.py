@@ -321,9 +321,20 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
-def rotate_checkpoints(output_dir: Path, keep: int) -> None:
-    for old in list_checkpoints(output_dir)[: -max(1, keep)]:
-        shutil.rmtree(old, ignore_errors=True)
+def rotate_checkpoints(output_dir: Path, keep: int, protect: str | Path | None = None) -> None:
+    """Remove the oldest checkpoints until `keep` are left, never the newest (what a resume reads) nor `protect`
+    (the best checkpoint, run/best.py): as transformers' rotation, both may make it keep 2 where keep is 1."""
+    found = list_checkpoints(output_dir)
+    kept = {found[-1]} if found else set()
+    if protect is not None:
+        kept.add(Path(output_dir) / Path(protect).name)
+    left = len(found)
+    for old in found:
+        if left <= max(keep, len(kept)):
+            break
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
+            left -= 1
 
 
 def set_aside_later_checkpoints(output_dir: Path, step: int) -> list[Path]:

@@ -36,6 +36,7 @@ from ..model.bases import resolve_base
 from ..rewards import RewardModel
 from ..rng import seed_everything
 from ..run import model_card
+from ..run.best import UnknownMetric
 from ..run.checkpoint import save_adapter
 from ..run.hub import HubRepo
 from ..run.owned_dir import protected_paths, write_into, write_whole
@@ -47,7 +48,7 @@ from .config import GRPOConfig
 from .inputs import environment_prompts, eval_sets, placeholder_prompts
 from .models import build_model, reward_models
 from .overrides import refuse_loop_overrides
-from .translate import _as_dict, resolved_steps, to_native
+from .translate import _as_dict, resolved_steps, to_native, unknown_metric
 
 logger = logging.getLogger(__name__)
 
@@ -198,22 +199,33 @@ class GRPOTrainer:
             train_dataset = environment_prompts(train_dataset)
             eval_dataset = environment_prompts(eval_dataset)
         world = getattr(args, "world_size", 1) or 1
+        set_names = list(eval_dataset) if isinstance(eval_dataset, dict) else []
         model_fields, build = build_model(model, args, quantization_config, peft_config, processing_class)
-        config = to_native(args, model_name_or_path=str(name), world_size=world, **model_fields)
+        config = to_native(
+            args,
+            model_name_or_path=str(name),
+            world_size=world,
+            eval_set_names=set_names,
+            **model_fields,
+        )
         peft_model, tokenizer = build(config)
         funcs = reward_models(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
         extra = {} if tools is None else {"tools": tools}
         if environment_factory is not None:
             extra["environment_factory"] = environment_factory
-        self.native = NativeTrainer(
-            config,
-            reward_funcs=funcs,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            model=peft_model,
-            tokenizer=tokenizer,
-            **extra,
-        )
+        try:
+            self.native = NativeTrainer(
+                config,
+                reward_funcs=funcs,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                model=peft_model,
+                tokenizer=tokenizer,
+                **extra,
+            )
+        except UnknownMetric as error:  # in transformers' sentence and the front door's names
+            message = unknown_metric(args.metric_for_best_model, error.known, set_names)
+            raise ConfigError(message, field="metric_for_best_model") from None
         self.model, self.processing_class = self.native.model, tokenizer
         self.accelerator = self.native.accelerator
         # TRL's public attributes: no separate reference model with PEFT (the reference slot is an adapter of
@@ -323,15 +335,25 @@ class GRPOTrainer:
         self.native.scorer.trainer_state = self.state
 
     def _at_checkpoint(self, native_state) -> None:
-        """The TRL state of a resumed checkpoint with no step left: its step, epoch and TRL log history."""
-        self.state.global_step, self.state.epoch = native_state.global_step, native_state.epoch
+        """The TRL state of a resumed checkpoint with no step left: its step, epoch, best checkpoint and TRL log
+        history."""
+        self._follow_state(native_state)
         self._restore(native_state.extra)
         self._logged_upto = self._first_record = len(native_state.log_history)
+
+    def _follow_state(self, native_state) -> None:
+        """The TRL state's step, epoch and best checkpoint (best_metric, best_global_step, best_model_checkpoint:
+        run/best.py) are the native loop's."""
+        state = self.state
+        state.global_step, state.epoch = native_state.global_step, native_state.epoch
+        state.best_metric, state.best_global_step = native_state.best_metric, native_state.best_global_step
+        state.best_model_checkpoint = native_state.best_model_checkpoint
 
     def _checkpoint_state(self) -> dict[str, Any]:
         """A checkpoint's trainer_state.json: the TRL state, with the states of the control and of each
         ExportableState callback in its stateful_callbacks (several of one class: a list), as transformers'
         _save_checkpoint writes it."""
+        self._follow_state(self.native.state)
         states: dict[str, list] = {}
         for callback in [*self.callback_handler.callbacks, self.control]:
             if isinstance(callback, ExportableState):
@@ -591,7 +613,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop's named points
     def _on_event(self, event: str, trainer: NativeTrainer, **payload) -> None:
         args, state = self.args, self.state
-        state.global_step, state.epoch = trainer.state.global_step, trainer.state.epoch
+        self._follow_state(trainer.state)
         handler = self.callback_handler
         if event == "train_begin":
             self._restore(trainer.state.extra)

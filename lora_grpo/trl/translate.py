@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,7 +200,9 @@ FIELDS: dict[str, Field] = {
     "eval_steps": _flow("DefaultFlowCallback (None: logging_steps, as transformers)"),
     "eval_delay": _flow(),
     "eval_on_start": _m("eval_on_start"),
-    "save_strategy": _flow("DefaultFlowCallback for 'steps', 'epoch', 'no'; 'best' is refused"),
+    "save_strategy": _flow(
+        "DefaultFlowCallback for 'steps', 'epoch', 'no'; 'best': each eval that beats metric_for_best_model's best"
+    ),
     "save_steps": _flow(),
     "save_total_limit": _m("save_total_limit (None: every checkpoint is kept)"),
     "report_to": _flow(
@@ -343,11 +346,14 @@ FIELDS: dict[str, Field] = {
     "auto_find_batch_size": _r(
         "micro_batch_size auto: a start-up memory probe sizes the micro-batch (refused by TRL too)"
     ),
-    "load_best_model_at_end": _r(
-        "the final adapter is the last step's; evaluate checkpoints with `lora-grpo eval`"
+    "load_best_model_at_end": _m("load_best_model_at_end"),
+    "metric_for_best_model": _m(
+        "metric_for_best_model: eval_reward, eval_<reward function> (TRL's eval_rewards/<name>/mean), "
+        "eval_completion_length (TRL's eval_completions/mean_length), eval_pass@k; not eval_loss"
     ),
-    "metric_for_best_model": _r("no best-model tracking: evaluate checkpoints with `lora-grpo eval`"),
-    "greater_is_better": _r("no best-model tracking: evaluate checkpoints with `lora-grpo eval`"),
+    "greater_is_better": _m(
+        "greater_is_better (transformers' default: True unless the metric ends in 'loss')"
+    ),
     "restore_callback_states_from_checkpoint": _r("callback states are not stored in lora_grpo checkpoints"),
     "enable_jit_checkpoint": _r("checkpoints are written at save steps and on SIGINT/SIGTERM"),
     "full_determinism": _r(
@@ -433,8 +439,6 @@ def check_refused(args) -> None:
     ]
     if not getattr(args, "average_tokens_across_devices", True):
         bad.append(("average_tokens_across_devices", False))
-    if _value(getattr(args, "save_strategy", "steps")) == "best":
-        bad.append(("save_strategy", "best"))
     if bad:
         lines = "; ".join(
             f"{name}={value!r}: "
@@ -448,7 +452,6 @@ def check_refused(args) -> None:
 
 _EXTRA = {
     "average_tokens_across_devices": "the step's token count always spans every process",
-    "save_strategy": "'best' needs best-model tracking, which lora_grpo does not do: use 'steps' or 'epoch'",
 }
 
 
@@ -475,10 +478,13 @@ def _is_default_accelerator_config(value) -> bool:
         return False
 
 
-def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: Any) -> NativeConfig:
+def to_native(
+    args, *, model_name_or_path: str, world_size: int = 1, eval_set_names: Sequence[str] = (), **native: Any
+) -> NativeConfig:
     """The native GRPOConfig a TRL GRPOConfig (ours, or TRL's own: read by field name) stands for.
 
-    `native`: fields the front door fills from the trainer's arguments (lora_*, quantization, init_adapter...).
+    `eval_set_names`: the names of a dict of eval sets (metric_for_best_model may name one's metric). `native`:
+    fields the front door fills from the trainer's arguments (lora_*, quantization, init_adapter...).
     Raises ConfigError for a refused field, or batch sizes lora_grpo cannot split into whole groups.
     """
     check_refused(args)
@@ -597,6 +603,10 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
             "eval_on_end": False,
             **_sampled_eval(args.num_generations_eval),
             "save_total_limit": args.save_total_limit or 0,
+            # the best checkpoint: each new best is saved, as save_strategy='best' saves (run/best.py)
+            "metric_for_best_model": best_metric(args.metric_for_best_model, eval_set_names),
+            "greater_is_better": True if args.greater_is_better is None else bool(args.greater_is_better),
+            "load_best_model_at_end": bool(args.load_best_model_at_end),
             # trackers are transformers' callbacks on TRL's records (trl.trainer), not lora_grpo's own
             "report_to": "none",
             "disable_tqdm": bool(args.disable_tqdm),
@@ -611,6 +621,49 @@ def to_native(args, *, model_name_or_path: str, world_size: int = 1, **native: A
             "overwrite_output_dir": True,
             **native,
         }
+    )
+
+
+def best_metric(name: str | None, set_names: Sequence[str] = ()) -> str | None:
+    """transformers' metric_for_best_model ('reward', 'eval_reward', 'eval_<set>_reward') as the native eval metric
+    ('eval/reward', 'eval/<set>/reward'): TRL's names of the sampled completions' figures (rewards/<name>/mean,
+    completions/mean_length) as the greedy eval's (eval/<name>, eval/completion_length). ConfigError for eval_loss,
+    which lora_grpo's evaluate() does not compute."""
+    if name is None:
+        return None
+    metric = name.removeprefix("eval_")
+    if metric == "loss":
+        raise ConfigError(
+            f"metric_for_best_model={name!r} (transformers' default with load_best_model_at_end): lora_grpo's "
+            "evaluate() reports no eval_loss (it scores a greedy completion per eval prompt with the reward "
+            "functions): set metric_for_best_model='reward' (their weighted sum), a reward function's name, or "
+            "'pass@1' with num_generations_eval"
+        )
+    set_name = next((s for s in set_names if metric.startswith(f"{s}_")), None)
+    if set_name is not None:
+        metric = metric.removeprefix(f"{set_name}_")
+    if metric == "completions/mean_length":
+        metric = "completion_length"
+    elif metric.startswith("rewards/") and metric.endswith("/mean"):
+        metric = metric.removeprefix("rewards/").removesuffix("/mean")
+    return f"eval/{metric}" if set_name is None else f"eval/{set_name}/{metric}"
+
+
+def unknown_metric(name: str, known: Sequence[str], set_names: Sequence[str] = ()) -> str:
+    """transformers' error for a metric_for_best_model that no eval reports, then the eval metrics of lora_grpo's
+    evaluate() under the front door's names (`known`: the native ones, eval/<metric> or eval/<set>/<metric>)."""
+    shown = []
+    for key in known:
+        rest = key.removeprefix("eval/")
+        set_name = next((s for s in set_names if rest.startswith(f"{s}/")), None)
+        shown.append(
+            f"eval_{rest}" if set_name is None else f"eval_{set_name}_{rest.removeprefix(set_name + '/')}"
+        )
+    metric = name if name.startswith("eval_") else f"eval_{name}"
+    return (
+        f"The `metric_for_best_model` training argument is set to '{metric}', which is not found in the evaluation "
+        f"metrics. lora_grpo's evaluate() reports {shown} (TRL's eval_rewards/<name>/mean is eval_<name> here, of "
+        "a greedy completion per prompt): name one of them"
     )
 
 
