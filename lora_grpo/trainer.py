@@ -24,6 +24,7 @@ import json
 import math
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,9 @@ class GRPOTrainer:
         )
         # hub_model_id: the repository the run pushes to (run/hub.py), made when train() begins (_hub_repo)
         self.hub: HubRepo | None = None
+        # a new best at the last step, to be saved as the flow's save by the run's last checkpoint (_end_step); the
+        # step whose policy the model holds when not the last (load_best_model_at_end: _best_at_end)
+        self.best_due, self.policy_step = False, None
 
     # ------------------------------------------------------------------ construction
     def _build_model(self, model, tokenizer) -> None:
@@ -452,6 +456,8 @@ class GRPOTrainer:
         if not line:
             return False
         self._print(line)
+        if self.config.metric_for_best_model is not None:  # as the run's end did: the best said, or loaded
+            self._best_at_end()
         if no_adapter:
             self._save_final_adapter()
         return True
@@ -467,6 +473,7 @@ class GRPOTrainer:
         self.reporter.start(self.state.global_step, resumed=bool(cfg.resume_from_checkpoint))
         if plan is not None:
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
+        self.best_due, self.policy_step = False, None
         self._event("train_begin")
         self._finished_step()
 
@@ -495,32 +502,45 @@ class GRPOTrainer:
         """The last checkpoint, the best one said (metric_for_best_model) and the final adapter (output_dir/adapter:
         the best checkpoint's policy with load_best_model_at_end); with hub_model_id and a strategy that pushes whole
         checkpoints, the last checkpoint too (the final adapter reaches the repository's root with the final push)."""
-        target = self.save_checkpoint()
+        # a new best at the last step, of the flow's eval: a save the flow asked for (its save event says so)
+        target = self.save_checkpoint(due=self.best_due)
         if self.hub is not None and self.hub.pushes_whole_checkpoints:
             self.hub.push_checkpoint(
                 target, f"Training in progress, step {self.state.global_step}", root=False
             )
-        step = self._best_at_end() if self.config.metric_for_best_model is not None else None
-        self._save_final_adapter(step)
+        if self.config.metric_for_best_model is not None:
+            self._best_at_end()
+        self._save_final_adapter()
 
-    def _best_at_end(self) -> int | None:
+    def _best_at_end(self) -> None:
         """The best checkpoint, said in one line. With load_best_model_at_end its policy becomes the model's (on every
-        process), and its step is returned (the final adapter's card says it); else None."""
+        process; policy_step says whose it is), unless its checkpoint is gone or damaged (a warning: the model stays
+        the last step's)."""
         state, cfg = self.state, self.config
         if state.best_model_checkpoint is None:
             last = "; the final adapter is the last step's" if cfg.load_best_model_at_end else ""
-            self._print(
-                f"metric_for_best_model: no eval after step 0 gave {cfg.metric_for_best_model} a value, so there "
-                f"is no best checkpoint{last}"
-            )
-            return None
+            if state.best_metric is None:
+                what = f"no eval after step 0 gave {cfg.metric_for_best_model} a value, so there is no best checkpoint"
+            else:  # a resumed run's best, whose checkpoint was removed
+                kept = f"{state.best_metric_name} {state.best_metric:.4g} at step {state.best_global_step}"
+                what = f"the best eval ({kept}) has no checkpoint any more"
+            self._print(f"metric_for_best_model: {what}{last}")
+            return
         if not cfg.load_best_model_at_end:
             self._print(f"the best checkpoint: {best.describe(state)}")
-            return None
+            return
         if state.best_global_step != state.global_step:
-            ckpt.load_adapter_weights(self.model, Path(state.best_model_checkpoint) / POLICY_DIR, POLICY)
+            try:
+                ckpt.load_adapter_weights(self.model, Path(state.best_model_checkpoint) / POLICY_DIR, POLICY)
+            except (ckpt.CheckpointError, OSError) as error:
+                warnings.warn(
+                    f"load_best_model_at_end: the best checkpoint could not be loaded ({error}); the final adapter "
+                    "is the last step's",
+                    stacklevel=2,
+                )
+                return
+            self.policy_step = state.best_global_step
         self._print(f"the final adapter is the best checkpoint's policy: {best.describe(state)}")
-        return state.best_global_step
 
     def push_to_hub(
         self,
@@ -537,9 +557,8 @@ class GRPOTrainer:
             return None
         return push_run(self.output_dir, repo_id, token=token, private=private, revision=revision).commit_url
 
-    def _save_final_adapter(self, step: int | None = None) -> None:
-        """output_dir/adapter: the policy as a standard peft adapter, with the tokenizer and its model card (`step`: the
-        step whose policy it is, when not the run's last)."""
+    def _save_final_adapter(self) -> None:
+        """output_dir/adapter: the policy as a standard peft adapter, with the tokenizer and its model card."""
         if self.is_main:
             target = self.output_dir / "adapter"
             ckpt.explain_write_failure(
@@ -550,7 +569,7 @@ class GRPOTrainer:
                     target,
                     POLICY,
                     tokenizer=self.tokenizer,
-                    card=self.model_card(target, steps=step),
+                    card=self.model_card(target),
                 ),
             )
 
@@ -561,19 +580,19 @@ class GRPOTrainer:
         model_name: str | None = None,
         dataset_name: str | None = None,
         tags=(),
-        steps: int | None = None,
     ) -> str:
-        """The policy adapter's model card as it stands (run/model_card.py), for the directory or Hub id `where`;
-        the dataset by default the config's when it is a hub dataset; `steps` the policy's (default: the run's)."""
-        config = self.config
+        """The policy adapter's model card as it stands (run/model_card.py), for the directory or Hub id `where`: of
+        the steps up to the one whose policy the model holds (policy_step: the best checkpoint's after
+        load_best_model_at_end); the dataset by default the config's when it is a hub dataset."""
+        config, steps = self.config, self.state.global_step if self.policy_step is None else self.policy_step
         if dataset_name is None and isinstance(config.dataset, str):
             local = config.dataset in LOCAL_DATASETS or Path(config.dataset).expanduser().exists()
             dataset_name = None if local else config.dataset
         return model_card.model_card(
             config,
-            steps=self.state.global_step if steps is None else steps,
+            steps=steps,
             reward_names=list(self.reward_names),
-            syncs=model_card.sync_count(self.state.log_history),
+            syncs=model_card.sync_count(self.state.log_history, steps),
             where=str(where),
             model_name=model_name or self.output_dir.name,
             dataset_name=dataset_name,
@@ -759,7 +778,8 @@ class GRPOTrainer:
         signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
         if signum:
             self._stop(signum)
-        # a new best is kept: its checkpoint is written now, unless the run's last checkpoint (_save_final) is next
+        # a new best is kept: its checkpoint is written now, or at the last step as the run's last (_save_final)
+        self.best_due = self.best_due or (new_best and last)
         if due.save or (new_best and not last):
             with stage("checkpoint"):
                 self.save_checkpoint(due=True)
@@ -779,7 +799,9 @@ class GRPOTrainer:
         if then.evaluate and self.eval_dataset is not None:
             with stage("eval"):
                 new_best = self._new_best(self.evaluate())
-        if then.save or (new_best and self.state.global_step < self.total_steps):
+        last = self.state.global_step >= self.total_steps
+        self.best_due = self.best_due or (new_best and last)
+        if then.save or (new_best and not last):
             with stage("checkpoint"):
                 self.save_checkpoint(due=True)
 

@@ -3,9 +3,10 @@ never rotated away), summary.json names it, load_best_model_at_end makes its pol
 resumed run carries it on (run/best.py)."""
 
 import json
+import shutil
 
 import pytest
-from helpers import PROMPTS, adapter_state, digit_share, make_trainer
+from helpers import PROMPTS, adapter_state, digit_share, make_trainer, run_torchrun
 from safetensors.torch import load_file
 
 from lora_grpo.config import ConfigError
@@ -14,22 +15,43 @@ from lora_grpo.run import best
 from lora_grpo.run.checkpoint import rotate_checkpoints
 from lora_grpo.state import TrainState
 
+TWO_PROCESSES = """
+import json, sys
+from pathlib import Path
+from helpers import PROMPTS, digit_share, make_trainer
+from test_best_checkpoint import PLAN, planned_by
+
+base, out = sys.argv[1], Path(sys.argv[2])
+trainer = make_trainer(base, out, reward_funcs=(digit_share, planned_by(PLAN)), eval_dataset=PROMPTS[:5], max_steps=8,
+                       eval_steps=2, metric_for_best_model="planned", save_total_limit=1, load_best_model_at_end=True)
+saves = []
+trainer.hooks.append(lambda event, t, **p: saves.append(t.state.global_step) if event == "save" else None)
+summary = trainer.train()
+seen = {"saves": saves, "best": summary.get("best")}
+(out / f"seen-{trainer.accelerator.process_index}.json").write_text(json.dumps(seen))
+"""
+
 # The eval score of each step, by plan: a reward function that gives every completion of a step the same score
 # (no advantage in training: digit_share trains), so that the evals' order is known. Step 0 scores best of all.
 PLAN = {0: 1.0, 2: 0.5, 4: 0.9, 6: 0.3, 8: 0.4}
 
 
-def planned(completions, trainer_state, **kwargs):
-    return [PLAN.get(trainer_state.global_step, 0.0)] * len(completions)
+def planned_by(plan: dict):
+    """The reward function `planned` of a plan {step: score}."""
+
+    def planned(completions, trainer_state, **kwargs):
+        return [plan.get(trainer_state.global_step, 0.0)] * len(completions)
+
+    return planned
 
 
-def planned_run(base_dir, out_dir, **overrides):
+def planned_run(base_dir, out_dir, plan=PLAN, **overrides):
     """8 steps of TINY_RUN, evaluated every 2 steps, with the step's saves recorded in trainer.saves."""
     fields = dict(max_steps=8, eval_steps=2, metric_for_best_model="planned", save_total_limit=1)
     trainer = make_trainer(
         base_dir,
         out_dir,
-        reward_funcs=(digit_share, planned),
+        reward_funcs=(digit_share, planned_by(plan)),
         eval_dataset=PROMPTS[:3],
         **{**fields, **overrides},
     )
@@ -78,6 +100,39 @@ def test_the_best_eval_after_a_step_keeps_its_checkpoint_and_becomes_the_final_a
     recorded = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())
     assert (recorded["best_global_step"], recorded["best_metric"]) == (4, pytest.approx(0.9))
     assert recorded["best_model_checkpoint"] == str(run / "checkpoint-4")
+    # the final adapter's card: the steps of its policy
+    assert "| optimizer steps | 4 |" in (run / "adapter" / "README.md").read_text()
+
+
+def test_a_best_at_the_eval_after_the_last_step_is_the_last_checkpoint(tiny_base_dir, tmp_path, capsys):
+    trainer = planned_run(tiny_base_dir, tmp_path, plan={**PLAN, 8: 0.95}, load_best_model_at_end=True)
+    summary = trainer.train()
+    run = tmp_path / "run"
+    assert trainer.saves == [2, 4, 8] and summary["best"]["checkpoint"] == "checkpoint-8"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-8"]  # the best is the newest
+    assert same_weights(
+        policy_of(run / "checkpoint-8"), load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    )
+    assert "| optimizer steps | 8 |" in (run / "adapter" / "README.md").read_text()
+    assert "the final adapter is the best checkpoint's policy: checkpoint-8" in capsys.readouterr().out
+
+
+def test_a_best_checkpoint_that_cannot_be_loaded_leaves_the_last_steps_adapter_with_a_warning(
+    tiny_base_dir, tmp_path
+):
+    trainer = planned_run(tiny_base_dir, tmp_path, load_best_model_at_end=True, save_total_limit=0)
+    run = tmp_path / "run"
+
+    def damage_the_best(event, t, **payload):  # once the last checkpoint is written
+        if event == "save" and t.state.global_step == 8:
+            (run / "checkpoint-4" / "policy" / "adapter_model.safetensors").write_bytes(b"not tensors")
+
+    trainer.hooks.append(damage_the_best)
+    with pytest.warns(UserWarning, match="load_best_model_at_end: the best checkpoint could not be loaded"):
+        trainer.train()
+    final = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert same_weights(policy_of(run / "checkpoint-8"), final)
+    assert "| optimizer steps | 8 |" in (run / "adapter" / "README.md").read_text()
 
 
 def test_a_lower_is_better_metric_and_the_last_steps_adapter_without_load_best(tiny_base_dir, tmp_path):
@@ -102,6 +157,20 @@ def test_a_resumed_run_keeps_the_best_of_the_steps_before(tiny_base_dir, tmp_pat
     assert "the final adapter is the best checkpoint's policy: checkpoint-4 (eval/planned 0.9 at step 4)" in (
         capsys.readouterr().out
     )
+
+
+def test_resuming_a_finished_run_without_its_adapter_writes_the_best_checkpoints(tiny_base_dir, tmp_path):
+    planned_run(tiny_base_dir, tmp_path, load_best_model_at_end=True).train()
+    run = tmp_path / "run"
+    final = run / "adapter" / "adapter_model.safetensors"
+    shutil.rmtree(run / "adapter")  # as when a run failed after its last checkpoint
+    trainer = planned_run(
+        tiny_base_dir, tmp_path, resume_from_checkpoint="latest", load_best_model_at_end=True
+    )
+    trainer.train()
+    assert trainer.saves == []  # nothing trained or saved
+    assert same_weights(policy_of(run / "checkpoint-4"), load_file(str(final)))
+    assert same_weights(adapter_state(trainer.model, POLICY), policy_of(run / "checkpoint-4"))
 
 
 def test_a_resume_finds_the_best_checkpoint_under_the_runs_directory_or_says_it_is_gone(tmp_path):
@@ -149,7 +218,7 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path):
     assert names() == ["checkpoint-8"]
 
 
-def test_best_model_settings_that_cannot_work_are_refused_before_the_model_loads(tiny_base_dir, tmp_path):
+def test_best_model_settings_that_cannot_work_are_refused_when_the_trainer_is_built(tiny_base_dir, tmp_path):
     with pytest.raises(ConfigError, match="load_best_model_at_end=true needs metric_for_best_model"):
         make_trainer(tiny_base_dir, tmp_path, load_best_model_at_end=True)
     with pytest.raises(ConfigError, match="metric_for_best_model='planned' .* there are no eval prompts"):
@@ -166,3 +235,15 @@ def test_best_model_settings_that_cannot_work_are_refused_before_the_model_loads
         eval_dataset={"easy": PROMPTS[:2], "hard": PROMPTS[2:4]},
     )
     assert "eval/easy/reward" in trainer.eval_metric_names()
+
+
+def test_two_processes_take_the_same_best_and_save_it_together(tiny_base_dir, tmp_path):
+    run_torchrun(TWO_PROCESSES, tmp_path, tiny_base_dir, tmp_path)
+    seen = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen[0] == seen[1]  # every save is a collective: each process decided it alike
+    assert seen[0]["saves"] == [2, 4, 8] and seen[0]["best"]["checkpoint"] == "checkpoint-4"
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    assert same_weights(
+        policy_of(run / "checkpoint-4"), load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    )

@@ -754,8 +754,16 @@ def test_num_generations_eval_samples_that_many_completions_per_eval_prompt(tiny
 PLAN = {2: 0.5, 4: 0.9, 6: 0.3}
 
 
-def planned(completions, trainer_state, **kwargs):
-    return [PLAN.get(trainer_state.global_step, 0.0)] * len(completions)
+def planned_by(plan: dict):
+    """The reward function `planned` of a plan {step: score}."""
+
+    def planned(completions, trainer_state, **kwargs):
+        return [plan.get(trainer_state.global_step, 0.0)] * len(completions)
+
+    return planned
+
+
+planned = planned_by(PLAN)
 
 
 BEST_RUN = ARGS.replace("save_strategy='no', ", "") + (
@@ -840,6 +848,54 @@ def test_save_strategy_best_saves_at_each_new_best(tiny_base_dir, tmp_path, libr
         "checkpoint-4",
     }
     assert scope["trainer"].state.best_model_checkpoint == str(tmp_path / "run" / "checkpoint-4")
+
+
+# (the flow's evals: every 2 steps of 6, or at the end of each of 2 epochs of 8 steps)
+LAST_IS_BEST = {
+    "steps": ("max_steps=6, eval_strategy='steps', eval_steps=2", 16, {2: 0.5, 4: 0.7, 6: 0.9}, [2, 4, 6]),
+    "epoch": ("num_train_epochs=2, eval_strategy='epoch'", 8, {8: 0.3, 16: 0.9}, [8, 16]),
+}
+
+
+@pytest.mark.parametrize("strategy", list(LAST_IS_BEST))
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_new_best_at_the_last_eval_is_saved_with_on_save(tiny_base_dir, tmp_path, library, strategy):
+    schedule, rows, plan, saves = LAST_IS_BEST[strategy]
+    seen = []
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS.replace("save_strategy='no', ", "")}, {schedule},
+                          per_device_eval_batch_size=4, metric_for_best_model="reward", save_strategy="best",
+                          reward_weights=[1.0, 0.01])
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=[planned, length_reward], args=args,
+                              train_dataset=dataset({rows}), eval_dataset=dataset(4, start=16), callbacks=[SAVES])
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+        planned=planned_by(plan),
+        SAVES=saves_seen(seen),
+    )
+    assert seen == saves
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_best_model_metric_without_eval_prompts_tracks_nothing_and_trains(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, metric_for_best_model="reward")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+    )
+    state = scope["trainer"].state
+    assert state.global_step == 2 and state.best_metric is None and state.best_model_checkpoint is None
 
 
 @pytest.mark.parametrize("library", LIBRARIES)

@@ -188,6 +188,6 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def sync_count(log_history: list[dict[str, Any]]) -> int:
-    """The reference syncs a run's records hold."""
-    return sum(1 for record in log_history if record.get("sync/event"))
+def sync_count(log_history: list[dict[str, Any]], upto: int | None = None) -> int:
+    """The reference syncs a run's records hold (one record a step: of the first `upto` steps, when given)."""
+    return sum(1 for record in log_history[:upto] if record.get("sync/event"))

@@ -14,7 +14,6 @@ import logging
 from collections.abc import Mapping
 
 from ..algo.loss_types import LOSS_TYPES, trl_sequence_level_warning
-from .translate import _value
 
 logger = logging.getLogger(__name__)
 
@@ -305,13 +304,17 @@ def refuse_as_trl(
                 "prompt from `reset()`), `max_steps` must be set to a positive value to define the training "
                 "length. Set it via `GRPOConfig(max_steps=...)`."
             )
-    if _value(args.eval_strategy) not in (None, "no") and eval_dataset is None:
+    strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+    if strategy not in (None, "no") and eval_dataset is None:
         raise ValueError(
             f"You have set `args.eval_strategy` to {args.eval_strategy} but you didn't pass an "
             "`eval_dataset` to `Trainer`. Either set `args.eval_strategy` to `no` or pass an "
             "`eval_dataset`. "
         )
-    if _value(args.save_strategy) == "best" and args.metric_for_best_model is None:
+    if (
+        getattr(args.save_strategy, "value", args.save_strategy) == "best"
+        and args.metric_for_best_model is None
+    ):
         raise ValueError(
             "`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
             "`args.load_best_model_at_end` is set to `True`. Name the eval metric that picks the best checkpoint, "

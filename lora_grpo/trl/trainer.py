@@ -199,7 +199,9 @@ class GRPOTrainer:
             train_dataset = environment_prompts(train_dataset)
             eval_dataset = environment_prompts(eval_dataset)
         world = getattr(args, "world_size", 1) or 1
-        set_names = list(eval_dataset) if isinstance(eval_dataset, dict) else []
+        set_names = (
+            None if eval_dataset is None else list(eval_dataset) if isinstance(eval_dataset, dict) else []
+        )
         model_fields, build = build_model(model, args, quantization_config, peft_config, processing_class)
         config = to_native(
             args,
@@ -224,7 +226,7 @@ class GRPOTrainer:
                 **extra,
             )
         except UnknownMetric as error:  # in transformers' sentence and the front door's names
-            message = unknown_metric(args.metric_for_best_model, error.known, set_names)
+            message = unknown_metric(args.metric_for_best_model, error.known, set_names or ())
             raise ConfigError(message, field="metric_for_best_model") from None
         self.model, self.processing_class = self.native.model, tokenizer
         self.accelerator = self.native.accelerator

@@ -479,12 +479,19 @@ def _is_default_accelerator_config(value) -> bool:
 
 
 def to_native(
-    args, *, model_name_or_path: str, world_size: int = 1, eval_set_names: Sequence[str] = (), **native: Any
+    args,
+    *,
+    model_name_or_path: str,
+    world_size: int = 1,
+    eval_set_names: Sequence[str] | None = (),
+    **native: Any,
 ) -> NativeConfig:
     """The native GRPOConfig a TRL GRPOConfig (ours, or TRL's own: read by field name) stands for.
 
-    `eval_set_names`: the names of a dict of eval sets (metric_for_best_model may name one's metric). `native`:
-    fields the front door fills from the trainer's arguments (lora_*, quantization, init_adapter...).
+    `eval_set_names`: the names of a dict of eval sets (metric_for_best_model may name one's metric), () for one
+    unnamed set, None for no eval prompts (then no eval runs, and metric_for_best_model is left unset: transformers
+    tracks no best without evals). `native`: fields the front door fills from the trainer's arguments (lora_*,
+    quantization, init_adapter...).
     Raises ConfigError for a refused field, or batch sizes lora_grpo cannot split into whole groups.
     """
     check_refused(args)
@@ -604,7 +611,9 @@ def to_native(
             **_sampled_eval(args.num_generations_eval),
             "save_total_limit": args.save_total_limit or 0,
             # the best checkpoint: each new best is saved, as save_strategy='best' saves (run/best.py)
-            "metric_for_best_model": best_metric(args.metric_for_best_model, eval_set_names),
+            "metric_for_best_model": None
+            if eval_set_names is None
+            else best_metric(args.metric_for_best_model, eval_set_names),
             "greater_is_better": True if args.greater_is_better is None else bool(args.greater_is_better),
             "load_best_model_at_end": bool(args.load_best_model_at_end),
             # trackers are transformers' callbacks on TRL's records (trl.trainer), not lora_grpo's own
@@ -634,7 +643,8 @@ def best_metric(name: str | None, set_names: Sequence[str] = ()) -> str | None:
     metric = name.removeprefix("eval_")
     if metric == "loss":
         raise ConfigError(
-            f"metric_for_best_model={name!r} (transformers' default with load_best_model_at_end): lora_grpo's "
+            f"metric_for_best_model={name!r} (transformers' default with load_best_model_at_end, when none is named): "
+            "lora_grpo's "
             "evaluate() reports no eval_loss (it scores a greedy completion per eval prompt with the reward "
             "functions): set metric_for_best_model='reward' (their weighted sum), a reward function's name, or "
             "'pass@1' with num_generations_eval"
