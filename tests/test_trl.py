@@ -1049,3 +1049,72 @@ def test_fp16_on_a_gpu_gives_way_to_a_dtype_the_script_names(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     fields, _ = build_model(tiny_base_dir, args, quantization, None, None)
     assert fields["torch_dtype"] == dtype
+
+
+# ------------------------------------------------------------------------------ what lora_grpo.trl cannot act on
+def _lora_trainer(tiny_base_dir, tmp_path, **fields):
+    from peft import LoraConfig
+
+    from lora_grpo.trl import GRPOTrainer
+
+    args = OurConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        save_strategy="no",
+        report_to="none",
+        **fields,
+    )
+    return GRPOTrainer(
+        model=tiny_base_dir,
+        reward_funcs=_length_reward,
+        args=args,
+        train_dataset=_dataset(8),
+        peft_config=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"),
+    )
+
+
+def test_a_setting_changed_on_trainer_args_after_the_trainer_is_built_is_refused_by_name(
+    tiny_base_dir, tmp_path
+):
+    trainer = _lora_trainer(tiny_base_dir, tmp_path, learning_rate=1e-2)
+    trainer.args.max_steps, trainer.args.learning_rate = 3, 5e-3
+    trainer.args.logging_steps = 2  # the flow: read again, as in TRL
+    with pytest.raises(
+        ConfigError, match=r"trainer.args changed .*: max_steps 2 → 3, learning_rate 0.01 → 0.005\. "
+    ):
+        trainer.train()
+    assert trainer.state.global_step == 0  # nothing trained
+    trainer.args.max_steps, trainer.args.learning_rate = 2, 1e-2
+    assert trainer.train().global_step == 2
+
+
+def test_what_a_script_cannot_assign_or_call_here_says_what_to_do_instead(tiny_base_dir, tmp_path):
+    trainer = _lora_trainer(tiny_base_dir, tmp_path)
+    for name in ("train_dataset", "eval_dataset", "optimizer", "lr_scheduler"):
+        with pytest.raises(
+            AttributeError, match=rf"trainer.{name} = \.\.\.: lora_grpo builds the run's {name}"
+        ):
+            setattr(trainer, name, None)
+    with pytest.raises(
+        AttributeError, match="get_train_dataloader: not in lora_grpo.trl; lora_grpo has no DataLoader"
+    ):
+        trainer.get_train_dataloader()
+    with pytest.raises(AttributeError, match="'GRPOTrainer' object has no attribute 'no_such_thing'"):
+        trainer.no_such_thing  # noqa: B018 - the attribute access is the test
+    assert not hasattr(trainer, "no_such_thing")
+
+
+def test_training_another_adapter_than_the_policy_is_refused(tiny_base_dir, tmp_path):
+    from peft import LoraConfig
+
+    trainer = _lora_trainer(tiny_base_dir, tmp_path)
+    trainer.model.add_adapter("other", LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+    trainer.model.set_adapter("other")
+    with pytest.raises(
+        ConfigError, match="active adapter is 'other' .* trainer.model.set_adapter\\('default'\\)"
+    ):
+        trainer.train()

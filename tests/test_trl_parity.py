@@ -1978,13 +1978,71 @@ def test_what_trl_users_read_off_the_trainer(tiny_base_dir, tmp_path, library):
     assert keep.tolist() == [[1.0], [1.0], [0.0]]
 
 
+# ------------------------------------------------------------------------------ what scripts read off the trainer
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_trls_own_log_completions_callback_generates_with_the_trainers_model(
+    tiny_base_dir, tmp_path, library
+):
+    scope = run(
+        library,
+        f"""
+        from peft import LoraConfig
+        from transformers import GenerationConfig
+        from trl import GRPOConfig, GRPOTrainer
+        from trl.trainer.callbacks import LogCompletionsCallback
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, beta=0.04, epsilon_high=0.28)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8),
+                              eval_dataset=dataset(2, start=16),
+                              peft_config=LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+        completions = LogCompletionsCallback(trainer, GenerationConfig(max_new_tokens=3, do_sample=False), freq=1)
+        trainer.add_callback(completions)
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+    )
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 2
+    assert len(scope["completions"].table) == 4  # its 2 eval prompts' completions at each of the 2 steps
+    # what TRL's trainer copies from its arguments, and transformers' process checks
+    assert (trainer.num_generations, trainer.beta, trainer.epsilon_low, trainer.epsilon_high) == (
+        4,
+        0.04,
+        0.2,
+        0.28,
+    )
+    assert (trainer.max_completion_length, trainer.temperature, trainer.loss_type) == (4, 1.0, "dapo")
+    assert trainer.reward_weights.tolist() == [1.0] and trainer.num_generations_eval == 4
+    assert trainer.is_local_process_zero() and trainer.is_world_process_zero()
+    assert trainer._get_learning_rate() == trainer.lr_scheduler.get_last_lr()[0]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_flow_set_on_trainer_args_before_train_is_the_one_that_acts(tiny_base_dir, tmp_path, library):
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=4, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
+        trainer.args.logging_steps = 2
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+    )
+    history = scope["trainer"].state.log_history
+    assert [r["step"] for r in history if "loss" in r and "train_loss" not in r] == [2, 4]
+
+
 # ------------------------------------------------------------------------------ peft's own API on trainer.model
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_peft_sees_the_trained_policy_as_the_default_adapter(tiny_base_dir, tmp_path, library, beta):
     """What a script does with trainer.model through peft itself: save_pretrained(dir) writes the trained adapter at
     dir's root (PeftModel.from_pretrained loads it), get_peft_model_state_dict returns it, merge_and_unload merges
-    it. (With a KL term both libraries also hold a frozen reference adapter, saved in a subdirectory.)"""
+    it. (lora_grpo also holds its frozen reference slot, saved in a subdirectory; TRL's reference, with a KL term, is
+    the base with the adapter disabled.)"""
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 

@@ -14,10 +14,12 @@ update, log_history holds TRL-named records); the native loop's own state is `tr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,13 +46,57 @@ from ..run.reporting import table_of, tracker_names
 from ..run.run_dir import not_a_runs
 from ..trainer import GRPOTrainer as NativeTrainer
 from .checks import refuse_as_trl, warn_as_trl
-from .config import GRPOConfig
+from .config import EXTENSIONS, GRPOConfig
 from .inputs import environment_prompts, eval_sets, placeholder_prompts
 from .models import build_model, reward_models
 from .overrides import refuse_loop_overrides
-from .translate import _as_dict, resolved_steps, to_native, unknown_metric
+from .translate import FIELDS, _as_dict, resolved_steps, to_native, unknown_metric
 
 logger = logging.getLogger(__name__)
+
+_NO_LOADER = "lora_grpo has no DataLoader: its loop draws the prompts of trainer.train_dataset itself"
+_OWN_LOOP = "lora_grpo's loop computes the GRPO loss itself (lora_grpo.algo.loss); a subclass overriding it is refused"
+# transformers' Trainer methods lora_grpo.trl lacks, with what to use (GRPOTrainer.__getattr__)
+NOT_HERE = {
+    "get_train_dataloader": _NO_LOADER,
+    "get_eval_dataloader": _NO_LOADER + "; evaluate() reads the eval prompts",
+    "get_test_dataloader": _NO_LOADER + "; evaluate(eval_dataset=...) reads any prompts",
+    "create_optimizer": "the optimizer is built with the trainer: trainer.optimizer (GRPOConfig's optim)",
+    "create_scheduler": "the schedule is built with the trainer: trainer.lr_scheduler (GRPOConfig's lr_scheduler_type)",
+    "create_optimizer_and_scheduler": "both are built with the trainer: trainer.optimizer, trainer.lr_scheduler",
+    "compute_loss": _OWN_LOOP,
+    "training_step": _OWN_LOOP,
+    "prediction_step": _OWN_LOOP,
+    "predict": "use trainer.evaluate(eval_dataset=...): greedy completions scored by the reward functions",
+    "hyperparameter_search": "build one GRPOTrainer per trial",
+}
+
+# TRL 1.16's GRPOTrainer attributes that are its arguments as given (grpo_trainer.py's __init__)
+TRL_ARGUMENT_ATTRIBUTES = (
+    "max_completion_length",
+    "num_generations",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "pad_to_multiple_of",
+    "use_vllm",
+    "vllm_mode",
+    "loss_type",
+    "multi_objective_aggregation",
+    "scale_rewards",
+    "importance_sampling_level",
+    "off_policy_mask_threshold",
+    "mask_truncated_completions",
+    "top_entropy_quantile",
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "num_iterations",
+    "beta",
+    "log_completions",
+    "num_completions_to_print",
+)
 
 # Our metric names → TRL 1.16's; others (sync/*, time/*, ...) are logged under our names beside them.
 TRL_NAMES = {
@@ -77,6 +123,22 @@ _LAST = (
     "num_tokens",
     "loss_scale",
 )
+
+
+def _not_assignable(name: str, instead: str) -> None:
+    raise AttributeError(
+        f"trainer.{name} = ...: lora_grpo builds the run's {name} when the GRPOTrainer is built, and TRL's next "
+        f"train() would read the new one; here it would not act: {instead}"
+    )
+
+
+def _same(now, before) -> bool:
+    """Whether a GRPOConfig value is unchanged (an enum as its value; a value that does not compare as a bool is
+    unchanged only if it is the same object)."""
+    try:
+        return bool(getattr(now, "value", now) == getattr(before, "value", before))
+    except Exception:  # noqa: BLE001 - an array-like's comparison
+        return now is before
 
 
 def trl_record(records: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -229,7 +291,11 @@ class GRPOTrainer:
             message = unknown_metric(args.metric_for_best_model, error.known, set_names or ())
             raise ConfigError(message, field="metric_for_best_model") from None
         self.model, self.processing_class = self.native.model, tokenizer
+        # transformers' Trainer's model_wrapped (TRL's LogCompletionsCallback generates with it): no DDP or DeepSpeed
+        # wrapper here, so the model itself, as transformers sets it for an unwrapped model
+        self.model_wrapped = self.model
         self.accelerator = self.native.accelerator
+        self.is_deepspeed_enabled = self.is_fsdp_enabled = False
         # TRL's public attributes: no separate reference model with PEFT (the reference slot is an adapter of
         # self.model); reward models as the loaded models, with their tokenizers; names as TRL logs them.
         self.ref_model = None
@@ -238,6 +304,7 @@ class GRPOTrainer:
             f.tokenizer if isinstance(f, RewardModel) else None for f in self.native.reward_funcs
         ]
         self.reward_func_names = list(self.native.reward_names)
+        self._copy_trl_arguments(args)
         self.state = self._new_state()
         self.control = TrainerControl()
         # as transformers' Trainer: the flow, the trackers report_to names (TRL's records, at its logging steps),
@@ -274,7 +341,26 @@ class GRPOTrainer:
         self.hub_model_id, self._hub = None, None
         if args.push_to_hub:
             self.init_hf_repo()
+        # what _refuse_changed_args compares trainer.args with
+        self._args_at_init = {
+            name: copy.deepcopy(getattr(args, name)) for name in [*FIELDS, *EXTENSIONS] if hasattr(args, name)
+        }
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    def _copy_trl_arguments(self, args) -> None:
+        """The attributes TRL's GRPOTrainer copies from its arguments when it is built (callbacks and scripts read
+        trainer.num_generations, trainer.beta, ...), with TRL's fallbacks."""
+        for name in TRL_ARGUMENT_ATTRIBUTES:
+            setattr(self, name, getattr(args, name))
+        self.max_tool_calling_iterations = (
+            sys.maxsize if args.max_tool_calling_iterations is None else args.max_tool_calling_iterations
+        )
+        self.num_generations_eval = args.num_generations_eval or args.num_generations
+        self.chat_template_kwargs = args.chat_template_kwargs or {}
+        self.epsilon_low = args.epsilon
+        self.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        weights = args.reward_weights or [1.0] * len(self.reward_funcs)
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
 
     # ------------------------------------------------------------------ TRL's public methods
     def train(self, resume_from_checkpoint: str | bool | None = None, **_ignored) -> TrainOutput:
@@ -282,8 +368,19 @@ class GRPOTrainer:
         (for this call only, as in TRL). The closing record holds transformers' train_* figures and, as TRL's
         log() merges them, the metrics of the steps after the last logging step."""
         native = self.native
+        self._refuse_changed_args()
+        if self.model.active_adapter != POLICY:
+            raise ConfigError(
+                f"trainer.model's active adapter is {self.model.active_adapter!r} (set_adapter): lora_grpo trains the "
+                f"policy adapter it built, {POLICY!r}, whose weights its optimizer holds; call "
+                f"trainer.model.set_adapter({POLICY!r}) before train(), or build the GRPOTrainer on a model whose "
+                "active adapter is the one to train"
+            )
         if native.state.global_step and not resume_from_checkpoint:
             self._start_again()
+        # as transformers' train() reads them: the flow's steps from the args as they are now
+        state = self.state
+        state.logging_steps, state.eval_steps, state.save_steps = self._flow_steps()
         # True: the newest checkpoint in output_dir, as transformers (run.checkpoint.resolve_checkpoint)
         native.config.resume_from_checkpoint = (
             None
@@ -351,6 +448,32 @@ class GRPOTrainer:
         state.best_metric, state.best_global_step = native_state.best_metric, native_state.best_global_step
         state.best_model_checkpoint = native_state.best_model_checkpoint
 
+    def _flow_steps(self) -> tuple[int, int, int]:
+        """The TrainerState's logging, eval and save steps from the args (DefaultFlowCallback reads them there).
+        (TrainingArguments sets eval_steps to logging_steps when it evaluates every N steps.)"""
+        args, total = self.args, self.native.total_steps
+        steps = (args.logging_steps, args.eval_steps, args.save_steps)
+        return tuple(resolved_steps(value, total, 500) for value in steps)
+
+    def _refuse_changed_args(self) -> None:
+        """ConfigError naming each GRPOConfig field that acts through the native config (translate.FIELDS' mapped,
+        refused, and lora_grpo's EXTENSIONS) and was changed on trainer.args since the trainer was built: TRL reads
+        many of them again in train(), lora_grpo built its adapters, optimizer, schedule and data from them. The flow
+        (logging, eval and save steps and strategies) is read again, as in TRL."""
+        changed = [
+            f"{name} {before!r} → {getattr(self.args, name)!r}"
+            for name, before in self._args_at_init.items()
+            if not _same(getattr(self.args, name), before)
+            and (name in EXTENSIONS or FIELDS[name].how in ("mapped", "refused"))
+        ]
+        if changed:
+            raise ConfigError(
+                f"trainer.args changed after the GRPOTrainer was built: {', '.join(changed)}. lora_grpo builds the "
+                "run (its adapters, optimizer, learning-rate schedule, batches and sampling) from GRPOConfig when the "
+                "trainer is built, so these would not act: build the GRPOTrainer again with the changed GRPOConfig "
+                "(trainer.args)"
+            )
+
     def _checkpoint_state(self) -> dict[str, Any]:
         """A checkpoint's trainer_state.json: the TRL state, with the states of the control and of each
         ExportableState callback in its stateful_callbacks (several of one class: a list), as transformers'
@@ -368,13 +491,13 @@ class GRPOTrainer:
     def _new_state(self) -> TrainerState:
         """A TrainerState of TRL's meaning at step 0, as transformers' Trainer fills it."""
         args, total = self.args, self.native.total_steps
+        logging_steps, eval_steps, save_steps = self._flow_steps()
         return TrainerState(
             max_steps=total,
             num_train_epochs=math.ceil(total / self.native.steps_per_epoch),
-            logging_steps=resolved_steps(args.logging_steps, total, 500),
-            # (TrainingArguments sets eval_steps to logging_steps when it evaluates every N steps)
-            eval_steps=resolved_steps(args.eval_steps, total, 500),
-            save_steps=resolved_steps(args.save_steps, total, 500),
+            logging_steps=logging_steps,
+            eval_steps=eval_steps,
+            save_steps=save_steps,
             train_batch_size=args.per_device_train_batch_size,
             total_flos=0.0,  # as TRL's: its inputs have no input_ids for transformers to count from
             is_local_process_zero=self.accelerator.is_local_main_process,
@@ -562,6 +685,13 @@ class GRPOTrainer:
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process
 
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process
+
+    def _get_learning_rate(self) -> float:
+        """The schedule's current learning rate, as transformers' Trainer (callbacks call it)."""
+        return self.lr_scheduler.get_last_lr()[0]
+
     # transformers' Trainer methods for scripts, bound as transformers' Trainer binds them (open-r1's script calls
     # log_metrics, save_metrics and save_state after train(): {split}_results.json, all_results.json and
     # trainer_state.json in output_dir, on the main process)
@@ -578,17 +708,46 @@ class GRPOTrainer:
         """The policy adapter's optimizer (TRL's trainer.optimizer)."""
         return self.native.optimizer
 
+    @optimizer.setter
+    def optimizer(self, value) -> None:
+        _not_assignable("optimizer", "set optim, learning_rate and the adam_* fields in GRPOConfig")
+
     @property
     def lr_scheduler(self):
         return self.native.scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, value) -> None:
+        _not_assignable(
+            "lr_scheduler", "set lr_scheduler_type, warmup_steps and lr_scheduler_kwargs in GRPOConfig"
+        )
 
     @property
     def train_dataset(self):
         return self.native.train_dataset
 
+    @train_dataset.setter
+    def train_dataset(self, value) -> None:
+        _not_assignable(
+            "train_dataset", "build a GRPOTrainer with train_dataset=... (from trainer.model to go on)"
+        )
+
     @property
     def eval_dataset(self):
         return self.native.eval_dataset
+
+    @eval_dataset.setter
+    def eval_dataset(self, value) -> None:
+        _not_assignable(
+            "eval_dataset", "pass it to trainer.evaluate(eval_dataset=...), or build the GRPOTrainer with it"
+        )
+
+    def __getattr__(self, name: str):
+        """transformers' Trainer methods of a DataLoader loop, which lora_grpo's loop does not have: an AttributeError
+        that says what to use instead (any other missing name: Python's own)."""
+        if name in NOT_HERE:
+            raise AttributeError(f"GRPOTrainer.{name}: not in lora_grpo.trl; {NOT_HERE[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def get_high_entropy_mask(
         self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float
