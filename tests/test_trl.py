@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import PROMPTS
 
 from lora_grpo.config import ConfigError
@@ -57,10 +58,8 @@ def test_the_guide_counts_each_fate_as_the_table_has_it():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("use_vllm", True),
         ("trackio_space_id", "me/dashboard"),
         ("torch_compile", True),
-        ("use_liger_kernel", True),
         ("neftune_noise_alpha", 5.0),
     ],
 )
@@ -75,6 +74,55 @@ def test_a_refused_field_set_away_from_its_default_names_itself_and_why(
         pytest.skip(f"TrainingArguments refuses {field}={value} here: {e}")
     with pytest.raises(ConfigError, match=re.escape(f"{field}={value!r}: {FIELDS[field].why}")):
         GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
+
+
+def test_a_field_read_only_under_a_switch_is_refused_only_with_the_switch_on():
+    from lora_grpo.trl.translate import check_refused
+
+    switched = {name: f for name, f in FIELDS.items() if f.only_with}
+    assert list(switched) == ["vllm_structured_outputs_regex"]
+    (name, f), value = switched.popitem(), "[0-9]+"
+    check_refused(OurConfig(output_dir="x", use_cpu=True, **{name: value}))  # use_vllm off: nothing to refuse
+    with pytest.raises(ConfigError, match=re.escape(f"{name}={value!r}: {f.why}")):
+        check_refused(OurConfig(output_dir="x", use_cpu=True, **{name: value, f.only_with: True}))
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"use_vllm": True, "vllm_mode": "server"},
+        {"use_transformers_continuous_batching": True},
+        {"use_liger_kernel": True, "liger_kernel_config": {"rms_norm": True}},
+    ],
+)
+def test_a_script_asking_for_another_generation_engine_trains_the_same_run_and_is_told(
+    tiny_base_dir, tmp_path, caplog, engine
+):
+    """lora_grpo's sampler stands in for vLLM and transformers' continuous batching, transformers' layers for Liger's
+    kernels: one warning, the same records and adapter as the script without them (same seed)."""
+    import logging
+
+    from lora_grpo.trl import GRPOTrainer
+
+    def trained(out, **settings):
+        args = OurConfig(output_dir=out, use_cpu=True, max_steps=2, logging_steps=1, beta=0.04, **settings)
+        trainer = GRPOTrainer(
+            model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8)
+        )
+        trainer.train()
+        weights = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_" in k}
+        return [(r["loss"], r["reward"], r["kl"]) for r in trainer.state.log_history if "kl" in r], weights
+
+    with caplog.at_level(logging.WARNING):
+        records, weights = trained(str(tmp_path / "engine"), **engine)
+    switch = next(iter(engine))
+    told = [m for m in caplog.messages if m.startswith(f"{switch}=True: lora_grpo ")]
+    assert len(told) == 1 and told[0].endswith(f"Set {switch}=False to silence this.")
+    plain_records, plain_weights = trained(str(tmp_path / "plain"))
+    assert len(records) == 2 and records == plain_records
+    assert weights.keys() == plain_weights.keys() and all(
+        torch.equal(weights[k], plain_weights[k]) for k in weights
+    )
 
 
 def test_trls_best_model_metric_names_are_the_native_eval_metrics():

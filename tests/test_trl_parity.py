@@ -596,6 +596,76 @@ def test_label_smoothing_changes_nothing_in_a_grpo_run(tiny_base_dir, tmp_path, 
     assert len(plain) == 2 and losses(0.1) == plain
 
 
+# what TRL reads only under a switch that is off (open-r1's recipes set vllm_gpu_memory_utilization with use_vllm off)
+SWITCHED_OFF = (
+    "vllm_mode='server', vllm_server_host='10.0.0.1', vllm_gpu_memory_utilization=0.7, vllm_max_model_length=2048, "
+    "vllm_enable_sleep_mode=True, vllm_structured_outputs_regex='[0-9]+', liger_kernel_config={'rms_norm': True}, "
+    "transformers_continuous_batching_config={'max_memory_percent': 0.3}"
+)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_settings_of_an_engine_that_is_off_change_nothing(tiny_base_dir, tmp_path, library):
+    """The vllm_*, liger and continuous-batching settings with their switches off: the run is the plain run's."""
+
+    def records(settings):
+        scope = run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, beta=0.04, {settings})
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
+            trainer.train()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / library / str(len(settings))),
+        )
+        return [(r["loss"], r["reward"], r["kl"]) for r in scope["trainer"].state.log_history if "kl" in r]
+
+    plain = records("seed=42")
+    assert len(plain) == 2 and records(SWITCHED_OFF) == plain
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_vespo_with_use_vllm_needs_a_token_level_correction_in_trls_words(tiny_base_dir, tmp_path, library):
+    with pytest.raises(
+        ValueError, match=re.escape("VESPO loss requires `vllm_importance_sampling_mode` to be")
+    ):
+        run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {ARGS}, use_vllm=True, loss_type="vespo")
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / "run"),
+        )
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_ligers_fused_cross_entropy_is_refused_in_trls_words_after_its_deprecation(
+    tiny_base_dir, tmp_path, library
+):
+    with (
+        pytest.warns(FutureWarning, match=re.escape("`use_liger_kernel=True` is deprecated")),
+        pytest.raises(
+            ValueError, match=re.escape('`liger_kernel_config={"fused_linear_cross_entropy": True}` is not')
+        ),
+    ):
+        run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {ARGS}, use_liger_kernel=True,
+                              liger_kernel_config={{"fused_linear_cross_entropy": True}})
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / "run"),
+        )
+
+
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_fp16_on_a_cpu_trains_in_float32_as_without_it(tiny_base_dir, tmp_path, library):
     """accelerate neither autocasts to float16 nor scales the loss on a CPU: TRL's fp16=True run there is

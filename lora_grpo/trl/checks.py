@@ -11,6 +11,7 @@ installed source and finds each of its messages in this list.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 
 from ..algo.loss_types import LOSS_TYPES, trl_sequence_level_warning
@@ -25,7 +26,7 @@ TRL_CHECKS: list[tuple[str, str, str]] = [
     (
         "config",
         "`use_transformers_paged` is deprecated",
-        SAME + " (then refused: continuous batching is not used here)",
+        SAME + " (then stand_ins: lora_grpo's own sampler stands in for continuous batching)",
     ),
     (
         "config",
@@ -69,7 +70,7 @@ TRL_CHECKS: list[tuple[str, str, str]] = [
     (
         "trainer",
         "`use_transformers_continuous_batching` does not support multimodal models",
-        "use_transformers_continuous_batching is refused by name",
+        "does not apply: a ProcessorMixin (multimodal) is refused whatever the engine: lora_grpo trains text models",
     ),
     (
         "trainer",
@@ -145,7 +146,7 @@ TRL_CHECKS: list[tuple[str, str, str]] = [
     (
         "trainer",
         "Using `use_transformers_continuous_batching` requires transformers>=5.8.0",
-        "use_transformers_continuous_batching is refused by name",
+        "does not apply: lora_grpo's own sampler stands in for continuous batching (stand_ins)",
     ),
     ("trainer", "`router_aux_loss_coef` is set to", "router_aux_loss_coef is refused by name"),
     ("trainer", "Applying a PEFT adapter to `lm_head` is not supported", SAME + " (check_lora)"),
@@ -173,7 +174,7 @@ TRL_CHECKS: list[tuple[str, str, str]] = [
     (
         "trainer",
         "VESPO loss requires `vllm_importance_sampling_mode`",
-        "does not apply: use_vllm is refused by name",
+        SAME + " (with use_vllm, which lora_grpo's own sampler stands in for: stand_ins)",
     ),
     (
         "trainer",
@@ -185,13 +186,13 @@ TRL_CHECKS: list[tuple[str, str, str]] = [
         "`cast_lm_head_to_fp32=True` is not supported when the lm_head carries a PEFT adapter",
         "does not apply: an adapter on lm_head is refused (check_lora)",
     ),
-    ("trainer", "`use_liger_kernel=True` is deprecated", "use_liger_kernel is refused by name"),
     (
         "trainer",
-        '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported',
-        "liger_kernel_config is refused by name",
+        "`use_liger_kernel=True` is deprecated",
+        SAME + " (then stand_ins: no Liger kernels are applied)",
     ),
-    ("trainer", "The vLLM server runs with `--logprobs-mode", "does not apply: use_vllm is refused by name"),
+    ("trainer", '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported', SAME),
+    ("trainer", "The vLLM server runs with `--logprobs-mode", "does not apply: no vLLM server is contacted"),
     ("trainer", "You passed `sync_ref_model=True` while `beta=0.0`", SAME),
     (
         "trainer",
@@ -320,6 +321,17 @@ def refuse_as_trl(
             "`args.load_best_model_at_end` is set to `True`. Name the eval metric that picks the best checkpoint, "
             "e.g. metric_for_best_model='reward'."
         )
+    if (
+        args.loss_type == "vespo"
+        and args.use_vllm
+        and args.vllm_importance_sampling_correction
+        and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+    ):
+        raise ValueError(
+            "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
+            f"Got: {args.vllm_importance_sampling_mode}. (lora_grpo samples with its own sampler, so the correction "
+            "does not act here: set the mode TRL asks for, or use_vllm=False.)"
+        )
     if args.sync_ref_model and args.beta == 0.0:
         raise ValueError(
             "You passed `sync_ref_model=True` while `beta=0.0`, which means the reference model is not used "
@@ -329,7 +341,8 @@ def refuse_as_trl(
 
 
 def warn_as_trl(args, *, model, quantization_config) -> None:
-    """Warn what TRL 1.16's GRPOTrainer.__init__ warns about for these arguments (logger warnings, as TRL)."""
+    """Warn what TRL 1.16's GRPOTrainer.__init__ warns about for these arguments (logger warnings, as TRL; Liger's
+    deprecation is a FutureWarning, followed by the error TRL raises right after it)."""
     if not isinstance(model, str):
         if args.model_init_kwargs is not None:
             logger.warning(
@@ -340,6 +353,20 @@ def warn_as_trl(args, *, model, quantization_config) -> None:
             logger.warning(
                 "You passed `quantization_config` to the trainer, but your model is already instantiated. The "
                 "`quantization_config` will be ignored."
+            )
+    if args.use_liger_kernel:  # then the error TRL raises right after this warning
+        warnings.warn(
+            "`use_liger_kernel=True` is deprecated and will be removed in v2.0.0. Use the Hub kernels instead, "
+            'with `model_init_kwargs={"use_kernels": True}`.',
+            FutureWarning,
+            stacklevel=3,
+        )
+        liger = args.liger_kernel_config
+        if isinstance(liger, Mapping) and liger.get("fused_linear_cross_entropy"):
+            raise ValueError(
+                '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported: it replaces the '
+                "model's forward, which this trainer patches with a fused LM head. (lora_grpo applies no Liger "
+                "kernels: leave liger_kernel_config unset.)"
             )
     level = args.importance_sampling_level
     entry = LOSS_TYPES.get(args.loss_type)

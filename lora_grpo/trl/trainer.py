@@ -50,7 +50,7 @@ from .config import EXTENSIONS, GRPOConfig
 from .inputs import environment_prompts, eval_sets, placeholder_prompts
 from .models import build_model, reward_models
 from .overrides import refuse_loop_overrides
-from .translate import FIELDS, _as_dict, resolved_steps, to_native, unknown_metric
+from .translate import FIELDS, _as_dict, resolved_steps, stand_ins, to_native, unknown_metric
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +243,8 @@ class GRPOTrainer:
             peft_config=peft_config,
         )
         warn_as_trl(args, model=model, quantization_config=quantization_config)
+        for note in stand_ins(args):
+            logger.warning(note)
         # As TRL (transformers' set_seed before the model is built): the seed decides the LoRA initialisation.
         seed_everything(args.seed)
         if isinstance(model, str):

@@ -32,6 +32,9 @@ from .config import EXTENSIONS, GRPOConfig
 class Field:
     how: str  # mapped | flow | no effect | trainer | refused
     why: str  # the native field(s) it becomes, or the reason
+    # the switch TRL reads this field under (use_vllm, ...): while it is off, the field changes nothing in TRL,
+    # and a refused one is not refused
+    only_with: str = ""
 
 
 def _m(why):
@@ -46,8 +49,8 @@ def _no(why):
     return Field("no effect", why)
 
 
-def _r(why):
-    return Field("refused", why)
+def _r(why, only_with=""):
+    return Field("refused", why, only_with)
 
 
 def _t(why):
@@ -57,6 +60,10 @@ def _t(why):
 NO_LOADER = "lora_grpo has no DataLoader (prompts are drawn by data.PromptBatches)"
 NO_DDP = "lora_grpo averages the LoRA gradients itself (one flat all-reduce), without torch DDP"
 VLLM = "used only with use_vllm, as in TRL"
+OWN_SAMPLER = (
+    "lora_grpo samples with its own prefix-shared sampler on the training model (its decode step compiled on a GPU: "
+    "decode_mode auto)"
+)
 NO_HUB = (
     "lora_grpo pushes the model to the hub (push_to_hub), not its completions or trackers: completions.jsonl in "
     "output_dir holds every completion"
@@ -151,9 +158,17 @@ FIELDS: dict[str, Field] = {
         "eval_num_samples n and eval_pass_k [1, n]: n completions sampled per eval prompt, reported as pass@1 and "
         "pass@n beside the greedy completion's rewards (None: the greedy eval alone)"
     ),
-    "use_transformers_continuous_batching": _r("lora_grpo samples with its own prefix-shared sampler"),
-    "transformers_continuous_batching_config": _r("lora_grpo samples with its own prefix-shared sampler"),
-    "use_transformers_paged": _r("lora_grpo samples with its own prefix-shared sampler"),
+    "use_transformers_continuous_batching": _no(
+        OWN_SAMPLER
+        + ", not transformers' continuous batching: True is said when the trainer is built (stand_ins)"
+    ),
+    "transformers_continuous_batching_config": _no(
+        "used only with use_transformers_continuous_batching, as in TRL; with it, not used either: "
+        + OWN_SAMPLER
+    ),
+    "use_transformers_paged": _no(
+        "TRL's deprecated use_transformers_continuous_batching (True sets it, with TRL's FutureWarning)"
+    ),
     # --- the objective -------------------------------------------------------------------------
     "beta": _m("beta"),
     "epsilon": _m("epsilon_low"),
@@ -265,14 +280,15 @@ FIELDS: dict[str, Field] = {
     "vllm_importance_sampling_clip_max": _no(VLLM),
     "vllm_importance_sampling_clip_min": _no(VLLM),
     "vllm_importance_sampling_cap": _no(VLLM),
+    # the generation engines: lora_grpo samples with its own sampler, whichever is asked for (a script that asks for
+    # one runs, and is told so: stand_ins)
+    "use_vllm": _no(OWN_SAMPLER + ", not vLLM: True is said when the trainer is built (stand_ins)"),
     **{
-        name: _r("lora_grpo samples with the training model, not vLLM (use_vllm=False)")
+        name: _no(VLLM + "; with it, not used either: " + OWN_SAMPLER)
         for name in (
-            "use_vllm",
             "vllm_mode",
             "vllm_model_impl",
             "vllm_enable_sleep_mode",
-            "vllm_structured_outputs_regex",
             "vllm_server_base_url",
             "vllm_server_host",
             "vllm_server_port",
@@ -283,6 +299,10 @@ FIELDS: dict[str, Field] = {
             "vllm_tensor_parallel_size",
         )
     },
+    "vllm_structured_outputs_regex": _r(
+        "lora_grpo's sampler does not constrain completions to a regular expression (vLLM's structured outputs)",
+        only_with="use_vllm",
+    ),
     # the hub push: the front door's GRPOTrainer, as transformers' Trainer (run/hub.py)
     "push_to_hub": _t(
         "creates the repository when the trainer is built; save_model() and push_to_hub() push"
@@ -332,11 +352,13 @@ FIELDS: dict[str, Field] = {
     "torch_compile_mode": _r(
         "the training forward is not compiled (the rollout's decode step is: decode_mode)"
     ),
-    "use_liger_kernel": _r(
-        "lora_grpo computes log-probs in chunks through the LM head itself (algo/logprobs.py)"
+    "use_liger_kernel": _no(
+        "lora_grpo applies no Liger kernels: the model runs transformers' own layers (TRL 1.16 applies Liger's layer "
+        "kernels only, and deprecates it); True is said when the trainer is built (stand_ins)"
     ),
-    "liger_kernel_config": _r(
-        "lora_grpo computes log-probs in chunks through the LM head itself (algo/logprobs.py)"
+    "liger_kernel_config": _no(
+        "used only with use_liger_kernel, as in TRL; with it, not used either ({'fused_linear_cross_entropy': True} "
+        "is refused in TRL's words)"
     ),
     "neftune_noise_alpha": _r("NEFTune noise is not added to embeddings in GRPO"),
     "torch_empty_cache_steps": _flow(
@@ -435,6 +457,7 @@ def check_refused(args) -> None:
         for name, f in FIELDS.items()
         if f.how == "refused"
         and hasattr(args, name)
+        and (not f.only_with or getattr(args, f.only_with, False))
         and not _is_default(name, getattr(args, name), defaults.get(name))
     ]
     if not getattr(args, "average_tokens_across_devices", True):
@@ -453,6 +476,35 @@ def check_refused(args) -> None:
 _EXTRA = {
     "average_tokens_across_devices": "the step's token count always spans every process",
 }
+
+
+def stand_ins(args) -> list[str]:
+    """The warnings for a script that asks for what lora_grpo does its own way (vLLM or transformers' continuous
+    batching for generation: lora_grpo's sampler; Liger's kernels: transformers' layers), one per thing asked."""
+    said = []
+    if getattr(args, "use_vllm", False):
+        said.append(
+            "use_vllm=True: lora_grpo samples with its own prefix-shared sampler on the training model (its decode "
+            "step compiled on a GPU), not vLLM: no vLLM engine is started and no server is contacted, no GPU memory "
+            "is set aside for one (vllm_gpu_memory_utilization: the memory plan sizes the step), and the other "
+            "vllm_* settings are not used. The completions are sampled from the policy itself, so "
+            "vllm_importance_sampling_correction has nothing to correct, and TRL's sampling/* metrics are not "
+            "logged. Set use_vllm=False to silence this."
+        )
+    if getattr(args, "use_transformers_continuous_batching", False):
+        said.append(
+            "use_transformers_continuous_batching=True: lora_grpo samples with its own prefix-shared sampler on the "
+            "training model (its decode step compiled on a GPU), not transformers' continuous batching; "
+            "transformers_continuous_batching_config is not used. Set use_transformers_continuous_batching=False "
+            "to silence this."
+        )
+    if getattr(args, "use_liger_kernel", False):
+        said.append(
+            "use_liger_kernel=True: lora_grpo applies no Liger kernels; the model runs transformers' own layers (the "
+            "memory plan sizes micro-batches and gradient checkpointing to what they need), and log-probs go "
+            "through the LM head in chunks, never the full logits. Set use_liger_kernel=False to silence this."
+        )
+    return said
 
 
 _EMPTY = ("", None, [], {}, ())
