@@ -2,9 +2,9 @@
 Python API.
 
     lora-grpo train toy-addition --set max_steps=20 --set output_dir=runs/try
-    lora-grpo eval runs/try/adapter --recipe toy-addition
+    lora-grpo eval runs/try            # its final adapter, with the run's own config.yaml (or --recipe)
     lora-grpo plot runs/try
-    lora-grpo merge runs/try/adapter --recipe toy-addition --out merged/
+    lora-grpo merge runs/try --out merged/
     lora-grpo export runs/try --gguf try.gguf  # one GGUF file for llama.cpp / ollama / LM Studio
     lora-grpo push runs/try you/try-grpo  # the adapter to the Hugging Face Hub (`hf auth login` first)
     lora-grpo recipes                  # the shipped recipes; `lora-grpo recipes NAME > my.yaml` to copy one
@@ -81,6 +81,29 @@ def load_config(recipe: str | None, sets: list[str]) -> GRPOConfig:
     if recipe:
         with recipe_file(recipe) as path:
             return GRPOConfig.from_yaml(path, overrides)
+    return GRPOConfig.from_dict(overrides, source="--set")
+
+
+def trained_config(command: str, adapter: str | None, recipe: str | None, sets: list[str]) -> GRPOConfig:
+    """The config eval and merge use: --recipe's; else, for an adapter of a run (its dir, its adapter/, a
+    checkpoint), the config.yaml the run wrote (export.run_config_file); --set on top. Neither, and no base model among
+    the --set: one error that says what to pass."""
+    from .export import run_config_file
+
+    if recipe:
+        return load_config(recipe, sets)
+    overrides = _overrides(sets)
+    found = run_config_file(adapter) if adapter else None
+    if found is not None:
+        return GRPOConfig.from_yaml(found, overrides)
+    if "model_name_or_path" not in overrides:
+        where = (
+            f"{adapter} is no run's adapter (no config.yaml in it or beside it)" if adapter else "no adapter"
+        )
+        raise ConfigError(
+            f"{command} needs the config the adapter was trained with: {where}, and no --recipe. Pass --recipe (the "
+            "recipe's file or shipped name), or --set model_name_or_path=... with the other fields it needs"
+        )
     return GRPOConfig.from_dict(overrides, source="--set")
 
 
@@ -168,7 +191,7 @@ def cmd_eval(args) -> int:
         except ValueError:
             raise ConfigError(f"--k expects integers such as 8 or 1,8, got {' '.join(args.k)!r}") from None
         sets.append(f"eval_pass_k={ks}")
-    config = load_config(args.recipe, sets)
+    config = trained_config("eval", args.adapter, args.recipe, sets)
     if not config.eval_dataset:
         raise ConfigError("eval needs eval_dataset in the recipe or --set eval_dataset=...")
     adapter, what = (
@@ -208,7 +231,7 @@ def cmd_merge(args) -> int:
     from .export import MERGE_CHECK_PROMPTS, merge_policy, merge_source
     from .run.owned_dir import check_whole_target, write_whole
 
-    config = load_config(args.recipe, args.set)
+    config = trained_config("merge", args.adapter, args.recipe, args.set)
     source = merge_source(config, args.adapter)
     # Before any weight is loaded: a refused --out costs nothing.
     target = dict(protected=source.protected, overwrite=args.overwrite, label="--out")
@@ -270,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
             )
         else:
             p.add_argument(
-                "--recipe", help="the recipe the run was trained with: a YAML file or a shipped recipe's name"
+                "--recipe",
+                help="the recipe the run was trained with: a YAML file or a shipped recipe's name (default: the "
+                "run's own config.yaml, beside its adapter/ or in the checkpoint)",
             )
         p.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"

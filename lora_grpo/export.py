@@ -130,14 +130,22 @@ def largest_logit_difference(a, b, tokenizer, prompts) -> float:
 
 
 # ----------------------------------------------------------------------------- GGUF
-def run_config(adapter: str | os.PathLike, overrides: dict | None = None) -> GRPOConfig:
-    """The config a run was trained with, for what export takes without a recipe: the config.yaml of the run
-    (in the dir given, or in its parent for a run's adapter/ or checkpoint-N/), `overrides` on top; without
-    one, the overrides alone (as merge does without --recipe)."""
+def run_config_file(adapter: str | os.PathLike) -> Path | None:
+    """The config.yaml a run wrote, for an adapter of it: in the dir given (a run dir, a checkpoint-N/) or in its
+    parent (a run's adapter/, a checkpoint's policy/); None when there is none."""
     given = Path(adapter)
     for where in (given, given.parent):
         if (where / "config.yaml").is_file():
-            return GRPOConfig.from_yaml(where / "config.yaml", overrides)
+            return where / "config.yaml"
+    return None
+
+
+def run_config(adapter: str | os.PathLike, overrides: dict | None = None) -> GRPOConfig:
+    """The config a run was trained with, for what export, eval and merge take without a recipe: the run's
+    config.yaml (run_config_file), `overrides` on top; without one, the overrides alone."""
+    found = run_config_file(adapter)
+    if found is not None:
+        return GRPOConfig.from_yaml(found, overrides)
     return GRPOConfig.from_dict(dict(overrides or {}), source="--set")
 
 

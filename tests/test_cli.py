@@ -277,6 +277,43 @@ def copied_run(checkpointed_run, tmp_path):
     return recipe, tmp_path / "run"
 
 
+def test_eval_and_merge_of_a_run_read_its_config_without_a_recipe(checkpointed_run, tmp_path, capsys):
+    """The run's own config.yaml stands in for --recipe (beside its adapter/, in a checkpoint, above a policy/):
+    the same metrics as with the recipe, nothing written to the run; outside a run, one error saying what to pass."""
+    recipe, run = checkpointed_run
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+
+    def evaluated(*argv):
+        capsys.readouterr()
+        assert main(["eval", *argv]) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out), out.err
+
+    with_recipe, _ = evaluated(str(run), "--recipe", str(recipe))
+    for adapter in (run, run / "adapter", run / "checkpoint-3", run / "checkpoint-3" / "policy"):
+        metrics, err = evaluated(str(adapter))
+        assert metrics == with_recipe, adapter
+    assert "lora-grpo: evaluated the adapter" in err  # (policy/ is an adapter dir)
+    # --set on top of the run's config
+    assert evaluated(str(run), "--set", "max_completion_length=1")[0]["eval/completion_length"] == 1.0
+    assert main(["merge", str(run), "--out", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "config.json").is_file()
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+    import shutil
+
+    shutil.copytree(run / "adapter", tmp_path / "loose")  # an adapter outside any run
+    for command in (["eval", str(tmp_path / "loose")], ["merge", str(tmp_path / "loose"), "--out", "x"]):
+        capsys.readouterr()
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"{command[0]} needs the config the adapter was trained with: {tmp_path / 'loose'} is no run's "
+            in err
+        )
+        assert "Pass --recipe" in err
+
+
 def test_eval_of_an_unfinished_run_names_its_newest_complete_checkpoint(copied_run, capsys):
     import shutil
 
