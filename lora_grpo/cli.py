@@ -454,11 +454,16 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, TrainingInterrupted):  # a checkpoint was written; the message said how to resume
             return e.exit_code
         raise
-    except (ValueError, OSError, RuntimeError, FloatingPointError) as e:
-        # lora_grpo's errors say what, where and how to fix: show that, not a traceback (unless asked).
-        if os.environ.get("LORA_GRPO_TRACEBACK"):
+    except Exception as e:  # noqa: BLE001 - said in one line where lora_grpo has the words, else raised
+        # lora_grpo's errors say what, where and how to fix: show that, not a traceback (unless asked). A step that
+        # raised in the TRL front door (`trl`) raises its own error, as TRL, with lora_grpo's words as a note.
+        said = [note for note in getattr(e, "__notes__", ()) if note.startswith("lora_grpo: ")]
+        if os.environ.get("LORA_GRPO_TRACEBACK") or not (
+            said or isinstance(e, (ValueError, OSError, RuntimeError, FloatingPointError))
+        ):
             raise
-        print(f"lora-grpo: error: {e}\n(set LORA_GRPO_TRACEBACK=1 to see the traceback)", file=sys.stderr)
+        what = said[-1].removeprefix("lora_grpo: ") if said else e
+        print(f"lora-grpo: error: {what}\n(set LORA_GRPO_TRACEBACK=1 to see the traceback)", file=sys.stderr)
         return 1
 
 

@@ -551,6 +551,33 @@ def test_the_trl_recipe_cli_runs_a_trl_grpo_recipe(tiny_base_dir, tmp_path):
     assert (run / "metrics.jsonl").exists()
 
 
+def test_the_trl_recipe_cli_says_a_failed_step_in_one_line(tiny_base_dir, tmp_path, monkeypatch, capsys):
+    """The front door raises the step's own error (as TRL); the CLI prints lora_grpo's note, not a traceback."""
+    from lora_grpo.cli import main
+
+    (tmp_path / "scorer.py").write_text(
+        "class ScorerDown(Exception):\n    pass\n\n\n"
+        "def unreachable(completions, trainer_state, **kwargs):\n"
+        "    if trainer_state.global_step == 1:\n"
+        "        raise ScorerDown('the scoring service is unreachable')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    recipe = _trl_recipe(
+        tmp_path,
+        tiny_base_dir,
+        str(_jsonl(tmp_path / "train.jsonl", PROMPTS[:8])),
+        reward_funcs=["scorer.unreachable"],
+    )
+    assert main(["trl", "--config", str(recipe), "--max_steps", "2"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "lora-grpo: error: step 2/2 stopped: after 1 of 2 optimizer steps: reward function 'unreachable' raised "
+        in err
+    )
+    assert "ScorerDown: the scoring service is unreachable" in err and "Traceback" not in err
+
+
 # ------------------------------------------------------------------------------ the TRL CLI's inputs
 def _trl_recipe(tmp_path, tiny_base_dir, data, name="grpo.yaml", **fields):
     """A TRL GRPO recipe tmp_path/`name` on the tiny base and `data` (a dataset_name), writing to tmp_path/run."""
@@ -1165,4 +1192,47 @@ def test_training_another_adapter_than_the_policy_is_refused(tiny_base_dir, tmp_
     with pytest.raises(
         ConfigError, match="active adapter is 'other' .* trainer.model.set_adapter\\('default'\\)"
     ):
+        trainer.train()
+
+
+class _ScorerDown(Exception):
+    pass
+
+
+def test_a_step_that_raises_keeps_the_last_step_and_raises_the_error_itself_with_a_note(
+    tiny_base_dir, tmp_path
+):
+    """As TRL, the script sees the error the step raised, its own type; lora_grpo's note says what was kept and how
+    to resume, and resuming finishes the run. A reward function's values that break the contract are lora_grpo's
+    RewardFunctionError (a ValueError), as before."""
+    from lora_grpo.rewards.scoring import RewardFunctionError
+    from lora_grpo.trl import GRPOTrainer
+
+    down = {"at": 1}
+
+    def scorer(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == down["at"]:
+            raise _ScorerDown("the scoring service is unreachable")
+        return [float(len(c) % 3) for c in completions]
+
+    args = OurConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=3, logging_steps=1, save_strategy="no")
+    trainer = GRPOTrainer(model=tiny_base_dir, reward_funcs=scorer, args=args, train_dataset=_dataset(8))
+    with pytest.raises(_ScorerDown) as raised:
+        trainer.train()
+    (note,) = raised.value.__notes__
+    assert note.startswith(
+        "lora_grpo: step 2/3 stopped: after 1 of 3 optimizer steps: reward function 'scorer' "
+    )
+    assert f"checkpoint written to {tmp_path / 'checkpoint-1'}" in note
+    assert note.endswith("then resume: trainer.train(resume_from_checkpoint=True)")
+    down["at"] = None
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 3
+
+    def miscounts(completions, **kwargs):
+        return [1.0]
+
+    args = OurConfig(output_dir=str(tmp_path / "b"), use_cpu=True, max_steps=1, save_strategy="no")
+    trainer = GRPOTrainer(model=tiny_base_dir, reward_funcs=miscounts, args=args, train_dataset=_dataset(8))
+    with pytest.raises(RewardFunctionError, match="reward function 'miscounts' returned 1 value"):
         trainer.train()

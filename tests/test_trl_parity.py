@@ -470,7 +470,6 @@ def test_callbacks_see_trls_events_whatever_the_strategies(
 
 
 def test_evaluate_after_a_failed_train_records_its_metrics(tiny_base_dir, tmp_path):
-    from lora_grpo.run.failures import StepFailed
     from lora_grpo.trl import GRPOConfig, GRPOTrainer
 
     calls = []
@@ -503,10 +502,42 @@ def test_evaluate_after_a_failed_train_records_its_metrics(tiny_base_dir, tmp_pa
         train_dataset=dataset(8),
         eval_dataset=dataset(4, start=8),
     )
-    with pytest.raises(StepFailed, match="eval-time failure"):
+    with pytest.raises(RuntimeError, match="eval-time failure") as raised:
         trainer.train()
+    assert type(raised.value) is RuntimeError and raised.value.__notes__[0].startswith(
+        "lora_grpo: step 1/2 stopped"
+    )
     metrics = trainer.evaluate()
     assert "eval_runtime" in metrics and "eval_runtime" in trainer.state.log_history[-1]
+
+
+class ScorerDown(Exception):
+    """A reward function's own error type (its scoring service is unreachable)."""
+
+
+def fails_at_step_2(completions, trainer_state, **kwargs):
+    if trainer_state.global_step == 1:
+        raise ScorerDown("the scoring service is unreachable")
+    return [float(len(c) % 3) for c in completions]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_an_error_inside_train_reaches_the_script_as_its_own_type(tiny_base_dir, tmp_path, library):
+    """A script's `except` for the error a reward function (a callback, CUDA) raised catches it under both."""
+    with pytest.raises(ScorerDown, match="the scoring service is unreachable") as raised:
+        run(
+            library,
+            f"""
+            from trl import GRPOConfig, GRPOTrainer
+            args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=3, logging_steps=1)
+            trainer = GRPOTrainer(model=MODEL, reward_funcs=fails_at_step_2, args=args, train_dataset=dataset(16))
+            trainer.train()
+        """,
+            MODEL=tiny_base_dir,
+            OUT=str(tmp_path / "run"),
+            fails_at_step_2=fails_at_step_2,
+        )
+    assert type(raised.value) is ScorerDown
 
 
 # ------------------------------------------------------------------------------ the device cache

@@ -40,6 +40,7 @@ from ..rng import seed_everything
 from ..run import model_card
 from ..run.best import UnknownMetric
 from ..run.checkpoint import save_adapter
+from ..run.failures import StepFailed
 from ..run.hub import HubRepo
 from ..run.owned_dir import protected_paths, write_into, write_whole
 from ..run.reporting import table_of, tracker_names
@@ -159,6 +160,23 @@ def trl_record(records: list[dict[str, Any]]) -> dict[str, float | None]:
         name = TRL_NAMES.get(key, key)
         out[name] = None if not values else values[-1] if name in _LAST else sum(values) / len(values)
     return out
+
+
+def as_trl_raises(failed: StepFailed) -> BaseException:
+    """What TRL raises where lora_grpo's run stopped with `failed` (a step's stage raised; the last finished step
+    kept): the error the step raised, as it was (an `except` for its type catches it), with failed's message (the
+    step, what was kept, how to resume) as a note. `failed` itself where lora_grpo raised first (a reward
+    function's values that break the contract)."""
+    error = failed.__cause__
+    while isinstance(error, StepFailed):
+        error = error.__cause__
+    if error is None:
+        return failed
+    try:
+        error.add_note(f"lora_grpo: {failed}")
+    except (AttributeError, TypeError):  # an exception that takes no attributes goes on without the note
+        pass
+    return error
 
 
 class GRPOTrainer:
@@ -393,14 +411,19 @@ class GRPOTrainer:
         )
         started, self._first_record = time.perf_counter(), None
         self._epoch_open, self._evals_wait, self._waiting_evals = False, False, []
+        failure = None
         try:
             native.train()
-        except BaseException:
+        except BaseException as error:
             if self._hub is not None and (line := self._hub.still_uploading()):
                 native._print(line)
-            raise
+            if not isinstance(error, StepFailed):
+                raise
+            failure = as_trl_raises(error)
         finally:
             native.config.resume_from_checkpoint = None
+        if failure is not None:  # raised here, outside the handler: its chain stays the original's
+            raise failure
         # an epoch the native loop did not end (dynamic sampling out of prompts): transformers ends it
         if self._epoch_open:
             self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
