@@ -58,6 +58,8 @@ class LossType:
     meant_for: the importance_sampling level its paper uses (None: either); with another one,
         `warning` (ours) and `trl_warning` (TRL's sentence) are given.
     ratio_cap: epsilon_high caps the ratio itself (cispo's ε_max), not 1 + epsilon_high.
+    trl_vllm_error: TRL's error when it runs with use_vllm and a sequence-level vllm_importance_sampling_mode
+        (the TRL front door raises it too: trl/checks.py).
     """
 
     aggregation: Aggregation
@@ -67,6 +69,7 @@ class LossType:
     warning: str = ""
     trl_warning: str = ""
     ratio_cap: bool = False
+    trl_vllm_error: str = ""
 
     @property
     def help(self) -> str:
@@ -102,6 +105,8 @@ LOSS_TYPES: dict[str, LossType] = {
         "'sequence' has no effect on it",
         trl_warning="VESPO computes sequence-level importance weights internally. `importance_sampling_level` "
         "should be set to `'token'` (the default).",
+        trl_vllm_error="VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or "
+        "'token_mask'.",
     ),
     "luspo": LossType(
         Aggregation.SEQUENCE_SUM_MEAN,

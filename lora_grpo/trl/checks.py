@@ -321,16 +321,17 @@ def refuse_as_trl(
             "`args.load_best_model_at_end` is set to `True`. Name the eval metric that picks the best checkpoint, "
             "e.g. metric_for_best_model='reward'."
         )
+    entry = LOSS_TYPES.get(args.loss_type)
     if (
-        args.loss_type == "vespo"
+        entry is not None
+        and entry.trl_vllm_error
         and args.use_vllm
         and args.vllm_importance_sampling_correction
         and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
     ):
         raise ValueError(
-            "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
-            f"Got: {args.vllm_importance_sampling_mode}. (lora_grpo samples with its own sampler, so the correction "
-            "does not act here: set the mode TRL asks for, or use_vllm=False.)"
+            f"{entry.trl_vllm_error} Got: {args.vllm_importance_sampling_mode}. (lora_grpo samples with its own "
+            "sampler, so the correction does not act here: set the mode TRL asks for, or use_vllm=False.)"
         )
     if args.sync_ref_model and args.beta == 0.0:
         raise ValueError(
