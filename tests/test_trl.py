@@ -93,6 +93,7 @@ def test_a_field_read_only_under_a_switch_is_refused_only_with_the_switch_on():
         {"use_vllm": True, "vllm_mode": "server"},
         {"use_transformers_continuous_batching": True},
         {"use_liger_kernel": True, "liger_kernel_config": {"rms_norm": True}},
+        {"model_init_kwargs": {"use_kernels": True}},
     ],
 )
 def test_a_script_asking_for_another_generation_engine_trains_the_same_run_and_is_told(
@@ -117,7 +118,9 @@ def test_a_script_asking_for_another_generation_engine_trains_the_same_run_and_i
         records, weights = trained(str(tmp_path / "engine"), **engine)
     switch = next(iter(engine))
     told = [m for m in caplog.messages if m.startswith(f"{switch}=True: lora_grpo ")]
-    assert len(told) == 1 and told[0].endswith(f"Set {switch}=False to silence this.")
+    if switch == "model_init_kwargs":
+        told = [m for m in caplog.messages if m.startswith("model_init_kwargs use_kernels=True: lora_grpo ")]
+    assert len(told) == 1 and told[0].endswith("to silence this.")
     plain_records, plain_weights = trained(str(tmp_path / "plain"))
     assert len(records) == 2 and records == plain_records
     assert weights.keys() == plain_weights.keys() and all(

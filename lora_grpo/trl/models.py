@@ -127,6 +127,8 @@ def build_model(
             "trust_remote_code",
             # consumed by the GGUF conversion before the model is built (bases.resolve_base)
             "gguf_file",
+            # the Hub kernels TRL's Liger deprecation points to: not loaded, said (translate.stand_ins)
+            "use_kernels",
         }
         - _HARMLESS_INIT_KWARGS
     )

@@ -480,7 +480,8 @@ _EXTRA = {
 
 def stand_ins(args) -> list[str]:
     """The warnings for a script that asks for what lora_grpo does its own way (vLLM or transformers' continuous
-    batching for generation: lora_grpo's sampler; Liger's kernels: transformers' layers), one per thing asked."""
+    batching for generation: lora_grpo's sampler; Liger's or the Hub's kernels: transformers' layers), one per thing
+    asked."""
     said = []
     if getattr(args, "use_vllm", False):
         said.append(
@@ -497,6 +498,11 @@ def stand_ins(args) -> list[str]:
             "training model (its decode step compiled on a GPU), not transformers' continuous batching; "
             "transformers_continuous_batching_config is not used. Set use_transformers_continuous_batching=False "
             "to silence this."
+        )
+    if _as_dict(getattr(args, "model_init_kwargs", None), "model_init_kwargs").get("use_kernels"):
+        said.append(
+            "model_init_kwargs use_kernels=True: lora_grpo loads no kernels from the Hub (transformers' `kernels` "
+            "integration); the model runs transformers' own layers. Leave use_kernels out to silence this."
         )
     if getattr(args, "use_liger_kernel", False):
         said.append(
