@@ -885,6 +885,34 @@ def saves_seen(seen: list):
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
+def test_transformers_early_stopping_stops_after_its_patience_and_ends_on_the_best(
+    tiny_base_dir, tmp_path, library
+):
+    """EarlyStoppingCallback (patience 1) on the plan's evals: 2 best, 4 worse, so the run stops at step 4 of 6
+    and ends on checkpoint-2's adapter."""
+    scope = run(
+        library,
+        f"""
+        from transformers import EarlyStoppingCallback
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {BEST_RUN}, save_strategy="steps", save_steps=2,
+                          load_best_model_at_end=True)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=[planned, length_reward], args=args,
+                              train_dataset=dataset(16), eval_dataset=dataset(4, start=16),
+                              callbacks=[EarlyStoppingCallback(early_stopping_patience=1)])
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+        planned=planned_by({2: 1.0, 4: 0.0, 6: 2.0}),
+    )
+    state = scope["trainer"].state
+    assert state.global_step == 4 and state.best_global_step == 2
+    assert [r["step"] for r in state.log_history if "eval_reward" in r] == [2, 4]
+    assert state.best_model_checkpoint == str(tmp_path / "run" / "checkpoint-2")
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
 def test_load_best_model_at_end_trains_on_to_the_best_evals_adapter(tiny_base_dir, tmp_path, library):
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file

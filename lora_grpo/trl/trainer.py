@@ -828,7 +828,7 @@ class GRPOTrainer:
         elif event == "step_end":
             flow = payload["flow"]
             self.control = handler.on_step_end(args, state, self.control)
-            self._follow_control(flow, trainer)
+            self._follow_control(flow)
             # the native loop evaluates before it logs (its plateau trigger reads the eval); transformers logs the
             # step's record first: a logging step's eval records wait for it ("log")
             self._evals_wait = flow.log
@@ -838,7 +838,7 @@ class GRPOTrainer:
             flow = payload["flow"]
             self.control = handler.on_epoch_end(args, state, self.control)
             self._epoch_open, self._evals_wait = False, False
-            self._follow_control(flow, trainer)
+            self._follow_control(flow)
         elif event == "log":
             waiting, self._waiting_evals, self._evals_wait = self._waiting_evals, [], False
             window = self._take_window()
@@ -874,16 +874,18 @@ class GRPOTrainer:
                 self.control = handler.on_save(args, state, self.control)
             self.control.should_save = False
         trainer.state.extra = {"trl_log_history": state.log_history}
+        # a callback's stop, whichever event it came in (EarlyStoppingCallback's at on_evaluate): the run ends after
+        # this step's log, eval and save, as transformers checks after _maybe_log_save_evaluate
+        trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
 
-    def _follow_control(self, flow, trainer: NativeTrainer) -> None:
+    def _follow_control(self, flow) -> None:
         """What the callbacks' control asks of the native loop at step_end and epoch_end: a log, an eval, a save
-        (flow, a StepFlow), the run's stop."""
+        (flow, a StepFlow). (The run's stop: after every event, _on_event.)"""
         flow.log, flow.evaluate, flow.save = (
             self.control.should_log,
             self.control.should_evaluate,
             self.control.should_save,
         )
-        trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
 
     def _completions_table(self, step: int, records: list[dict[str, Any]]) -> None:
         """With log_completions, TRL's table of the step's completions to W&B (its run, when there is one) and
