@@ -128,6 +128,16 @@ def test_a_script_asking_for_another_generation_engine_trains_the_same_run_and_i
     )
 
 
+def test_top_k_none_is_no_top_k_filtering_as_in_trls_generate():
+    from lora_grpo.trl.translate import to_native
+
+    for top_k, native in ((None, 0), (0, 0), (20, 20)):
+        assert (
+            to_native(OurConfig(output_dir="x", use_cpu=True, top_k=top_k), model_name_or_path="toy").top_k
+            == native
+        )
+
+
 def test_trls_best_model_metric_names_are_the_native_eval_metrics():
     from lora_grpo.trl.translate import best_metric
 

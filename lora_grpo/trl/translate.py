@@ -143,7 +143,9 @@ FIELDS: dict[str, Field] = {
     ),
     "temperature": _m("temperature"),
     "top_p": _m("top_p"),
-    "top_k": _m("top_k"),
+    "top_k": _m(
+        "top_k (None: 0, no top-k filtering, as transformers' generate reads it; open-r1 writes top_k: null)"
+    ),
     "min_p": _m("min_p (None: 0)"),
     "repetition_penalty": _m("repetition_penalty"),
     "chat_template_kwargs": _m("chat_template_kwargs"),
@@ -625,7 +627,7 @@ def to_native(
             "max_prompt_length": None,
             "temperature": sampling.get("temperature", args.temperature),
             "top_p": sampling.get("top_p", args.top_p),
-            "top_k": sampling.get("top_k", args.top_k),
+            "top_k": sampling.get("top_k", args.top_k) or 0,
             "min_p": sampling.get("min_p", args.min_p) or 0.0,
             "repetition_penalty": sampling.get("repetition_penalty", args.repetition_penalty),
             "chat_template_kwargs": _as_dict(args.chat_template_kwargs, "chat_template_kwargs"),
