@@ -314,6 +314,16 @@ def test_eval_and_merge_of_a_run_read_its_config_without_a_recipe(checkpointed_r
         assert "Pass --recipe" in err
 
 
+def test_the_tokenizer_saved_with_a_runs_adapters_reloads_padded_on_the_left(checkpointed_run):
+    """Batched generation with a saved adapter and its tokenizer pads prompts on the left, as a decoder generates."""
+    from transformers import AutoTokenizer
+
+    _, run = checkpointed_run
+    for folder in (run / "adapter", run / "checkpoint-3"):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        assert (tokenizer.padding_side, tokenizer.truncation_side) == ("left", "left"), folder
+
+
 def test_eval_of_an_unfinished_run_names_its_newest_complete_checkpoint(copied_run, capsys):
     import shutil
 

@@ -1249,3 +1249,28 @@ def test_a_step_that_raises_keeps_the_last_step_and_raises_the_error_itself_with
     trainer = GRPOTrainer(model=tiny_base_dir, reward_funcs=miscounts, args=args, train_dataset=_dataset(8))
     with pytest.raises(RewardFunctionError, match="reward function 'miscounts' returned 1 value"):
         trainer.train()
+
+
+def test_a_callbacks_should_epoch_stop_is_said_once_and_the_run_goes_on(tiny_base_dir, tmp_path, caplog):
+    import logging
+
+    from transformers import TrainerCallback
+
+    from lora_grpo.trl import GRPOTrainer
+
+    class EndEpochs(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_epoch_stop = True
+
+    args = OurConfig(output_dir=str(tmp_path), use_cpu=True, max_steps=3, save_strategy="no")
+    trainer = GRPOTrainer(
+        model=tiny_base_dir,
+        reward_funcs=_length_reward,
+        args=args,
+        train_dataset=_dataset(8),
+        callbacks=[EndEpochs],
+    )
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    said = [m for m in caplog.messages if m.startswith("A callback set control.should_epoch_stop")]
+    assert len(said) == 1 and trainer.state.global_step == 3

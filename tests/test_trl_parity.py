@@ -698,6 +698,36 @@ def test_ligers_fused_cross_entropy_is_refused_in_trls_words_after_its_deprecati
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
+def test_the_tokenizer_is_padded_left_when_loaded_and_left_as_it_is_when_given(
+    tiny_base_dir, tmp_path, library
+):
+    """TRL loads the tokenizer padded and truncated on the left (saved so: it reloads so, and batched generate on
+    the reloaded adapter is right), and leaves a script's own tokenizer as it is."""
+    from transformers import AutoTokenizer
+
+    scope = run(
+        library,
+        f"""
+        from transformers import AutoTokenizer
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=1)
+        loaded = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        loaded.save_model(OUT + "/saved")
+        given = AutoTokenizer.from_pretrained(MODEL, padding_side="right")
+        passed = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8),
+                             processing_class=given)
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+    )
+    loaded = scope["loaded"].processing_class
+    assert (loaded.padding_side, loaded.truncation_side) == ("left", "left")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "run" / "saved")
+    assert (reloaded.padding_side, reloaded.truncation_side) == ("left", "left")
+    assert scope["passed"].processing_class is scope["given"] and scope["given"].padding_side == "right"
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
 def test_fp16_on_a_cpu_trains_in_float32_as_without_it(tiny_base_dir, tmp_path, library):
     """accelerate neither autocasts to float16 nor scales the loss on a CPU: TRL's fp16=True run there is
     its float32 run, record for record; so is ours (on a GPU ours computes in float16 with a loss scale)."""

@@ -108,11 +108,14 @@ def load_tokenizer(config: GRPOConfig, model_path: str | None = None):
 
     path = config.tokenizer_name_or_path or model_path or resolve_model_path(config)
     with loading("policy", "tokenizer", path):
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        # padded and truncated on the left, as a decoder-only model generates (and TRL loads it): given at load, so
+        # that every tokenizer saved beside an adapter reloads so (an attribute set later is not saved)
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=config.trust_remote_code, padding_side="left", truncation_side="left"
+        )
     if tokenizer.pad_token is None:
         # Completions are masked by length, so reusing EOS as padding is safe.
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
     return tokenizer
 
 

@@ -192,10 +192,11 @@ def build_model(
 
         # a toy base's name is resolved already
         path = model if isinstance(model, str) else config.model_name_or_path
+        # the script's own tokenizer as it is, as TRL (lora_grpo's sampler pads by itself); one loaded here is padded
+        # and truncated on the left, as TRL loads it
         tokenizer = processing_class if processing_class is not None else load_tokenizer(config, path)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "left"
         if isinstance(model, str):
             base = load_base_model(config, model)
         elif isinstance(model, PeftModel):

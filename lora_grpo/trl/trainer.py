@@ -356,6 +356,7 @@ class GRPOTrainer:
         self._epoch_open = False
         # whether this step's eval records wait for its train record, and those waiting (_on_event's "log")
         self._evals_wait, self._waiting_evals = False, []
+        self._epoch_stop_said = False  # a callback's should_epoch_stop is warned about once (_on_event)
         # the hub repository, as transformers' Trainer makes it when built (on the main process): a missing login
         # stops the script before it trains
         self.hub_model_id, self._hub = None, None
@@ -877,6 +878,13 @@ class GRPOTrainer:
         # a callback's stop, whichever event it came in (EarlyStoppingCallback's at on_evaluate): the run ends after
         # this step's log, eval and save, as transformers checks after _maybe_log_save_evaluate
         trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
+        if self.control.should_epoch_stop and not self._epoch_stop_said:
+            logger.warning(
+                "A callback set control.should_epoch_stop: lora_grpo does not end an epoch early (each epoch "
+                "draws every prompt of its permutation, and the step count is the run's); the epoch goes on. "
+                "control.should_training_stop ends the run."
+            )
+            self._epoch_stop_said = True
 
     def _follow_control(self, flow) -> None:
         """What the callbacks' control asks of the native loop at step_end and epoch_end: a log, an eval, a save
