@@ -776,6 +776,22 @@ def _our_mixture(recipe, *flags):
     return script_dataset(script, mixture, args.seed)
 
 
+def _our_api_mixture(recipe):
+    """lora_grpo.trl's TrlParser and get_dataset, as a script importing them in TRL's place calls them."""
+    from lora_grpo.trl import (
+        DatasetMixtureConfig,
+        GRPOConfig,
+        ModelConfig,
+        ScriptArguments,
+        TrlParser,
+        get_dataset,
+    )
+
+    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig))
+    *_, mixture = parser.parse_args_and_config(["--config", str(recipe)])
+    return get_dataset(mixture)
+
+
 def test_a_dataset_mixture_loads_what_trls_get_dataset_loads(tiny_base_dir, tmp_path):
     pytest.importorskip("trl")
     a, b = _sources(tmp_path)
@@ -792,9 +808,9 @@ def test_a_dataset_mixture_loads_what_trls_get_dataset_loads(tiny_base_dir, tmp_
     sizes = {"whole": 16, "fractions": 13, "unnormalised": 8, "columns": 16}
     for case, entries in cases.items():
         recipe = _trl_recipe(tmp_path, tiny_base_dir, a, name=f"{case}.yaml", datasets=entries)
-        theirs, ours = _trls_mixture(recipe), _our_mixture(recipe)
-        assert list(ours) == list(theirs) == ["train"], case
-        assert ours["train"].to_list() == theirs["train"].to_list(), case
+        theirs, ours, api = _trls_mixture(recipe), _our_mixture(recipe), _our_api_mixture(recipe)
+        assert list(ours) == list(theirs) == list(api) == ["train"], case
+        assert ours["train"].to_list() == theirs["train"].to_list() == api["train"].to_list(), case
         assert len(ours["train"]) == sizes[case], case
     # a data file as an entry's path (TRL reads only hub names, builders and directories): the file is the "train"
     # split, which `split` may slice

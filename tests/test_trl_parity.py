@@ -540,6 +540,72 @@ def test_an_error_inside_train_reaches_the_script_as_its_own_type(tiny_base_dir,
     assert type(raised.value) is ScorerDown
 
 
+# ------------------------------------------------------------------------------ TRL's script helpers
+HELPERS_SCRIPT = """
+    from dataclasses import dataclass, field
+    from trl import (GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config,
+                     get_quantization_config)
+
+    @dataclass
+    class GRPOScriptArguments(ScriptArguments):
+        reward_funcs: list[str] = field(default_factory=lambda: ["length"])
+
+    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config(
+        ["--config", CONFIG, "--max_steps", "2", "--output_dir", OUT])
+    peft_config, quantization = get_peft_config(model_args), get_quantization_config(model_args)
+    trainer = GRPOTrainer(model=model_args.model_name_or_path, reward_funcs=length_reward, args=training_args,
+                          train_dataset=dataset(8), peft_config=peft_config, quantization_config=quantization,)
+    trainer.train()
+"""
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_trls_script_helpers_on_the_import_line_parse_and_train_alike(
+    tiny_base_dir, tmp_path, library, monkeypatch
+):
+    """The line TRL's examples write, `from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments,
+    TrlParser, get_peft_config, ...`, changed to lora_grpo.trl: the YAML's defaults, its env, the flags over them,
+    the LoRA config and the run are TRL's."""
+    import os
+
+    import yaml
+
+    monkeypatch.delenv("HELPERS_TEST_VAR", raising=False)
+    config = tmp_path / "grpo.yaml"
+    values = dict(
+        model_name_or_path=str(tiny_base_dir), use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+        lora_target_modules=["q_proj", "v_proj"], use_cpu=True, bf16=False, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=4, max_steps=5, logging_steps=1, save_strategy="no",
+        report_to="none", env={"HELPERS_TEST_VAR": "set"},
+    )  # fmt: skip
+    config.write_text(yaml.safe_dump(values))
+    scope = run(library, HELPERS_SCRIPT, CONFIG=str(config), OUT=str(tmp_path / library))
+    training_args, model_args, peft = scope["training_args"], scope["model_args"], scope["peft_config"]
+    assert (training_args.max_steps, training_args.output_dir) == (2, str(tmp_path / library))
+    assert scope["script_args"].reward_funcs == ["length"] and os.environ["HELPERS_TEST_VAR"] == "set"
+    assert (model_args.lora_r, peft.r, peft.lora_alpha, sorted(peft.target_modules)) == (
+        4,
+        4,
+        8,
+        ["q_proj", "v_proj"],
+    )
+    assert scope["quantization"] is None
+    assert scope["trainer"].state.global_step == 2
+
+    # a key no dataclass has: an error, or the remaining strings
+    config.write_text(yaml.safe_dump({**values, "not_a_field": 3}))
+    parser = scope["parser"]
+    with pytest.raises(
+        ValueError, match=re.escape("Unknown arguments from config file: ['--not_a_field', '3']")
+    ):
+        parser.parse_args_and_config(["--config", str(config)])
+    *_, rest = parser.parse_args_and_config(
+        ["--config", str(config), "--extra", "x"], return_remaining_strings=True
+    )
+    assert rest == ["--not_a_field", "3", "--extra", "x"]
+
+
 # ------------------------------------------------------------------------------ the device cache
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_torch_empty_cache_steps_empties_the_cache_before_each_step_it_divides(

@@ -2,6 +2,10 @@
 
     from lora_grpo.trl import GRPOConfig, GRPOTrainer      # was: from trl import GRPOConfig, GRPOTrainer
 
+The script helpers TRL's examples import on the same line come from here too (TRL not needed): ModelConfig,
+ScriptArguments, DatasetMixtureConfig, TrlParser, get_peft_config, get_quantization_config, get_dataset
+(script.py, script_data.py).
+
 `GRPOConfig` has TRL 1.16's fields, names and defaults (transformers' TrainingArguments underneath);
 `GRPOTrainer` TRL's signature, step counting, callbacks (transformers' CallbackHandler), save_model
 and resume. Each is a translation onto lora_grpo's own config and trainer (translate.py: the table
@@ -10,7 +14,26 @@ with a `peft_config`, is lora_grpo's reference slot: the LoRA reference, synced 
 """
 
 from .config import GRPOConfig
+from .script import (
+    ModelConfig,
+    ScriptArguments,
+    TrlParser,
+    get_peft_config,
+    get_quantization_config,
+)
+from .script_data import DatasetMixtureConfig, get_dataset
 from .trainer import GRPOTrainer
 from .translate import FIELDS
 
-__all__ = ["FIELDS", "GRPOConfig", "GRPOTrainer"]
+__all__ = [
+    "FIELDS",
+    "DatasetMixtureConfig",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "ModelConfig",
+    "ScriptArguments",
+    "TrlParser",
+    "get_dataset",
+    "get_peft_config",
+    "get_quantization_config",
+]

@@ -18,13 +18,17 @@ built-ins of the same meaning (rewards/builtins.py).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import importlib
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from transformers import HfArgumentParser
 
 from ..config import ConfigError
 from ..config_checks import did_you_mean
@@ -173,65 +177,138 @@ def _import_reward(name: str, registry: dict):
     return found
 
 
-def peft_and_quantization(model_args):
-    """TRL's get_peft_config / get_quantization_config, from ModelConfig."""
+def get_peft_config(model_args: ModelConfig):
+    """TRL's get_peft_config: the LoraConfig of a ModelConfig with use_peft, else None (the front door then trains
+    its default adapter, said in one line)."""
     from peft import LoraConfig
-    from transformers import BitsAndBytesConfig
 
     if model_args.lora_target_parameters:
         raise ConfigError(
             "lora_target_parameters: LoRA on raw parameters has no B·A layer for the reference slot to mirror"
         )
-    peft = (
-        LoraConfig(
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
-            target_modules=model_args.lora_target_modules,
-            modules_to_save=model_args.lora_modules_to_save,
-            task_type=model_args.lora_task_type,
-            use_rslora=model_args.use_rslora,
-            use_dora=model_args.use_dora,
-            bias="none",
-        )
-        if model_args.use_peft
-        else None
+    if not model_args.use_peft:
+        return None
+    return LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=model_args.lora_target_modules,
+        modules_to_save=model_args.lora_modules_to_save,
+        task_type=model_args.lora_task_type,
+        use_rslora=model_args.use_rslora,
+        use_dora=model_args.use_dora,
+        bias="none",
     )
-    quant = None
+
+
+def get_quantization_config(model_args: ModelConfig):
+    """TRL's get_quantization_config: a BitsAndBytesConfig for load_in_4bit (its quant type and nested quantization)
+    or load_in_8bit, else None. The compute dtype is the run's (the front door reads the rest)."""
+    from transformers import BitsAndBytesConfig
+
     if model_args.load_in_4bit:
-        quant = BitsAndBytesConfig(
+        return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
             bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
         )
-    elif model_args.load_in_8bit:
-        quant = BitsAndBytesConfig(load_in_8bit=True)
-    return peft, quant
+    if model_args.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+class TrlParser(HfArgumentParser):
+    """TRL's TrlParser: transformers' HfArgumentParser over dataclasses, where `--config file.yaml` gives the
+    defaults (flags override them) and the file's `env` mapping is set in the environment.
+
+        parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+        script_args, training_args, model_args = parser.parse_args_and_config()
+    """
+
+    def __init__(self, dataclass_types=None, **kwargs):
+        if dataclass_types is None:
+            dataclass_types = []
+        elif dataclasses.is_dataclass(dataclass_types) or not isinstance(dataclass_types, Iterable):
+            dataclass_types = [dataclass_types]
+        for kind in dataclass_types:
+            if "config" in kind.__dataclass_fields__:
+                raise ValueError(
+                    f"Dataclass {kind.__name__} has a field named 'config'. This field is reserved for the config "
+                    "file path and should not be used in the dataclass. Rename the field."
+                )
+        super().__init__(dataclass_types=dataclass_types, **kwargs)
+
+    def parse_args_and_config(
+        self,
+        args=None,
+        return_remaining_strings: bool = False,
+        fail_with_unknown_args: bool = True,
+        separate_remaining_strings: bool = False,
+    ) -> tuple:
+        """The dataclasses from `args` (default: sys.argv[1:]) over the `--config` file's values. With
+        return_remaining_strings, the unknown flags and the file's unknown keys (as "--key", "value") come last (two
+        lists with separate_remaining_strings: the file's, then the flags'); without it, a file's unknown key is a
+        ValueError unless fail_with_unknown_args is False."""
+        args = list(sys.argv[1:] if args is None else args)
+        from_file: list[str] = []
+        if "--config" in args:
+            at = args.index("--config")
+            path = args[at + 1] if at + 1 < len(args) else None
+            del args[at : at + 2]
+            if path is None:
+                raise ValueError("--config needs the path of a YAML file")
+            from_file = self.set_defaults_with_config(**config_values(path))
+        parsed = self.parse_args_into_dataclasses(
+            args=args, return_remaining_strings=return_remaining_strings
+        )
+        if return_remaining_strings:
+            *values, from_flags = parsed
+            tail = (from_file, from_flags) if separate_remaining_strings else (from_file + from_flags,)
+            return (*values, *tail)
+        if fail_with_unknown_args and from_file:
+            raise ValueError(
+                f"Unknown arguments from config file: {from_file}. Please remove them, add them to the dataclass, "
+                "or set `fail_with_unknown_args=False`."
+            )
+        return parsed
+
+    def set_defaults_with_config(self, **values) -> list[str]:
+        """Each value the default of its argument (no longer required on the command line, in subparsers too); the
+        values no argument takes, as strings ("--key", "value")."""
+
+        def apply(parser) -> set:
+            used = set()
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    for sub in action.choices.values():
+                        used |= apply(sub)
+                elif action.dest in values:
+                    action.default, action.required = values[action.dest], False
+                    used.add(action.dest)
+            return used
+
+        used = apply(self)
+        return [text for key, value in values.items() if key not in used for text in (f"--{key}", str(value))]
 
 
 def parse(argv: list[str]):
     """(ScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig) from `--config file.yaml` (defaults) and
-    flags (override)."""
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(groups(), prog="lora-grpo trl")
+    flags (override); a key of the file that none of them has is a ConfigError naming it (config_values)."""
+    parser = TrlParser(groups(), prog="lora-grpo trl")
     argv = list(argv)
     if "--config" in argv:
         at = argv.index("--config")
         path, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
-        values = read_config(path)
-        parser.set_defaults(**values)
-        for (
-            action
-        ) in parser._actions:  # a required field given in the YAML is no longer required on the command line
-            if action.dest in values:
-                action.required = False
+        known = {f.name for cls in groups() for f in dataclasses.fields(cls)}
+        parser.set_defaults_with_config(**config_values(path, known))
     return parser.parse_args_into_dataclasses(args=argv)
 
 
-def read_config(path: str) -> dict:
+def config_values(path: str, known: set[str] | None = None) -> dict:
     """A `--config` file's values, read as a recipe is (recipe_yaml.read_recipe: errors at their line and
-    column, no tag builds an object); its `env` mapping set in the environment, as TRL's parser does."""
+    column, no tag builds an object); its `env` mapping set in the environment, as TRL's parser does. With `known`
+    (the fields it may set), a key outside it is a ConfigError naming it and the closest field, before anything is
+    set in the environment."""
     if not Path(path).is_file():
         raise ConfigError(f"--config {path}: no such file: give the path of a TRL GRPO recipe (YAML)")
     values, _ = read_recipe(path, not_a_mapping=f"Config file {path} must contain a YAML mapping.")
@@ -241,8 +318,7 @@ def read_config(path: str) -> dict:
             f"`env` field should be a dict in the YAML file. {path}: write one `NAME: value` a line under `env:`, "
             "e.g. `env: {WANDB_PROJECT: my-project}`"
         )
-    known = {f.name for cls in groups() for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - known) if known is not None else []
     if unknown:
         hints = [f"{k!r}{did_you_mean(k, known)}" for k in unknown]
         raise ConfigError(
@@ -271,7 +347,7 @@ def main(argv: list[str]) -> int:
     training_args.model_init_kwargs = init
     dataset = script_dataset(script, mixture, training_args.seed)
     mixed = bool(mixture.datasets)
-    peft, quantization = peft_and_quantization(model_args)
+    peft, quantization = get_peft_config(model_args), get_quantization_config(model_args)
     trainer = GRPOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=reward_funcs(script),

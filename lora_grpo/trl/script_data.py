@@ -91,6 +91,19 @@ def mixture_entries(mixture: DatasetMixtureConfig) -> list[dict]:
     return entries
 
 
+def get_dataset(mixture_config: DatasetMixtureConfig, seed: int = 42):
+    """TRL's get_dataset: the mixture's datasets loaded, mixed and, with test_split_size, split into "train" and
+    "test", a DatasetDict. The split is drawn with `seed` (transformers' default seed): the same every run (TRL's
+    draws another each run)."""
+    if mixture_config.streaming:
+        raise ConfigError(
+            "streaming: lora_grpo draws prompts from a map-style dataset (shuffled, resumable): remove it"
+        )
+    if not mixture_config.datasets:
+        raise ConfigError("No datasets were loaded from the mixture configuration: list them in `datasets`")
+    return load_mixture(mixture_entries(mixture_config), mixture_config.test_split_size, seed)
+
+
 def script_dataset(script, mixture: DatasetMixtureConfig, seed: int):
     """What TRL's GRPO script loads for these arguments: the mixture when it lists datasets (with TRL's warning
     when dataset_name is given too), else dataset_name; a DatasetDict, the splits named by the script's
