@@ -723,44 +723,40 @@ def test_settings_of_an_engine_that_is_off_change_nothing(tiny_base_dir, tmp_pat
     assert len(plain) == 2 and records(SWITCHED_OFF) == plain
 
 
+def build(library, tiny_base_dir, tmp_path, settings: str):
+    """A TRL script that builds its GRPOTrainer with `settings` on top of ARGS (and does not train)."""
+    return run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, {settings})
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+    )
+
+
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_vespo_with_use_vllm_needs_a_token_level_correction_in_trls_words(tiny_base_dir, tmp_path, library):
     with pytest.raises(
         ValueError, match=re.escape("VESPO loss requires `vllm_importance_sampling_mode` to be")
     ):
-        run(
-            library,
-            f"""
-            from trl import GRPOConfig, GRPOTrainer
-            args = GRPOConfig(output_dir=OUT, {ARGS}, use_vllm=True, loss_type="vespo")
-            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
-        """,
-            MODEL=tiny_base_dir,
-            OUT=str(tmp_path / "run"),
-        )
+        build(library, tiny_base_dir, tmp_path, "use_vllm=True, loss_type='vespo'")
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_ligers_fused_cross_entropy_is_refused_in_trls_words_after_its_deprecation(
     tiny_base_dir, tmp_path, library
 ):
+    settings = "use_liger_kernel=True, liger_kernel_config={'fused_linear_cross_entropy': True}"
     with (
         pytest.warns(FutureWarning, match=re.escape("`use_liger_kernel=True` is deprecated")),
         pytest.raises(
             ValueError, match=re.escape('`liger_kernel_config={"fused_linear_cross_entropy": True}` is not')
         ),
     ):
-        run(
-            library,
-            f"""
-            from trl import GRPOConfig, GRPOTrainer
-            args = GRPOConfig(output_dir=OUT, {ARGS}, use_liger_kernel=True,
-                              liger_kernel_config={{"fused_linear_cross_entropy": True}})
-            trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
-        """,
-            MODEL=tiny_base_dir,
-            OUT=str(tmp_path / "run"),
-        )
+        build(library, tiny_base_dir, tmp_path, settings)
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
