@@ -332,7 +332,7 @@ def config_values(path: str, known: set[str] | None = None) -> dict:
 
 def main(argv: list[str]) -> int:
     """TRL's GRPO script, on lora_grpo: load the data, build the trainer, train, save, push (push_to_hub), end."""
-    from . import GRPOTrainer
+    from .trainer import GRPOTrainer
 
     script, training_args, model_args, mixture = parse(argv)
     if not model_args.model_name_or_path:
