@@ -89,7 +89,10 @@ def trained_config(command: str, adapter: str | None, recipe: str | None, sets: 
     checkpoint), the config.yaml the run wrote (export.run_config_file); --set on top. Neither, and no base model among
     the --set: one error that says what to pass."""
     from .export import run_config_file
+    from .run.checkpoint import resolve_adapter
 
+    if adapter and not Path(adapter).exists():
+        resolve_adapter(adapter)  # its error: no such directory
     if recipe:
         return load_config(recipe, sets)
     overrides = _overrides(sets)

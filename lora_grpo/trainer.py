@@ -474,6 +474,7 @@ class GRPOTrainer:
         if plan is not None:
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
         self.best_due, self.policy_step = False, None
+        self.stop_requested = False  # a hook's stop is this run's: one asked in an earlier train() is spent
         self._event("train_begin")
         self._finished_step()
 

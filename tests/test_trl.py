@@ -712,14 +712,15 @@ def test_a_trl_recipe_file_is_read_as_trls_parser_reads_it_and_its_errors_name_l
 
 def test_the_recipe_scripts_dataclasses_are_trls_field_by_field():
     pytest.importorskip("trl")
-    from trl import ModelConfig
+    from trl import ModelConfig, ScriptArguments
     from trl.scripts.grpo import GRPOScriptArguments
     from trl.scripts.utils import DatasetMixtureConfig
 
     from lora_grpo.trl import script, script_data
 
     for theirs, ours in (
-        (GRPOScriptArguments, script.ScriptArguments),
+        (ScriptArguments, script.ScriptArguments),
+        (GRPOScriptArguments, script.GRPOScriptArguments),
         (ModelConfig, script.ModelConfig),
         (DatasetMixtureConfig, script_data.DatasetMixtureConfig),
     ):
@@ -788,7 +789,7 @@ def _our_api_mixture(recipe):
     )
 
     parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig))
-    *_, mixture = parser.parse_args_and_config(["--config", str(recipe)])
+    *_, mixture = parser.parse_args_and_config(["--config", str(recipe)], fail_with_unknown_args=False)
     return get_dataset(mixture)
 
 
@@ -1290,3 +1291,46 @@ def test_a_callbacks_should_epoch_stop_is_said_once_and_the_run_goes_on(tiny_bas
         trainer.train()
     said = [m for m in caplog.messages if m.startswith("A callback set control.should_epoch_stop")]
     assert len(said) == 1 and trainer.state.global_step == 3
+
+
+def test_a_misspelt_vllm_mode_is_refused_in_trls_words(tiny_base_dir, tmp_path):
+    from lora_grpo.trl import GRPOTrainer
+
+    args = OurConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_mode="colocat")
+    with pytest.raises(
+        ValueError, match=re.escape("vllm_mode must be either 'server' or 'colocate', got 'colocat'")
+    ):
+        GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
+
+
+def test_get_quantization_config_is_trls():
+    pytest.importorskip("trl")
+    import trl
+
+    import lora_grpo.trl as ours
+
+    for fields in ({"load_in_4bit": True, "dtype": "bfloat16", "bnb_4bit_quant_storage": "bfloat16"}, {}):
+        theirs = trl.get_quantization_config(trl.ModelConfig(**fields))
+        mine = ours.get_quantization_config(ours.ModelConfig(**fields))
+        if theirs is None:
+            assert mine is None
+            continue
+        for key in (
+            "bnb_4bit_compute_dtype",
+            "bnb_4bit_quant_storage",
+            "bnb_4bit_quant_type",
+            "load_in_4bit",
+        ):
+            assert getattr(mine, key) == getattr(theirs, key), key
+
+
+def test_the_cli_says_what_is_missing_for_a_path_that_is_not_there_or_a_config_flag_without_a_file(
+    tmp_path, capsys
+):
+    from lora_grpo.cli import main
+
+    for command in (["eval", str(tmp_path / "typo")], ["merge", str(tmp_path / "typo"), "--out", "x"]):
+        assert main(command) == 1
+        assert f"{tmp_path / 'typo'} does not exist or is no directory" in capsys.readouterr().err
+    assert main(["trl", "--output_dir", str(tmp_path), "--config"]) == 2
+    assert "--config needs the path of a TRL GRPO recipe (YAML)" in capsys.readouterr().err

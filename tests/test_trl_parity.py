@@ -1004,6 +1004,43 @@ def test_transformers_early_stopping_stops_after_its_patience_and_ends_on_the_be
     assert state.best_model_checkpoint == str(tmp_path / "run" / "checkpoint-2")
 
 
+def stops_at_train_begin():
+    from transformers import TrainerCallback
+
+    class StopAtBegin(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    return StopAtBegin()
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_stop_before_the_first_step_trains_one_and_a_spent_stop_does_not_end_a_resume(
+    tiny_base_dir, tmp_path, library
+):
+    """transformers checks a callback's stop after a step: one asked in on_train_begin still trains step 1. A run that
+    ended (its last step asks to stop) resumed in the same trainer from checkpoint-1 trains on to its end."""
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT + "/a", {ARGS.replace("save_strategy='no'", "save_steps=1")}, max_steps=3)
+        stopped = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8),
+                              callbacks=[stops_at_train_begin()])
+        stopped.train()
+        args = GRPOConfig(output_dir=OUT + "/b", {ARGS.replace("save_strategy='no'", "save_steps=1")}, max_steps=3)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        trainer.train()
+        trainer.train(resume_from_checkpoint=OUT + "/b/checkpoint-1")
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+        stops_at_train_begin=stops_at_train_begin,
+    )
+    assert scope["stopped"].state.global_step == 1
+    assert scope["trainer"].state.global_step == 3
+
+
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_load_best_model_at_end_trains_on_to_the_best_evals_adapter(tiny_base_dir, tmp_path, library):
     from peft import get_peft_model_state_dict

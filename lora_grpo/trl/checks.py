@@ -193,6 +193,11 @@ TRL_CHECKS: list[tuple[str, str, str]] = [
     ),
     ("trainer", '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported', SAME),
     ("trainer", "The vLLM server runs with `--logprobs-mode", "does not apply: no vLLM server is contacted"),
+    (
+        "vllm",
+        "vllm_mode must be either 'server' or 'colocate'",
+        SAME + " (with use_vllm, before any model is loaded)",
+    ),
     ("trainer", "You passed `sync_ref_model=True` while `beta=0.0`", SAME),
     (
         "trainer",
@@ -320,6 +325,11 @@ def refuse_as_trl(
             "`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
             "`args.load_best_model_at_end` is set to `True`. Name the eval metric that picks the best checkpoint, "
             "e.g. metric_for_best_model='reward'."
+        )
+    if args.use_vllm and args.vllm_mode not in ("server", "colocate"):
+        raise ValueError(
+            f"vllm_mode must be either 'server' or 'colocate', got '{args.vllm_mode}'. (lora_grpo samples with its "
+            "own sampler either way; a misspelt mode is refused as TRL refuses it.)"
         )
     entry = LOSS_TYPES.get(args.loss_type)
     if (

@@ -3,8 +3,8 @@
 A TRL recipe holds four groups of keys, as TRL's GRPO script parses them (transformers'
 HfArgumentParser over four dataclasses; the YAML gives the defaults, flags override them):
 
-    ScriptArguments  dataset_name, dataset_config, dataset_train_split, dataset_test_split,
-                     reward_model_name_or_path, reward_funcs (TRL's registry names or dotted paths)
+    GRPOScriptArguments  dataset_name, dataset_config, dataset_train_split, dataset_test_split (TRL's
+                     ScriptArguments), reward_model_name_or_path, reward_funcs (TRL's registry names or dotted paths)
     ModelConfig      model_name_or_path, model_revision, dtype, attn_implementation, use_peft, lora_*,
                      load_in_4bit / load_in_8bit, bnb_4bit_quant_type, use_bnb_nested_quant
     GRPOConfig       every field of TRL's GRPOConfig (lora_grpo.trl.GRPOConfig)
@@ -39,7 +39,7 @@ from .script_data import DatasetMixtureConfig, dataset_split, script_dataset
 
 @dataclass
 class ScriptArguments:
-    """TRL's ScriptArguments + GRPOScriptArguments (TRL 1.16 names and defaults)."""
+    """TRL's ScriptArguments (TRL 1.16 names and defaults)."""
 
     dataset_name: str | None = field(default=None, metadata={"help": "hub dataset name or local path"})
     dataset_config: str | None = field(default=None, metadata={"help": "dataset configuration name"})
@@ -52,6 +52,13 @@ class ScriptArguments:
     ignore_bias_buffers: bool = field(
         default=False, metadata={"help": "DDP bias buffers (no effect: no DDP wrapper)"}
     )
+
+
+@dataclass
+class GRPOScriptArguments(ScriptArguments):
+    """TRL's GRPO script's GRPOScriptArguments: ScriptArguments and the reward sources (TRL 1.16 names and
+    defaults)."""
+
     reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "a sequence-classification reward model"}
     )
@@ -95,7 +102,7 @@ def groups() -> tuple:
     """The four dataclasses of TRL's GRPO script, in its order (TRL's GRPOConfig imported on first use)."""
     from .config import GRPOConfig
 
-    return (ScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig)
+    return (GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig)
 
 
 def reward_registry() -> dict:
@@ -202,15 +209,18 @@ def get_peft_config(model_args: ModelConfig):
 
 
 def get_quantization_config(model_args: ModelConfig):
-    """TRL's get_quantization_config: a BitsAndBytesConfig for load_in_4bit (its quant type and nested quantization)
-    or load_in_8bit, else None. The compute dtype is the run's (the front door reads the rest)."""
+    """TRL's get_quantization_config: a BitsAndBytesConfig for load_in_4bit (the model's dtype as compute dtype, its
+    quant type, nested quantization and storage dtype) or load_in_8bit, else None."""
     from transformers import BitsAndBytesConfig
 
     if model_args.load_in_4bit:
         return BitsAndBytesConfig(
             load_in_4bit=True,
+            # as TRL: the compute dtype is the model's dtype (when it names one: "auto" is left to the run)
+            bnb_4bit_compute_dtype=model_args.dtype if model_args.dtype not in (None, "auto") else None,
             bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
             bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
+            bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage,
         )
     if model_args.load_in_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)
@@ -298,6 +308,8 @@ def parse(argv: list[str]):
     argv = list(argv)
     if "--config" in argv:
         at = argv.index("--config")
+        if at + 1 == len(argv):
+            raise ConfigError("--config needs the path of a TRL GRPO recipe (YAML)")
         path, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
         known = {f.name for cls in groups() for f in dataclasses.fields(cls)}
         parser.set_defaults_with_config(**config_values(path, known))

@@ -357,6 +357,9 @@ class GRPOTrainer:
         # whether this step's eval records wait for its train record, and those waiting (_on_event's "log")
         self._evals_wait, self._waiting_evals = False, []
         self._epoch_stop_said = False  # a callback's should_epoch_stop is warned about once (_on_event)
+        self._steps_begun = (
+            False  # whether this train()'s loop has begun a step (a callback's stop acts from then)
+        )
         # the hub repository, as transformers' Trainer makes it when built (on the main process): a missing login
         # stops the script before it trains
         self.hub_model_id, self._hub = None, None
@@ -803,12 +806,14 @@ class GRPOTrainer:
         self._follow_state(trainer.state)
         handler = self.callback_handler
         if event == "train_begin":
+            self._steps_begun = False
             self._restore(trainer.state.extra)
             # the logging window starts here, also at a resumed step, as TRL's (a checkpoint keeps no metrics of
             # the steps after its last log)
             self._first_record = self._logged_upto = len(trainer.state.log_history)
             self.control = handler.on_train_begin(args, state, self.control)
         elif event == "step_begin":
+            self._steps_begun = True
             if not self._epoch_open:  # transformers begins an epoch before its first step
                 self.control = handler.on_epoch_begin(args, state, self.control)
                 self._epoch_open = True
@@ -876,8 +881,10 @@ class GRPOTrainer:
             self.control.should_save = False
         trainer.state.extra = {"trl_log_history": state.log_history}
         # a callback's stop, whichever event it came in (EarlyStoppingCallback's at on_evaluate): the run ends after
-        # this step's log, eval and save, as transformers checks after _maybe_log_save_evaluate
-        trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
+        # this step's log, eval and save, as transformers checks after _maybe_log_save_evaluate; one asked before the
+        # first step (on_train_begin, eval_on_start's on_evaluate) ends the run after that step, as in transformers
+        if self._steps_begun:
+            trainer.stop_requested = trainer.stop_requested or self.control.should_training_stop
         if self.control.should_epoch_stop and not self._epoch_stop_said:
             logger.warning(
                 "A callback set control.should_epoch_stop: lora_grpo does not end an epoch early (each epoch "
