@@ -589,6 +589,17 @@ def test_the_trl_recipe_cli_says_a_failed_step_in_one_line(tiny_base_dir, tmp_pa
         in err
     )
     assert "ScorerDown: the scoring service is unreachable" in err and "Traceback" not in err
+    # the resume, in this command's words, as printed: it trains on from checkpoint-1 once the scorer is back
+    resume = f"lora-grpo trl --config {recipe} --max_steps 2 --resume_from_checkpoint latest"
+    assert resume in err
+    (tmp_path / "scorer.py").write_text(
+        "def unreachable(completions, **kwargs):\n    return [0.0] * len(completions)\n"
+    )
+    sys.modules.pop("scorer", None)
+    assert main(resume.split()[1:]) == 0
+    assert (
+        json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    )
 
 
 # ------------------------------------------------------------------------------ the TRL CLI's inputs

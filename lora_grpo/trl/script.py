@@ -342,6 +342,22 @@ def config_values(path: str, known: set[str] | None = None) -> dict:
     return values
 
 
+def resume_command(argv: list[str]) -> str:
+    """The `lora-grpo trl` command that resumes this one: its flags (a --resume_from_checkpoint given dropped), then
+    --resume_from_checkpoint latest, the newest checkpoint in output_dir."""
+    import shlex
+
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.split("=", 1)[0] in ("--resume_from_checkpoint", "--resume-from-checkpoint"):
+            skip = "=" not in arg
+        else:
+            kept.append(arg)
+    return shlex.join(["lora-grpo", "trl", *kept, "--resume_from_checkpoint", "latest"])
+
+
 def main(argv: list[str]) -> int:
     """TRL's GRPO script, on lora_grpo: load the data, build the trainer, train, save, push (push_to_hub), end."""
     from .trainer import GRPOTrainer
@@ -371,6 +387,8 @@ def main(argv: list[str]) -> int:
         quantization_config=quantization,
         peft_config=peft,
     )
+    # a failed step's message says how to go on in this command's words: the same flags, the newest checkpoint
+    trainer.native.resume_hint = resume_command(argv)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.accelerator.print("Training completed.")
     trainer.save_model(training_args.output_dir)
