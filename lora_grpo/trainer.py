@@ -688,7 +688,6 @@ class GRPOTrainer:
         self.state.start_again(fresh)
         self.scheduler.last_epoch = 0
         refresh_lr(self.optimizer, self.scheduler)
-        self.stop_requested = False
 
     def _finished_step(self) -> None:
         """The state is the last finished step's (the start, or a step end done): what a failure saves."""

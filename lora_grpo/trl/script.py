@@ -259,15 +259,8 @@ class TrlParser(HfArgumentParser):
         return_remaining_strings, the unknown flags and the file's unknown keys (as "--key", "value") come last (two
         lists with separate_remaining_strings: the file's, then the flags'); without it, a file's unknown key is a
         ValueError unless fail_with_unknown_args is False."""
-        args = list(sys.argv[1:] if args is None else args)
-        from_file: list[str] = []
-        if "--config" in args:
-            at = args.index("--config")
-            path = args[at + 1] if at + 1 < len(args) else None
-            del args[at : at + 2]
-            if path is None:
-                raise ValueError("--config needs the path of a YAML file")
-            from_file = self.set_defaults_with_config(**config_values(path))
+        args, path = take_config(sys.argv[1:] if args is None else args)
+        from_file = self.set_defaults_with_config(**config_values(path)) if path is not None else []
         parsed = self.parse_args_into_dataclasses(
             args=args, return_remaining_strings=return_remaining_strings
         )
@@ -305,15 +298,22 @@ def parse(argv: list[str]):
     """(ScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig) from `--config file.yaml` (defaults) and
     flags (override); a key of the file that none of them has is a ConfigError naming it (config_values)."""
     parser = TrlParser(groups(), prog="lora-grpo trl")
-    argv = list(argv)
-    if "--config" in argv:
-        at = argv.index("--config")
-        if at + 1 == len(argv):
-            raise ConfigError("--config needs the path of a TRL GRPO recipe (YAML)")
-        path, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
+    argv, path = take_config(argv)
+    if path is not None:
         known = {f.name for cls in groups() for f in dataclasses.fields(cls)}
         parser.set_defaults_with_config(**config_values(path, known))
     return parser.parse_args_into_dataclasses(args=argv)
+
+
+def take_config(args) -> tuple[list[str], str | None]:
+    """(the arguments without `--config PATH`, PATH or None); `--config` without a path is a ConfigError."""
+    args = list(args)
+    if "--config" not in args:
+        return args, None
+    at = args.index("--config")
+    if at + 1 == len(args):
+        raise ConfigError("--config needs the path of a TRL GRPO recipe (YAML)")
+    return args[:at] + args[at + 2 :], args[at + 1]
 
 
 def config_values(path: str, known: set[str] | None = None) -> dict:

@@ -91,14 +91,19 @@ def mixture_entries(mixture: DatasetMixtureConfig) -> list[dict]:
     return entries
 
 
+def streaming_refused(flag: str) -> ConfigError:
+    """The error for a streaming flag (`streaming` of a mixture, `dataset_streaming` of dataset_name)."""
+    return ConfigError(
+        f"{flag}: lora_grpo draws prompts from a map-style dataset (shuffled, resumable): remove it"
+    )
+
+
 def get_dataset(mixture_config: DatasetMixtureConfig, seed: int = 42):
     """TRL's get_dataset: the mixture's datasets loaded, mixed and, with test_split_size, split into "train" and
     "test", a DatasetDict. The split is drawn with `seed` (transformers' default seed): the same every run (TRL's
     draws another each run)."""
     if mixture_config.streaming:
-        raise ConfigError(
-            "streaming: lora_grpo draws prompts from a map-style dataset (shuffled, resumable): remove it"
-        )
+        raise streaming_refused("streaming")
     if not mixture_config.datasets:
         raise ConfigError("No datasets were loaded from the mixture configuration: list them in `datasets`")
     return load_mixture(mixture_entries(mixture_config), mixture_config.test_split_size, seed)
@@ -115,16 +120,14 @@ def script_dataset(script, mixture: DatasetMixtureConfig, seed: int):
         else ("dataset_streaming", script.dataset_streaming)
     )
     if streaming:
-        raise ConfigError(
-            f"{flag}: lora_grpo draws prompts from a map-style dataset (shuffled, resumable): remove it"
-        )
+        raise streaming_refused(flag)
     if mixture.datasets:
         if script.dataset_name:
             logger.warning(
                 "Both `datasets` and `dataset_name` are provided. The `datasets` argument will be used to load the "
                 "dataset and `dataset_name` will be ignored."
             )
-        return load_mixture(mixture_entries(mixture), mixture.test_split_size, seed)
+        return get_dataset(mixture, seed)
     if script.dataset_name:
         return load_one(script.dataset_name, script.dataset_config)
     raise ConfigError(

@@ -357,9 +357,8 @@ class GRPOTrainer:
         # whether this step's eval records wait for its train record, and those waiting (_on_event's "log")
         self._evals_wait, self._waiting_evals = False, []
         self._epoch_stop_said = False  # a callback's should_epoch_stop is warned about once (_on_event)
-        self._steps_begun = (
-            False  # whether this train()'s loop has begun a step (a callback's stop acts from then)
-        )
+        # whether this train()'s loop has begun a step (a callback's stop acts from then)
+        self._steps_begun = False
         # the hub repository, as transformers' Trainer makes it when built (on the main process): a missing login
         # stops the script before it trains
         self.hub_model_id, self._hub = None, None
