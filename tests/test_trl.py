@@ -58,7 +58,7 @@ def test_the_guide_counts_each_fate_as_the_table_has_it():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("trackio_space_id", "me/dashboard"),
+        ("optim_args", "betas=(0.9,0.95)"),
         ("torch_compile", True),
         ("neftune_noise_alpha", 5.0),
     ],
@@ -74,6 +74,38 @@ def test_a_refused_field_set_away_from_its_default_names_itself_and_why(
         pytest.skip(f"TrainingArguments refuses {field}={value} here: {e}")
     with pytest.raises(ConfigError, match=re.escape(f"{field}={value!r}: {FIELDS[field].why}")):
         GRPOTrainer(model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
+
+
+def test_trackio_fields_reach_transformers_trackio_callback_as_in_trl(tiny_base_dir, tmp_path, monkeypatch):
+    # TRL leaves trackio_space_id to transformers' TrackioCallback: ignored without trackio in report_to, the
+    # Space the dashboard syncs to with it (the deployment itself needs the network: trackio.init stops here)
+    trackio = pytest.importorskip("trackio")
+    from lora_grpo.trl import GRPOTrainer
+
+    space = {"trackio_space_id": "me/dashboard", "trackio_bucket_id": "me/bucket"}
+    args = OurConfig(output_dir=str(tmp_path / "none"), use_cpu=True, max_steps=1, report_to="none", **space)
+    trainer = GRPOTrainer(
+        model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8)
+    )
+    assert trainer.train().global_step == 1
+
+    class Reached(Exception):
+        pass
+
+    def init(**kwargs):
+        raise Reached(kwargs)
+
+    monkeypatch.setattr(trackio, "init", init)
+    args = OurConfig(
+        output_dir=str(tmp_path / "trackio"), use_cpu=True, max_steps=1, report_to="trackio", **space
+    )
+    trainer = GRPOTrainer(
+        model=tiny_base_dir, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8)
+    )
+    with pytest.raises(Reached) as reached:
+        trainer.train()
+    called = reached.value.args[0]
+    assert (called["space_id"], called["bucket_id"]) == ("me/dashboard", "me/bucket")
 
 
 def test_a_field_read_only_under_a_switch_is_refused_only_with_the_switch_on():

@@ -65,7 +65,7 @@ OWN_SAMPLER = (
     "decode_mode auto)"
 )
 NO_HUB = (
-    "lora_grpo pushes the model to the hub (push_to_hub), not its completions or trackers: completions.jsonl in "
+    "lora_grpo pushes the model to the hub (push_to_hub), not a dataset of its completions: completions.jsonl in "
     "output_dir holds every completion"
 )
 
@@ -317,14 +317,13 @@ FIELDS: dict[str, Field] = {
     "hub_private_repo": _t("a repository created private"),
     "hub_always_push": _t("a save step pushes even while the last push is still uploading"),
     "hub_revision": _t("the branch pushed to"),
+    "log_completions_hub_repo": _r(NO_HUB),
     **{
-        name: _r(NO_HUB)
-        for name in (
-            "log_completions_hub_repo",
-            "trackio_space_id",
-            "trackio_bucket_id",
-            "trackio_static_space_id",
+        name: _flow(
+            "transformers' TrackioCallback reads it when report_to names trackio (the Space or bucket the "
+            "dashboard syncs to), as in TRL; without trackio in report_to it changes nothing, as in TRL"
         )
+        for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")
     },
     **{
         name: _r(
