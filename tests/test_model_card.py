@@ -31,7 +31,9 @@ def test_the_metadata_reads_back_as_the_hubs():
         tags=["math"],
     )
     assert read.data.base_model == HUB_ID and read.data.library_name == "peft"
-    assert read.data.tags == ["lora_grpo", "lora", "qlora", "math"] and read.data.datasets == ["openai/gsm8k"]
+    assert read.data.tags == ["lora_grpo", "grpo", "lora", "qlora", "math"] and read.data.datasets == [
+        "openai/gsm8k"
+    ]
     assert model_card.MARKER in read.text and "# sums" in read.text
     assert row(read, "base") == f"[{HUB_ID}](https://huggingface.co/{HUB_ID}), 4-bit NF4 (QLoRA)"
     assert row(read, "reward functions") == "accuracy (weight 1), format (weight 0.5)"

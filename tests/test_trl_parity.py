@@ -2301,6 +2301,7 @@ def test_peft_sees_the_trained_policy_as_the_default_adapter(tiny_base_dir, tmp_
     dir's root (PeftModel.from_pretrained loads it), get_peft_model_state_dict returns it, merge_and_unload merges
     it. (lora_grpo also holds its frozen reference slot, saved in a subdirectory; TRL's reference, with a KL term, is
     the base with the adapter disabled.)"""
+    from huggingface_hub import ModelCard
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -2328,6 +2329,9 @@ def test_peft_sees_the_trained_policy_as_the_default_adapter(tiny_base_dir, tmp_
     )
     assert get_peft_model_state_dict(loaded).keys() == trained.keys()
     assert all(torch.equal(get_peft_model_state_dict(loaded)[k], trained[k].cpu()) for k in trained)
+    # peft's card lists the trainer's tags on the model: the method and the library ("trl" or "lora_grpo")
+    tags = ModelCard.load(tmp_path / "saved" / "README.md").data.tags
+    assert {"grpo", "trl" if library == "trl" else "lora_grpo"} <= set(tags)
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         expected = loaded(input_ids=ids).logits

@@ -28,6 +28,9 @@ POLICY_DIR, REFERENCE_DIR = "policy", "reference"
 # A frozen copy of the warm-start adapter (model.attach_base_slot): the model a run that started from
 # init_adapter started from. Fresh runs have none: their starting point is the base, adapters off.
 BASE = "base"
+# The Hub tags of what lora_grpo trains: its model cards' and the model's own (model_tags, which peft's card of a
+# script's trainer.model.save_pretrained lists): the library and the method (TRL tags its GRPO models "trl", "grpo").
+TAGS = ("lora_grpo", "grpo")
 
 
 def lora_layers(model: nn.Module, adapters=(POLICY, REFERENCE)) -> list[tuple[str, nn.Module]]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import GRPOConfig
 from ..device import auto_dtype, describe_gpu, native_bf16
-from .adapters import BASE, POLICY, REFERENCE, lora_layers
+from .adapters import BASE, POLICY, REFERENCE, TAGS, lora_layers
 from .bases import resolve_base
 from .loading import loading
 from .reference import check_syncable, sync_reference
@@ -295,6 +295,8 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
         )
     model.add_adapter(REFERENCE, reference_lora_config(model.peft_config[POLICY], config.ref_rank))
     model.set_adapter(POLICY)
+    # the base's model_tags: peft's card of a script's trainer.model.save_pretrained lists them
+    model.add_model_tags(list(TAGS))
     # Adapter weights in float32 (peft does this for the policy; do it for the slot too), so that
     # syncs and the optimizer work at full precision whatever the base dtype.
     model.requires_grad_(False)

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..model.adapters import TAGS
+
 MARKER = "<!-- model card written by lora_grpo -->"
 # Shao et al. 2024, the paper that introduced GRPO (arXiv:2402.03300), as its authors list it.
 GRPO_CITATION = """@article{shao2024deepseekmath,
@@ -70,7 +72,7 @@ def model_card(
         pipeline_tag="text-generation",
         datasets=[dataset_name] if dataset_name else None,
         tags=list(
-            dict.fromkeys(["lora_grpo", "lora", *(["qlora"] if config.quantization == "4bit" else []), *tags])
+            dict.fromkeys([*TAGS, "lora", *(["qlora"] if config.quantization == "4bit" else []), *tags])
         ),
     )
     dataset_shown = (
