@@ -15,6 +15,8 @@ from lora_grpo.algo.loss_types import LOSS_TYPES, Aggregation, Objective
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lora_grpo"
 ALLOWED = {"algo/loss_types.py", "trl/config.py"}
+# grpo is also the method's name: the Hub tag of the models lora_grpo trains (model/adapters.py's TAGS), as TRL's
+METHOD_NAME = {"grpo": {"model/adapters.py"}}
 
 
 def spelled(text: str, name: str) -> bool:
@@ -44,7 +46,8 @@ def test_the_spelling_check_finds_what_it_should():
 def test_each_loss_type_name_is_spelled_in_the_registry_and_trls_translation_only(name):
     found = modules_spelling(name)
     assert "algo/loss_types.py" in found
-    assert found <= ALLOWED, f"{name!r} spelled outside the registry: {sorted(found - ALLOWED)}"
+    allowed = ALLOWED | METHOD_NAME.get(name, set())
+    assert found <= allowed, f"{name!r} spelled outside the registry: {sorted(found - allowed)}"
 
 
 def test_trls_loss_type_warnings_live_once():
