@@ -4,7 +4,9 @@ A base that is built rather than downloaded (an offline task's pre-trained toy, 
 to safetensors) lives in ``$LORA_GRPO_CACHE`` (default ``~/.cache/lora_grpo``) under a name that
 hashes what it was built from. ``ensure_entry`` builds a missing or unusable entry into a temporary
 directory beside it, checks it, and renames it into place, so a crash never leaves a half-written
-entry; under torch.distributed the local main process builds while the others wait.
+entry. One process builds an entry at a time: a second process that needs it (another run started
+beside the first, a test worker, the other ranks under torch.distributed) waits for the build and uses
+it instead of building it again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 # What a cache entry holds besides its record; an entry missing any of them is rebuilt.
 BASE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -60,12 +63,38 @@ def base_problem(path, record: str, version: int) -> str | None:
 def _build(
     final: Path, build: Callable[[Path], object], record: str, version: int, label: str, how_long: str
 ) -> None:
+    """Build the entry ``final`` unless it is usable, holding its lock (``.NAME.lock`` beside it) so that
+    a process that needs the entry while another builds it waits and then finds it built."""
+    if base_problem(final, record, version) is None:
+        return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # The lock is an OS file lock: the system lets go of it when its holder ends, crashed or not, and a
+    # waiter that then finds no usable entry builds it itself.
+    lock = FileLock(final.parent / f".{final.name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"[{label}] waiting for another process that is building {final}", flush=True)
+        lock.acquire()
+    try:
+        _build_unlocked(final, build, record, version, label, how_long)
+    finally:
+        lock.release()
+
+
+def _build_unlocked(
+    final: Path, build: Callable[[Path], object], record: str, version: int, label: str, how_long: str
+) -> None:
     """Build the entry ``final`` unless it is usable: an unusable one is moved aside and removed, the
     new one built into a temporary directory beside it, checked, and renamed into place."""
     problem = base_problem(final, record, version)
     if problem is None:
         return
-    final.parent.mkdir(parents=True, exist_ok=True)
+    # What a build of this entry that was killed (out of memory, SIGKILL) left: no other build of it
+    # runs while we hold its lock, so these are nobody's (a GGUF conversion's can be gigabytes).
+    for left in [p for p in final.parent.iterdir() if p.name.startswith(f".{final.name}-")]:
+        print(f"[{label}] removing {left}, left by a build that did not finish", flush=True)
+        shutil.rmtree(left, ignore_errors=True)
     if final.exists():
         print(f"[{label}] cache entry {final} is unusable ({problem}); rebuilding it", flush=True)
         aside = Path(tempfile.mkdtemp(prefix=f".{final.name}-invalid-", dir=final.parent))

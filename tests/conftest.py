@@ -42,11 +42,12 @@ def qwen_tool_base_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def toy_base(tmp_path_factory):
-    """The default recipe's toy base (pre-trained on noisy sums, ~40 s on CPU), built once per session."""
+def toy_base():
+    """The default recipe's toy base (pre-trained on noisy sums, ~40 s on CPU): the entry in the machine's
+    cache that `lora-grpo train` uses too, built once for every test worker and later run."""
     from lora_grpo.tasks.toy import ensure_toy_base
 
-    return ensure_toy_base(tmp_path_factory.mktemp("toy_cache"))
+    return ensure_toy_base()
 
 
 @pytest.fixture

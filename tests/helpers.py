@@ -8,6 +8,7 @@ import string
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,12 @@ import torch as _torch
 if _torch.distributed.is_initialized():
     _torch.distributed.destroy_process_group()
 """
+
+
+def cache_listing(cache) -> list[str]:
+    """The names in a cache of built bases, less the build locks base_cache keeps beside its entries
+    (``.NAME.lock``): the entries, and any temporary directory a build left behind."""
+    return sorted(p.name for p in Path(cache).iterdir() if not p.name.endswith(".lock"))
 
 
 def run_torchrun(source: str, workdir, *args, nproc: int = 2, timeout: int = 300):

@@ -11,6 +11,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from helpers import cache_listing
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -155,7 +156,7 @@ def test_conversion_equals_transformers_own_gguf_load_and_the_source(tiny_gguf, 
     out = converted_gguf(path)
     said = capsys.readouterr().out
     assert "[gguf] building" in said and "the weights are the GGUF's dequantised ones" in said
-    assert out.startswith(str(cache)) and not any(p.name.startswith(".") for p in cache.iterdir())
+    assert out.startswith(str(cache)) and cache_listing(cache) == [os.path.basename(out)]
     record = json.loads(open(os.path.join(out, RECORD)).read())
     assert record["sha256"] == gguf_base.file_sha256(path) and record["check"]["greedy_equal"]
     assert record["parameters"] == sum(p.numel() for p in source.parameters())
@@ -223,7 +224,7 @@ def test_the_run_that_converts_a_gguf_starts_as_the_runs_that_find_it_cached(tmp
 
     first = make_trainer(tiny_gguf[1], str(tmp_path / "a"), quantization="none")  # converts
     cached = make_trainer(tiny_gguf[1], str(tmp_path / "b"), quantization="none")  # finds it cached
-    assert len(list(cache.iterdir())) == 1
+    assert len(cache_listing(cache)) == 1
     a, b = adapter_state(first.model, POLICY), adapter_state(cached.model, POLICY)
     assert all(torch.equal(a[name], b[name]) for name in a)
 
@@ -239,7 +240,7 @@ def test_a_failed_conversion_publishes_nothing_and_a_broken_entry_is_rebuilt(tmp
     monkeypatch.setattr(gguf_base, "_greedy", differs)
     with pytest.raises(RuntimeError, match="converting .*m.gguf changed the model: on "):
         converted_gguf(path)
-    assert [p for p in cache.iterdir()] == []  # neither an entry nor a temporary directory is left
+    assert cache_listing(cache) == []  # neither an entry nor a temporary directory is left
     monkeypatch.undo()
     monkeypatch.setenv("LORA_GRPO_CACHE", str(cache))
     out = converted_gguf(path)
@@ -262,7 +263,7 @@ def test_a_missing_file_and_a_wrong_gguf_file_are_named(tmp_path, cache, tiny_gg
 
 def _entries(cache) -> list:
     """What the cache holds besides fetched packages: converted entries and temporary directories."""
-    return [p.name for p in cache.iterdir() if p.name != "packages"] if cache.is_dir() else []
+    return [name for name in cache_listing(cache) if name != "packages"] if cache.is_dir() else []
 
 
 def _train_cli(model: str, output_dir) -> int:

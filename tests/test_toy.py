@@ -3,12 +3,15 @@
 import functools
 import json
 import os
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_torchrun
+from helpers import cache_listing, run_torchrun
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -189,7 +192,7 @@ def test_ensure_toy_base_trains_once_and_caches(tmp_path, monkeypatch):
     second = toy.ensure_toy_base(tmp_path, seed=0, **TINY)
     assert first == second and len(calls) == 1
     assert Path(first).parent == tmp_path and Path(first).name == toy.toy_base_dirname(0, **TINY)
-    assert [p.name for p in tmp_path.iterdir()] == [Path(first).name]  # no temporary dir left behind
+    assert cache_listing(tmp_path) == [Path(first).name]  # no temporary dir left behind
     AutoModelForCausalLM.from_pretrained(first)
     AutoTokenizer.from_pretrained(first)
 
@@ -208,7 +211,7 @@ def test_ensure_toy_base_rebuilds_an_incomplete_entry(tmp_path, capsys):
     assert path == str(final)
     assert "(missing config.json, model.safetensors); rebuilding it" in out, out
     AutoModelForCausalLM.from_pretrained(path)
-    assert [p.name for p in tmp_path.iterdir()] == [final.name]  # the bad entry and the temp dirs are gone
+    assert cache_listing(tmp_path) == [final.name]  # the bad entry and the temp dirs are gone
     assert toy.toy_base_problem(path) is None
     assert _record(path)["losses"]  # the rebuilt record, not the stub
 
@@ -250,12 +253,80 @@ def test_ensure_toy_base_builds_once_under_torch_distributed(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["path"] == r1["path"] == r0["again"] == r1["again"]
     assert result.stdout.count("[toy pretrain] building") == 1, result.stdout  # built once, by one rank
-    assert [p.name for p in cache.iterdir()] == [Path(r0["path"]).name]  # no temporary dir left behind
+    assert cache_listing(cache) == [Path(r0["path"]).name]  # no temporary dir left behind
     assert set(toy.TOY_BASE_FILES) <= set(os.listdir(r0["path"]))
     AutoModelForCausalLM.from_pretrained(r0["path"])
     AutoTokenizer.from_pretrained(r0["path"])
     for r in (r0, r1):
         assert {"config.json", "model.safetensors"} <= set(r["own"]), r["own"]
+
+
+# Two processes that need one entry at once (a second run started beside the first, two test workers)
+# build it once: the second waits for the first's lock. The build waits for a file here, so that the test
+# decides when it ends, and what each process printed goes to a file of its own.
+RACE_SCRIPT = textwrap.dedent(
+    """
+    import functools, json, os, sys, time
+    from lora_grpo.tasks import toy
+
+    cache, go, tiny = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    pretrain = toy.pretrain_toy_base
+
+    @functools.wraps(pretrain)  # the cache entry's name hashes the settings its signature names
+    def held_until_go(out_dir, **kwargs):
+        while not os.path.exists(go):
+            time.sleep(0.05)
+        return pretrain(out_dir, **kwargs)
+
+    toy.pretrain_toy_base = held_until_go
+    print("entry", toy.ensure_toy_base(cache, **tiny), flush=True)
+    """
+)
+
+
+def test_a_process_needing_an_entry_another_builds_waits_and_builds_it_only_if_the_builder_dies(tmp_path):
+    """Cache "done": the builder finishes and the waiter uses its entry. Cache "killed": the builder is
+    killed mid-build (out of memory, SIGKILL); the waiter then takes the lock, removes the temporary
+    directory the killed build left, and builds the entry itself."""
+    go, tiny = tmp_path / "go", json.dumps({**TINY, "steps": 3})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(cache, name):
+        out = tmp_path / f"{cache}-{name}.txt"
+        process = subprocess.Popen(
+            [sys.executable, "-c", RACE_SCRIPT, str(tmp_path / cache), str(go), tiny],
+            stdout=out.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        return process, out
+
+    def wait_for(text, *started):
+        deadline = time.monotonic() + 120
+        while not all(text in out.read_text() for _, out in started):
+            ended = any(process.poll() is not None for process, _ in started)
+            assert not ended and time.monotonic() < deadline, [out.read_text() for _, out in started]
+            time.sleep(0.1)
+
+    (builder, built), (killed, killed_out) = firsts = start("done", "first"), start("killed", "first")
+    wait_for("[toy pretrain] building", *firsts)
+    (waiter, waited), (taker, took) = seconds = start("done", "second"), start("killed", "second")
+    wait_for("waiting for another process that is building", *seconds)
+    killed.kill()
+    killed.wait()
+    go.touch()
+    for process in (builder, waiter, taker):
+        assert process.wait(timeout=120) == 0
+    entries = {name: out.read_text() for name, out in [("built", built), ("waited", waited), ("took", took)]}
+    name = toy.toy_base_dirname(0, **{**TINY, "steps": 3})
+    building = "[toy pretrain] building"
+    assert f"entry {tmp_path / 'done' / name}" in entries["built"] and building in entries["built"]
+    assert f"entry {tmp_path / 'done' / name}" in entries["waited"] and building not in entries["waited"]
+    assert "left by a build that did not finish" in entries["took"] and building in entries["took"]
+    assert f"entry {tmp_path / 'killed' / name}" in entries["took"]
+    for cache in ("done", "killed"):
+        assert cache_listing(tmp_path / cache) == [name]  # the killed build's temporary directory is gone
+        AutoModelForCausalLM.from_pretrained(tmp_path / cache / name)
 
 
 def test_cache_name_encodes_every_setting():
