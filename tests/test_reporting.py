@@ -350,10 +350,13 @@ def read_wandb_records(path):
 
 
 def test_wandb_offline(tiny_base_dir, tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install 'lora_grpo[wandb]')")
+    wandb = pytest.importorskip(
+        "wandb", reason="the wandb extra is not installed (pip install 'lora_grpo[wandb]')"
+    )
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)
+    wandb.teardown()  # wandb reads its environment once a process: this test's, not an earlier test's
     trainer = make_trainer(
         tiny_base_dir,
         tmp_path,

@@ -263,6 +263,9 @@ def test_log_completions_sends_a_completions_table_to_wandb(tiny_base_dir, tmp_p
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    # wandb reads its environment once a process; an earlier test's wandb would put this run's files in
+    # the working directory (the clone), whatever WANDB_DIR says now
+    wandb.teardown()
     from wandb.sdk.wandb_run import Run
 
     tables, log = [], Run.log
