@@ -289,7 +289,7 @@ def test_a_process_needing_an_entry_another_builds_waits_and_builds_it_only_if_t
     killed mid-build (out of memory, SIGKILL); the waiter then takes the lock, removes the temporary
     directory the killed build left, and builds the entry itself."""
     go, tiny = tmp_path / "go", json.dumps({**TINY, "steps": 3})
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env, started = {**os.environ, "OMP_NUM_THREADS": "1"}, []
 
     def start(cache, name):
         out = tmp_path / f"{cache}-{name}.txt"
@@ -299,6 +299,7 @@ def test_a_process_needing_an_entry_another_builds_waits_and_builds_it_only_if_t
             stderr=subprocess.STDOUT,
             env=env,
         )
+        started.append(process)
         return process, out
 
     def wait_for(text, *started):
@@ -308,15 +309,20 @@ def test_a_process_needing_an_entry_another_builds_waits_and_builds_it_only_if_t
             assert not ended and time.monotonic() < deadline, [out.read_text() for _, out in started]
             time.sleep(0.1)
 
-    (builder, built), (killed, killed_out) = firsts = start("done", "first"), start("killed", "first")
-    wait_for("[toy pretrain] building", *firsts)
-    (waiter, waited), (taker, took) = seconds = start("done", "second"), start("killed", "second")
-    wait_for("waiting for another process that is building", *seconds)
-    killed.kill()
-    killed.wait()
-    go.touch()
-    for process in (builder, waiter, taker):
-        assert process.wait(timeout=120) == 0
+    try:
+        (builder, built), (killed, killed_out) = firsts = start("done", "first"), start("killed", "first")
+        wait_for("[toy pretrain] building", *firsts)
+        (waiter, waited), (taker, took) = seconds = start("done", "second"), start("killed", "second")
+        wait_for("waiting for another process that is building", *seconds)
+        killed.kill()
+        killed.wait()
+        go.touch()
+        for process in (builder, waiter, taker):
+            assert process.wait(timeout=120) == 0
+    finally:  # a failed test leaves no process waiting for the file
+        for process in started:
+            process.kill()
+            process.wait()
     entries = {name: out.read_text() for name, out in [("built", built), ("waited", waited), ("took", took)]}
     name = toy.toy_base_dirname(0, **{**TINY, "steps": 3})
     building = "[toy pretrain] building"
