@@ -96,13 +96,10 @@ def _build_unlocked(
         print(f"[{label}] removing {left}, left by a build that did not finish", flush=True)
         shutil.rmtree(left, ignore_errors=True)
     if final.exists():
+        # Nobody uses an unusable entry, and nobody else removes it while we hold the lock; a removal cut
+        # short leaves an entry as unusable, which the next build removes.
         print(f"[{label}] cache entry {final} is unusable ({problem}); rebuilding it", flush=True)
-        aside = Path(tempfile.mkdtemp(prefix=f".{final.name}-invalid-", dir=final.parent))
-        try:
-            os.replace(final, aside / final.name)  # atomic, so the rename below finds the name free
-        except FileNotFoundError:  # another process moved it first
-            pass
-        shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     print(f"[{label}] building {final} (once; {how_long})", flush=True)
     try:
@@ -113,11 +110,7 @@ def _build_unlocked(
             build(tmp)
         if (problem := base_problem(tmp, record, version)) is not None:  # never publish an unusable entry
             raise RuntimeError(f"the base built in {tmp} is unusable ({problem})")
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished first; its result is identical
-            if base_problem(final, record, version) is not None:
-                raise
+        os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
