@@ -4,11 +4,12 @@ budget and the rounds), environments, a 4-bit base. (Qwen2.5's template: test_ca
 
 import asyncio
 import time
+from pathlib import Path
 from collections import defaultdict
 
 import pytest
 import torch
-from helpers import load_4bit
+from helpers import char_tokenizer, load_4bit
 
 from lora_grpo.algo.loss import grpo_loss
 from lora_grpo.batch import Batch, loss_mask
@@ -202,6 +203,14 @@ def test_parsing_the_common_formats():
     assert parse_tool_calls('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}')[1] == [call]
     assert parse_tool_calls('{"name": "add", "parameters": {"a": 1, "b": 2}}') == ("", [call])
     assert parse_tool_calls("The answer is 3.") == ("The answer is 3.", [])
+    # A turn as sampled ends with its end-of-turn token, which the formats read to the end must not take in.
+    for text, ends in [
+        ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}]</s>', ["</s>"]),
+        ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}<|eom_id|>', ["<|eot_id|>", "<|eom_id|>"]),
+        ('{"name": "add", "parameters": {"a": 1, "b": 2}}<|eot_id|>', ["<|eot_id|>"]),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}<|im_end|>', ["<|im_end|>"]),
+    ]:
+        assert parse_tool_calls(text, ends) == ("", [call]), text
     assert parse_tool_calls('{"answer": 3}') == ('{"answer": 3}', [])  # JSON, but no call
     content, calls = parse_tool_calls('<tool_call>{"name": add}</tool_call>')
     assert content == "" and len(calls) == 1 and calls[0].startswith("could not parse the tool call")
@@ -287,6 +296,44 @@ def test_multi_turn_rollout_masks_replies_and_finishes_rows_without_calls(tok):
     batch = Batch.from_rollout(r, torch.tensor([1.0, -1.0, 0.5, -0.5]), mask_truncated_completions=False)
     mb = next(batch.micro_batches(4))
     assert mb.completion_length == n and torch.equal(mb.completion_mask, mask[:, :n])
+
+
+def test_a_llama_3_1_json_call_runs_its_tool():
+    """Llama 3.1's template renders a call as the turn's whole JSON, then <|eot_id|>: the turn as sampled,
+    end-of-turn token included, is parsed and the tool runs."""
+    tok = char_tokenizer(
+        ["<|endoftext|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|eot_id|>",
+    )
+    tok.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "llama3_1.jinja").read_text()
+    ran = []
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        ran.append((a, b))
+        return a + b
+
+    box = Toolbox(tok, [add], timeout=None)
+    model = tiny(tok, max_positions=2048)
+    call = ids(tok, '{"name": "add", "parameters": {"a": 2, "b": 3}}') + [tok.eos_token_id]
+    answer = ids(tok, "5") + [tok.eos_token_id]
+    Script(model, [(prompt_ids(tok, box, "2+3?"), call + reply(tok, box, "5", name="add") + answer)])
+    r = rollout(model, tok, box, ["2+3?"])
+    assert ran == [(2, 3)] and r.tool_calls.tolist() == [1] and r.tool_failures.tolist() == [0]
+    assert r.messages[0] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        },
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
 
 
 def test_tool_reply_log_probs_do_not_move_the_gradient(tok):

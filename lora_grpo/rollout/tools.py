@@ -230,6 +230,15 @@ TOOL_CALL_FORMATS: dict[str, Callable] = {
 }
 
 
+def _without_end_tokens(text: str, special_tokens: Sequence[str]) -> str:
+    """``text`` without the special tokens (and the whitespace) at its end."""
+    ends = [t for t in special_tokens if t]
+    text = text.rstrip()
+    while end := next((t for t in ends if text.endswith(t)), None):
+        text = text[: -len(end)].rstrip()
+    return text
+
+
 def parse_tool_calls(text: str, special_tokens: Sequence[str] = ()) -> tuple[str, list[dict | str]]:
     """A turn's text -> (content, calls): each call TRL's dict, or a str saying why that call could not
     be parsed (answered with an error reply). ``special_tokens`` are removed from the content.
@@ -237,6 +246,9 @@ def parse_tool_calls(text: str, special_tokens: Sequence[str] = ()) -> tuple[str
     >>> parse_tool_calls('ok<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     ('ok', [{'type': 'function', 'function': {'name': 'add', 'arguments': {'a': 1}}}])
     """
+    # The turn as sampled ends with the end-of-turn token drawn (<|eot_id|>, <|eom_id|>, </s>); the formats
+    # that read to the end of the text would take it into the call's JSON.
+    text = _without_end_tokens(text, special_tokens)
     content, blobs = text, []
     for find in TOOL_CALL_FORMATS.values():
         found = find(text)
