@@ -403,6 +403,21 @@ def sliding_window_model(tok, kind: str, window: int, eos_boost: float = 12.0, a
     return model
 
 
+# Hybrid families for tiny_config, two layers: a linear-attention (Gated DeltaNet, Qwen3.5) or short-convolution
+# (LFM2) layer beside a full-attention one; their caches hold convolution and recurrent states beside keys and values.
+HYBRIDS = {
+    "qwen3_5_text": {
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+    },
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+}
+
+
 def tiny_config(model_type: str, vocab_size: int, **fields):
     """A tiny config of any transformers decoder family (`model_type`): hidden 64, intermediate 96, 4 heads,
     2 KV heads; `fields` add to or replace those (layers, token ids, head_dim, sliding_window, ...). "gemma3":

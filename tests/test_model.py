@@ -9,7 +9,7 @@ import bitsandbytes.functional as bnb_F
 import bitsandbytes.nn.modules as bnb_modules
 import pytest
 import torch
-from helpers import SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer, tiny_config
+from helpers import HYBRIDS, SMALL_RUN, assert_same_4bit, frozen_4bit, make_trainer, tiny_config
 
 from lora_grpo.config import GRPOConfig
 from lora_grpo.model.adapters import POLICY
@@ -383,6 +383,7 @@ FAMILIES = {
     "gemma3": {"head_dim": 32, "sliding_window": 4},
     "mistral": {"sliding_window": 4},
     "phi3": {},
+    **HYBRIDS,
 }
 
 

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import load_4bit
+from helpers import HYBRIDS, load_4bit, tiny_config
 from tokenizers import processors
 
 from lora_grpo.rollout import (
@@ -80,6 +80,46 @@ def test_sampling_logprobs_match_full_forward(tok, temperature, top_k, top_p, mi
     m = r.completion_mask.bool()
     torch.testing.assert_close(r.sampling_logprobs[m], expected[m], atol=1e-5, rtol=0)
     assert (r.sampling_logprobs[~m] == 0).all()
+
+
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
+def test_a_hybrid_models_samples_carry_the_log_probs_of_each_prompt_alone(tok, model_type):
+    """Qwen3.5 (linear attention) and LFM2 (short convolutions): the prefill's convolution and recurrent states are
+    repeated for the G samples and dropped with the rows that end, as keys and values are; each completion's
+    log-probs are those of its prompt and completion forwarded alone, without the batch's padding."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(
+        model_type,
+        len(tok),
+        num_hidden_layers=2,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        **HYBRIDS[model_type],
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 25.0
+    r = generate_rollout(
+        model,
+        tok,
+        RAGGED_PROMPTS,
+        num_generations=4,
+        max_prompt_length=None,
+        max_completion_length=12,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert r.truncated.any() and (~r.truncated).any()  # rows ended early and were dropped from the cache
+    for row in range(r.completion_ids.size(0)):
+        prompt = r.prompt_ids[row][r.prompt_mask[row].bool()]
+        completion = r.completion_ids[row][r.completion_mask[row].bool()]
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1]
+        alone = logits.log_softmax(-1).gather(1, completion[:, None]).squeeze(1)
+        torch.testing.assert_close(r.sampling_logprobs[row, : len(completion)], alone, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("repetition_penalty", [1.0, 1.5])

@@ -4,8 +4,8 @@ budget and the rounds), environments, a 4-bit base. (Qwen2.5's template: test_ca
 
 import asyncio
 import time
-from pathlib import Path
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,7 +206,10 @@ def test_parsing_the_common_formats():
     # A turn as sampled ends with its end-of-turn token, which the formats read to the end must not take in.
     for text, ends in [
         ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}]</s>', ["</s>"]),
-        ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}<|eom_id|>', ["<|eot_id|>", "<|eom_id|>"]),
+        (
+            '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}<|eom_id|>',
+            ["<|eot_id|>", "<|eom_id|>"],
+        ),
         ('{"name": "add", "parameters": {"a": 1, "b": 2}}<|eot_id|>', ["<|eot_id|>"]),
         ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}<|im_end|>', ["<|im_end|>"]),
     ]:

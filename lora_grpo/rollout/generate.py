@@ -241,6 +241,14 @@ def tokenize_prompts(
     return ids, mask
 
 
+def _take_rows(cache, rows: Tensor) -> None:
+    """Keep the cache's rows ``rows``, in that order, in every layer (a row named twice is repeated).
+    reorder_cache is the row operation every cache layer has (beam search calls it): the key and value
+    layers, and the convolution and recurrent states of hybrid models (Qwen3.5, LFM2, Jamba, ...), where
+    batch_repeat_interleave and batch_select_indices are missing or reach only the attention part."""
+    cache.reorder_cache(rows)
+
+
 def _prefill(model, ids, mask, *, G, sampling, every_slot=False):
     """Prefill the n distinct prompts of (ids, mask), (n, P) each, once; repeat for their G samples.
     -> (KV cache of N = n·G rows, last logits (N, V), padding mask (N, P'), next position (N,),
@@ -262,7 +270,7 @@ def _prefill(model, ids, mask, *, G, sampling, every_slot=False):
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, **extra)
     cache = _cache_of(out)
     # Share the prefix: the G samples of a prompt start from the same KV cache and logits.
-    cache.batch_repeat_interleave(G)
+    _take_rows(cache, torch.arange(ids.size(0), device=ids.device).repeat_interleave(G))
     logits = out.logits[:, -1].repeat_interleave(G, 0)  # (N, V), N = n·G
     attn = mask.repeat_interleave(G, 0)
     next_pos = mask.sum(1).repeat_interleave(G, 0)  # (N,) position of the next token
@@ -329,7 +337,7 @@ def _decode_chunk(
         if keep is not None:
             # Drop finished sequences from the batch and the cache: no compute on rows that only pad.
             attn, next_pos = attn[keep], next_pos[keep]
-            cache.batch_select_indices(keep)
+            _take_rows(cache, keep)
         attn = torch.cat([attn, attn.new_ones(attn.size(0), 1)], dim=1)
         out = model(
             input_ids=tok[:, None],
