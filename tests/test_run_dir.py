@@ -321,9 +321,15 @@ def test_a_directory_of_the_users_files_is_refused_naming_them_and_the_fixes(tmp
     (mine / "metrics.png").write_bytes(b"my plot")
     for k in range(7):
         (mine / f"notes-{k}.txt").write_text("mine")
+    # directories named like a dead run's temporary ones are the user's here: kept
+    for name in (".adapter.backup", ".checkpoint-7.orig"):
+        (mine / name).mkdir()
+        (mine / name / "adapter_model.safetensors").write_bytes(b"my only copy")
     before = _files(mine)
     with pytest.raises(OutputDirError) as info:
         claim_output_dir(mine)
+    for name in (".adapter.backup", ".checkpoint-7.orig"):
+        assert (mine / name / "adapter_model.safetensors").read_bytes() == b"my only copy"
     msg = str(info.value)
     assert msg.startswith(
         f"output_dir '{mine}' holds files that are not a lora_grpo run's: config.yaml, metrics.png, notes-0.txt, "
@@ -355,9 +361,10 @@ def test_overwrite_moves_the_users_files_of_a_runs_names_aside_and_deletes_nothi
     claim_output_dir(mine).release()
     (theirs := tmp_path / "theirs").mkdir()
     (theirs / "data.csv").write_text("a,b\n")
+    (theirs / ".adapter.old").mkdir()
     with claim_output_dir(theirs, overwrite=True) as claim:
         assert claim.set_aside is None and "the others stay where they are" in claim.notes[0]
-    assert _files(theirs) == {"data.csv": b"a,b\n"}
+    assert _files(theirs) == {"data.csv": b"a,b\n"} and (theirs / ".adapter.old").is_dir()
 
 
 def test_a_run_of_ours_is_recognised_by_its_own_files(tmp_path):

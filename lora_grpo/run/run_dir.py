@@ -457,17 +457,19 @@ def claim_output_dir(
         raise OutputDirError(_not_writable(root, e)) from e
     claim = RunDirClaim(root, fd, True, [note] if note else [])
     try:
-        leftovers = remove_leftovers(root)  # the lock is ours: no live writer owns them
-        if leftovers:
-            claim.notes.append(
-                f"{root}: removed {len(leftovers)} temporary dir(s) of a checkpoint write that never "
-                f"finished (its process died): {', '.join(leftovers)}"
-            )
         continues = resume_from is not None and (
             resume_from is True or str(resume_from) == "latest" or _inside(Path(resume_from), root)
         )
         found = None if continues else previous_run(root)
         theirs = [] if continues or found is not None else not_a_runs(root)
+        # The lock is ours: no live writer owns a run's leftovers. In a directory of the user's files, names
+        # like them are the user's: kept, whether the run is refused there or writes beside them.
+        leftovers = [] if theirs else remove_leftovers(root)
+        if leftovers:
+            claim.notes.append(
+                f"{root}: removed {len(leftovers)} temporary dir(s) of a checkpoint write that never "
+                f"finished (its process died): {', '.join(leftovers)}"
+            )
         if found is not None:
             if not overwrite:
                 raise OutputDirError(_refusal(root, found, resume_from))
