@@ -467,6 +467,21 @@ def test_target_modules_compare_as_resolved_sets(tiny_base_dir, tmp_path, saved_
     assert summary["steps"] == 3
 
 
+def test_a_run_targeting_modules_by_a_regular_expression_resumes(tiny_base_dir, tmp_path):
+    """peft and the config take lora_target_modules as one regular expression too: its checkpoints resume."""
+    targets = r".*\.(q_proj|v_proj)"
+    make_trainer(
+        tiny_base_dir,
+        tmp_path / "a",
+        quantization="none",
+        max_steps=2,
+        save_steps=1,
+        lora_target_modules=targets,
+    ).train()
+    summary = resume(tiny_base_dir, tmp_path / "a", "latest", lora_target_modules=targets)
+    assert summary["steps"] == 3
+
+
 def test_misplaced_paths_inside_a_run_say_what_to_pass(tiny_base_dir, tmp_path, saved_run, run_copy):
     with pytest.raises(
         CheckpointError, match=r"is the policy adapter inside checkpoint .*checkpoint-2; pass the checkpoint"

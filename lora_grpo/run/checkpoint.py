@@ -490,7 +490,11 @@ def _earlier_hint(path: Path) -> str:
 
 
 def _target_modules(config_file: Path) -> set[str]:
-    targets = json.loads(config_file.read_text()).get("target_modules")
+    return _target_set(json.loads(config_file.read_text()).get("target_modules"))
+
+
+def _target_set(targets) -> set[str]:
+    """peft's target_modules as a set: a list of names, or one string (a regular expression, 'all-linear')."""
     return {targets} if isinstance(targets, str) else set(targets or ())
 
 
@@ -674,7 +678,9 @@ def restore_training_state(
             f"{state_file(path)}: {'; '.join(problems)}. No run writes that: the file was edited or damaged. "
             "Put back the values the run wrote, or else: " + _earlier_hint(path)
         )
-    check_compatible(path, config_values, policy_targets=set(model.peft_config[POLICY].target_modules))
+    check_compatible(
+        path, config_values, policy_targets=_target_set(model.peft_config[POLICY].target_modules)
+    )
     # Checkpoints written before the per-process state existed have none: no generation left.
     per_process = blobs.get("process_state") or [{}] * len(blobs["rng"])
     saved_processes = int(saved.get("num_processes", len(blobs["rng"])))
