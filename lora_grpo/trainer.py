@@ -541,6 +541,8 @@ class GRPOTrainer:
                 )
                 return
             self.policy_step = state.best_global_step
+            # The slot still holds what the last steps synced into it, not the best step's policy.
+            state.reference_is_policy = False
         self._print(f"the final adapter is the best checkpoint's policy: {best.describe(state)}")
 
     def push_to_hub(

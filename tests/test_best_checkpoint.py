@@ -75,7 +75,10 @@ def same_weights(model_state: dict, saved: dict) -> bool:
 def test_the_best_eval_after_a_step_keeps_its_checkpoint_and_becomes_the_final_adapter(
     tiny_base_dir, tmp_path
 ):
-    trainer = planned_run(tiny_base_dir, tmp_path, load_best_model_at_end=True)
+    # a hard sync after every step, the last included
+    trainer = planned_run(
+        tiny_base_dir, tmp_path, load_best_model_at_end=True, ref_sync_steps=1, ref_sync_alpha=1.0
+    )
     summary = trainer.train()
     run = tmp_path / "run"
     # step 2 (the first eval after a step) and step 4 beat the best, and were saved though no save was due; step 6
@@ -96,6 +99,7 @@ def test_the_best_eval_after_a_step_keeps_its_checkpoint_and_becomes_the_final_a
     assert not same_weights(best_policy, last_policy)
     assert same_weights(adapter_state(trainer.model, POLICY), best_policy)
     assert same_weights(best_policy, load_file(str(run / "adapter" / "adapter_model.safetensors")))
+    assert not trainer.state.reference_is_policy  # the slot holds the last step's policy, not the best's
     # the last checkpoint records the best, in transformers' fields
     recorded = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())
     assert (recorded["best_global_step"], recorded["best_metric"]) == (4, pytest.approx(0.9))
