@@ -32,6 +32,8 @@ FLOOR = {
     "its probe",
     "base_cache": "the machine's cache of built bases: model/bases and model/gguf read it, tasks/ publish "
     "their tiny bases into it",
+    "event_loop": "the process's one asyncio loop: rewards/ awaits async reward functions and rollout/ async tools "
+    "and environments on it, the same loop every step as in TRL",
     "batch": "the records that move between the stages (a rollout made ready for the loss, its "
     "micro-batches): memory/probe builds the worst-case micro-batch the update will see",
 }

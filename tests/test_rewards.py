@@ -791,6 +791,41 @@ def test_async_reward_functions_are_awaited_together():
         compute_rewards([fails], _q(2), ["ok", ""])
 
 
+def test_async_rewards_and_tools_await_on_one_loop_that_outlives_every_step():
+    """An LLM judge keeps a client or a semaphore between steps, bound to the loop of its first call: every
+    step awaits on that same loop, still running, as in TRL; async tools share it, as TRL's do."""
+    import asyncio
+
+    from lora_grpo.rollout import Toolbox
+    from lora_grpo.tasks import calculator
+
+    loops, kept = [], {}
+
+    async def judge(completions, **kwargs):
+        loops.append(asyncio.get_running_loop())
+        kept.setdefault("limit", asyncio.Semaphore(1))
+        async with kept["limit"]:  # waits once a step: the semaphore is bound to its loop from then on
+            await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+    for _ in range(3):  # three steps
+        _, per_func, _ = compute_rewards([judge, judge], _q(2), ["c", "d"])
+        assert per_func.tolist() == [[1.0, 1.0]] * 2
+    assert len(loops) == 6 and all(loop is loops[0] for loop in loops) and not loops[0].is_closed()
+
+    async def where(x: str) -> str:
+        """Says nothing.
+
+        Args:
+            x: Anything.
+        """
+        loops.append(asyncio.get_running_loop())
+        return "ok"
+
+    box = Toolbox(calculator.make_tokenizer(), [where], timeout=5)
+    assert box.start(where, {"x": "a"}).result() == "ok" and loops[-1] is loops[0]
+
+
 def test_log_extra_and_log_metric_reach_the_step_and_the_completions(tiny_base_dir, tmp_path):
     import json
 

@@ -6,7 +6,6 @@ The contract the functions follow is in :mod:`lora_grpo.rewards` (the package do
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import math
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import event_loop
 from ..run.failures import StepFailed
 from .builtins import _text
 from .specs import reward_names
@@ -160,17 +160,14 @@ def _find_failing_sample(fn, prompts, completions, columns) -> tuple[int, Except
     return None
 
 
-_LOOP = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora_grpo-async-rewards")
-
-
 def run_coroutines(awaitables: list) -> list:
-    """Await them concurrently (asyncio.gather), on an event loop of a worker thread, so that it works
-    inside a running loop too (a notebook); each result, or the exception it raised."""
+    """Await them concurrently (asyncio.gather) on the process's one event loop (event_loop.py: every step
+    on the same loop, as in TRL, and inside a running loop too); each result, or the exception it raised."""
 
     async def gather():
         return await asyncio.gather(*awaitables, return_exceptions=True)
 
-    results = _LOOP.submit(asyncio.run, gather()).result()
+    results = event_loop.run(gather())
     for r in results:
         if isinstance(r, BaseException) and not isinstance(r, Exception):
             raise r  # KeyboardInterrupt and the like are not a reward function's failure

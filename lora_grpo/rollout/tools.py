@@ -35,6 +35,8 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
+from .. import event_loop
+
 # ------------------------------------------------------------------------------------- schemas
 
 
@@ -311,7 +313,7 @@ class Toolbox:
         )
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.stop_ids = list(stop_ids) if stop_ids is not None else [tokenizer.eos_token_id]
-        self._replies, self._loop = {}, None
+        self._replies = {}
         self._pools: dict = {}  # environment name -> its instances, reused (reset) from rollout to rollout
         self.env_schemas: dict = {}  # environment name -> the schemas a row of it sees (standalone + its methods)
         functions = list(self.tools)
@@ -462,21 +464,14 @@ class Toolbox:
             )
         return self._replies[key]
 
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:  # a daemon thread's loop: works under a caller's running loop (notebooks) too
-            self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, daemon=True, name="lora_grpo-tools").start()
-        return self._loop
-
     def _await(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._event_loop()).result()
+        return event_loop.run(coro)
 
     def start(self, fn: Callable, arguments: dict) -> Future:
-        """Start one call -> a Future of its result."""
+        """Start one call -> a Future of its result (an async one on the process's event loop, the reward
+        functions' too, as in TRL)."""
         if inspect.iscoroutinefunction(fn):
-            return asyncio.run_coroutine_threadsafe(
-                asyncio.wait_for(fn(**arguments), self.timeout), self._event_loop()
-            )
+            return event_loop.submit(asyncio.wait_for(fn(**arguments), self.timeout))
         future: Future = Future()
 
         def work():
