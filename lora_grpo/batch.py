@@ -12,7 +12,7 @@ on the same rollout, as the uninterrupted run does.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -64,6 +64,10 @@ class Batch:
     advantages: Tensor  # (B,)
     old_logp: Tensor | None = None  # (B, T), only when the batch is trained on more than once
     ref_logp: Tensor | None = None  # (B, T), only when beta > 0 and the slot differs from the policy
+    # (B,), only when the generation feeds several optimizer steps (steps): each row's share of the generation's
+    # loss tokens per step, so that a step's rows sum to the generation's tokens / steps, the token count the
+    # loss types normalised by the step's tokens divide by (as TRL's num_items_in_batch, whatever its slice holds)
+    token_share: Tensor | None = None
 
     @classmethod
     def from_rollout(cls, rollout, advantages: Tensor, *, mask_truncated_completions: bool) -> Batch:
@@ -81,7 +85,7 @@ class Batch:
 
     def steps(self, num_steps: int = 1) -> list[Batch]:
         """The optimizer steps this generation batch feeds: `num_steps` equal slices of its rows, in
-        order (one slice, itself, for num_steps = 1)."""
+        order (one slice, itself, for num_steps = 1), each normalised by the generation's tokens per step."""
         n = self.input_ids.shape[0]
         if num_steps == 1:
             return [self]
@@ -89,8 +93,15 @@ class Batch:
             raise ValueError(
                 f"a generation batch of {n} sequences cannot be cut into {num_steps} equal steps"
             )
+        share = self.completion_mask.sum().to(torch.float32) / n
+        whole = replace(self, token_share=share.expand(n).clone())
         size = n // num_steps
-        return [self.rows(slice(i, i + size)) for i in range(0, n, size)]
+        return [whole.rows(slice(i, i + size)) for i in range(0, n, size)]
+
+    def step_tokens(self) -> float:
+        """The token count of this optimizer step's loss normaliser (before the average over processes):
+        its own loss tokens, or with several steps to a generation the generation's per step."""
+        return float(self.completion_mask.sum() if self.token_share is None else self.token_share.sum())
 
     def rows(self, rows: slice | Tensor) -> Batch:
         return Batch(

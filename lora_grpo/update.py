@@ -112,7 +112,7 @@ class PolicyUpdate:
         # with the rows left out, in one all-reduce.
         counts = sum_over_processes(
             {
-                "tokens": batch.completion_mask.sum().item(),
+                "tokens": batch.step_tokens(),
                 "rows": float(n_seq),
                 "idle": float(idle.sum()),
                 "all_idle": float(bool(idle.all())),

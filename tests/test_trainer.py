@@ -504,3 +504,49 @@ def test_the_sampler_never_draws_the_numbers_that_initialised_the_adapters(tiny_
     assert replays(torch.Generator().manual_seed(3)), name
     sampler = torch.Generator().set_state(trainer.generator.get_state())
     assert not replays(sampler)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+def test_the_steps_of_one_generation_divide_by_its_tokens_per_step_as_trl(
+    tiny_base_dir, tmp_path, monkeypatch, loss_type
+):
+    """With steps_per_generation 2, the loss types normalised by tokens divide each step's token sum by the
+    generation's loss tokens / 2 (TRL's num_items_in_batch × GA / steps_per_generation), the same for both
+    steps, whatever each slice holds."""
+    generations, normalisers = [], []
+    real_steps, real_loss = Batch.steps, update_module.grpo_loss
+
+    def steps(self, num_steps=1):
+        generations.append(float(self.completion_mask.sum()))
+        return real_steps(self, num_steps)
+
+    def grpo_loss(*args, num_tokens=None, **kwargs):
+        normalisers.append(num_tokens)
+        return real_loss(*args, num_tokens=num_tokens, **kwargs)
+
+    monkeypatch.setattr(Batch, "steps", steps)
+    monkeypatch.setattr(update_module, "grpo_loss", grpo_loss)
+    step_tokens = []
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        quantization="none",
+        loss_type=loss_type,
+        epsilon_high=5.0,
+        steps_per_generation=2,
+        micro_batch_size=8,
+        max_steps=4,
+        max_completion_length=8,
+    )
+    real_update = trainer.update.__class__.__call__
+
+    def update(self, batch, micro_batch_size):
+        step_tokens.append(float(batch.completion_mask.sum()))
+        return real_update(self, batch, micro_batch_size)
+
+    monkeypatch.setattr(trainer.update.__class__, "__call__", update)
+    trainer.train()
+    assert len(generations) == 2 and len(step_tokens) == 4 == len(normalisers)  # one micro-batch a step
+    expected = [g / 2 for g in generations for _ in range(2)]
+    assert normalisers == pytest.approx(expected, rel=1e-6)
+    assert step_tokens != pytest.approx(expected)  # the slices' own counts differ: the test tells them apart

@@ -4,7 +4,7 @@ records that need no torch. The names are TRL 1.16's; so are the formulas.
     grpo     the clipped objective; mean over each sequence's tokens, then over sequences (DeepSeekMath)
     bnpo     the clipped objective; mean over the micro-batch's tokens
     dapo     the clipped objective; sum over tokens / the step's token count (DAPO's token-level loss,
-             Yu et al. 2025)
+             Yu et al. 2025; with several steps to a generation, the generation's tokens per step, as TRL)
     dr_grpo  the clipped objective; sum over tokens / (sequences × max_completion_length) (Liu et al.
              2025, "Dr. GRPO": a constant denominator removes the length bias)
     cispo    −sg(min(ρ, ε_high))·A·logp (MiniMax 2025, "MiniMax-M1"; ε_high is ScaleRL's ε_max, about 5,
