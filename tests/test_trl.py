@@ -170,6 +170,25 @@ def test_top_k_none_is_no_top_k_filtering_as_in_trls_generate():
         )
 
 
+def test_a_loss_that_depends_on_the_micro_batch_takes_trls_micro_batch():
+    """Where TRL's objective depends on which completions share a micro-step (a token mean per micro-batch, the
+    high-entropy quantile, the entropy bonus), a micro-batch is per_device_train_batch_size rows, as in TRL;
+    elsewhere the gradient does not depend on it and the memory plan sizes it."""
+    from lora_grpo.trl.translate import to_native
+
+    def micro_batch(**fields):
+        args = OurConfig(
+            output_dir="x", use_cpu=True, per_device_train_batch_size=2, num_generations=2, **fields
+        )
+        return to_native(args, model_name_or_path="toy").micro_batch_size
+
+    assert micro_batch() == "auto" and micro_batch(loss_type="grpo") == "auto"
+    assert micro_batch(loss_type="bnpo") == 2
+    assert micro_batch(top_entropy_quantile=0.5) == 2
+    assert micro_batch(entropy_coef=0.01) == 2
+    assert micro_batch(use_adaptive_entropy=True) == 2
+
+
 def test_trls_best_model_metric_names_are_the_native_eval_metrics():
     from lora_grpo.trl.translate import best_metric
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..algo.loss_types import LOSS_TYPES
 from ..config import ConfigError
 from ..config import GRPOConfig as NativeConfig
 from .config import EXTENSIONS, GRPOConfig
@@ -618,7 +619,7 @@ def to_native(
             "adam_epsilon": args.adam_epsilon,
             "max_grad_norm": args.max_grad_norm,
             "gradient_checkpointing": "auto" if checkpointing else False,
-            "micro_batch_size": "auto",
+            "micro_batch_size": args.per_device_train_batch_size if _loss_reads_micro_batch(args) else "auto",
             "clip_ratio_group_size": args.per_device_train_batch_size,
             "torch_dtype": precision_dtype(args),
             "trust_remote_code": args.trust_remote_code,
@@ -689,6 +690,21 @@ def to_native(
             "overwrite_output_dir": True,
             **native,
         }
+    )
+
+
+def _loss_reads_micro_batch(args) -> bool:
+    """Whether TRL's loss depends on which completions share a micro-step: a loss type normalised by the
+    micro-batch's tokens, the high-entropy token mask (its quantile taken per micro-step) or the entropy
+    bonus (a token mean per micro-step). Those runs take per_device_train_batch_size rows a micro-batch, as
+    TRL does, so that the objective is TRL's; the others' gradient does not depend on it (micro-batches
+    sized by the memory plan)."""
+    entry = LOSS_TYPES.get(args.loss_type)  # an unknown name is refused by the native config, naming them all
+    return (
+        (entry is not None and entry.per_micro_batch)
+        or args.top_entropy_quantile < 1.0
+        or bool(args.entropy_coef)
+        or bool(args.use_adaptive_entropy)
     )
 
 
