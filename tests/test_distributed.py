@@ -233,3 +233,44 @@ def test_a_checkpoint_of_one_process_resumes_under_two(tiny_base_dir, tmp_path):
     assert "process 1 (not in that run) sample from fresh streams" in result.stderr
     r0, r1 = (json.loads((tmp_path / f"count{r}.json").read_text()) for r in (0, 1))
     assert r0["steps"] == r1["steps"] == 4 and r0["sums"] == r1["sums"]
+
+
+PROBE_ON_TWO = """
+import json, os, sys
+from pathlib import Path
+from helpers import digit_share
+from lora_grpo import GRPOConfig, GRPOTrainer
+from lora_grpo.memory import probe as memory
+
+base, out = sys.argv[1], Path(sys.argv[2])
+rank = int(os.environ["RANK"])
+MiB = 2**20
+trainer = GRPOTrainer(
+    GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, num_generations=4, prompts_per_step=4,
+               max_completion_length=5, micro_batch_size="auto", gradient_checkpointing=False, memory_probe="sweep",
+               memory_budget=1.0, top_entropy_quantile=0.5, max_steps=1, output_dir=str(out / "run"), save_steps=0),
+    reward_funcs=[digit_share], train_dataset=[{"prompt": f"{i}+{i % 5}="} for i in range(32)],
+)
+optimizer = memory.optimizer_state_bytes(trainer.params, "adamw")
+memory.available_bytes = lambda device: (1000 * MiB + optimizer, "test RAM")
+passes, real_pass = [], memory.probe_pass
+memory.probe_pass = lambda update, m, train, *a, **k: (passes.append(m), real_pass(update, m, train, *a, **k))[1]
+# each pass really runs (with its collectives: the entropy quantile's gather); process 1 measures 10
+# sequences 1% higher, where it no longer fits its 1,000 MiB
+def measure_peak(fn, device):
+    fn()
+    return (100 + 90 * passes[-1]) * MiB * (1.01 if rank == 1 and passes[-1] == 10 else 1.0)
+memory.measure_peak = measure_peak
+plan = trainer.plan_memory()
+(out / f"plan-{rank}.json").write_text(json.dumps({"passes": passes, "size": plan.micro_batch_size}))
+"""
+
+
+def test_two_processes_probe_the_same_passes_and_plan_for_the_tighter(tiny_base_dir, tmp_path):
+    """Each process measures its own peaks; every measured figure is the larger of the two, so both run the same
+    passes (whose collectives pair up: a process that ran one more pass would wait forever) and take the size
+    that fits the tighter process."""
+    run_torchrun(PROBE_ON_TWO, tmp_path, tiny_base_dir, tmp_path, timeout=240)
+    plans = [json.loads((tmp_path / f"plan-{rank}.json").read_text()) for rank in (0, 1)]
+    assert plans[0] == plans[1]
+    assert plans[0]["size"] == 9 and 10 in plans[0]["passes"]  # 10 fits process 0 alone: not taken

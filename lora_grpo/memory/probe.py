@@ -288,6 +288,7 @@ def plan_memory(
     decode_rows: int = 0,
     estimate: Callable[[int, bool], float] | None = None,
     held: float = 0.0,
+    agree: Callable[[float], float] = float,
 ) -> MemoryPlan:
     """Choose micro_batch_size and gradient_checkpointing (either may be fixed by the config).
 
@@ -298,8 +299,9 @@ def plan_memory(
     computed instead of measured (memory/estimate.py: a plan from a model's shapes alone). rollout:
     the largest rollout's peak, `kept` included; kept: bytes that stay allocated between rollouts,
     under every training pass (decode_memory); held: bytes reserved over the allocated ones before
-    any of it (release_cached_memory), under everything. Raises MemoryBudgetError when one sequence,
-    or the rollout, does not fit.
+    any of it (release_cached_memory), under everything. agree(peak): the value every process takes
+    for a peak each one measured (the largest, with several: their choices and their passes then stay
+    in step). Raises MemoryBudgetError when one sequence, or the rollout, does not fit.
     """
     t0 = time.perf_counter()
     available_bytes_, source = available
@@ -340,7 +342,7 @@ def plan_memory(
                 lambda: run_pass(m, False),
                 *(lambda f=f: f(m) for f in side_passes),
             ]
-            return max(_measured(p, device) for p in passes)
+            return agree(max(_measured(p, device) for p in passes))
 
         return at
 
@@ -489,7 +491,8 @@ def plan_run_memory(
     estimate(tokens, worst): the pass's bytes from the model's shapes (memory_estimate.pass_estimate);
     with memory_probe 'auto' it decides first (plan_from_shapes), so that the probe costs at most one
     pass, and nothing when the run is far under its budget. The RNG states and the training flag are
-    restored afterwards. Several processes plan for the tightest one and all take process 0's sizes."""
+    restored afterwards. Several processes plan for the tightest one: each measured figure is the largest
+    any process measured, so all choose the same sizes (process 0's are broadcast besides)."""
     cfg, model = update.config, update.model
     tokens = (longest_prompt, cfg.max_completion_length)
     eval_tokens = None if eval_longest_prompt is None else (eval_longest_prompt, cfg.max_completion_length)
@@ -508,10 +511,17 @@ def plan_run_memory(
     # The loaded model's own unused reserved bytes, with the cache emptied: under everything (CUDA).
     held = release_cached_memory(device)
     available = available_bytes(device)
-    if num_processes > 1:  # plan for the tightest process
-        least = torch.tensor([available[0]], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
-        available = (float(least.item()), available[1])
+    agree = float
+    if num_processes > 1:
+        # Plan for the tightest process: the least room, the most held, the largest peak of each pass. Every
+        # process then makes the same choices and runs the same passes (whose collectives must pair up).
+        def agree(value: float, op=torch.distributed.ReduceOp.MAX) -> float:
+            reduced = torch.tensor([value], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(reduced, op=op)
+            return float(reduced.item())
+
+        available = (agree(available[0], torch.distributed.ReduceOp.MIN), available[1])
+        held = agree(held)
     size_hint = (
         f"To fit: lower max_completion_length (now {cfg.max_completion_length}) or max_prompt_length (now "
         f"{cfg.max_prompt_length}); "
@@ -534,6 +544,7 @@ def plan_run_memory(
             device=device,
             decode_rows=decode_rows(cfg),
             held=held,
+            agree=agree,
             side_passes=tuple(lambda m, f=f: f(m, longest) for f in side_passes),
             fix_hint=size_hint
             + ("" if cfg.quantization == "4bit" else "quantization=4bit (frees the weights' memory); ")
@@ -590,7 +601,9 @@ def plan_from_shapes(
         plan.probe = f"not measured: the model's shapes give {need}, under 1/{FAR_UNDER} of the budget"
     else:
         device = sizes["device"]
-        peak = max(_measured(lambda train=train: run_pass(size, train), device) for train in (True, False))
+        peak = sizes.get("agree", float)(
+            max(_measured(lambda train=train: run_pass(size, train), device) for train in (True, False))
+        )
         need = plan.held + plan.optimizer + max(plan.rollout, plan.kept + peak)
         if need > plan.budget:
             return None
