@@ -289,11 +289,19 @@ ALLOCATION_FAILURES = (
 def available_bytes(device: torch.device) -> tuple[float, str]:
     """(bytes this process may still allocate, what they are). CUDA: free device memory plus what
     torch's caching allocator holds unused: the room for reserving more over what is allocated now,
-    so a plan over the allocated bytes is checked against it in reserved bytes; CPU: the available RAM."""
+    so a plan over the allocated bytes is checked against it in reserved bytes; less where the process
+    is capped (torch.cuda.set_per_process_memory_fraction: the allocator refuses to reserve past
+    total × fraction, whatever the device has free); CPU: the available RAM."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return float(free + cached), "free GPU memory"
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        room = free + torch.cuda.memory_reserved(device) - allocated
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+        if fraction < 1.0 and total * fraction - allocated < room:
+            return float(total * fraction - allocated), (
+                f"GPU memory this process may use (set_per_process_memory_fraction({fraction:g}))"
+            )
+        return float(room), "free GPU memory"
     import psutil
 
     return float(psutil.virtual_memory().available), "available RAM"

@@ -88,7 +88,16 @@ def test_budget_is_free_gpu_memory_plus_torch_cache_or_available_ram(monkeypatch
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000 * MiB, 8000 * MiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 300 * MiB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 100 * MiB)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
     assert memory.available_bytes(torch.device("cuda", 0)) == (1200 * MiB, "free GPU memory")
+    # a process capped at a share of the card (set_per_process_memory_fraction) may reserve up to total × share
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.1)
+    assert memory.available_bytes(torch.device("cuda", 0)) == (
+        700 * MiB,
+        "GPU memory this process may use (set_per_process_memory_fraction(0.1))",
+    )
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.5)
+    assert memory.available_bytes(torch.device("cuda", 0))[0] == 1200 * MiB  # the cap is above what is free
     import psutil
 
     monkeypatch.setattr(
