@@ -449,6 +449,15 @@ class GRPOTrainer:
         to train (said in one line; its final adapter written when missing): nothing is trained,
         evaluated or saved again."""
         resumed = self.load_checkpoint(self.config.resume_from_checkpoint)
+        if self.state.global_step == self.total_steps and self._end_unfinished():
+            # The last step's checkpoint, without the end that follows it: the final eval failed (the failure
+            # kept the last step), or the process died before summary.json. The end runs now.
+            self._print(
+                f"{Path(resumed).name} is the run's last step ({self.total_steps}), but the run did not end: no "
+                f"summary.json of step {self.total_steps} in {self.output_dir}. Its end runs now: the eval after "
+                "training, the final checkpoint and adapter, summary.json"
+            )
+            return False
         no_adapter = not (self.output_dir / "adapter").exists()
         line = nothing_to_train(
             self.state.global_step, self.total_steps, resumed, no_adapter, further=self.train_further_hint
@@ -461,6 +470,18 @@ class GRPOTrainer:
         if no_adapter:
             self._save_final_adapter()
         return True
+
+    def _end_unfinished(self) -> bool:
+        """Whether output_dir lacks the summary.json of the run's end at this step (the main process reads it;
+        every process takes its answer)."""
+        unfinished = 0.0
+        if self.is_main:
+            try:
+                summary = json.loads((self.output_dir / "summary.json").read_text())
+                unfinished = float(summary.get("steps") != self.state.global_step)
+            except (OSError, ValueError, AttributeError):
+                unfinished = 1.0
+        return sum_over_processes({"unfinished": unfinished}, self.accelerator)["unfinished"] > 0
 
     def _begin(self, plan: MemoryPlan | None) -> None:
         """The run's start: config.yaml, the logs (truncated or fresh) and trackers, what 'auto' chose,
@@ -728,7 +749,9 @@ class GRPOTrainer:
             "the function" if reward else "the cause",
             trained=state.global_step > 0,
         )
-        message = f"step {step}/{self.total_steps} stopped: {what}. {kept}"
+        # past the last step: the run's end (the eval after training, the final save) failed
+        where = f"step {step}/{self.total_steps}" if step <= self.total_steps else "the end of the run"
+        message = f"{where} stopped: {what}. {kept}"
         self._print(message)
         if reward:
             raise RewardFunctionError(message, error.function, state.global_step, target) from error

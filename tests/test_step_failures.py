@@ -10,6 +10,7 @@ of a resume whose dataset changed. The pieces have their own tests (test_startup
 contract, test_health, test_run_dir)."""
 
 import errno
+import json
 import math
 import re
 
@@ -185,6 +186,52 @@ def test_a_fault_in_step_2_keeps_step_1_and_resumes_to_the_same_run(
     reference = uninterrupted["eval" if stage == "eval" else "plain"]
     assert _comparable(resumed.state.log_history) == _comparable(reference.state.log_history)
     assert_same_adapters(resumed.model, reference.model)
+
+
+def test_a_fault_in_the_eval_after_training_keeps_the_last_step_and_the_resume_ends_the_run(
+    tiny_base_dir, tmp_path, monkeypatch, capsys
+):
+    """The eval after the last step fails: the last step is kept, and the resume runs the end it missed (the eval,
+    the final adapter, summary.json), ending as the run without the fault ends."""
+    settings = {**RUN, **EVAL, "eval_steps": 100, "eval_on_end": True}
+    plain = make_trainer(
+        tiny_base_dir, tmp_path / "plain", **settings, train_dataset=TRAIN, reward_funcs=[_score()]
+    )
+    plain.train()
+    trainer = make_trainer(tiny_base_dir, tmp_path, **settings, train_dataset=TRAIN, reward_funcs=[_score()])
+    _plant("eval", trainer, 3, monkeypatch)
+    with pytest.raises(
+        StepFailed, match=r"^the end of the run stopped: the eval raised TimeoutError"
+    ) as info:
+        trainer.train()
+    run = tmp_path / "run"
+    assert info.value.checkpoint == run / "checkpoint-3" and not (run / "summary.json").exists()
+    monkeypatch.undo()
+    resumed = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **settings,
+        train_dataset=TRAIN,
+        reward_funcs=[_score()],
+        resume_from_checkpoint="latest",
+    )
+    summary = resumed.train()
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3 and summary["eval_after"]
+    assert _comparable(resumed.state.log_history) == _comparable(plain.state.log_history)
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    # resumed again, the run has ended: nothing is trained, evaluated or saved
+    again = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        **settings,
+        train_dataset=TRAIN,
+        reward_funcs=[_score()],
+        resume_from_checkpoint="latest",
+    )
+    ended = (run / "summary.json").read_bytes()
+    capsys.readouterr()
+    again.train()
+    assert "nothing left to train" in capsys.readouterr().out and (run / "summary.json").read_bytes() == ended
 
 
 @pytest.mark.parametrize("stage", list(CASES))
