@@ -311,9 +311,13 @@ def test_trls_registry_rewards_score_as_trls_own(name):
     ]
     solution = ["1/3", "1/3", "3", "3", "3", "3", "3", "3", "3", "no answer here"]
     completions = [[{"role": "assistant", "content": t}] for t in texts]
+    from lora_grpo.trl.script import reward_registry
+
     ours, _ = BUILTIN_REWARDS[name]
     theirs = getattr(trl_rewards, name)(completions, solution)
     assert ours(completions=completions, solution=solution) == theirs
+    # the name in a `lora-grpo trl` recipe too (its registry of TRL's names)
+    assert reward_registry()[name](completions=completions, solution=solution) == theirs
     assert len(set(map(str, theirs))) > 1  # the table tells scores apart
     extra = {}
     ours(

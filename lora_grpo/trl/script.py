@@ -107,11 +107,11 @@ def groups() -> tuple:
 
 def reward_registry() -> dict:
     """TRL's grpo-script registry names → lora_grpo's reward functions of the same meaning."""
-    from ..rewards import answer_accuracy, soft_overlong_penalty
-    from ..rewards.builtins import reasoning_accuracy_reward, think_format_reward
+    from ..rewards import soft_overlong_penalty
+    from ..rewards.builtins import accuracy_reward, reasoning_accuracy_reward, think_format_reward
 
     return {  # under TRL's function names, so that the metrics are TRL's (rewards/accuracy_reward/mean, ...)
-        "accuracy_reward": _named(answer_accuracy, "accuracy_reward"),
+        "accuracy_reward": accuracy_reward,
         "reasoning_accuracy_reward": reasoning_accuracy_reward,
         "think_format_reward": think_format_reward,
         "get_soft_overlong_punishment": _named(
