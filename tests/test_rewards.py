@@ -134,7 +134,16 @@ ACCURACY_CASES = [
     ("<answer>0.75</answer>", "3/4", 1.0),
     ("<answer>\\frac{3}{4}</answer>", "0.75", 1.0),
     ("<answer>-5.0</answer>", "-5", 1.0),
-    ("<answer>The answer is 18.</answer>", "18", 1.0),  # sentence inside the tag: last number
+    ("<answer>The answer is 18.</answer>", "18", 1.0),  # a sentence around one number inside the tag
+    ("<answer>it is 1,234 apples</answer>", "1234", 1.0),
+    ("<answer>y = 3</answer>", "3", 1.0),
+    # several numbers, or an expression, inside the tag are not the number they contain: hedging scores nothing
+    ("<answer>3 or 4</answer>", "4", 0.0),
+    ("<answer>1, 2, 3, 4, 5</answer>", "5", 0.0),
+    ("<answer>3x</answer>", "3", 0.0),
+    ("<answer>x^2</answer>", "2", 0.0),
+    ("<answer>x+1</answer>", "1", 0.0),
+    ("<answer>sqrt(2)</answer>", "2", 0.0),
     ("I think it is 3, no, 7.", "7", 1.0),  # no tag: last number
     ("I think it is 7, no, 3.", "7", 0.0),
     ("so \\boxed{12} apples, 5 left", "12", 1.0),  # no tag: last \boxed wins over the last number

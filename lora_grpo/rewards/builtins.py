@@ -196,10 +196,27 @@ def _numbers_match(reference: str, answer: str) -> bool:
     if ref is None:
         return False
     got = parse_number(answer)
-    if got is None:  # the <answer> block may hold a sentence: use its last number.
-        numbers = _ANY_NUMBER_RE.findall(answer)
-        got = parse_number(numbers[-1]) if numbers else None
+    if got is None:  # the <answer> block may hold a sentence around its number
+        got = _sentence_number(answer)
     return got is not None and got == ref
+
+
+# Characters of an expression around a number: an answer block holding one is no number ("x^2", "x+1").
+_EXPRESSION = set("^*/+<>\\_()[]{}|")
+
+
+def _sentence_number(answer: str) -> Fraction | None:
+    """The one number of an answer that is a sentence around it ("The answer is 42."), else None: an answer
+    holding several numbers ("3 or 4", "1, 2, 3") or an expression ("x^2", "3x", "sqrt(2)") is no number, so
+    that hedging or a formula never scores as the number it contains."""
+    numbers = list(_ANY_NUMBER_RE.finditer(answer))
+    if len(numbers) != 1:
+        return None
+    found = numbers[0]
+    before, after = answer[: found.start()], answer[found.end() :]
+    if _EXPRESSION & set(before + after) or before[-1:].isalnum() or after[:1].isalnum():
+        return None
+    return parse_number(found.group())
 
 
 def _math_verify_match(reference: str, answer: str) -> bool:
@@ -212,10 +229,9 @@ def _math_verify_match(reference: str, answer: str) -> bool:
         texts = [s] if "$" in s else [f"${s}$", s]
         return [p for p in (_math_verify.parse(t, parsing_timeout=timeout) for t in texts) if p]
 
-    golds = parses(reference)
-    if not golds:
-        return False
-    return any(_math_verify.verify(golds[0], answer, timeout_seconds=timeout) for answer in parses(answer))
+    # Each side read one way, the first that parses: the plain reading of "3 or 4" is its last number alone.
+    golds, answers = parses(reference), parses(answer)
+    return bool(golds and answers) and _math_verify.verify(golds[0], answers[0], timeout_seconds=timeout)
 
 
 def answer_accuracy(completions: list, **kwargs) -> list[float | None]:
@@ -227,10 +243,11 @@ def answer_accuracy(completions: list, **kwargs) -> list[float | None]:
     ``<answer>`` block, else the last ``\\boxed{}``, else the last number); no answer scores 0.0.
 
     A match is any of: an exact numeric match by :func:`parse_number` ("1,234" == "1234", "0.75" ==
-    "3/4" == "\\frac{3}{4}"); equal texts after removing whitespace, case and a final period; and,
-    when ``math_verify`` is installed (the ``math`` extra), its ``verify`` (symbolic expressions,
-    sets, intervals...). Without math_verify, non-numeric answers are thus compared as text. A
-    conversational completion is read from its last message's content.
+    "3/4" == "\\frac{3}{4}"; an answer that is a sentence around one number, "The answer is 42.", is that
+    number, but several numbers, "3 or 4", or an expression, "3x", are none); equal texts after removing
+    whitespace, case and a final period; and, when ``math_verify`` is installed (the ``math`` extra), its
+    ``verify`` (symbolic expressions, sets, intervals...). Without math_verify, non-numeric answers are thus
+    compared as text. A conversational completion is read from its last message's content.
 
     >>> answer_accuracy(completions=["<answer>1,234</answer>", "so it is 7.", "<answer>8</answer>"],
     ...                 answer=["1234", "7", None])
