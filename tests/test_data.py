@@ -522,6 +522,9 @@ def test_a_streamed_dataset_is_read_once_the_rows_the_run_needs():
     assert isinstance(train, datasets.Dataset) and train["i"] == list(range(6))
     train, _ = _resolve(stream, steps_per_generation=2, max_steps=4)  # 2 rollouts of 4 prompts
     assert len(train) == 8
+    # dynamic sampling: up to dynamic_sampling_max_rounds rollouts a step, every one of fresh prompts
+    train, _ = _resolve(stream, dynamic_sampling=True, dynamic_sampling_max_rounds=4)
+    assert train["i"] == list(range(24))
     short = datasets.Dataset.from_list(
         [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}]
     ).to_iterable_dataset()

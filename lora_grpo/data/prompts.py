@@ -415,7 +415,8 @@ LOCAL_DATASETS = {
 
 def stream_rows(config, split: str, num_processes: int | None = None) -> int:
     """Rows a run reads from a streamed train dataset (every rollout's prompts for max_steps updates,
-    on every process), or a streamed eval dataset (eval_limit); ValueError when nothing bounds it."""
+    on every process; with dynamic_sampling, dynamic_sampling_max_rounds rollouts a step, the most a step
+    may draw), or a streamed eval dataset (eval_limit); ValueError when nothing bounds it."""
     if split == "eval":
         if not config.eval_limit:
             raise ValueError(
@@ -435,6 +436,8 @@ def stream_rows(config, split: str, num_processes: int | None = None) -> int:
         -(-config.max_steps // updates),
         num_processes or int(os.environ.get("WORLD_SIZE", "1")),
     )
+    if getattr(config, "dynamic_sampling", False):
+        rollouts *= config.dynamic_sampling_max_rounds
     return rollouts * getattr(config, "prompts_per_generation", config.prompts_per_step) * processes
 
 
