@@ -598,3 +598,28 @@ def test_an_image_in_a_chat_message_is_refused_and_its_text_kept_by_the_fix(toke
     assert loaded["prompt"] == plain["prompt"]
     # A prompt given by a template reads no messages: its other columns are not looked into.
     assert len(load_prompt_dataset(rows, prompt_template="{answer}?")) == 2
+
+
+def test_a_prompt_holding_an_earlier_tool_call_renders_as_its_template_renders_it():
+    """An assistant turn that called a tool has no content, only tool_calls (standard chat data, rendered by
+    the template): accepted, and rendered as apply_chat_template renders it. A message lacking content without
+    tool calls is still refused."""
+    from helpers import qwen_style_tokenizer
+
+    tok = qwen_style_tokenizer()
+    prompt = [
+        {"role": "user", "content": "What is 2+2? Use the tool."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}],
+        },
+        {"role": "tool", "name": "add", "content": "4"},
+    ]
+    rows = datasets.Dataset.from_list([{"prompt": prompt, "answer": "4"}] * 2)
+    loaded = load_prompt_dataset(rows, tokenizer=tok)
+    expected = tok.apply_chat_template(rows[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    assert loaded[0]["prompt"] == expected and '"name": "add"' in expected
+    bare = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    with pytest.raises(ValueError, match=r"its message 1 has no 'content'"):
+        load_prompt_dataset(datasets.Dataset.from_list([{"prompt": bare}] * 2), tokenizer=tok)

@@ -107,7 +107,10 @@ def _check_rows(ds: datasets.Dataset, column: str, ok, expected: str, keep: str)
         rows = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
         problem = next(filter(None, map(_message_problem, (values[i] for i in bad))), None)
         if problem:  # rows of messages lacking a role or content: a filter that keeps only whole ones
-            keep = f"row[{column!r}] and all(m.get('role') and m.get('content') is not None for m in row[{column!r}])"
+            keep = (
+                f"row[{column!r}] and all(m.get('role') and (m.get('content') is not None or m.get('tool_calls')) "
+                f"for m in row[{column!r}])"
+            )
         raise ValueError(
             f"column {column!r} must hold {expected}, but {len(bad)} of {len(ds)} rows do not: rows "
             f"[{rows}] (row {bad[0]} holds {values[bad[0]]!r:.120}{f'; {problem}' if problem else ''}); "
@@ -117,7 +120,8 @@ def _check_rows(ds: datasets.Dataset, column: str, ok, expected: str, keep: str)
 
 def _message_problem(value: Any) -> str | None:
     """The first message of a non-empty list of dicts without a 'role' (a non-empty str) or a
-    'content' (datasets stores a missing key as None); None for anything else or a good list."""
+    'content' (datasets stores a missing key as None); None for anything else or a good list. An assistant
+    turn that calls tools may have no content (its 'tool_calls' are the turn), as chat templates render it."""
     if (
         isinstance(value, Sequence)
         and not isinstance(value, str)
@@ -125,6 +129,8 @@ def _message_problem(value: Any) -> str | None:
     ):
         for j, m in enumerate(value):
             for key in ("role", "content"):
+                if key == "content" and m.get("tool_calls"):
+                    continue
                 if m.get(key) is None or (key == "role" and not (isinstance(m[key], str) and m[key])):
                     return f"its message {j} has {'no' if m.get(key) is None else 'an empty'} {key!r} ({dict(m)!r:.80})"
     return None
