@@ -191,8 +191,8 @@ def eval_metrics(
     weights: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """Every process's results -> eval/<name> (mean over prompts where the function applied; NaN
-    where it never did), eval/reward (the weighted sum of the functions' rewards, a None as 0, as a
-    training step's `reward`; `weights` None: all 1), eval/completion_length (greedy), eval/pass@k for
+    where it never did), eval/reward (the weighted sum of the functions' rewards, a None as 0, over the
+    prompts some function scored, as a training step's `reward`; `weights` None: all 1), eval/completion_length (greedy), eval/pass@k for
     each k in ``pass_k``, eval/kl_to_base (Σ k3 / Σ tokens over every prompt, summed in prompt order)
     when the results carry it. A reward function named "reward" keeps eval/reward for its own mean.
 
@@ -208,7 +208,9 @@ def eval_metrics(
         raise ValueError("the eval dataset has no prompts")
     scores = torch.tensor([r.scores for r in results], dtype=torch.float64)  # (N, F)
     weights = torch.tensor([1.0] * len(names) if weights is None else list(weights), dtype=torch.float64)
-    metrics = {"eval/reward": (scores * weights).nansum(1).mean().item()}
+    # a prompt no function scored is left out, as from a training step's reward (and TRL's)
+    summed = (scores * weights).nansum(1)
+    metrics = {"eval/reward": summed[~scores.isnan().all(1)].mean().item()}
     metrics.update({f"eval/{name}": scores[:, j].nanmean().item() for j, name in enumerate(names)})
     metrics["eval/completion_length"] = float(np.mean([r.length for r in results]))
     for k in sorted(set(pass_k)):

@@ -123,6 +123,9 @@ def test_eval_reward_is_the_weighted_sum_of_each_prompts_rewards_a_none_counting
     assert eval_metrics(results, ["a", "b"], [], 0, 3)["eval/reward"] == pytest.approx((1.5 + 0.0 + 2.0) / 3)
     # a reward function named "reward" keeps its own name
     assert eval_metrics(results, ["reward", "b"], [], 0, 3)["eval/reward"] == 0.5
+    # a prompt no function scored is left out of eval/reward, as from a training step's reward
+    unscored = results + [PromptResult(3, (nan, nan), 3)]
+    assert eval_metrics(unscored, ["a", "b"], [], 0, 4)["eval/reward"] == pytest.approx((1.5 + 0.0 + 2.0) / 3)
 
 
 def test_eval_tool_metrics_count_greedy_completions_that_called_and_their_calls():
