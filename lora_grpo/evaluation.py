@@ -192,9 +192,10 @@ def eval_metrics(
 ) -> dict[str, float]:
     """Every process's results -> eval/<name> (mean over prompts where the function applied; NaN
     where it never did), eval/reward (the weighted sum of the functions' rewards, a None as 0, over the
-    prompts some function scored, as a training step's `reward`; `weights` None: all 1), eval/completion_length (greedy), eval/pass@k for
-    each k in ``pass_k``, eval/kl_to_base (Σ k3 / Σ tokens over every prompt, summed in prompt order)
-    when the results carry it. A reward function named "reward" keeps eval/reward for its own mean.
+    prompts some function scored, as a training step's `reward`; `weights` None: all 1),
+    eval/completion_length (greedy), eval/pass@k for each k in ``pass_k``, eval/kl_to_base (Σ k3 / Σ
+    tokens over every prompt, summed in prompt order) when the results carry it. A reward function
+    named "reward" keeps eval/reward for its own mean.
 
     Raises RuntimeError unless the results hold each of the ``num_prompts`` prompts exactly once.
     """

@@ -113,6 +113,30 @@ def test_exact_sync_truncation_error_equals_dense_error(tiny_base_dir):
     assert metrics["sync/max_layer_error"] == pytest.approx(worst, rel=1e-4)
 
 
+def test_factor_mode_is_refused_at_load_for_a_warm_start_of_several_ranks(tiny_base_dir, tmp_path):
+    """A warm-start adapter with a rank_pattern has layers of several ranks: the factor blend, layer by layer,
+    cannot fit them all to one slot rank, so it is refused when the model is built, not at the first sync."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    targets = ["q_proj", "v_proj"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
+    get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, rank_pattern={"q_proj": 8}, target_modules=targets)
+    ).save_pretrained(tmp_path / "sft")
+    with pytest.raises(
+        ValueError, match=r"layers have ranks \[4, 8\] \(a rank_pattern\)\. Use ref_sync_mode: exact"
+    ):
+        make(
+            tiny_base_dir,
+            init_adapter=str(tmp_path / "sft"),
+            lora_r=8,
+            ref_rank=8,
+            lora_target_modules=targets,
+            ref_sync_mode="factors",
+        )
+
+
 def test_factor_mode_is_the_name_wise_blend_not_the_weight_space_mix(tiny_base_dir):
     model = make(tiny_base_dir, ref_sync_mode="factors")  # ref_rank defaults to lora_r
     randomize(model, POLICY, seed=5)

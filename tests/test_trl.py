@@ -512,6 +512,51 @@ def test_a_peft_model_is_the_warm_start_and_the_initial_reference(tiny_base_dir,
         torch.testing.assert_close(delta_weight(module, REFERENCE), expected[name], rtol=1e-5, atol=1e-6)
 
 
+def test_a_peft_config_with_a_rank_pattern_trains_with_a_reference_slot_that_holds_it(
+    tiny_base_dir, tmp_path
+):
+    """A LoraConfig whose rank_pattern gives a module a rank above r (as TRL takes it): the reference slot is
+    twice the largest rank, so a hard sync copies every layer exactly."""
+    import torch
+    from peft import LoraConfig
+
+    from lora_grpo.model.adapters import POLICY, REFERENCE
+    from lora_grpo.model.reference import delta_weight
+    from lora_grpo.trl import GRPOTrainer
+
+    args = OurConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        beta=0.04,
+        sync_ref_model=True,
+        ref_model_sync_steps=1,
+        ref_model_mixup_alpha=1.0,
+        save_strategy="no",
+    )
+    peft_config = LoraConfig(
+        r=4, lora_alpha=8, rank_pattern={"q_proj": 16}, target_modules=["q_proj", "v_proj"]
+    )
+    trainer = GRPOTrainer(
+        model=tiny_base_dir,
+        reward_funcs=_length_reward,
+        args=args,
+        train_dataset=_dataset(8),
+        peft_config=peft_config,
+    )
+    trainer.train()
+    layers = [(n, m) for n, m in trainer.model.named_modules() if hasattr(m, "lora_A") and POLICY in m.lora_A]
+    assert {m.lora_A[POLICY].weight.shape[0] for n, m in layers if "q_proj" in n} == {16}
+    assert {m.lora_A[REFERENCE].weight.shape[0] for _, m in layers} == {32}
+    for _, module in layers:  # synced after the step: the slot holds the policy exactly
+        torch.testing.assert_close(
+            delta_weight(module, REFERENCE), delta_weight(module, POLICY), rtol=1e-5, atol=1e-6
+        )
+
+
 @pytest.mark.parametrize(
     "field, value, match",
     [

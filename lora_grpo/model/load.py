@@ -283,11 +283,17 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
             check_target_modules(base, policy.target_modules)
         model = get_peft_model(base, policy, adapter_name=POLICY, autocast_adapter_dtype=True)
     # The largest rank of any layer (an adapter may carry a per-module rank_pattern).
-    policy_rank = max(m.lora_A[POLICY].weight.shape[0] for _, m in lora_layers(model, (POLICY,)))
+    ranks = sorted({m.lora_A[POLICY].weight.shape[0] for _, m in lora_layers(model, (POLICY,))})
+    policy_rank = ranks[-1]
     if config.ref_rank < policy_rank and (config.init_adapter or config.ref_sync_alpha == 1):
         raise ValueError(
             f"ref_rank={config.ref_rank} is below the policy adapter's rank {policy_rank}: the reference slot could "
             "not hold an exact copy of the policy. Set ref_rank ≥ the policy rank (default 2 × lora_r)."
+        )
+    if config.ref_sync_mode == "factors" and len(ranks) > 1:
+        raise ValueError(
+            f"ref_sync_mode='factors' blends A and B layer by layer, so every layer of the policy must have "
+            f"the slot's rank; this adapter's layers have ranks {ranks} (a rank_pattern). Use ref_sync_mode: exact"
         )
     if config.ref_sync_mode == "factors" and config.ref_rank != policy_rank:
         raise ValueError(

@@ -165,7 +165,10 @@ def build_model(
     if peft_config is not None:
         check_lora(peft_config)
         targets = peft_config.target_modules
+        # the reference slot holds twice the largest rank, a rank_pattern's too, as lora_grpo's default (2 × lora_r)
+        ranks = [peft_config.r, *(getattr(peft_config, "rank_pattern", None) or {}).values()]
         fields.update(
+            ref_rank=2 * max(ranks),
             lora_r=peft_config.r,
             lora_alpha=peft_config.lora_alpha,
             lora_dropout=peft_config.lora_dropout,
