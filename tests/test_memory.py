@@ -572,6 +572,36 @@ def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp
         make_trainer(tiny_base_dir, tmp_path / "c", **kw).train()
 
 
+@pytest.mark.parametrize("decode_mode", ["auto", "compiled"])
+def test_auto_decodes_eagerly_where_the_compiled_decodes_kept_caches_do_not_fit(
+    tiny_base_dir, tmp_path, monkeypatch, decode_mode
+):
+    """'auto' chose the compiled decode (a GPU's choice: stood in here), whose static caches stay allocated
+    between rollouts; where they do not fit beside training but the eager sampler's rollout does, the run plans
+    and decodes eagerly, saying why. decode_mode: compiled, the user's own choice, is refused as before."""
+    from lora_grpo.rollout.fast_decode import unavailable
+
+    kw = dict(memory_budget=1.0, max_steps=1, decode_mode=decode_mode, **AUTO)
+    eager = make_trainer(tiny_base_dir, tmp_path / "a", **kw).plan_memory()
+    kept = 2 * eager.need  # a static cache above all the budget below
+    real = memory.decode_memory
+    monkeypatch.setattr(memory, "resolve_decode_mode", lambda mode, model, device: "compiled")
+    monkeypatch.setattr(
+        memory,
+        "decode_memory",
+        lambda *a: (kept + real(*a)[0], kept) if a[4] == "compiled" else real(*a),
+    )
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (1.2 * eager.need, "test RAM"))
+    trainer = make_trainer(tiny_base_dir, tmp_path / "c", **kw)
+    if decode_mode == "compiled":
+        with pytest.raises(MemoryBudgetError):
+            trainer.plan_memory()
+        return
+    plan = trainer.plan_memory()
+    assert plan.kept == 0 and plan.rollout == eager.rollout
+    assert "the compiled decode's static caches" in unavailable(trainer.model)
+
+
 def test_the_probe_leaves_adapters_rng_and_gradients_as_they_were(tiny_base_dir, tmp_path):
     trainer = make_trainer(tiny_base_dir, tmp_path / "a", max_steps=1, quantization="none", **AUTO)
     before = {a: adapter_state(trainer.model, a) for a in (POLICY, REFERENCE)}

@@ -70,7 +70,13 @@ from ..batch import MicroBatch
 from ..device import MiB, allocator_setting, available_bytes, measure_peak, release_cached_memory
 from ..model.load import set_gradient_checkpointing
 from ..rng import rng_state, set_rng_state
-from ..rollout.fast_decode import kv_bytes_per_slot, reserve_shape, resolve_decode_mode, static_cache_bytes
+from ..rollout.fast_decode import (
+    give_up,
+    kv_bytes_per_slot,
+    reserve_shape,
+    resolve_decode_mode,
+    static_cache_bytes,
+)
 
 BUSY_TOKENS = 4096  # tokens per pass above which an extra pass costs little next to recompute's ~1/3
 MAX_PROBES = 6  # measured sizes per checkpointing mode
@@ -555,12 +561,35 @@ def plan_run_memory(
             + size_hint
             + "a smaller model; or free memory / raise memory_budget.",
         )
-        plan = None
-        # The reward models' scoring forwards have no estimate from shapes: those runs are measured.
-        if cfg.memory_probe == "auto" and estimate is not None and not side_passes:
-            plan = plan_from_shapes(estimate(tokens, longest), run_pass, set_checkpointing, sizes)
-        if plan is None:
-            plan = plan_memory(run_pass, set_checkpointing, **sizes)
+
+        def planned() -> MemoryPlan:
+            plan = None
+            # The reward models' scoring forwards have no estimate from shapes: those runs are measured.
+            if cfg.memory_probe == "auto" and estimate is not None and not side_passes:
+                plan = plan_from_shapes(estimate(tokens, longest), run_pass, set_checkpointing, sizes)
+            return plan_memory(run_pass, set_checkpointing, **sizes) if plan is None else plan
+
+        try:
+            plan = planned()
+        except MemoryBudgetError:
+            if cfg.decode_mode != "auto" or mode != "compiled":
+                raise
+            # 'auto' chose the compiled decode, whose static caches stay allocated between rollouts: where they
+            # do not fit, the eager sampler (which keeps nothing) may. Its refusal, if it does not fit either.
+            sizes["rollout"], sizes["kept"] = decode_memory(
+                model.config,
+                rollout_shapes(cfg, longest_prompt, eval_longest_prompt),
+                embeddings.dtype,
+                vocab,
+                "eager",
+                device,
+            )
+            plan = planned()
+            give_up(
+                model,
+                f"decode_mode auto: the compiled decode's static caches ({kept / MiB:,.0f} MiB, kept between "
+                "rollouts) do not fit the memory budget beside training; the eager sampler's rollouts do",
+            )
     finally:
         set_rng_state(rng)
         model.train(was_training)

@@ -144,7 +144,7 @@ def unavailable(model) -> str | None:
     return None if state is None else state.failed
 
 
-def _give_up(model, reason: str) -> None:
+def give_up(model, reason: str) -> None:
     """Turn fast decoding off for this model, saying why in one logged line (once: later rollouts
     see ``unavailable(model)`` and go eager without a word), and let go of what only the fast path
     used: the kept static caches (gigabytes of KV on a GPU) and the compiled step. A rollout still
@@ -220,7 +220,7 @@ def resolve_decode_mode(mode: str, model, device: torch.device) -> str:
         state.checked = True
         reason = _unsupported(model)
         if reason is not None:
-            _give_up(model, reason)
+            give_up(model, reason)
     return "eager" if state.failed else mode
 
 
@@ -359,7 +359,7 @@ class StaticDecoder:
                     self.forward, mode="reduce-overhead" if cuda else None, dynamic=False
                 )
             except Exception as e:  # torch.compile refused outright (unsupported Python, no backend)
-                _give_up(self.owner, f"torch.compile failed: {_reason(e)}")
+                give_up(self.owner, f"torch.compile failed: {_reason(e)}")
                 return None
         return self.state.compiled
 
@@ -380,7 +380,7 @@ class StaticDecoder:
                     torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
                 logits = self.compiled(*args)[:N].clone()  # a CUDA graph reuses its output buffer
             except Exception as e:  # compiling failed (no C++ compiler, an op dynamo cannot trace, ...)
-                _give_up(self.owner, f"compiling the decode step failed: {_reason(e)}")
+                give_up(self.owner, f"compiling the decode step failed: {_reason(e)}")
                 self.compiled = None
                 for layer in self.cache.layers:  # undo a partial write, if the failure came mid-run
                     layer.cumulative_length.fill_(self.slot)
