@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .algo.advantages import multi_objective_advantages, zero_std_fraction
+from .algo.advantages import multi_objective_advantages, reads_whole_batch, zero_std_fraction
 from .batch import loss_mask
 from .data.prompts import PROMPT_MESSAGES
 from .rewards import (
@@ -227,6 +227,27 @@ class RolloutScorer:
         self.trainer_state.num_input_tokens_seen += int(tokens)
         return {"num_tokens": float(self.trainer_state.num_input_tokens_seen)}
 
+    def _advantages(self, per_func: Tensor) -> Tensor:
+        """(B,) advantages of this process's (B, F) rewards. Where they read the whole batch (scale_rewards
+        'batch', normalize_then_sum), over every process's rows, as TRL gathers the rewards first: each
+        process computes them on the gathered table and keeps its own rows."""
+        cfg, acc = self.config, self.accelerator
+
+        def of(table: Tensor) -> Tensor:
+            args = (self.weights, cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation)
+            return multi_objective_advantages(table, *args)
+
+        if acc.num_processes == 1 or not reads_whole_batch(
+            cfg.scale_rewards, cfg.multi_objective_aggregation
+        ):
+            return of(per_func)
+        from accelerate.utils import gather_object
+
+        # the processes' tables may differ in rows (dynamic sampling's rounds): gathered whole, in process order
+        parts = gather_object([per_func.cpu()])
+        start = sum(len(part) for part in parts[: acc.process_index])
+        return of(torch.cat(parts).to(per_func.device))[start : start + len(per_func)]
+
     def advantages(
         self, rollout, rows: dict[str, list], scored: Scored | None = None, sampled: tuple | None = None
     ) -> tuple[Tensor, dict[str, float]]:
@@ -238,13 +259,7 @@ class RolloutScorer:
         all, the rows not trained on marked "dropped"."""
         cfg, acc = self.config, self.accelerator
         scored = scored or self.score(rollout, rows, cfg.num_generations)
-        advantages = multi_objective_advantages(
-            scored.per_func,
-            self.weights,
-            cfg.num_generations,
-            cfg.scale_rewards,
-            cfg.multi_objective_aggregation,
-        )
+        advantages = self._advantages(scored.per_func)
         seen_rollout, seen, extra, seen_advantages = rollout, scored, scored.extra, advantages
         if sampled is not None:
             seen_rollout, seen, trained = sampled

@@ -274,3 +274,50 @@ def test_two_processes_probe_the_same_passes_and_plan_for_the_tighter(tiny_base_
     plans = [json.loads((tmp_path / f"plan-{rank}.json").read_text()) for rank in (0, 1)]
     assert plans[0] == plans[1]
     assert plans[0]["size"] == 9 and 10 in plans[0]["passes"]  # 10 fits process 0 alone: not taken
+
+
+WHOLE_BATCH = PRELUDE + textwrap.dedent(
+    """
+    import lora_grpo.scorer as scorer
+
+    cfg = GRPOConfig(model_name_or_path=base, quantization="none", lora_r=4, num_generations=4,
+                     prompts_per_step=2, max_completion_length=5, micro_batch_size=8, max_steps=1,
+                     output_dir=out + "/run", save_steps=0, gradient_checkpointing=False,
+                     scale_rewards=sys.argv[3], multi_objective_aggregation=sys.argv[4])
+    seen = {}
+    real = scorer.RolloutScorer._advantages
+    def advantages(self, per_func):
+        seen["per_func"] = per_func.tolist()
+        out = real(self, per_func)
+        seen["advantages"] = out.tolist()
+        return out
+    scorer.RolloutScorer._advantages = advantages
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+    t = GRPOTrainer(cfg, reward_funcs=[digit_share, length], train_dataset=prompts)
+    t.train()
+    json.dump(seen, open(f"{out}/advantages{t.accelerator.process_index}.json", "w"))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "scale, aggregation", [("batch", "sum_then_normalize"), ("group", "normalize_then_sum")]
+)
+def test_advantages_that_read_the_whole_batch_read_both_processes_rows(
+    tiny_base_dir, tmp_path, scale, aggregation
+):
+    """scale_rewards 'batch' and GDPO's normalize_then_sum divide by the batch's std: as TRL gathers the rewards
+    first, each process's advantages are its rows of those computed over both processes' rows."""
+    import torch
+
+    from lora_grpo.algo.advantages import multi_objective_advantages
+
+    run_torchrun(WHOLE_BATCH, tmp_path, tiny_base_dir, tmp_path, scale, aggregation)
+    seen = [json.loads((tmp_path / f"advantages{rank}.json").read_text()) for rank in (0, 1)]
+    table = torch.tensor(seen[0]["per_func"] + seen[1]["per_func"])
+    whole = multi_objective_advantages(table, None, 4, scale, aggregation)
+    ours = torch.tensor(seen[0]["advantages"] + seen[1]["advantages"])
+    torch.testing.assert_close(ours, whole, rtol=1e-5, atol=1e-6)
+    alone = multi_objective_advantages(torch.tensor(seen[0]["per_func"]), None, 4, scale, aggregation)
+    assert not torch.allclose(alone, whole[: len(alone)])  # one process's rows alone would give others

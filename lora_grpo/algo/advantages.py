@@ -69,11 +69,14 @@ class AdvantageScale:
 
     apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (centered (P, G), rewards (P, G)) → (P, G)
     help: str
+    whole_batch: bool = False  # reads every row of the step (every process's), not only each group's
 
 
 SCALES: dict[str, AdvantageScale] = {
     "group": AdvantageScale(_scale_group, "divide by the group's std (unbiased)"),
-    "batch": AdvantageScale(_scale_batch, "divide by the std of the whole batch (this process's)"),
+    "batch": AdvantageScale(
+        _scale_batch, "divide by the std of the whole batch (every process's rows, as TRL)", whole_batch=True
+    ),
     "none": AdvantageScale(_scale_none, "do not divide (Dr. GRPO, Liu et al. 2025)"),
 }
 
@@ -145,6 +148,7 @@ class MultiObjective:
         [torch.Tensor, torch.Tensor, int, str], torch.Tensor
     ]  # (per_func, weights (F,), G, scale)
     help: str
+    whole_batch: bool = False  # reads every row of the step (every process's), not only each group's
 
 
 MULTI_OBJECTIVE_AGGREGATIONS: dict[str, MultiObjective] = {
@@ -154,8 +158,15 @@ MULTI_OBJECTIVE_AGGREGATIONS: dict[str, MultiObjective] = {
     "normalize_then_sum": MultiObjective(
         _normalize_then_sum,
         "each function normalised in its group, weighted sum normalised over the batch (GDPO)",
+        whole_batch=True,
     ),
 }
+
+
+def reads_whole_batch(scale: str, aggregation: str) -> bool:
+    """Whether the advantages of a row depend on rows outside its group (the batch's std): then they are
+    computed over every process's rows, as TRL gathers the rewards first."""
+    return SCALES[scale].whole_batch or MULTI_OBJECTIVE_AGGREGATIONS[aggregation].whole_batch
 
 
 def multi_objective_advantages(
