@@ -110,9 +110,28 @@ def merge_policy(config: GRPOConfig, source: MergeSource, base: str = "trained")
             f" (it was trained on the {config.quantization} base)" if config.quantization != "none" else ""
         )
     with loading("merge", "adapter", source.adapter):
-        merged = PeftModel.from_pretrained(weights, str(source.adapter)).merge_and_unload().eval()
+        adapted = PeftModel.from_pretrained(weights, str(source.adapter))
+    _untie_a_trained_head(adapted)
+    merged = adapted.merge_and_unload().eval()
     gap = largest_logit_difference(policy, merged, tokenizer, MERGE_CHECK_PROMPTS)
     return MergedPolicy(model=merged, tokenizer=tokenizer, into=into, gap=gap)
+
+
+def _untie_a_trained_head(adapted) -> None:
+    """An adapter on the LM head of a base whose head is its input embeddings (tied: SmolLM2, Qwen2.5 up to
+    3B, Llama 3.2, Gemma): the head gets a weight of its own before the merge, and the config says so, so that
+    the merge changes the head alone, as the adapter did in training (merging into the one shared matrix would
+    change the input embeddings too)."""
+    import torch
+
+    model = adapted.get_base_model()
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    base_head = getattr(head, "base_layer", None)  # a LoRA layer wraps the head
+    if base_head is None or embeddings is None or base_head.weight is not embeddings.weight:
+        return
+    base_head.weight = torch.nn.Parameter(base_head.weight.detach().clone(), requires_grad=False)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
 
 
 def largest_logit_difference(a, b, tokenizer, prompts) -> float:

@@ -653,6 +653,29 @@ def test_a_qwen3_base_trains_through_qlora_and_its_run_exports_as_its_merged_pol
     assert (from_file - logits(base, ids)).abs().max() > 20 * F16_BOUND  # the trained adapter is in the file
 
 
+def test_an_adapter_on_the_lm_head_of_a_tied_base_merges_into_a_head_of_its_own(tmp_path):
+    """A run that trains LoRA on lm_head of a base whose head is its input embeddings: the merged model (and the
+    file) gets a head of its own, so the merge changes the head alone, as the adapter did; merged into the one
+    shared matrix, the input embeddings would change too."""
+    from peft import PeftModel
+
+    base = save_base(tmp_path / "base", qwen=False)  # Llama: tied
+    run = train_two_steps(tmp_path, base, lora_target_modules=["q_proj", "lm_head"])
+    assert main(["merge", str(run), "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert not merged.config.tie_word_embeddings
+    policy = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(run / "adapter")
+    ).eval()
+    ids = list(range(3, 60))
+    assert (logits(merged, ids) - logits(policy, ids)).abs().max() < 1e-4
+    assert (logits(policy, ids) - logits(merged_reference(base, run / "adapter"), ids)).abs().max() > 1e-2
+    exported = export_gguf(run, tmp_path / "tied.gguf", base="full")
+    assert exported.merge_gap < 1e-4 and "output.weight" in fields(tmp_path / "tied.gguf")[1]
+    back, _ = read_back(tmp_path / "tied.gguf")
+    assert (logits(back, ids) - logits(policy, ids)).abs().max() < F16_BOUND
+
+
 def test_llama3_rope_is_written_as_llama_cpps_rope_freqs_and_its_split_as_llama_bpe(tmp_path):
     tokenizer = byte_level_tokenizer(qwen=False, llama3=True)
     rope = llama3_rope()
