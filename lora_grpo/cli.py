@@ -200,6 +200,8 @@ def cmd_eval(args) -> int:
     adapter, what = (
         resolve_adapter(args.adapter) if args.adapter else (None, "no adapter: the base model itself")
     )
+    if adapter is not None:
+        config = _with_adapters_shape(config, adapter, what)
     trainer = GRPOTrainer(config)
     if adapter is not None:
         check_adapter_fits(
@@ -215,6 +217,36 @@ def cmd_eval(args) -> int:
         print(f"lora-grpo: evaluated {what}", file=sys.stderr)
         print(json.dumps(metrics, indent=2))
     return 0
+
+
+def _with_adapters_shape(config: GRPOConfig, adapter, what: str) -> GRPOConfig:
+    """The config with the adapter's own rank and scaling (its adapter_config.json: r, lora_alpha, use_rslora),
+    so that its tensors compute what they computed in training, as `merge` and peft load it; the config's may be
+    another run's (--recipe). A per-module rank_pattern or alpha_pattern cannot be rebuilt here: refused."""
+    import dataclasses
+
+    saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    patterns = [name for name in ("rank_pattern", "alpha_pattern") if saved.get(name)]
+    if patterns:
+        raise ConfigError(
+            f"{what} has a per-module {' and '.join(patterns)} in its adapter_config.json, which eval does not "
+            "rebuild: merge it (lora-grpo merge ADAPTER --out DIR) and evaluate the merged model (--set "
+            "model_name_or_path=DIR)"
+        )
+    own = {
+        "lora_r": saved["r"],
+        "lora_alpha": saved["lora_alpha"],
+        "use_rslora": bool(saved.get("use_rslora")),
+    }
+    if all(getattr(config, name) == value for name, value in own.items()):
+        return config
+    said = ", ".join(
+        f"{name} {value} (the config's {getattr(config, name)})"
+        for name, value in own.items()
+        if getattr(config, name) != value
+    )
+    print(f"lora-grpo: evaluating {what} with its own {said}", file=sys.stderr)
+    return dataclasses.replace(config, **own, ref_rank=max(config.ref_rank, 2 * saved["r"]))
 
 
 def cmd_plot(args) -> int:

@@ -349,7 +349,8 @@ class GRPOConfig:
     entropy_coef_min: float = _f(0.0, "use_adaptive_entropy: the smallest entropy_coef")
     entropy_coef_max: float = _f(1.0, "use_adaptive_entropy: the largest entropy_coef")
     scale_rewards: str = _f(
-        "group", "advantage scaling: group | batch (std of the whole batch, every process's rows) | none (Dr. GRPO)"
+        "group",
+        "advantage scaling: group | batch (std of the whole batch, every process's rows) | none (Dr. GRPO)",
     )
     importance_sampling: str = _f(
         "token",

@@ -345,6 +345,25 @@ def test_eval_of_an_unfinished_run_names_its_newest_complete_checkpoint(copied_r
     assert "checkpoint-3 lacks policy/adapter_model.safetensors)" in err
 
 
+def test_eval_computes_an_adapter_at_its_own_scaling_whatever_the_recipe_says(checkpointed_run, capsys):
+    """An adapter evaluated under another recipe (another lora_alpha): its tensors act at the scaling of its own
+    adapter_config.json, as in training and as merge and peft load it, and the line says so."""
+    recipe, run = checkpointed_run
+    saved = json.loads((run / "adapter" / "adapter_config.json").read_text())
+
+    def evaluated(*argv):
+        capsys.readouterr()
+        assert main(["eval", str(run / "adapter"), "--recipe", str(recipe), *argv]) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out), out.err
+
+    own, _ = evaluated()
+    other, err = evaluated("--set", f"lora_alpha={4 * saved['lora_alpha']}")
+    assert (
+        other == own and f"lora_alpha {saved['lora_alpha']} (the config's {4 * saved['lora_alpha']})" in err
+    )
+
+
 def test_merge_and_eval_of_a_checkpoint_without_its_weights_say_the_file_is_missing(copied_run, capsys):
     recipe, run = copied_run
     weights = run / "checkpoint-3" / "policy" / "adapter_model.safetensors"
