@@ -104,7 +104,10 @@ def merge_policy(config: GRPOConfig, source: MergeSource, base: str = "trained")
     else:
         with loading("merge", "base model", source.path):
             weights = AutoModelForCausalLM.from_pretrained(
-                source.path, dtype=source.dtype, trust_remote_code=config.trust_remote_code
+                source.path,
+                dtype=source.dtype,
+                trust_remote_code=config.trust_remote_code,
+                **({"revision": config.revision} if config.revision else {}),
             )
         into = "the original weights" + (
             f" (it was trained on the {config.quantization} base)" if config.quantization != "none" else ""

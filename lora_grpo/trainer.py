@@ -621,6 +621,7 @@ class GRPOTrainer:
             model_name=model_name or self.output_dir.name,
             dataset_name=dataset_name,
             tags=list(tags),
+            adapter=self.model.peft_config[POLICY],
         )
 
     def _run_steps(self, stop: StopSignals) -> None:

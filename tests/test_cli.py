@@ -607,3 +607,51 @@ def test_train_never_writes_into_the_base(recipe, tiny_base_dir, tmp_path, capsy
         err = capsys.readouterr().err
         assert f"output_dir '{out}' {'is' if out == base else 'lies inside'} the base model" in err
     assert _files(base) == before and not (base / "runs").exists()
+
+
+def test_merge_reads_the_base_at_the_revision_the_run_trained_on(tmp_path):
+    """revision: a hub branch, tag or commit of the base. merge loads its weights (and tokenizer) at that revision,
+    not the default branch's; the model card's code loads it there too. (An offline hub cache holding two
+    revisions of one repository, in a process of its own: the cache's place is read at import.)"""
+    import os
+    import subprocess
+    import sys
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lora_grpo.run.model_card import model_card
+    from lora_grpo.tasks.toy import save_tiny_base
+
+    repo = tmp_path / "hub" / "models--me--tiny"
+    for ref, sha, seed in (("main", "a" * 40, 0), ("v1", "b" * 40, 1)):  # other weights at each revision
+        save_tiny_base(repo / "snapshots" / sha, seed=seed)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(sha)
+    v1 = AutoModelForCausalLM.from_pretrained(repo / "snapshots" / ("b" * 40), dtype=torch.float32).eval()
+    adapted = get_peft_model(v1, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    adapted.save_pretrained(tmp_path / "adapter")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    argv = ["merge", str(tmp_path / "adapter"), "--out", str(tmp_path / "merged")]
+    for field in ("model_name_or_path=me/tiny", "revision=v1", "torch_dtype=float32"):
+        argv += ["--set", field]
+    done = subprocess.run(
+        [sys.executable, "-m", "lora_grpo.cli", *argv], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(3, 20))])
+    with torch.no_grad():
+        assert (merged(ids).logits - adapted.eval()(ids).logits).abs().max() < 1e-4
+    card = model_card(
+        GRPOConfig.from_dict({"model_name_or_path": "me/tiny", "revision": "v1"}),
+        steps=1,
+        reward_names=["r"],
+        syncs=0,
+        where="me/tiny-grpo",
+    )
+    assert 'base = AutoModelForCausalLM.from_pretrained("me/tiny", revision="v1")' in card

@@ -45,6 +45,32 @@ def test_the_metadata_reads_back_as_the_hubs():
     assert 'from_pretrained("Qwen/Qwen2.5-0.5B-Instruct-GGUF", gguf_file="q4_k_m.gguf")' in gguf.text
 
 
+def test_the_table_says_what_was_trained_the_adapters_own_shape_and_the_bases_revision_and_data_type():
+    """An init_adapter's rank and alpha are its own, not the config's; rsLoRA's scaling is said; a 4-bit base's
+    data type is the config's (FP4 or NF4); a base at a revision is loaded at it."""
+    from peft import LoraConfig
+
+    config = GRPOConfig(
+        model_name_or_path=HUB_ID,
+        quantization="4bit",
+        bnb_4bit_quant_type="fp4",
+        use_rslora=True,
+        revision="v1",
+    )
+    read = card(config)
+    assert (
+        row(read, "base")
+        == f"[{HUB_ID}](https://huggingface.co/{HUB_ID}) at revision `v1`, 4-bit FP4 (QLoRA)"
+    )
+    assert (
+        row(read, "adapter")
+        == f"LoRA r {config.lora_r}, alpha {config.lora_alpha:g} (rsLoRA: scaled by alpha / √r)"
+    )
+    assert f'from_pretrained("{HUB_ID}", revision="v1")' in read.text
+    warm = card(GRPOConfig(model_name_or_path=HUB_ID), adapter=LoraConfig(r=2, lora_alpha=2))
+    assert row(warm, "adapter") == "LoRA r 2, alpha 2"
+
+
 def test_a_packaged_base_names_the_hub_model_it_was_made_from_and_a_task_base_none():
     read = card(GRPOConfig(model_name_or_path="smollm2-135m-instruct"))
     assert read.data.base_model == HUB_ID

@@ -111,7 +111,11 @@ def load_tokenizer(config: GRPOConfig, model_path: str | None = None):
         # padded and truncated on the left, as a decoder-only model generates (and TRL loads it): given at load, so
         # that every tokenizer saved beside an adapter reloads so (an attribute set later is not saved)
         tokenizer = AutoTokenizer.from_pretrained(
-            path, trust_remote_code=config.trust_remote_code, padding_side="left", truncation_side="left"
+            path,
+            trust_remote_code=config.trust_remote_code,
+            padding_side="left",
+            truncation_side="left",
+            **({"revision": config.revision} if config.revision else {}),
         )
     if tokenizer.pad_token is None:
         # Completions are masked by length, so reusing EOS as padding is safe.

@@ -59,9 +59,11 @@ def model_card(
     model_name: str | None = None,
     dataset_name: str | None = None,
     tags: list[str] = (),
+    adapter=None,
 ) -> str:
     """The card's text for the adapter in `where` (a directory or a Hub id), trained under the native `config`
-    for `steps` optimizer steps with `syncs` reference syncs."""
+    for `steps` optimizer steps with `syncs` reference syncs. `adapter`: its peft LoraConfig (an init_adapter's
+    rank and alpha are its own, not the config's); None: the config's lora_r and lora_alpha."""
     from huggingface_hub import ModelCardData
 
     base = str(config.model_name_or_path)
@@ -79,9 +81,21 @@ def model_card(
         f" on [{dataset_name}](https://huggingface.co/datasets/{dataset_name})" if dataset_name else ""
     )
     weights = config.reward_weights or [1.0] * len(reward_names)
+    quantized = {
+        "4bit": f", 4-bit {getattr(config, 'bnb_4bit_quant_type', 'nf4').upper()} (QLoRA)",
+        "8bit": ", 8-bit",
+    }
+    r, alpha, rslora = (
+        (config.lora_r, config.lora_alpha, config.use_rslora)
+        if adapter is None
+        else (adapter.r, adapter.lora_alpha, bool(adapter.use_rslora))
+    )
+    revision = getattr(config, "revision", None)
     rows = {
-        "base": base_shown + {"4bit": ", 4-bit NF4 (QLoRA)", "8bit": ", 8-bit"}.get(config.quantization, ""),
-        "adapter": f"LoRA r {config.lora_r}, alpha {config.lora_alpha:g}",
+        "base": base_shown
+        + (f" at revision `{revision}`" if revision else "")
+        + quantized.get(config.quantization, ""),
+        "adapter": f"LoRA r {r}, alpha {alpha:g}" + (" (rsLoRA: scaled by alpha / √r)" if rslora else ""),
         "reward functions": ", ".join(f"{name} (weight {w:g})" for name, w in zip(reward_names, weights)),
         "completions per prompt": config.num_generations,
         "optimizer steps": steps,
@@ -105,7 +119,7 @@ A LoRA adapter of {base_shown} trained with GRPO (Shao et al., 2024){dataset_sho
 ## Use it
 
 ```python
-{_loading(hub_id, where, getattr(config, "gguf_file", None))}
+{_loading(hub_id, where, getattr(config, "gguf_file", None), revision)}
 ```
 
 ## Training
@@ -128,11 +142,16 @@ GRPO:
 """
 
 
-def _loading(hub_id: str | None, where: str, gguf_file: str | None = None) -> str:
+def _loading(
+    hub_id: str | None, where: str, gguf_file: str | None = None, revision: str | None = None
+) -> str:
     """The Python that loads the adapter on its base: the hub's base by its id (a GGUF repository's with its
-    file), or else the base its adapter_config.json names (a path on the machine that trained it)."""
+    file; at the revision it was trained on), or else the base its adapter_config.json names (a path on the
+    machine that trained it)."""
     # each a Python string literal (a path may hold quotes or backslashes): JSON's escapes are Python's
-    where, hub_id, gguf_file = (json.dumps(v) if v is not None else None for v in (where, hub_id, gguf_file))
+    where, hub_id, gguf_file, revision = (
+        json.dumps(v) if v is not None else None for v in (where, hub_id, gguf_file, revision)
+    )
     if hub_id is None:
         return (
             "from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
@@ -143,6 +162,7 @@ def _loading(hub_id: str | None, where: str, gguf_file: str | None = None) -> st
         "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f"base = AutoModelForCausalLM.from_pretrained({hub_id}"
         + (f", gguf_file={gguf_file}" if gguf_file else "")
+        + (f", revision={revision}" if revision else "")
         + ")\n"
         f"model = PeftModel.from_pretrained(base, {where})\n"
         f"tokenizer = AutoTokenizer.from_pretrained({where})"
