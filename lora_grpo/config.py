@@ -42,7 +42,7 @@ from .config_checks import (  # noqa: F401  (the option names are part of config
     validate,
     value_problem,
 )
-from .recipe_yaml import load_value, read_recipe
+from .recipe_yaml import dump_recipe, load_value, read_recipe
 
 DEFAULT_PROMPTS_PER_STEP = 8
 
@@ -619,7 +619,7 @@ class GRPOConfig:
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         """The config as YAML (every field, in declaration order); also written to ``path`` when given."""
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        text = dump_recipe(self.to_dict())
         if path is not None:
             Path(path).write_text(text)
         return text

@@ -55,6 +55,27 @@ def _refuse_tag(loader: RecipeLoader, node: yaml.Node) -> None:
 RecipeLoader.add_constructor(None, _refuse_tag)
 
 
+class RecipeDumper(yaml.SafeDumper):
+    """SafeDumper whose text reads back as text under RecipeLoader: a string that RecipeLoader would read as
+    another type (``1e-4``, ``5e3``, a commit such as ``4410e53``: YAML 1.1 leaves them plain) is quoted."""
+
+
+def _represent_str(dumper: RecipeDumper, value: str) -> yaml.ScalarNode:
+    node = dumper.represent_str(value)
+    if node.style is None and _RESOLVER.resolve(yaml.ScalarNode, value, (True, False)) != "tag:yaml.org,2002:str":
+        node.style = "'"
+    return node
+
+
+_RESOLVER = RecipeLoader("")
+RecipeDumper.add_representer(str, _represent_str)
+
+
+def dump_recipe(values: dict[str, Any]) -> str:
+    """``values`` as a recipe's YAML, in their order, that read_recipe reads back as the same values."""
+    return yaml.dump(values, Dumper=RecipeDumper, sort_keys=False, allow_unicode=True)
+
+
 def load_value(text: str) -> Any:
     """One ``--set`` value, read as a recipe's value is: ``[1, 8]`` → [1, 8], ``1e-4`` → 0.0001."""
     return yaml.load(text, Loader=RecipeLoader)

@@ -39,6 +39,11 @@ def test_yaml_round_trip(tmp_path):
     path = tmp_path / "c.yaml"
     c.to_yaml(path)
     assert GRPOConfig.from_yaml(path) == c
+    # text that the recipe reader would take for a number (1e-4, a short commit hash) is written quoted
+    texts = dict(run_name="1e-4", revision="4410e53", system_prompt="5E3", dataset_split="1_000")
+    c = GRPOConfig(**BASE, **texts)
+    c.to_yaml(path)
+    assert GRPOConfig.from_yaml(path) == c and all(getattr(c, k) == v for k, v in texts.items())
 
 
 def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
