@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import string
 import types
 import typing
@@ -208,6 +209,25 @@ def _validate_fields(cfg) -> None:
 
     if not cfg.model_name_or_path:
         raise ConfigError("model_name_or_path is required: a hub id, a local model dir, or 'toy'")
+    # fields of several forms (value_problem leaves them to checks of their own)
+    resume = cfg.resume_from_checkpoint
+    if resume is not None and not isinstance(resume, (str, bool, os.PathLike)):
+        raise ConfigError(
+            f"resume_from_checkpoint={resume!r} must be a checkpoint directory, 'latest' or true (the newest in "
+            "output_dir), or null; quote a directory named by a number: resume_from_checkpoint: '2024'",
+            field="resume_from_checkpoint",
+        )
+    targets = cfg.lora_target_modules
+    if not (
+        targets is None  # peft's default for the model type (a peft_config without target_modules)
+        or (isinstance(targets, str) and targets)
+        or (isinstance(targets, (list, tuple, set)) and targets and all(isinstance(t, str) and t for t in targets))
+    ):
+        raise ConfigError(
+            f"lora_target_modules={targets!r} must be 'all-linear', a list of module names (e.g. [q_proj, v_proj]) "
+            "or one regular expression over the modules' names",
+            field="lora_target_modules",
+        )
     for name, options in CHOICES.items():
         choice(name, options)
     for name in [

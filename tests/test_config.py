@@ -185,6 +185,10 @@ def test_math_modules_import_without_yaml_or_transformers():
         ("reward_weights", [float("inf")], r"reward_weights[0] is inf"),
         ("reward_weights", ["a"], r"reward_weights[0] is 'a'"),
         ("chat_template_kwargs", None, "chat_template_kwargs=None must be a mapping"),
+        # fields of several forms
+        ("resume_from_checkpoint", 2024, "must be a checkpoint directory, 'latest' or true"),
+        ("lora_target_modules", 5, "lora_target_modules=5 must be 'all-linear', a list of module names"),
+        ("lora_target_modules", ["q_proj", 3], "lora_target_modules=['q_proj', 3] must be 'all-linear'"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_naming_field_and_value(field, value, message):
