@@ -252,9 +252,25 @@ def _with_adapters_shape(config: GRPOConfig, adapter, what: str) -> GRPOConfig:
 def cmd_plot(args) -> int:
     from .run.plots import plot_run  # the same plot a run writes by itself
 
+    if args.out is not None:
+        out = Path(args.out)
+        if out.suffix.lower() not in PLOT_FORMATS:
+            raise ConfigError(
+                f"--out {out}: name the image file with its format's suffix, one of {', '.join(PLOT_FORMATS)} "
+                f"(e.g. --out {out.with_suffix('.png') if not out.is_dir() else out / 'metrics.png'})"
+            )
+        if out.exists() and not args.overwrite:
+            raise ConfigError(
+                f"--out {out} exists: plot never writes over a file of yours; name a new file, or pass --overwrite "
+                "to replace it"
+            )
     info = plot_run(args.run_dir, args.out, args.keys)
     print(f"wrote {info.path}")
     return 0
+
+
+# The image formats --out may name (matplotlib's savefig, by the suffix).
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 def cmd_merge(args) -> int:
@@ -373,7 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="plot metrics.jsonl of a run dir to PNG (needs matplotlib)")
     p.add_argument("run_dir")
     p.add_argument("--keys", nargs="*", help="metric names to plot")
-    p.add_argument("--out", help="output PNG path (default: RUN_DIR/metrics.png)")
+    p.add_argument(
+        "--out",
+        help="a new image file, .png, .pdf, .svg or .jpg (default: RUN_DIR/metrics.png, the run's own)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="let --out replace an existing file")
     p.set_defaults(func=cmd_plot)
     p = sub.add_parser(
         "trl",

@@ -221,7 +221,11 @@ def _validate_fields(cfg) -> None:
     if not (
         targets is None  # peft's default for the model type (a peft_config without target_modules)
         or (isinstance(targets, str) and targets)
-        or (isinstance(targets, (list, tuple, set)) and targets and all(isinstance(t, str) and t for t in targets))
+        or (
+            isinstance(targets, (list, tuple, set))
+            and targets
+            and all(isinstance(t, str) and t for t in targets)
+        )
     ):
         raise ConfigError(
             f"lora_target_modules={targets!r} must be 'all-linear', a list of module names (e.g. [q_proj, v_proj]) "

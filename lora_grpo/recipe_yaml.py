@@ -62,7 +62,10 @@ class RecipeDumper(yaml.SafeDumper):
 
 def _represent_str(dumper: RecipeDumper, value: str) -> yaml.ScalarNode:
     node = dumper.represent_str(value)
-    if node.style is None and _RESOLVER.resolve(yaml.ScalarNode, value, (True, False)) != "tag:yaml.org,2002:str":
+    if (
+        node.style is None
+        and _RESOLVER.resolve(yaml.ScalarNode, value, (True, False)) != "tag:yaml.org,2002:str"
+    ):
         node.style = "'"
     return node
 

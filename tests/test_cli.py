@@ -114,6 +114,16 @@ def test_plot_and_merge(recipe, tmp_path, tiny_base_dir):
     run = tmp_path / "run"
     assert main(["plot", str(run)]) == 0
     assert (run / "metrics.png").stat().st_size > 1000
+    # --out: a file of the user's is never written over without --overwrite; a name without an image suffix is
+    # refused in words (matplotlib: "Format 'tmp' is not supported")
+    mine = tmp_path / "mine.png"
+    mine.write_text("my precious")
+    assert main(["plot", str(run), "--out", str(mine)]) == 2 and mine.read_text() == "my precious"
+    assert (
+        main(["plot", str(run), "--out", str(tmp_path / "noext")]) == 2 and not (tmp_path / "noext").exists()
+    )
+    assert main(["plot", str(run), "--out", str(mine), "--overwrite"]) == 0 and mine.stat().st_size > 1000
+    assert main(["plot", str(run), "--out", str(tmp_path / "m.svg")]) == 0
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
