@@ -614,6 +614,13 @@ class GRPOConfig:
         except ConfigError as e:
             if e.field in overrides:
                 raise
+            if e.field is None and overrides:  # a check across fields: the recipe's, or the --set values'?
+                try:
+                    cls.from_dict(values, source="the recipe")
+                except ConfigError:
+                    pass
+                else:
+                    raise  # the recipe alone is valid
             where = f"{path}, line {lines[e.field]}" if e.field in lines else str(path)
             raise ConfigError(f"{where}: {e}", field=e.field) from None
 

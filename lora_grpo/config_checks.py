@@ -275,8 +275,12 @@ def _validate_fields(cfg) -> None:
         "entropy_coef_delta",
         "entropy_coef_min",
         "dynamic_sampling_min_std",
+        "seed",
     ]:
         positive(name, allow_zero=True)
+    for name in ("adam_beta1", "adam_beta2"):  # Adam's moment decays (torch's own error names no field)
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be in [0, 1), e.g. 0.9 or 0.999", field=name)
     # Reporting.
     trackers = [cfg.report_to] if isinstance(cfg.report_to, str) else cfg.report_to or []  # None = none
     for tracker in trackers if isinstance(trackers, list) else [trackers]:

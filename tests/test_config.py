@@ -287,3 +287,31 @@ def test_evals_during_training_need_eval_prompts():
         "likewise refuses eval_strategy='steps' without an eval_dataset): set eval_dataset (or pass "
         "eval_dataset=... to GRPOTrainer), or eval_steps=0"
     )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("seed", -1, "seed=-1 must be ≥ 0"),
+        ("adam_beta1", 2.0, "adam_beta1=2.0 must be in [0, 1)"),
+        ("adam_beta2", -1.0, "adam_beta2=-1.0 must be in [0, 1)"),
+    ],
+)
+def test_a_value_out_of_range_is_refused_before_it_reaches_torch(field, value, message):
+    """(A negative seed stopped the first rollout, a beta outside [0, 1) the optimizer's construction, each in
+    torch's words, naming no field.)"""
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        GRPOConfig(**BASE, **{field: value})
+    assert info.value.field == field
+
+
+def test_a_set_value_a_check_across_fields_refuses_is_not_blamed_on_the_recipe(tmp_path):
+    """A --set value that a check across fields refuses names the value, not the recipe file (which is valid)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: toy\nnum_generations: 4\n")
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig.from_yaml(recipe, {"num_generations": 1})
+    assert str(info.value).startswith("num_generations=1") and str(recipe) not in str(info.value)
+    recipe.write_text("model_name_or_path: toy\nnum_generations: 1\n")  # the recipe's own: named
+    with pytest.raises(ConfigError, match=re.escape(str(recipe))):
+        GRPOConfig.from_yaml(recipe, {"max_steps": 3})
