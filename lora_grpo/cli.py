@@ -302,9 +302,9 @@ def cmd_merge(args) -> int:
 def cmd_export(args) -> int:
     """The policy of a run merged (as `merge` does) and written as one GGUF file for llama.cpp / ollama; the
     config is --recipe's, else the run's own config.yaml, with --set on top."""
-    from .export import export_gguf, run_config
+    from .export import export_gguf
 
-    config = load_config(args.recipe, args.set) if args.recipe else run_config(args.run, _overrides(args.set))
+    config = trained_config("export", args.run, args.recipe, args.set)  # eval's and merge's, and their errors
     exported = export_gguf(
         args.run, args.gguf, config=config, gguf_type=args.gguf_type, base=args.base, overwrite=args.overwrite
     )
