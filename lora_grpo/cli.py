@@ -508,7 +508,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(e, TrainingInterrupted):  # a checkpoint was written; the message said how to resume
             return e.exit_code
-        raise
+        if os.environ.get("LORA_GRPO_TRACEBACK"):
+            raise
+        # loading, planning, a command that writes atomically, or a second Ctrl-C: one line, not a traceback
+        print(f"lora-grpo: interrupted (Ctrl-C){f': {e}' if str(e) else ''}", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - said in one line where lora_grpo has the words, else raised
         # lora_grpo's errors say what, where and how to fix: show that, not a traceback (unless asked). A step that
         # raised in the TRL front door (`trl`) raises its own error, as TRL, with lora_grpo's words as a note.

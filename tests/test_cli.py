@@ -665,3 +665,20 @@ def test_merge_reads_the_base_at_the_revision_the_run_trained_on(tmp_path):
         where="me/tiny-grpo",
     )
     assert 'base = AutoModelForCausalLM.from_pretrained("me/tiny", revision="v1")' in card
+
+
+def test_ctrl_c_outside_a_training_step_ends_in_one_line(monkeypatch, capsys):
+    """A KeyboardInterrupt while a command loads or plans (no step to save): exit 130 and one line, no traceback
+    (LORA_GRPO_TRACEBACK=1 gives it)."""
+    import lora_grpo.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_train", interrupted)
+    monkeypatch.delenv("LORA_GRPO_TRACEBACK", raising=False)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err.strip() == "lora-grpo: interrupted (Ctrl-C)"
+    monkeypatch.setenv("LORA_GRPO_TRACEBACK", "1")
+    with pytest.raises(KeyboardInterrupt):
+        main(["train"])
