@@ -101,6 +101,7 @@ def merge_policy(config: GRPOConfig, source: MergeSource, base: str = "trained")
             load_base_model(config, source.path).dequantize(),
             f"the dequantised {config.quantization} base it was trained on",
         )
+        _as_published(weights.config, source.path, config)
     else:
         with loading("merge", "base model", source.path):
             weights = AutoModelForCausalLM.from_pretrained(
@@ -118,6 +119,23 @@ def merge_policy(config: GRPOConfig, source: MergeSource, base: str = "trained")
     merged = adapted.merge_and_unload().eval()
     gap = largest_logit_difference(policy, merged, tokenizer, MERGE_CHECK_PROMPTS)
     return MergedPolicy(model=merged, tokenizer=tokenizer, into=into, gap=gap)
+
+
+def _as_published(loaded_config, path: str, config: GRPOConfig) -> None:
+    """The settings a base was loaded for training with (no cache in the training forward, dropout off) back
+    to its own, so that the merged model's config.json is the base's, not the trainer's."""
+    from transformers import AutoConfig
+
+    from .model.load import DROPOUT_ATTRS
+
+    published = AutoConfig.from_pretrained(
+        path,
+        trust_remote_code=config.trust_remote_code,
+        **({"revision": config.revision} if config.revision else {}),
+    )
+    for name in ("use_cache", *DROPOUT_ATTRS):
+        if hasattr(published, name):
+            setattr(loaded_config, name, getattr(published, name))
 
 
 def _untie_a_trained_head(adapted) -> None:

@@ -474,7 +474,9 @@ class FakeHub:
     def __init__(self):
         self.created: list[dict] = []
         self.uploads: list[dict] = []
-        self.branches: set[tuple[str, str]] = set()  # (repo, branch) made by create_branch; main is always there
+        self.branches: set[tuple[str, str]] = (
+            set()
+        )  # (repo, branch) made by create_branch; main is always there
         self.fail: Exception | None = None
         self.refuse: Exception | None = None
         self.slow: dict[str, float] = {}
@@ -488,7 +490,9 @@ class FakeHub:
         hub = self
         monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: hub.create_repo(repo_id, **kw))
         monkeypatch.setattr(HfApi, "upload_folder", lambda api, **kw: hub.upload_folder(api, **kw))
-        monkeypatch.setattr(HfApi, "create_branch", lambda api, repo_id, **kw: hub.create_branch(repo_id, **kw))
+        monkeypatch.setattr(
+            HfApi, "create_branch", lambda api, repo_id, **kw: hub.create_branch(repo_id, **kw)
+        )
         return self
 
     def create_branch(self, repo_id, *, branch, exist_ok=False, **_):
@@ -534,7 +538,9 @@ class FakeHub:
             if self.fail is not None:
                 raise self.fail
             if revision not in (None, "main") and (repo_id, revision) not in self.branches:
-                raise ValueError(f"Invalid rev id: {revision}")  # the hub commits only to a branch that is there
+                raise ValueError(
+                    f"Invalid rev id: {revision}"
+                )  # the hub commits only to a branch that is there
             root = Path(folder_path)
             names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
             kept = filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns)

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,6 +256,13 @@ def test_eval_and_merge_take_a_checkpoint_or_a_run_dir_and_a_4bit_merge_matches_
     assert measured["trained"] < 1e-4 < measured["full"]  # what you trained is what you get, by default
     assert gaps["trained"] == pytest.approx(measured["trained"], abs=1e-5)
     assert gaps["full"] == pytest.approx(measured["full"], rel=1e-2)
+    # the merged config.json is the base's, not the training load's (use_cache off, dropout 0), but for its dtype
+    base_config = json.loads((Path(tiny_base_dir) / "config.json").read_text())
+    for base in gaps:
+        merged = json.loads((tmp_path / base / "config.json").read_text())
+        assert {
+            k: v for k, v in merged.items() if base_config.get(k) != v and k not in ("dtype", "torch_dtype")
+        } == {}
 
 
 # ------------------------------------------------------------------ eval and merge of broken or foreign adapters
