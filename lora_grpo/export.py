@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,15 +236,25 @@ def export_gguf(
     replaced = check_file_target(gguf, **target, suffix=".gguf")
     check_exportable(source.path, trust_remote_code=config.trust_remote_code)
     merged = merge_policy(config, source, base)
-    with write_file(gguf, **target, suffix=".gguf") as tmp:
-        written = write_gguf(
-            merged.model,
-            merged.tokenizer,
-            tmp,
-            gguf_type=gguf_type,
-            provenance=provenance(config, source),
-            pre=source_pre_tokenizer(source.path),
-        )
+    try:
+        with write_file(gguf, **target, suffix=".gguf") as tmp:
+            written = write_gguf(
+                merged.model,
+                merged.tokenizer,
+                tmp,
+                gguf_type=gguf_type,
+                provenance=provenance(config, source),
+                pre=source_pre_tokenizer(source.path),
+            )
+    except OSError as error:  # a full disk says "4096 requested and 1824 written" (numpy's tofile)
+        folder = Path(gguf).resolve().parent
+        free = shutil.disk_usage(folder).free / 2**20 if folder.is_dir() else 0.0
+        raise OSError(
+            error.errno,
+            f"could not write the GGUF file {gguf} ({error.strerror or error}); {free:,.0f} MiB are free in "
+            f"{folder}. Nothing was left under that name (a file there before is as it was): free space, or "
+            "name a file on another disk",
+        ) from error
     size = Path(gguf).stat().st_size
     kept = (
         f"; {len(written.kept_f16)} matrices kept in float16 (rows not whole Q8_0 blocks)"

@@ -418,6 +418,16 @@ def test_an_interrupted_write_leaves_no_file_under_the_name(trained, tmp_path, m
         export_gguf(run, out)
     assert os.listdir(tmp_path) == []
 
+    def short_write(model, tokenizer, path, **kwargs):  # a full disk as numpy's tofile says it
+        raise OSError("4096 requested and 1824 written")
+
+    monkeypatch.setattr(gguf_export, "write_gguf", short_write)
+    with pytest.raises(OSError) as info:
+        export_gguf(run, out)
+    said = str(info.value)
+    assert f"could not write the GGUF file {out} (4096 requested and 1824 written)" in said
+    assert "MiB are free in" in said and "free space, or name a file on another disk" in said
+
 
 # ------------------------------------------------------------------------------------- what is refused
 
