@@ -252,7 +252,6 @@ def _validate_fields(cfg) -> None:
         "num_iterations",
         "max_nonfinite_updates",
         "logprob_chunk_size",
-        "learning_rate",
         "num_epochs",
         "dynamic_sampling_max_rounds",
     ]:
@@ -276,6 +275,7 @@ def _validate_fields(cfg) -> None:
         "entropy_coef_min",
         "dynamic_sampling_min_std",
         "seed",
+        "learning_rate",  # 0: a baseline that samples, scores and evaluates without moving (TRL trains it too)
     ]:
         positive(name, allow_zero=True)
     for name in ("adam_beta1", "adam_beta2"):  # Adam's moment decays (torch's own error names no field)

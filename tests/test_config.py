@@ -69,7 +69,7 @@ def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
         ({"loss_type": "dappo"}, r"loss_type='dappo'.*did you mean 'dapo'"),
         ({"quantization": "4-bit"}, "quantization"),
         ({"beta": 0.0, "ref_sync_kl": 0.1}, "beta = 0"),
-        ({"learning_rate": 0}, "learning_rate=0 must be > 0"),
+        ({"learning_rate": -1e-5}, "learning_rate=-1e-05 must be ≥ 0"),
         ({"top_p": 0}, "top_p"),
         ({"temperature": 0.0}, "temperature=0.0 must be > 0"),
         ({"max_prompt_length": 0}, "max_prompt_length"),
@@ -78,6 +78,10 @@ def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
 def test_validation_names_the_field(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         GRPOConfig(**BASE, **kwargs)
+
+
+def test_a_learning_rate_of_0_is_a_baseline_run_as_in_trl():
+    assert GRPOConfig(**BASE, learning_rate=0.0).learning_rate == 0.0
 
 
 def test_model_is_required():
