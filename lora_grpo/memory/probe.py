@@ -383,7 +383,8 @@ def plan_memory(
             extra += " Lower micro_batch_size, or set it to auto."
         raise MemoryBudgetError(
             f"memory preflight: {what} of {sum(tokens)} tokens ({tokens[0]} prompt + {tokens[1]} completion) needs "
-            f"~{peak / MiB:,.0f} MiB for its training pass (forward + backward, gradient checkpointing "
+            + ("more memory than there is (it ran out)" if math.isinf(peak) else f"~{peak / MiB:,.0f} MiB")
+            + " for its training pass (forward + backward, gradient checkpointing "
             f"{'on' if on else 'off'}) + {optimizer / MiB:,.0f} MiB optimizer states"
             + (
                 f" + {kept / MiB:,.0f} MiB the compiled decode keeps (decode_mode eager keeps none)"
@@ -529,8 +530,8 @@ def plan_run_memory(
         available = (agree(available[0], torch.distributed.ReduceOp.MIN), available[1])
         held = agree(held)
     size_hint = (
-        f"To fit: lower max_completion_length (now {cfg.max_completion_length}) or max_prompt_length (now "
-        f"{cfg.max_prompt_length}); "
+        f"To fit: lower max_completion_length (now {cfg.max_completion_length}) or shorten the prompts (the "
+        f"longest has {longest_prompt} tokens; max_prompt_length now {cfg.max_prompt_length}); "
     )
     rng, was_training = rng_state(), model.training
     run_pass = lambda m, train: probe_pass(update, m, train, tokens, device, eval_tokens)
