@@ -258,6 +258,25 @@ def test_a_missing_file_and_a_wrong_gguf_file_are_named(tmp_path, cache, tiny_gg
         resolve_base(directory, "other.gguf")
 
 
+def test_a_gguf_file_of_a_hub_repository_is_fetched_at_the_configs_revision(cache, tiny_gguf, monkeypatch):
+    """model_name_or_path a hub repository, gguf_file one of its files, revision a branch, tag or commit: the
+    file of that revision is fetched (the download stood in for: nothing leaves the machine)."""
+    import huggingface_hub
+
+    from lora_grpo.config import GRPOConfig
+    from lora_grpo.model.load import resolve_model_path
+
+    calls = []
+
+    def download(repo_id, filename, **kwargs):
+        calls.append((repo_id, filename, kwargs.get("revision")))
+        return tiny_gguf[1]
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    resolve_model_path(GRPOConfig(model_name_or_path="org/repo-GGUF", gguf_file="m.gguf", revision="v1.0"))
+    assert calls == [("org/repo-GGUF", "m.gguf", "v1.0")]
+
+
 # ------------------------------------------------------------------------------------- broken files
 
 

@@ -189,6 +189,28 @@ def test_base_model_dropout_is_off(tmp_path):
     assert torch.equal(peft_model(input_ids=x).logits, peft_model(input_ids=x).logits)
 
 
+# model type → its dropout fields: families whose layers copy a probability into a float of their own when built
+# (OPT's dropout, StarCoder2's residual and embedding dropout, GPT-BigCode's attn_pdrop as attn_dropout, layerdrop)
+COPIED_DROPOUT = {
+    "opt": dict(dropout=0.3, attention_dropout=0.3, layerdrop=0.3, word_embed_proj_dim=64, ffn_dim=96),
+    "starcoder2": dict(residual_dropout=0.3, embedding_dropout=0.3, attention_dropout=0.3),
+    "gpt_bigcode": dict(attn_pdrop=0.3, resid_pdrop=0.3, embd_pdrop=0.3, n_embd=64, n_head=4, n_layer=2),
+}
+
+
+@pytest.mark.parametrize("model_type", list(COPIED_DROPOUT))
+def test_base_dropout_is_off_where_the_layers_keep_a_copy_of_it(model_type):
+    from transformers import AutoModelForCausalLM
+
+    from lora_grpo.model.load import prepare_base
+
+    torch.manual_seed(0)
+    config = tiny_config(model_type, 128, num_hidden_layers=2, **COPIED_DROPOUT[model_type])
+    model = prepare_base(AutoModelForCausalLM.from_config(config)).train()
+    x = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    assert torch.equal(model(input_ids=x).logits, model(input_ids=x).logits)
+
+
 # Failed before the fix it guards (code review): with the base's dropout on, the KL against an
 # identical reference was > 0.
 def test_trainer_kl_is_exactly_zero_against_an_identical_reference_with_a_dropout_config(tmp_path):
@@ -344,6 +366,25 @@ def _base_with_its_own_code(tiny_base_dir, target, marker):
     )
     (target / "modeling_custom.py").write_text("from transformers import LlamaForCausalLM as CustomModel\n")
     return target
+
+
+def test_a_base_whose_weights_file_was_cut_short_is_named_in_one_line(tiny_base_dir, tmp_path, capsys):
+    """A model.safetensors cut short (a download or copy that did not finish): safetensors' own error, which is
+    neither OSError nor ValueError, is named with the base, its directory and the fix, not left as a traceback."""
+    import shutil
+
+    from helpers import write_recipe
+
+    from lora_grpo.cli import main
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base)
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    assert main(["train", str(write_recipe(tmp_path, base, quantization="none"))]) == 1
+    err = capsys.readouterr().err
+    assert f"could not load the policy's base model from {str(base)!r}" in err and "SafetensorError" in err
+    assert "damaged or cut short" in err and "Traceback" not in err
 
 
 # Issue 47: the refusal was right, but its message stopped at transformers' first line, before the one that

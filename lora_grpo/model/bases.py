@@ -79,11 +79,11 @@ PACKAGED = {
 }
 
 
-def resolve_base(name: str, gguf_file: str | None = None, cache_dir=None) -> str:
+def resolve_base(name: str, gguf_file: str | None = None, cache_dir=None, revision: str | None = None) -> str:
     """The directory or hub id to load for ``name`` (see the module docstring); ``gguf_file`` names a
-    GGUF file inside the directory (or hub repository) ``name``."""
+    GGUF file inside the directory (or hub repository) ``name``, at ``revision`` on the hub."""
     if gguf_file:
-        return converted_gguf(gguf_in(name, gguf_file), cache_dir)
+        return converted_gguf(gguf_in(name, gguf_file, revision), cache_dir)
     if (path := local_base(name)) is not None:
         return path
     if (packaged := PACKAGED.get(name.lower())) is not None:
@@ -116,8 +116,9 @@ def refuse_misspelt(name: str) -> None:
         )
 
 
-def gguf_in(where: str, gguf_file: str) -> Path:
-    """The GGUF file ``gguf_file`` of a local directory, or downloaded from the hub repository ``where``."""
+def gguf_in(where: str, gguf_file: str, revision: str | None = None) -> Path:
+    """The GGUF file ``gguf_file`` of a local directory, or downloaded from the hub repository ``where`` (at
+    ``revision``: a branch, tag or commit; None: the default branch)."""
     local = Path(where).expanduser()
     if local.is_dir():
         path = local / gguf_file
@@ -130,7 +131,7 @@ def gguf_in(where: str, gguf_file: str) -> Path:
     from huggingface_hub import hf_hub_download
 
     with loading("policy", "GGUF file", f"{where}/{gguf_file}"):
-        return Path(hf_hub_download(where, gguf_file))
+        return Path(hf_hub_download(where, gguf_file, revision=revision))
 
 
 def _cached_file(packaged: Packaged, cache_dir=None) -> Path:

@@ -77,15 +77,17 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
-        # attention layers keep their probability as a float they pass to the attention kernel
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+        # layers that keep a probability as a float of their own, copied from the config when built, and use it
+        # in the forward (OPT's dropout, StarCoder2's residual_dropout, GPT-BigCode's attn_dropout, layerdrop)
+        for name, value in vars(module).items():
+            if isinstance(value, float) and ("dropout" in name or name == "layerdrop"):
+                setattr(module, name, 0.0)
 
 
 def resolve_model_path(config: GRPOConfig) -> str:
     """The model's path: an offline task's base or a packaged model by name, a GGUF file converted
     once, or the config's path or hub id as given (bases.resolve_base)."""
-    return resolve_base(config.model_name_or_path, config.gguf_file)
+    return resolve_base(config.model_name_or_path, config.gguf_file, revision=config.revision)
 
 
 def quantization_config(config: GRPOConfig, dtype: torch.dtype):

@@ -16,6 +16,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from .adapter_files import missing_adapter_files
 
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -75,6 +77,9 @@ def explain(role: str, what: str, path, error: BaseException) -> str:
         message += f"{local} exists locally, but loading it failed ({type(error).__name__}: {first})"
         if local.is_dir() and not any(local.iterdir()):
             message += "; the directory is empty"
+        if any(isinstance(e, SafetensorError) for e in _chain(error)):
+            message += "; a .safetensors file there is damaged or cut short (a download or copy that did not finish): "
+            message += "fetch it again"
         return message
     looks_local = (
         str(path).startswith((".", "/", "~"))
@@ -133,7 +138,11 @@ def loading(role: str, what: str, path):
     """Run one from_pretrained (or peft load) inside: its failure becomes a LoadError (see the module docstring)."""
     try:
         yield
-    except (OSError, ValueError) as error:  # what transformers, peft and huggingface_hub raise
+    except (
+        OSError,
+        ValueError,
+        SafetensorError,
+    ) as error:  # what transformers, peft, hf_hub and safetensors raise
         if isinstance(error, LoadError):
             raise
         raise LoadError(explain(role, what, path, error)) from error

@@ -268,9 +268,8 @@ class GRPOTrainer:
         if isinstance(model, str):
             # The offline toy bases and packaged models by name, as the native recipes take them; a GGUF
             # file (or model_init_kwargs' gguf_file, as from_pretrained takes it) converted once.
-            model = resolve_base(
-                model, _as_dict(args.model_init_kwargs, "model_init_kwargs").get("gguf_file")
-            )
+            init_kwargs = _as_dict(args.model_init_kwargs, "model_init_kwargs")
+            model = resolve_base(model, init_kwargs.get("gguf_file"), revision=init_kwargs.get("revision"))
         # what save_model never writes over (with the config's paths): the base as loaded
         self._base_path = model if isinstance(model, str) else None
         # the environment owns the data; its reset() supplies each prompt (TRL)
