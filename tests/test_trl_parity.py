@@ -2455,6 +2455,9 @@ def test_push_to_hub_passes_its_token_branch_and_privacy_and_names_epochs(
     tiny_base_dir, tmp_path, library, fake_hub
 ):
     seen = []
+    # the branch is on the hub already: transformers' pushes commit to it without creating it (lora_grpo's create
+    # one that is not there, as `hf upload` does: test_hub.py)
+    fake_hub.branches.add(("me/sums-grpo", "dev"))
     scope = run(
         library,
         f"""
@@ -2748,13 +2751,21 @@ def test_resuming_a_checkpoint_at_max_steps_reports_its_step_and_trains_nothing(
         args = GRPOConfig(output_dir=OUT, {SAVING}, max_steps=2, logging_steps=1)
         GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(2)).train()
         files = sorted(os.listdir(OUT))
-        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(2))
+        from transformers import TrainerCallback
+        events = []
+        class Events(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs): events.append("train_begin")
+            def on_log(self, args, state, control, **kwargs): events.append("log")
+            def on_train_end(self, args, state, control, **kwargs): events.append("train_end")
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(2),
+                              callbacks=[Events()])
         result = trainer.train(resume_from_checkpoint=True)
     """,
         MODEL=tiny_base_dir,
         OUT=str(out),
     )
     t, history = scope["trainer"], scope["trainer"].state.log_history
+    assert scope["events"] == ["train_begin", "log", "train_end"]  # a callback's timer begins before it ends
     assert scope["result"].global_step == t.state.global_step == 2 and t.state.epoch == 1.0
     assert [r["step"] for r in history] == [1, 2, 2]  # the checkpoint's records, then the closing one
     assert history[-1]["train_loss"] == 0.0 == scope["result"].training_loss

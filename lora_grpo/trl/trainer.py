@@ -431,8 +431,10 @@ class GRPOTrainer:
             self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
             self._epoch_open = False
         if self._first_record is None:
-            # a resumed checkpoint at max_steps: the loop never began, no event told the TRL state where it is
+            # a resumed checkpoint at max_steps: the loop never began, no event told the TRL state where it is;
+            # transformers' train() begins with on_train_begin all the same
             self._at_checkpoint(native.state)
+            self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
         loss = [r["loss"] for r in native.state.log_history[self._first_record :] if "loss" in r]
         seconds = time.perf_counter() - started
         steps, batch = (
