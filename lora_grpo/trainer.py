@@ -777,7 +777,7 @@ class GRPOTrainer:
         # Eval before the sync decision, so that the plateau trigger reads this step's eval. For every
         # other trigger the order is free: eval reads only the policy and the start (base_forward), a
         # sync writes only the reference slot and the optimizer.
-        new_best = False
+        new_best, evaluated = False, due.evaluate
         if due.evaluate:
             with stage("eval"):
                 metrics.update(self.evaluate())
@@ -801,6 +801,10 @@ class GRPOTrainer:
             if due.log:
                 self._print(progress_line(step, self.total_steps, metrics))
                 self._event("log", logs=metrics)
+        if due.evaluate and not evaluated and not last and self.eval_dataset is not None:
+            # asked for by a hook at the log (a TRL callback's on_log): after it, as transformers evaluates
+            with stage("eval"):
+                new_best = self._new_best(self.evaluate())
         signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
         if signum:
             self._stop(signum)

@@ -1044,6 +1044,51 @@ def test_a_stop_before_the_first_step_trains_one_and_a_spent_stop_does_not_end_a
     assert scope["trainer"].state.global_step == 3
 
 
+def asks_in_on_log_and_on_evaluate(seen):
+    """A callback that asks for a save in on_log at step 1, an eval in on_log at step 2 and a save in on_evaluate
+    at step 2 (a "save when the eval improves" callback), recording the saves and evals it sees."""
+    from transformers import TrainerCallback
+
+    class Asks(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in (logs or {}):
+                control.should_save = control.should_save or state.global_step == 1
+                control.should_evaluate = control.should_evaluate or state.global_step == 2
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            seen.append(("evaluate", state.global_step))
+            control.should_save = True
+
+        def on_save(self, args, state, control, **kwargs):
+            seen.append(("save", state.global_step))
+
+    return Asks()
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_save_or_an_eval_asked_in_on_log_or_on_evaluate_happens_in_that_step(
+    tiny_base_dir, tmp_path, library
+):
+    """transformers logs, evaluates, then saves at a step's end: what on_log asks for (a save, an eval) and what
+    on_evaluate asks for (a save) happen in the same step."""
+    seen = []
+    run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=3, logging_steps=1)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(12),
+                              eval_dataset=dataset(4, start=12), callbacks=[CALLBACK])
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+        CALLBACK=asks_in_on_log_and_on_evaluate(seen),
+    )
+    assert seen == [("save", 1), ("evaluate", 2), ("save", 2)]
+    assert (tmp_path / "run" / "checkpoint-1").is_dir() and (tmp_path / "run" / "checkpoint-2").is_dir()
+
+
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_load_best_model_at_end_trains_on_to_the_best_evals_adapter(tiny_base_dir, tmp_path, library):
     from peft import get_peft_model_state_dict

@@ -356,6 +356,7 @@ class GRPOTrainer:
         # whether this step's eval records wait for its train record, and those waiting (_on_event's "log")
         self._evals_wait, self._waiting_evals = False, []
         self._epoch_stop_said = False  # a callback's should_epoch_stop is warned about once (_on_event)
+        self._flow = None  # the native loop's StepFlow of the step's (or epoch's) end being handled
         # whether this train()'s loop has begun a step (a callback's stop acts from then)
         self._steps_begun = False
         # the hub repository, as transformers' Trainer makes it when built (on the main process): a missing login
@@ -832,7 +833,7 @@ class GRPOTrainer:
         elif event == "optimizer_step":
             self.control = handler.on_optimizer_step(args, state, self.control)
         elif event == "step_end":
-            flow = payload["flow"]
+            flow = self._flow = payload["flow"]
             self.control = handler.on_step_end(args, state, self.control)
             self._follow_control(flow)
             # the native loop evaluates before it logs (its plateau trigger reads the eval); transformers logs the
@@ -841,7 +842,7 @@ class GRPOTrainer:
         elif event == "epoch_end":
             # after the step's log, eval and save, as transformers; what on_epoch_end asks for (the epoch
             # strategies, a callback's control) follows in their order: log, eval, save
-            flow = payload["flow"]
+            flow = self._flow = payload["flow"]
             self.control = handler.on_epoch_end(args, state, self.control)
             self._epoch_open, self._evals_wait = False, False
             self._follow_control(flow)
@@ -857,12 +858,17 @@ class GRPOTrainer:
             self.control.should_log = False
             for one in waiting:
                 self._eval_record(one)
+            # what on_log (or on_evaluate) asked for acts after it in this step: an eval, then a save
+            self._ask_flow(
+                evaluate=self.control.should_evaluate and not waiting, save=self.control.should_save
+            )
         elif event == "evaluate":
             if self._evals_wait:
                 self._waiting_evals.append(payload)
             else:
                 self._eval_record(payload)
             self.control.should_evaluate = False
+            self._ask_flow(save=self.control.should_save)
         elif event == "save":
             # on_save for the saves transformers makes (the flow's); not for the run's last checkpoint, which
             # lora_grpo always keeps (also under save_strategy "no"), nor a failure's or a stop's
@@ -892,6 +898,13 @@ class GRPOTrainer:
                 "control.should_training_stop ends the run."
             )
             self._epoch_stop_said = True
+
+    def _ask_flow(self, *, evaluate: bool = False, save: bool = False) -> None:
+        """An eval or a save a callback asked for after the step's end (in on_log or on_evaluate), added to the
+        flow the native loop still reads, as transformers' _maybe_log_save_evaluate logs, evaluates, then saves."""
+        if self._flow is not None:
+            self._flow.evaluate = self._flow.evaluate or evaluate
+            self._flow.save = self._flow.save or save
 
     def _follow_control(self, flow) -> None:
         """What the callbacks' control asks of the native loop at step_end and epoch_end: a log, an eval, a save
