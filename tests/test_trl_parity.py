@@ -1090,6 +1090,34 @@ def test_a_save_or_an_eval_asked_in_on_log_or_on_evaluate_happens_in_that_step(
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
+def test_train_results_carry_the_last_logging_windows_metrics(tiny_base_dir, tmp_path, library):
+    """TRL's log() adds the window's metrics into the closing record's dict, which is TrainOutput.metrics: what
+    open-r1's save_metrics("train", train_result.metrics) writes to train_results.json."""
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=3, logging_steps=2)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(16))
+        metrics = trainer.train().metrics
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / "run"),
+    )
+    window = {
+        "reward",
+        "reward_std",
+        "entropy",
+        "completions/mean_length",
+        "num_tokens",
+        "frac_reward_zero_std",
+    }
+    assert window <= set(scope["metrics"]) and {"train_runtime", "train_loss", "epoch"} <= set(
+        scope["metrics"]
+    )
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
 def test_load_best_model_at_end_trains_on_to_the_best_evals_adapter(tiny_base_dir, tmp_path, library):
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file

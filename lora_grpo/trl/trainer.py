@@ -449,7 +449,10 @@ class GRPOTrainer:
             "total_flos": 0.0,
             "train_loss": sum(loss) / max(len(loss), 1),
         }
-        self.log({**self._unlogged_window(), **metrics})
+        # the closing record with the last logging window's metrics, which TRL's log() adds into the same dict: so
+        # does train()'s TrainOutput.metrics (what a script's save_metrics("train", ...) writes)
+        metrics = {**self._unlogged_window(), **metrics}
+        self.log(metrics)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         if self._hub is not None:  # the checkpoints' pushes finish, as transformers waits for them here
             self._hub.wait()
