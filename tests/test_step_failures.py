@@ -207,30 +207,20 @@ def test_a_fault_in_the_eval_after_training_keeps_the_last_step_and_the_resume_e
     run = tmp_path / "run"
     assert info.value.checkpoint == run / "checkpoint-3" and not (run / "summary.json").exists()
     monkeypatch.undo()
-    resumed = make_trainer(
-        tiny_base_dir,
-        tmp_path,
-        **settings,
-        train_dataset=TRAIN,
-        reward_funcs=[_score()],
-        resume_from_checkpoint="latest",
-    )
-    summary = resumed.train()
+
+    def resumed():
+        kw = dict(train_dataset=TRAIN, reward_funcs=[_score()], resume_from_checkpoint="latest")
+        return make_trainer(tiny_base_dir, tmp_path, **settings, **kw)
+
+    trainer = resumed()
+    summary = trainer.train()
     assert json.loads((run / "summary.json").read_text())["steps"] == 3 and summary["eval_after"]
-    assert _comparable(resumed.state.log_history) == _comparable(plain.state.log_history)
+    assert _comparable(trainer.state.log_history) == _comparable(plain.state.log_history)
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
     # resumed again, the run has ended: nothing is trained, evaluated or saved
-    again = make_trainer(
-        tiny_base_dir,
-        tmp_path,
-        **settings,
-        train_dataset=TRAIN,
-        reward_funcs=[_score()],
-        resume_from_checkpoint="latest",
-    )
     ended = (run / "summary.json").read_bytes()
     capsys.readouterr()
-    again.train()
+    resumed().train()
     assert "nothing left to train" in capsys.readouterr().out and (run / "summary.json").read_bytes() == ended
 
 
