@@ -1112,9 +1112,11 @@ def test_train_results_carry_the_last_logging_windows_metrics(tiny_base_dir, tmp
         "num_tokens",
         "frac_reward_zero_std",
     }
-    assert window <= set(scope["metrics"]) and {"train_runtime", "train_loss", "epoch"} <= set(
-        scope["metrics"]
-    )
+    metrics = scope["metrics"]
+    assert window <= set(metrics) and {"train_runtime", "train_loss", "epoch"} <= set(metrics)
+    # transformers' speed figures: 3 steps of 4 completions (per_device_train_batch_size) in train_runtime
+    assert round(metrics["train_steps_per_second"] * metrics["train_runtime"]) == 3
+    assert round(metrics["train_samples_per_second"] * metrics["train_runtime"]) == 12
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -2839,6 +2841,8 @@ def test_resuming_a_checkpoint_at_max_steps_reports_its_step_and_trains_nothing(
     )
     t, history = scope["trainer"], scope["trainer"].state.log_history
     assert scope["events"] == ["train_begin", "log", "train_end"]  # a callback's timer begins before it ends
+    speed = scope["result"].metrics  # no step ran in this call: transformers' speed figures are 0
+    assert speed["train_steps_per_second"] == 0.0 == speed["train_samples_per_second"]
     assert scope["result"].global_step == t.state.global_step == 2 and t.state.epoch == 1.0
     assert [r["step"] for r in history] == [1, 2, 2]  # the checkpoint's records, then the closing one
     assert history[-1]["train_loss"] == 0.0 == scope["result"].training_loss

@@ -359,6 +359,7 @@ class GRPOTrainer:
         self._flow = None  # the native loop's StepFlow of the step's (or epoch's) end being handled
         # whether this train()'s loop has begun a step (a callback's stop acts from then)
         self._steps_begun = False
+        self._steps_run = 0  # the optimizer steps this train() call ran (its speed figures)
         # the hub repository, as transformers' Trainer makes it when built (on the main process): a missing login
         # stops the script before it trains
         self.hub_model_id, self._hub = None, None
@@ -412,7 +413,7 @@ class GRPOTrainer:
             if resume_from_checkpoint is True
             else str(resume_from_checkpoint)
         )
-        started, self._first_record = time.perf_counter(), None
+        started, self._first_record, self._steps_run = time.perf_counter(), None, 0
         self._epoch_open, self._evals_wait, self._waiting_evals = False, False, []
         failure = None
         try:
@@ -442,10 +443,19 @@ class GRPOTrainer:
             self.state.global_step,
             self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps,
         )
+        # transformers' speed figures: the steps this call ran, and the share of the schedule's samples they are (a
+        # schedule of max_steps counts completions, one of epochs the dataset's rows)
+        scheduled = (
+            self.args.max_steps * batch * self.args.world_size
+            if self.args.max_steps > 0
+            else len(self.native.train_dataset) * self.args.num_train_epochs
+        )
         metrics = {
             "train_runtime": round(seconds, 4),
-            "train_samples_per_second": round(steps * batch * self.args.world_size / seconds, 3),
-            "train_steps_per_second": round(steps / seconds, 3),
+            "train_samples_per_second": round(
+                scheduled * self._steps_run / max(self.state.max_steps, 1) / seconds, 3
+            ),
+            "train_steps_per_second": round(self._steps_run / seconds, 3),
             "total_flos": 0.0,
             "train_loss": sum(loss) / max(len(loss), 1),
         }
@@ -836,6 +846,7 @@ class GRPOTrainer:
         elif event == "optimizer_step":
             self.control = handler.on_optimizer_step(args, state, self.control)
         elif event == "step_end":
+            self._steps_run += 1
             flow = self._flow = payload["flow"]
             self.control = handler.on_step_end(args, state, self.control)
             self._follow_control(flow)
