@@ -41,7 +41,7 @@ from .data.prompts import (
     resolve_datasets,
     resolve_eval_dataset,
 )
-from .device import mixed_precision_dtype, now, place_model
+from .device import is_out_of_memory, mixed_precision_dtype, now, place_model
 from .dynamic_sampling import Round, StepSample, dropped_kinds, informative_groups, sample_step, step_metrics
 from .evaluation import Evaluator, headline_score, metric_names
 from .memory.probe import MemoryPlan
@@ -743,6 +743,8 @@ class GRPOTrainer:
                 )
         reward = isinstance(error, RewardFunctionError)
         what = _failure_words(error, stages)
+        if any(is_out_of_memory(e) for e in (error, error.__cause__) if e is not None):
+            what += f" ({self._out_of_memory_fix()})"
         kept = kept_work(
             self.output_dir,
             target,
@@ -757,6 +759,21 @@ class GRPOTrainer:
         if reward:
             raise RewardFunctionError(message, error.function, state.global_step, target) from error
         raise StepFailed(message, stages[-1] if stages else None, state.global_step, target) from error
+
+    def _out_of_memory_fix(self) -> str:
+        """What to change when a step ran out of memory, with the sizes it ran at."""
+        cfg = self.config
+        sized = (
+            "micro_batch_size auto sized it from a probe at start: free memory others took since, or lower "
+            "memory_budget"
+            if cfg.micro_batch_size == "auto"
+            else f"set micro_batch_size auto (a probe sizes it at start) or lower it (now {cfg.micro_batch_size})"
+        )
+        return (
+            f"out of memory: {sized}; turn gradient_checkpointing on; lower prompts_per_step (now "
+            f"{cfg.prompts_per_step}) × num_generations (now {cfg.num_generations}) or max_completion_length (now "
+            f"{cfg.max_completion_length}); decode_mode eager keeps no static caches"
+        )
 
     def _end_step(self, metrics: dict[str, Any], *, epoch_ended: bool, stop: StopSignals) -> None:
         """After an optimizer step: eval if due, then the sync decision, log, stop signal, checkpoint, and the

@@ -115,7 +115,13 @@ def _plant(stage, trainer, step, monkeypatch):
 CASES = {
     "rollout": ({}, r"the rollout raised ValueError: cannot apply the chat template", 1),
     "reward": ({}, r"after 1 of 3 optimizer steps: reward function 'score' raised KeyError", 1),
-    "update": ({}, r"the update raised RuntimeError: CUDA out of memory", 1),
+    "update": (
+        {},
+        r"the update raised RuntimeError: CUDA out of memory\. Tried to allocate 2\.00 GiB \(out of memory: set "
+        r"micro_batch_size auto \(a probe sizes it at start\) or lower it \(now 8\); turn gradient_checkpointing "
+        r"on; lower prompts_per_step \(now \d+\) × num_generations \(now 2\) or max_completion_length \(now 4\)",
+        1,
+    ),
     "eval": (EVAL, r"the eval raised TimeoutError: the judge did not answer", 2),
     "checkpoint": (
         {"save_steps": 1},
