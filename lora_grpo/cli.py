@@ -225,19 +225,17 @@ def _with_adapters_shape(config: GRPOConfig, adapter, what: str) -> GRPOConfig:
     another run's (--recipe). A per-module rank_pattern or alpha_pattern cannot be rebuilt here: refused."""
     import dataclasses
 
-    saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
-    patterns = [name for name in ("rank_pattern", "alpha_pattern") if saved.get(name)]
+    from peft import LoraConfig
+
+    saved = LoraConfig.from_pretrained(str(adapter))
+    patterns = [name for name in ("rank_pattern", "alpha_pattern") if getattr(saved, name)]
     if patterns:
         raise ConfigError(
             f"{what} has a per-module {' and '.join(patterns)} in its adapter_config.json, which eval does not "
             "rebuild: merge it (lora-grpo merge ADAPTER --out DIR) and evaluate the merged model (--set "
             "model_name_or_path=DIR)"
         )
-    own = {
-        "lora_r": saved["r"],
-        "lora_alpha": saved["lora_alpha"],
-        "use_rslora": bool(saved.get("use_rslora")),
-    }
+    own = {"lora_r": saved.r, "lora_alpha": saved.lora_alpha, "use_rslora": bool(saved.use_rslora)}
     if all(getattr(config, name) == value for name, value in own.items()):
         return config
     said = ", ".join(
@@ -246,7 +244,7 @@ def _with_adapters_shape(config: GRPOConfig, adapter, what: str) -> GRPOConfig:
         if getattr(config, name) != value
     )
     print(f"lora-grpo: evaluating {what} with its own {said}", file=sys.stderr)
-    return dataclasses.replace(config, **own, ref_rank=max(config.ref_rank, 2 * saved["r"]))
+    return dataclasses.replace(config, **own, ref_rank=max(config.ref_rank, 2 * saved.r))
 
 
 def cmd_plot(args) -> int:

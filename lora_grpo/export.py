@@ -109,7 +109,7 @@ def merge_policy(config: GRPOConfig, source: MergeSource, base: str = "trained")
                 source.path,
                 dtype=source.dtype,
                 trust_remote_code=config.trust_remote_code,
-                **({"revision": config.revision} if config.revision else {}),
+                revision=config.revision,
             )
         into = "the original weights" + (
             f" (it was trained on the {config.quantization} base)" if config.quantization != "none" else ""
@@ -132,7 +132,7 @@ def _as_published(loaded_config, path: str, config: GRPOConfig) -> None:
     published = AutoConfig.from_pretrained(
         path,
         trust_remote_code=config.trust_remote_code,
-        **({"revision": config.revision} if config.revision else {}),
+        revision=config.revision,
     )
     for name in ("use_cache", *DROPOUT_ATTRS):
         if hasattr(published, name):

@@ -60,6 +60,9 @@ class RecipeDumper(yaml.SafeDumper):
     another type (``1e-4``, ``5e3``, a commit such as ``4410e53``: YAML 1.1 leaves them plain) is quoted."""
 
 
+_RESOLVER = RecipeLoader("")  # how a plain scalar reads back
+
+
 def _represent_str(dumper: RecipeDumper, value: str) -> yaml.ScalarNode:
     node = dumper.represent_str(value)
     if (
@@ -70,7 +73,6 @@ def _represent_str(dumper: RecipeDumper, value: str) -> yaml.ScalarNode:
     return node
 
 
-_RESOLVER = RecipeLoader("")
 RecipeDumper.add_representer(str, _represent_str)
 
 

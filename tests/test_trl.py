@@ -472,6 +472,21 @@ def test_step_counting_equals_trls(tiny_base_dir, tmp_path, settings):
 
 
 # ------------------------------------------------------------------------------ models and arguments
+def _one_step(tmp_path, **fields):
+    """One step of 4 completions of 4 tokens with a KL term, nothing saved; `fields` on top."""
+    return OurConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=1,
+        beta=0.04,
+        save_strategy="no",
+        **fields,
+    )
+
+
 def test_a_peft_model_is_the_warm_start_and_the_initial_reference(tiny_base_dir, tmp_path):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -494,17 +509,9 @@ def test_a_peft_model_is_the_warm_start_and_the_initial_reference(tiny_base_dir,
         for n, m in warm.named_modules()
         if hasattr(m, "lora_A") and "default" in m.lora_A
     }
-    args = OurConfig(
-        output_dir=str(tmp_path / "run"),
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        beta=0.04,
-        save_strategy="no",
+    trainer = GRPOTrainer(
+        model=warm, reward_funcs=_length_reward, args=_one_step(tmp_path), train_dataset=_dataset(8)
     )
-    trainer = GRPOTrainer(model=warm, reward_funcs=_length_reward, args=args, train_dataset=_dataset(8))
     layers = {n: m for n, m in trainer.model.named_modules() if hasattr(m, "lora_A") and POLICY in m.lora_A}
     assert layers.keys() == expected.keys()
     for name, module in layers.items():
@@ -524,19 +531,7 @@ def test_a_peft_config_with_a_rank_pattern_trains_with_a_reference_slot_that_hol
     from lora_grpo.model.reference import delta_weight
     from lora_grpo.trl import GRPOTrainer
 
-    args = OurConfig(
-        output_dir=str(tmp_path / "run"),
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        beta=0.04,
-        sync_ref_model=True,
-        ref_model_sync_steps=1,
-        ref_model_mixup_alpha=1.0,
-        save_strategy="no",
-    )
+    args = _one_step(tmp_path, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=1.0)
     peft_config = LoraConfig(
         r=4, lora_alpha=8, rank_pattern={"q_proj": 16}, target_modules=["q_proj", "v_proj"]
     )

@@ -506,15 +506,9 @@ def plan_run_memory(
     longest = max([tokens] + ([eval_tokens] if eval_tokens else []), key=sum)
     embeddings = model.get_input_embeddings().weight
     vocab = embeddings.shape[0]
+    shapes = rollout_shapes(cfg, longest_prompt, eval_longest_prompt)
     mode = resolve_decode_mode(cfg.decode_mode, model, device)
-    rollout, kept = decode_memory(
-        model.config,
-        rollout_shapes(cfg, longest_prompt, eval_longest_prompt),
-        embeddings.dtype,
-        vocab,
-        mode,
-        device,
-    )
+    rollout, kept = decode_memory(model.config, shapes, embeddings.dtype, vocab, mode, device)
     # The loaded model's own unused reserved bytes, with the cache emptied: under everything (CUDA).
     held = release_cached_memory(device)
     available = available_bytes(device)
@@ -578,12 +572,7 @@ def plan_run_memory(
             # 'auto' chose the compiled decode, whose static caches stay allocated between rollouts: where they
             # do not fit, the eager sampler (which keeps nothing) may. Its refusal, if it does not fit either.
             sizes["rollout"], sizes["kept"] = decode_memory(
-                model.config,
-                rollout_shapes(cfg, longest_prompt, eval_longest_prompt),
-                embeddings.dtype,
-                vocab,
-                "eager",
-                device,
+                model.config, shapes, embeddings.dtype, vocab, "eager", device
             )
             plan = planned()
             give_up(

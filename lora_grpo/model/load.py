@@ -117,7 +117,7 @@ def load_tokenizer(config: GRPOConfig, model_path: str | None = None):
             trust_remote_code=config.trust_remote_code,
             padding_side="left",
             truncation_side="left",
-            **({"revision": config.revision} if config.revision else {}),
+            revision=config.revision,
         )
     if tokenizer.pad_token is None:
         # Completions are masked by length, so reusing EOS as padding is safe.
@@ -135,8 +135,6 @@ def load_base_model(config: GRPOConfig, model_path: str | None = None, device_ma
     kwargs = {}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
-    if config.revision:
-        kwargs["revision"] = config.revision
     qconfig = quantization_config(config, dtype)
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
@@ -149,6 +147,7 @@ def load_base_model(config: GRPOConfig, model_path: str | None = None, device_ma
             dtype=dtype,
             device_map=device_map,
             trust_remote_code=config.trust_remote_code,
+            revision=config.revision,  # None: the default branch
             **kwargs,
         )
     return prepare_base(model)

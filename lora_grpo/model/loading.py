@@ -20,6 +20,9 @@ from safetensors import SafetensorError
 
 from .adapter_files import missing_adapter_files
 
+# What a failed from_pretrained raises: transformers, peft and huggingface_hub (OSError, ValueError), and safetensors
+# for a weights file that is damaged or cut short.
+_LOAD_FAILURES = (OSError, ValueError, SafetensorError)
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 # What transformers' refusal of a model's own code says (its last line names the setting: "pass the argument
 # `trust_remote_code=True`").
@@ -138,11 +141,7 @@ def loading(role: str, what: str, path):
     """Run one from_pretrained (or peft load) inside: its failure becomes a LoadError (see the module docstring)."""
     try:
         yield
-    except (
-        OSError,
-        ValueError,
-        SafetensorError,
-    ) as error:  # what transformers, peft, hf_hub and safetensors raise
+    except _LOAD_FAILURES as error:
         if isinstance(error, LoadError):
             raise
         raise LoadError(explain(role, what, path, error)) from error

@@ -409,7 +409,7 @@ class Toolbox:
                 return [
                     None
                     if type(e) is not _cls
-                    else self._await(e.get_reward())
+                    else event_loop.run(e.get_reward())
                     if inspect.iscoroutinefunction(e.get_reward)
                     else e.get_reward()
                     for e in environments
@@ -463,9 +463,6 @@ class Toolbox:
                 self.tokenizer, tool_messages, self.stop_ids, **self.template_kwargs
             )
         return self._replies[key]
-
-    def _await(self, coro):
-        return event_loop.run(coro)
 
     def start(self, fn: Callable, arguments: dict) -> Future:
         """Start one call -> a Future of its result (an async one on the process's event loop, the reward

@@ -180,9 +180,8 @@ class HubRepo:
         there; HubPushError when the hub refuses or cannot be reached, its message ending in `fix`."""
         try:
             url = _api().create_repo(name, token=token, private=private, exist_ok=True)
-            if kwargs.get(
-                "revision"
-            ):  # the hub commits only to a branch that exists (as `hf upload` makes it)
+            # the hub commits only to a branch that exists (as `hf upload` makes it)
+            if kwargs.get("revision"):
                 _api().create_branch(url.repo_id, branch=kwargs["revision"], token=token, exist_ok=True)
         except Exception as error:  # the hub's HTTP errors, offline mode, no network: all say the same here
             raise HubPushError(
