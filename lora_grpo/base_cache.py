@@ -85,8 +85,9 @@ def _build(
 def _build_unlocked(
     final: Path, build: Callable[[Path], object], record: str, version: int, label: str, how_long: str
 ) -> None:
-    """Build the entry ``final`` unless it is usable: an unusable one is moved aside and removed, the
-    new one built into a temporary directory beside it, checked, and renamed into place."""
+    """Build the entry ``final`` unless it is usable (checked again under the lock: another process may have
+    built it meanwhile): an unusable one is removed in place, the new one built into a temporary directory
+    beside it, checked, and renamed into place."""
     problem = base_problem(final, record, version)
     if problem is None:
         return

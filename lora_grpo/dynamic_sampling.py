@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .algo.advantages import weighted_sum
 from .rollout import Rollout
 from .scorer import Scored
 
@@ -66,9 +67,7 @@ def informative_groups(
             var = centred.pow(2).nansum(dim=1) / (count - 1).clamp(min=1)
             varies &= var.sqrt() >= min_std
         return varies.any(dim=1)
-    scored = ~per_func.isnan()
-    total = (per_func.float() * w).nansum(dim=1)
-    total = torch.where(scored.any(dim=1), total, torch.full_like(total, torch.nan))
+    total = weighted_sum(per_func.float(), w)
     groups = total.view(-1, group_size)
     unscored = groups.isnan().any(dim=1)
     varies = ~(groups == groups[:, :1]).all(dim=1)

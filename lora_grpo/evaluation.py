@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .algo.advantages import weighted_sum
 from .algo.loss import k3_kl
 from .batch import MicroBatch
 from .memory.probe import decode_rows
@@ -210,8 +211,7 @@ def eval_metrics(
     scores = torch.tensor([r.scores for r in results], dtype=torch.float64)  # (N, F)
     weights = torch.tensor([1.0] * len(names) if weights is None else list(weights), dtype=torch.float64)
     # a prompt no function scored is left out, as from a training step's reward (and TRL's)
-    summed = (scores * weights).nansum(1)
-    metrics = {"eval/reward": summed[~scores.isnan().all(1)].mean().item()}
+    metrics = {"eval/reward": weighted_sum(scores, weights).nanmean().item()}
     metrics.update({f"eval/{name}": scores[:, j].nanmean().item() for j, name in enumerate(names)})
     metrics["eval/completion_length"] = float(np.mean([r.length for r in results]))
     for k in sorted(set(pass_k)):

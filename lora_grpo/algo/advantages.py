@@ -108,14 +108,15 @@ def zero_std_fraction(rewards: torch.Tensor, group_size: int) -> float:
     return (_constant(groups) & (scored > 1)).float().mean().item()
 
 
-def _weighted_sum(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    # a None (NaN) counts as 0 (TRL's nansum); a row that every function skipped stays NaN.
+def weighted_sum(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(N, F) rewards per function, NaN where one returned None → (N,) the weighted sum: a None counts as 0
+    (TRL's nansum), and a row that every function skipped stays NaN (left out of means, as in TRL)."""
     total = (per_func * weights).nansum(dim=1)
     return torch.where(torch.isnan(per_func).all(dim=1), torch.full_like(total, float("nan")), total)
 
 
 def _sum_then_normalize(per_func, weights, group_size, scale):
-    return group_advantages(_weighted_sum(per_func, weights), group_size, scale)
+    return group_advantages(weighted_sum(per_func, weights), group_size, scale)
 
 
 def _normalize_then_sum(per_func, weights, group_size, scale):
@@ -123,7 +124,7 @@ def _normalize_then_sum(per_func, weights, group_size, scale):
     # over its non-None values, + 1e-4), weighted and summed (None → 0), then the sum normalised
     # over the whole batch. scale_rewards plays no part, as in TRL. A row that no function scored
     # is left out of the batch's mean and std and gets advantage 0 (TRL).
-    unscored = _check(_weighted_sum(per_func, weights), group_size).isnan().flatten()
+    unscored = _check(weighted_sum(per_func, weights), group_size).isnan().flatten()
     groups = per_func.view(-1, group_size, per_func.shape[1])
     centered = groups - torch.nanmean(groups, dim=1, keepdim=True)
     std = _nanstd(groups, dim=1) if group_size > 1 else torch.zeros_like(centered[:, :1])

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import event_loop
+from ..algo.advantages import weighted_sum
 from ..run.failures import StepFailed
 from .builtins import _text
 from .specs import reward_names
@@ -378,11 +379,9 @@ def compute_rewards(
         scores = _score_one(fn, name, prompts, completions, columns, n, results[j], bisect_on_error)
         per_func[:, j] = torch.tensor([float("nan") if s is None else s for s in scores], dtype=torch.float32)
 
-    present = ~per_func.isnan()  # (N, F)
-    rewards = torch.nansum(per_func * w, dim=1)  # None -> 0 in the sum
-    unscored = ~present.any(dim=1)
-    # nothing applied to this row: it is left out of the baseline and gets advantage 0 (as TRL)
-    rewards[unscored] = float("nan")
+    # None -> 0 in the sum; a row nothing applied to is NaN: left out of the baseline, advantage 0 (as TRL)
+    rewards = weighted_sum(per_func, w)
+    unscored = per_func.isnan().all(dim=1)
     if unscored.any():
         _warn_unscored(int(unscored.nonzero()[0, 0]), prompts, completions, columns)
 
