@@ -29,6 +29,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 MiB = 2**20
+GiB = 2**30  # a card's "8 GB" is 8 GiB
 
 # bf16 arithmetic in hardware from Ampere (sm_80) on. Below it (Volta 7.0, Turing 7.5: V100, T4,
 # RTX 20xx) torch.cuda.is_bf16_supported() still answers True, because bf16 can be emulated

@@ -412,6 +412,64 @@ def test_a_model_with_code_of_its_own_is_refused_naming_trust_remote_code(tiny_b
     assert not marker.exists()
 
 
+# The loader ran out of device memory: torch's "CUDA out of memory. Tried to allocate 20.00 MiB" said neither what the
+# weights take nor what to change (a 7B base in bfloat16 on an 8 GB card, quantization left at none).
+@pytest.mark.parametrize("quantization", ["none", "4bit"])
+def test_a_base_that_runs_out_of_memory_while_loading_says_what_its_weights_take(
+    tiny_base_dir, tmp_path, monkeypatch, capsys, quantization
+):
+    from helpers import write_recipe
+    from transformers import AutoModelForCausalLM
+
+    from lora_grpo.cli import main
+    from lora_grpo.model import load
+    from lora_grpo.model.loading import LoadError
+
+    # What the loaded base holds, counted on the real model: every nn.Linear's weight but the head's is quantized.
+    real = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32)
+    head = real.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in real.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    total = sum(p.numel() for p in real.parameters())
+    need = {"none": 4 * total, "4bit": (0.5 + 1 / 64 + 4 / (64 * 256)) * linear + 4 * (total - linear)}
+    room = need["4bit"] / 2  # left on the device: not even the 4-bit base fits
+    GiB = 2**30
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.\nmore of torch's text")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", out_of_memory)
+    monkeypatch.setattr(load, "available_bytes", lambda device: (room, "free GPU memory"))
+    config_fields = {"quantization": quantization, "torch_dtype": "float32"}
+    with pytest.raises(LoadError) as info:
+        make_trainer(tiny_base_dir, tmp_path, **config_fields)
+    assert isinstance(info.value, torch.OutOfMemoryError)  # what a script catching torch's OOM catches still
+    text = str(info.value)
+    assert text.startswith(
+        f"could not load the policy's base model from {tiny_base_dir!r}: it ran out of memory on"
+    )
+    assert "(OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB.)" in text
+    held = "in float32" if quantization == "none" else "quantized to 4 bits"
+    assert (
+        f"Its weights take about {need[quantization] / GiB:.1f} GiB {held} (counted from its config)" in text
+    )
+    assert f"and {room / GiB:.1f} GiB of free GPU memory is left with nothing loaded" in text
+    if quantization == "none":
+        assert text.endswith(
+            f"use quantization: 4bit (about {need['4bit'] / GiB:.1f} GiB) or quantization: 8bit (about "
+            f"{(linear + 4 * (total - linear)) / GiB:.1f} GiB) or a smaller model"
+        )
+    else:
+        assert text.endswith("use a smaller model")
+    # The CLI says it in one line; the room being enough for the weights says the memory went elsewhere.
+    monkeypatch.setattr(load, "available_bytes", lambda device: (4 * need["none"], "free GPU memory"))
+    recipe = write_recipe(tmp_path, tiny_base_dir, **config_fields)
+    capsys.readouterr()
+    assert main(["train", str(recipe)]) == 1
+    err = capsys.readouterr().err
+    assert "lora-grpo: error: could not load the policy's base model" in err and "Traceback" not in err
+    assert "they fit, so the memory went elsewhere while it loaded" in err
+
+
 # model_type → the tiny config's extra fields: Qwen3 and Gemma with a head_dim apart from hidden / heads, Gemma
 # with sliding-window layers narrower than a rollout, Phi-3 with fused qkv_proj and gate_up_proj
 FAMILIES = {

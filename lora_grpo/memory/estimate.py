@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import GiB
+from ..model.load import QUANTIZED_WEIGHT_BYTES
 from .probe import (
     MemoryPlan,
     decode_memory,
@@ -41,7 +43,6 @@ from .probe import (
     rollout_shapes,
 )
 
-GiB = 2**30  # a card's "8 GB" is 8 GiB
 SLACK = 1.2  # the README's stated margin: 20% on top of the plan ...
 CUDA_CONTEXT = 0.5 * GiB  # ... and the CUDA context
 _HEAD_CAST = 2**23 * 4  # logprobs._CAST_ELEMENTS of a bf16 head's weight cast to float32 at once
@@ -81,7 +82,7 @@ def weight_bytes(model_config, quantization: str, dtype: torch.dtype) -> float:
     cfg = model_config.get_text_config()
     s = torch.empty(0, dtype=dtype).element_size()
     linear = cfg.num_hidden_layers * sum(a * b for a, b in _linear_shapes(model_config))
-    per_weight = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0, "none": float(s)}[quantization]
+    per_weight = {**QUANTIZED_WEIGHT_BYTES, "none": float(s)}[quantization]
     embeddings = (
         cfg.vocab_size * cfg.hidden_size * s * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
     )

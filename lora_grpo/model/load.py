@@ -11,6 +11,7 @@ the adapter it activates trainable and every other one frozen; we undo that).
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import re
 
@@ -18,10 +19,10 @@ import torch
 from torch import nn
 
 from ..config import GRPOConfig
-from ..device import auto_dtype, describe_gpu, native_bf16
+from ..device import GiB, auto_dtype, available_bytes, describe_gpu, is_out_of_memory, native_bf16
 from .adapters import BASE, POLICY, REFERENCE, TAGS, lora_layers
 from .bases import resolve_base
-from .loading import loading
+from .loading import LoadError, loading
 from .reference import check_syncable, sync_reference
 
 logger = logging.getLogger(__name__)
@@ -141,16 +142,95 @@ def load_base_model(config: GRPOConfig, model_path: str | None = None, device_ma
         if device_map is None and torch.cuda.is_available():
             device_map = {"": torch.cuda.current_device()}
     path = model_path or resolve_model_path(config)
-    with loading("policy", "base model", path):
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=dtype,
-            device_map=device_map,
-            trust_remote_code=config.trust_remote_code,
-            revision=config.revision,  # None: the default branch
-            **kwargs,
-        )
+    ran_out = None
+    try:
+        with loading("policy", "base model", path):
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=dtype,
+                device_map=device_map,
+                trust_remote_code=config.trust_remote_code,
+                revision=config.revision,  # None: the default branch
+                **kwargs,
+            )
+    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        if not is_out_of_memory(error):
+            raise
+        ran_out = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    if ran_out is not None:
+        # Raised here, after the except block: until then its traceback's frames hold the weights loaded so far,
+        # and the memory left could not be read without them.
+        device = device_map.get("") if isinstance(device_map, dict) else None
+        raise BaseTooLarge(too_large(config, path, dtype, torch.device(device or "cpu"), ran_out))
     return prepare_base(model)
+
+
+class BaseTooLarge(LoadError, torch.OutOfMemoryError):
+    """The base model did not fit in the memory of its device while it loaded (a LoadError, and a
+    torch.OutOfMemoryError for a script that catches those): the message says what its weights take."""
+
+
+# Bytes one weight of the body's linear layers takes as bitsandbytes loads it: NF4/FP4 half a byte, plus an absmax
+# per 64-weight block, itself quantised to a byte with a float32 per 256 blocks (double quantisation); LLM.int8 a
+# byte (its float32 scale per row left out).
+QUANTIZED_WEIGHT_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
+
+
+def weights_as_loaded(config: GRPOConfig, path: str, dtype: torch.dtype) -> dict[str, float]:
+    """The base's weights in bytes for each `quantization` ('none', '8bit', '4bit'), counted on an
+    empty copy of it built from its config on the meta device (no weight is read): bitsandbytes
+    quantizes the linear layers but the output head; embeddings, the head and norms stay in dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_config = AutoConfig.from_pretrained(
+        path, trust_remote_code=config.trust_remote_code, revision=config.revision
+    )
+    with torch.device("meta"):
+        empty = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.trust_remote_code)
+    head = empty.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in empty.modules() if isinstance(m, nn.Linear) and m is not head)
+    rest = sum(p.numel() for p in empty.parameters()) - linear
+    size = dtype.itemsize
+    return {
+        "none": float((linear + rest) * size),
+        **{name: linear * per_weight + rest * size for name, per_weight in QUANTIZED_WEIGHT_BYTES.items()},
+    }
+
+
+def too_large(config: GRPOConfig, path: str, dtype: torch.dtype, device: torch.device, ran_out: str) -> str:
+    """What a load that ran out of memory says: the weights against the memory left, and what to change."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    room, what = available_bytes(device)
+    message = (
+        f"could not load the policy's base model from {path!r}: it ran out of memory on {device} ({ran_out})"
+    )
+    try:
+        weights = weights_as_loaded(config, path, dtype)
+    except Exception as error:  # noqa: BLE001 - the figures only explain; the refusal stands without them
+        logger.debug("the base's size could not be counted from its config: %s", error)
+        return (
+            message
+            + f"; {room / GiB:.1f} GiB of {what} is left: set quantization: 4bit, or choose a smaller model"
+        )
+    need = weights[config.quantization]
+    held = {"4bit": "quantized to 4 bits", "8bit": "quantized to 8 bits"}.get(
+        config.quantization, f"in {str(dtype).removeprefix('torch.')}"
+    )
+    message += (
+        f". Its weights take about {need / GiB:.1f} GiB {held} (counted from its config), and "
+        f"{room / GiB:.1f} GiB of {what} is left with nothing loaded: "
+    )
+    if need <= room:
+        return message + (
+            "they fit, so the memory went elsewhere while it loaded (another process on the device? nvidia-smi lists "
+            "them): free it and run again"
+        )
+    fixes = [
+        f"quantization: {q} (about {weights[q] / GiB:.1f} GiB)" for q in ("4bit", "8bit") if weights[q] < need
+    ]
+    return message + "use " + " or ".join([*fixes, "a smaller model"])
 
 
 def prepare_base(model: nn.Module) -> nn.Module:
