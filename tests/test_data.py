@@ -331,6 +331,41 @@ def test_no_prompt_column_lists_columns_and_options():
     msg = str(info.value)
     assert "'question'" in msg and "'answer'" in msg
     assert "prompt_column" in msg and "messages_column" in msg and "prompt_template" in msg
+    # The fix every front door can apply first: rename the column (TRL's GRPOConfig has none of those fields).
+    assert "rename the column that holds them (ds = ds.rename_column('question', 'prompt'))" in msg
+    # Without a messages column to look for (the TRL front door's), none is named.
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(ROWS, messages_column=None)
+    assert "cannot find the prompts: no column 'prompt' (prompt_column) in columns" in str(info.value)
+    assert "None" not in str(info.value)
+
+
+# A chat dataset (ultrachat's shape) whose `messages` hold the whole conversation, the reference answer last, beside
+# its `prompt`: read from `messages`, the policy was prompted with the answer, and the prompt column was dropped.
+def test_a_prompt_column_beside_a_messages_column_is_the_prompt_as_in_trl(tokenizer, caplog):
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    ds = load_prompt_dataset([{"prompt": "2+2?", "messages": chat}], tokenizer=tokenizer)
+    assert ds["prompt"] == ["2+2?"] and ds["messages"] == [
+        chat
+    ]  # the messages reach reward functions as they are
+    # From a messages column alone, a last assistant turn is prompted with, and said so.
+    with caplog.at_level("WARNING", logger="lora_grpo.data.prompts"):
+        ds = load_prompt_dataset([{"messages": chat}, {"messages": chat[:1]}], tokenizer=tokenizer)
+    assert ds["prompt"] == ["user: 2+2?\nassistant: 4\nassistant: ", "user: 2+2?\nassistant: "]
+    assert (
+        "1 of 2 rows of column 'messages' (chat messages) end with an assistant turn (row 0 first)"
+        in caplog.text
+    )
+
+
+# Dataset.from_list reads its columns from the first row: a column the first row lacked was gone from every row.
+def test_a_list_of_rows_keeps_every_column_any_row_has():
+    ds = load_prompt_dataset([{"prompt": "1+1?"}, {"prompt": "2+2?", "answer": "4"}])
+    assert ds["answer"] == [None, "4"]  # None: does not apply to that row
+    # A column of text in one row and messages in another: named, not Arrow's error.
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset([{"prompt": "1+1?"}, {"prompt": [{"role": "user", "content": "2+2?"}]}])
+    assert str(info.value).startswith("column 'prompt' holds a str in row 0 and a list in row 1")
 
 
 def test_empty_dataset():

@@ -125,7 +125,8 @@ class PromptBatches:
                 f"cannot resume: the checkpoint's run drew its prompts from {state['num_rows']} rows, this run's train "
                 f"dataset has {len(self.dataset)} (after filters); the data position ({where} "
                 "of a seeded order of those rows) means nothing for other rows. Resume with the same dataset (the same "
-                "file, split, filters and prompt settings), or start a new run from the checkpoint's weights: "
+                "file, split, filters and prompt settings; from a streamed IterableDataset the run reads the rows its "
+                "max_steps needs, so the checkpoint's max_steps), or start a new run from the checkpoint's weights: "
                 "init_adapter=<checkpoint>/policy (the optimizer state and step count start afresh)"
             )
         if "seed" in state and int(state["seed"]) != self.seed:

@@ -20,12 +20,14 @@ time, and can be checkpointed and resumed exactly.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow as pa
 
 from ..config_checks import template_columns
 from ..rollout.tools import non_text_block
@@ -36,6 +38,8 @@ from ..tasks.countdown_toy import countdown_toy_problems
 from ..tasks.toy import toy_problems
 from .batches import PromptBatches
 from .files import FILE_BUILDERS, load_data_file
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "PROMPT_MESSAGES",
@@ -67,7 +71,7 @@ def _load_source(source: Any, split: str, config_name: str | None = None) -> dat
     if isinstance(source, (list, tuple)):
         if not all(isinstance(row, Mapping) for row in source):
             raise TypeError("a list source must be a list of dicts (one per row)")
-        return datasets.Dataset.from_list([dict(row) for row in source])
+        return from_rows(source)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(
             f"unsupported dataset source of type {type(source).__name__}: pass a datasets.Dataset, "
@@ -90,6 +94,29 @@ def _load_source(source: Any, split: str, config_name: str | None = None) -> dat
     if suffix in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
         raise FileNotFoundError(f"dataset file or directory not found: {path}")
     return datasets.load_dataset(str(source), config_name, split=split)  # a hub dataset name
+
+
+def from_rows(rows: Sequence[Mapping]) -> datasets.Dataset:
+    """A Dataset of dict rows with every key any row has (None where a row lacks it): Dataset.from_list
+    takes its columns from the first row alone, and would drop a column that row lacks from every row.
+    A column whose values Arrow cannot hold as one type (text in some rows, chat messages in others) is
+    named with the first two rows that differ."""
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    try:
+        return datasets.Dataset.from_list([{key: row.get(key) for key in keys} for row in rows])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        for key in keys:
+            kinds = {}
+            for i, row in enumerate(rows):
+                if row.get(key) is not None:
+                    kinds.setdefault(type(row[key]).__name__, i)
+            if len(kinds) > 1:
+                (a, i), (b, j) = list(kinds.items())[:2]
+                raise ValueError(
+                    f"column {key!r} holds a {a} in row {i} and a {b} in row {j}: a column holds one type "
+                    "(give every row's prompt as text, or every row's as chat messages)"
+                ) from error
+        raise
 
 
 def _pick_split(dd: datasets.DatasetDict, split: str, what: str) -> datasets.Dataset:
@@ -273,8 +300,11 @@ def load_prompt_dataset(
 
     The prompt is taken by the first rule that applies:
         1. ``prompt_template`` given: ``prompt_template.format(**row)``;
-        2. ``messages_column`` present: the chat template over the messages;
-        3. ``prompt_column`` present: its text (or, if it holds chat messages, the chat template).
+        2. ``prompt_column`` present: its text (or, if it holds chat messages, the chat template), as
+           TRL reads it; a ``messages_column`` beside it stays a plain column (a chat dataset's
+           ``messages`` often hold the reference answer);
+        3. ``messages_column`` present: the chat template over the messages (a warning where they
+           end with an assistant turn: the policy is prompted with it).
 
     Returns:
         the dataset with ``prompt`` (str) set for every row; other columns kept unchanged (an
@@ -306,10 +336,13 @@ def load_prompt_dataset(
             f"the prompt dataset from {_describe(source)} is empty: check its file, split and filters"
         )
     columns = list(ds.column_names)
-    message_columns = [messages_column] if prompt_template is None and messages_column in columns else []
-    if prompt_template is None and not message_columns and prompt_column in columns:
-        message_columns = [prompt_column]
-    _refuse_images(ds, columns, message_columns)
+    # The column the prompts are read from (rule 2 or 3), None for a template.
+    source_column = None
+    if prompt_template is None:
+        source_column = next(
+            (c for c in (prompt_column, messages_column) if c is not None and c in columns), None
+        )
+    _refuse_images(ds, columns, [source_column] if source_column else [])
     render = _Renderer(tokenizer, system_prompt, use_chat_template, chat_template_kwargs)
 
     if prompt_template is not None:
@@ -342,21 +375,7 @@ def load_prompt_dataset(
                 ) from e
             return render.text(text, f"prompt_template (row {i})"), None
 
-    elif messages_column in columns:
-        _check_rows(
-            ds,
-            messages_column,
-            _is_messages,
-            "a non-empty list of {'role', 'content'} chat messages",
-            f"bool(row[{messages_column!r}])",
-        )
-        render._check_tokenizer(f"column {messages_column!r} (chat messages)")
-
-        def one(row: dict, i: int) -> tuple[str, list[dict] | None]:
-            messages = render.messages(row[messages_column])
-            return render.chat(messages, f"column {messages_column!r} (chat messages, row {i})"), messages
-
-    elif prompt_column in columns:
+    elif source_column == prompt_column:
         _check_rows(
             ds,
             prompt_column,
@@ -372,28 +391,60 @@ def load_prompt_dataset(
             messages = render.messages(value)
             return render.chat(messages, f"column {prompt_column!r} (chat messages, row {i})"), messages
 
+    elif source_column is not None:  # messages_column
+        _check_rows(
+            ds,
+            messages_column,
+            _is_messages,
+            "a non-empty list of {'role', 'content'} chat messages",
+            f"bool(row[{messages_column!r}])",
+        )
+        render._check_tokenizer(f"column {messages_column!r} (chat messages)")
+
+        def one(row: dict, i: int) -> tuple[str, list[dict] | None]:
+            messages = render.messages(row[messages_column])
+            if messages[-1].get("role") == "assistant":
+                answered.append(i)
+            return render.chat(messages, f"column {messages_column!r} (chat messages, row {i})"), messages
+
     else:
+        looked = f"no column {prompt_column!r} (prompt_column)" + (
+            f" or {messages_column!r} (messages_column)" if messages_column is not None else ""
+        )
+        other = next((c for c in columns if c != PROMPT_MESSAGES), "question")
         raise ValueError(
-            f"cannot find the prompts: no column {prompt_column!r} (prompt_column) or {messages_column!r} "
-            f"(messages_column) in columns {columns}; set prompt_column=..., messages_column=..., or "
-            "prompt_template='...{column}...'"
+            f"cannot find the prompts: {looked} in columns {columns}; rename the column that holds them "
+            f"(ds = ds.rename_column({other!r}, {prompt_column!r})), or, in lora_grpo's GRPOConfig, set "
+            "prompt_column=..., messages_column=..., or prompt_template='...{column}...'"
         )
 
     prompts: list[str] = []
+    answered: list[int] = []  # rows of a messages column ending with an assistant turn
     chats: list[list[dict] | None] = []
     for batch in ds.iter(batch_size=1000):
         for row in (dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)):
             text, messages = one(row, len(prompts))
             prompts.append(text)
             chats.append(messages)
+    if answered:
+        logger.warning(
+            "%d of %d rows of column %r (chat messages) end with an assistant turn (row %d first): the policy is "
+            "prompted with it and answers after it. If it is the reference answer of a chat dataset, keep it out "
+            "of the prompt: ds.map(lambda row: {%r: row[%r][:-1]}), and give the reward function the answer in "
+            "a column of its own",
+            len(answered),
+            len(prompts),
+            messages_column,
+            answered[0],
+            messages_column,
+            messages_column,
+        )
     new = {"prompt": prompts}
     replaced = {"prompt", PROMPT_MESSAGES}
     if any(m is not None for m in chats):
         new[PROMPT_MESSAGES] = chats
         # The messages reach reward functions once, as `prompts`: not also under their column's name.
-        replaced.add(
-            messages_column if prompt_template is None and messages_column in columns else prompt_column
-        )
+        replaced.add(source_column)
     # Add before removing: a dataset left with no columns would also be left with no rows.
     for name, values in new.items():
         ds = ds.add_column(f"_new_{name}", values)
@@ -456,9 +507,7 @@ def read_stream(stream, config, split: str) -> datasets.Dataset:
             stream, config.dataset_split if split == "train" else config.eval_split, "the stream"
         )
     rows = list(stream.take(stream_rows(config, split)))
-    return (
-        datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({config.prompt_column: []})
-    )
+    return from_rows(rows) if rows else datasets.Dataset.from_dict({config.prompt_column: []})
 
 
 def resolve_dataset(
