@@ -203,7 +203,8 @@ class GRPOConfig:
     prompt_column: str = _f("prompt", "column holding the prompt text (or a list of chat messages)")
     messages_column: str | None = _f(
         "messages",
-        "column holding chat messages, rendered with the tokenizer's chat template (None: only prompt_column, as TRL)",
+        "column holding chat messages, rendered with the tokenizer's chat template where the data has no "
+        "prompt_column (None: only prompt_column, as TRL)",
     )
     prompt_template: str | None = _f(
         None, "a Python format string over the row's columns, e.g. 'Q: {question}\\nA:'"
