@@ -559,6 +559,7 @@ def test_a_peft_config_with_a_rank_pattern_trains_with_a_reference_slot_that_hol
         ("bias", "all", "bias='all'"),
         ("init_lora_weights", "pissa", "init_lora_weights='pissa'"),
         ("modules_to_save", ["lm_head"], "modules_to_save"),
+        ("alora_invocation_tokens", [14], "alora_invocation_tokens=[14]: a LoRA variant"),
     ],
 )
 def test_a_lora_config_the_reference_slot_cannot_mirror_is_refused_by_name(

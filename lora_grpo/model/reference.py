@@ -27,9 +27,14 @@ from torch import nn
 from ..device import now
 from .adapters import POLICY, REFERENCE, lora_layers
 
+# peft's LoRA variants whose layers still compute x·ΔWᵀ with ΔW = scaling·B·A (VeLoRA only compresses what the
+# backward keeps), so the reference slot mirrors them exactly.
+SYNCABLE_VARIANTS = ("VeloraLinearVariant",)
+
 
 def check_syncable(model: nn.Module, policy: str = POLICY, reference: str = REFERENCE) -> None:
-    """Refuse adapters that a sync would only half copy: DoRA, trained biases, modules_to_save, embeddings."""
+    """Refuse adapters that a sync would only half copy: DoRA and peft's other LoRA variants, trained biases,
+    modules_to_save, embeddings."""
     from peft.tuners.lora import LoraLayer
 
     cfg = model.peft_config[policy]
@@ -46,11 +51,25 @@ def check_syncable(model: nn.Module, policy: str = POLICY, reference: str = REFE
         if isinstance(module, LoraLayer) and policy in getattr(module, "lora_embedding_A", {}):
             problems.append(f"an embedding LoRA at {name}")
             break
+    variants = {
+        type(variant).__name__
+        for module in model.modules()
+        if isinstance(module, LoraLayer)
+        and (variant := getattr(module, "lora_variant", {}).get(policy)) is not None
+        and type(variant).__name__ not in SYNCABLE_VARIANTS
+    }
+    if variants and not getattr(cfg, "use_dora", False):
+        problems.append(
+            f"peft's LoRA variant {', '.join(sorted(variants))}: its layers compute other than x·ΔWᵀ with ΔW = B·A "
+            "(aLoRA only after its invocation tokens, BD-LoRA with block-diagonal factors, ...), which the "
+            "reference slot's plain LoRA cannot mirror"
+        )
     if problems:
         raise ValueError(
             "the policy adapter cannot be synced into the reference slot exactly: "
             + "; ".join(problems)
-            + ". Use a plain LoRA adapter (no DoRA, bias='none', no modules_to_save, linear targets only)."
+            + ". Use a plain LoRA adapter (no DoRA or other variant, bias='none', no modules_to_save, linear targets "
+            "only)."
         )
     missing = [n for n, m in lora_layers(model, (policy,)) if reference not in m.lora_A]
     if missing:

@@ -10,6 +10,7 @@ EVA, CorDA, init_lora_weights=False).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 from collections.abc import Callable
@@ -58,6 +59,19 @@ def check_lora(peft_config) -> None:
     if getattr(peft_config, "use_dora", False):
         problems.append(
             "use_dora=True: DoRA's magnitude vector is not part of ΔW = B·A, so the reference slot could not hold it"
+        )
+    variants = [
+        field.name
+        for field in dataclasses.fields(peft_config)
+        if field.metadata.get("is_lora_variant")
+        and field.name not in ("use_dora", "velora_config")  # DoRA named above; VeLoRA's ΔW is B·A
+        and getattr(peft_config, field.name)
+    ]
+    if variants:
+        problems.append(
+            f"{', '.join(f'{name}={getattr(peft_config, name)!r:.60}' for name in variants)}: a LoRA variant whose "
+            "layers compute other than x·ΔWᵀ with ΔW = B·A, which the reference slot's plain LoRA cannot mirror "
+            "(leave it unset)"
         )
     if getattr(peft_config, "bias", "none") != "none":
         problems.append(
