@@ -658,7 +658,7 @@ class GRPOTrainer:
                 self._event("step_begin")
                 steps, metrics = self.generation_round(rows)
                 # after every round of the step: whether drawing its prompts ended an epoch
-                state.generation = RolloutSteps(tuple(steps), epoch, state.batches.epoch != epoch)
+                state.generation = RolloutSteps(tuple(steps), epoch, self._agreed_epoch_end(epoch))
             else:
                 self._event("step_begin")
             # A new RolloutSteps of the rest: what a failure keeps still holds this step.
@@ -963,6 +963,16 @@ class GRPOTrainer:
         a step may draw several batches, so the epochs, not the step count, end the run."""
         cfg = self.config
         return not cfg.max_steps and self.state.batches.epochs_done >= cfg.num_epochs
+
+    def _agreed_epoch_end(self, epoch: int) -> bool:
+        """Whether drawing this step's prompts ended epoch `epoch`. With dynamic sampling each process draws its own
+        rounds, at its own pace, so one may end an epoch a step before another: it ends on every process when it
+        ends on any, so that the epoch's sync (ref_sync_every_epoch) and its eval or checkpoint (the TRL front
+        door's epoch strategies, whose collectives every process must reach) happen at one step everywhere."""
+        ended = self.state.batches.epoch != epoch
+        if not self.config.dynamic_sampling:
+            return ended  # every process draws one batch a step: their epochs end together
+        return sum_over_processes({"ended": float(ended)}, self.accelerator)["ended"] > 0
 
     def _agreed_prompts_spent(self) -> bool:
         """_prompts_spent on any process (each draws its own share, at its own pace): every process

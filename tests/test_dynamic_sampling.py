@@ -300,9 +300,19 @@ sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters
 cfg.max_steps, cfg.num_epochs, cfg.dynamic_sampling_max_rounds, cfg.output_dir = 0, 1, 2, out + "/epoch"
 e = GRPOTrainer(cfg, reward_funcs=[half_constant], train_dataset=prompts)
 e.train()
+# Process 1's groups carry no signal: it draws dynamic_sampling_max_rounds rounds a step, and its epochs end first.
+rank = t.accelerator.process_index
+def uneven(prompts, completions, **kwargs):
+    return [0.0] * len(completions) if rank == 1 else half_constant(prompts, completions, **kwargs)
+cfg.max_steps, cfg.num_epochs, cfg.dynamic_sampling_max_rounds, cfg.output_dir = 3, 1, 3, out + "/synced"
+cfg.beta, cfg.ref_sync_every_epoch, cfg.ref_sync_alpha = 0.04, True, 0.5
+y = GRPOTrainer(cfg, reward_funcs=[uneven], train_dataset=prompts[:16])
+y.train()
+reference = {n: p.detach().double().sum().item() for n, p in y.model.named_parameters() if ".reference." in n}
 json.dump({"sums": sums, "history": t.state.log_history, "epoch_steps": e.state.global_step,
-           "epochs_done": e.state.batches.epochs_done},
-          open(f"{out}/rank{t.accelerator.process_index}.json", "w"))
+           "epochs_done": e.state.batches.epochs_done, "reference": reference,
+           "syncs": [i + 1 for i, h in enumerate(y.state.log_history) if h.get("sync/event")]},
+          open(f"{out}/rank{rank}.json", "w"))
 """
 
 
@@ -318,6 +328,10 @@ def test_two_processes_fill_their_own_quota_and_stay_identical(tiny_base_dir, tm
     assert all(h["dynamic_sampling/prompts_consumed"] >= 4 for h in r0["history"] if "loss" in h)
     assert r0["epoch_steps"] == r1["epoch_steps"] <= 6  # the same last step; 6 = one round a step
     assert max(r0["epochs_done"], r1["epochs_done"]) >= 1  # the first process out of prompts ended it
+    # An epoch ends on every process when it ends on any: its sync at the same step, one reference slot everywhere
+    # (each process synced at its own epoch's end before; with the front door's epoch save, one alone gathered).
+    assert r0["syncs"] == r1["syncs"] and r0["syncs"], (r0["syncs"], r1["syncs"])
+    assert r0["reference"] == pytest.approx(r1["reference"], rel=1e-6, abs=1e-9)
 
 
 TWO_PROCESSES_RESUME = """
