@@ -166,6 +166,10 @@ class GRPOTrainer:
         # per-process generator, _build_sampler).
         seed_everything(config.seed)
         self._build_model(model, tokenizer)
+        # Then each process its own global streams, as TRL does (set_seed(seed, device_specific=True): seed +
+        # process index): an environment that draws its tasks, a reward function or a tool that draws with
+        # random, and LoRA dropout would otherwise draw alike on every process.
+        seed_everything(config.seed + self.accelerator.process_index)
         place_reward_models(rewards, self.accelerator.device, self.model.get_input_embeddings().weight.dtype)
         self.sampler = self._build_sampler(config.tools if tools is None else tools, environment_factory)
         # Each environment class's get_reward is a reward too, weight 1, after the others (as TRL adds them).

@@ -11,7 +11,7 @@ from lora_grpo.model.adapters import POLICY, REFERENCE
 
 # What both scripts start with: the tiny base and an output dir from the command line, 16 prompts.
 PRELUDE = """
-import json, sys, torch
+import json, random, sys, torch
 from lora_grpo import GRPOConfig, GRPOTrainer
 
 from helpers import digit_share
@@ -26,15 +26,17 @@ SCRIPT = PRELUDE + textwrap.dedent(
                      prompts_per_step=2, max_completion_length=5, micro_batch_size=4, max_steps=2,
                      beta=0.04, ref_sync_steps=1, ref_sync_alpha=0.5, learning_rate=1e-2,
                      output_dir=out + "/run", save_steps=0, gradient_checkpointing=False)
-    sampled = []
+    sampled, drawn = [], []
     def digits(prompts, completions, **kwargs):
         sampled.extend(prompts[::4])  # a group's prompt once
+        drawn.append(random.random())  # what a reward function, a tool or an environment draws
         return digit_share(prompts, completions, **kwargs)
     t = GRPOTrainer(cfg, reward_funcs=[digits], train_dataset=prompts)
     t.train()
     rank = t.accelerator.process_index
     sums = {n: p.detach().double().sum().item() for n, p in t.model.named_parameters() if "lora_" in n}
-    record = {"prompts": sampled, "rows": len(t.train_dataset), "sums": sums, "history": t.state.log_history}
+    record = {"prompts": sampled, "rows": len(t.train_dataset), "sums": sums, "history": t.state.log_history,
+              "drawn": drawn}
     json.dump(record, open(f"{out}/rank{rank}.json", "w"))
     """
 )
@@ -57,6 +59,9 @@ def test_two_processes_stay_in_sync(tiny_base_dir, tmp_path):
     policy_b = [v for k, v in r0["sums"].items() if f"lora_B.{POLICY}." in k]
     ref_b = [v for k, v in r0["sums"].items() if f"lora_B.{REFERENCE}." in k]
     assert any(v != 0 for v in policy_b) and any(v != 0 for v in ref_b)  # both adapters moved
+    # The global streams are each process's own once the adapters are built (TRL's set_seed(device_specific=True)):
+    # an environment drawing its tasks with random gave every process the same ones.
+    assert len(r0["drawn"]) == len(r1["drawn"]) == 2 and set(r0["drawn"]).isdisjoint(r1["drawn"])
 
 
 RESUME_SCRIPT = PRELUDE + textwrap.dedent(
