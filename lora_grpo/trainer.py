@@ -883,12 +883,13 @@ class GRPOTrainer:
                 torch.randperm(batch.input_ids.shape[0], generator=order).to(batch.input_ids.device)
             )
         t_ref = now(device)
+        tokens, seconds = float(rollout.completion_mask.sum()), t_ref - t0
+        if self.accelerator.num_processes > 1:
+            # the run's throughput: every process's tokens over the slowest process's seconds
+            each = self.accelerator.gather(torch.tensor([[tokens, seconds]], device=device))
+            tokens, seconds = each[:, 0].sum().item(), each[:, 1].max().item()
         metrics.update(
-            {
-                "time/rollout": t_gen - t0,
-                "time/log_probs": t_ref - t_gen,
-                "tokens_per_second": int(rollout.completion_mask.sum()) / (t_ref - t0),
-            }
+            {"time/rollout": t_gen - t0, "time/log_probs": t_ref - t_gen, "tokens_per_second": tokens / seconds}
         )
         # where a rollout is cut into steps
         return batch.steps(cfg.steps_per_generation) * cfg.num_iterations, metrics

@@ -56,6 +56,8 @@ def test_two_processes_stay_in_sync(tiny_base_dir, tmp_path):
     for h0, h1 in zip(r0["history"], r1["history"]):
         for key in ("reward/mean", "reward/std", "kl", "completion_length/mean", "entropy", "loss"):
             assert h0[key] == pytest.approx(h1[key], rel=1e-6, abs=1e-9), key
+        # the run's throughput, both processes' tokens over the slower one's time (each its own before)
+        assert h0["tokens_per_second"] == h1["tokens_per_second"] > 0
     policy_b = [v for k, v in r0["sums"].items() if f"lora_B.{POLICY}." in k]
     ref_b = [v for k, v in r0["sums"].items() if f"lora_B.{REFERENCE}." in k]
     assert any(v != 0 for v in policy_b) and any(v != 0 for v in ref_b)  # both adapters moved
