@@ -35,7 +35,7 @@ import zipfile
 from pathlib import Path
 
 # name==version: what the lent machine lacks (and the transformers and TRL this project is tested with).
-# peft 0.21.2 and xxhash 4.1.0 are not here: the image holds them at these versions already (issue 36).
+# peft and xxhash are not here: the image holds them already (peft 0.21.0 on the first GPU run; issue 36).
 PACKAGES = [
     "bitsandbytes==0.50.2",
     "datasets==5.2.0",
@@ -44,7 +44,7 @@ PACKAGES = [
     "transformers==5.24.0",
     "trl==1.16.0",
 ]
-# Seconds: one command of a lent machine's visit (a 600 s command limit; the plan, ~496 s by the
+# Seconds: one command of a lent machine's visit (a 600 s command limit; the plan, ~521 s by the
 # estimates: benchmarks/README.md), and a second for what the first stopped or skipped for want of time.
 FIRST_BUDGET, RERUN_BUDGET = 540, 250
 INSTALL = (

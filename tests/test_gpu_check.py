@@ -415,6 +415,9 @@ else:
     if "--trl-ends" in sys.argv:
         print("RESULT " + json.dumps({"trl": dict(steps_timed=1, step_s=8.0, peak_rss_mib=90.0)}))
         sys.exit(0)
+    if "--trl-untimed" in sys.argv:  # stopped itself after its first step: no time for a second
+        print("RESULT " + json.dumps({"trl": dict(steps_timed=0, step_s=float("nan"), peak_rss_mib=90.0)}))
+        sys.exit(0)
     time.sleep(600)
 """
 
@@ -484,6 +487,34 @@ def test_section_12_runs_trls_worker_when_ours_ends_at_its_limit(tmp_path, monke
     assert found["ours_over_trl"]["defaults"]["step_s"] == 0.25 and not _common.CHILDREN
 
 
+def test_section_12_stops_for_the_rerun_when_a_worker_had_time_for_its_first_step_alone(
+    tmp_path, monkeypatch
+):
+    """A worker that ended well but had no time for a step after its first (TRL's first step on the GPU near its
+    cap) ran out of time, not into a fault: the section is stopped and rerun, not failed; its NaN figures make no
+    ratio, and summary.json stays JSON to strict readers (NaN as null)."""
+    from benchmarks.gpu_check import vs_trl
+
+    monkeypatch.setattr(
+        vs_trl, "worker_command", lambda *args: [sys.executable, "-c", PEER_STUB, *args, "--trl-untimed"]
+    )
+    args, run = dry_run(tmp_path)
+    args.budget = float("inf")
+    run_section(BY_NUMBER[12], run)
+    section = run.summary[BY_NUMBER[12].name]
+    assert section["status"] == "stopped", section
+    assert section["reason"] == "trl stopped after the first step: too little of its worker's time left"
+    assert run.rerun() == gpu_bundle.rerun_command("12")
+    assert section["findings"]["ours_over_trl"]["defaults"] == {"peak_rss_mib": 100.0 / 90.0}
+    harness.write_summary(run, 1.0)
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    written = json.loads((Path(args.out) / "summary.json").read_text(), parse_constant=refuse)
+    assert written["sections"][BY_NUMBER[12].name]["findings"]["trl"]["step_s"] is None
+
+
 def test_a_worker_stops_itself_after_the_step_that_would_leave_too_little_of_its_time():
     from benchmarks.gpu_check import vs_trl
 
@@ -509,6 +540,10 @@ def test_a_second_variant_starts_only_where_its_load_retrace_and_two_steps_fit()
     assert vs_trl.room_for_another(age + 40, first)
     assert not vs_trl.room_for_another(age + 30, first)
     assert vs_trl.room_for_another(None, first)
+    # Short steps: after its first step the variant wants FIRST_RESERVE left, more than two steps (it was let in
+    # on two, then stopped after its first: no timed step).
+    short = {"first_step_s": 50.0, "step_s": 2.5}  # LOAD_S + 15 + max(10, 5) = 32 s
+    assert not vs_trl.room_for_another(age + 30, short) and vs_trl.room_for_another(age + 34, short)
     untimed = {"first_step_s": 50.0, "step_s": float("nan")}  # no step after the first: FIRST_RESERVE
     assert vs_trl.room_for_another(age + 15, untimed) and not vs_trl.room_for_another(age + 5, untimed)
 

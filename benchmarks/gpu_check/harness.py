@@ -8,6 +8,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import json
+import math
 import os
 import shutil
 import sys
@@ -31,6 +32,8 @@ MARGIN = 2.0
 GRACE = 10.0
 # A fresh process's start-up on the lent machine (the interpreter, torch, transformers): ~10 s on the first GPU run.
 PROCESS_START_S = 10.0
+# Seconds between a lane's own deadline and the parent's (lanes.py): the lane writes its summary, then the parent.
+LANE_MARGIN = 5.0
 IMPORTED = time.perf_counter()
 LABELS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "stopped": "STOP"}
 # The most files a lent machine gives back from --out ($OUT; the device tool's limit): the check writes 5.
@@ -313,6 +316,18 @@ def run_section(section: Section, run: Run) -> None:
             write_summary(run, run.elapsed())
 
 
+def strict_json(value):
+    """`value` with every float that JSON has no word for (NaN, ±inf: a figure not measured) as None, so that
+    summary.json is JSON to every reader (jq, a browser), not only to Python's."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def write_summary(run: Run, seconds: float) -> None:
     """summary.json and summary.txt in --out: the run's verdict so far, one entry per section in the
     order of the list (lanes end in any order), each file replaced whole (a lane's parent may read it
@@ -336,7 +351,9 @@ def write_summary(run: Run, seconds: float) -> None:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
-    replace(out / "summary.json", json.dumps(verdict, indent=2, default=str) + "\n")
+    replace(
+        out / "summary.json", json.dumps(strict_json(verdict), indent=2, default=str, allow_nan=False) + "\n"
+    )
     lines = []
     for name, v in summary.items():
         line = f"{LABELS[v['status']]} {name} ({v['seconds']} s{', ' + v['lane'] if v.get('lane') else ''})"
@@ -361,13 +378,13 @@ def in_lanes(lanes) -> set[int]:
 
 def planned_s(sections: list[Section], lanes, selected: Callable[[int], bool] = lambda number: True) -> float:
     """The selected sections' estimated seconds on the H200: those alone one after another, then the
-    longest lane (lanes run side by side, each a fresh process: PROCESS_START_S more), and this
-    process's own start-up."""
+    longest lane (lanes run side by side, each a fresh process: PROCESS_START_S more, under a deadline
+    LANE_MARGIN before this process's), and this process's own start-up."""
     side = in_lanes(lanes)
     estimate = {s.number: s.estimate_s for s in sections if selected(s.number)}
     alone = sum(seconds for number, seconds in estimate.items() if number not in side)
     longest = max((sum(estimate.get(n, 0.0) for n in lane) for lane in lanes), default=0.0)
-    return PROCESS_START_S + alone + (PROCESS_START_S + longest if longest else 0.0)
+    return PROCESS_START_S + alone + (PROCESS_START_S + LANE_MARGIN + longest if longest else 0.0)
 
 
 def print_plan(run: Run, lanes) -> None:

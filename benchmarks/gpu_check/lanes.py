@@ -20,10 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks._common import CHILDREN
-from benchmarks.gpu_check.harness import PROCESS_START_S, Run, worker_command, worker_options, write_summary
+from benchmarks.gpu_check.harness import (
+    LANE_MARGIN,
+    PROCESS_START_S,
+    Run,
+    worker_command,
+    worker_options,
+    write_summary,
+)
 
-# Seconds between a lane's own deadline and the parent's: the lane writes its summary, then the parent.
-LANE_MARGIN = 5.0
 # A lane is not started with less of the budget left: its start-up, and its margin.
 LANE_START_S = PROCESS_START_S + LANE_MARGIN
 # One lane's line at a time on the parent's stdout (and log.txt).

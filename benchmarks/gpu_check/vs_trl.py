@@ -113,13 +113,14 @@ class Steps:
 def room_for_another(deadline: float | None, figures: dict) -> bool:
     """Whether another variant fits in the worker's time after one whose summary is `figures`: loading its
     trainer, its first step (a re-trace of the decode, not a whole compile: RETRACE_SHARE of the first
-    variant's first step) and two steps."""
+    variant's first step) and two steps, or the FIRST_RESERVE its Steps.more() wants after its first step."""
     if deadline is None:
         return True
     first, step = figures.get("first_step_s", math.nan), figures.get("step_s", math.nan)
     if not (math.isfinite(first) and math.isfinite(step)):
         return process_age() < deadline - FIRST_RESERVE
-    return process_age() + LOAD_S + RETRACE_SHARE * first + 2 * step < deadline
+    # after its first step the variant's Steps.more() wants FIRST_RESERVE left: two steps or that, the longer
+    return process_age() + LOAD_S + RETRACE_SHARE * first + max(FIRST_RESERVE, 2 * step) < deadline
 
 
 def summarize(steps: list[dict]) -> dict:
@@ -393,6 +394,13 @@ def check_vs_trl(run: Run) -> None:
     run.expect(not failed, f"every worker ran ({', '.join(failed) or 'none'} failed)")
     if missing and not stopped and not failed:
         raise Stopped(f"{', '.join(missing)} not started: too little of its worker's time left")
+    # A worker that ended well but stopped a variant after its first step (Steps.more: no time for another) ran
+    # out of time, not into a fault: the rerun, not a failure.
+    untimed = [v for v, figures in results.items() if not figures.get("steps_timed")]
+    if untimed and not failed:
+        raise Stopped(
+            f"{', '.join(untimed)} stopped after the first step: too little of its worker's time left"
+        )
     run.expect(
         all(math.isfinite(results[v]["step_s"]) for v in results) and not missing,
         "every variant ran timed steps",
@@ -416,7 +424,12 @@ def report(run: Run, results: dict) -> None:
         if ours in results and peer in results:
             a, b = results[ours], results[peer]
             ratios[name] = {
-                field: a[field] / b[field] for field in (*FIELDS, *memory) if a.get(field) and b.get(field)
+                field: a[field] / b[field]
+                for field in (*FIELDS, *memory)
+                if all(
+                    isinstance(x.get(field), (int, float)) and math.isfinite(x[field]) and x[field]
+                    for x in (a, b)
+                )
             }
             print(f"ours / TRL, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios[name].items()))
     run.findings["ours_over_trl"] = ratios
