@@ -1259,6 +1259,42 @@ def test_fp16_on_a_gpu_gives_way_to_a_dtype_the_script_names(
     assert fields["torch_dtype"] == dtype
 
 
+# TRL's script puts ModelConfig's dtype (default "float32") into model_init_kwargs, loads float32 weights and autocasts
+# to bf16 / fp16's dtype; `lora-grpo trl --bf16` computed in float32 throughout (the dtype given won).
+@pytest.mark.parametrize(
+    "flags, dtype",
+    [
+        (["--bf16", "true"], "bfloat16"),
+        (["--bf16", "false"], "float32"),  # neither flag: float32, as TRL's run
+        (["--bf16", "true", "--dtype", "float16"], "float16"),  # a dtype other than the default still wins
+    ],
+)
+def test_the_trl_scripts_default_dtype_gives_way_to_the_precision_flags(
+    tiny_base_dir, tmp_path, monkeypatch, flags, dtype
+):
+    from lora_grpo.trl import script, trainer
+    from lora_grpo.trl.models import build_model
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(4)))
+    built = {}
+
+    class Built(Exception):
+        pass
+
+    def the_trainer(*, args, **kwargs):  # the script's GRPOTrainer call: its args are what we check
+        built["args"] = args
+        raise Built
+
+    monkeypatch.setattr(trainer, "GRPOTrainer", the_trainer)
+    argv = ["--model_name_or_path", tiny_base_dir, "--dataset_name", str(tmp_path), "--use_cpu", "true"]
+    with pytest.raises(Built):
+        script.main(
+            [*argv, "--output_dir", str(tmp_path / "run"), "--reward_funcs", "accuracy_reward", *flags]
+        )
+    fields, _ = build_model(tiny_base_dir, built["args"], None, None, None)
+    assert fields["torch_dtype"] == dtype
+
+
 # ------------------------------------------------------------------------------ what lora_grpo.trl cannot act on
 def _lora_trainer(tiny_base_dir, tmp_path, **fields):
     from peft import LoraConfig

@@ -35,6 +35,7 @@ from ..config_checks import did_you_mean
 from ..recipe_yaml import read_recipe
 from ..rewards.specs import import_hint
 from .script_data import DatasetMixtureConfig, dataset_split, script_dataset
+from .translate import precision_dtype
 
 
 @dataclass
@@ -371,6 +372,10 @@ def main(argv: list[str]) -> int:
         dtype=model_args.dtype,
         trust_remote_code=training_args.trust_remote_code,
     )
+    if model_args.dtype == "float32" and precision_dtype(training_args) != "auto":
+        # ModelConfig's default: TRL loads float32 weights and autocasts to bf16 / fp16's dtype, so its model computes
+        # in that; here the model computes in it too (precision_dtype), instead of float32 throughout.
+        del init["dtype"]
     init.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = init
     dataset = script_dataset(script, mixture, training_args.seed)
