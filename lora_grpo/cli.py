@@ -12,7 +12,8 @@ Python API.
 
 A recipe is a YAML file's path or the name of a recipe shipped in the package (lora_grpo/recipes/).
 Every subcommand imports the dotted paths of a recipe (reward functions, tools, environments) with the
-current directory first on the path, as `python -m` does, so a `my_rewards.py` beside the recipe works.
+current directory first on the path, as `python -m` does, so a `my_rewards.py` in the directory you run
+from works.
 """
 
 from __future__ import annotations

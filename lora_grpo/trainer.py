@@ -889,7 +889,11 @@ class GRPOTrainer:
             each = self.accelerator.gather(torch.tensor([[tokens, seconds]], device=device))
             tokens, seconds = each[:, 0].sum().item(), each[:, 1].max().item()
         metrics.update(
-            {"time/rollout": t_gen - t0, "time/log_probs": t_ref - t_gen, "tokens_per_second": tokens / seconds}
+            {
+                "time/rollout": t_gen - t0,
+                "time/log_probs": t_ref - t_gen,
+                "tokens_per_second": tokens / seconds,
+            }
         )
         # where a rollout is cut into steps
         return batch.steps(cfg.steps_per_generation) * cfg.num_iterations, metrics

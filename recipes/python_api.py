@@ -1,9 +1,10 @@
-"""The Python API on the offline toy task, with a reward function of our own.
+"""The Python API on the offline toy task, with reward functions of our own.
 
     python recipes/python_api.py
 
-Same run as recipes/toy-addition.yaml, written as code: the config is one dataclass, reward
-functions are plain Python callables with TRL's contract: every argument by keyword (prompts,
+The toy-addition recipe's task and model (recipes/toy-addition.yaml) written as code, with two rewards
+of our own (the sum, and a small format reward): the config is one dataclass, reward functions are
+plain Python callables with TRL's contract: every argument by keyword (prompts,
 completions, completion_ids, the dataset's columns, completion_lengths, truncated, trainer_state),
 so a function names what it uses, takes **kwargs for the rest, and returns list[float | None].
 A reward function written for TRL works unchanged.

@@ -148,8 +148,8 @@ def reward_funcs(script) -> list:
             raise ConfigError(
                 f"{_could_not_load(name, registry)} reward_funcs: {name!r} is neither one of TRL's reward names"
                 + did_you_mean(name, registry)
-                + " nor a dotted path 'module.function' (a function in module.py beside the recipe, or in an "
-                "installed package)"
+                + " nor a dotted path 'module.function' (a function in module.py in the directory you run from, "
+                "or in an installed package)"
             )
     return funcs
 
