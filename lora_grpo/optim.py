@@ -106,8 +106,14 @@ class LossScale:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, device: torch.device | str) -> "LossScale":
-        """On when the model computes in float16 (its embeddings' dtype: a 4-bit base's compute dtype too)."""
-        return cls(model.get_input_embeddings().weight.dtype == torch.float16, device)
+        """On when the model computes anywhere in float16: its embeddings (a model loaded in float16), or a
+        quantized layer's compute dtype (a 4-bit base with bnb_4bit_compute_dtype float16 keeps its
+        embeddings, norms and head in the dtype it was loaded in, float32, while its layers run forward
+        and backward in float16, where small gradients underflow unscaled)."""
+        half = model.get_input_embeddings().weight.dtype == torch.float16 or any(
+            getattr(module, "compute_dtype", None) == torch.float16 for module in model.modules()
+        )
+        return cls(half, device)
 
     @property
     def enabled(self) -> bool:

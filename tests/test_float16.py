@@ -120,6 +120,24 @@ def test_only_a_float16_model_has_a_loss_scale(tiny_base_dir, dtype, on):
     assert scale.scale(loss).item() == (0.5 * 2**16 if on else 0.5)
 
 
+def test_a_4bit_base_computing_in_float16_has_a_loss_scale_whatever_its_embeddings(tiny_base_dir):
+    """bnb_4bit_compute_dtype float16 with the model loaded in float32 (a QLoRA model object a TRL script passes):
+    the embeddings, norms and head float32, the 4-bit layers' forward and backward float16. Unscaled, a small
+    advantage's gradients through the base came out 65% off float32's (found in review)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    def loaded(compute):
+        quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute)
+        return AutoModelForCausalLM.from_pretrained(
+            tiny_base_dir, quantization_config=quantized, dtype=torch.float32
+        )
+
+    half = loaded(torch.float16)
+    assert half.get_input_embeddings().weight.dtype == torch.float32
+    assert LossScale.for_model(half, torch.device("cpu")).enabled
+    assert not LossScale.for_model(loaded(torch.float32), torch.device("cpu")).enabled
+
+
 def test_the_loss_scale_is_made_for_the_runs_device(tiny_base_dir, monkeypatch):
     """GradScaler switches itself off for a device type that is not there: a CUDA run's scaler is CUDA's,
     a CPU run's the CPU's (this machine has no GPU: CUDA is faked present for the first)."""
