@@ -86,6 +86,8 @@ from .state import StepFlow, TrainState
 from .update import PolicyUpdate
 
 Tensor = torch.Tensor
+# What torch.multinomial says of a probability row with inf or NaN in it (logits that overflowed).
+_NONFINITE_SAMPLING = "probability tensor contains either `inf`, `nan` or element < 0"
 
 
 def eval_set_labels(eval_dataset) -> dict:
@@ -749,6 +751,8 @@ class GRPOTrainer:
         what = _failure_words(error, stages)
         if any(is_out_of_memory(e) for e in (error, error.__cause__) if e is not None):
             what += f" ({self._out_of_memory_fix()})"
+        elif any(_NONFINITE_SAMPLING in str(e) for e in (error, error.__cause__) if e is not None):
+            what += f" ({self._nonfinite_logits_fix()})"
         kept = kept_work(
             self.output_dir,
             target,
@@ -763,6 +767,16 @@ class GRPOTrainer:
         if reward:
             raise RewardFunctionError(message, error.function, state.global_step, target) from error
         raise StepFailed(message, stages[-1] if stages else None, state.global_step, target) from error
+
+    def _nonfinite_logits_fix(self) -> str:
+        """What to change when the sampler met logits that were inf or NaN."""
+        if self.state.loss_scale.enabled:  # the model computes in float16
+            return (
+                "the model's logits were inf or NaN: in float16 its activations overflowed ±65504 on this step's "
+                "prompts, which the start-up check's did not reach; resume with torch_dtype bfloat16 (on a GPU that "
+                "has it) or float32: a resume in float16 meets the same overflow"
+            )
+        return "the model's logits were inf or NaN: check the last checkpoint's policy adapter for NaN"
 
     def _out_of_memory_fix(self) -> str:
         """What to change when a step ran out of memory, with the sizes it ran at."""

@@ -205,3 +205,37 @@ def test_a_step_that_raised_after_unscaling_leaves_the_scale_ready_for_the_next_
     trainer.train()
     assert [m["loss_scale"] for m in trainer.state.log_history] == [2.0**16, 2.0**16]
     assert len(calls) == 3
+
+
+def test_logits_that_overflow_float16_mid_run_say_to_resume_in_bfloat16_or_float32(tiny_base_dir, tmp_path):
+    """A float16 model whose activations overflow only on inputs the start-up check's prompts do not hold: the
+    rollout's sampler meets inf / NaN probabilities. Torch's own words alone said nothing of float16, and 'fix the
+    cause, then resume' resumed into the same overflow (found in review)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lora_grpo.run.failures import StepFailed
+
+    base = tmp_path / "overflows"
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[tokenizer.convert_tokens_to_ids("x")] = 65504.0  # float16's largest
+        model.model.layers[0].self_attn.o_proj.weight.mul_(1000.0)
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    prompts = [{"prompt": "1+1="}] * 4 + [{"prompt": "x+1="}] * 4  # the second step's prompts hold the token
+    trainer = make_trainer(
+        str(base),
+        tmp_path,
+        quantization="none",
+        torch_dtype="float16",
+        max_steps=2,
+        shuffle_dataset=False,
+        train_dataset=prompts,
+        prompts_per_step=4,
+        save_steps=0,
+    )
+    with pytest.raises(StepFailed) as info:
+        trainer.train()
+    assert "in float16 its activations overflowed ±65504 on this step's prompts" in str(info.value)
+    assert "resume with torch_dtype bfloat16 (on a GPU that has it) or float32" in str(info.value)
