@@ -68,6 +68,26 @@ def test_auto_dtype_is_bfloat16_only_where_the_gpu_computes_it_natively(gpu, cap
     )
 
 
+# TRL's bf16=None is "not fp16"; here also "where the GPU computes bf16 natively" (device.native_bf16, not torch's
+# is_bf16_supported, which a T4 answers True through emulation), and ROCm's GPUs all have it.
+@pytest.mark.parametrize(
+    "name, hip, bf16",
+    [("Tesla T4", None, False), ("NVIDIA A100", None, True), ("AMD Instinct MI100", "6.2", True)],
+)
+def test_the_trl_front_doors_bf16_default_is_true_only_on_a_gpu_with_native_bf16(
+    gpu, monkeypatch, tmp_path, name, hip, bf16
+):
+    from lora_grpo.trl import GRPOConfig
+
+    gpu(name)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    if hip:  # a ROCm GPU's capability reads as an old CUDA one
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert native_bf16() is bf16
+    assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True).bf16 is bf16
+    assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp16=True).bf16 is False
+
+
 def test_auto_dtype_without_cuda_is_float32(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert auto_dtype() == (torch.float32, "no CUDA device") and not native_bf16()
@@ -275,6 +295,11 @@ def test_nothing_is_set_once_cuda_started_or_on_a_cpu_build(cuda_build, monkeypa
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     assert "too late" in device_module.allocator_setting()
     monkeypatch.setattr(torch.version, "cuda", None)
+    assert device_module.use_expandable_segments() is False and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    # A ROCm build (torch.version.hip; its cuda attribute may name a version too): left alone as well
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert device_module.use_expandable_segments() is False and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 

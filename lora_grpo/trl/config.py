@@ -18,6 +18,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..algo.loss_types import Objective, loss_type_help, loss_types_using
+from ..device import native_bf16
 
 # Fields of lora_grpo's own, beyond TRL's: what TRL cannot do. Each leaves a TRL script's run as in TRL at
 # its default (reward_bisect_on_error acts only once a reward has raised), and maps to the native field of the
@@ -183,13 +184,7 @@ class GRPOConfig(TrainingArguments):
         (lora_grpo.trl.checks lists each one's fate)."""
         # TRL: "not fp16"; here also "where the device has bf16", so a CPU run does not fail
         if self.bf16 is None:
-            import torch
-
-            self.bf16 = (
-                not self.fp16
-                and torch.cuda.is_available()
-                and torch.cuda.is_bf16_supported(including_emulation=False)
-            )
+            self.bf16 = not self.fp16 and native_bf16()
         super().__post_init__()
         # the CLI passes a string
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
