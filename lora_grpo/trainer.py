@@ -46,7 +46,14 @@ from .dynamic_sampling import Round, StepSample, dropped_kinds, informative_grou
 from .evaluation import Evaluator, headline_score, metric_names
 from .memory.probe import MemoryPlan
 from .memory.sizes import RunSizes
-from .model.adapters import POLICY, POLICY_DIR, policy_parameters, reference_forward, set_training
+from .model.adapters import (
+    POLICY,
+    POLICY_DIR,
+    lora_layers,
+    policy_parameters,
+    reference_forward,
+    set_training,
+)
 from .model.load import keep_4bit_weights_fixed, load_model
 from .model.reference import sync_reference
 from .optim import (
@@ -249,6 +256,11 @@ class GRPOTrainer:
         set_training(model, False)
         # moves a plain model; refuses a quantized one on another device
         place_model(model, self.accelerator.device)
+        # whether the update's forward (train mode) differs from the no-grad ones by the policy's LoRA dropout
+        self.policy_dropout = any(
+            isinstance(layer.lora_dropout[POLICY], torch.nn.Dropout) and layer.lora_dropout[POLICY].p > 0
+            for _, layer in lora_layers(model, (POLICY,))
+        )
 
     def _build_sampler(self, tools, environment_factory) -> PolicySampler:
         """The rollout stage (sampler.py) on this process's own sampling stream (self.generator), with
@@ -945,6 +957,10 @@ class GRPOTrainer:
         if cfg.beta != 0 and not self.state.reference_is_policy:
             with reference_forward(self.model):
                 batch.ref_logp = self.log_probs(batch)
+        elif cfg.beta != 0 and self.policy_dropout:
+            # The reference equals the policy, but the update's forward drops LoRA inputs (lora_dropout): its own
+            # log-probs would make the KL and its gradient 0. The policy's without dropout are the reference's.
+            batch.ref_logp = batch.old_logp if batch.old_logp is not None else self.log_probs(batch)
 
     def sample_step(self, first: Round) -> StepSample:
         """Dynamic sampling (dynamic_sampling.py): after `first`, rounds of the next prompts until the

@@ -421,6 +421,32 @@ def test_a_reference_equal_to_the_policy_costs_no_forward(
         torch.testing.assert_close(v, adapter_state(forward.model, POLICY)[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_reference_equal_to_a_policy_with_lora_dropout_is_its_forward_without_dropout(
+    tiny_base_dir, tmp_path
+):
+    """The update's forward drops LoRA inputs; the reference's, in eval mode, does not. Reusing the update's own
+    log-probs as the reference made the KL and its gradient 0 after every hard sync (found in review): the
+    policy's log-probs without dropout stand in for it, equal to the reference forward's."""
+    kw = dict(
+        quantization="none", max_steps=2, ref_sync_steps=1, ref_sync_alpha=1.0, beta=0.04, lora_dropout=0.3
+    )
+    reused = make_trainer(tiny_base_dir, tmp_path / "a", **kw)
+    reused.train()
+    forward = make_trainer(tiny_base_dir, tmp_path / "b", **kw)
+    original = forward.generation_round
+
+    def always_forward(rows):
+        forward.state.reference_is_policy = False
+        return original(rows)
+
+    forward.generation_round = always_forward
+    forward.train()
+    kls = [m["kl"] for m in reused.state.log_history]
+    assert kls[0] == 0.0 and kls[1] > 0, kls  # step 1: B = 0, so dropout changes nothing yet
+    assert kls == pytest.approx([m["kl"] for m in forward.state.log_history], rel=1e-5, abs=1e-9)
+    assert [m["reference_reused_policy"] for m in reused.state.log_history] == [1.0, 1.0]
+
+
 def test_a_soft_sync_runs_the_reference_forward_after_the_first_update(tiny_base_dir, tmp_path):
     trainer = make_trainer(
         tiny_base_dir, tmp_path, quantization="none", max_steps=3, ref_sync_steps=1, ref_sync_alpha=0.5
