@@ -57,6 +57,12 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+def default_ref_rank(policy_rank: int, ref_sync_mode: str) -> int:
+    """The reference slot's rank when ref_rank is not given: 2 × the policy's for the exact mix (room for
+    the old reference beside the new policy), the policy's own for the factor blend."""
+    return policy_rank if ref_sync_mode == "factors" else 2 * policy_rank
+
+
 @dataclass
 class GRPOConfig:
     """Every setting of a GRPO run: one typed field each, the names of the YAML recipes and ``--set``.
@@ -121,7 +127,9 @@ class GRPOConfig:
     )
     # --- reference slot and iterative GRPO ---------------------------------------------------
     ref_rank: int | None = _f(
-        None, "rank of the reference slot (default 2 × lora_r for 'exact', lora_r for 'factors')"
+        None,
+        "rank of the reference slot (default 2 × lora_r for 'exact', lora_r for 'factors'; with init_adapter, of "
+        "the adapter's own rank)",
     )
     ref_sync_steps: int = _f(0, "sync the reference to the policy every N optimizer steps (0 = off)")
     ref_sync_every_epoch: bool = _f(
@@ -527,7 +535,7 @@ class GRPOConfig:
         if self.prompts_per_step is None:
             self.prompts_per_step = DEFAULT_PROMPTS_PER_STEP
         if self.ref_rank is None:
-            self.ref_rank = self.lora_r if self.ref_sync_mode == "factors" else 2 * self.lora_r
+            self.ref_rank = default_ref_rank(self.lora_r, self.ref_sync_mode)
         validate(self)
 
     # -----------------------------------------------------------------------------------------

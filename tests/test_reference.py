@@ -264,6 +264,35 @@ def test_warm_start_policy_and_reference_start_from_the_saved_adapter(tiny_base_
     assert all(f".{POLICY}." in n for n, p in warm.named_parameters() if p.requires_grad)
 
 
+def test_a_warm_starts_reference_slot_defaults_to_twice_the_adapters_own_rank(tiny_base_dir, tmp_path):
+    """lora_r is ignored for an init_adapter, so ref_rank's default (2 × lora_r) follows the adapter's rank: a rank-16
+    warm start under lora_r 4 was refused naming ref_rank, which the user never set, and a rank-8 one got a slot of
+    its own rank, truncating soft syncs (found in review). A ref_rank given stays."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_base_dir),
+        LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights="gaussian"),
+    )
+    adapter.save_pretrained(tmp_path / "r16")
+    config = GRPOConfig(
+        model_name_or_path=tiny_base_dir, quantization="none", lora_r=4, init_adapter=str(tmp_path / "r16")
+    )
+    model, _ = load_model(config)
+    assert config.ref_rank == 32
+    assert {m.lora_A[REFERENCE].weight.shape[0] for _, m in lora_layers(model)} == {32}
+    given = GRPOConfig(
+        model_name_or_path=tiny_base_dir,
+        quantization="none",
+        lora_r=4,
+        ref_rank=24,
+        init_adapter=str(tmp_path / "r16"),
+    )
+    load_model(given)
+    assert given.ref_rank == 24
+
+
 def test_saved_adapter_loads_with_plain_peft(tiny_base_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -18,7 +18,7 @@ import re
 import torch
 from torch import nn
 
-from ..config import GRPOConfig
+from ..config import GRPOConfig, default_ref_rank
 from ..device import GiB, auto_dtype, available_bytes, describe_gpu, is_out_of_memory, native_bf16
 from .adapters import BASE, POLICY, REFERENCE, TAGS, lora_layers
 from .bases import resolve_base
@@ -370,6 +370,11 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
     # The largest rank of any layer (an adapter may carry a per-module rank_pattern).
     ranks = sorted({m.lora_A[POLICY].weight.shape[0] for _, m in lora_layers(model, (POLICY,))})
     policy_rank = ranks[-1]
+    default = default_ref_rank(config.lora_r, config.ref_sync_mode)
+    if config.init_adapter and policy_rank != config.lora_r and config.ref_rank == default:
+        # lora_r is ignored for a warm start, so ref_rank's default follows the adapter's own rank
+        config.ref_rank = default_ref_rank(policy_rank, config.ref_sync_mode)
+        logger.info("ref_rank %d: the default for init_adapter's rank %d", config.ref_rank, policy_rank)
     if config.ref_rank < policy_rank and (config.init_adapter or config.ref_sync_alpha == 1):
         raise ValueError(
             f"ref_rank={config.ref_rank} is below the policy adapter's rank {policy_rank}: the reference slot could "
