@@ -49,7 +49,7 @@ import torch
 
 from .algo.advantages import weighted_sum
 from .algo.loss import k3_kl
-from .batch import MicroBatch
+from .batch import MicroBatch, loss_mask
 from .memory.probe import decode_rows
 from .model.adapters import base_forward, eval_mode
 from .run.failures import agreed_failures
@@ -314,14 +314,17 @@ class Evaluator:
             len(dataset), batch_prompts, acc.num_processes, acc.process_index
         ):
             rows = dataset[start:stop]
-            greedy = [
-                (sub, self.sample(sub["prompt"], 1, 0.0, None, sub)) for sub in _parts(rows, rows_at_once)
-            ]
-            # greedy draws nothing
-            scores = torch.cat([self.score(rollout, sub, 1) for sub, rollout in greedy])
-            lengths = torch.cat([rollout.completion_lengths for _, rollout in greedy])
-            calls = None if greedy[0][1].tool_calls is None else torch.cat([r.tool_calls for _, r in greedy])
-            del greedy
+            scores, lengths, calls = [], [], []
+            for sub in _parts(rows, rows_at_once):
+                rollout = self.sample(sub["prompt"], 1, 0.0, None, sub)  # greedy draws nothing
+                # Scored before the next part's rollout: an environment's instances (their get_reward, a reward
+                # function's environments=) are this part's only until then.
+                scores.append(self.score(rollout, sub, 1))
+                # the tokens the policy wrote: tool replies in the completion are not its own (as training counts)
+                lengths.append(loss_mask(rollout, False).sum(1))
+                calls.append(rollout.tool_calls)
+            scores, lengths = torch.cat(scores), torch.cat(lengths)
+            calls = None if calls[0] is None else torch.cat(calls)
             correct, kl = None, []
             if n:
                 # The chunk's own generator: the training sampling stream stays untouched and the
@@ -360,7 +363,8 @@ class Evaluator:
             logp = torch.cat([self.log_probs(mb) for mb in parts])
             with base_forward(self.model):
                 start = torch.cat([self.log_probs(mb) for mb in parts])
-        mask = rollout.completion_mask.to(device=logp.device, dtype=torch.float32)
+        # the policy's own tokens: tool replies are context it read, not choices it made (as the training KL)
+        mask = loss_mask(rollout, False).to(device=logp.device, dtype=torch.float32)
         k3 = k3_kl(logp.float(), start.float()) * mask
         return torch.stack([k3.sum(1), mask.sum(1)], 1).reshape(-1, group_size, 2).sum(1)
 

@@ -125,6 +125,35 @@ def test_an_environment_is_reset_per_completion_and_its_reward_is_scored(qwen_to
     )  # same thing, counted twice
 
 
+class Tagged:
+    """An environment whose reward is its row's tag: which row's instance scored a completion shows."""
+
+    def reset(self, tag, **row):
+        self.tag = tag
+
+    def get_reward(self):
+        return float(self.tag)
+
+
+def test_an_eval_of_several_parts_scores_each_with_its_own_environments(qwen_tool_base_dir, tmp_path):
+    """The eval samples its prompts in parts of the training rollout's rows (here 2 prompts × G 4 = 8); every
+    part was sampled before any was scored, so each was scored with the last part's environments (wrong
+    rewards), and a shorter last part raised (found in review)."""
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "tag": str(i)} for i in range(20)]
+    config = _config(
+        qwen_tool_base_dir, tmp_path / "run", max_steps=1, eval_on_start=False, eval_on_end=False
+    )
+    trainer = GRPOTrainer(
+        config,
+        reward_funcs=[_calls_reward],
+        train_dataset=rows,
+        eval_dataset=rows,
+        environment_factory=Tagged,
+    )
+    assert trainer.evaluate()["eval/Tagged"] == sum(range(20)) / 20  # parts of 8, 8 and 4 rows
+    assert trainer.evaluate(rows[:16])["eval/Tagged"] == sum(range(16)) / 16
+
+
 def test_the_trl_front_door_takes_tools(qwen_tool_base_dir, tmp_path):
     from datasets import Dataset
 

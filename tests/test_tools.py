@@ -616,3 +616,59 @@ def test_a_4bit_base_with_lora_runs_tools(tok, tmp_path):
     Script(model, [(p, done)])
     r = rollout(model, tok, box, ["a"], num_generations=2)
     assert r.completion_ids[:, : len(done)].tolist() == [done, done] and r.tool_calls.tolist() == [1, 1]
+
+
+def loud_ping(x: str) -> str:
+    """Ping, loudly.
+
+    Args:
+        x: Anything.
+    """
+    return "PONG" * 10
+
+
+def test_the_eval_counts_the_policys_own_tokens_not_the_tool_replies(qwen_tool_base_dir, tmp_path):
+    """eval/completion_length and eval/kl_to_base's tokens leave out what a tool replied, as training's
+    completion_length and KL do (and TRL's eval_completions/mean_length); both counted the reply's 93 tokens
+    (found in review)."""
+    from lora_grpo import GRPOConfig, GRPOTrainer
+
+    rows = [{"prompt": [{"role": "user", "content": "a"}]}]
+    config = GRPOConfig(
+        model_name_or_path=qwen_tool_base_dir,
+        num_generations=2,
+        prompts_per_step=1,
+        max_completion_length=200,
+        max_prompt_length=1024,  # the tools' schema in the system turn
+        max_steps=1,
+        save_steps=0,
+        micro_batch_size=2,
+        gradient_checkpointing=False,
+        eval_kl_to_base=True,
+        output_dir=str(tmp_path / "run"),
+        eval_on_start=False,
+        eval_on_end=False,
+    )
+    trainer = GRPOTrainer(
+        config,
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        train_dataset=rows * 2,
+        eval_dataset=rows,
+        tools=[loud_ping],
+    )
+    tok, box = trainer.tokenizer, trainer.sampler.toolbox
+    call = call_ids(tok, "loud_ping")
+    replied = reply(tok, box, "PONG" * 10, name="loud_ping")
+    answer = ids(tok, "ok") + [tok.eos_token_id]
+    Script(
+        trainer.model,
+        [(prompt_ids(tok, box, rows[0]["prompt"][0]["content"]), call + replied + answer)],
+        80.0,
+    )
+    seen = []
+    kl_to_base = trainer.evaluator.kl_to_base
+    trainer.evaluator.kl_to_base = lambda rollout, n: seen.append(kl := kl_to_base(rollout, n)) or kl
+    metrics = trainer.evaluate()
+    assert metrics["eval/tools/call_frequency"] == 1.0, metrics
+    assert metrics["eval/completion_length"] == len(call) + len(answer)
+    assert float(seen[0][0, 1]) == len(call) + len(answer)
