@@ -83,7 +83,7 @@ from .run.failures import (
     stages_of,
 )
 from .run.hub import HubRepo, push_run
-from .run.reporting import RunReporter, accelerator_kwargs, format_metrics, progress_line, run_summary
+from .run.reporting import RunReporter, accelerator_kwargs, format_metrics, plain, progress_line, run_summary
 from .run.run_dir import claim_for_run, kept_work, nothing_to_train, trained_already
 from .run.stopping import StopSignals, TrainingInterrupted, agreed_signal
 from .sampler import PolicySampler
@@ -448,7 +448,10 @@ class GRPOTrainer:
             self._step_failed(error)
         summary = self._summary(start, eval_before, eval_after)
         if self.is_main:
-            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            # strict JSON: a figure that applies to nothing (NaN) as null, as in metrics.jsonl
+            (self.output_dir / "summary.json").write_text(
+                json.dumps(plain(summary), indent=2, allow_nan=False) + "\n"
+            )
         self.reporter.finish()
         self._event("train_end")
         self._push_final()

@@ -852,6 +852,45 @@ def test_log_extra_and_log_metric_reach_the_step_and_the_completions(tiny_base_d
     assert records and all(r["verdict"] == ("long" if len(r["completion"]) > 3 else "short") for r in records)
 
 
+def test_log_extra_takes_numpy_values_and_nan_as_trl_does(tiny_base_dir, tmp_path):
+    """numpy scalars and arrays, and NaN inside nested values: TRL's table takes them; completions.jsonl's
+    json.dumps raised in the log stage and stopped the run at step 1 (found in review). summary.json is strict
+    JSON too: a reward that applies to no completion (NaN) is null there, as in metrics.jsonl."""
+    import json
+
+    import numpy as np
+
+    def judged(completions, log_extra, **kwargs):
+        log_extra("length", np.array([len(c) for c in completions]))
+        log_extra("scores", [{"nested": [float("nan"), np.float32(0.5)]} for _ in completions])
+        return [None] * len(completions)
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        quantization="none",
+        max_steps=2,
+        reward_funcs=[length, judged],
+        log_completions=True,
+    )
+    trainer.train()
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    run = tmp_path / "run"
+    records = [
+        json.loads(line, parse_constant=refuse)
+        for line in (run / "completions.jsonl").read_text().splitlines()
+    ]
+    assert all(r["length"] == len(r["completion"]) for r in records)
+    assert records[0]["scores"] == {"nested": [None, 0.5]}
+    json.loads((run / "summary.json").read_text(), parse_constant=refuse)
+
+
 def test_conversational_inputs_per_row():
     msgs = [{"role": "user", "content": "hi"}]
     prompts, completions = R.conversational_inputs(["u: hi\na: ", "2+2="], ["hello", "4"], [msgs, None])

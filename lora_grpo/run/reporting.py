@@ -51,10 +51,26 @@ COMPLETIONS_FILE = "completions.jsonl"
 
 
 # ----------------------------------------------------------------------------- trackers
+def plain(value: Any) -> Any:
+    """`value` as JSON holds it, at any depth: NaN/inf as None (bare NaN is not JSON, and other tools refuse
+    it), numpy and torch scalars as numbers, their arrays as lists (what a reward function's log_extra may
+    give, and TRL's table takes), and anything else JSON has no type for as its str."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "tolist"):  # numpy scalars and arrays, torch tensors
+        return plain(value.tolist())
+    return str(value)
+
+
 def json_line(record: dict[str, Any]) -> str:
-    """One JSON line; NaN/inf become null (bare NaN is not JSON, and other tools refuse it)."""
-    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-    return json.dumps(clean, allow_nan=False) + "\n"
+    """One JSON line of `record` made plain (NaN/inf as null, numpy values as numbers)."""
+    return json.dumps(plain(record), allow_nan=False) + "\n"
 
 
 def tracker_names(report_to: str | Sequence[str] | None) -> list[str]:
@@ -163,6 +179,7 @@ def completion_records(
 
 
 def _cell(value: Any) -> Any:
+    value = plain(value)
     return value if value is None or isinstance(value, (bool, int, float, str)) else json.dumps(value)
 
 
