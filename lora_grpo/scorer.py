@@ -116,10 +116,13 @@ def reward_models(reward_funcs) -> list[RewardModel]:
 
 
 def place_reward_models(reward_funcs, device: torch.device, dtype: torch.dtype) -> None:
-    """Each reward model onto the run's device; one loaded from a path (not the caller's object)
-    also into the run's compute dtype, in the same move (no float32 copy on the GPU first)."""
+    """Each reward model onto the run's device; one loaded from a path (not the caller's object) also into
+    the run's compute dtype, in the same move (no float32 copy on the GPU first), unless its model_kwargs
+    chose a dtype or it is quantized (bitsandbytes' models move, but refuse a cast)."""
     for fn in reward_models(reward_funcs):
-        fn.model.to(device, **({"dtype": dtype} if getattr(fn, "loaded", False) else {}))
+        quantized = getattr(fn.model, "is_quantized", False) or getattr(fn.model, "quantization_method", None)
+        cast = getattr(fn, "castable", False) and not quantized
+        fn.model.to(device, **({"dtype": dtype} if cast else {}))
 
 
 def probe_passes(reward_funcs) -> tuple[Callable[[int, tuple[int, int]], None], ...]:

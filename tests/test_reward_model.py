@@ -110,6 +110,32 @@ def test_saved_and_loaded_by_path(model, tok, tmp_path):
     ) == pytest.approx(by_hand(model, tok, CHAT_TEXTS), abs=1e-5)
 
 
+def test_a_reward_model_loaded_in_4bit_or_in_a_dtype_of_its_own_keeps_it_on_the_runs_device(tok, tmp_path):
+    """Placed for a run (scorer.place_reward_models): one loaded by path takes the run's dtype, unless model_kwargs
+    chose one (kept) or a quantization (transformers refuses to cast a bitsandbytes model: the trainer's
+    constructor raised, on the 8 GB setup where a 4-bit reward model is the natural choice; found in review)."""
+    from helpers import tiny_config
+    from transformers import BitsAndBytesConfig, LlamaForSequenceClassification
+
+    from lora_grpo.scorer import place_reward_models
+
+    path = tmp_path / "tiny-rm"
+    # bitsandbytes' CPU layout wants layers of at least one 64-weight block a row
+    config = tiny_config("llama", len(tok), num_hidden_layers=1, intermediate_size=128, num_labels=1)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    plain = RewardModel(str(path))
+    chosen = RewardModel(str(path), model_kwargs={"dtype": torch.bfloat16})
+    quantized = RewardModel(
+        str(path), model_kwargs={"quantization_config": BitsAndBytesConfig(load_in_4bit=True)}
+    )
+    place_reward_models([plain, chosen, quantized], torch.device("cpu"), torch.float16)
+    assert plain.model.dtype == torch.float16 and chosen.model.dtype == torch.bfloat16
+    assert quantized.model.is_quantized and len(quantized(prompts=PROMPTS, completions=COMPLETIONS)) == len(
+        PROMPTS
+    )
+
+
 def test_missing_pad_token_becomes_eos_and_the_model_learns_it(tok):
     no_pad = make_tokenizer()
     no_pad.pad_token = None

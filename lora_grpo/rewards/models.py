@@ -83,10 +83,13 @@ class RewardModel:
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self.loaded = isinstance(
-            model, (str, os.PathLike)
-        )  # loaded here: a trainer may cast it to the run's dtype
-        if self.loaded:
+        loaded = isinstance(model, (str, os.PathLike))
+        # loaded here in its checkpoint's dtype: a trainer casts it to the run's, unless model_kwargs chose one
+        # (a dtype, or a quantization, which transformers refuses to cast)
+        self.castable = loaded and not {"dtype", "torch_dtype", "quantization_config"} & set(
+            model_kwargs or {}
+        )
+        if loaded:
             with loading("reward model", "model", model):
                 model = AutoModelForSequenceClassification.from_pretrained(
                     str(model), num_labels=1, **(model_kwargs or {})
