@@ -891,6 +891,36 @@ def test_log_extra_takes_numpy_values_and_nan_as_trl_does(tiny_base_dir, tmp_pat
     json.loads((run / "summary.json").read_text(), parse_constant=refuse)
 
 
+def test_each_completion_of_a_group_gets_its_own_copy_of_the_rows_lists():
+    """A judge that builds its conversation in place (prompt.extend(completion)) saw the group's earlier
+    completions in the same list: the G rows shared one object (TRL's rows are each fetched anew; found in
+    review)."""
+    from types import SimpleNamespace
+
+    G, chat = 3, [{"role": "user", "content": "2+2?"}]
+    rollout = SimpleNamespace(
+        prompts=["u: 2+2?\na: "] * G,
+        completions=["4", "5", "6"],
+        completion_ids=torch.tensor([[5, 1], [6, 1], [7, 1]]),
+        completion_mask=torch.ones(3, 2),
+        completion_lengths=torch.tensor([2, 2, 2]),
+        truncated=torch.tensor([False] * 3),
+    )
+    rows = {"prompt": ["u: 2+2?\na: "], "prompt_messages": [chat], "steps": [["a", "b"]]}
+    prompts, completions, columns = R.rollout_keywords(rollout, rows, G, None, "prompt_messages")
+    built = []
+
+    def judge(prompts, completions, **kwargs):
+        for prompt, completion in zip(prompts, completions):
+            prompt.extend(completion)
+            built.append(len(prompt))
+        return [1.0] * len(prompts)
+
+    R.compute_rewards([judge], prompts, completions, columns)
+    assert built == [2, 2, 2] and rows["prompt_messages"] == [chat] and len(chat) == 1
+    assert columns["steps"][0] == columns["steps"][1] and columns["steps"][0] is not columns["steps"][1]
+
+
 def test_conversational_inputs_per_row():
     msgs = [{"role": "user", "content": "hi"}]
     prompts, completions = R.conversational_inputs(["u: hi\na: ", "2+2="], ["hello", "4"], [msgs, None])

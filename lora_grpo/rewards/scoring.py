@@ -6,6 +6,7 @@ The contract the functions follow is in :mod:`lora_grpo.rewards` (the package do
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import logging
 import math
@@ -107,8 +108,12 @@ def rollout_keywords(
     ``[{"role": "assistant", "content": text}]`` as its completion; then
     ``completion_ids`` (up to and including EOS), ``completion_lengths``, ``truncated`` and
     ``trainer_state``."""
+    # Each completion its own copy of a list or dict value (chat messages, a nested column), as each of TRL's rows is
+    # fetched from the dataset anew: a function that edits its prompt in place would change the group's others.
     columns = {
-        k: [v for v in values for _ in range(group_size)] for k, values in rows.items() if k != "prompt"
+        k: [copy.deepcopy(v) if isinstance(v, (list, dict)) else v for v in values for _ in range(group_size)]
+        for k, values in rows.items()
+        if k != "prompt"
     }
     prompts, completions = conversational_inputs(
         rollout.prompts, rollout.completions, columns.pop(messages_column, None)
