@@ -156,3 +156,20 @@ def test_name_and_errors(model, tok):
         RewardModel(model)
     with pytest.raises(ValueError, match="batch_size"):
         RewardModel(model, tok, batch_size=0)
+
+
+def test_a_sequence_classification_model_in_reward_funcs_is_scored_as_a_reward_model(model, tok, tmp_path):
+    """As TRL takes one: wrapped in RewardModel (its tokenizer from its path). It went through as a callable, passed
+    the start-up column check and failed at the first step, model(prompts=..., completions=...) (found in review)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from lora_grpo.rewards.specs import resolve_reward_funcs
+
+    model.save_pretrained(tmp_path / "tiny-rm")
+    tok.save_pretrained(tmp_path / "tiny-rm")
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "tiny-rm")
+    (fn,) = resolve_reward_funcs([loaded])
+    assert isinstance(fn, RewardModel) and fn.model is loaded and fn.__name__ == "tiny-rm"
+    assert fn(prompts=PROMPTS, completions=COMPLETIONS) == pytest.approx(
+        RewardModel(model, tok)(prompts=PROMPTS, completions=COMPLETIONS), abs=1e-6
+    )

@@ -134,6 +134,12 @@ def _call_factory(factory: Callable, kwargs: dict, context: Mapping[str, Any], s
         ) from e
 
 
+def _is_pretrained_model(spec: Any) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(spec, PreTrainedModel)
+
+
 def _resolve_one(spec: Any, context: Mapping[str, Any]) -> Callable:
     if isinstance(spec, Mapping):
         if "name" not in spec or set(spec) - {"name", "kwargs"}:
@@ -141,6 +147,9 @@ def _resolve_one(spec: Any, context: Mapping[str, Any]) -> Callable:
         name, kwargs = spec["name"], dict(spec.get("kwargs") or {})
     elif isinstance(spec, str):
         name, kwargs = spec, {}
+    elif _is_pretrained_model(spec):
+        # a sequence-classification model object, as TRL takes one: scored through RewardModel (its own tokenizer)
+        return RewardModel(spec)
     elif callable(spec):
         return spec
     else:
