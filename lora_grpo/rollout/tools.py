@@ -31,11 +31,16 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 from torch import Tensor
 
 from .. import event_loop
+
+# What a call past its time raises: one class from Python 3.11 on; on 3.10, concurrent.futures' and asyncio's are
+# their own (caught as Exception there, the model read "{'error': ''}").
+_TIMEOUTS = (TimeoutError, FutureTimeout, asyncio.TimeoutError)
 
 # ------------------------------------------------------------------------------------- schemas
 
@@ -487,7 +492,7 @@ class Toolbox:
         """-> (reply content: text, or the tool's list of content blocks; failed)."""
         try:
             value = future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
+        except _TIMEOUTS:
             future.cancel()  # an async call's task is cancelled; a thread runs on, its result unused
             return _error(f"{name} timed out after {self.timeout:g} s"), True
         except _Unrunnable as e:  # could not be parsed, or no such tool: the message says it all
