@@ -111,7 +111,16 @@ class PolicySampler:
                 tools = self.toolbox.episode(
                     [r for r in row_dicts for _ in range(G)] if row_dicts else len(prompts) * G
                 )
-            if (any(tools.observations) or self.toolbox.named) and rows and rows.get(PROMPT_MESSAGES):
+            messages = rows.get(PROMPT_MESSAGES) if rows else None
+            if any(tools.observations) and not (messages and all(m is not None for m in messages)):
+                with stage("environment"):
+                    raise ValueError(
+                        "an environment's reset() returned text, which joins the prompt's last chat message (as in "
+                        "TRL), but these prompts are text, not chat messages, so the policy would never see it: give "
+                        "the dataset's prompts as messages ([{'role': 'user', 'content': ...}]), or return None from "
+                        "reset()"
+                    )
+            if (any(tools.observations) or self.toolbox.named) and messages:
                 # reset texts join the prompts; with named environments each row lists its own one's tools
                 prompts, G = self.toolbox.prompts(rows[PROMPT_MESSAGES], tools, G)
                 chat = [True] * len(prompts)

@@ -154,6 +154,33 @@ def test_an_eval_of_several_parts_scores_each_with_its_own_environments(qwen_too
     assert trainer.evaluate(rows[:16])["eval/Tagged"] == sum(range(16)) / 16
 
 
+class Briefs:
+    """An environment that gives the task in reset()'s text."""
+
+    def reset(self, **row):
+        return " the task"
+
+    def get_reward(self):
+        return 0.0
+
+
+def test_a_reset_text_with_text_prompts_is_refused_not_dropped(qwen_tool_base_dir, tmp_path):
+    """reset()'s text joins a chat prompt's last message (TRL); with text prompts it was silently dropped, and the
+    policy trained on prompts without the task (found in review)."""
+    from lora_grpo.run.failures import StepFailed
+
+    config = _config(
+        qwen_tool_base_dir, tmp_path / "run", max_steps=1, eval_on_start=False, eval_on_end=False
+    )
+    rows = [{"prompt": f"q{i}"} for i in range(4)]
+    trainer = GRPOTrainer(config, train_dataset=rows, environment_factory=Briefs)
+    with pytest.raises(
+        StepFailed,
+        match=r"the environment \(in the rollout\) raised ValueError: an environment's reset\(\) returned text",
+    ):
+        trainer.train()
+
+
 def test_the_trl_front_door_takes_tools(qwen_tool_base_dir, tmp_path):
     from datasets import Dataset
 
