@@ -854,7 +854,7 @@ class GRPOTrainer:
         if due.evaluate and not evaluated and not last and self.eval_dataset is not None:
             # asked for by a hook at the log (a TRL callback's on_log): after it, as transformers evaluates
             with stage("eval"):
-                new_best = self._new_best(self.evaluate())
+                new_best = self._new_best(self._evaluate_at_step())
         signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
         if signum:
             self._stop(signum)
@@ -878,7 +878,7 @@ class GRPOTrainer:
         new_best = False
         if then.evaluate and self.eval_dataset is not None:
             with stage("eval"):
-                new_best = self._new_best(self.evaluate())
+                new_best = self._new_best(self._evaluate_at_step())
         last = self.state.global_step >= self.total_steps
         self.best_due = self.best_due or (new_best and last)
         if then.save or (new_best and not last):
@@ -1115,6 +1115,13 @@ class GRPOTrainer:
         )
         check_datasets(self.reward_funcs, eval_set_labels(resolved), self.tokenizer, self.model, self.config)
         return resolved
+
+    def _evaluate_at_step(self) -> dict[str, float]:
+        """An eval a hook asked for at a step's log or an epoch's end (the TRL front door's epoch strategy, a
+        callback's should_evaluate): into metrics.jsonl and the trackers at the step, as every eval."""
+        metrics = self.evaluate()
+        self.reporter.log({"step": self.state.global_step, **metrics})
+        return metrics
 
     def _evaluate_and_log(self, when: str) -> dict[str, float]:
         """The eval before or after training: printed, logged at the current step; 'before' feeds

@@ -1473,3 +1473,34 @@ def test_the_cli_says_what_is_missing_for_a_path_that_is_not_there_or_a_config_f
         assert f"{tmp_path / 'typo'} does not exist or is no directory" in capsys.readouterr().err
     assert main(["trl", "--output_dir", str(tmp_path), "--config"]) == 2
     assert "--config needs the path of a TRL GRPO recipe (YAML)" in capsys.readouterr().err
+
+
+def test_an_eval_at_an_epochs_end_reaches_metrics_jsonl(tiny_base_dir, tmp_path):
+    """eval_strategy epoch: the evals transformers' flow asks for at an epoch's end were in log_history but not in
+    metrics.jsonl or metrics.png (found in review); a step strategy's were in both."""
+    from lora_grpo.trl import GRPOTrainer
+
+    args = OurConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        bf16=False,
+        max_completion_length=4,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        num_train_epochs=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        eval_strategy="epoch",
+    )
+    trainer = GRPOTrainer(
+        model=tiny_base_dir,
+        reward_funcs=_length_reward,
+        args=args,
+        train_dataset=_dataset(2),
+        eval_dataset=_dataset(4),
+    )
+    trainer.train()
+    logged = [r["step"] for r in trainer.state.log_history if "eval_reward" in r]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [2, 4] and [r["step"] for r in records if "eval/reward" in r] == logged
