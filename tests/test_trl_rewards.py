@@ -326,3 +326,30 @@ def test_trls_registry_rewards_score_as_trls_own(name):
         log_extra=lambda column, values: extra.update({column: values}),
     )
     assert set(extra) == {"solution", "gold_parsed", "answer_parsed"}
+
+
+@pytest.mark.parametrize("name", ["accuracy_reward", "reasoning_accuracy_reward", "think_format_reward"])
+def test_trls_named_rewards_read_a_tool_runs_first_assistant_turn_as_trl_does(name):
+    """In a tool run a completion is several messages (a call, the tool's reply, a final turn); TRL's built-ins
+    read the first. lora_grpo's read the last, so a TRL recipe with tools trained on other rewards (found in
+    review)."""
+    trl_rewards = pytest.importorskip("trl.rewards")
+    pytest.importorskip("math_verify")
+    from lora_grpo.rewards import BUILTIN_REWARDS
+
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    completions = [
+        [
+            {"role": "assistant", "content": first, "tool_calls": [call]},
+            {"role": "tool", "name": "add", "content": "3"},
+            {"role": "assistant", "content": last},
+        ]
+        for first, last in [
+            ("<think>need calc</think>", r"The answer is \boxed{3}"),
+            (r"<think>so</think> \boxed{3}", "<think>done</think>"),
+        ]
+    ]
+    ours, _ = BUILTIN_REWARDS[name]
+    keywords = {} if name == "think_format_reward" else {"solution": ["3", "3"]}
+    theirs = getattr(trl_rewards, name)(completions, **keywords)
+    assert ours(completions=completions, **keywords) == theirs

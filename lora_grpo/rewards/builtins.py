@@ -46,6 +46,15 @@ def _text(completion: Any) -> str:
     return str(completion)
 
 
+def _first_text(completion: Any) -> str:
+    """A completion as TRL's built-ins read it: a conversational completion's first message (in a tool run the
+    assistant's first turn, before any tool reply), text as it is."""
+    if isinstance(completion, Sequence) and not isinstance(completion, str) and completion:
+        if isinstance(completion[0], Mapping):
+            return str(completion[0].get("content") or "")
+    return _text(completion)
+
+
 def _lengths(kwargs: dict, who: str) -> list[int]:
     """Tokens per completion: ``completion_lengths``, else the lengths of ``completion_ids``."""
     lengths = kwargs.get("completion_lengths")
@@ -296,7 +305,7 @@ def think_format_reward(completions: list, **kwargs) -> list[float]:
     >>> think_format_reward(completions=["<think>\\nreasons\\n</think>\\nanswer", "<think>\\nno end"])
     [1.0, 0.0]
     """
-    return [1.0 if _THINK_RE.match(_text(c)) else 0.0 for c in completions]
+    return [1.0 if _THINK_RE.match(_first_text(c)) else 0.0 for c in completions]
 
 
 def accuracy_reward(
@@ -312,7 +321,7 @@ def accuracy_reward(
     >>> accuracy_reward(completions=[r"it is \boxed{\frac{1}{3}}", r"\boxed{1/2}", "3"], solution=["1/3"] * 3)
     [1.0, 0.0, 0.0]
     """
-    return _math_verified([_text(c) for c in completions], solution, log_extra, "accuracy_reward")
+    return _math_verified([_first_text(c) for c in completions], solution, log_extra, "accuracy_reward")
 
 
 def reasoning_accuracy_reward(
@@ -330,7 +339,7 @@ def reasoning_accuracy_reward(
     [1.0, 0.0]
     """
     finals = []
-    for text in map(_text, completions):
+    for text in map(_first_text, completions):
         delimiter = next((d for d in reasoning_delimiters or ["</think>"] if d in text), None)
         finals.append(None if delimiter is None else text.split(delimiter)[-1])
     return _math_verified(finals, solution, log_extra, "reasoning_accuracy_reward")
