@@ -1504,3 +1504,42 @@ def test_an_eval_at_an_epochs_end_reaches_metrics_jsonl(tiny_base_dir, tmp_path)
     logged = [r["step"] for r in trainer.state.log_history if "eval_reward" in r]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert logged == [2, 4] and [r["step"] for r in records if "eval/reward" in r] == logged
+
+
+def test_a_reward_model_named_by_a_string_loads_with_the_model_init_kwargs_as_in_trl(
+    tiny_base_dir, tmp_path, monkeypatch
+):
+    """TRL loads it with the policy's model_init_kwargs (revision, trust_remote_code, attn_implementation, a
+    quantization) and its tokenizer at that revision; the front door loaded it with none of them (found in review)."""
+    from helpers import tiny_reward_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from lora_grpo.trl import GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
+    tiny_reward_model(tokenizer).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    loads = []
+    for auto in (AutoModelForSequenceClassification, AutoTokenizer):
+        real = auto.from_pretrained.__func__
+
+        def spy(cls, path, *args, real=real, **kwargs):
+            loads.append((cls.__name__, str(path), kwargs))
+            return real(cls, path, *args, **kwargs)
+
+        monkeypatch.setattr(auto, "from_pretrained", classmethod(spy))
+    init = {"trust_remote_code": True, "attn_implementation": "eager", "revision": None}
+    args = OurConfig(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        model_init_kwargs=init,
+    )
+    GRPOTrainer(model=tiny_base_dir, reward_funcs=str(tmp_path / "rm"), args=args, train_dataset=_dataset(8))
+    model_load = next(
+        k for name, path, k in loads if name.endswith("SequenceClassification") and "rm" in path
+    )
+    assert model_load == {"num_labels": 1, **init}
+    tokenizer_load = next(k for name, path, k in loads if name == "AutoTokenizer" and path.endswith("rm"))
+    assert tokenizer_load == {"revision": None, "trust_remote_code": True}

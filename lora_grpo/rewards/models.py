@@ -102,7 +102,15 @@ class RewardModel:
                     "tokenizer= (the reward model's own tokenizer)"
                 )
             with loading("reward model", "tokenizer", source):
-                tokenizer = AutoTokenizer.from_pretrained(source)
+                # at the model's revision, with its trust_remote_code, as TRL loads a reward model's tokenizer
+                tokenizer = AutoTokenizer.from_pretrained(
+                    source,
+                    **{
+                        k: v
+                        for k, v in (model_kwargs or {}).items()
+                        if k in ("revision", "trust_remote_code")
+                    },
+                )
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         # The model reads the reward at the last token that is not padding: it must know the pad id.

@@ -232,10 +232,17 @@ def build_model(
     return fields, build
 
 
-def reward_models(reward_funcs, reward_processing_classes, chat_template_kwargs: dict | None = None) -> list:
+def reward_models(
+    reward_funcs,
+    reward_processing_classes,
+    chat_template_kwargs: dict | None = None,
+    init_kwargs: dict | None = None,
+) -> list:
     """TRL's reward_funcs: a callable stays; a string or a PreTrainedModel is a reward model (TRL's rule), with
     its tokenizer from reward_processing_classes (same position) or its own, and the run's chat_template_kwargs
-    for its chat template (as TRL renders a conversational row for it)."""
+    for its chat template (as TRL renders a conversational row for it). A string is loaded as TRL loads it, with
+    `init_kwargs` (the policy's model_init_kwargs: revision, trust_remote_code, dtype, quantization, ...; its
+    tokenizer at that revision); each process places it on its own device (scorer.place_reward_models)."""
     from transformers import PreTrainedModel
 
     from ..rewards import RewardModel
@@ -256,7 +263,14 @@ def reward_models(reward_funcs, reward_processing_classes, chat_template_kwargs:
                 i,
                 fn,
                 lambda fn=fn, tokenizer=tokenizer: RewardModel(
-                    fn, tokenizer, chat_template_kwargs=chat_template_kwargs
+                    fn,
+                    tokenizer,
+                    chat_template_kwargs=chat_template_kwargs,
+                    model_kwargs=(
+                        {k: v for k, v in (init_kwargs or {}).items() if k != "device_map"}
+                        if isinstance(fn, str)
+                        else None
+                    ),
                 ),
             )
         out.append(fn)

@@ -292,7 +292,13 @@ class GRPOTrainer:
             **model_fields,
         )
         peft_model, tokenizer = build(config)
-        funcs = reward_models(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
+        funcs = reward_models(
+            reward_funcs,
+            reward_processing_classes,
+            config.chat_template_kwargs,
+            # as TRL loads a reward model named by a string: the policy's model_init_kwargs, trust_remote_code's default
+            {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})},
+        )
         extra = {} if tools is None else {"tools": tools}
         if environment_factory is not None:
             extra["environment_factory"] = environment_factory
