@@ -136,7 +136,9 @@ class GRPOConfig:
         False, "sync the reference at every epoch boundary (DeepSeekMath iterative RL)"
     )
     ref_sync_kl: float | None = _f(
-        None, "adaptive: sync when the step's mean KL to the reference exceeds this"
+        None,
+        "adaptive: sync when the step's mean KL to the reference exceeds this (read again from the next rollout "
+        "after a sync: a rollout's steps measure the reference it was scored with)",
     )
     ref_sync_alpha: float = _f(1.0, "sync mix: ref ← alpha·policy + (1−alpha)·ref; 1 = hard copy")
     ref_sync_mode: str = _f(

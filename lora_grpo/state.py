@@ -84,6 +84,9 @@ class TrainState(TrainerState):
     # The reference slot provably equals the policy (start, or right after a hard sync): its forward
     # is skipped and the policy's log-probs stand in.
     reference_is_policy: bool = True
+    # A sync since the current rollout's reference log-probs were taken: the rollout's steps left measure their KL
+    # to the reference before it, which the KL trigger must not read (it waits for the next rollout's).
+    synced_in_generation: bool = False
     micro_batch_size: int | str | None = None  # the sizes in use ('auto' resolved by the memory plan)
     gradient_checkpointing: bool | str | None = None
     num_processes: int = 1  # the processes that wrote a checkpoint (each one's RNG is saved)

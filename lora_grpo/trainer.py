@@ -678,6 +678,7 @@ class GRPOTrainer:
                 # a rollout's first step begins with the rollout
                 self._event("step_begin")
                 steps, metrics = self.generation_round(rows)
+                state.synced_in_generation = False  # its reference log-probs are the slot's as it is
                 # after every round of the step: whether drawing its prompts ended an epoch
                 state.generation = RolloutSteps(tuple(steps), epoch, self._agreed_epoch_end(epoch))
             else:
@@ -834,10 +835,14 @@ class GRPOTrainer:
             state.sync_schedule.observe_eval(headline_score(metrics, self.reward_names))
             new_best = self._new_best(metrics)
         self.last_finished.changing()  # from here the step end changes the state, until it is done
-        reason = state.sync_schedule.due(step, epoch_ended=epoch_ended, kl=metrics.get("kl"))
+        # the KL to the reference as the slot is: not after a sync inside this rollout (its steps left measure
+        # the reference before it, and would fire the trigger at each of them)
+        kl = None if state.synced_in_generation else metrics.get("kl")
+        reason = state.sync_schedule.due(step, epoch_ended=epoch_ended, kl=kl)
         if reason:
             with stage("sync"):
                 metrics.update(self.sync_reference())
+            state.synced_in_generation = True
             metrics["sync/event"] = 1.0
             metrics["sync/reason"] = reason
         with stage("log"):

@@ -324,3 +324,30 @@ def test_config_refuses_resets_and_plateaus_that_cannot_act(tiny_base_dir, tmp_p
     assert plateau.sync_enabled and SyncSchedule.from_config(plateau).plateau_patience == 2
     with pytest.raises(ConfigError, match="no eval prompts"):
         make_trainer(tiny_base_dir, tmp_path, quantization="none", ref_sync_on_plateau=True, eval_steps=2)
+
+
+def test_the_kl_trigger_reads_no_kl_measured_against_a_reference_synced_since(tiny_base_dir, tmp_path):
+    """steps_per_generation 4: a rollout's reference log-probs are taken once, so after a sync at one of its steps
+    the steps left measure their KL to the reference before it (0.035 logged where the slot, hard-synced, was 0),
+    and the trigger fired again at each of them (found in review). It waits for the next rollout now."""
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        quantization="none",
+        num_generations=2,
+        prompts_per_step=2,
+        steps_per_generation=4,
+        max_completion_length=4,
+        max_steps=8,
+        beta=0.04,
+        learning_rate=3e-2,
+        ref_sync_kl=0.02,
+        ref_sync_alpha=1.0,
+        save_steps=0,
+        train_dataset=PROMPTS[:16],
+    )
+    trainer.train()
+    synced = [step for step, m in enumerate(trainer.state.log_history, 1) if m.get("sync/reason") == "kl"]
+    assert synced  # the threshold is passed in this run
+    rollouts = [(step - 1) // 4 for step in synced]
+    assert len(rollouts) == len(set(rollouts)), synced  # at most one KL-triggered sync a rollout
