@@ -166,6 +166,26 @@ def test_factor_mode_is_the_name_wise_blend_not_the_weight_space_mix(tiny_base_d
     assert worst_gap > 0.05  # the cross terms α(1−α)(B_p·A_r + B_r·A_p) make it differ
 
 
+def test_factor_mode_starts_from_a_copy_of_the_policys_factors(tiny_base_dir):
+    """A fresh run's slot is ΔW_ref = 0 either way; in factors mode its A is the policy's (its B 0), as a parameter
+    EMA starts, so a first blend of a policy whose B moved is α·ΔW_policy. From A_ref = 0 it was α² (found in
+    review)."""
+    model = make(tiny_base_dir, ref_sync_mode="factors")
+    for _, m in lora_layers(model):
+        assert torch.equal(m.lora_A[REFERENCE].weight, m.lora_A[POLICY].weight)
+        assert not m.lora_B[REFERENCE].weight.any()
+    torch.testing.assert_close(logits(model, REFERENCE), logits(model, POLICY), rtol=0, atol=0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, m in lora_layers(model):
+            m.lora_B[POLICY].weight.copy_(torch.randn(m.lora_B[POLICY].weight.shape, generator=g))
+    sync_reference(model, alpha=0.5, mode="factors")
+    for _, m in lora_layers(model):
+        torch.testing.assert_close(
+            delta_weight(m, REFERENCE), 0.5 * delta_weight(m, POLICY), rtol=1e-5, atol=1e-7
+        )
+
+
 def test_factor_mode_hard_copy_is_exact(tiny_base_dir):
     model = make(tiny_base_dir, ref_sync_mode="factors")
     randomize(model, seed=7)

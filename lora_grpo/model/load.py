@@ -405,6 +405,11 @@ def attach_adapters(base: nn.Module, config: GRPOConfig, lora=None) -> nn.Module
     if config.init_adapter:
         sync_reference(model, alpha=1.0)  # the initial reference = the warm-start policy, exactly
         attach_base_slot(model)  # what eval/kl_to_base measures from
+    elif config.ref_sync_mode == "factors":
+        # The factor blend mixes A and B name by name: from a copy of the policy's factors (B = 0, so still ΔW_ref
+        # = 0), as a parameter EMA starts, a blend is near the weight-space mix; from A_ref = 0 the first ones
+        # fell short by α (α² ΔW_policy after one).
+        sync_reference(model, 1.0, "factors")
     else:
         # A fresh policy has B = 0, so ΔW_policy = 0: an all-zero slot is its exact copy, at any ref_rank.
         with torch.no_grad():
