@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from .data.prompts import PROMPT_MESSAGES, chat_rendered
+from .data.prompts import EMPTY_PROMPT, PROMPT_MESSAGES, chat_rendered
 from .rewards.specs import _import_object
 from .rollout import Rollout, Toolbox, eos_token_ids, generate_rollout
 from .run.failures import stage
@@ -39,7 +39,10 @@ def reset_fields(row: Mapping) -> dict:
     else its text (rendered: the row's own unless prompt_template, use_chat_template or system_prompt changed
     it); never the loader's ``prompt_messages`` column beside it."""
     fields = {k: v for k, v in row.items() if k != PROMPT_MESSAGES}
-    if row.get(PROMPT_MESSAGES) is not None:
+    if row.get(PROMPT_MESSAGES) == EMPTY_PROMPT:
+        # TRL's stand-in for a row without a prompt (its environment supplies one): TRL's reset(**row) never gets it
+        del fields["prompt"]
+    elif row.get(PROMPT_MESSAGES) is not None:
         fields["prompt"] = row[PROMPT_MESSAGES]
     return fields
 

@@ -52,6 +52,9 @@ __all__ = [
 
 # The column holding each row's prompt as chat messages (None for a text prompt); see the module docstring.
 PROMPT_MESSAGES = "prompt_messages"
+# TRL's prompt where an environment supplies it (a dataset without a prompt column, or none at all): an empty user
+# message that reset()'s text fills. A stand-in, not a field of the row: reset(**row) does not get it.
+EMPTY_PROMPT = [{"role": "user", "content": ""}]
 
 
 # ------------------------------------------------------------------------------------- loading

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 
 import datasets
 
+from ..data.prompts import EMPTY_PROMPT
+
 
 def read_whole(stream: datasets.IterableDataset) -> datasets.Dataset:
     """Every row of a stream, in order, as a map-style Dataset (what an evaluation loop over it reads)."""
@@ -35,10 +37,6 @@ def eval_sets(eval_dataset):
     if isinstance(eval_dataset, datasets.IterableDataset):
         return read_whole(eval_dataset)
     return eval_dataset
-
-
-# TRL's prompt where the environment supplies it: an empty user message, its content reset()'s text
-EMPTY_PROMPT = [{"role": "user", "content": ""}]
 
 
 def placeholder_prompts(generation_batch_size: int, num_generations: int) -> datasets.Dataset:
