@@ -244,7 +244,6 @@ def _validate_fields(cfg) -> None:
         "repetition_penalty",
         "steps_per_generation",
         "adam_epsilon",
-        "tool_timeout",
         "sapo_temperature_pos",
         "sapo_temperature_neg",
         "vespo_lambda_pos",
@@ -256,6 +255,8 @@ def _validate_fields(cfg) -> None:
         "dynamic_sampling_max_rounds",
     ]:
         positive(name)
+    if cfg.tool_timeout is not None:  # None: no limit, each call inline
+        positive("tool_timeout")
     for name in [
         "eval_limit",
         "ref_sync_steps",

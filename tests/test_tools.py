@@ -224,6 +224,37 @@ def test_parsing_the_common_formats():
 # --------------------------------------------------------------------------- running calls
 
 
+def test_without_a_tool_timeout_each_call_runs_in_the_trainers_thread_as_in_trl(tok):
+    """A tool over a connection made in this thread (sqlite3 refuses another's), as TRL runs it: one call after
+    another in the trainer's thread. With a timeout each sync call has a thread of its own, and this tool failed on
+    every call; tool_timeout: null (the TRL front door's) is that inline path (found in review)."""
+    import sqlite3
+
+    from lora_grpo import GRPOConfig
+    from lora_grpo.trl import GRPOConfig as TRLConfig
+    from lora_grpo.trl.translate import to_native
+
+    db = sqlite3.connect(":memory:")
+    db.execute("create table t(k text, v text)")
+    db.execute("insert into t values ('a', 'alpha')")
+
+    def lookup(k: str) -> str:
+        """Look a key up.
+
+        Args:
+            k: The key.
+        """
+        return db.execute("select v from t where k = ?", (k,)).fetchone()[0]
+
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"k": "a"}}}
+    inline = Toolbox(tok, [lookup], timeout=None).episode(2).run({0: [call], 1: [call]})
+    assert [out[0][1] for out in inline.values()] == ["alpha", "alpha"]
+    threaded = Toolbox(tok, [lookup], timeout=10.0).episode(1).run({0: [call]})
+    assert "SQLite objects created in a thread" in threaded[0][0][1]
+    assert GRPOConfig(model_name_or_path="toy", tool_timeout=None).tool_timeout is None
+    assert to_native(TRLConfig(output_dir="out", use_cpu=True), model_name_or_path="m").tool_timeout is None
+
+
 def test_errors_and_timeouts_become_error_replies_the_model_sees(tok):
     box = Toolbox(tok, [ping, aping, boom, sleepy, asleepy], timeout=0.3)
     episode = box.episode(3)

@@ -686,6 +686,8 @@ def to_native(
             if args.log_completions
             else 0,
             "messages_column": None,  # TRL reads the prompt column only
+            # TRL calls a tool in its own thread, one call after another, with no time limit
+            "tool_timeout": None,
             # TRL writes over a previous run in output_dir; here its files move to output_dir/previous-run-K/ first.
             "overwrite_output_dir": True,
             **native,
