@@ -959,9 +959,12 @@ class GRPOTrainer:
         return window
 
     def _unlogged_window(self) -> dict[str, float]:
-        """The TRL record of the steps after the last logging step (empty when there are none)."""
+        """TRL's metrics of the steps after the last logging step, as its log() adds them to the closing record
+        (empty when there are none): not loss, grad_norm and learning_rate, which transformers adds at a logging
+        step only."""
         window = self._take_window()
-        return trl_record(window) if window else {}
+        record = trl_record(window) if window else {}
+        return {k: v for k, v in record.items() if k not in ("loss", "grad_norm", "learning_rate")}
 
     def _eval_record(self, payload: dict[str, Any]) -> None:
         """One eval set's record, as transformers' evaluate() logs it: <prefix>[_<name>]_<metric>, with the
