@@ -510,7 +510,11 @@ class GRPOConfig:
         False,
         "append every completion with its rewards and advantage to output_dir/completions.jsonl (and tracker tables)",
     )
-    log_completions_steps: int = _f(1, "with log_completions: log the completions of every N-th step")
+    log_completions_steps: int = _f(
+        1,
+        "with log_completions: log the completions of every N-th step (a rollout's, at its first step, when one of "
+        "the steps it trains is a multiple of N)",
+    )
     num_completions_to_print: int = _f(
         0, "print this many of the step's completions (prompt, completion, rewards) at each logging step"
     )

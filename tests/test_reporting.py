@@ -111,6 +111,25 @@ def test_disable_tqdm_hides_the_bar_and_log_completions_steps(tiny_base_dir, tmp
     assert [r["step"] for r in records] == [2] * (G * prompts) + [4] * (G * prompts)
 
 
+def test_log_completions_steps_counts_the_steps_a_rollout_trains(tiny_base_dir, tmp_path):
+    """With num_iterations 2 rollouts begin at steps 1, 3, 5 and have completions there alone: every 2nd step's
+    completions were never logged, with no word (found in review). A rollout logs its completions when one of
+    its steps is a multiple."""
+    trainer = make_trainer(
+        tiny_base_dir,
+        tmp_path,
+        max_steps=6,
+        num_iterations=2,
+        log_completions=True,
+        log_completions_steps=2,
+        **FAST,
+    )
+    run_captured(trainer)
+    records = read_jsonl(tmp_path / "run" / "completions.jsonl")
+    G, prompts = trainer.config.num_generations, trainer.config.prompts_per_step
+    assert [r["step"] for r in records] == [1] * (G * prompts) + [3] * (G * prompts) + [5] * (G * prompts)
+
+
 # ----------------------------------------------------------------------------- TensorBoard
 def test_tensorboard_events_hold_every_step_and_the_config(tb_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

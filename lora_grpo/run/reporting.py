@@ -390,6 +390,14 @@ class RunReporter:
         if self._started:
             self.accelerator.log(numbers_only(record), step=record["step"])
 
+    def _completions_due(self, step: int) -> bool:
+        """Whether the rollout that begins at optimizer step `step` logs its completions: one of the steps it
+        trains (steps_per_generation × num_iterations of them) is a multiple of log_completions_steps. A rollout
+        has completions at its first step only, so a multiple that fell on a later one logged nothing."""
+        cfg = self.config
+        last = step + cfg.steps_per_generation * cfg.num_iterations - 1
+        return last // cfg.log_completions_steps > (step - 1) // cfg.log_completions_steps
+
     def log_step(
         self, step: int, metrics: dict[str, Any], samples: tuple | None = None, show: bool = False
     ) -> None:
@@ -402,7 +410,7 @@ class RunReporter:
         cfg = self.config
         if samples is not None and show and cfg.num_completions_to_print:
             self.print_samples(step, samples, cfg.num_completions_to_print)
-        if cfg.log_completions and samples is not None and step % cfg.log_completions_steps == 0:
+        if cfg.log_completions and samples is not None and self._completions_due(step):
             prompts, completions, per_func, rewards, advantages, extra = samples
             records = completion_records(
                 step,
