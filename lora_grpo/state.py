@@ -100,6 +100,8 @@ class TrainState(TrainerState):
     best_metric_name: str | None = None
     # a front door's own state (the TRL front door's log history)
     extra: dict = dataclasses.field(default_factory=dict)
+    # the eval before training (eval_on_start, at step 0): summary.json's "before" figures, a resumed run's too
+    eval_before: dict = dataclasses.field(default_factory=dict)
     # A step whose update finished but whose step end (eval, sync, log) did not: its eval failed
     # (run/failures.py). {"metrics", "epoch_ended"}; a resumed run ends that step first.
     unfinished_step: dict | None = None

@@ -521,9 +521,12 @@ class GRPOTrainer:
         self._finished_step()
 
     def _eval_at_start(self) -> dict[str, float]:
-        """The eval before training (eval_on_start, a run at step 0 with eval prompts), or {}."""
+        """The eval before training (eval_on_start, a run at step 0 with eval prompts), or {}; a resumed run's is
+        the one its checkpoint kept (TrainState.eval_before)."""
         due = self.eval_dataset is not None and self.config.eval_on_start and self.state.global_step == 0
-        return self._evaluate_and_log("before") if due else {}
+        if due:
+            self.state.eval_before = self._evaluate_and_log("before")
+        return self.state.eval_before
 
     def _eval_at_end(self) -> dict[str, float]:
         """The eval after training (eval_on_end, with eval prompts), or {}; it may name the best checkpoint (the

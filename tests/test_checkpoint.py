@@ -720,3 +720,23 @@ def test_a_log_line_cut_short_is_named_when_resume_drops_it(tmp_path, caplog):
     ckpt.truncate_log(log, 3)
     assert log.read_text() == '{"step": 1}\n{"step": 2}\n'
     assert f"{log}: skipped line 4 (" in caplog.text and "line 5 (not complete JSON" in caplog.text
+
+
+def test_a_resumed_runs_summary_keeps_the_eval_before_training(tiny_base_dir, tmp_path):
+    """The eval before training runs at step 0 only: a run resumed from a checkpoint wrote accuracy_before and
+    kl_to_base_before as null (found in review). The checkpoint keeps it (TrainState.eval_before)."""
+    from helpers import PROMPTS
+
+    kw = dict(quantization="none", max_steps=4, save_steps=2, eval_dataset=PROMPTS[:4])
+    make_trainer(tiny_base_dir, tmp_path / "a", **kw).train()
+    uninterrupted = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
+    make_trainer(
+        tiny_base_dir,
+        tmp_path / "a",
+        **kw,
+        resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"),
+    ).train()
+    resumed = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
+    assert uninterrupted["accuracy_before"] is not None
+    for key in ("accuracy_before", "kl_to_base_before", "eval_before"):
+        assert resumed[key] == uninterrupted[key], key
