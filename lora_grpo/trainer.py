@@ -49,12 +49,19 @@ from .memory.sizes import RunSizes
 from .model.adapters import (
     POLICY,
     POLICY_DIR,
+    REFERENCE,
     lora_layers,
     policy_parameters,
     reference_forward,
     set_training,
 )
-from .model.load import keep_4bit_weights_fixed, load_model
+from .model.load import (
+    attach_adapters,
+    enable_gradient_checkpointing,
+    keep_4bit_weights_fixed,
+    load_model,
+    prepare_base,
+)
 from .model.reference import sync_reference
 from .optim import (
     LossScale,
@@ -120,7 +127,9 @@ class GRPOTrainer:
         train_dataset: a ``datasets.Dataset`` (or ``IterableDataset`` with ``max_steps``); None:
             ``config.dataset``.
         eval_dataset: held-out prompts for ``evaluate()``; None: ``config.eval_dataset``.
-        model: a loaded causal LM to train instead of ``config.model_name_or_path`` (with ``tokenizer``).
+        model: a loaded causal LM to train instead of ``config.model_name_or_path`` (with ``tokenizer``): a
+            base, which gets the policy and reference adapters of the config (as a loaded one does), or a
+            model lora_grpo built (``lora_grpo.model.load.load_model``: both adapters already on it).
         tokenizer: the model's tokenizer; required with ``model``.
         tools: functions the policy may call in a rollout (typed, with Google-style docstrings);
             None: ``config.tools``.
@@ -249,6 +258,17 @@ class GRPOTrainer:
             model, tokenizer = load_model(config, device_map={"": self.accelerator.device})
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
+        elif not hasattr(model, "peft_config"):
+            # a base of the caller's: frozen, its dropout off, and the config's adapters on it, as load_model does
+            model = attach_adapters(prepare_base(model), config)
+            if config.gradient_checkpointing is True:
+                enable_gradient_checkpointing(model)
+        elif not {POLICY, REFERENCE} <= set(model.peft_config):
+            raise ValueError(
+                f"the model is a peft model with the adapters {sorted(model.peft_config)}, not lora_grpo's policy "
+                f"({POLICY!r}) and reference slot ({REFERENCE!r}): pass its base model (the config's adapters are "
+                "put on it), and to start from a trained adapter, save it and set init_adapter to its directory"
+            )
         self.model, self.tokenizer = model, tokenizer
         # also for a model the caller built (see model/load.py)
         keep_4bit_weights_fixed(model)

@@ -576,3 +576,41 @@ def test_the_steps_of_one_generation_divide_by_its_tokens_per_step_as_trl(
     expected = [g / 2 for g in generations for _ in range(2)]
     assert normalisers == pytest.approx(expected, rel=1e-6)
     assert step_tokens != pytest.approx(expected)  # the slices' own counts differ: the test tells them apart
+
+
+def test_a_base_model_passed_in_gets_the_configs_adapters_and_a_peft_model_without_the_slot_is_refused(
+    tiny_base_dir, tmp_path
+):
+    """The docstring's `model=`: a base got no adapters (torch's "optimizer got an empty parameter list"), and a
+    get_peft_model(...) model trained until its first reference forward or checkpoint raised that it has no
+    adapter 'reference', the run lost (found in review)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = GRPOConfig(
+        model_name_or_path=tiny_base_dir,
+        quantization="none",
+        max_steps=1,
+        num_generations=2,
+        prompts_per_step=2,
+        max_completion_length=4,
+        micro_batch_size=4,
+        gradient_checkpointing=False,
+        output_dir=str(tmp_path / "a"),
+        ref_sync_steps=1,
+        save_steps=1,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
+    trainer = GRPOTrainer(
+        config, reward_funcs=[digit_share], train_dataset=PROMPTS, model=base, tokenizer=tokenizer
+    )
+    assert {POLICY, REFERENCE} <= set(trainer.model.peft_config)
+    trainer.train()
+    assert (tmp_path / "a" / "checkpoint-1").is_dir()
+    wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir), LoraConfig(r=4))
+    config.output_dir = str(tmp_path / "b")
+    with pytest.raises(ValueError, match=r"the model is a peft model with the adapters \['default'\], not"):
+        GRPOTrainer(
+            config, reward_funcs=[digit_share], train_dataset=PROMPTS, model=wrapped, tokenizer=tokenizer
+        )
