@@ -643,8 +643,18 @@ class GRPOConfig:
             raise ConfigError(f"{where}: {e}", field=e.field) from None
 
     def to_yaml(self, path: str | Path | None = None) -> str:
-        """The config as YAML (every field, in declaration order); also written to ``path`` when given."""
-        text = dump_recipe(self.to_dict())
+        """The config as YAML (every field, in declaration order); also written to ``path`` when given. A field
+        the config derived from others is written as null where it is their default (prompts_per_step beside
+        generation_batch_size, ref_rank at 2 × lora_r), so that the file reads back, and with another lora_r or
+        generation_batch_size on top (``from_yaml(path, overrides)``) derives again."""
+        values = self.to_dict()
+        if self.generation_batch_size is not None:
+            values["prompts_per_step"] = (
+                None  # generation_batch_size's to derive (a step may hold part of a group)
+            )
+        if self.ref_rank == default_ref_rank(self.lora_r, self.ref_sync_mode):
+            values["ref_rank"] = None
+        text = dump_recipe(values)
         if path is not None:
             Path(path).write_text(text)
         return text

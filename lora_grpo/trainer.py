@@ -1105,7 +1105,7 @@ class GRPOTrainer:
         """eval/* metrics of the policy (evaluation.Evaluator) on `dataset`: the run's eval prompts by
         default, or any dataset source the run takes (rendered and checked as its own are), or a dict
         of named sets, each evaluated on its own (eval/<name>/* metrics). Each set's result is also
-        the payload of an "evaluate" event (metrics=, name=, seconds=, rows=)."""
+        the payload of an "evaluate" event (metrics=, set_name=, seconds=, rows=)."""
         sets = named_eval_sets(self.eval_dataset if dataset is None else self._resolve_eval(dataset))
         if not sets:
             raise ValueError(

@@ -46,6 +46,21 @@ def test_yaml_round_trip(tmp_path):
     assert GRPOConfig.from_yaml(path) == c and all(getattr(c, k) == v for k, v in texts.items())
 
 
+def test_a_saved_configs_derived_fields_derive_again(tmp_path):
+    """A step holding part of a group (generation_batch_size 24, G 4, 4 steps): prompts_per_step was filled with its
+    default, saved, and the saved config.yaml refused as disagreeing with generation_batch_size (eval, merge and
+    export of that run failed); and a saved ref_rank at 2 × lora_r stayed with another lora_r on top (found in
+    review)."""
+    path = tmp_path / "c.yaml"
+    part = GRPOConfig(**BASE, generation_batch_size=24, num_generations=4, steps_per_generation=4)
+    part.to_yaml(path)
+    assert GRPOConfig.from_yaml(path) == part
+    GRPOConfig(**BASE, lora_r=8, ref_sync_alpha=0.6).to_yaml(path)
+    assert GRPOConfig.from_yaml(path, {"lora_r": 32}).ref_rank == 64
+    GRPOConfig(**BASE, lora_r=8, ref_rank=24).to_yaml(path)  # given: stays
+    assert GRPOConfig.from_yaml(path, {"lora_r": 16}).ref_rank == 24
+
+
 def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("model_name_or_path: m\nlearning_rate: 1e-4\n")
