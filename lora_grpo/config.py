@@ -57,6 +57,11 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+def _import_path(fn) -> str:
+    """'module:qualname' of a function (what a recipe's reward_funcs and tools name)."""
+    return f"{getattr(fn, '__module__', None) or '__main__'}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
 def default_ref_rank(policy_rank: int, ref_sync_mode: str) -> int:
     """The reference slot's rank when ref_rank is not given: 2 × the policy's for the exact mix (room for
     the old reference beside the new policy), the policy's own for the factor blend."""
@@ -654,6 +659,9 @@ class GRPOConfig:
             )
         if self.ref_rank == default_ref_rank(self.lora_r, self.ref_sync_mode):
             values["ref_rank"] = None
+        for name in ("reward_funcs", "tools"):
+            # a function given as itself (Python): its import path, as a recipe names one
+            values[name] = [_import_path(v) if callable(v) else v for v in values[name] or []] or values[name]
         text = dump_recipe(values)
         if path is not None:
             Path(path).write_text(text)

@@ -61,6 +61,17 @@ def test_a_saved_configs_derived_fields_derive_again(tmp_path):
     assert GRPOConfig.from_yaml(path, {"lora_r": 16}).ref_rank == 24
 
 
+def test_a_function_given_as_itself_is_saved_as_its_import_path(tmp_path):
+    """GRPOConfig(reward_funcs=[fn]) trains (the trainer takes config.reward_funcs), but its config.yaml raised
+    yaml's RepresenterError at train() (found in review); it is written as a recipe names a function."""
+    from lora_grpo.rewards.builtins import answer_accuracy
+
+    config = GRPOConfig(**BASE, reward_funcs=[answer_accuracy, "format"])
+    config.to_yaml(tmp_path / "c.yaml")
+    saved = GRPOConfig.from_yaml(tmp_path / "c.yaml")
+    assert saved.reward_funcs == ["lora_grpo.rewards.builtins:answer_accuracy", "format"]
+
+
 def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("model_name_or_path: m\nlearning_rate: 1e-4\n")
