@@ -62,6 +62,20 @@ def _import_path(fn) -> str:
     return f"{getattr(fn, '__module__', None) or '__main__'}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
+def as_saved(values: dict[str, Any]) -> dict[str, Any]:
+    """A config's values as config.yaml holds them: a field derived from others is null where it is their default
+    (prompts_per_step beside generation_batch_size; ref_rank at default_ref_rank), so the file reads back and
+    derives again. Also how a checkpoint's saved config is compared with a resuming run's (either side may come
+    from before this rule)."""
+    out = dict(values)
+    if out.get("generation_batch_size") is not None:
+        out["prompts_per_step"] = None  # generation_batch_size's to derive (a step may hold part of a group)
+    rank, mode = out.get("lora_r"), out.get("ref_sync_mode") or "exact"
+    if isinstance(rank, int) and out.get("ref_rank") == default_ref_rank(rank, mode):
+        out["ref_rank"] = None
+    return out
+
+
 def default_ref_rank(policy_rank: int, ref_sync_mode: str) -> int:
     """The reference slot's rank when ref_rank is not given: 2 × the policy's for the exact mix (room for
     the old reference beside the new policy), the policy's own for the factor blend."""
@@ -652,13 +666,7 @@ class GRPOConfig:
         the config derived from others is written as null where it is their default (prompts_per_step beside
         generation_batch_size, ref_rank at 2 × lora_r), so that the file reads back, and with another lora_r or
         generation_batch_size on top (``from_yaml(path, overrides)``) derives again."""
-        values = self.to_dict()
-        if self.generation_batch_size is not None:
-            values["prompts_per_step"] = (
-                None  # generation_batch_size's to derive (a step may hold part of a group)
-            )
-        if self.ref_rank == default_ref_rank(self.lora_r, self.ref_sync_mode):
-            values["ref_rank"] = None
+        values = as_saved(self.to_dict())
         for name in ("reward_funcs", "tools"):
             # a function given as itself (Python): its import path, as a recipe names one
             values[name] = [_import_path(v) if callable(v) else v for v in values[name] or []] or values[name]

@@ -160,14 +160,27 @@ def test_a_script_asking_for_another_generation_engine_trains_the_same_run_and_i
     )
 
 
-def test_top_k_none_is_no_top_k_filtering_as_in_trls_generate():
+def test_an_unset_top_k_or_min_p_is_the_models_generation_configs_as_in_trls_generate():
+    """TRL builds GenerationConfig(top_k=None, min_p=None) and transformers' generate fills what is None from the
+    model's generation_config, then its own defaults (top_k 50): open-r1's top_k: null samples top-20 from a Qwen
+    model, and TRL's default min_p None takes a model's min_p. Read as 'off' here before (found in review)."""
+    from transformers import GenerationConfig
+
     from lora_grpo.trl.translate import to_native
 
-    for top_k, native in ((None, 0), (0, 0), (20, 20)):
-        assert (
-            to_native(OurConfig(output_dir="x", use_cpu=True, top_k=top_k), model_name_or_path="toy").top_k
-            == native
+    def native(generation_defaults=None, **fields):
+        config = to_native(
+            OurConfig(output_dir="x", use_cpu=True, **fields),
+            model_name_or_path="toy",
+            generation_defaults=generation_defaults,
         )
+        return config.top_k, config.min_p
+
+    assert native(top_k=None) == (50, 0.0)  # no generation_config of the model's: transformers' defaults
+    assert native(top_k=0) == (0, 0.0) and native(top_k=20) == (20, 0.0)
+    qwen_like = GenerationConfig(top_k=20, min_p=0.1, top_p=0.8)
+    assert native(qwen_like, top_k=None) == (20, 0.1)
+    assert native(qwen_like, top_k=5, min_p=0.0) == (5, 0.0)  # what the script sets wins
 
 
 def test_a_loss_that_depends_on_the_micro_batch_takes_trls_micro_batch():

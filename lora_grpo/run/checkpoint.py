@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import as_saved
 from ..device import optimizer_state_on_devices
 from ..model.adapter_files import (
     ADAPTER_CONFIG,
@@ -514,6 +515,8 @@ def check_compatible(
         saved = yaml.safe_load((path / "config.yaml").read_text()) or {}
     except yaml.YAMLError as e:
         raise CheckpointError(f"{path / 'config.yaml'} is damaged ({e}). " + _earlier_hint(path)) from None
+    # both sides as config.yaml holds them (config.as_saved): a derived field null at its default
+    saved, config_values = as_saved(saved), as_saved(config_values)
     diffs = [
         f"{name}: checkpoint {saved.get(name)!r}, this run {config_values.get(name)!r}"
         for name in STRUCTURAL_FIELDS

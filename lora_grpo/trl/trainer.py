@@ -289,6 +289,8 @@ class GRPOTrainer:
             model_name_or_path=str(name),
             world_size=world,
             eval_set_names=set_names,
+            # what fills an unset top_k / min_p, as in TRL's generate: the model's generation_config
+            generation_defaults=getattr(model, "generation_config", None) or model,
             **model_fields,
         )
         peft_model, tokenizer = build(config)

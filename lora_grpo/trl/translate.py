@@ -145,9 +145,10 @@ FIELDS: dict[str, Field] = {
     "temperature": _m("temperature"),
     "top_p": _m("top_p"),
     "top_k": _m(
-        "top_k (None: 0, no top-k filtering, as transformers' generate reads it; open-r1 writes top_k: null)"
+        "top_k (None: the model's generation_config's, else 50, as transformers' generate fills an unset one; "
+        "open-r1 writes top_k: null)"
     ),
-    "min_p": _m("min_p (None: 0)"),
+    "min_p": _m("min_p (None: the model's generation_config's, else off)"),
     "repetition_penalty": _m("repetition_penalty"),
     "chat_template_kwargs": _m("chat_template_kwargs"),
     "cache_implementation": _m("decode_mode: None → auto, 'static' → static"),
@@ -426,6 +427,27 @@ def _value(v):
     return getattr(v, "value", v)
 
 
+def unset_sampling(top_k, min_p, source: Any, revision: str | None) -> dict[str, Any]:
+    """top_k and min_p as TRL's sampling reads them: None is unset, and transformers' generate fills it from the
+    model's generation_config (`source`: the model's, or the path it is read from), then its own default (top_k
+    50, min_p off), as it fills every unset field (a Qwen model's generation_config has top_k 20; open-r1's
+    recipes write top_k: null)."""
+    from transformers import GenerationConfig
+
+    if top_k is None or min_p is None:
+        model_defaults = source if isinstance(source, GenerationConfig) else None
+        if model_defaults is None:
+            try:
+                model_defaults = GenerationConfig.from_pretrained(str(source), revision=revision)
+            except (OSError, ValueError):  # no generation_config.json: transformers' own defaults
+                model_defaults = GenerationConfig()
+        if top_k is None:
+            top_k = 50 if model_defaults.top_k is None else model_defaults.top_k
+        if min_p is None:
+            min_p = model_defaults.min_p
+    return {"top_k": int(top_k), "min_p": float(min_p or 0.0)}
+
+
 def precision_dtype(args) -> str:
     """The torch_dtype TRL's precision flags stand for. bf16: bfloat16. fp16: float16 on a GPU (TRL
     autocasts to float16 and scales the loss; lora_grpo computes in float16 and scales the loss); on a
@@ -544,6 +566,7 @@ def to_native(
     model_name_or_path: str,
     world_size: int = 1,
     eval_set_names: Sequence[str] | None = (),
+    generation_defaults: Any = None,
     **native: Any,
 ) -> NativeConfig:
     """The native GRPOConfig a TRL GRPOConfig (ours, or TRL's own: read by field name) stands for.
@@ -627,8 +650,12 @@ def to_native(
             "max_prompt_length": None,
             "temperature": sampling.get("temperature", args.temperature),
             "top_p": sampling.get("top_p", args.top_p),
-            "top_k": sampling.get("top_k", args.top_k) or 0,
-            "min_p": sampling.get("min_p", args.min_p) or 0.0,
+            **unset_sampling(
+                sampling.get("top_k", args.top_k),
+                sampling.get("min_p", args.min_p),
+                model_name_or_path if generation_defaults is None else generation_defaults,
+                native.get("revision"),
+            ),
             "repetition_penalty": sampling.get("repetition_penalty", args.repetition_penalty),
             "chat_template_kwargs": _as_dict(args.chat_template_kwargs, "chat_template_kwargs"),
             "decode_mode": "static" if cache == "static" else "auto",
