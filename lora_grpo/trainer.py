@@ -532,7 +532,9 @@ class GRPOTrainer:
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.to_yaml(self.output_dir / "config.yaml")
-        self.reporter.start(self.state.global_step, resumed=bool(cfg.resume_from_checkpoint))
+        self.reporter.start(
+            self.state.global_step, resumed=bool(cfg.resume_from_checkpoint), history=self.state.log_history
+        )
         if plan is not None:
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
         self.best_due, self.policy_step = False, None

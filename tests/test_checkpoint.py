@@ -740,3 +740,29 @@ def test_a_resumed_runs_summary_keeps_the_eval_before_training(tiny_base_dir, tm
     assert uninterrupted["accuracy_before"] is not None
     for key in ("accuracy_before", "kl_to_base_before", "eval_before"):
         assert resumed[key] == uninterrupted[key], key
+
+
+def test_a_run_resumed_from_a_checkpoint_elsewhere_logs_its_earlier_steps_too(tiny_base_dir, tmp_path):
+    """The cloud flow: only the checkpoint reaches the next machine. metrics.jsonl (and the plot, and what is
+    pushed) held the resumed steps alone, while log_history held them all (found in review)."""
+    kw = dict(quantization="none", max_steps=4, save_steps=2)
+    make_trainer(tiny_base_dir, tmp_path / "one", **kw).train()
+    shutil.copytree(tmp_path / "one" / "run" / "checkpoint-2", tmp_path / "downloaded" / "last-checkpoint")
+    make_trainer(
+        tiny_base_dir,
+        tmp_path / "two",
+        **kw,
+        resume_from_checkpoint=str(tmp_path / "downloaded" / "last-checkpoint"),
+    ).train()
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    first = [
+        json.loads(line) for line in (tmp_path / "one" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [s for s in steps if s > 0] == [1, 2, 3, 4]
+    again = [
+        json.loads(line) for line in (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["reward/mean"] for r in again[:2]] == [r["reward/mean"] for r in first if r["step"] in (1, 2)]

@@ -51,7 +51,8 @@ class PromptBatches:
             raise ValueError(
                 f"the train dataset has {len(dataset)} rows, fewer than one batch of prompts_per_step="
                 f"{prompts_per_step}{under} (the prompts one rollout draws: prompts_per_step × steps_per_generation "
-                "on each process); lower prompts_per_step, or add prompts"
+                "on each process); lower prompts_per_step (in the TRL front door: per_device_train_batch_size × "
+                "steps_per_generation / num_generations prompts a rollout), or add prompts"
             )
         self.dataset, self.prompts_per_step, self.seed = dataset, int(prompts_per_step), int(seed)
         # a batch of the run (every process's prompts) and this process's slice of it

@@ -313,9 +313,11 @@ class RunReporter:
         return self.output_dir / COMPLETIONS_FILE
 
     # ------------------------------------------------------------------ run start / end
-    def start(self, step: int, resumed: bool) -> None:
+    def start(self, step: int, resumed: bool, history: Sequence[dict[str, Any]] = ()) -> None:
         """Before the first record: a resumed run drops records after `step` (it logs those steps
-        again), a fresh one starts fresh logs; the trackers start with the config."""
+        again), a fresh one starts fresh logs; the trackers start with the config. A run resumed where
+        its metrics.jsonl is not (from a checkpoint copied elsewhere) writes its steps' records first, from
+        the checkpoint's `history` (one record a step), so the log and the plot hold the whole run."""
         if not self.is_main:
             return
         for path in (self.metrics_path, self.completions_path):
@@ -323,6 +325,9 @@ class RunReporter:
                 ckpt.truncate_log(path, step)
             else:
                 path.unlink(missing_ok=True)
+        if resumed and history and not self.metrics_path.exists():
+            with self.metrics_path.open("w") as f:
+                f.writelines(json_line({"step": i, **record}) for i, record in enumerate(history[:step], 1))
         if self.trackers:
             self._end_trackers()  # a second train() on the same trainer
             cfg = self.config
