@@ -149,6 +149,10 @@ class PolicyUpdate:
                         per_sequence.setdefault(k, []).append(m.pop(k))
                 for k, v in [*((k, v * weight) for k, v in m.items()), ("tokens", weight), ("loss", loss)]:
                     sums[k] = sums.get(k, 0.0) + v
+        if sums:
+            # The rows left out clip nothing (their advantage is 0): the clip fractions' token means are over every
+            # completion's tokens, as TRL's, with theirs counted in.
+            sums["idle_tokens"] = float(batch.completion_mask[idle].sum()) if idle.any() else 0.0
         if acc.num_processes > 1:
             average_gradients(self.params, acc)
             # Empty on every process alike when no process ran a forward.
@@ -176,6 +180,7 @@ class PolicyUpdate:
             # reported as TRL does (a token mean of a constant)
             sums["entropy_coef"] = control.coef * sums["tokens"]
         loss_total = sums.pop("loss", 0.0) / acc.num_processes
+        idle_tokens = sums.pop("idle_tokens", 0.0)
         tokens = max(sums.pop("tokens", 0.0), 1.0)
         loss_scale = self.state.loss_scale
         scaled_by = loss_scale.value
@@ -189,7 +194,10 @@ class PolicyUpdate:
             loss_scale.forget_step()
             raise
         return {
-            **{k: v / tokens for k, v in sums.items()},
+            **{
+                k: v / (tokens + idle_tokens if k.startswith("clip_ratio/") else tokens)
+                for k, v in sums.items()
+            },
             **extremes,
             "loss": loss_total,
             "grad_norm": grad_norm,

@@ -413,6 +413,14 @@ def test_leaving_out_zero_advantage_rows_gives_the_full_update(
         assert saved_metrics["loss"] == pytest.approx(full_metrics["loss"], rel=1e-6, abs=1e-9)
         assert saved_metrics["grad_norm"] == pytest.approx(full_metrics["grad_norm"], rel=1e-5)
         assert full_metrics["zero_advantage_skipped"] == 0 and saved_metrics["zero_advantage_skipped"] == 0.75
+    # Off-policy (ratio e, past 1 + ε): the rows left out clip nothing, so the clip fractions' token means count
+    # their tokens as TRL's do; over the trained rows alone they came out larger (found in review).
+    batch.old_logp = trainer.log_probs(batch) - 1.0
+    full, full_metrics = grads(skip=False, micro_batch_size=4)
+    saved, saved_metrics = grads(skip=True, micro_batch_size=4)
+    means = [k for k in full_metrics if k.startswith("clip_ratio/") and not k.endswith(("_min", "_max"))]
+    for k in means:
+        assert saved_metrics[k] == pytest.approx(full_metrics[k], rel=1e-5, abs=1e-9), k
 
 
 def test_the_saving_is_off_where_a_zero_advantage_row_still_has_a_gradient(tiny_base_dir, tmp_path):
