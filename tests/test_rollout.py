@@ -584,3 +584,17 @@ def test_peft_lora_on_4bit_base(tiny_base_dir):
     logits = full_forward_logits(model, r)
     m = r.completion_mask.bool()
     assert torch.equal(logits.argmax(-1)[m], r.completion_ids[m])
+
+
+def test_a_context_extended_by_yarn_without_raising_max_position_embeddings_counts_the_extension():
+    """Qwen2.5's model cards enable YaRN as rope_scaling (yarn, factor 4, original 32768) and leave
+    max_position_embeddings at 32768: transformers runs 131072 positions, the context check refused above 32768
+    (found in review). A config that raised max_position_embeddings itself (Phi-3's longrope) stays as it is."""
+    from transformers import Qwen2Config
+
+    from lora_grpo.rollout.generate import context_limit
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert context_limit(Qwen2Config(max_position_embeddings=32768, rope_scaling=yarn)) == 131072
+    assert context_limit(Qwen2Config(max_position_embeddings=131072, rope_scaling=yarn)) == 131072
+    assert context_limit(Qwen2Config(max_position_embeddings=32768)) == 32768

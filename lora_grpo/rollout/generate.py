@@ -173,11 +173,18 @@ def special_token_ids(model, tokenizer) -> list[int]:
 
 def context_limit(model_or_config) -> int | None:
     """The most tokens (prompt + completion) the model takes: its config's ``max_position_embeddings``,
-    or its text config's (multimodal models); None when it declares no such limit."""
+    or its text config's (multimodal models), times a YaRN factor where the config extends it so without
+    raising max_position_embeddings (Qwen2.5's model cards: rope_scaling yarn, factor 4 over 32768 gives
+    131072); None when it declares no such limit."""
     config = getattr(model_or_config, "config", model_or_config)
     for cfg in (config, config.get_text_config()):
         limit = getattr(cfg, "max_position_embeddings", None)
         if isinstance(limit, int) and limit > 0:
+            rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+            kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+            original = rope.get("original_max_position_embeddings", limit) if kind == "yarn" else None
+            if original == limit and isinstance(rope.get("factor"), (int, float)) and rope["factor"] > 1:
+                return int(rope["factor"] * limit)
             return limit
     return None
 
