@@ -77,6 +77,7 @@ from .optim import apply_config as apply_optimizer_config
 from .rewards.scoring import RewardFunctionError
 from .rng import rng_state, sampling_seed, seed_everything, shuffle_seed
 from .rollout import Rollout
+from .rollout.sampling import NONFINITE_LOGITS
 from .run import best, model_card
 from .run import checkpoint as ckpt
 from .run.failures import (
@@ -100,8 +101,9 @@ from .state import StepFlow, TrainState
 from .update import PolicyUpdate
 
 Tensor = torch.Tensor
-# What torch.multinomial says of a probability row with inf or NaN in it (logits that overflowed).
-_NONFINITE_SAMPLING = "probability tensor contains either `inf`, `nan` or element < 0"
+# What a rollout over logits that overflowed raises: torch.multinomial's words for a probability row with inf or NaN
+# in it (sampling), or the greedy decode's own.
+_NONFINITE_SAMPLING = ("probability tensor contains either `inf`, `nan` or element < 0", NONFINITE_LOGITS)
 
 
 def eval_set_labels(eval_dataset) -> dict:
@@ -792,7 +794,9 @@ class GRPOTrainer:
         what = _failure_words(error, stages)
         if any(is_out_of_memory(e) for e in (error, error.__cause__) if e is not None):
             what += f" ({self._out_of_memory_fix()})"
-        elif any(_NONFINITE_SAMPLING in str(e) for e in (error, error.__cause__) if e is not None):
+        elif any(
+            text in str(e) for e in (error, error.__cause__) if e is not None for text in _NONFINITE_SAMPLING
+        ):
             what += f" ({self._nonfinite_logits_fix()})"
         kept = kept_work(
             self.output_dir,
@@ -813,11 +817,11 @@ class GRPOTrainer:
         """What to change when the sampler met logits that were inf or NaN."""
         if self.state.loss_scale.enabled:  # the model computes in float16
             return (
-                "the model's logits were inf or NaN: in float16 its activations overflowed ±65504 on this step's "
+                "in float16 the model's activations overflowed ±65504 on this step's "
                 "prompts, which the start-up check's did not reach; resume with torch_dtype bfloat16 (on a GPU that "
                 "has it) or float32: a resume in float16 meets the same overflow"
             )
-        return "the model's logits were inf or NaN: check the last checkpoint's policy adapter for NaN"
+        return "its logits were inf or NaN: check the last checkpoint's policy adapter for NaN"
 
     def _out_of_memory_fix(self) -> str:
         """What to change when a step ran out of memory, with the sizes it ran at."""

@@ -237,5 +237,8 @@ def test_logits_that_overflow_float16_mid_run_say_to_resume_in_bfloat16_or_float
     )
     with pytest.raises(StepFailed) as info:
         trainer.train()
-    assert "in float16 its activations overflowed ±65504 on this step's prompts" in str(info.value)
+    assert "in float16 the model's activations overflowed ±65504 on this step's prompts" in str(info.value)
     assert "resume with torch_dtype bfloat16 (on a GPU that has it) or float32" in str(info.value)
+    # Greedy decoding (the eval's) took token 0 from such logits, quietly: refused too
+    with pytest.raises(RuntimeError, match="the model's logits were inf or NaN while decoding greedily"):
+        trainer.generate(["x+1="], 1, 0.0)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .fast_decode import StaticDecoder, resolve_decode_mode
-from .sampling import sample_next
+from .sampling import NONFINITE_LOGITS, sample_next
 from .tools import Toolbox, ToolEpisode, ToolTurns
 
 
@@ -543,6 +543,13 @@ def generate_rollout(
             messages=[m for t in turns for m in t.messages],
             tool_calls=torch.tensor([c for t in turns for c in t.calls], device=device),
             tool_failures=torch.tensor([c for t in turns for c in t.failures], device=device),
+        )
+    if not bool(
+        torch.isfinite(sampling_logprobs[completion_mask.bool()]).all()
+    ):  # greedy over overflowed logits
+        raise RuntimeError(
+            f"{NONFINITE_LOGITS} while decoding greedily: a token drawn from them means nothing (in float16, "
+            "activations past ±65504)"
         )
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
     kept = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]

@@ -6,8 +6,13 @@ transformers' ``generate`` uses; removed tokens get -inf.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+
+# What a rollout over logits that were not finite says (rollout/generate.py; the trainer adds the fix).
+NONFINITE_LOGITS = "the model's logits were inf or NaN"
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
@@ -73,7 +78,8 @@ def sample_next(
     overwrite: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """One decoding step. logits (N, V) -> (tokens (N,) long, log-probs of those tokens (N,)).
-    temperature == 0 is greedy (log-prob 0: the draw was deterministic).
+    temperature == 0 is greedy (log-prob 0: the draw was deterministic; NaN for a row whose logits were not
+    finite).
 
     Without top-k, top-p and min-p (the default), the (N, V) work reuses a buffer the function owns
     (a float32 copy of bf16 logits, the penalised logits) or, with ``overwrite``, the caller's
@@ -86,7 +92,12 @@ def sample_next(
         logits, own = apply_repetition_penalty(logits, seen, repetition_penalty), True
     if temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        # A row of overflowed logits (inf / NaN: a float16 model's activations past ±65504) has no argmax to speak
+        # of (token 0 came out, quietly): its log-prob is NaN, which the rollout refuses (generate_rollout).
+        finite = torch.isfinite(logits).all(-1)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device).masked_fill(
+            ~finite, math.nan
+        )
     if 0 < top_k < logits.size(-1) or top_p < 1.0 or min_p > 0.0:
         logprobs = warp_logits(
             logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
