@@ -1151,8 +1151,9 @@ class GRPOTrainer:
         return resolved
 
     def _evaluate_at_step(self) -> dict[str, float]:
-        """An eval a hook asked for at a step's log or an epoch's end (the TRL front door's epoch strategy, a
-        callback's should_evaluate): into metrics.jsonl and the trackers at the step, as every eval."""
+        """An eval outside a step's own record (before or after training, or one a hook asked for at a step's log
+        or an epoch's end: the TRL front door's epoch strategy, a callback's should_evaluate): into
+        metrics.jsonl and the trackers at the current step, as every eval."""
         metrics = self.evaluate()
         self.reporter.log({"step": self.state.global_step, **metrics})
         return metrics
@@ -1160,9 +1161,8 @@ class GRPOTrainer:
     def _evaluate_and_log(self, when: str) -> dict[str, float]:
         """The eval before or after training: printed, logged at the current step; 'before' feeds
         the plateau trigger."""
-        metrics = self.evaluate()
+        metrics = self._evaluate_at_step()
         self._print(f"eval {when} training: {format_metrics(metrics)}")
-        self.reporter.log({"step": self.state.global_step, **metrics})
         if when == "before":
             self.state.sync_schedule.observe_eval(headline_score(metrics, self.reward_names))
         return metrics

@@ -387,6 +387,17 @@ def test_with_no_prompt_limit_a_prompt_over_the_context_fails_at_start(tiny_base
         )
 
 
+def always_run_the_reference_forward(trainer) -> None:
+    """Make every rollout of `trainer` run the reference forward, as if its slot never equalled the policy."""
+    original = trainer.generation_round
+
+    def with_the_forward(rows):
+        trainer.state.reference_is_policy = False
+        return original(rows)
+
+    trainer.generation_round = with_the_forward
+
+
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_a_reference_equal_to_the_policy_costs_no_forward(
     tiny_base_dir, tmp_path, monkeypatch, num_iterations
@@ -406,13 +417,7 @@ def test_a_reference_equal_to_the_policy_costs_no_forward(
     if num_iterations == 1:  # on-policy: the KL to a reference equal to the policy is exactly 0
         assert all(m["kl"] == 0.0 for m in reused.state.log_history)
     forward = make_trainer(tiny_base_dir, tmp_path / "b", **kw)
-    original = forward.generation_round
-
-    def always_forward(rows):
-        forward.state.reference_is_policy = False
-        return original(rows)
-
-    forward.generation_round = always_forward
+    always_run_the_reference_forward(forward)
     forward.train()
     assert len(calls) == -(
         -3 // num_iterations
@@ -433,13 +438,7 @@ def test_a_reference_equal_to_a_policy_with_lora_dropout_is_its_forward_without_
     reused = make_trainer(tiny_base_dir, tmp_path / "a", **kw)
     reused.train()
     forward = make_trainer(tiny_base_dir, tmp_path / "b", **kw)
-    original = forward.generation_round
-
-    def always_forward(rows):
-        forward.state.reference_is_policy = False
-        return original(rows)
-
-    forward.generation_round = always_forward
+    always_run_the_reference_forward(forward)
     forward.train()
     kls = [m["kl"] for m in reused.state.log_history]
     assert kls[0] == 0.0 and kls[1] > 0, kls  # step 1: B = 0, so dropout changes nothing yet

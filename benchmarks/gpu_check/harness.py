@@ -8,7 +8,6 @@ from __future__ import annotations
 import faulthandler
 import gc
 import json
-import math
 import os
 import shutil
 import sys
@@ -316,22 +315,13 @@ def run_section(section: Section, run: Run) -> None:
             write_summary(run, run.elapsed())
 
 
-def strict_json(value):
-    """`value` with every float that JSON has no word for (NaN, ±inf: a figure not measured) as None, so that
-    summary.json is JSON to every reader (jq, a browser), not only to Python's."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(item) for item in value]
-    return value
-
-
 def write_summary(run: Run, seconds: float) -> None:
     """summary.json and summary.txt in --out: the run's verdict so far, one entry per section in the
     order of the list (lanes end in any order), each file replaced whole (a lane's parent may read it
     at any moment)."""
+    # summary.json is JSON to every reader (jq, a browser): a figure not measured (NaN) as null
+    from lora_grpo.run.reporting import plain
+
     out = Path(run.args.out)
     out.mkdir(parents=True, exist_ok=True)
     order = {s.name: k for k, s in enumerate(run.sections)}
@@ -351,9 +341,7 @@ def write_summary(run: Run, seconds: float) -> None:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
-    replace(
-        out / "summary.json", json.dumps(strict_json(verdict), indent=2, default=str, allow_nan=False) + "\n"
-    )
+    replace(out / "summary.json", json.dumps(plain(verdict), indent=2, allow_nan=False) + "\n")
     lines = []
     for name, v in summary.items():
         line = f"{LABELS[v['status']]} {name} ({v['seconds']} s{', ' + v['lane'] if v.get('lane') else ''})"

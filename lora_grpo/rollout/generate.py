@@ -544,9 +544,8 @@ def generate_rollout(
             tool_calls=torch.tensor([c for t in turns for c in t.calls], device=device),
             tool_failures=torch.tensor([c for t in turns for c in t.failures], device=device),
         )
-    if not bool(
-        torch.isfinite(sampling_logprobs[completion_mask.bool()]).all()
-    ):  # greedy over overflowed logits
+    # a greedy draw over overflowed logits (sample_next: a NaN log-prob)
+    if not bool(torch.isfinite(sampling_logprobs[completion_mask.bool()]).all()):
         raise RuntimeError(
             f"{NONFINITE_LOGITS} while decoding greedily: a token drawn from them means nothing (in float16, "
             "activations past ±65504)"
