@@ -544,8 +544,9 @@ def generate_rollout(
             tool_calls=torch.tensor([c for t in turns for c in t.calls], device=device),
             tool_failures=torch.tensor([c for t in turns for c in t.failures], device=device),
         )
-    # a greedy draw over overflowed logits (sample_next: a NaN log-prob)
-    if not bool(torch.isfinite(sampling_logprobs[completion_mask.bool()]).all()):
+    # a greedy draw over overflowed logits (sample_next: a NaN log-prob; a sampled one raises in multinomial), checked
+    # for greedy rollouts alone: a training rollout pays no device sync for it
+    if temperature == 0 and not bool(torch.isfinite(sampling_logprobs[completion_mask.bool()]).all()):
         raise RuntimeError(
             f"{NONFINITE_LOGITS} while decoding greedily: a token drawn from them means nothing (in float16, "
             "activations past ±65504)"
