@@ -332,6 +332,16 @@ def test_missing_eos_or_pad_token_says_how_to_fix(tok):
     no_pad.pad_token = None
     with pytest.raises(ValueError, match=r"no pad token.*tokenizer.pad_token = tokenizer.eos_token"):
         generate_rollout(model, no_pad, RAGGED_PROMPTS, **kwargs)
+    # neither pad nor EOS in the tokenizer, the generation config's EOS: pad_token = eos_token would set None
+    no_pad.eos_token = None
+    model.generation_config.eos_token_id = tok.eos_token_id
+    with pytest.raises(ValueError) as info:
+        generate_rollout(model, no_pad, RAGGED_PROMPTS, **kwargs)
+    token = tok.convert_ids_to_tokens(tok.eos_token_id)
+    msg = str(info.value)
+    assert f"tokenizer.pad_token = {token!r}" in msg and "= tokenizer.eos_token" not in msg
+    no_pad.pad_token = token  # what the message says to set: the rollout runs
+    generate_rollout(model, no_pad, RAGGED_PROMPTS, **kwargs)
 
 
 # Failed before the fix it guards (code review): plain-text prompts reached models that expect BOS

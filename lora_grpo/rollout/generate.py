@@ -164,9 +164,15 @@ def special_token_ids(model, tokenizer) -> list[int]:
     the ids against the model's embeddings."""
     ids = eos_token_ids(model, tokenizer)
     if tokenizer.pad_token_id is None:
-        raise ValueError(
-            "the tokenizer has no pad token (tokenizer.pad_token_id is None); set one, e.g. "
+        # with no EOS of the tokenizer's own, pad_token = eos_token sets nothing: name the generation config's
+        fix = (
             "tokenizer.pad_token = tokenizer.eos_token (lora_grpo.model.load.load_tokenizer does)"
+            if tokenizer.eos_token is not None
+            else f"tokenizer.pad_token = {tokenizer.convert_ids_to_tokens(ids[0])!r} (the model's "
+            f"generation_config.eos_token_id {ids[0]}; the tokenizer has no eos_token)"
+        )
+        raise ValueError(
+            f"the tokenizer has no pad token (tokenizer.pad_token_id is None); set one, e.g. {fix}"
         )
     return ids
 
