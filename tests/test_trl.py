@@ -183,6 +183,42 @@ def test_an_unset_top_k_or_min_p_is_the_models_generation_configs_as_in_trls_gen
     assert native(qwen_like, top_k=5, min_p=0.0) == (5, 0.0)  # what the script sets wins
 
 
+def test_generation_kwargs_fill_unset_values_as_generate_and_keep_the_losss_temperature():
+    """generation_kwargs as TRL merges them into its GenerationConfig (found in review): a None value is unset,
+    filled by generate from the model's generation_config then transformers' defaults (it was refused as 'not a
+    finite number'); a temperature override samples there while TRL's loss divides by `temperature`, which
+    lora_grpo's single temperature cannot do, so a differing one is refused, not taken for the loss too;
+    cache_implementation 'dynamic' is transformers' default cache, as None."""
+    from transformers import GenerationConfig
+
+    from lora_grpo.config import ConfigError
+    from lora_grpo.trl.translate import to_native
+
+    qwen_like = GenerationConfig(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+
+    def native(generation_defaults=qwen_like, **fields):
+        return to_native(
+            OurConfig(output_dir="x", use_cpu=True, **fields),
+            model_name_or_path="toy",
+            generation_defaults=generation_defaults,
+        )
+
+    config = native(generation_kwargs={"top_p": None, "repetition_penalty": None})
+    assert (config.top_p, config.repetition_penalty, config.temperature) == (0.8, 1.05, 1.0)
+    config = native(GenerationConfig(), generation_kwargs={"top_p": None, "repetition_penalty": None})
+    assert (config.top_p, config.repetition_penalty) == (1.0, 1.0)  # generate's own defaults
+    assert native(generation_kwargs={"top_p": 0.9}).top_p == 0.9
+    assert native(temperature=0.5, generation_kwargs={"temperature": 0.5}).temperature == 0.5
+    with pytest.raises(ConfigError, match=r"generation_kwargs temperature 0.5 with temperature=1: in TRL"):
+        native(generation_kwargs={"temperature": 0.5})
+    with pytest.raises(ConfigError, match=r"generation_kwargs temperature 0.7 with temperature=1"):
+        native(generation_kwargs={"temperature": None})  # the model's 0.7
+    assert native(cache_implementation="dynamic").decode_mode == native().decode_mode == "auto"
+    assert native(cache_implementation="static").decode_mode == "static"
+    with pytest.raises(ConfigError, match="cache_implementation='offloaded'"):
+        native(cache_implementation="offloaded")
+
+
 def test_a_loss_that_depends_on_the_micro_batch_takes_trls_micro_batch():
     """Where TRL's objective depends on which completions share a micro-step (a token mean per micro-batch, the
     high-entropy quantile, the entropy bonus), a micro-batch is per_device_train_batch_size rows, as in TRL;

@@ -151,7 +151,7 @@ FIELDS: dict[str, Field] = {
     "min_p": _m("min_p (None: the model's generation_config's, else off)"),
     "repetition_penalty": _m("repetition_penalty"),
     "chat_template_kwargs": _m("chat_template_kwargs"),
-    "cache_implementation": _m("decode_mode: None → auto, 'static' → static"),
+    "cache_implementation": _m("decode_mode: None or 'dynamic' → auto, 'static' → static"),
     "generation_kwargs": _m(
         "its temperature, top_p, top_k, min_p, repetition_penalty; any other key is refused"
     ),
@@ -427,25 +427,28 @@ def _value(v):
     return getattr(v, "value", v)
 
 
-def unset_sampling(top_k, min_p, source: Any, revision: str | None) -> dict[str, Any]:
-    """top_k and min_p as TRL's sampling reads them: None is unset, and transformers' generate fills it from the
-    model's generation_config (`source`: the model's, or the path it is read from), then its own default (top_k
-    50, min_p off), as it fills every unset field (a Qwen model's generation_config has top_k 20; open-r1's
-    recipes write top_k: null)."""
+def unset_sampling(values: dict[str, Any], source: Any, revision: str | None) -> dict[str, Any]:
+    """The sampling settings (GENERATION_KWARGS) as TRL's sampling reads them: None is unset, and transformers'
+    generate fills it from the model's generation_config (`source`: the model's, or the path it is read from),
+    then its own default (temperature, top_p and repetition_penalty 1, top_k 50, min_p off), as it fills every
+    unset field (a Qwen model's generation_config has top_k 20; open-r1's recipes write top_k: null)."""
     from transformers import GenerationConfig
 
-    if top_k is None or min_p is None:
+    values = dict(values)
+    if any(v is None for v in values.values()):
         model_defaults = source if isinstance(source, GenerationConfig) else None
         if model_defaults is None:
             try:
                 model_defaults = GenerationConfig.from_pretrained(str(source), revision=revision)
             except (OSError, ValueError):  # no generation_config.json: transformers' own defaults
                 model_defaults = GenerationConfig()
-        if top_k is None:
-            top_k = 50 if model_defaults.top_k is None else model_defaults.top_k
-        if min_p is None:
-            min_p = model_defaults.min_p
-    return {"top_k": int(top_k), "min_p": float(min_p or 0.0)}
+        own = (
+            GenerationConfig._get_default_generation_params()
+        )  # what generate fills when both leave it unset
+        for name in [n for n, v in values.items() if v is None]:
+            value = getattr(model_defaults, name, None)
+            values[name] = value if value is not None else own.get(name)
+    return {**values, "top_k": int(values["top_k"] or 0), "min_p": float(values["min_p"] or 0.0)}
 
 
 def precision_dtype(args) -> str:
@@ -610,10 +613,27 @@ def to_native(
         raise ConfigError(
             f"generation_kwargs {unknown}: lora_grpo's sampler takes {list(GENERATION_KWARGS)} only"
         )
-    cache = args.cache_implementation
-    if cache not in (None, "static"):
+    sampled = unset_sampling(
+        {name: sampling.get(name, getattr(args, name)) for name in GENERATION_KWARGS},
+        model_name_or_path if generation_defaults is None else generation_defaults,
+        native.get("revision"),
+    )
+    if (
+        "temperature" in sampling
+        and args.temperature is not None
+        and sampled["temperature"] != args.temperature
+    ):
         raise ConfigError(
-            f"cache_implementation={cache!r}: lora_grpo's sampler has a dynamic cache (None) or a static one ('static')"
+            f"generation_kwargs temperature {sampled['temperature']:g} with temperature={args.temperature:g}: in TRL "
+            "the override samples at its temperature while the loss divides the logits by `temperature`; "
+            "lora_grpo's temperature does both (its log-probs are those of the distribution it samples). Set "
+            f"temperature={sampled['temperature']:g} and drop it from generation_kwargs, or drop the override"
+        )
+    cache = args.cache_implementation
+    if cache not in (None, "dynamic", "static"):
+        raise ConfigError(
+            f"cache_implementation={cache!r}: lora_grpo's sampler has a dynamic cache (None or 'dynamic', "
+            "transformers' default) or a static one ('static')"
         )
     checkpointing = getattr(args, "activation_checkpointing", None)
     checkpointing = args.gradient_checkpointing if checkpointing is None else checkpointing
@@ -648,15 +668,7 @@ def to_native(
             "trust_remote_code": args.trust_remote_code,
             "max_completion_length": args.max_completion_length,
             "max_prompt_length": None,
-            "temperature": sampling.get("temperature", args.temperature),
-            "top_p": sampling.get("top_p", args.top_p),
-            **unset_sampling(
-                sampling.get("top_k", args.top_k),
-                sampling.get("min_p", args.min_p),
-                model_name_or_path if generation_defaults is None else generation_defaults,
-                native.get("revision"),
-            ),
-            "repetition_penalty": sampling.get("repetition_penalty", args.repetition_penalty),
+            **sampled,
             "chat_template_kwargs": _as_dict(args.chat_template_kwargs, "chat_template_kwargs"),
             "decode_mode": "static" if cache == "static" else "auto",
             "max_tool_calling_iterations": args.max_tool_calling_iterations,
