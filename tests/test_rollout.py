@@ -440,6 +440,19 @@ def test_top_p():
     assert torch.equal(apply_top_p(logits, 1.0), logits)
 
 
+def test_top_p_keeps_the_tokens_generates_warper_keeps_when_tokens_tie_at_the_cut():
+    """bfloat16 logits tie often; which of the tied tokens at the nucleus's edge survive is what transformers'
+    TopPLogitsWarper (TRL's sampler) keeps: they differed in most rows before (found in review)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(200, 2000, generator=g) * 2.5).to(torch.bfloat16).float()
+    for p in (0.5, 0.9, 0.95):
+        ours = torch.isfinite(apply_top_p(logits, p))
+        theirs = torch.isfinite(TopPLogitsWarper(p)(None, logits))
+        assert torch.equal(ours, theirs), (p, (ours != theirs).any(-1).sum())
+
+
 def test_min_p():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     assert torch.isfinite(apply_min_p(logits, 0.2)).tolist() == [[True, True, True, False]]  # < 0.1 dropped

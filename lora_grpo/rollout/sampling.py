@@ -33,15 +33,15 @@ def apply_top_k(logits: Tensor, k: int) -> Tensor:
 
 
 def apply_top_p(logits: Tensor, p: float) -> Tensor:
-    """Nucleus filter (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
-    probability reaches p, i.e. drop a token when the mass strictly above it is already >= p."""
+    """Nucleus filter (Holtzman et al. 2020): keep the smallest set of most likely tokens whose probability
+    reaches p. Computed as transformers' TopPLogitsWarper computes it (ascending sort, drop while the mass up to
+    and including a token is <= 1 - p, keep the most likely), so that tokens tied at the cut, frequent with
+    bfloat16 logits, are kept or dropped as `generate` (TRL's sampler) keeps or drops them."""
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = sorted_logits.softmax(-1)
-    mass_above = probs.cumsum(-1) - probs
-    drop_sorted = mass_above >= p
-    drop_sorted[..., 0] = False  # always keep the most likely token
+    sorted_logits, order = torch.sort(logits, descending=False)
+    drop_sorted = sorted_logits.softmax(-1).cumsum(-1) <= 1 - p
+    drop_sorted[..., -1:] = False  # always keep the most likely token
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
