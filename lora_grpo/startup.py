@@ -4,6 +4,7 @@
     context      the longest real prompt + max_completion_length against the model's context
     tokens       the tokenizer can pad and end a completion; every id the run feeds (pad, EOS, BOS,
                  each prompt's tokens) fits the model's input embeddings
+    generation   the model's generation_config asks for no logits processor the sampler does not apply
     rewards      every reward function can take the dataset columns it is called with
     log-probs    the chunked log-probs reproduce the model's own logits (both adapters)
 
@@ -186,6 +187,56 @@ def check_special_tokens(model, tokenizer) -> list[int]:
             stacklevel=2,
         )
     return eos
+
+
+# generation_config fields that make transformers' generate (TRL's sampler) add a logits processor which
+# lora_grpo's sampler does not have (it applies repetition_penalty, temperature, top_k, top_p, min_p and EOS)
+UNAPPLIED_GENERATION_FIELDS = (
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "bad_words_ids",
+    "sequence_bias",
+    "no_repeat_ngram_size",
+    "min_length",
+    "min_new_tokens",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "top_h",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "exponential_decay_length_penalty",
+    "guidance_scale",
+    "watermarking_config",
+)
+
+
+def check_generation_config(model) -> None:
+    """Refuse a model whose generation_config sets a logits processor the sampler would ignore: generate fills
+    every field a GenerationConfig leaves unset from the model's (TRL's sampling applies them); dropping one
+    silently would train on draws from another distribution."""
+    from transformers import GenerationConfig
+
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is None:
+        return
+    off = GenerationConfig._get_default_generation_params()
+    set_ = {
+        name: value
+        for name in UNAPPLIED_GENERATION_FIELDS
+        if (value := getattr(generation_config, name, None)) is not None
+        and value != off.get(name)
+        and not (name == "guidance_scale" and value == 1)
+    }
+    if set_:
+        settings = ", ".join(f"{name}={value!r}" for name, value in set_.items())
+        fix = "; ".join(f"model.generation_config.{name} = None" for name in set_)
+        raise ValueError(
+            f"the model's generation_config sets {settings}: transformers' generate (TRL's sampler) applies it, "
+            "but lora_grpo's sampler applies repetition_penalty, temperature, top_k, top_p, min_p and the EOS "
+            f"tokens only, so it would sample from another distribution. Set {fix} before handing the model to "
+            "the trainer (or remove it from the model's generation_config.json)"
+        )
 
 
 def check_prompt_ids(

@@ -96,7 +96,7 @@ from .run.run_dir import claim_for_run, kept_work, nothing_to_train, trained_alr
 from .run.stopping import StopSignals, TrainingInterrupted, agreed_signal
 from .sampler import PolicySampler
 from .scorer import RolloutScorer, place_reward_models, probe_passes, resolve_rewards
-from .startup import check_datasets, check_model_log_probs, check_special_tokens
+from .startup import check_datasets, check_generation_config, check_model_log_probs, check_special_tokens
 from .state import StepFlow, TrainState
 from .update import PolicyUpdate
 
@@ -315,6 +315,7 @@ class GRPOTrainer:
             config,
         )
         check_special_tokens(self.model, tokenizer)
+        check_generation_config(self.model)
         self.log_prob_check = check_model_log_probs(
             self.model, tokenizer, list(self.train_dataset[:2]["prompt"]), config
         )

@@ -162,6 +162,35 @@ def test_a_pad_token_transformers_added_beyond_the_embeddings_is_replaced_by_eos
     assert trainer.train()["steps"] == 1  # was: IndexError from F.embedding
 
 
+def test_a_generation_config_asking_for_a_processor_the_sampler_lacks_is_refused(tiny_base_dir, tmp_path):
+    """generate fills what a GenerationConfig leaves unset from the model's, so TRL samples with a model's
+    suppress_tokens or no_repeat_ngram_size; the sampler here would ignore them, silently (found in review)."""
+    import json
+    import shutil
+
+    from lora_grpo.startup import check_generation_config
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base)
+    path = base / "generation_config.json"
+    path.write_text(
+        json.dumps({**json.loads(path.read_text()), "suppress_tokens": [5], "no_repeat_ngram_size": 2})
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"generation_config sets suppress_tokens=\[5\], no_repeat_ngram_size=2: transformers' generate.*"
+        r"Set model.generation_config.suppress_tokens = None; model.generation_config.no_repeat_ngram_size = None",
+    ):
+        make_trainer(str(base), tmp_path / "run", max_steps=1)
+    model, _ = _model_with_context(64)
+    check_generation_config(model)  # transformers' defaults: nothing to refuse
+    model.generation_config.guidance_scale, model.generation_config.min_length = 1.0, 0
+    check_generation_config(model)  # set, but to what applies nothing
+    model.generation_config.min_new_tokens = 3
+    with pytest.raises(ValueError, match=r"sets min_new_tokens=3"):
+        check_generation_config(model)
+
+
 def test_an_eos_beyond_the_embeddings_is_refused_naming_it():
     from lora_grpo.startup import check_special_tokens
 
