@@ -80,7 +80,7 @@ def prompt_lengths(
 
 
 def check_context(
-    prompts: list[str], lengths: PromptLengths, max_completion_length: int, model, name: str
+    prompts: list[str], lengths: PromptLengths, max_completion_length: int, model, name: str, can_cut: bool
 ) -> None:
     """Refuse, naming the first prompt, when a prompt as the rollout cuts it plus max_completion_length
     does not fit the model's context; nothing to check for a model without max_position_embeddings."""
@@ -101,7 +101,7 @@ def check_context(
                 f"{limit - max_completion_length}, or max_completion_length"
             )
         return
-    check_prompt_lengths(prompts, lengths.lengths.tolist(), max_completion_length, limit)
+    check_prompt_lengths(prompts, lengths.lengths.tolist(), max_completion_length, limit, can_cut)
 
 
 def embedding_rows(model) -> int | None:
@@ -273,7 +273,9 @@ def check_datasets(reward_funcs, datasets: dict, tokenizer, model, config) -> di
         messages = ds[PROMPT_MESSAGES] if PROMPT_MESSAGES in ds.column_names else None
         prompts, chat = list(ds["prompt"]), chat_rendered(messages, len(ds), config.use_chat_template)
         lengths = prompt_lengths(tokenizer, prompts, config.max_prompt_length, chat)
-        check_context(prompts, lengths, config.max_completion_length, model, name)
+        check_context(
+            prompts, lengths, config.max_completion_length, model, name, config.max_prompt_length is not None
+        )
         check_prompt_ids(prompts, lengths, tokenizer, model, name, chat)
         if lengths.truncated:
             warnings.warn(

@@ -196,10 +196,11 @@ def context_limit(model_or_config) -> int | None:
 
 
 def check_prompt_lengths(
-    prompts: list[str], lengths: list[int], max_completion_length: int, limit: int
+    prompts: list[str], lengths: list[int], max_completion_length: int, limit: int, can_cut: bool = True
 ) -> None:
     """ValueError naming the first prompt whose length (tokens, as the rollout cuts it) + max_completion_length
-    exceeds the model's context `limit`."""
+    exceeds the model's context `limit`. can_cut: the config cuts prompts (max_prompt_length set), so the
+    advice may be to cut them shorter (the TRL front door's GRPOConfig has no max_prompt_length)."""
     too_long = [i for i, n in enumerate(lengths) if n + max_completion_length > limit]
     if too_long:
         i = too_long[0]
@@ -207,9 +208,13 @@ def check_prompt_lengths(
         raise ValueError(
             f"{len(too_long)} of {len(prompts)} prompts do not fit the model's context of {limit} tokens "
             f"(max_position_embeddings) with max_completion_length={max_completion_length}; the first, "
-            f"prompt {i} ({shown}), has {lengths[i]} tokens. Set max_prompt_length to at "
-            f"most {limit - max_completion_length} (long prompts are then left-truncated), filter such "
-            "prompts out of the dataset, or lower max_completion_length"
+            f"prompt {i} ({shown}), has {lengths[i]} tokens. "
+            + (
+                f"Set max_prompt_length to at most {limit - max_completion_length} (long prompts are then "
+                "left-truncated), filter such prompts out of the dataset, or lower max_completion_length"
+                if can_cut
+                else "Filter such prompts out of the dataset (dataset.filter) or lower max_completion_length"
+            )
         )
 
 
