@@ -128,6 +128,16 @@ def test_a_resume_continues_its_own_run_but_not_another(tmp_path):
     ).release()  # into an empty dir: fine
     with pytest.raises(OutputDirError, match=r"Resuming from a checkpoint elsewhere into it would overwrite"):
         claim_output_dir(run, resume_from=str(other / "checkpoint-2"))
+    # a run set aside into previous-run-1/ lies inside run/, but resuming it would overwrite the run now there
+    # (its adapter, summary and metrics; rotation deleted its checkpoints: found in review)
+    with claim_output_dir(run, overwrite=True) as claim:
+        assert claim.set_aside == run / "previous-run-1"
+    _finished_run(run)
+    earlier = run / "previous-run-1" / "checkpoint-2"
+    with pytest.raises(OutputDirError, match=r"Resuming from a checkpoint elsewhere into it would overwrite"):
+        claim_output_dir(run, resume_from=str(earlier))
+    with claim_output_dir(run, resume_from=str(earlier), overwrite=True) as claim:
+        assert claim.set_aside == run / "previous-run-2"  # the run that was there, kept
 
 
 # ----------------------------------------------------------------------------- the lock

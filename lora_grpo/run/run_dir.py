@@ -457,8 +457,10 @@ def claim_output_dir(
         raise OutputDirError(_not_writable(root, e)) from e
     claim = RunDirClaim(root, fd, True, [note] if note else [])
     try:
+        # a checkpoint of this run is one of its own checkpoint dirs: one of a run set aside in previous-run-K/
+        # lies inside root too, but its resume is another run's (root's files are set aside, or refused)
         continues = resume_from is not None and (
-            resume_from is True or str(resume_from) == "latest" or _inside(Path(resume_from), root)
+            resume_from is True or str(resume_from) == "latest" or _is_checkpoint_of(Path(resume_from), root)
         )
         found = None if continues else previous_run(root)
         theirs = [] if continues or found is not None else not_a_runs(root)
@@ -536,9 +538,9 @@ def _not_writable(root: Path, error: OSError) -> str:
     )
 
 
-def _inside(path: Path, root: Path) -> bool:
+def _is_checkpoint_of(path: Path, root: Path) -> bool:
     try:
-        return path.resolve().is_relative_to(root.resolve())
+        return path.resolve().parent == root.resolve()
     except OSError:
         return False
 
