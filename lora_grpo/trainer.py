@@ -890,22 +890,26 @@ class GRPOTrainer:
             # asked for by a hook at the log (a TRL callback's on_log): after it, as transformers evaluates
             with stage("eval"):
                 new_best = self._new_best(self._evaluate_at_step())
-        signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
-        if signum:
-            self._stop(signum)
         # a new best is kept: its checkpoint is written now, or at the last step as the run's last (_save_final)
         self.best_due = self.best_due or (new_best and last)
-        if due.save or (new_best and not last):
+        saved = due.save or (new_best and not last)
+        if saved:
             with stage("checkpoint"):
                 self.save_checkpoint(due=True)
         if epoch_ended or last or self.stop_requested:
-            self._end_epoch(metrics)
+            saved = self._end_epoch(metrics) or saved
+        # a stop signal once the step has ended whole, its epoch's end included (stopped before it, the resumed run
+        # began after the step and never ended that epoch: its eval, save and epoch_end callbacks were lost)
+        signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
+        if signum:
+            self._stop(signum, saved)
         self._finished_step()
 
-    def _end_epoch(self, metrics: dict[str, Any]) -> None:
+    def _end_epoch(self, metrics: dict[str, Any]) -> bool:
         """The epoch_end event, where transformers ends an epoch: at an epoch's last step, and at the run's last
         step or a hook's stop inside one. A hook may ask for a log, an eval or a checkpoint there (the TRL front
-        door: the epoch strategies, a callback's control), done in transformers' order."""
+        door: the epoch strategies, a callback's control), done in transformers' order. Whether it wrote a
+        checkpoint."""
         then = StepFlow(evaluate=False, log=False, save=False)
         self._event("epoch_end", flow=then)
         if then.log:
@@ -919,6 +923,8 @@ class GRPOTrainer:
         if then.save or (new_best and not last):
             with stage("checkpoint"):
                 self.save_checkpoint(due=True)
+            return True
+        return False
 
     def generation_round(self, rows: dict[str, list]) -> tuple[list[Batch], dict[str, float]]:
         """One rollout of the round's prompts, scored, ready for its optimizer steps: (the step batches in
@@ -1285,10 +1291,13 @@ class GRPOTrainer:
         self._print(f"resumed from {path} at step {state.global_step}{inside}")
         return path
 
-    def _stop(self, signum: int) -> None:
-        """After a stop signal: write a checkpoint, then raise TrainingInterrupted with how to resume."""
-        with stage("checkpoint"):
-            target = self.save_checkpoint()
+    def _stop(self, signum: int, saved: bool = False) -> None:
+        """After a stop signal: write a checkpoint (unless the step's end just wrote this step's: `saved`), then
+        raise TrainingInterrupted with how to resume."""
+        target = self.output_dir / f"checkpoint-{self.state.global_step}"
+        if not saved:
+            with stage("checkpoint"):
+                target = self.save_checkpoint()
         name = signal.Signals(signum).name
         message = (
             f"{name}: stopped after step {self.state.global_step}/{self.total_steps}; checkpoint written to "

@@ -474,6 +474,45 @@ def test_a_second_train_is_refused_and_leaves_the_finished_run_as_it_is(tiny_bas
     assert further.train()["steps"] == 4  # what the message says to do
 
 
+def test_a_stop_signal_in_an_epochs_last_step_ends_that_epoch_before_it_stops(tiny_base_dir, tmp_path):
+    """The stop's checkpoint was written before the step's epoch end, so the resumed run began after that step
+    and never ended the epoch: the TRL front door's epoch eval, epoch save and on_epoch_end were lost (found in
+    review). The epoch ends first now, and a save of the step's end is the stop's checkpoint."""
+    import os
+    import signal
+
+    kw = dict(quantization="none", max_steps=0, num_epochs=2, save_steps=0, train_dataset=PROMPTS[:4])
+
+    def run(out, stop_at=None):
+        trainer = make_trainer(tiny_base_dir, out, **kw)
+        ended = []
+        trainer.hooks.append(
+            lambda name, t, **_: ended.append(t.state.global_step) if name == "epoch_end" else 0
+        )
+        original = trainer.timed_update
+
+        def update(batch):
+            if trainer.state.global_step == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # in the epoch's last step (2 steps an epoch)
+            return original(batch)
+
+        trainer.timed_update = update
+        return trainer, ended
+
+    full, ended = run(tmp_path / "full")
+    full.train()
+    assert ended == [2, 4]
+    stopped, ended_before = run(tmp_path / "stopped", stop_at=1)
+    with pytest.raises(TrainingInterrupted):
+        stopped.train()
+    assert ended_before == [2] and (tmp_path / "stopped" / "run" / "checkpoint-2").is_dir()
+    resumed, ended_after = run(tmp_path / "stopped")
+    resumed.config.resume_from_checkpoint = "latest"
+    resumed.train()
+    assert ended_before + ended_after == [2, 4]
+    assert_same_adapters(resumed.model, full.model)
+
+
 def test_a_stopped_trainer_refuses_a_fresh_train_but_resumes_on_the_same_object(tiny_base_dir, tmp_path):
     import os
     import signal
