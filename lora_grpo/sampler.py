@@ -89,7 +89,9 @@ class PolicySampler:
     @property
     def prompt_template_kwargs(self) -> dict:
         """What the datasets' chat template gets: the config's kwargs, and the tools' schemas in a tool run."""
-        extra = {} if self.toolbox is None else {"tools": self.toolbox.schemas}
+        # an environment without tool methods has no schemas: none passed, as TRL (Llama 3's template renders its
+        # tool-calling preamble for tools=[])
+        extra = {} if self.toolbox is None or not self.toolbox.schemas else {"tools": self.toolbox.schemas}
         return {**self.config.chat_template_kwargs, **extra}
 
     def sample(

@@ -132,7 +132,8 @@ class GRPOTrainer:
         model: a loaded causal LM to train instead of ``config.model_name_or_path`` (with ``tokenizer``): a
             base, which gets the policy and reference adapters of the config (as a loaded one does), or a
             model lora_grpo built (``lora_grpo.model.load.load_model``: both adapters already on it).
-        tokenizer: the model's tokenizer; required with ``model``.
+        tokenizer: the model's tokenizer; required with ``model``; given alone, the tokenizer of the config's
+            model (a chat template of your own, added tokens: as TRL's ``processing_class``).
         tools: functions the policy may call in a rollout (typed, with Google-style docstrings);
             None: ``config.tools``.
         environment_factory: a class whose public methods are the tools, one instance per completion.
@@ -257,7 +258,8 @@ class GRPOTrainer:
         )
         if model is None:
             # on this process's device, the CPU too (use_cpu: not a GPU's)
-            model, tokenizer = load_model(config, device_map={"": self.accelerator.device})
+            model, loaded = load_model(config, device_map={"": self.accelerator.device})
+            tokenizer = loaded if tokenizer is None else tokenizer  # one given alone is the run's, as TRL's
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
         elif not hasattr(model, "peft_config"):

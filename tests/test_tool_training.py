@@ -154,6 +154,29 @@ def test_an_eval_of_several_parts_scores_each_with_its_own_environments(qwen_too
     assert trainer.evaluate(rows[:16])["eval/Tagged"] == sum(range(16)) / 16
 
 
+def test_an_environment_without_tools_renders_prompts_without_a_tools_list(qwen_tool_base_dir, tmp_path):
+    """An environment with reset and get_reward alone has no tool schemas: the prompts were rendered with
+    tools=[], which Llama 3's template takes as defined (its tool-calling preamble in every prompt: 397 tokens
+    for TRL's 109); TRL passes None (found in review)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tool_base_dir)
+    tokenizer.chat_template = (  # as Llama 3.x's: a tools list, even empty, is rendered
+        "{% if tools is not none %}TOOLS {{ tools | length }}\n{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    )
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "tag": str(i)} for i in range(4)]
+    config = _config(qwen_tool_base_dir, tmp_path / "run", max_steps=1)
+    trainer = GRPOTrainer(
+        config,
+        reward_funcs=[_calls_reward],
+        train_dataset=rows,
+        environment_factory=Tagged,
+        tokenizer=tokenizer,
+    )
+    assert trainer.train_dataset[0]["prompt"] == "q0\n"
+
+
 class Briefs:
     """An environment that gives the task in reset()'s text."""
 
