@@ -2687,6 +2687,10 @@ def test_the_first_logging_window_after_a_resume_starts_at_the_resumed_step(tiny
     ]
     # step 2 from the first run's checkpoint; step 4's window is step 4 alone (its rewards 3 and 4), not step 3's
     assert records == [(2, 1.0), (4, 3.5), (6, 5.0)]
+    # the token count goes on from the checkpoint's (it began at 0 again: found in review)
+    state = scope["trainer"].state
+    tokens = [r["num_tokens"] for r in state.log_history if "num_tokens" in r]
+    assert len(tokens) == 3 and tokens[0] < tokens[1] < tokens[2] == state.num_input_tokens_seen
 
 
 SAVING = ARGS.replace("save_strategy='no'", "save_strategy='steps', save_steps=1")

@@ -907,7 +907,11 @@ class GRPOTrainer:
                     self._hub.push_checkpoint(payload["path"], f"Training in progress, {done}")
                 self.control = handler.on_save(args, state, self.control)
             self.control.should_save = False
-        trainer.state.extra = {"trl_log_history": state.log_history}
+        # what a checkpoint keeps of the TRL state beyond the native loop's (the token count the scorer keeps here)
+        trainer.state.extra = {
+            "trl_log_history": state.log_history,
+            "num_input_tokens_seen": state.num_input_tokens_seen,
+        }
         # a callback's stop, whichever event it came in (EarlyStoppingCallback's at on_evaluate): the run ends after
         # this step's log, eval and save, as transformers checks after _maybe_log_save_evaluate; one asked before the
         # first step (on_train_begin, eval_on_start's on_evaluate) ends the run after that step, as in transformers
@@ -988,6 +992,7 @@ class GRPOTrainer:
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, record)
 
     def _restore(self, extra: dict[str, Any]) -> None:
-        """On resume: TRL's log history, from the native checkpoint's state."""
+        """On resume: TRL's log history and token count, from the native checkpoint's state."""
         if extra and extra.get("trl_log_history") is not self.state.log_history:
             self.state.log_history = list(extra.get("trl_log_history", []))
+            self.state.num_input_tokens_seen = int(extra.get("num_input_tokens_seen", 0))
