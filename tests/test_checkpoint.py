@@ -442,6 +442,28 @@ def test_a_half_written_log_line_is_dropped_on_resume(tmp_path):
     assert log.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
 
 
+def test_a_resume_whose_log_rewrite_fails_keeps_the_whole_log(tmp_path, monkeypatch):
+    """The log was rewritten in place: a full disk (or a kill) there left it empty, and no later resume brought
+    its history back (found in review). It is written beside it and then put in its place."""
+    import errno
+    import pathlib
+
+    log = tmp_path / "metrics.jsonl"
+    whole = '{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4}\n'
+    log.write_text(whole)
+    real = pathlib.Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        real(self, text[:5], *args, **kwargs)  # part of it, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    with pytest.raises(OSError, match=r"could not write metrics.jsonl in .*No space left on device"):
+        ckpt.truncate_log(log, 3)
+    monkeypatch.undo()
+    assert log.read_text() == whole and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
 # Failed before the fix it guards (code review): a resumed run appended its steps to the interrupted
 # run's log, so steps 3 and 4 were logged twice.
 def test_resume_rewrites_the_metrics_log_from_the_checkpoint(tiny_base_dir, tmp_path):

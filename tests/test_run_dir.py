@@ -140,6 +140,16 @@ def test_a_resume_continues_its_own_run_but_not_another(tmp_path):
         assert claim.set_aside == run / "previous-run-2"  # the run that was there, kept
 
 
+def test_an_output_dir_that_is_a_file_is_named_so(tmp_path):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    with pytest.raises(
+        OutputDirError, match=r"output_dir '.*notes.txt' is a file, not a directory; give output_dir"
+    ):
+        claim_output_dir(mine)
+    assert mine.read_text() == "mine"
+
+
 # ----------------------------------------------------------------------------- the lock
 
 

@@ -653,7 +653,18 @@ def truncate_log(path: Path, step: int) -> None:
             "%s: %s: no complete records (an interrupted write?), dropped", path, log.skipped_note()
         )
     kept = [line for line, record in zip(log.lines, log.records) if record["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+
+    def write() -> None:
+        # beside it, then in its place: a failure or a kill while writing leaves the whole log as it was (it was
+        # rewritten in place: an empty file, its history gone for good)
+        tmp = path.with_name(f"{path.name}.tmp")
+        try:
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    explain_write_failure(path.name, path.parent, write)
 
 
 def restore_training_state(

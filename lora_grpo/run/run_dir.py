@@ -450,6 +450,10 @@ def claim_output_dir(
         check_not_protected(root, protected or {}, "output_dir")
     except TargetError as e:
         raise OutputDirError(str(e)) from None
+    if root.exists() and not root.is_dir():  # the user's file: left as it is
+        raise OutputDirError(
+            f"output_dir {str(root)!r} is a file, not a directory; give output_dir a new directory"
+        )
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd, note = _acquire(root)
