@@ -621,3 +621,57 @@ def test_a_context_extended_by_yarn_without_raising_max_position_embeddings_coun
     assert context_limit(Qwen2Config(max_position_embeddings=32768, rope_scaling=yarn)) == 131072
     assert context_limit(Qwen2Config(max_position_embeddings=131072, rope_scaling=yarn)) == 131072
     assert context_limit(Qwen2Config(max_position_embeddings=32768)) == 32768
+
+
+@pytest.mark.parametrize("decode_mode", ["static", "eager"])
+def test_the_decode_loop_reads_one_number_back_per_token(decode_mode):
+    """On a GPU every read of a tensor's value on the host waits for the device: the loop needs one per token
+    (how many rows finished). A step where rows finished read their indices back too (nonzero), 13 more reads
+    over 32 tokens of 64 rows (found in review); their number is known on the host already."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    reads = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "cpu"}
+
+    class Reads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.in_loop = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in reads:
+                frame, inside = sys._getframe(1), False
+                while frame is not None and not inside:
+                    inside = frame.f_code.co_name == "_sample_tokens"
+                    frame = frame.f_back
+                if inside:
+                    self.in_loop.append(name)
+            return func(*args, **(kwargs or {}))
+
+    tok = make_tokenizer()
+    model = make_tiny_model(tok, max_positions=512).eval()
+    with torch.no_grad():  # rows end at many different steps
+        model.lm_head.weight[tok.eos_token_id] += 0.08 * model.lm_head.weight.mean(0) + 0.02
+    prompts = [f"{i:02d}+{(7 * i) % 100:02d}=" for i in range(8)]
+    counted = Reads()
+    with counted:
+        rollout = generate_rollout(
+            model,
+            tok,
+            prompts,
+            num_generations=8,
+            max_prompt_length=None,
+            max_completion_length=32,
+            temperature=1.0,
+            decode_mode=decode_mode,
+            generator=torch.Generator().manual_seed(0),
+        )
+    lengths = rollout.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) > 5  # rows finished at many steps
+    assert counted.in_loop.count("__int__") == int(lengths.max()) and "nonzero" not in counted.in_loop
+    if (
+        decode_mode == "static"
+    ):  # (eager: transformers' sdpa mask check reads the padding mask at each forward)
+        assert counted.in_loop == ["__int__"] * int(lengths.max())

@@ -332,7 +332,8 @@ def _sample_tokens(
             break
         keep = None
         if finished:
-            keep = (~done).nonzero().squeeze(1)
+            # its size known on the host already: no second sync
+            keep = torch.nonzero_static(~done, size=done.numel() - finished).squeeze(1)
             rows, tok = rows[keep], tok[keep]
             seen = None if seen is None else seen[keep]
         if seen is not None:
@@ -563,7 +564,9 @@ def generate_rollout(
             "activations past ±65504)"
         )
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
-    kept = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
+    # on the host in one transfer each: row by row, each boolean index and tolist was a device sync (2 a completion)
+    host_ids, host_mask = completion_ids.cpu(), completion_mask.cpu().bool()
+    kept = [row[m].tolist() for row, m in zip(host_ids, host_mask)]
     return Rollout(
         prompt_ids=prompt_ids.to(device).repeat_interleave(G, 0),
         prompt_mask=prompt_mask.to(device).repeat_interleave(G, 0),
