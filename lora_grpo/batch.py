@@ -111,13 +111,17 @@ class Batch:
     def micro_batches(self, size: int) -> Iterator[MicroBatch]:
         """Slices of `size` sequences, each trimmed to the columns it really uses."""
         P = self.input_ids.shape[1] - self.completion_length
+        # each row's first real prompt column and last loss column (a tool reply's 0s can sit before it), read
+        # to the host at once: a read per micro-batch would wait for the device between its backward and the next
+        prompt, loss = self.attention_mask[:, :P] > 0, self.completion_mask > 0
+        firsts = torch.where(prompt.any(1), prompt.int().argmax(1), P)
+        lasts = torch.where(loss.any(1), loss.shape[1] - 1 - loss.flip(1).int().argmax(1), -1)
+        firsts, lasts = torch.stack([firsts, lasts]).tolist()
         for start in range(0, self.input_ids.shape[0], size):
             rows = slice(start, start + size)
             mask = self.attention_mask[rows]
-            first = int((mask[:, :P].sum(0) > 0).int().argmax()) if P else 0  # drop all-pad prompt columns
-            # Drop the columns after the last loss token (a tool reply's 0s can sit before it).
-            used = self.completion_mask[rows].any(0).nonzero()
-            t = int(used[-1]) + 1 if used.numel() else 1
+            first = min(firsts[rows]) % max(P, 1)  # drop all-pad prompt columns (none at all: P, read as 0)
+            t = max(max(lasts[rows]) + 1, 1)  # drop the columns after the last loss token
             cols = slice(first, P + t)
             yield MicroBatch(
                 input_ids=self.input_ids[rows, cols],

@@ -224,3 +224,35 @@ def test_a_saved_state_with_a_wrong_value_is_refused_naming_the_field(run_state,
 def test_fields_a_run_takes_from_its_config_are_not_checked(run_state):
     # max_steps is not restored (FROM_CONFIG): what the file holds there cannot break a resume
     assert TrainState.saved_problems({**run_state.state_dict(), "max_steps": "many"}) == []
+
+
+def test_micro_batches_keep_exactly_the_columns_their_rows_use():
+    """Each micro-batch is trimmed to its rows' first real prompt column and last loss token (loss holes of tool
+    replies before it kept), checked against a column-by-column scan of each slice."""
+    import torch
+
+    from lora_grpo.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    N, P, T = 10, 7, 9
+    starts, ends = torch.randint(0, P, (N,), generator=g), torch.randint(0, T + 1, (N,), generator=g)
+    attention = (torch.arange(P + T) >= starts[:, None]).long()  # left padding
+    completion = (torch.arange(T) < ends[:, None]).float() * (torch.rand(N, T, generator=g) > 0.2)
+    completion[3] = 0  # a row with no loss token
+    batch = Batch(
+        input_ids=torch.arange(N * (P + T)).view(N, P + T),
+        attention_mask=attention,
+        completion_mask=completion,
+        advantages=torch.randn(N, generator=g),
+        old_logp=None,
+        ref_logp=None,
+    )
+    for size in (1, 3, 4, 10):
+        for i, mb in enumerate(batch.micro_batches(size)):
+            rows = slice(i * size, (i + 1) * size)
+            first = next(c for c in range(P) if attention[rows, c].any())
+            used = [c for c in range(T) if completion[rows, c].any()]
+            t = used[-1] + 1 if used else 1
+            assert mb.completion_length == t
+            assert torch.equal(mb.input_ids, batch.input_ids[rows, first : P + t])
+            assert torch.equal(mb.completion_mask, completion[rows, :t])
