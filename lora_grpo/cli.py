@@ -184,7 +184,7 @@ def cmd_recipes(args) -> int:
 def cmd_eval(args) -> int:
     from .export import other_base_fix
     from .model.adapters import POLICY
-    from .model.load import resolve_model_path
+    from .model.load import load_tokenizer, resolve_model_path
     from .run.checkpoint import load_adapter_weights, resolve_adapter
     from .trainer import GRPOTrainer
 
@@ -203,7 +203,9 @@ def cmd_eval(args) -> int:
     )
     if adapter is not None:
         config = _with_adapters_shape(config, adapter, what)
-    trainer = GRPOTrainer(config)
+    # the tokenizer the run trained with, saved beside its adapter (a script's own chat template, added tokens)
+    tokenizer = load_tokenizer(config, saved_with=adapter) if adapter is not None else None
+    trainer = GRPOTrainer(config, tokenizer=tokenizer)
     if adapter is not None:
         check_adapter_fits(
             trainer.model,

@@ -86,7 +86,7 @@ def merge_policy(config: GRPOConfig, source: MergeSource, base: str = "trained")
 
     if base not in BASES:
         raise ConfigError(f"base {base!r} is not one of {', '.join(BASES)}")
-    tokenizer = load_tokenizer(config, source.path)
+    tokenizer = load_tokenizer(config, source.path, saved_with=source.adapter)  # the one the run trained with
     trained = load_base_model(config, source.path)
     check_adapter_fits(
         trained,

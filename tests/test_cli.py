@@ -382,6 +382,29 @@ def test_eval_computes_an_adapter_at_its_own_scaling_whatever_the_recipe_says(ch
     )
 
 
+def test_eval_and_merge_take_the_tokenizer_the_run_trained_with(copied_run, tmp_path, capsys, monkeypatch):
+    """A script's own tokenizer (its chat template, tokens it added) is saved beside the adapter and in each
+    checkpoint, and config.yaml cannot name it: merge wrote the base's, and eval sampled with it (found in
+    review)."""
+    from transformers import AutoTokenizer
+
+    from lora_grpo.trainer import GRPOTrainer
+
+    _, run = copied_run
+    for where in (run / "adapter", run / "checkpoint-3"):
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        tokenizer.chat_template = "{{ 'MINE ' + messages[0]['content'] }}"
+        tokenizer.save_pretrained(where)
+    for source, out in ((run, "merged"), (run / "checkpoint-3", "merged-3")):
+        assert main(["merge", str(source), "--out", str(tmp_path / out)]) == 0
+        assert AutoTokenizer.from_pretrained(tmp_path / out).chat_template.startswith("{{ 'MINE")
+    seen = []
+    monkeypatch.setattr(GRPOTrainer, "evaluate", lambda self: seen.append(self.tokenizer.chat_template) or {})
+    for source in (run, run / "checkpoint-3" / "policy"):
+        assert main(["eval", str(source)]) == 0
+    assert len(seen) == 2 and all(t.startswith("{{ 'MINE") for t in seen)
+
+
 def test_merge_and_eval_of_a_checkpoint_without_its_weights_say_the_file_is_missing(copied_run, capsys):
     recipe, run = copied_run
     weights = run / "checkpoint-3" / "policy" / "adapter_model.safetensors"

@@ -14,13 +14,14 @@ import copy
 import gc
 import logging
 import re
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..config import GRPOConfig, default_ref_rank
 from ..device import GiB, auto_dtype, available_bytes, describe_gpu, is_out_of_memory, native_bf16
-from .adapters import BASE, POLICY, REFERENCE, TAGS, lora_layers
+from .adapters import BASE, POLICY, POLICY_DIR, REFERENCE, TAGS, lora_layers
 from .bases import resolve_base
 from .loading import LoadError, loading
 from .reference import check_syncable, sync_reference
@@ -106,10 +107,21 @@ def quantization_config(config: GRPOConfig, dtype: torch.dtype):
     )
 
 
-def load_tokenizer(config: GRPOConfig, model_path: str | None = None):
+def load_tokenizer(config: GRPOConfig, model_path: str | None = None, saved_with: Path | None = None):
+    """The run's tokenizer: config.tokenizer_name_or_path, else the model's. `saved_with`: a trained adapter (or
+    a checkpoint's policy/) whose run saved its tokenizer beside it, which is then the one read: the tokenizer
+    a run trained with may be a script's own (a chat template set, tokens added), which no config field names."""
     from transformers import AutoTokenizer
 
     path = config.tokenizer_name_or_path or model_path or resolve_model_path(config)
+    revision = config.revision
+    if saved_with is not None:
+        beside = [
+            Path(saved_with),
+            *([Path(saved_with).parent] if Path(saved_with).name == POLICY_DIR else []),
+        ]
+        found = next((where for where in beside if (where / "tokenizer_config.json").is_file()), None)
+        path, revision = (str(found), None) if found is not None else (path, revision)
     with loading("policy", "tokenizer", path):
         # padded and truncated on the left, as a decoder-only model generates (and TRL loads it): given at load, so
         # that every tokenizer saved beside an adapter reloads so (an attribute set later is not saved)
@@ -118,7 +130,7 @@ def load_tokenizer(config: GRPOConfig, model_path: str | None = None):
             trust_remote_code=config.trust_remote_code,
             padding_side="left",
             truncation_side="left",
-            revision=config.revision,
+            revision=revision,
         )
     if tokenizer.pad_token is None:
         # Completions are masked by length, so reusing EOS as padding is safe.
