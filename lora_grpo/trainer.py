@@ -537,9 +537,9 @@ class GRPOTrainer:
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.to_yaml(self.output_dir / "config.yaml")
-        self.reporter.start(
-            self.state.global_step, resumed=bool(cfg.resume_from_checkpoint), history=self.state.log_history
-        )
+        # a step whose end failed is ended again: its records, written before the failure, are dropped too
+        logged = self.state.global_step - (1 if self.state.unfinished_step else 0)
+        self.reporter.start(logged, resumed=bool(cfg.resume_from_checkpoint), history=self.state.log_history)
         if plan is not None:
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
         self.best_due, self.policy_step = False, None
@@ -866,12 +866,16 @@ class GRPOTrainer:
                 metrics.update(self.evaluate())
             state.sync_schedule.observe_eval(headline_score(metrics, self.reward_names))
             new_best = self._new_best(metrics)
-        self.last_finished.changing()  # from here the step end changes the state, until it is done
         # the KL to the reference as the slot is: not after a sync inside this rollout (its steps left measure
         # the reference before it, and would fire the trigger at each of them)
         kl = None if state.synced_in_generation else metrics.get("kl")
         reason = state.sync_schedule.due(step, epoch_ended=epoch_ended, kl=kl)
         if reason:
+            # a sync changes the reference slot, which the state before it cannot describe: from here until the
+            # step is done a failure keeps the last checkpoint. Without one, a failure in the log, an eval a hook
+            # asked for or the epoch's end is saved as this step with its end pending (its records dropped), as
+            # a failing eval is
+            self.last_finished.changing()
             with stage("sync"):
                 metrics.update(self.sync_reference())
             state.synced_in_generation = True

@@ -100,6 +100,13 @@ def _plant(stage, trainer, step, monkeypatch):
             return real_evaluate(*args, **kwargs)
 
         monkeypatch.setattr(trainer.evaluator, "evaluate", evaluate)
+    elif stage == "log":  # a tracker or a callback's on_log, after the step's record is written
+
+        def tracker(name, t, **payload):
+            if name == "log" and t.state.global_step == step:
+                raise ConnectionError("the tracker is down")
+
+        trainer.hooks.append(tracker)
     elif stage == "checkpoint":
         real_save = ckpt.save_checkpoint
 
@@ -123,6 +130,8 @@ CASES = {
         1,
     ),
     "eval": (EVAL, r"the eval raised TimeoutError: the judge did not answer", 2),
+    # (it kept no step at all: found in review; its record, written before the failure, is there once)
+    "log": ({}, r"the log raised ConnectionError: the tracker is down", 2),
     "checkpoint": (
         {"save_steps": 1},
         r"the checkpoint raised \w+Error: .*could not write checkpoint checkpoint-2.*No "
@@ -191,6 +200,8 @@ def test_a_fault_in_step_2_keeps_step_1_and_resumes_to_the_same_run(
     resumed.train()
     reference = uninterrupted["eval" if stage == "eval" else "plain"]
     assert _comparable(resumed.state.log_history) == _comparable(reference.state.log_history)
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [json.loads(line)["step"] for line in (reference.output_dir / "metrics.jsonl").open()]
     assert_same_adapters(resumed.model, reference.model)
 
 
@@ -230,7 +241,8 @@ def test_a_fault_in_the_eval_after_training_keeps_the_last_step_and_the_resume_e
     assert "nothing left to train" in capsys.readouterr().out and (run / "summary.json").read_bytes() == ended
 
 
-@pytest.mark.parametrize("stage", list(CASES))
+# (a fault in step 1's log comes after its update: that step is kept, as in step 2)
+@pytest.mark.parametrize("stage", [stage for stage in CASES if stage != "log"])
 def test_a_fault_in_step_1_writes_nothing(tiny_base_dir, tmp_path, stage, monkeypatch):
     extra, message, _ = CASES[stage]
     extra = {**extra, "eval_on_start": True} if stage == "eval" else extra

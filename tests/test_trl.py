@@ -1632,3 +1632,47 @@ def test_an_environment_of_a_dataset_without_prompts_is_reset_with_its_fields_al
         model=qwen_tool_base_dir, args=args, train_dataset=rows, environment_factory={"task": StrictTask}
     ).train()
     assert StrictTask.tasks and set(StrictTask.tasks) <= {f"t{i}" for i in range(4)}
+
+
+def test_a_callback_failing_in_on_log_keeps_its_step_and_the_resume_logs_it_once(tiny_base_dir, tmp_path):
+    """A tracker or a callback that raises in on_log kept no step at all (the step end had begun to change the
+    state; found in review): the step is kept with its end pending, and the resumed run's TRL records are the
+    uninterrupted run's, the failed step's once."""
+    from transformers import TrainerCallback
+
+    from lora_grpo.trl import GRPOTrainer
+
+    class TrackerDown(TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise ConnectionError("the tracker is down")
+
+    def trainer(out, callbacks=()):
+        args = _one_step(out, logging_steps=1, learning_rate=1e-2)
+        args.max_steps = 3
+        return GRPOTrainer(
+            model=tiny_base_dir,
+            reward_funcs=_length_reward,
+            args=args,
+            train_dataset=_dataset(8),
+            callbacks=list(callbacks),
+        )
+
+    def records(t):
+        return [
+            (r["step"], r.get("reward"), r.get("loss"))
+            for r in t.state.log_history
+            if "train_runtime" not in r
+        ]
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    failing = trainer(tmp_path / "failed", [TrackerDown()])
+    with pytest.raises(
+        Exception, match=r"step 2/3 stopped: the log raised ConnectionError: the tracker is down"
+    ):
+        failing.train()
+    assert (tmp_path / "failed" / "run" / "checkpoint-2").is_dir()
+    resumed = trainer(tmp_path / "failed")
+    resumed.train(resume_from_checkpoint=True)
+    assert records(resumed) == records(full)

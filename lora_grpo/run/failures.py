@@ -15,12 +15,13 @@ step can still be checkpointed when its state is whole:
   environment, reward or in the update's forward / backward (an out-of-memory) is saved as this step,
   with the data position before the batch that failed and the generation's steps before the one that
   failed, so that a resume redoes that batch, or that step of the generation, exactly.
-- `update_done(...)`: a step's update finished and its step end (eval, sync, log) has not changed
-  anything yet; an eval that fails here is saved as that step with its step end pending: the resumed
-  run ends the step first (`TrainState.unfinished_step`), as the uninterrupted run would have.
-- `changing()`: the step end is changing the state (a sync, the logs): nothing can be saved until the
-  step is finished; the last checkpoint on disk is what is kept. The same once an optimizer step has
-  begun (`PolicyUpdate.optimizer_steps`): the adapters or the optimizer may be half-updated.
+- `update_done(...)`: a step's update finished and its step end (eval, sync, log, checkpoint, the epoch's
+  end) has not synced the reference; a failure there (an eval, a tracker, a callback) is saved as that step
+  with its step end pending, its records since dropped: the resumed run ends the step first
+  (`TrainState.unfinished_step`), as the uninterrupted run would have.
+- `changing()`: the step end syncs the reference slot, which that state cannot describe: nothing can be
+  saved until the step is finished; the last checkpoint on disk is what is kept. The same once an optimizer
+  step has begun (`PolicyUpdate.optimizer_steps`): the adapters or the optimizer may be half-updated.
 
 A failure in the checkpoint stage never writes another checkpoint: the atomic write left the previous one
 whole, and a second write would meet the same full disk.

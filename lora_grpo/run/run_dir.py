@@ -672,7 +672,10 @@ def kept_work(
     kept = list_checkpoints(Path(output_dir))
     if not (written or kept):
         if trained:
-            return f"no checkpoint is kept (none could be written); fix {fix} and start again"
+            return (
+                "no checkpoint is kept (none was saved before the failure, and the state at it could not be); "
+                f"fix {fix} and start again"
+            )
         return f"nothing was trained yet; fix {fix} and start again"
     how = f"checkpoint written to {written}" if written else f"the last checkpoint, {kept[-1]}, is kept"
     return f"{how}; fix {fix}, then resume: {resume}"

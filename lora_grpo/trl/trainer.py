@@ -488,7 +488,7 @@ class GRPOTrainer:
         """The TRL state of a resumed checkpoint with no step left: its step, epoch, best checkpoint and TRL log
         history."""
         self._follow_state(native_state)
-        self._restore(native_state.extra)
+        self._restore(native_state)
         self._logged_upto = self._first_record = len(native_state.log_history)
 
     def _follow_state(self, native_state) -> None:
@@ -829,7 +829,7 @@ class GRPOTrainer:
         handler = self.callback_handler
         if event == "train_begin":
             self._steps_begun = False
-            self._restore(trainer.state.extra)
+            self._restore(trainer.state)
             # the logging window starts here, also at a resumed step, as TRL's (a checkpoint keeps no metrics of
             # the steps after its last log)
             self._first_record = self._logged_upto = len(trainer.state.log_history)
@@ -991,8 +991,14 @@ class GRPOTrainer:
         self._eval_records.append({**record, "epoch": self.state.epoch})
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, record)
 
-    def _restore(self, extra: dict[str, Any]) -> None:
-        """On resume: TRL's log history and token count, from the native checkpoint's state."""
+    def _restore(self, native_state) -> None:
+        """On resume: TRL's log history and token count, from the native checkpoint's state. A checkpoint of a
+        step whose end failed (native_state.unfinished_step) ends that step again: its records, written before
+        the failure, are dropped so that they are not there twice."""
+        extra = native_state.extra
         if extra and extra.get("trl_log_history") is not self.state.log_history:
-            self.state.log_history = list(extra.get("trl_log_history", []))
+            history = list(extra.get("trl_log_history", []))
+            if native_state.unfinished_step:
+                history = [r for r in history if r.get("step", 0) < native_state.global_step]
+            self.state.log_history = history
             self.state.num_input_tokens_seen = int(extra.get("num_input_tokens_seen", 0))
