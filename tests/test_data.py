@@ -113,6 +113,9 @@ _TRUNCATED_PARQUET = "truncated"  # built in the test: a real Parquet file cut s
             r"line 2, column 19: not JSON \(Expecting property name enclosed in double quotes\); each line must be",
         ),
         ("latin1.json", b'[{"prompt": "caf\xe9"}]', r"line 1, column 17: the bytes b'\\xe9' are not UTF-8"),
+        # (datasets' JSON builder raised a bare StopIteration: found in review)
+        ("empty.jsonl", b"", r"the file is empty; each line must be one JSON object"),
+        ("blank.json", b"\n  \n", r"the file is empty"),
         (
             "fields.csv",
             b"prompt,answer\n1+1=,2\n3+3=,6,7\n",

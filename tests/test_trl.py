@@ -1040,6 +1040,19 @@ def test_a_wrong_mixture_is_refused_with_trls_sentence_first_and_the_fix(tiny_ba
     assert err.startswith("the datasets do not mix (The features can't be aligned because the key solution")
     assert "datasets[0]: ['prompt', 'solution', 'source']; datasets[1]: ['prompt', 'solution']" in err
     assert "leave it out with the entry's `columns:`" in err
+    # a local file that is not JSON lines, as an entry: named at its line (was datasets' DatasetGenerationError)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "solution": "2"}\n{"prompt": \n')
+    recipe, err = refused(datasets=[{"path": str(bad)}])
+    assert err.startswith(f"datasets[0] (path {str(bad)!r}): cannot load {bad}: line 2, column 12: not JSON")
+    # ... and as dataset_name, as `lora-grpo train` names it
+    assert (
+        main(["trl", "--config", str(_trl_recipe(tmp_path, tiny_base_dir, bad, name="bad_file.yaml"))]) == 1
+    )
+    err = capsys.readouterr().err
+    assert (
+        "Traceback" not in err and f"lora-grpo: error: cannot load {bad}: line 2, column 12: not JSON" in err
+    )
     # a split the entry's files do not have
     recipe, err = refused(datasets=[{"path": str(a), "split": "validation"}])
     assert err.startswith(f"datasets[0] (path {str(a)!r}): Unknown split") and "set its `split:`" in err

@@ -35,18 +35,42 @@ def load_data_file(path: Path) -> datasets.Dataset:
     """The one split of a local data file, by datasets' loader for its extension (FILE_BUILDERS); a file that
     loader cannot read raises ValueError naming the file, the first bad line, what is wrong and the fix."""
     builder = FILE_BUILDERS[path.suffix.lower()]
+    if builder == "json" and _is_empty(path):  # (datasets' JSON builder raises a bare StopIteration)
+        raise ValueError(f"cannot load {path}: the file is empty; {_JSONL_FIX}")
     if builder != "parquet" and not _is_clean_text(path):
         # datasets' JSON loader takes bytes that are not UTF-8 and fails later, when a row is read; a CSV loads a
         # NUL byte as data: both are refused here, at the line, before any loader runs.
         raise ValueError(f"cannot load {path}: {_text_problem(path.read_bytes())}")
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
-    except (DatasetGenerationError, ValueError, pyarrow.ArrowException) as error:
-        found = find_problem(path)
-        if found is None:  # nothing we can point at: the loader's own innermost words, with the file
-            cause = _innermost(error)
-            found = f"datasets' {builder} loader failed ({type(cause).__name__}: {_first_line(cause)})"
-        raise ValueError(f"cannot load {path}: {found}") from error
+    except LOAD_FAILURES as error:
+        raise ValueError(f"cannot load {path}: {load_problem(path, error)}") from error
+
+
+# What datasets' file loaders raise on a file they cannot read
+LOAD_FAILURES = (DatasetGenerationError, ValueError, pyarrow.ArrowException, StopIteration)
+
+
+def load_problem(path: Path, error: BaseException) -> str:
+    """What is wrong with a data file a loader failed on: where and what (find_problem), else the loader's own
+    innermost words."""
+    found = find_problem(path)
+    if found is None:
+        if path.suffix.lower() in (".json", ".jsonl") and _is_empty(path):
+            return f"the file is empty; {_JSONL_FIX}"
+        cause = _innermost(error)
+        builder = FILE_BUILDERS.get(path.suffix.lower(), "file")
+        found = f"datasets' {builder} loader failed ({type(cause).__name__}: {_first_line(cause)})"
+    return found
+
+
+def _is_empty(path: Path, chunk: int = 1 << 16) -> bool:
+    """Whether a text file holds nothing but white space (read until the first other byte)."""
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            if block.strip():
+                return False
+    return True
 
 
 def _is_clean_text(path: Path, chunk: int = 1 << 24) -> bool:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..config_checks import did_you_mean
+from ..data.files import FILE_BUILDERS
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,6 @@ ENTRY_DEFAULTS = {
     "columns": None,
     "fraction": None,
 }
-
-DATA_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 def mixture_entries(mixture: DatasetMixtureConfig) -> list[dict]:
@@ -139,21 +138,25 @@ def script_dataset(script, mixture: DatasetMixtureConfig, seed: int):
 def load_one(name: str, config_name: str | None):
     """dataset_name as TRL's script loads it (datasets.load_dataset), and a local data file as datasets reads
     one: its builder by extension, the file as the "train" split."""
-    from datasets import load_dataset
+    from datasets import DatasetDict, load_dataset
+
+    from ..data.files import load_data_file
 
     path = Path(name)
     if path.is_file():
-        return load_dataset(_builder(path, f"dataset_name={name!r}"), data_files={"train": str(path)})
+        _builder(path, f"dataset_name={name!r}")
+        # read as lora-grpo train reads one: a malformed or empty file is named at its line, not a traceback
+        return DatasetDict({"train": load_data_file(path)})
     return load_dataset(name, name=config_name)
 
 
 def _builder(path: Path, what: str) -> str:
-    if path.suffix not in DATA_FILES:
+    if path.suffix.lower() not in FILE_BUILDERS:
         raise ConfigError(
-            f"{what}: a local file must be one of {sorted(DATA_FILES)} (or a directory or hub name that "
+            f"{what}: a local file must be one of {sorted(FILE_BUILDERS)} (or a directory or hub name that "
             "datasets.load_dataset reads)"
         )
-    return DATA_FILES[path.suffix]
+    return FILE_BUILDERS[path.suffix.lower()]
 
 
 def load_mixture(entries: list[dict], test_split_size: float | None, seed: int):
@@ -188,6 +191,8 @@ def load_mixture(entries: list[dict], test_split_size: float | None, seed: int):
 def _load_entry(at: int, entry: dict):
     from datasets import load_dataset
 
+    from ..data.files import LOAD_FAILURES, load_problem
+
     path = Path(entry["path"])
     where = f"datasets[{at}] (path {entry['path']!r})"
     try:
@@ -208,10 +213,16 @@ def _load_entry(at: int, entry: dict):
         raise ConfigError(
             f"{where}: {e}: correct its `path:` (a hub name, a data file or a directory)"
         ) from e
+
     except ValueError as e:
         # datasets: 'Unknown split "x". Should be one of [...]'
         fix = "set its `split:` to one of the splits named" if "split" in str(e) else "correct this entry"
-        raise ConfigError(f"{where}: {e}: {fix}") from e
+        found = load_problem(path, e) if path.is_file() and "split" not in str(e) else None
+        raise ConfigError(f"{where}: {found or e}: {fix}") from e
+    except LOAD_FAILURES as e:  # a local file datasets' loader could not read: named at its line
+        if not path.is_file():
+            raise
+        raise ConfigError(f"{where}: cannot load {path}: {load_problem(path, e)}") from e
     if entry["columns"] is not None:
         wanted = [entry["columns"]] if isinstance(entry["columns"], str) else list(entry["columns"])
         missing = [c for c in wanted if c not in dataset.column_names]
