@@ -4,12 +4,13 @@ optimizer."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 
 import torch
 
-from .config import GRPOConfig
+from .config import ConfigError, GRPOConfig
 
 
 def build_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
@@ -194,13 +195,29 @@ def build_scheduler(optimizer, config: GRPOConfig, total_steps: int, restarts: W
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler
-    scheduler = get_scheduler(
-        name,
-        optimizer,
-        num_warmup_steps=steps_of(config.warmup_steps, total_steps),
-        num_training_steps=total_steps,
-        scheduler_specific_kwargs=dict(config.lr_scheduler_kwargs) or None,
-    )
+    try:
+        scheduler = get_scheduler(
+            name,
+            optimizer,
+            num_warmup_steps=steps_of(config.warmup_steps, total_steps),
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs=dict(config.lr_scheduler_kwargs) or None,
+        )
+    except (
+        TypeError,
+        ValueError,
+    ) as error:  # a keyword the schedule lacks or needs, or a value of a wrong type
+        from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+
+        takes = [
+            p
+            for p in inspect.signature(TYPE_TO_SCHEDULER_FUNCTION[name]).parameters
+            if p not in ("optimizer", "num_warmup_steps", "num_training_steps", "last_epoch")
+        ]
+        raise ConfigError(
+            f"lr_scheduler={config.lr_scheduler!r} with lr_scheduler_kwargs={dict(config.lr_scheduler_kwargs)}: "
+            f"{error}. Its keywords: {', '.join(takes) or 'none'} (transformers' schedule of that name)"
+        ) from error
     if restarts is not None:
 
         def restarted(schedule):

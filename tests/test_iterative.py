@@ -351,3 +351,37 @@ def test_the_kl_trigger_reads_no_kl_measured_against_a_reference_synced_since(ti
     assert synced  # the threshold is passed in this run
     rollouts = [(step - 1) // 4 for step in synced]
     assert len(rollouts) == len(set(rollouts)), synced  # at most one KL-triggered sync a rollout
+
+
+def test_a_schedule_missing_a_keyword_or_given_a_wrong_one_is_refused_naming_them():
+    """warmup_stable_decay is a listed schedule and needs num_decay_steps: transformers' TypeError reached the
+    user as a traceback, as did a power given as text (found in review)."""
+    from lora_grpo.config import ConfigError
+    from lora_grpo.optim import build_scheduler
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    with pytest.raises(
+        ConfigError,
+        match=r"lr_scheduler='warmup_stable_decay' with lr_scheduler_kwargs=\{\}: .*'num_decay_steps'\. Its "
+        r"keywords: num_decay_steps, num_stable_steps",
+    ):
+        build_scheduler(
+            optimizer, GRPOConfig(model_name_or_path="toy", lr_scheduler="warmup_stable_decay"), 10
+        )
+    with pytest.raises(ConfigError, match=r"lr_scheduler='polynomial' .*Its keywords: lr_end, power"):
+        build_scheduler(
+            optimizer,
+            GRPOConfig(
+                model_name_or_path="toy", lr_scheduler="polynomial", lr_scheduler_kwargs={"power": "x"}
+            ),
+            10,
+        )
+    build_scheduler(
+        optimizer,
+        GRPOConfig(
+            model_name_or_path="toy",
+            lr_scheduler="warmup_stable_decay",
+            lr_scheduler_kwargs={"num_decay_steps": 3},
+        ),
+        10,
+    )
