@@ -85,7 +85,10 @@ CHOICES = {  # field → its options: validate() checks the value, and each fiel
 
 
 def did_you_mean(word: str, options) -> str:
-    """' (did you mean 'x'?)' with the option closest to word (difflib's default cutoff), or ''."""
+    """' (did you mean 'x'?)' with the option closest to word (difflib's default cutoff), or ''. A key YAML read as
+    no text (8:, ~:, and on:, yes:, no: as booleans) is said so."""
+    if not isinstance(word, str):
+        return f" (YAML reads that key as the {type(word).__name__} {word!r}, not a name: quote it)"
     close = difflib.get_close_matches(word, options, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -111,7 +114,7 @@ _KINDS = {
     int: "an integer",
     float: "a finite number",
     str: "text",
-    dict: "a mapping",
+    dict: "a mapping of names (text keys)",
     list: "a list",
 }
 _PLURAL = {int: "integers", float: "finite numbers", str: "strings"}
@@ -134,6 +137,10 @@ def _fits(value, hint) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if (
+        hint is dict
+    ):  # keyword arguments (chat_template_kwargs, lr_scheduler_kwargs): YAML may read a key as 8 or true
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
     return isinstance(value, hint)
 
 

@@ -82,6 +82,24 @@ def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         GRPOConfig.from_yaml(path)
+    # keys YAML reads as no text, and keyword mappings with them (tracebacks before: found in review)
+    path.write_text("model_name_or_path: m\n8: 2\non: push\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key.*8 \(YAML reads that key as the int 8, not a name: quote it\), True \(YAML reads",
+    ):
+        GRPOConfig.from_yaml(path)
+    from lora_grpo.trl.script import config_values
+
+    trl_recipe = tmp_path / "t.yaml"
+    trl_recipe.write_text("8: 2\nfoo: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown keys 8 \(YAML reads .*'foo'"):
+        config_values(str(trl_recipe), {"a"})
+    path.write_text("model_name_or_path: m\nchat_template_kwargs: {1: true}\n")
+    with pytest.raises(
+        ConfigError, match=r"chat_template_kwargs=\{1: True\} must be a mapping of names \(text keys\)"
+    ):
+        GRPOConfig.from_yaml(path)
 
 
 @pytest.mark.parametrize(

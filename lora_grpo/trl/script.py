@@ -331,7 +331,7 @@ def config_values(path: str, known: set[str] | None = None) -> dict:
             f"`env` field should be a dict in the YAML file. {path}: write one `NAME: value` a line under `env:`, "
             "e.g. `env: {WANDB_PROJECT: my-project}`"
         )
-    unknown = sorted(set(values) - known) if known is not None else []
+    unknown = sorted(set(values) - known, key=str) if known is not None else []
     if unknown:
         hints = [f"{k!r}{did_you_mean(k, known)}" for k in unknown]
         raise ConfigError(

@@ -608,7 +608,7 @@ def to_native(
             f"optim={optim!r}: lora_grpo takes {sorted(OPTIMIZERS)} (AdamW, or bitsandbytes' 8-bit AdamW)"
         )
     sampling = _as_dict(args.generation_kwargs, "generation_kwargs")
-    unknown = sorted(set(sampling) - set(GENERATION_KWARGS))
+    unknown = sorted(set(sampling) - set(GENERATION_KWARGS), key=str)
     if unknown:
         raise ConfigError(
             f"generation_kwargs {unknown}: lora_grpo's sampler takes {list(GENERATION_KWARGS)} only"
