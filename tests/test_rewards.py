@@ -323,6 +323,16 @@ def test_resolve_errors_name_the_spec():
         resolve_reward_funcs([{"kwargs": {}}])
     with pytest.raises(ValueError, match="takes no kwargs"):
         resolve_reward_funcs([{"name": "format", "kwargs": {"x": 1}}])
+    # (an AttributeError or TypeError traceback before: found in review)
+    for spec in (
+        {"name": 5},
+        {"name": "length", "kwargs": [100]},
+        {"name": "length", "kwargs": "target_length=9"},
+    ):
+        with pytest.raises(
+            ValueError, match=r"'name' must be text and 'kwargs' a mapping, e\.g\. \{name: length"
+        ):
+            resolve_reward_funcs([spec])
     with pytest.raises(ValueError, match="non-callable"):
         resolve_reward_funcs(["os:sep"])
 

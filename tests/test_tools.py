@@ -564,6 +564,15 @@ def test_environments_one_instance_per_row_with_reset_text_and_reward(tok):
     with pytest.raises(ValueError, match=r"must define a callable `reset`"):
         Toolbox(tok, environment_factory=lambda: object())
 
+    class Leveled:  # (a TypeError traceback before, as was a factory that is no class: found in review)
+        def __init__(self, level):
+            self.level = level
+
+    with pytest.raises(ValueError, match=r"environment_factory 'Leveled' cannot be built with no arguments"):
+        Toolbox(tok, environment_factory=Leveled)
+    with pytest.raises(ValueError, match=r"environment_factory 3 \(int\) is not a class or a function"):
+        Toolbox(tok, environment_factory=3)
+
 
 def test_a_reset_text_or_blocks_join_the_last_message_as_trl_joins_them(tok):
     text, blocks = "go", [{"type": "text", "text": "go"}]

@@ -144,6 +144,11 @@ def _resolve_one(spec: Any, context: Mapping[str, Any]) -> Callable:
     if isinstance(spec, Mapping):
         if "name" not in spec or set(spec) - {"name", "kwargs"}:
             raise ValueError(f"reward spec {spec!r}: a dict spec has keys 'name' and optional 'kwargs'")
+        if not isinstance(spec["name"], str) or not isinstance(spec.get("kwargs") or {}, Mapping):
+            raise ValueError(
+                f"reward spec {spec!r}: 'name' must be text and 'kwargs' a mapping, e.g. "
+                "{name: length, kwargs: {target_length: 100}}"
+            )
         name, kwargs = spec["name"], dict(spec.get("kwargs") or {})
     elif isinstance(spec, str):
         name, kwargs = spec, {}

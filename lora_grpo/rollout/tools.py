@@ -59,6 +59,26 @@ def tool_schema(fn: Callable) -> dict:
         ) from None
 
 
+def _first_environment(factory):
+    """One instance of `environment_factory`, built as the rollout builds each: with no arguments."""
+    if not callable(factory):
+        raise ValueError(
+            f"environment_factory {factory!r} ({type(factory).__name__}) is not a class or a function: give the "
+            "class whose instances are the environments (each rollout row builds one with no arguments)"
+        )
+    try:
+        inspect.signature(factory).bind()
+    except ValueError:  # no signature to read (a builtin): built as it is
+        pass
+    except TypeError as error:
+        raise ValueError(
+            f"environment_factory {getattr(factory, '__name__', factory)!r} cannot be built with no arguments "
+            f"({error}): each rollout row builds one as environment_factory(); give its __init__ defaults, or pass "
+            "a function or functools.partial that builds it"
+        ) from error
+    return factory()
+
+
 def _environment_methods(instance) -> list[Callable]:
     """An environment's tools: its public methods but reset and get_reward (TRL's rule; via the class)."""
     names = [n for n, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)]
@@ -323,7 +343,7 @@ class Toolbox:
         self.env_schemas: dict = {}  # environment name -> the schemas a row of it sees (standalone + its methods)
         functions = list(self.tools)
         for name, factory in self.factories.items():
-            probe = factory()
+            probe = _first_environment(factory)
             if not callable(getattr(probe, "reset", None)):
                 raise ValueError(
                     "Each environment instance returned by `environment_factory` must define a callable "
