@@ -554,7 +554,7 @@ class GRPOConfig:
             elif isinstance(value, os.PathLike):
                 setattr(self, f.name, os.fspath(value))
         check_types(self, *_annotations(type(self)))
-        if self.generation_batch_size is not None:
+        if self.generation_batch_size is not None and self.num_generations >= 1:  # (validate names G < 2)
             check_generation_batch_size(self)
             per_step = self.generation_batch_size // self.steps_per_generation
             # else a step holds part of a group (advantages are per rollout)

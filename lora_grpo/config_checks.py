@@ -407,6 +407,8 @@ def _validate_fields(cfg) -> None:
 def check_generation_batch_size(cfg) -> None:
     """generation_batch_size holds whole groups and cuts into steps_per_generation equal steps."""
     gbs, G, S = cfg.generation_batch_size, cfg.num_generations, cfg.steps_per_generation
+    if gbs < 1:  # (before prompts_per_step is derived from it: the error named that)
+        raise ConfigError(f"generation_batch_size={gbs} must be >= 1", field="generation_batch_size")
     if gbs % G != 0:
         raise ConfigError(
             f"generation_batch_size={gbs} is not divisible by num_generations={G}: each prompt's whole group must be "

@@ -110,6 +110,9 @@ def test_yaml_reads_scientific_notation_and_rejects_unknown_keys(tmp_path):
             "generation_batch_size=30 is not divisible by num_generations=8",
         ),
         ({"num_generations": 1}, "num_generations=1"),
+        # (named prompts_per_step, derived from it; a ZeroDivisionError with num_generations 0: found in review)
+        ({"generation_batch_size": 0}, "^generation_batch_size=0 must be >= 1"),
+        ({"generation_batch_size": 4, "num_generations": 0}, "^num_generations=0: GRPO compares completions"),
         ({"loss_type": "dappo"}, r"loss_type='dappo'.*did you mean 'dapo'"),
         ({"quantization": "4-bit"}, "quantization"),
         ({"beta": 0.0, "ref_sync_kl": 0.1}, "beta = 0"),

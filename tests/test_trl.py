@@ -1689,3 +1689,13 @@ def test_a_callback_failing_in_on_log_keeps_its_step_and_the_resume_logs_it_once
     resumed = trainer(tmp_path / "failed")
     resumed.train(resume_from_checkpoint=True)
     assert records(resumed) == records(full)
+
+
+def test_a_model_that_is_no_model_nor_name_is_refused_naming_it(tmp_path):
+    """model=123 was read as a model and its tokenizer then loaded from 'model' (found in review)."""
+    from lora_grpo.trl import GRPOTrainer
+
+    with pytest.raises(TypeError, match=r"model=123 \(int\): give a hub id or a local path \(str\)"):
+        GRPOTrainer(
+            model=123, reward_funcs=_length_reward, args=_one_step(tmp_path), train_dataset=_dataset(8)
+        )

@@ -127,7 +127,13 @@ def build_model(
     """(native config fields, build(native_config) → (peft model with the policy "default" and "reference",
     tokenizer))."""
     from peft import PeftModel
+    from transformers import PreTrainedModel
 
+    if not isinstance(model, (str, PreTrainedModel, PeftModel)):
+        raise TypeError(
+            f"model={model!r} ({type(model).__name__}): give a hub id or a local path (str), a loaded "
+            "PreTrainedModel or a PeftModel"
+        )
     init_kwargs = _as_dict(args.model_init_kwargs, "model_init_kwargs")
     unknown = sorted(
         set(init_kwargs)
