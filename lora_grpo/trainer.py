@@ -539,7 +539,12 @@ class GRPOTrainer:
             cfg.to_yaml(self.output_dir / "config.yaml")
         # a step whose end failed is ended again: its records, written before the failure, are dropped too
         logged = self.state.global_step - (1 if self.state.unfinished_step else 0)
-        self.reporter.start(logged, resumed=bool(cfg.resume_from_checkpoint), history=self.state.log_history)
+        self.reporter.start(
+            logged,
+            resumed=bool(cfg.resume_from_checkpoint),
+            history=self.state.log_history,
+            eval_before=self.state.eval_before,
+        )
         if plan is not None:
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))
         self.best_due, self.policy_step = False, None

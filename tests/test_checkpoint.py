@@ -766,8 +766,11 @@ def test_a_resumed_runs_summary_keeps_the_eval_before_training(tiny_base_dir, tm
 
 def test_a_run_resumed_from_a_checkpoint_elsewhere_logs_its_earlier_steps_too(tiny_base_dir, tmp_path):
     """The cloud flow: only the checkpoint reaches the next machine. metrics.jsonl (and the plot, and what is
-    pushed) held the resumed steps alone, while log_history held them all (found in review)."""
-    kw = dict(quantization="none", max_steps=4, save_steps=2)
+    pushed) held the resumed steps alone, while log_history held them all (found in review); and the eval before
+    training, which the checkpoint keeps (TrainState.eval_before)."""
+    from helpers import PROMPTS
+
+    kw = dict(quantization="none", max_steps=4, save_steps=2, eval_dataset=PROMPTS[:4])
     make_trainer(tiny_base_dir, tmp_path / "one", **kw).train()
     shutil.copytree(tmp_path / "one" / "run" / "checkpoint-2", tmp_path / "downloaded" / "last-checkpoint")
     make_trainer(
@@ -783,8 +786,10 @@ def test_a_run_resumed_from_a_checkpoint_elsewhere_logs_its_earlier_steps_too(ti
     first = [
         json.loads(line) for line in (tmp_path / "one" / "run" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [s for s in steps if s > 0] == [1, 2, 3, 4]
+    assert [s for s in steps if s > 0] == [1, 2, 3, 4, 4]  # (the eval after training at 4)
+    assert steps == [r["step"] for r in first] and steps[0] == 0
     again = [
         json.loads(line) for line in (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [r["reward/mean"] for r in again[:2]] == [r["reward/mean"] for r in first if r["step"] in (1, 2)]
+    assert [r["reward/mean"] for r in again[1:3]] == [r["reward/mean"] for r in first if r["step"] in (1, 2)]
+    assert again[0] == first[0]  # the eval before training

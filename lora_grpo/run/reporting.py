@@ -313,11 +313,18 @@ class RunReporter:
         return self.output_dir / COMPLETIONS_FILE
 
     # ------------------------------------------------------------------ run start / end
-    def start(self, step: int, resumed: bool, history: Sequence[dict[str, Any]] = ()) -> None:
+    def start(
+        self,
+        step: int,
+        resumed: bool,
+        history: Sequence[dict[str, Any]] = (),
+        eval_before: dict | None = None,
+    ) -> None:
         """Before the first record: a resumed run drops records after `step` (it logs those steps
         again), a fresh one starts fresh logs; the trackers start with the config. A run resumed where
         its metrics.jsonl is not (from a checkpoint copied elsewhere) writes its steps' records first, from
-        the checkpoint's `history` (one record a step), so the log and the plot hold the whole run."""
+        the checkpoint's `history` (one record a step) after its `eval_before` (step 0), so the log and the
+        plot hold the whole run."""
         if not self.is_main:
             return
         for path in (self.metrics_path, self.completions_path):
@@ -327,6 +334,8 @@ class RunReporter:
                 path.unlink(missing_ok=True)
         if resumed and history and not self.metrics_path.exists():
             with self.metrics_path.open("w") as f:
+                if eval_before:
+                    f.write(json_line({"step": 0, **eval_before}))
                 f.writelines(json_line({"step": i, **record}) for i, record in enumerate(history[:step], 1))
         if self.trackers:
             self._end_trackers()  # a second train() on the same trainer
