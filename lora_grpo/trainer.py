@@ -452,6 +452,7 @@ class GRPOTrainer:
         start = time.perf_counter()
         # before any rollout: the probe is also the preflight
         plan = self.plan_memory()
+        self._end_again = False  # resuming into a run's end that failed (_resume_finished)
         if self.config.resume_from_checkpoint and self._resume_finished():
             # (a run whose final push failed pushes now: resuming it is how it says to go on)
             self._push_final()
@@ -495,7 +496,8 @@ class GRPOTrainer:
         to train (said in one line; its final adapter written when missing): nothing is trained,
         evaluated or saved again."""
         resumed = self.load_checkpoint(self.config.resume_from_checkpoint)
-        if self.state.global_step == self.total_steps and self._end_unfinished():
+        self._end_again = self.state.global_step == self.total_steps and self._end_unfinished()
+        if self._end_again:
             # The last step's checkpoint, without the end that follows it: the final eval failed (the failure
             # kept the last step), or the process died before summary.json. The end runs now.
             self._print(
@@ -544,6 +546,7 @@ class GRPOTrainer:
             resumed=bool(cfg.resume_from_checkpoint),
             history=self.state.log_history,
             eval_before=self.state.eval_before,
+            end_again=self._end_again,
         )
         if plan is not None:
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))

@@ -241,6 +241,35 @@ def test_a_fault_in_the_eval_after_training_keeps_the_last_step_and_the_resume_e
     assert "nothing left to train" in capsys.readouterr().out and (run / "summary.json").read_bytes() == ended
 
 
+def test_a_final_adapter_that_could_not_be_written_is_written_by_the_resume_which_logs_the_eval_once(
+    tiny_base_dir, tmp_path, monkeypatch
+):
+    """The eval after training is logged, then the final adapter's write fails (a full disk): the resume runs the
+    end again, and its eval was in metrics.jsonl twice (found in review)."""
+    settings = {**RUN, **EVAL, "eval_steps": 100, "eval_on_end": True}
+    plain = make_trainer(
+        tiny_base_dir, tmp_path / "plain", **settings, train_dataset=TRAIN, reward_funcs=[_score()]
+    )
+    plain.train()
+    trainer = make_trainer(tiny_base_dir, tmp_path, **settings, train_dataset=TRAIN, reward_funcs=[_score()])
+
+    def full_disk():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "_save_final_adapter", full_disk)
+    with pytest.raises(StepFailed, match=r"^the end of the run stopped"):
+        trainer.train()
+    monkeypatch.undo()
+    kw = dict(train_dataset=TRAIN, reward_funcs=[_score()], resume_from_checkpoint="latest")
+    make_trainer(tiny_base_dir, tmp_path, **settings, **kw).train()
+
+    def steps(run):
+        return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert steps(tmp_path / "run") == steps(plain.output_dir) == [1, 2, 3, 3]  # (3 twice: the step, the eval)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 # (a fault in step 1's log comes after its update: that step is kept, as in step 2)
 @pytest.mark.parametrize("stage", [stage for stage in CASES if stage != "log"])
 def test_a_fault_in_step_1_writes_nothing(tiny_base_dir, tmp_path, stage, monkeypatch):

@@ -38,6 +38,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -639,8 +640,9 @@ def load_checkpoint_adapters(model: nn.Module, path: Path) -> None:
         load_adapter_weights(model, path / folder, adapter, damaged_hint=f". {_earlier_hint(path)}")
 
 
-def truncate_log(path: Path, step: int) -> None:
-    """Drop records after `step` from a JSON-lines log (a resumed run logs those steps again).
+def truncate_log(path: Path, step: int, also_drop: Callable[[dict], bool] | None = None) -> None:
+    """Drop records after `step` from a JSON-lines log (a resumed run logs those steps again), and those at or
+    before it that `also_drop` picks.
 
     A line that is no complete record (a process killed in the middle of writing it) is dropped with a
     warning naming the file and the line (logs.read_log).
@@ -652,7 +654,11 @@ def truncate_log(path: Path, step: int) -> None:
         logger.warning(
             "%s: %s: no complete records (an interrupted write?), dropped", path, log.skipped_note()
         )
-    kept = [line for line, record in zip(log.lines, log.records) if record["step"] <= step]
+    kept = [
+        line
+        for line, record in zip(log.lines, log.records)
+        if record["step"] <= step and not (also_drop and also_drop(record))
+    ]
 
     def write() -> None:
         # beside it, then in its place: a failure or a kill while writing leaves the whole log as it was (it was

@@ -276,6 +276,11 @@ def run_summary(
 
 
 # ----------------------------------------------------------------------------- the reporter
+def _eval_record_at(step: int) -> Callable[[dict], bool]:
+    """Whether a metrics record is an eval's alone (no training step's metrics) at `step`."""
+    return lambda record: record["step"] == step and all(k == "step" or k.startswith("eval/") for k in record)
+
+
 class RunReporter:
     """Progress bar + metrics.jsonl + completions.jsonl + trackers + metrics.png for one run.
 
@@ -319,17 +324,19 @@ class RunReporter:
         resumed: bool,
         history: Sequence[dict[str, Any]] = (),
         eval_before: dict | None = None,
+        end_again: bool = False,
     ) -> None:
         """Before the first record: a resumed run drops records after `step` (it logs those steps
         again), a fresh one starts fresh logs; the trackers start with the config. A run resumed where
         its metrics.jsonl is not (from a checkpoint copied elsewhere) writes its steps' records first, from
         the checkpoint's `history` (one record a step) after its `eval_before` (step 0), so the log and the
-        plot hold the whole run."""
+        plot hold the whole run. end_again: the run's end (its eval after training) runs again, so the eval
+        record an earlier try logged at the last step is dropped."""
         if not self.is_main:
             return
         for path in (self.metrics_path, self.completions_path):
             if resumed:
-                ckpt.truncate_log(path, step)
+                ckpt.truncate_log(path, step, _eval_record_at(step) if end_again else None)
             else:
                 path.unlink(missing_ok=True)
         if resumed and history and not self.metrics_path.exists():
