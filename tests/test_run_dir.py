@@ -106,6 +106,26 @@ def test_overwrite_sets_the_previous_run_aside_and_deletes_nothing(tmp_path):
     assert previous_run(run) is None
 
 
+def test_an_adapter_saved_into_the_run_directory_is_set_aside_with_its_run(tmp_path):
+    """The TRL front door's save_model() writes the adapter and its tokenizer at output_dir's root: a new run there
+    set the run aside but left those files, which then sat beside the new run as its own (found in review)."""
+    run = _finished_run(tmp_path / "run")
+    saved = [
+        "lora_grpo.json",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+        "chat_template.jinja",
+    ]
+    for name in saved:
+        (run / name).write_text("x")
+        (run / "adapter" / name).write_text("x")
+    (run / "vocab.txt").write_text("mine")  # not in the run's adapter/: the user's
+    with claim_output_dir(run, overwrite=True) as claim:
+        assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME, "previous-run-1", "vocab.txt"]
+        assert set(saved) <= {p.name for p in claim.set_aside.iterdir()}
+
+
 def test_what_counts_as_a_previous_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -66,6 +66,9 @@ from .logs import read_log
 logger = logging.getLogger(__name__)
 
 STATE_BLOBS = "trainer_state.pt"
+ADAPTER_MARKER = (
+    "lora_grpo.json"  # beside every adapter save_adapter writes: which adapter of the model it is
+)
 STATE_JSON = "lora_grpo_state.json"
 # transformers' TrainerState; in a checkpoint written before STATE_JSON existed, the loop's state
 TRAINER_STATE_JSON = "trainer_state.json"
@@ -177,7 +180,7 @@ def save_adapter(
     with atomic_dir(path) as tmp:
         write_bytes(tmp / ADAPTER_WEIGHTS, save({k: v.contiguous().cpu() for k, v in state.items()}))
         model.peft_config[adapter].save_pretrained(str(tmp))
-        (tmp / "lora_grpo.json").write_text(json.dumps({"adapter": adapter}))
+        (tmp / ADAPTER_MARKER).write_text(json.dumps({"adapter": adapter}))
         _save_beside(tmp, tokenizer, card)
     return Path(path)
 

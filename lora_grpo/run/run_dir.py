@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import model_card
-from .checkpoint import list_checkpoints
+from .checkpoint import ADAPTER_MARKER, list_checkpoints
 from .logs import read_log
 from .owned_dir import TargetError, check_not_protected, protected_paths, shown
 
@@ -192,7 +192,15 @@ def set_aside(output_dir: str | Path) -> Path:
         if (root / "README.md").is_file() and model_card.is_ours(root / "README.md")
         else []
     )
-    for path in [root / name for name in RUN_FILES] + card + sorted(root.glob(_CHECKPOINT_GLOB)):
+    # an adapter a script saved into the run's directory (the TRL front door's save_model(output_dir)), marked by
+    # save_adapter's lora_grpo.json: its files, and its tokenizer's, which the run's adapter/ holds too
+    saved = []
+    if (root / ADAPTER_MARKER).is_file():
+        names = {ADAPTER_MARKER, "adapter_config.json", "adapter_model.safetensors"}
+        if (root / "adapter").is_dir():
+            names |= {p.name for p in (root / "adapter").iterdir() if p.is_file()}
+        saved = [root / name for name in sorted(names - {"README.md"})]
+    for path in [root / name for name in RUN_FILES] + card + saved + sorted(root.glob(_CHECKPOINT_GLOB)):
         if path.exists():
             shutil.move(str(path), str(target / path.name))
     return target
