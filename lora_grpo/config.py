@@ -332,8 +332,9 @@ class GRPOConfig:
     tool_timeout: float | None = _f(
         10.0,
         "with tools: seconds a tool call may take; longer calls become an error reply the model sees (a sync tool "
-        "then runs in a thread of its own, beside the batch's other calls: it must be thread-safe); None: no "
-        "limit, each call in the trainer's thread, one after another (as TRL runs them)",
+        "then runs in a thread of its own, beside the batch's other calls: it must be thread-safe, and draws from a "
+        "shared random stream come in the threads' order, not the seed's); None: no limit, each call in the "
+        "trainer's thread, one after another (as TRL runs them)",
     )
     # --- loss --------------------------------------------------------------------------------
     beta: float = _f(0.04, "weight of the k3 KL penalty to the reference (0 = no reference forward)")
