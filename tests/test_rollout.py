@@ -675,3 +675,27 @@ def test_the_decode_loop_reads_one_number_back_per_token(decode_mode):
         decode_mode == "static"
     ):  # (eager: transformers' sdpa mask check reads the padding mask at each forward)
         assert counted.in_loop == ["__int__"] * int(lengths.max())
+
+
+def test_a_chat_completion_is_the_message_the_tokenizers_response_parser_reads_as_in_trl():
+    """TRL builds a conversational completion with the tokenizer's response parser when it has one (a tokenizer
+    a TRL tool run saved carries Qwen's): reasoning in reasoning_content, the answer in content. The decoded text
+    whole was the content here, so a reward reading the answer scored 0 where TRL's scored 1 (found in review)."""
+    from helpers import QWEN_RESPONSE_TEMPLATE, qwen_style_tokenizer
+
+    from lora_grpo.rollout.generate import response_messages
+
+    trl_chat = pytest.importorskip("trl.chat_template_utils")
+    tok = qwen_style_tokenizer()
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "2+3?"}], tokenize=False, add_generation_prompt=True
+    )
+    prefix = tok(prompt, add_special_tokens=False)["input_ids"]
+    answers = ["<think>\n2 plus 3 is 5\n</think>\n\nThe answer is 5<|im_end|>", "5<|im_end|>", "no end"]
+    ids = [tok(a, add_special_tokens=False)["input_ids"] for a in answers]
+    assert response_messages(tok, ids, [prefix] * 3, [True] * 3) is None  # no parser: the text is the content
+    tok.response_template = QWEN_RESPONSE_TEMPLATE
+    ours = response_messages(tok, ids, [prefix] * 3, [True, True, False])
+    theirs = [trl_chat.parse_response(tok, i, prefix=prefix) for i in ids[:2]]
+    assert ours[:2] == [[m] for m in theirs] and ours[2] is None
+    assert ours[0][0]["content"] == "The answer is 5" and ours[0][0]["reasoning_content"] == "2 plus 3 is 5"

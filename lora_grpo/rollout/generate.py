@@ -195,6 +195,38 @@ def context_limit(model_or_config) -> int | None:
     return None
 
 
+def response_messages(
+    tokenizer, completions: list[list[int]], prefixes: list[list[int]], chat: list[bool]
+) -> list[list[dict] | None] | None:
+    """Each chat row's completion as the assistant message the tokenizer's response parser reads from its tokens
+    (its ``response_template``, or the older ``response_schema``: reasoning_content beside content, tool_calls),
+    as TRL builds a conversational completion when the tokenizer has one (a tokenizer a TRL tool run saved
+    carries it); a completion it cannot parse is its decoded text, as in TRL. None without a parser (the rows'
+    decoded text is the content); None for a text prompt's row."""
+    template = getattr(tokenizer, "response_template", None) is not None
+    if not template and getattr(tokenizer, "response_schema", None) is None:
+        return None
+    out = []
+    for ids, prefix, is_chat in zip(completions, prefixes, chat, strict=True):
+        if not is_chat:
+            out.append(None)
+            continue
+        try:
+            parsed = (
+                tokenizer.parse_response(ids, prefix=prefix) if template else tokenizer.parse_response(ids)
+            )
+            if parsed is None:  # cut so short that not even its content is left
+                raise ValueError("parse_response returned None")
+            content = parsed.get("content")
+            if isinstance(content, str) and tokenizer.eos_token:
+                content = content.removesuffix(tokenizer.eos_token)
+            parsed = {"role": "assistant", **parsed, "content": content or ""}
+        except (ValueError, TypeError):
+            parsed = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+        out.append([parsed])
+    return out
+
+
 def check_prompt_lengths(
     prompts: list[str], lengths: list[int], max_completion_length: int, limit: int, can_cut: bool = True
 ) -> None:
@@ -567,6 +599,11 @@ def generate_rollout(
     # on the host in one transfer each: row by row, each boolean index and tolist was a device sync (2 a completion)
     host_ids, host_mask = completion_ids.cpu(), completion_mask.cpu().bool()
     kept = [row[m].tolist() for row, m in zip(host_ids, host_mask)]
+    if episode is None and chat is not None and any(chat):
+        prefixes = [row[m].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu().bool())]
+        extra["messages"] = response_messages(
+            tokenizer, kept, [p for p in prefixes for _ in range(G)], [c for c in chat for _ in range(G)]
+        )
     return Rollout(
         prompt_ids=prompt_ids.to(device).repeat_interleave(G, 0),
         prompt_mask=prompt_mask.to(device).repeat_interleave(G, 0),
