@@ -570,6 +570,14 @@ def test_a_budget_below_one_sequence_stops_before_any_rollout(tiny_base_dir, tmp
     monkeypatch.setattr("lora_grpo.memory.probe.available_bytes", lambda device: (1.0, "test RAM"))
     with pytest.raises(MemoryBudgetError, match=r"rollout decodes 2 sequences.*prompts_per_step \(now 1\)"):
         make_trainer(tiny_base_dir, tmp_path / "c", **kw).train()
+    # the eval's samples of a prompt, more than the rollout's: named, with its fix (the rollout was blamed, and
+    # prompts_per_step given as the fix: found in review)
+    evals = dict(eval_dataset=[{"prompt": "1+1="}], eval_pass_k=[1], eval_num_samples=64)
+    with pytest.raises(
+        MemoryBudgetError,
+        match=r"the eval decodes 64 sequences.*Lower eval_num_samples \(now 64\) or the largest eval_pass_k",
+    ):
+        make_trainer(tiny_base_dir, tmp_path / "d", **kw, **evals).train()
 
 
 @pytest.mark.parametrize("decode_mode", ["auto", "compiled"])

@@ -279,6 +279,7 @@ def plan_memory(
     *,
     batch: int,
     rollout_sequences: int | None = None,
+    rollout_what: str = "the rollout",
     micro_batch_size: int | str,
     gradient_checkpointing: bool | str,
     budget_fraction: float,
@@ -321,7 +322,7 @@ def plan_memory(
     )
     if rollout > room:
         raise MemoryBudgetError(
-            f"memory preflight: the rollout decodes {rollout_sequences or batch} sequences of up to "
+            f"memory preflight: {rollout_what} decodes {rollout_sequences or batch} sequences of up to "
             f"{sum(tokens)} tokens at once "
             f"({tokens[0]} prompt + {tokens[1]} completion); their KV cache and sampler need ~{rollout / MiB:,.0f} MiB "
             + (
@@ -530,10 +531,14 @@ def plan_run_memory(
     rng, was_training = rng_state(), model.training
     run_pass = lambda m, train: probe_pass(update, m, train, tokens, device, eval_tokens)
     set_checkpointing = lambda on: set_gradient_checkpointing(model, on)
+    # the largest decode: the training rollout's, or an eval's samples of one prompt (eval_num_samples, pass@k)
+    rows = decode_rows(cfg) if eval_longest_prompt is not None else cfg.generation_batch
+    eval_decode = rows > cfg.generation_batch
     try:
         sizes = dict(
             batch=cfg.step_batch,
-            rollout_sequences=cfg.generation_batch,
+            rollout_sequences=rows,
+            rollout_what="the eval" if eval_decode else "the rollout",
             micro_batch_size=cfg.micro_batch_size,
             gradient_checkpointing=cfg.gradient_checkpointing,
             budget_fraction=cfg.memory_budget,
@@ -551,8 +556,13 @@ def plan_run_memory(
             + ("" if cfg.quantization == "4bit" else "quantization=4bit (frees the weights' memory); ")
             + f"a smaller lora_r (now {cfg.lora_r}) or logprob_chunk_size (now {cfg.logprob_chunk_size}: the LM head's "
             f"float32 logits are chunk × vocab {vocab}); a smaller model; or free memory / raise memory_budget.",
-            rollout_hint=f"Lower prompts_per_step (now {cfg.prompts_per_step}) or num_generations (now "
-            f"{cfg.num_generations}); "
+            rollout_hint=(
+                f"Lower eval_num_samples (now {cfg.eval_num_samples}) or the largest eval_pass_k (now "
+                f"{max(cfg.eval_pass_k or [0])}): the eval decodes that many samples of a prompt at once; "
+                if eval_decode
+                else f"Lower prompts_per_step (now {cfg.prompts_per_step}) or num_generations (now "
+                f"{cfg.num_generations}); "
+            )
             + size_hint
             + "a smaller model; or free memory / raise memory_budget.",
         )
