@@ -5,6 +5,7 @@ the session fixtures (the tiny bases on disk) are in conftest.py."""
 
 import os
 import string
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedTokenizerFast
 
 # Appended to every torchrun script: leave the process group before exiting (a gloo group still up
@@ -567,3 +569,24 @@ class FakeHub:
         if id(api) not in self._pools:
             self._pools[id(api)] = ThreadPoolExecutor(1)
         return self._pools[id(api)].submit(upload)
+
+
+class DecodeLoopReads(TorchFunctionMode):
+    """Records the name of each tensor call that reads a value back to the host (on a GPU: waits for the device)
+    made inside rollout.generate._sample_tokens, the decode loop, in `in_loop`."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.in_loop = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_name != "_sample_tokens":
+                frame = frame.f_back
+            if frame is not None:
+                self.in_loop.append(name)
+        return func(*args, **(kwargs or {}))

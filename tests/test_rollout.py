@@ -628,34 +628,14 @@ def test_the_decode_loop_reads_one_number_back_per_token(decode_mode):
     """On a GPU every read of a tensor's value on the host waits for the device: the loop needs one per token
     (how many rows finished). A step where rows finished read their indices back too (nonzero), 13 more reads
     over 32 tokens of 64 rows (found in review); their number is known on the host already."""
-    import sys
-
-    from torch.overrides import TorchFunctionMode
-
-    reads = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "cpu"}
-
-    class Reads(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.in_loop = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            if name in reads:
-                frame, inside = sys._getframe(1), False
-                while frame is not None and not inside:
-                    inside = frame.f_code.co_name == "_sample_tokens"
-                    frame = frame.f_back
-                if inside:
-                    self.in_loop.append(name)
-            return func(*args, **(kwargs or {}))
+    from helpers import DecodeLoopReads
 
     tok = make_tokenizer()
     model = make_tiny_model(tok, max_positions=512).eval()
     with torch.no_grad():  # rows end at many different steps
         model.lm_head.weight[tok.eos_token_id] += 0.08 * model.lm_head.weight.mean(0) + 0.02
     prompts = [f"{i:02d}+{(7 * i) % 100:02d}=" for i in range(8)]
-    counted = Reads()
+    counted = DecodeLoopReads()
     with counted:
         rollout = generate_rollout(
             model,

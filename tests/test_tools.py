@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import char_tokenizer, load_4bit
+from helpers import DecodeLoopReads, char_tokenizer, load_4bit
 
 from lora_grpo.algo.loss import grpo_loss
 from lora_grpo.batch import Batch, loss_mask
@@ -459,6 +459,21 @@ def test_a_tool_run_without_calls_draws_the_single_turn_tokens(tok):
     single = generate_rollout(model, tok, prompts, generator=torch.Generator().manual_seed(0), **kw)
     multi = generate_rollout(model, tok, prompts, generator=torch.Generator().manual_seed(0), tools=box, **kw)
     assert single.truncated.any() and (~single.truncated).any()
+    # one read from the device a token, as without tools (turns' ends read their rows too): a second, whether
+    # any turn ended, was read at every token (found in review). (The static sampler: the eager one's forward
+    # has transformers' mask check besides.)
+    with DecodeLoopReads() as reads:
+        static = generate_rollout(
+            model,
+            tok,
+            prompts,
+            generator=torch.Generator().manual_seed(0),
+            tools=box,
+            decode_mode="static",
+            **kw,
+        )
+    assert torch.equal(static.completion_ids, multi.completion_ids)
+    assert "__bool__" not in reads.in_loop and reads.in_loop.count("__int__") == multi.completion_ids.size(1)
     for name in ("completion_ids", "completion_mask", "truncated", "sampling_logprobs"):
         assert torch.equal(getattr(single, name), getattr(multi, name)), name
     assert single.tool_mask is None and torch.equal(multi.tool_mask, multi.completion_mask)

@@ -358,8 +358,11 @@ def _sample_tokens(
             tok, logp = turns.force(rows, step, tok, logp)
         tokens[rows, step] = tok
         logps[rows, step] = logp
-        done = torch.isin(tok, eos) if turns is None else turns.end_turns(rows, step, tok, tokens)
-        finished = int(done.sum())  # the loop's one device sync per token
+        if turns is None:
+            done = torch.isin(tok, eos)
+            finished = int(done.sum())  # the loop's one device sync per token
+        else:  # (its one sync: turns' ends, counted)
+            done, finished = turns.end_turns(rows, step, tok, tokens)
         if finished == done.numel() or step == max_new - 1:
             break
         keep = None

@@ -656,14 +656,18 @@ class ToolTurns:
         f = self.forced[rows, step]
         return torch.where(f, self.forced_ids[rows, step], tok), logp.masked_fill(f, 0.0)
 
-    def end_turns(self, rows: Tensor, step: int, tok: Tensor, tokens: Tensor) -> Tensor:
-        """(R,) bool over ``rows``: finished. A drawn stop token ends a turn; its calls are run and the
-        reply scheduled (the row goes on), unless it has none, the rounds are used up, or the reply would
-        leave no room for a drawn token within max_new (the row ends at this turn)."""
+    def end_turns(self, rows: Tensor, step: int, tok: Tensor, tokens: Tensor) -> tuple[Tensor, int]:
+        """((R,) bool over ``rows``: finished; how many). A drawn stop token ends a turn; its calls are run and
+        the reply scheduled (the row goes on), unless it has none, the rounds are used up, or the reply would
+        leave no room for a drawn token within max_new (the row ends at this turn). The count is the decode
+        loop's one read from the device at a token where no turn ends."""
         ended = torch.isin(tok, self.stop) & ~self.forced[rows, step]
-        if not bool(ended.any()):
-            return ended
-        at, out = ended.nonzero().squeeze(1).tolist(), rows[ended].tolist()
+        n = int(ended.sum())
+        if not n:
+            return ended, 0
+        at = torch.nonzero_static(ended, size=n).squeeze(1)
+        at, out = torch.stack([at, rows[at]]).tolist()  # (n known: one read for both)
+        going = 0
         parsed = {
             r: self.episode.toolbox.parse(tokens[r, self.start[r] : step + 1].tolist(), self.prefix[r])
             for r in out
@@ -694,10 +698,11 @@ class ToolTurns:
                         self.rounds[r] + 1,
                         False,
                     )
+                    going += 1
                     continue
             self.messages[r].append(message)
             self.end[r] = step
-        return done
+        return done, n - going
 
     def finish(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """After the loop, tokens (N, T) -> (lengths (N,) long, tool_mask (N, T) long: 1 on drawn tokens
