@@ -236,6 +236,7 @@ class PolicyUpdate:
             entropies=entropy,
             entropy_gather=self.gather,
             entropy_coef=coef,
+            entropy_bonus=cfg.use_adaptive_entropy or cfg.entropy_coef != 0,
             accumulation=(mb.rows, n_seq, n_micro),
             tensor_metrics=True,
         )

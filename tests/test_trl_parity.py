@@ -3041,3 +3041,22 @@ def test_every_loop_method_refused_is_trls():
     names = [name for group in LOOP_METHODS.values() for name in group] + list(SCRIPT_METHODS)
     assert [name for name in names if not hasattr(trl.GRPOTrainer, name)] == []
     assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_an_adaptive_entropy_bonus_logs_the_policy_loss_at_every_step(tiny_base_dir, tmp_path, library):
+    """TRL logs policy_loss whenever the run has an entropy bonus; the adaptive controller's coefficient starts at
+    0 (and stays there while the entropy is above its target), where it was not logged here (found in review)."""
+    scope = run(
+        library,
+        f"""
+        from trl import GRPOConfig, GRPOTrainer
+        args = GRPOConfig(output_dir=OUT, {ARGS}, max_steps=2, logging_steps=1, beta=0.04, use_adaptive_entropy=True)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=length_reward, args=args, train_dataset=dataset(8))
+        trainer.train()
+    """,
+        MODEL=tiny_base_dir,
+        OUT=str(tmp_path / library),
+    )
+    records = [r for r in scope["trainer"].state.log_history if "loss" in r and "train_loss" not in r]
+    assert len(records) == 2 and all("policy_loss" in r and r["entropy_coef"] == 0.0 for r in records)

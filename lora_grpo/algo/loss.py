@@ -431,6 +431,7 @@ def grpo_loss(
     entropies: Tensor | None = None,
     entropy_gather: Callable[[Tensor], Tensor] | None = None,
     entropy_coef: float = 0.0,
+    entropy_bonus: bool | None = None,
     accumulation: tuple[int, int, int] | None = None,
     tensor_metrics: bool = False,
     **options,
@@ -448,7 +449,9 @@ def grpo_loss(
 
     sampling_logp (B, T): the sampler's log-probs, for off_policy_mask_threshold (default old_logp).
     entropies (B, T): per-token entropies, needed by top_entropy_quantile < 1 (entropy_gather: see
-    entropy_threshold) and by entropy_coef != 0, where they must carry grad. accumulation:
+    entropy_threshold) and by entropy_coef != 0, where they must carry grad. entropy_bonus: the run has an
+    entropy bonus, so the policy term is logged apart (policy_loss), as TRL logs it, also at a step whose
+    adaptive coefficient is 0 (None: entropy_coef != 0). accumulation:
     (micro_sequences, total_sequences, num_micro_batches); when given, the returned loss is this
     micro-batch's share of the step (the policy and KL terms scaled by the loss type's
     accumulation_scale, the entropy bonus, a mean per micro-batch, by 1 / num_micro_batches), so
@@ -511,7 +514,7 @@ def grpo_loss(
             "ratio": _token_mean(ratio, mask),
             **extra,
         }
-        if entropy_coef != 0.0:
+        if entropy_coef != 0.0 if entropy_bonus is None else entropy_bonus:
             metrics["policy_loss"] = policy_loss
     if tensor_metrics:
         return loss, metrics
