@@ -5,7 +5,8 @@ Python API.
     lora-grpo eval runs/try            # its final adapter, with the run's own config.yaml (or --recipe)
     lora-grpo plot runs/try
     lora-grpo merge runs/try --out merged/
-    lora-grpo export runs/try --gguf try.gguf  # one GGUF file for llama.cpp / ollama / LM Studio
+    lora-grpo export runs/smollm2-135m-chat-sum --gguf chat.gguf  # one GGUF file for llama.cpp / ollama / LM
+                                       # Studio, of a real model's run (the toy's character tokenizer has no GGUF form)
     lora-grpo push runs/try you/try-grpo  # the adapter to the Hugging Face Hub (`hf auth login` first)
     lora-grpo recipes                  # the shipped recipes; `lora-grpo recipes NAME > my.yaml` to copy one
     lora-grpo trl --config grpo.yaml   # a TRL GRPO recipe (what `trl grpo --config` takes), via lora_grpo.trl

@@ -496,7 +496,7 @@ def plan_run_memory(
     update.PolicyUpdate, next to the rollouts' memory for the sampler the run's decode_mode resolves
     to (decode_memory; eval_longest_prompt: the eval dataset's longest prompt, None without one);
     side_passes(m, tokens): the reward models' scoring of m worst-case sequences (scorer.RolloutScorer).
-    estimate(tokens, worst): the pass's bytes from the model's shapes (memory_estimate.pass_estimate);
+    estimate(tokens, worst): the pass's bytes from the model's shapes (memory/estimate.py: pass_estimate);
     with memory_probe 'auto' it decides first (plan_from_shapes), so that the probe costs at most one
     pass, and nothing when the run is far under its budget. The RNG states and the training flag are
     restored afterwards. Several processes plan for the tightest one: each measured figure is the largest

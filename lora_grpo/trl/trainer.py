@@ -206,7 +206,7 @@ class GRPOTrainer:
 
     Example:
         >>> from lora_grpo.trl import GRPOConfig, GRPOTrainer
-        >>> args = GRPOConfig(output_dir="runs/trl", sync_ref_model=True, ref_model_sync_steps=64)
+        >>> args = GRPOConfig(output_dir="runs/trl", beta=0.04, sync_ref_model=True, ref_model_sync_steps=64)
         >>> trainer = GRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=accuracy_reward,  # doctest: +SKIP
         ...                       args=args, train_dataset=dataset)
         >>> trainer.train()  # doctest: +SKIP
