@@ -911,7 +911,8 @@ class GRPOTrainer:
             with stage("checkpoint"):
                 self.save_checkpoint(due=True)
         if epoch_ended or last or self.stop_requested:
-            saved = self._end_epoch(metrics) or saved
+            # (its eval and callbacks come after the step's save: only a save of its own holds them)
+            saved = self._end_epoch(metrics)
         # a stop signal once the step has ended whole, its epoch's end included (stopped before it, the resumed run
         # began after the step and never ended that epoch: its eval, save and epoch_end callbacks were lost)
         signum = agreed_signal(stop.received, self.accelerator.num_processes, self.accelerator.device)
