@@ -539,14 +539,13 @@ class GRPOTrainer:
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             cfg.to_yaml(self.output_dir / "config.yaml")
-        # a step whose end failed is ended again: its records, written before the failure, are dropped too
-        logged = self.state.global_step - (1 if self.state.unfinished_step else 0)
         self.reporter.start(
-            logged,
+            self.state.global_step,
             resumed=bool(cfg.resume_from_checkpoint),
             history=self.state.log_history,
             eval_before=self.state.eval_before,
             end_again=self._end_again,
+            step_end_again=bool(self.state.unfinished_step),
         )
         if plan is not None:
             self._print(plan.describe(cfg.micro_batch_size == "auto", cfg.gradient_checkpointing == "auto"))

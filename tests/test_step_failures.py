@@ -36,6 +36,7 @@ RUN = dict(
     learning_rate=1e-2,
     max_steps=3,
     save_steps=0,
+    log_completions=True,
 )
 TRAIN = [{"prompt": row["prompt"]} for row in PROMPTS[:12]]
 EVAL = dict(
@@ -200,8 +201,10 @@ def test_a_fault_in_step_2_keeps_step_1_and_resumes_to_the_same_run(
     resumed.train()
     reference = uninterrupted["eval" if stage == "eval" else "plain"]
     assert _comparable(resumed.state.log_history) == _comparable(reference.state.log_history)
-    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert logged == [json.loads(line)["step"] for line in (reference.output_dir / "metrics.jsonl").open()]
+    # each record once, none lost (but a failed eval's step: its completions, logged with its record, are not)
+    for log in ("metrics.jsonl", *(("completions.jsonl",) if stage != "eval" else ())):
+        logged = [json.loads(line)["step"] for line in (run / log).read_text().splitlines()]
+        assert logged == [json.loads(line)["step"] for line in (reference.output_dir / log).open()], log
     assert_same_adapters(resumed.model, reference.model)
 
 

@@ -325,18 +325,22 @@ class RunReporter:
         history: Sequence[dict[str, Any]] = (),
         eval_before: dict | None = None,
         end_again: bool = False,
+        step_end_again: bool = False,
     ) -> None:
         """Before the first record: a resumed run drops records after `step` (it logs those steps
         again), a fresh one starts fresh logs; the trackers start with the config. A run resumed where
         its metrics.jsonl is not (from a checkpoint copied elsewhere) writes its steps' records first, from
         the checkpoint's `history` (one record a step) after its `eval_before` (step 0), so the log and the
         plot hold the whole run. end_again: the run's end (its eval after training) runs again, so the eval
-        record an earlier try logged at the last step is dropped."""
+        record an earlier try logged at the last step is dropped. step_end_again: the end of the step `step`
+        failed and runs again, so its metrics records are dropped too (its completions stay: the rollout is not
+        sampled again, and the resumed step end has none to log)."""
         if not self.is_main:
             return
         for path in (self.metrics_path, self.completions_path):
             if resumed:
-                ckpt.truncate_log(path, step, _eval_record_at(step) if end_again else None)
+                logged = step - 1 if step_end_again and path == self.metrics_path else step
+                ckpt.truncate_log(path, logged, _eval_record_at(step) if end_again else None)
             else:
                 path.unlink(missing_ok=True)
         if resumed and history and not self.metrics_path.exists():
