@@ -137,9 +137,8 @@ def _fits(value, hint) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if (
-        hint is dict
-    ):  # keyword arguments (chat_template_kwargs, lr_scheduler_kwargs): YAML may read a key as 8 or true
+    # keyword arguments (chat_template_kwargs, lr_scheduler_kwargs): YAML may read a key as 8 or true
+    if hint is dict:
         return isinstance(value, dict) and all(isinstance(k, str) for k in value)
     return isinstance(value, hint)
 

@@ -203,10 +203,8 @@ def build_scheduler(optimizer, config: GRPOConfig, total_steps: int, restarts: W
             num_training_steps=total_steps,
             scheduler_specific_kwargs=dict(config.lr_scheduler_kwargs) or None,
         )
-    except (
-        TypeError,
-        ValueError,
-    ) as error:  # a keyword the schedule lacks or needs, or a value of a wrong type
+    # a keyword the schedule lacks or needs, or a value of a wrong type
+    except (TypeError, ValueError) as error:
         from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
 
         takes = [

@@ -651,9 +651,8 @@ def test_the_decode_loop_reads_one_number_back_per_token(decode_mode):
     lengths = rollout.completion_mask.sum(1)
     assert len(set(lengths.tolist())) > 5  # rows finished at many steps
     assert counted.in_loop.count("__int__") == int(lengths.max()) and "nonzero" not in counted.in_loop
-    if (
-        decode_mode == "static"
-    ):  # (eager: transformers' sdpa mask check reads the padding mask at each forward)
+    # (eager: transformers' sdpa mask check reads the padding mask at each forward)
+    if decode_mode == "static":
         assert counted.in_loop == ["__int__"] * int(lengths.max())
 
 

@@ -522,17 +522,19 @@ def test_step_counting_equals_trls(tiny_base_dir, tmp_path, settings):
 
 # ------------------------------------------------------------------------------ models and arguments
 def _one_step(tmp_path, **fields):
-    """One step of 4 completions of 4 tokens with a KL term, nothing saved; `fields` on top."""
+    """One step of 4 completions of 4 tokens with a KL term, nothing saved; `fields` on top (any of these too)."""
     return OurConfig(
-        output_dir=str(tmp_path / "run"),
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        beta=0.04,
-        save_strategy="no",
-        **fields,
+        **{
+            "output_dir": str(tmp_path / "run"),
+            "use_cpu": True,
+            "per_device_train_batch_size": 4,
+            "num_generations": 4,
+            "max_completion_length": 4,
+            "max_steps": 1,
+            "beta": 0.04,
+            "save_strategy": "no",
+            **fields,
+        }
     )
 
 
@@ -1629,16 +1631,7 @@ def test_an_environment_of_a_dataset_without_prompts_is_reset_with_its_fields_al
 
     from lora_grpo.trl import GRPOTrainer
 
-    args = OurConfig(
-        output_dir=str(tmp_path / "run"),
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=1,
-        save_strategy="no",
-        report_to="none",
-    )
+    args = _one_step(tmp_path, beta=0.0, report_to="none")
     rows = Dataset.from_list([{"environment": "task", "task": f"t{i}"} for i in range(4)])
     StrictTask.tasks = []
     GRPOTrainer(
@@ -1661,8 +1654,7 @@ def test_a_callback_failing_in_on_log_keeps_its_step_and_the_resume_logs_it_once
                 raise ConnectionError("the tracker is down")
 
     def trainer(out, callbacks=()):
-        args = _one_step(out, logging_steps=1, learning_rate=1e-2)
-        args.max_steps = 3
+        args = _one_step(out, logging_steps=1, learning_rate=1e-2, max_steps=3)
         return GRPOTrainer(
             model=tiny_base_dir,
             reward_funcs=_length_reward,

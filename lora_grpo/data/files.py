@@ -35,8 +35,6 @@ def load_data_file(path: Path) -> datasets.Dataset:
     """The one split of a local data file, by datasets' loader for its extension (FILE_BUILDERS); a file that
     loader cannot read raises ValueError naming the file, the first bad line, what is wrong and the fix."""
     builder = FILE_BUILDERS[path.suffix.lower()]
-    if builder == "json" and _is_empty(path):  # (datasets' JSON builder raises a bare StopIteration)
-        raise ValueError(f"cannot load {path}: the file is empty; {_JSONL_FIX}")
     if builder != "parquet" and not _is_clean_text(path):
         # datasets' JSON loader takes bytes that are not UTF-8 and fails later, when a row is read; a CSV loads a
         # NUL byte as data: both are refused here, at the line, before any loader runs.
@@ -52,12 +50,12 @@ LOAD_FAILURES = (DatasetGenerationError, ValueError, pyarrow.ArrowException, Sto
 
 
 def load_problem(path: Path, error: BaseException) -> str:
-    """What is wrong with a data file a loader failed on: where and what (find_problem), else the loader's own
-    innermost words."""
+    """What is wrong with a data file a loader failed on: empty, or where and what (find_problem), else the
+    loader's own innermost words."""
+    if path.suffix.lower() in (".json", ".jsonl") and _is_empty(path):  # (a bare StopIteration from datasets)
+        return f"the file is empty; {_JSONL_FIX}"
     found = find_problem(path)
     if found is None:
-        if path.suffix.lower() in (".json", ".jsonl") and _is_empty(path):
-            return f"the file is empty; {_JSONL_FIX}"
         cause = _innermost(error)
         builder = FILE_BUILDERS.get(path.suffix.lower(), "file")
         found = f"datasets' {builder} loader failed ({type(cause).__name__}: {_first_line(cause)})"

@@ -532,7 +532,7 @@ def plan_run_memory(
     run_pass = lambda m, train: probe_pass(update, m, train, tokens, device, eval_tokens)
     set_checkpointing = lambda on: set_gradient_checkpointing(model, on)
     # the largest decode: the training rollout's, or an eval's samples of one prompt (eval_num_samples, pass@k)
-    rows = decode_rows(cfg) if eval_longest_prompt is not None else cfg.generation_batch
+    rows = max(sequences for sequences, _, _ in shapes)
     eval_decode = rows > cfg.generation_batch
     try:
         sizes = dict(

@@ -116,10 +116,8 @@ def load_tokenizer(config: GRPOConfig, model_path: str | None = None, saved_with
     path = config.tokenizer_name_or_path or model_path or resolve_model_path(config)
     revision = config.revision
     if saved_with is not None:
-        beside = [
-            Path(saved_with),
-            *([Path(saved_with).parent] if Path(saved_with).name == POLICY_DIR else []),
-        ]
+        saved = Path(saved_with)
+        beside = [saved, *([saved.parent] if saved.name == POLICY_DIR else [])]
         found = next((where for where in beside if (where / "tokenizer_config.json").is_file()), None)
         path, revision = (str(found), None) if found is not None else (path, revision)
     with loading("policy", "tokenizer", path):

@@ -195,17 +195,24 @@ def context_limit(model_or_config) -> int | None:
     return None
 
 
+def has_response_parser(tokenizer) -> bool:
+    """Whether the tokenizer reads a response into a message: a ``response_template``, or the older
+    ``response_schema`` (a tokenizer a TRL tool run saved carries one)."""
+    return any(
+        getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema")
+    )
+
+
 def response_messages(
     tokenizer, completions: list[list[int]], prefixes: list[list[int]], chat: list[bool]
 ) -> list[list[dict] | None] | None:
     """Each chat row's completion as the assistant message the tokenizer's response parser reads from its tokens
-    (its ``response_template``, or the older ``response_schema``: reasoning_content beside content, tool_calls),
-    as TRL builds a conversational completion when the tokenizer has one (a tokenizer a TRL tool run saved
-    carries it); a completion it cannot parse is its decoded text, as in TRL. None without a parser (the rows'
+    (reasoning_content beside content, tool_calls), as TRL builds a conversational completion when the tokenizer
+    has one; a completion it cannot parse is its decoded text, as in TRL. None without a parser (the rows'
     decoded text is the content); None for a text prompt's row."""
-    template = getattr(tokenizer, "response_template", None) is not None
-    if not template and getattr(tokenizer, "response_schema", None) is None:
+    if not has_response_parser(tokenizer):
         return None
+    template = getattr(tokenizer, "response_template", None) is not None
     out = []
     for ids, prefix, is_chat in zip(completions, prefixes, chat, strict=True):
         if not is_chat:
@@ -602,7 +609,7 @@ def generate_rollout(
     # on the host in one transfer each: row by row, each boolean index and tolist was a device sync (2 a completion)
     host_ids, host_mask = completion_ids.cpu(), completion_mask.cpu().bool()
     kept = [row[m].tolist() for row, m in zip(host_ids, host_mask)]
-    if episode is None and chat is not None and any(chat):
+    if episode is None and chat is not None and any(chat) and has_response_parser(tokenizer):
         prefixes = [row[m].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu().bool())]
         extra["messages"] = response_messages(
             tokenizer, kept, [p for p in prefixes for _ in range(G)], [c for c in chat for _ in range(G)]

@@ -213,16 +213,15 @@ def _load_entry(at: int, entry: dict):
         raise ConfigError(
             f"{where}: {e}: correct its `path:` (a hub name, a data file or a directory)"
         ) from e
-
-    except ValueError as e:
+    except LOAD_FAILURES as e:
+        # a local file datasets' loader could not read: named at its line
+        if path.is_file() and "split" not in str(e):
+            raise ConfigError(f"{where}: cannot load {path}: {load_problem(path, e)}") from e
+        if not isinstance(e, ValueError):
+            raise
         # datasets: 'Unknown split "x". Should be one of [...]'
         fix = "set its `split:` to one of the splits named" if "split" in str(e) else "correct this entry"
-        found = load_problem(path, e) if path.is_file() and "split" not in str(e) else None
-        raise ConfigError(f"{where}: {found or e}: {fix}") from e
-    except LOAD_FAILURES as e:  # a local file datasets' loader could not read: named at its line
-        if not path.is_file():
-            raise
-        raise ConfigError(f"{where}: cannot load {path}: {load_problem(path, e)}") from e
+        raise ConfigError(f"{where}: {e}: {fix}") from e
     if entry["columns"] is not None:
         wanted = [entry["columns"]] if isinstance(entry["columns"], str) else list(entry["columns"])
         missing = [c for c in wanted if c not in dataset.column_names]

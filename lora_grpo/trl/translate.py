@@ -442,9 +442,8 @@ def unset_sampling(values: dict[str, Any], source: Any, revision: str | None) ->
                 model_defaults = GenerationConfig.from_pretrained(str(source), revision=revision)
             except (OSError, ValueError):  # no generation_config.json: transformers' own defaults
                 model_defaults = GenerationConfig()
-        own = (
-            GenerationConfig._get_default_generation_params()
-        )  # what generate fills when both leave it unset
+        # what generate fills when both leave it unset
+        own = GenerationConfig._get_default_generation_params()
         for name in [n for n, v in values.items() if v is None]:
             value = getattr(model_defaults, name, None)
             values[name] = value if value is not None else own.get(name)
